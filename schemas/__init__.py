@@ -1,0 +1,35 @@
+"""Data definitions shared by every process: the stored rollout, its Arrow schema, API models."""
+
+from schemas.api import (
+    MAX_LOOKUP_PROMPTS,
+    MAX_PAGE_SIZE,
+    MAX_PUSH_GROUPS,
+    ErrorResponse,
+    HealthResponse,
+    ModelStats,
+    PeerLookupRequest,
+    PeerLookupResponse,
+    PushGroupsRequest,
+    PushGroupsResponse,
+    RolloutPage,
+    StatsResponse,
+)
+from schemas.rollout import (
+    PROBLEM_ARROW_SCHEMA,
+    ROLLOUT_ARROW_SCHEMA,
+    SCHEMA_VERSION,
+    Problem,
+    Rollout,
+    RolloutGroup,
+    group_advantages,
+    groups_to_table,
+    prompt_id,
+    table_to_groups,
+)
+
+__all__ = [
+    "MAX_LOOKUP_PROMPTS", "MAX_PAGE_SIZE", "MAX_PUSH_GROUPS", "PROBLEM_ARROW_SCHEMA", "ROLLOUT_ARROW_SCHEMA",
+    "SCHEMA_VERSION", "ErrorResponse", "HealthResponse", "ModelStats", "PeerLookupRequest", "PeerLookupResponse",
+    "Problem", "PushGroupsRequest", "PushGroupsResponse", "Rollout", "RolloutGroup", "RolloutPage", "StatsResponse",
+    "group_advantages", "groups_to_table", "prompt_id", "table_to_groups",
+]

@@ -1,0 +1,86 @@
+"""Request and response models of the store API (v1). Data only."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from schemas.rollout import Problem, Rollout, RolloutGroup
+
+MAX_LOOKUP_PROMPTS = 1024
+MAX_PAGE_SIZE = 1000
+MAX_PUSH_GROUPS = 512
+
+PromptId = str
+
+
+class PeerLookupRequest(BaseModel):
+    """The trainer's call: informative peer groups for many prompts at once."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt_ids: list[str] = Field(min_length=1, max_length=MAX_LOOKUP_PROMPTS, description="prompts to find peer groups for")
+    learner_model: str = Field(min_length=1, description="the asking model; its own groups are never returned")
+    peer_models: list[str] | None = Field(default=None, description="accept only these peer models (default: any other)")
+    informative_only: bool = Field(default=True, description="only groups with 0 < successes < group size")
+    min_successes: int = Field(default=1, ge=0, description="at least this many correct rollouts in a returned group")
+    min_policy_step: int | None = Field(default=None, ge=0, description="only groups from peer policy step >= this")
+    max_age_s: float | None = Field(default=None, gt=0, description="only groups created at most this many seconds ago")
+    groups_per_prompt: int = Field(default=1, ge=1, le=16, description="most recent first: highest policy step, then newest")
+
+
+class PeerLookupResponse(BaseModel):
+    groups: list[RolloutGroup] = Field(description="whole groups, grouped by prompt in request order, most recent first")
+    misses: list[str] = Field(description="requested prompt ids with no matching group")
+
+
+class PushGroupsRequest(BaseModel):
+    """Push ingest for writers without the shared volume."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    groups: list[RolloutGroup] = Field(min_length=1, max_length=MAX_PUSH_GROUPS, description="whole groups to store")
+    problems: list[Problem] = Field(default_factory=list, description="problems of these groups, stored once per dataset")
+
+
+class PushGroupsResponse(BaseModel):
+    accepted_groups: int = Field(description="groups written to a new shard")
+    duplicate_groups: list[str] = Field(description="group ids already stored, not written again")
+    shard: str | None = Field(description="path of the new shard relative to the store root, if any")
+
+
+class RolloutPage(BaseModel):
+    rollouts: list[Rollout]
+    next_cursor: str | None = Field(description="pass as `cursor` for the next page; null on the last page")
+
+
+class ModelStats(BaseModel):
+    model_id: str
+    groups: int
+    rollouts: int
+    prompts: int
+    success_rate: float | None = Field(description="mean reward over scored rollouts")
+    informative_groups: int
+    max_policy_step: int
+    newest_created_at: datetime | None
+
+
+class StatsResponse(BaseModel):
+    models: list[ModelStats]
+    files: int
+    quarantined_files: int
+    total_groups: int
+    total_rollouts: int
+    last_ingest_at: datetime | None = Field(description="when the ingest loop last indexed a new shard")
+
+
+class HealthResponse(BaseModel):
+    status: str = Field(description="'ok' when the index is open and the ingest loop is alive")
+    version: str
+    groups: int
+
+
+class ErrorResponse(BaseModel):
+    error: str = Field(description="what went wrong, and what to do about it")
+    detail: list[dict] | None = Field(default=None, description="per-field validation errors, when there are any")

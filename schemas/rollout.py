@@ -1,0 +1,248 @@
+"""One stored rollout, a rollout group, a problem, and the one Arrow schema they map to.
+
+Every writer and reader of the store uses `ROLLOUT_ARROW_SCHEMA`, which is derived from the
+`Rollout` model below (each field carries its Arrow type as annotation metadata), so the pydantic
+model and the Parquet files cannot drift apart. Data only: no I/O, no torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from datetime import datetime, timezone
+from typing import Annotated, Any, Literal
+
+import pyarrow as pa
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+SCHEMA_VERSION = 1
+ADVANTAGE_EPS = 1e-6  # GRAFT_SPEC section 2: A = (r - mean) / (std + eps)
+ADVANTAGE_TOLERANCE = 1e-3  # stored advantages are float32; recomputed ones must agree to this
+
+
+def prompt_id(problem_text: str) -> str:
+    """First 16 hex chars of sha256 of the UTF-8 problem text stripped of surrounding whitespace."""
+    return hashlib.sha256(problem_text.strip().encode("utf-8")).hexdigest()[:16]
+
+
+def group_advantages(rewards: list[float | None], std_normalize: bool = True) -> list[float]:
+    """GRPO group advantages: (r - mean) / (std + 1e-6), unbiased std; Dr. GRPO without the std.
+
+    Rollouts whose reward is null (gold not parseable) get advantage 0 and are left out of the
+    statistics. A group with fewer than two scored rollouts has no signal: all zeros.
+    """
+    scored = [r for r in rewards if r is not None]
+    if len(scored) < 2:
+        return [0.0] * len(rewards)
+    mean = sum(scored) / len(scored)
+    std = math.sqrt(sum((r - mean) ** 2 for r in scored) / (len(scored) - 1))
+    scale = 1.0 / (std + ADVANTAGE_EPS) if std_normalize else 1.0
+    return [0.0 if r is None else (r - mean) * scale for r in rewards]
+
+
+class Arrow:
+    """Annotation metadata: the Arrow type a field is stored as."""
+
+    def __init__(self, type_: pa.DataType, nullable: bool = False):
+        self.type = type_
+        self.nullable = nullable
+
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class Rollout(BaseModel):
+    """One stored rollout: one row of a Parquet shard (ARCHITECTURE.md, 'One stored rollout')."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # identity
+    rollout_id: Annotated[str, Arrow(pa.string())] = Field(min_length=1, description="unique id of this rollout")
+    group_id: Annotated[str, Arrow(pa.string())] = Field(min_length=1, description="id shared by the rollouts of one group")
+    prompt_id: Annotated[str, Arrow(pa.string())] = Field(pattern=r"^[0-9a-f]{16}$", description="prompt_id(problem text)")
+    dataset: Annotated[str, Arrow(pa.string())] = Field(min_length=1, description="dataset the prompt comes from")
+    # provenance
+    model_id: Annotated[str, Arrow(pa.string())] = Field(min_length=1, pattern=r"^[A-Za-z0-9._\-]+$", description="model that generated it (a path-safe name)")
+    model_revision: Annotated[str, Arrow(pa.string())] = Field(default="", description="checkpoint revision or hash")
+    tokenizer_id: Annotated[str, Arrow(pa.string())] = Field(min_length=1, description="tokenizer the token ids belong to")
+    policy_step: Annotated[int, Arrow(pa.int64())] = Field(default=0, ge=0, description="training step of the behaviour policy")
+    generator_id: Annotated[str, Arrow(pa.string())] = Field(default="", description="process that generated it")
+    created_at: Annotated[datetime, Arrow(pa.timestamp("us", tz="UTC"))] = Field(
+        default_factory=lambda: datetime.now(timezone.utc), description="when it was generated (UTC)"
+    )
+    schema_version: Annotated[int, Arrow(pa.int32())] = Field(default=SCHEMA_VERSION, description="row format version")
+    # sampling
+    temperature: Annotated[float, Arrow(pa.float32())] = Field(ge=0.0, description="sampling temperature")
+    top_p: Annotated[float, Arrow(pa.float32())] = Field(gt=0.0, le=1.0, description="nucleus sampling mass")
+    top_k: Annotated[int | None, Arrow(pa.int32(), nullable=True)] = Field(default=None, description="top-k, null for none")
+    max_tokens: Annotated[int, Arrow(pa.int32())] = Field(gt=0, description="completion token budget")
+    logprobs_mode: Annotated[str, Arrow(pa.string())] = Field(
+        default="processed", description="'processed': logprobs after temperature/top-p (the behaviour policy)"
+    )
+    # content
+    completion_text: Annotated[str, Arrow(pa.string())] = Field(description="decoded completion, special tokens excluded")
+    completion_token_ids: Annotated[list[int], Arrow(pa.list_(pa.int32()))] = Field(description="sampled token ids (EOS included when finished)")
+    token_logprobs: Annotated[list[float], Arrow(pa.list_(pa.float32()))] = Field(description="behaviour logprob of each sampled token")
+    logprob_sum: Annotated[float, Arrow(pa.float64())] = Field(le=0.0, description="sum of token_logprobs, EOS excluded")
+    num_tokens: Annotated[int, Arrow(pa.int32())] = Field(ge=0, description="len(completion_token_ids)")
+    num_bytes: Annotated[int, Arrow(pa.int32())] = Field(ge=0, description="UTF-8 length of completion_text")
+    finish_reason: Annotated[FinishReason, Arrow(pa.string())] = Field(description="'stop' (EOS or stop string) or 'length'")
+    # outcome
+    reward: Annotated[float | None, Arrow(pa.float32(), nullable=True)] = Field(default=None, description="in [0, 1]; null when the gold cannot be parsed")
+    correct: Annotated[bool, Arrow(pa.bool_())] = Field(description="reward > 0")
+    extracted_answer: Annotated[str | None, Arrow(pa.string(), nullable=True)] = Field(default=None, description="last \\boxed{} of the completion")
+    advantage: Annotated[float, Arrow(pa.float32())] = Field(description="group-normalised advantage")
+    group_size: Annotated[int, Arrow(pa.int32())] = Field(ge=1, description="number of rollouts in the group")
+
+    @field_validator("token_logprobs")
+    @classmethod
+    def _logprobs_finite_nonpositive(cls, v: list[float]) -> list[float]:
+        for i, lp in enumerate(v):
+            if not math.isfinite(lp) or lp > 1e-6:
+                raise ValueError(f"token_logprobs[{i}] = {lp!r}: logprobs must be finite and <= 0")
+        return v
+
+    @field_validator("reward")
+    @classmethod
+    def _reward_in_unit_interval(cls, v: float | None) -> float | None:
+        if v is not None and not (0.0 <= v <= 1.0):
+            raise ValueError(f"reward = {v!r}: must be in [0, 1] or null")
+        return v
+
+    @field_validator("created_at")
+    @classmethod
+    def _utc(cls, v: datetime) -> datetime:
+        return v.replace(tzinfo=timezone.utc) if v.tzinfo is None else v.astimezone(timezone.utc)
+
+    @model_validator(mode="after")
+    def _consistent_lengths(self) -> Rollout:
+        n_ids, n_lps = len(self.completion_token_ids), len(self.token_logprobs)
+        if n_ids != n_lps:
+            raise ValueError(f"completion_token_ids has {n_ids} entries but token_logprobs has {n_lps}: they must be equal")
+        if self.num_tokens != n_ids:
+            raise ValueError(f"num_tokens = {self.num_tokens} but completion_token_ids has {n_ids} entries")
+        n_bytes = len(self.completion_text.encode("utf-8"))
+        if self.num_bytes != n_bytes:
+            raise ValueError(f"num_bytes = {self.num_bytes} but completion_text is {n_bytes} UTF-8 bytes")
+        if self.correct != (self.reward is not None and self.reward > 0):
+            raise ValueError(f"correct = {self.correct} disagrees with reward = {self.reward!r} (correct means reward > 0)")
+        if not math.isfinite(self.advantage) or not math.isfinite(self.logprob_sum):
+            raise ValueError("advantage and logprob_sum must be finite")
+        return self
+
+
+class RolloutGroup(BaseModel):
+    """The G rollouts one model sampled for one prompt, in one shard, with group advantages."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rollouts: list[Rollout] = Field(min_length=1, description="the group's rollouts, in sampling order")
+
+    @model_validator(mode="after")
+    def _one_group(self) -> RolloutGroup:
+        first = self.rollouts[0]
+        shared = ("group_id", "prompt_id", "dataset", "model_id", "model_revision", "tokenizer_id", "policy_step", "group_size")
+        for r in self.rollouts[1:]:
+            for name in shared:
+                if getattr(r, name) != getattr(first, name):
+                    raise ValueError(
+                        f"rollout {r.rollout_id}: {name} = {getattr(r, name)!r} but the group's first rollout has "
+                        f"{getattr(first, name)!r}; a group's rollouts share {', '.join(shared)}"
+                    )
+        if len(self.rollouts) != first.group_size:
+            raise ValueError(f"group {first.group_id} has {len(self.rollouts)} rollouts but group_size = {first.group_size}")
+        ids = [r.rollout_id for r in self.rollouts]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"group {first.group_id} repeats a rollout_id")
+        expected = group_advantages([r.reward for r in self.rollouts], std_normalize=True)
+        expected_dr = group_advantages([r.reward for r in self.rollouts], std_normalize=False)
+        stored = [r.advantage for r in self.rollouts]
+        if not (_close(stored, expected) or _close(stored, expected_dr)):
+            raise ValueError(
+                f"group {first.group_id}: stored advantages {stored} are not the group advantages of its rewards "
+                f"{[r.reward for r in self.rollouts]} (expected {[round(a, 4) for a in expected]})"
+            )
+        return self
+
+    @property
+    def group_id(self) -> str:
+        return self.rollouts[0].group_id
+
+    @property
+    def prompt_id(self) -> str:
+        return self.rollouts[0].prompt_id
+
+    @property
+    def model_id(self) -> str:
+        return self.rollouts[0].model_id
+
+    @property
+    def policy_step(self) -> int:
+        return self.rollouts[0].policy_step
+
+    @property
+    def successes(self) -> int:
+        return sum(r.correct for r in self.rollouts)
+
+    @property
+    def informative(self) -> bool:
+        """Rewards not all equal: 0 < successes < group size (GRAFT_SPEC section 1)."""
+        return 0 < self.successes < len(self.rollouts)
+
+
+def _close(a: list[float], b: list[float]) -> bool:
+    return all(abs(x - y) <= ADVANTAGE_TOLERANCE * max(1.0, abs(y)) for x, y in zip(a, b, strict=True))
+
+
+class Problem(BaseModel):
+    """A prompt of a dataset, stored once per dataset (not per rollout)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prompt_id: Annotated[str, Arrow(pa.string())] = Field(pattern=r"^[0-9a-f]{16}$", description="prompt_id(problem)")
+    dataset: Annotated[str, Arrow(pa.string())] = Field(min_length=1, description="dataset name")
+    problem: Annotated[str, Arrow(pa.string())] = Field(min_length=1, description="problem text")
+    answer: Annotated[str, Arrow(pa.string())] = Field(description="gold answer (LaTeX, without \\boxed{})")
+
+    @classmethod
+    def from_text(cls, problem: str, answer: str, dataset: str) -> Problem:
+        return cls(prompt_id=prompt_id(problem), dataset=dataset, problem=problem, answer=answer)
+
+    @model_validator(mode="after")
+    def _id_matches(self) -> Problem:
+        if self.prompt_id != prompt_id(self.problem):
+            raise ValueError(f"prompt_id {self.prompt_id} is not prompt_id(problem) = {prompt_id(self.problem)}")
+        return self
+
+
+def arrow_schema(model: type[BaseModel]) -> pa.Schema:
+    """The Arrow schema of a model whose every field is annotated with `Arrow(...)`."""
+    fields = []
+    for name, info in model.model_fields.items():
+        arrow = next((m for m in info.metadata if isinstance(m, Arrow)), None)
+        if arrow is None:
+            raise TypeError(f"{model.__name__}.{name} has no Arrow(...) annotation")
+        fields.append(pa.field(name, arrow.type, nullable=arrow.nullable, metadata={"description": info.description or ""}))
+    return pa.schema(fields, metadata={"graft_schema_version": str(SCHEMA_VERSION)})
+
+
+ROLLOUT_ARROW_SCHEMA = arrow_schema(Rollout)
+PROBLEM_ARROW_SCHEMA = arrow_schema(Problem)
+
+
+def groups_to_table(groups: list[RolloutGroup]) -> pa.Table:
+    """Rows of whole groups, in order, as an Arrow table of `ROLLOUT_ARROW_SCHEMA`."""
+    rows = [r.model_dump() for g in groups for r in g.rollouts]
+    return pa.Table.from_pylist(rows, schema=ROLLOUT_ARROW_SCHEMA)
+
+
+def table_to_groups(table: pa.Table, validate: bool = True) -> list[RolloutGroup]:
+    """Whole groups from an Arrow table of stored rows, in order of first appearance."""
+    by_group: dict[str, list[dict[str, Any]]] = {}
+    for row in table.to_pylist():
+        by_group.setdefault(row["group_id"], []).append(row)
+    if validate:
+        return [RolloutGroup(rollouts=[Rollout(**r) for r in rows]) for rows in by_group.values()]
+    return [
+        RolloutGroup.model_construct(rollouts=[Rollout.model_construct(**r) for r in rows]) for rows in by_group.values()
+    ]
