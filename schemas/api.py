@@ -73,6 +73,7 @@ class StatsResponse(BaseModel):
     total_groups: int
     total_rollouts: int
     last_ingest_at: datetime | None = Field(description="when the ingest loop last indexed a new shard")
+    duplicate_groups: int = Field(default=0, description="group ids met again in a later shard: kept once, skipped there")
 
 
 class HealthResponse(BaseModel):

@@ -1,0 +1,109 @@
+"""Supervised warm start: next-token loss on the completion (and EOS) given the prompt.
+
+Prompt and completion are tokenised separately and concatenated (a byte-level BPE merges `=\\`
+across the boundary otherwise, and the model would then never see the boundary it meets at
+sampling time). AdamW with linear warmup and cosine decay; checkpoints saved with save_pretrained.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+from tqdm import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerFast
+
+
+class SFTConfig(BaseModel):
+    """One supervised warm-start run."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    steps: int = Field(gt=0, description="optimizer steps")
+    batch_size: int = Field(default=128, gt=0, description="examples per step")
+    lr: float = Field(default=2e-3, gt=0, description="peak learning rate (AdamW)")
+    warmup_steps: int = Field(default=30, ge=0, description="linear warmup steps")
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1, description="cosine decays to lr * this at the last step")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay")
+    family_weights: dict[str, float] = Field(description="probability of drawing each family's example, e.g. {add2: 0.97, add3: 0.03}")
+    seed: int = Field(default=0, description="seed of the data order")
+    save_steps: list[int] = Field(default_factory=list, description="extra steps to save a checkpoint at (the last step is always saved)")
+
+
+def lr_at(step: int, cfg: SFTConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def collate(
+    tokenizer: PreTrainedTokenizerFast, prompts: list[str], completions: list[str]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded (input_ids, attention_mask, loss_mask), each (B, T); loss_mask is 1 on completion+EOS."""
+    prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    completion_ids = tokenizer(completions, add_special_tokens=False)["input_ids"]
+    rows = [p + c + [tokenizer.eos_token_id] for p, c in zip(prompt_ids, completion_ids, strict=True)]
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)  # (B, T)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)  # (B, T)
+    loss_mask = torch.zeros((len(rows), width), dtype=torch.float32)  # (B, T)
+    for i, (row, p) in enumerate(zip(rows, prompt_ids, strict=True)):
+        input_ids[i, : len(row)] = torch.tensor(row)
+        attention_mask[i, : len(row)] = 1
+        loss_mask[i, len(p) : len(row)] = 1.0
+    return input_ids, attention_mask, loss_mask
+
+
+def completion_nll(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Mean negative log-likelihood over the tokens where loss_mask is 1 (a scalar)."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # (B, T, V)
+    token_nll = F.cross_entropy(logits[:, :-1].transpose(1, 2), input_ids[:, 1:], reduction="none")  # (B, T-1)
+    mask = loss_mask[:, 1:]  # (B, T-1): the token at t+1 is predicted at t
+    return (token_nll * mask).sum() / mask.sum()
+
+
+def train_sft(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerFast,
+    pools: dict[str, list[tuple[str, str]]],
+    cfg: SFTConfig,
+    out_dir: Path,
+    desc: str = "sft",
+) -> dict[int, Path]:
+    """Train on (prompt, completion) pairs drawn from `pools` by `cfg.family_weights`; returns {step: checkpoint dir}."""
+    missing = set(cfg.family_weights) - set(pools)
+    if missing:
+        raise ValueError(f"family_weights names {sorted(missing)} but pools only has {sorted(pools)}")
+    rng = random.Random(cfg.seed)
+    families = list(cfg.family_weights)
+    weights = [cfg.family_weights[f] for f in families]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
+    save_steps = set(cfg.save_steps) | {cfg.steps}
+    saved: dict[int, Path] = {}
+    model.train()
+    bar = tqdm(range(1, cfg.steps + 1), desc=desc, mininterval=1.0)
+    for step in bar:
+        picks = [rng.choices(families, weights)[0] for _ in range(cfg.batch_size)]
+        examples = [rng.choice(pools[f]) for f in picks]
+        input_ids, attention_mask, loss_mask = collate(tokenizer, [e[0] for e in examples], [e[1] for e in examples])
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step - 1, cfg)
+        loss = completion_nll(model, input_ids, attention_mask, loss_mask)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        if step % 20 == 0:
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+        if step in save_steps:
+            path = out_dir / f"step-{step}"
+            model.save_pretrained(path)
+            tokenizer.save_pretrained(path)
+            saved[step] = path
+    model.eval()
+    return saved

@@ -1,0 +1,90 @@
+"""The toy task: addition problems in two families, with fixed splits that every process agrees on.
+
+Both families are the same operation with different operand sizes (TOY_STUDY: families that share
+structure transfer; different operations did not). The learner is warm-started mostly on `add2`
+(strong) and barely on `add3` (weak); the peer mostly on `add3`.
+
+Splits are fixed by a stable hash of the problem text (sha256, never Python's per-process `hash()`),
+so SFT, the generator, RL and evaluation see the same held-out problems in every process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from schemas.rollout import Problem
+
+
+@dataclass(frozen=True)
+class Family:
+    """All problems `a+b=` with a and b in inclusive ranges."""
+
+    name: str
+    a_range: tuple[int, int]
+    b_range: tuple[int, int]
+
+    def problems(self) -> list[tuple[int, int]]:
+        return [(a, b) for a in range(self.a_range[0], self.a_range[1] + 1) for b in range(self.b_range[0], self.b_range[1] + 1)]
+
+
+ADD2 = Family("add2", (10, 99), (10, 99))  # 8,100 problems: the learner's strong family
+ADD3 = Family("add3", (100, 999), (10, 99))  # 81,000 problems: the learner's weak family, the peer's strong one
+FAMILIES: dict[str, Family] = {f.name: f for f in (ADD2, ADD3)}
+SPLITS = ("eval", "rl", "sft")
+
+
+def problem_text(a: int, b: int) -> str:
+    return f"{a}+{b}="
+
+
+def answer_text(a: int, b: int) -> str:
+    return str(a + b)
+
+
+def completion_text(answer: str) -> str:
+    """The reference completion: the answer in \\boxed{} (the EOS token is the tokenizer's business)."""
+    return "\\boxed{" + answer + "}"
+
+
+def dataset_name(family: str) -> str:
+    return f"toy-{family}"
+
+
+def stable_rank(text: str) -> str:
+    """A per-problem key that is the same in every process (sha256 hex), to order problems into splits."""
+    return hashlib.sha256(f"graft-demo-split:{text}".encode()).hexdigest()
+
+
+def family_splits(family: str, n_eval: int, n_rl: int) -> dict[str, list[Problem]]:
+    """The family's problems in a fixed pseudo-random order: the first n_eval held out for evaluation,
+    the next n_rl used as RL prompts, the rest for supervised warm-starting. Disjoint by construction."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}: expected one of {sorted(FAMILIES)}")
+    pairs = FAMILIES[family].problems()
+    if n_eval + n_rl >= len(pairs):
+        raise ValueError(f"family {family} has {len(pairs)} problems; n_eval={n_eval} + n_rl={n_rl} leaves none for SFT")
+    items = sorted(((stable_rank(problem_text(a, b)), a, b) for a, b in pairs))
+    problems = [Problem.from_text(problem_text(a, b), answer_text(a, b), dataset_name(family)) for _, a, b in items]
+    return {"eval": problems[:n_eval], "rl": problems[n_eval : n_eval + n_rl], "sft": problems[n_eval + n_rl :]}
+
+
+def write_problems_jsonl(problems: list[Problem], path: Path) -> Path:
+    """Problems as JSON Lines (prompt_id, dataset, problem, answer), written atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        for p in problems:
+            f.write(json.dumps(p.model_dump()) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def alphabet() -> str:
+    """Every character a problem or a completion of this task can contain, in a fixed order."""
+    return "0123456789+=\\boxed{}"

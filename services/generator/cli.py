@@ -1,0 +1,87 @@
+"""`graft-generate`: fill a store with scored rollout groups (YAML config, flags on top)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from services.generator.config import GeneratorConfig, load_config
+
+app = typer.Typer(add_completion=False, help=__doc__)
+
+
+def _help(name: str) -> str:
+    return GeneratorConfig.model_fields[name].description or ""
+
+
+@app.command()
+def generate(
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML file with GeneratorConfig fields; flags override it"),
+    model: Optional[str] = typer.Option(None, help=_help("model")),
+    model_id: Optional[str] = typer.Option(None, help=_help("model_id")),
+    model_revision: Optional[str] = typer.Option(None, help=_help("model_revision")),
+    backend: Optional[str] = typer.Option(None, help=_help("backend")),
+    dataset: Optional[str] = typer.Option(None, help=_help("dataset")),
+    dataset_limit: Optional[int] = typer.Option(None, help=_help("dataset_limit")),
+    template: Optional[str] = typer.Option(None, help=_help("template")),
+    group_size: Optional[int] = typer.Option(None, help=_help("group_size")),
+    temperature: Optional[float] = typer.Option(None, help=_help("temperature")),
+    top_p: Optional[float] = typer.Option(None, help=_help("top_p")),
+    top_k: Optional[int] = typer.Option(None, help=_help("top_k")),
+    max_tokens: Optional[int] = typer.Option(None, help=_help("max_tokens")),
+    seed: Optional[int] = typer.Option(None, help=_help("seed")),
+    rounds: Optional[int] = typer.Option(None, help=_help("rounds")),
+    prompts_per_batch: Optional[int] = typer.Option(None, help=_help("prompts_per_batch")),
+    store: Optional[str] = typer.Option(None, help=_help("store")),
+    store_token: Optional[str] = typer.Option(None, envvar="GRAFT_STORE_TOKEN", help=_help("store_token")),
+    policy_step: Optional[int] = typer.Option(None, help=_help("policy_step")),
+    generator_id: Optional[str] = typer.Option(None, help=_help("generator_id")),
+    std_normalize: Optional[bool] = typer.Option(None, "--std-normalize/--no-std-normalize", help=_help("std_normalize")),
+    score_workers: Optional[int] = typer.Option(None, help=_help("score_workers")),
+    score_timeout_s: Optional[float] = typer.Option(None, help=_help("score_timeout_s")),
+    dtype: Optional[str] = typer.Option(None, help=_help("dtype")),
+    hf_batch_size: Optional[int] = typer.Option(None, help=_help("hf_batch_size")),
+    vllm_max_model_len: Optional[int] = typer.Option(None, help=_help("vllm_max_model_len")),
+    vllm_gpu_memory_utilization: Optional[float] = typer.Option(None, help=_help("vllm_gpu_memory_utilization")),
+    continuous: Optional[bool] = typer.Option(None, "--continuous/--no-continuous", help=_help("continuous")),
+    watch_dir: Optional[str] = typer.Option(None, help=_help("watch_dir")),
+    max_batches: Optional[int] = typer.Option(None, help=_help("max_batches")),
+    idle_sleep_s: Optional[float] = typer.Option(None, help=_help("idle_sleep_s")),
+    progress: Optional[bool] = typer.Option(None, "--progress/--no-progress", help=_help("progress")),
+) -> None:
+    """Sample groups for every prompt of a dataset, score them with math-verify, and store them.
+
+    A restarted run skips the groups already stored for this model and revision. SIGTERM stops
+    it cleanly after the current batch is stored.
+    """
+    overrides = {k: v for k, v in locals().items() if k != "config"}
+    try:
+        cfg = load_config(GeneratorConfig, config, overrides)
+    except (ValueError, FileNotFoundError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+
+    from services.generator.generate import run_generator
+
+    stats = run_generator(cfg)
+    summary = {
+        "groups": stats.groups,
+        "rollouts": stats.rollouts,
+        "skipped_already_stored": stats.skipped_already_stored,
+        "batches": stats.batches,
+        "reloads": stats.reloads,
+        "success_rate": stats.correct / stats.scored if stats.scored else None,
+        "completion_tokens": stats.completion_tokens,
+        "tokens_per_s": stats.completion_tokens / stats.sampling_s if stats.sampling_s else None,
+        "outside_sampling_share": stats.outside_sampling_share,
+        "wall_s": round(stats.wall_s, 3),
+    }
+    sys.stdout.write(json.dumps(summary) + "\n")
+
+
+if __name__ == "__main__":
+    app()

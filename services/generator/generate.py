@@ -1,0 +1,289 @@
+"""The generation loop behind `graft-generate`: sample groups, score, assemble, store; resumable.
+
+Group ids are deterministic in (model, revision, policy step, prompt, round), so a restarted run
+reads what is already stored (the shards under `<root>/rollouts/model=<id>/`, or the store API)
+and samples only the rest: a crash and restart never duplicates or loses a group. A batch becomes
+one shard (or one push), written atomically, so a batch is stored whole or not at all.
+Continuous mode keeps sampling and, between batches, reloads the model when the watched folder
+holds a newer `step_<N>/` checkpoint, storing N as the rows' policy step.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow.parquet as pq
+from tqdm import tqdm
+
+from schemas import Problem, RolloutGroup
+from services.generator.config import GeneratorConfig
+from services.generator.datasets import load_problems
+from services.generator.groups import assemble_group, make_group_id
+from services.generator.models import default_model_id, default_model_revision
+from services.generator.prompts import build_prompt
+from services.generator.sampling import Backend, SamplingParams, load_backend
+from services.generator.scoring import Scorer
+
+CHECKPOINT_DIR = re.compile(r"^step_(\d+)$")  # the trainer's layout: <run>/checkpoints/step_000010/
+
+
+@dataclass
+class RunStats:
+    """What a run did, and where its wall time went."""
+
+    groups: int = 0
+    rollouts: int = 0
+    completion_tokens: int = 0
+    correct: int = 0
+    scored: int = 0
+    batches: int = 0
+    skipped_already_stored: int = 0
+    reloads: int = 0
+    sampling_s: float = 0.0
+    scoring_s: float = 0.0
+    assembly_s: float = 0.0
+    writing_s: float = 0.0
+    wall_s: float = 0.0
+    shards: list[str] = field(default_factory=list)
+
+    @property
+    def outside_sampling_share(self) -> float:
+        """Share of the batches' wall time spent scoring, assembling and writing."""
+        busy = self.sampling_s + self.scoring_s + self.assembly_s + self.writing_s
+        return 0.0 if busy == 0 else (busy - self.sampling_s) / busy
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT: the loop finishes and stores the current batch, then stops."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread; the caller stops us another way
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now
+        self.requested = True
+
+
+class GroupSink:
+    """Where groups go: shards under a store root (atomic files), or the store's push API."""
+
+    def __init__(self, store: str, token: str | None):
+        self.is_url = store.startswith(("http://", "https://"))
+        self.store = store
+        if self.is_url:
+            from services.store_api.client import StoreClient
+
+            self.client = StoreClient(store, token=token)
+        else:
+            Path(store).mkdir(parents=True, exist_ok=True)
+
+    def stored_group_ids(self, model_id: str, model_revision: str, policy_step: int) -> set[str]:
+        """Ids of the groups already stored for this model, revision and policy step."""
+        if self.is_url:
+            ids: set[str] = set()
+            for page in self.client.iter_rollouts(model=model_id, min_policy_step=policy_step, max_policy_step=policy_step):
+                for gid, revision in zip(page.column("group_id").to_pylist(), page.column("model_revision").to_pylist()):
+                    if revision == model_revision:
+                        ids.add(gid)
+            return ids
+        return _stored_group_ids_in_shards(Path(self.store), model_id, model_revision, policy_step)
+
+    def write(self, groups: list[RolloutGroup], problems: list[Problem] | None) -> str:
+        if self.is_url:
+            response = self.client.push_groups(groups, problems)
+            return response.shard or ""
+        from services.store_api.shards import write_groups
+
+        return str(write_groups(self.store, groups, problems))
+
+    def close(self) -> None:
+        if self.is_url:
+            self.client.close()
+
+
+def _stored_group_ids_in_shards(root: Path, model_id: str, model_revision: str, policy_step: int) -> set[str]:
+    """Read the group ids of every shard of the model with pyarrow (never the store's DuckDB file).
+
+    A shard can vanish between listing and reading when the store compacts it into a new one;
+    then list again, so that the new shard is read too.
+    """
+    directory = root / "rollouts" / f"model={model_id}"
+    ids: set[str] = set()
+    read: set[str] = set()
+    while True:
+        vanished = False
+        for shard in sorted(directory.glob("part-*.parquet")):
+            if shard.name in read:
+                continue
+            try:
+                table = pq.read_table(shard, columns=["group_id", "model_revision", "policy_step"])
+            except FileNotFoundError:
+                vanished = True
+                continue
+            read.add(shard.name)
+            for gid, revision, step in zip(*(table.column(c).to_pylist() for c in table.column_names)):
+                if revision == model_revision and step == policy_step:
+                    ids.add(gid)
+        if not vanished:
+            return ids
+
+
+def latest_checkpoint(watch_dir: Path) -> tuple[int, Path] | None:
+    """(step, path) of the newest complete `step_<N>/` checkpoint in `watch_dir` (the trainer renames a
+    finished checkpoint into place, so a final name is always complete)."""
+    if not watch_dir.is_dir():
+        return None
+    found = [
+        (int(m.group(1)), p) for p in watch_dir.iterdir()
+        if p.is_dir() and (m := CHECKPOINT_DIR.match(p.name)) and (p / "config.json").exists()
+    ]
+    return max(found) if found else None
+
+
+def run_generator(config: GeneratorConfig, stop: StopFlag | None = None) -> RunStats:
+    """Sample, score and store groups as `config` says; returns what was done."""
+    stop = stop or StopFlag()
+    stop.install()
+    started = time.perf_counter()
+    stats = RunStats()
+    problems = load_problems(config.dataset, limit=config.dataset_limit)
+    if not problems:
+        raise ValueError(f"dataset {config.dataset} holds no problems")
+    generator_id = config.generator_id or f"{socket.gethostname()}-{os.getpid()}"
+    model_id = config.model_id or default_model_id(config.model)
+    model_path, policy_step = config.model, config.policy_step
+    if config.continuous and config.watch_dir:
+        newest = latest_checkpoint(Path(config.watch_dir))
+        if newest is not None and newest[0] >= policy_step:
+            policy_step, model_path = newest[0], str(newest[1])
+    revision = config.model_revision if model_path == config.model and config.model_revision else default_model_revision(model_path)
+    params = SamplingParams(
+        n=config.group_size, temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
+        max_tokens=config.max_tokens, seed=None,
+    )
+
+    sink = GroupSink(config.store, config.store_token)
+    backend = _load(config, model_path, model_id)
+    stored = sink.stored_group_ids(model_id, revision, policy_step)
+    problems_written = False
+    bar = tqdm(disable=not config.progress, unit="group", dynamic_ncols=True,
+               total=None if config.continuous else len(problems) * config.rounds)
+    round_index = 0
+    try:
+        with Scorer(num_workers=config.score_workers, timeout_s=config.score_timeout_s) as scorer:
+            while not stop.requested:
+                if not config.continuous and round_index >= config.rounds:
+                    break
+                pending = [p for p in problems if make_group_id(model_id, revision, policy_step, p.prompt_id, round_index) not in stored]
+                stats.skipped_already_stored += len(problems) - len(pending)
+                bar.update(len(problems) - len(pending))
+                reload_to = None
+                for start in range(0, len(pending), config.prompts_per_batch):
+                    batch = pending[start : start + config.prompts_per_batch]
+                    group_ids = [make_group_id(model_id, revision, policy_step, p.prompt_id, round_index) for p in batch]
+                    if config.seed is not None:
+                        # Derived from the batch's first group: a restart resamples a lost batch the same way.
+                        params.seed = (config.seed + int(group_ids[0][:8], 16)) % (2**31)
+                    groups = _sample_batch(backend, scorer, batch, group_ids, params, config, model_id, revision,
+                                           policy_step, generator_id, stats)
+                    t0 = time.perf_counter()
+                    stats.shards.append(sink.write(groups, None if problems_written else problems))
+                    stats.writing_s += time.perf_counter() - t0
+                    problems_written = True
+                    stored.update(group_ids)
+                    stats.batches += 1
+                    bar.update(len(groups))
+                    bar.set_postfix(_progress_postfix(stats, started), refresh=False)
+                    if stop.requested or (config.max_batches is not None and stats.batches >= config.max_batches):
+                        stop.requested = True
+                        break
+                    if config.continuous and config.watch_dir:
+                        newest = latest_checkpoint(Path(config.watch_dir))
+                        if newest is not None and newest[0] > policy_step:
+                            reload_to = newest
+                            break
+                if stop.requested:
+                    break
+                if reload_to is not None:
+                    policy_step, model_path = reload_to[0], str(reload_to[1])
+                    revision = default_model_revision(model_path)
+                    backend_close = getattr(backend, "close", None)
+                    if backend_close is not None:
+                        backend_close()
+                    backend = _load(config, model_path, model_id)
+                    stored = sink.stored_group_ids(model_id, revision, policy_step)
+                    stats.reloads += 1
+                    round_index = 0
+                    continue
+                if config.continuous and not pending:
+                    time.sleep(config.idle_sleep_s)  # nothing was left in this round; never spin
+                round_index += 1
+    finally:
+        bar.close()
+        sink.close()
+        stats.wall_s = time.perf_counter() - started
+    return stats
+
+
+def _load(config: GeneratorConfig, model_path: str, model_id: str) -> Backend:
+    return load_backend(
+        config.backend, model_path, model_id=model_id, dtype=config.dtype, hf_batch_size=config.hf_batch_size,
+        vllm_max_model_len=config.vllm_max_model_len, vllm_gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+        seed=config.seed or 0,
+    )
+
+
+def _sample_batch(
+    backend: Backend, scorer: Scorer, batch: list[Problem], group_ids: list[str], params: SamplingParams,
+    config: GeneratorConfig, model_id: str, revision: str, policy_step: int, generator_id: str, stats: RunStats,
+) -> list[RolloutGroup]:
+    """One batch of prompts: generate, score, assemble; timings go to `stats`."""
+    prompts = [build_prompt(backend.tokenizer, p.problem, config.template) for p in batch]
+    t0 = time.perf_counter()
+    samples = backend.generate(prompts, params)  # (prompts, n)
+    t1 = time.perf_counter()
+    texts = [s.text for group in samples for s in group]
+    golds = [p.answer for p, group in zip(batch, samples) for _ in group]
+    scores = scorer.score(texts, golds)
+    t2 = time.perf_counter()
+    groups = []
+    for i, (problem, group_samples) in enumerate(zip(batch, samples)):
+        groups.append(assemble_group(
+            problem, group_samples, scores[i * params.n : (i + 1) * params.n],
+            model_id=model_id, model_revision=revision, tokenizer_id=backend.tokenizer_id, policy_step=policy_step,
+            generator_id=generator_id, params=params, eos_token_ids=backend.eos_token_ids, group_id=group_ids[i],
+            std_normalize=config.std_normalize,
+        ))
+    t3 = time.perf_counter()
+    stats.sampling_s += t1 - t0
+    stats.scoring_s += t2 - t1
+    stats.assembly_s += t3 - t2
+    stats.groups += len(groups)
+    stats.rollouts += len(texts)
+    stats.completion_tokens += sum(len(s.token_ids) for group in samples for s in group)
+    stats.correct += sum(s.correct for s in scores)
+    stats.scored += sum(s.reward is not None for s in scores)
+    return groups
+
+
+def _progress_postfix(stats: RunStats, started: float) -> dict[str, str]:
+    elapsed = max(time.perf_counter() - started, 1e-9)
+    return {
+        "prompts/s": f"{stats.groups / elapsed:.2f}",
+        "tok/s": f"{stats.completion_tokens / elapsed:.0f}",
+        "success": f"{stats.correct / max(stats.scored, 1):.1%}",
+    }

@@ -1,0 +1,84 @@
+"""Turning one prompt's samples and scores into a stored `RolloutGroup` (GRAFT_SPEC sections 2 and 7)."""
+
+from __future__ import annotations
+
+import hashlib
+
+from schemas import Problem, Rollout, RolloutGroup, group_advantages
+from services.generator.sampling import Sample, SamplingParams
+from services.generator.scoring import Score
+
+
+def make_group_id(model_id: str, model_revision: str, policy_step: int, prompt_id: str, round_index: int) -> str:
+    """Deterministic group id: a restarted generator recomputes the ids it already stored and skips them."""
+    key = "\x1f".join([model_id, model_revision, str(policy_step), prompt_id, str(round_index)])
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()[:32]
+
+
+def logprobs_mode(params: SamplingParams) -> str:
+    """'processed': logprobs of the distribution sampled from (after temperature, top-k, top-p).
+    'raw': greedy decoding, where the stored logprobs are the model's own (temperature 1) distribution."""
+    return "raw" if params.greedy else "processed"
+
+
+def assemble_group(
+    problem: Problem,
+    samples: list[Sample],
+    scores: list[Score],
+    *,
+    model_id: str,
+    model_revision: str,
+    tokenizer_id: str,
+    policy_step: int,
+    generator_id: str,
+    params: SamplingParams,
+    eos_token_ids: set[int],
+    group_id: str,
+    std_normalize: bool = True,
+) -> RolloutGroup:
+    """One validated group: rewards, group advantages, and logprob sums with the EOS token excluded.
+
+    The EOS token stays in completion_token_ids and token_logprobs (the trainer trains on it), but
+    not in logprob_sum: another tokenizer's re-tokenisation has its own EOS, so a sequence-level
+    likelihood compared across models covers the text only (GRAFT_SPEC section 4).
+    """
+    if len(samples) != len(scores):
+        raise ValueError(f"assemble_group got {len(samples)} samples but {len(scores)} scores: one score per sample")
+    if not samples:
+        raise ValueError("assemble_group got no samples: a group needs at least one rollout")
+    advantages = group_advantages([s.reward for s in scores], std_normalize=std_normalize)
+    rollouts = []
+    for index, (sample, score, advantage) in enumerate(zip(samples, scores, advantages)):
+        ends_with_eos = sample.finish_reason == "stop" and bool(sample.token_ids) and sample.token_ids[-1] in eos_token_ids
+        text_logprobs = sample.token_logprobs[:-1] if ends_with_eos else sample.token_logprobs
+        rollouts.append(
+            Rollout(
+                rollout_id=f"{group_id}-{index}",
+                group_id=group_id,
+                prompt_id=problem.prompt_id,
+                dataset=problem.dataset,
+                model_id=model_id,
+                model_revision=model_revision,
+                tokenizer_id=tokenizer_id,
+                policy_step=policy_step,
+                generator_id=generator_id,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=params.effective_top_k,
+                max_tokens=params.max_tokens,
+                logprobs_mode=logprobs_mode(params),
+                completion_text=sample.text,
+                completion_token_ids=sample.token_ids,
+                token_logprobs=sample.token_logprobs,
+                logprob_sum=min(0.0, float(sum(text_logprobs))),  # float32 rounding can put a sum of ~0 above 0
+                num_tokens=len(sample.token_ids),
+                num_bytes=len(sample.text.encode("utf-8")),
+                finish_reason=sample.finish_reason,
+                reward=score.reward,
+                correct=score.correct,
+                extracted_answer=score.extracted_answer,
+                advantage=advantage,
+                group_size=len(samples),
+            )
+        )
+    return RolloutGroup(rollouts=rollouts)

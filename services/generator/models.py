@@ -1,0 +1,178 @@
+"""Loading a model and its tokenizer from a local path (HF directory or GGUF file), and the ids
+stored with every row: a path-safe model name, a revision fingerprint, a tokenizer fingerprint.
+
+GGUF files are dequantised once into an HF directory (float32 safetensors) in a cache folder:
+dequantising takes tens of seconds, and vLLM reads the HF directory directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+GGUF_SUFFIX = ".gguf"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
+FINGERPRINT_CHUNK = 1 << 20  # bytes read from the head and the tail of each weight file
+
+
+def cache_dir() -> Path:
+    """Where dequantised GGUF models are kept: env GRAFT_CACHE_DIR, default ~/.cache/graft."""
+    return Path(os.environ.get("GRAFT_CACHE_DIR", Path.home() / ".cache" / "graft"))
+
+
+def find_gguf(path: str | Path) -> Path | None:
+    """The GGUF file that `path` names (a .gguf file, or a directory holding exactly one), else None."""
+    path = Path(path)
+    if path.is_file() and path.suffix == GGUF_SUFFIX:
+        return path
+    if path.is_dir() and not (path / "config.json").exists():
+        ggufs = sorted(path.glob(f"*{GGUF_SUFFIX}"))
+        if len(ggufs) > 1:
+            raise ValueError(f"{path} holds several GGUF files ({[g.name for g in ggufs]}): pass the one to load")
+        return ggufs[0] if ggufs else None
+    return None
+
+
+def resolve_model_dir(path: str | Path) -> Path:
+    """An HF model directory for `path`: the directory itself, or the cached dequantised copy of a GGUF."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model path {path} does not exist: pass an HF model directory or a .gguf file")
+    gguf = find_gguf(path)
+    if gguf is None:
+        if not (path / "config.json").exists():
+            raise ValueError(f"{path} is neither an HF model directory (no config.json) nor a GGUF file or folder")
+        return path
+    target = cache_dir() / "gguf" / f"{sanitize_model_id(gguf.stem)}-{model_fingerprint(gguf)}"
+    if (target / "config.json").exists():
+        return target
+    _dequantise_gguf(gguf, target)
+    return target
+
+
+def _dequantise_gguf(gguf: Path, target: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The weights are plain float32 now; a leftover GGUF quantization entry would make loaders expect GGUF.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build in a temporary folder beside the target and rename it: a crash never leaves half a model.
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        for f in staging.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        os.rename(staging, target)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (target / "config.json").exists():  # another process may have won the rename
+            raise
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def load_model_and_tokenizer(path: str | Path, dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) from an HF directory, a .gguf file, or a directory holding one .gguf.
+
+    The model is in eval mode. A tokenizer without a pad token gets its EOS as pad (generation
+    pads on the left; padded positions are masked out).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = resolve_model_dir(path)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model.eval()
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def sanitize_model_id(name: str) -> str:
+    """A path-safe model id (letters, digits, '.', '_', '-') from a file or directory name."""
+    safe = re.sub(r"[^A-Za-z0-9._\-]+", "-", name).strip("-.")
+    if not safe:
+        raise ValueError(f"cannot make a model id out of {name!r}: pass --model-id explicitly")
+    return safe
+
+
+def default_model_id(path: str | Path) -> str:
+    """The model id used when none is given: the GGUF file's stem or the directory's name."""
+    path = Path(path).expanduser().resolve()
+    gguf = find_gguf(path)
+    return sanitize_model_id(gguf.stem if gguf is not None else path.name)
+
+
+def model_fingerprint(path: str | Path) -> str:
+    """12 hex chars identifying a checkpoint's contents, cheap enough for multi-GB weights.
+
+    Hashes each weight and config file's name, size, first and last MiB. Copying a checkpoint
+    keeps its fingerprint; retraining changes it.
+    """
+    path = Path(path)
+    files = [path] if path.is_file() else sorted(
+        f for f in path.iterdir() if f.is_file() and (f.suffix in WEIGHT_SUFFIXES or f.name == "config.json")
+    )
+    if not files:
+        raise ValueError(f"{path} holds no weight or config file to fingerprint")
+    digest = hashlib.sha256()
+    for f in files:
+        size = f.stat().st_size
+        digest.update(f"{f.name}\0{size}\0".encode())
+        with open(f, "rb") as fh:
+            digest.update(fh.read(FINGERPRINT_CHUNK))
+            if size > 2 * FINGERPRINT_CHUNK:
+                fh.seek(size - FINGERPRINT_CHUNK)
+                digest.update(fh.read(FINGERPRINT_CHUNK))
+    return digest.hexdigest()[:12]
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """`tok-` + 16 hex chars of the vocabulary and special tokens.
+
+    Two models with the same tokenizer (say two sizes of one family) get the same id, which is
+    exactly when their token ids are interchangeable (GRAFT_SPEC section 3).
+    """
+    vocab = sorted(tokenizer.get_vocab().items())
+    specials = {
+        "bos": tokenizer.bos_token_id,
+        "eos": tokenizer.eos_token_id,
+        "added": sorted(str(t) for t in tokenizer.all_special_tokens),
+    }
+    payload = json.dumps([vocab, specials], ensure_ascii=False).encode("utf-8")
+    return "tok-" + hashlib.sha256(payload).hexdigest()[:16]
+
+
+def eos_token_ids(model, tokenizer) -> set[int]:
+    """Every token that ends a completion: the tokenizer's EOS and the model's generation-config EOS."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(config_eos, int):
+        ids.add(config_eos)
+    elif config_eos:
+        ids.update(int(i) for i in config_eos)
+    if not ids:
+        raise ValueError("the tokenizer and the model define no EOS token: completions could never finish")
+    return ids
+
+
+def default_model_revision(path: str | Path) -> str:
+    """The revision stored when none is given: the fingerprint of the GGUF file or HF directory."""
+    path = Path(path).expanduser()
+    return model_fingerprint(find_gguf(path) or path)

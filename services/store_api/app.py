@@ -1,0 +1,492 @@
+"""The store's HTTP API (v1): FastAPI app, ingest and compaction threads, errors as `ErrorResponse` JSON.
+
+Bulk responses (groups, rollout pages) are Arrow IPC streams when the client sends
+`Accept: application/vnd.apache.arrow.stream`, else JSON serialised with orjson into a raw Response
+(FastAPI's default response path is ~6x slower for these payloads).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+import time
+from contextlib import asynccontextmanager
+from importlib.metadata import PackageNotFoundError, version
+from typing import Annotated, Any
+
+import orjson
+import pyarrow as pa
+import pyarrow.compute as pc
+from fastapi import Depends, FastAPI, Path, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from schemas import (
+    MAX_PAGE_SIZE,
+    MAX_PUSH_GROUPS,
+    ROLLOUT_ARROW_SCHEMA,
+    ErrorResponse,
+    HealthResponse,
+    PeerLookupRequest,
+    PeerLookupResponse,
+    Problem,
+    PushGroupsRequest,
+    PushGroupsResponse,
+    RolloutGroup,
+    RolloutPage,
+    StatsResponse,
+    groups_to_table,
+)
+from services.store_api.index import BadCursor, StoreIndex
+from services.store_api.settings import StoreSettings
+from services.store_api.shards import ShardValidationError, validate_table
+
+log = logging.getLogger("graft.store")
+
+ARROW_MEDIA_TYPE = "application/vnd.apache.arrow.stream"
+PROBLEMS_METADATA_KEY = b"graft_problems"  # Arrow push: problems as JSON in the stream's schema metadata
+PROMPT_ID_PATTERN = r"^[0-9a-f]{16}$"
+try:
+    VERSION = version("graft")
+except PackageNotFoundError:  # running from a checkout without `pip install -e .`
+    VERSION = "0.0.0"
+
+
+class StoreHTTPError(Exception):
+    """An error the API answers with `status` and an ErrorResponse saying what to do."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class PromptGroupsResponse(BaseModel):
+    prompt_id: str = Field(description="the prompt asked for")
+    groups: list[RolloutGroup] = Field(description="its stored groups, most recent first (highest policy step, then newest)")
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": text}
+    for status, text in ((400, "malformed request"), (401, "missing or wrong bearer token"),
+                         (404, "not found"), (413, "request body too large"), (415, "unsupported content type"),
+                         (422, "request fails validation"))
+}
+ARROW_CONTENT = {ARROW_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}
+
+
+# ------------------------------------------------------------------------------------------ response helpers
+
+
+def wants_arrow(request: Request) -> bool:
+    return ARROW_MEDIA_TYPE in request.headers.get("accept", "")
+
+
+def arrow_response(table: pa.Table, metadata: dict[str, str]) -> Response:
+    schema = ROLLOUT_ARROW_SCHEMA.with_metadata({**ROLLOUT_ARROW_SCHEMA.metadata, **{k: v for k, v in metadata.items()}})
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, schema) as writer:
+        writer.write_table(table.replace_schema_metadata(schema.metadata))
+    return Response(sink.getvalue().to_pybytes(), media_type=ARROW_MEDIA_TYPE)
+
+
+def json_response(content: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(content), status_code=status, media_type="application/json")
+
+
+def rows_as_groups(table: pa.Table) -> list[dict[str, list[dict[str, Any]]]]:
+    """Consecutive rows of a table of whole groups, as `{"rollouts": [...]}` dicts."""
+    groups: list[dict[str, list[dict[str, Any]]]] = []
+    last = None
+    for row in table.to_pylist():
+        if row["group_id"] != last:
+            groups.append({"rollouts": []})
+            last = row["group_id"]
+        groups[-1]["rollouts"].append(row)
+    return groups
+
+
+def error_body(status: int, message: str, detail: list[dict] | None = None) -> JSONResponse:
+    return JSONResponse(ErrorResponse(error=message, detail=detail).model_dump(exclude_none=True), status_code=status)
+
+
+def readable_errors(errors: list[dict[str, Any]]) -> tuple[str, list[dict]]:
+    """Pydantic/FastAPI validation errors as one readable line and a JSON-safe list."""
+    detail = [{"loc": [str(p) for p in e.get("loc", ())], "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
+              for e in errors]
+    parts = [f"{'.'.join(d['loc']) or 'request'}: {d['msg']}" for d in detail[:5]]
+    more = f" (and {len(detail) - 5} more)" if len(detail) > 5 else ""
+    return "invalid request: " + "; ".join(parts) + more, detail
+
+
+# ------------------------------------------------------------------------------------------ body size limit
+
+
+class BodySizeLimit:
+    """Refuse request bodies over a limit with 413 before the app reads them (POST /v1/groups has its own)."""
+
+    def __init__(self, app, push_limit: int, other_limit: int):
+        self.app = app
+        self.push_limit = push_limit
+        self.other_limit = other_limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = self.push_limit if scope["path"] == "/v1/groups" else self.other_limit
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length")
+        if length is not None:
+            try:
+                too_big = int(length) > limit
+            except ValueError:
+                return await self._refuse(send, 400, f"Content-Length {length!r} is not a number")
+            if too_big:
+                return await self._refuse(send, 413, f"request body of {int(length)} bytes exceeds the limit of {limit} "
+                                                     "bytes: send fewer groups or prompt ids per request")
+            return await self.app(scope, receive, send)
+        # no Content-Length (chunked): read up to the limit here, then replay it to the app
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > limit:
+                return await self._refuse(send, 413, f"request body exceeds the limit of {limit} bytes")
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+    @staticmethod
+    async def _refuse(send, status: int, message: str) -> None:
+        body = orjson.dumps({"error": message})
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+# ------------------------------------------------------------------------------------------ auth
+
+bearer = HTTPBearer(auto_error=False, description="required for writes when GRAFT_STORE_TOKEN is set")
+
+
+def require_token(request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> None:
+    token = request.app.state.settings.token
+    if token is None:
+        return
+    if credentials is None:
+        raise StoreHTTPError(401, "this store requires a bearer token for writes: send 'Authorization: Bearer <token>'")
+    if not hmac.compare_digest(credentials.credentials.encode(), token.encode()):
+        raise StoreHTTPError(401, "wrong bearer token: use the store's GRAFT_STORE_TOKEN")
+
+
+# ------------------------------------------------------------------------------------------ background loops
+
+
+class Background:
+    """The ingest loop and the maintenance loop (compaction, deleting retired shards) as daemon threads."""
+
+    def __init__(self, index: StoreIndex, settings: StoreSettings, ingested: Counter):
+        self.index = index
+        self.settings = settings
+        self.ingested = ingested
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._ingest, name="store-ingest", daemon=True),
+                        threading.Thread(target=self._maintain, name="store-maintenance", daemon=True)]
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def alive(self) -> bool:
+        return all(t.is_alive() for t in self.threads)
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=30)
+
+    def _ingest(self) -> None:
+        while not self.stop.wait(self.settings.ingest_interval_s):
+            try:
+                self.ingested.inc(self.index.ingest_new())
+            except Exception:  # a bad iteration must not stop ingestion; the next one retries
+                log.exception("ingest loop iteration failed; retrying in %.1f s", self.settings.ingest_interval_s)
+
+    def _maintain(self) -> None:
+        last_compaction = time.monotonic()
+        while not self.stop.wait(min(5.0, self.settings.compact_interval_s or 5.0)):
+            try:
+                due = time.monotonic() - last_compaction >= self.settings.compact_interval_s
+                if self.settings.compact_interval_s > 0 and due:
+                    report = self.index.compact()
+                    last_compaction = time.monotonic()
+                    if report["files_written"] or report["files_retired_empty"]:
+                        log.info("compaction: %s", report)
+                self.index.delete_retired()
+            except Exception:
+                log.exception("maintenance iteration failed; retrying")
+
+
+# ------------------------------------------------------------------------------------------ the app
+
+
+def create_app(settings: StoreSettings) -> FastAPI:
+    """The store API over `settings.root`; the index opens (and catches up with the files) at startup."""
+    registry = CollectorRegistry()
+    lookups = Counter("graft_store_lookups", "peer lookup requests", registry=registry)
+    lookup_seconds = Histogram("graft_store_lookup_seconds", "peer lookup latency", registry=registry,
+                               buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5))
+    lookup_misses = Counter("graft_store_lookup_misses", "prompts a peer lookup found nothing for", registry=registry)
+    ingested = Counter("graft_store_groups_ingested", "groups indexed by the ingest loop", registry=registry)
+    pushed = Counter("graft_store_groups_pushed", "groups accepted by POST /v1/groups", registry=registry)
+    groups_gauge = Gauge("graft_store_groups", "groups in the index", registry=registry)
+    index = StoreIndex(settings)
+    state: dict[str, Background] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await run_in_threadpool(index.open)
+        groups_gauge.set_function(index.group_count)
+        background = Background(index, settings, ingested)
+        background.start()
+        state["background"] = background
+        log.info("store serving %s: %d groups indexed", settings.root, index.group_count())
+        try:
+            yield
+        finally:
+            background.close()
+            index.close()
+
+    app = FastAPI(
+        title="graft trajectory store", version=VERSION, lifespan=lifespan,
+        description="Stored rollout groups for GRAFT: peer lookups for trainers, push ingest, filtered queries.",
+    )
+    app.state.index = index
+    app.add_middleware(BodySizeLimit, push_limit=int(settings.max_body_mb * 2**20),
+                       other_limit=int(settings.max_request_kb * 2**10))
+    app.state.settings = settings
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError):
+        message, detail = readable_errors(list(exc.errors()))
+        return error_body(422, message, detail)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException):
+        message = str(exc.detail)
+        if exc.status_code == 404 and message == "Not Found":
+            message = f"no such endpoint: {request.method} {request.url.path}; see /docs"
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}; see /docs"
+        return error_body(exc.status_code, message)
+
+    @app.exception_handler(StoreHTTPError)
+    async def on_store_error(request: Request, exc: StoreHTTPError):
+        return error_body(exc.status, exc.message)
+
+    @app.exception_handler(ShardValidationError)
+    async def on_shard_validation(request: Request, exc: ShardValidationError):
+        return error_body(422, f"invalid rollouts: {exc}")
+
+    @app.exception_handler(BadCursor)
+    async def on_bad_cursor(request: Request, exc: BadCursor):
+        return error_body(400, str(exc))
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception):
+        log.exception("internal error on %s %s", request.method, request.url.path)
+        return error_body(500, f"internal error ({type(exc).__name__}); the store logged the details")
+
+    # ------------------------------------------------------------------ reads
+
+    @app.get("/v1/health", response_model=HealthResponse, tags=["meta"])
+    def health() -> HealthResponse:
+        """'ok' when the index is open and the ingest loop runs."""
+        background = state.get("background")
+        status = "ok" if background is not None and background.alive() else "degraded"
+        return HealthResponse(status=status, version=VERSION, groups=index.group_count())
+
+    @app.get("/v1/stats", response_model=StatsResponse, tags=["meta"])
+    def stats() -> StatsResponse:
+        """Counts per model, success rates, files, quarantined files, duplicates and ingest freshness."""
+        return index.stats()
+
+    @app.post("/v1/peer-groups/lookup", response_model=PeerLookupResponse, tags=["groups"],
+              responses={200: {"content": ARROW_CONTENT}, **ERROR_RESPONSES})
+    def peer_lookup(req: PeerLookupRequest, request: Request) -> Response:
+        """The trainer's call: whole peer groups for many prompts, most recent first, and the misses.
+
+        Send `Accept: application/vnd.apache.arrow.stream` for an Arrow IPC stream of rollout rows in
+        ROLLOUT_ARROW_SCHEMA (misses as JSON in the schema metadata key `misses`).
+        """
+        started = time.perf_counter()
+        table, misses = index.read_selected(lambda: index.select_peer_groups(req))
+        lookups.inc()
+        lookup_misses.inc(len(misses))
+        if wants_arrow(request):
+            response = arrow_response(table, {"misses": orjson.dumps(misses).decode()})
+        else:
+            response = json_response({"groups": rows_as_groups(table), "misses": misses})
+        lookup_seconds.observe(time.perf_counter() - started)
+        return response
+
+    @app.get("/v1/prompts/{prompt_id}/groups", response_model=PromptGroupsResponse, tags=["groups"],
+             responses={200: {"content": ARROW_CONTENT}, **ERROR_RESPONSES})
+    def prompt_groups(
+        request: Request,
+        prompt_id: Annotated[str, Path(pattern=PROMPT_ID_PATTERN, description="prompt_id(problem text)")],
+        model: Annotated[str | None, Query(description="only this model's groups")] = None,
+        limit: Annotated[int, Query(ge=1, le=256, description="at most this many groups")] = 16,
+    ) -> Response:
+        """Every stored group of one prompt (any model), most recent first."""
+        table, _ = index.read_selected(lambda: (index.select_prompt_groups(prompt_id, model, limit), None))
+        if wants_arrow(request):
+            return arrow_response(table, {"prompt_id": prompt_id})
+        return json_response({"prompt_id": prompt_id, "groups": rows_as_groups(table)})
+
+    @app.get("/v1/groups/{group_id}", response_model=RolloutGroup, tags=["groups"],
+             responses={200: {"content": ARROW_CONTENT}, **ERROR_RESPONSES})
+    def get_group(request: Request, group_id: Annotated[str, Path(min_length=1, max_length=256)]) -> Response:
+        """One group by id."""
+        table, _ = index.read_selected(lambda: (index.select_group(group_id), None))
+        if table.num_rows == 0:
+            raise StoreHTTPError(404, f"no group {group_id!r} in this store")
+        if wants_arrow(request):
+            return arrow_response(table, {})
+        return json_response(rows_as_groups(table)[0])
+
+    @app.get("/v1/rollouts", response_model=RolloutPage, tags=["rollouts"],
+             responses={200: {"content": ARROW_CONTENT}, **ERROR_RESPONSES})
+    def rollouts(
+        request: Request,
+        model: Annotated[str | None, Query(description="model_id")] = None,
+        prompt_id: Annotated[str | None, Query(pattern=PROMPT_ID_PATTERN, description="prompt_id")] = None,
+        dataset: Annotated[str | None, Query(description="dataset name")] = None,
+        correct: Annotated[bool | None, Query(description="only correct (true) or incorrect (false) rollouts")] = None,
+        min_reward: Annotated[float | None, Query(ge=0, le=1, description="reward >= this (unscored rows excluded)")] = None,
+        max_reward: Annotated[float | None, Query(ge=0, le=1, description="reward <= this (unscored rows excluded)")] = None,
+        min_policy_step: Annotated[int | None, Query(ge=0, description="policy_step >= this")] = None,
+        max_policy_step: Annotated[int | None, Query(ge=0, description="policy_step <= this")] = None,
+        cursor: Annotated[str | None, Query(max_length=64, description="next_cursor of the previous page")] = None,
+        limit: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE, description="page size")] = 100,
+    ) -> Response:
+        """Stored rollouts matching the filters, in ingest order, one page at a time (follow next_cursor).
+
+        A page may hold fewer than `limit` rollouts while next_cursor is set (the store bounds the work per
+        page); the last page has next_cursor null.
+        """
+        if min_reward is not None and max_reward is not None and min_reward > max_reward:
+            raise StoreHTTPError(422, f"min_reward {min_reward} > max_reward {max_reward}: the range is empty")
+        table, next_cursor = index.rollout_page(
+            model=model, prompt_id=prompt_id, dataset=dataset, correct=correct, min_reward=min_reward,
+            max_reward=max_reward, min_policy_step=min_policy_step, max_policy_step=max_policy_step,
+            cursor=cursor, limit=limit,
+        )
+        if wants_arrow(request):
+            return arrow_response(table, {"next_cursor": orjson.dumps(next_cursor).decode()})
+        return json_response({"rollouts": table.to_pylist(), "next_cursor": next_cursor})
+
+    # ------------------------------------------------------------------ writes
+
+    push_body_schema = {"$ref": "#/components/schemas/PushGroupsRequest"}
+
+    @app.post("/v1/groups", response_model=PushGroupsResponse, tags=["groups"], dependencies=[Depends(require_token)],
+              responses=ERROR_RESPONSES, openapi_extra={"requestBody": {"required": True, "content": {
+                  "application/json": {"schema": push_body_schema},
+                  ARROW_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}}})
+    async def push_groups(request: Request) -> PushGroupsResponse:
+        """Push ingest: validate whole groups of one model, write them as a shard, index it at once.
+
+        JSON body: PushGroupsRequest. Or an Arrow IPC stream (Content-Type application/vnd.apache.arrow.stream)
+        of rollout rows in ROLLOUT_ARROW_SCHEMA, problems as JSON in schema metadata key `graft_problems`.
+        Groups already stored are not written again (listed in duplicate_groups).
+        """
+        content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        body = await request.body()
+        if content_type == ARROW_MEDIA_TYPE:
+            table, problems = await run_in_threadpool(parse_arrow_push, body)
+        elif content_type in ("application/json", ""):
+            table, problems = await run_in_threadpool(parse_json_push, body)
+        else:
+            raise StoreHTTPError(415, f"Content-Type {content_type!r} is not accepted: send application/json "
+                                      f"(PushGroupsRequest) or {ARROW_MEDIA_TYPE}")
+        n_models = pc.count_distinct(table.column("model_id")).as_py()
+        if n_models != 1:
+            raise StoreHTTPError(422, f"groups of {n_models} models in one push; a shard holds one model's groups: "
+                                      "push each model's groups separately")
+        accepted, duplicates, shard = await run_in_threadpool(index.push, table, problems)
+        pushed.inc(accepted)
+        return PushGroupsResponse(accepted_groups=accepted, duplicate_groups=duplicates, shard=shard)
+
+    @app.get("/metrics", include_in_schema=False)
+    def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    def custom_openapi() -> dict[str, Any]:
+        """FastAPI's schema plus PushGroupsRequest and Problem, which the push body refers to."""
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = FastAPI.openapi(app)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        generated = PushGroupsRequest.model_json_schema(ref_template="#/components/schemas/{model}", mode="validation")
+        for name, definition in generated.pop("$defs", {}).items():
+            components.setdefault(name, definition)
+        components["PushGroupsRequest"] = generated
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = custom_openapi
+    return app
+
+
+def parse_json_push(body: bytes) -> tuple[pa.Table, list[Problem]]:
+    """A PushGroupsRequest body as a validated table and its problems; pydantic errors become 422s."""
+    try:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise StoreHTTPError(400, f"body is not JSON: {exc}") from exc
+    try:
+        request = PushGroupsRequest.model_validate(payload)
+    except ValidationError as exc:
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]) from exc
+    return validate_table(groups_to_table(request.groups)), list(request.problems)
+
+
+def parse_arrow_push(body: bytes) -> tuple[pa.Table, list[Problem]]:
+    """An Arrow IPC stream body as a validated table (vectorised checks) and the problems in its metadata."""
+    try:
+        table = pa.ipc.open_stream(pa.py_buffer(body)).read_all()
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise StoreHTTPError(400, f"body is not an Arrow IPC stream: {exc}") from exc
+    problems: list[Problem] = []
+    raw = (table.schema.metadata or {}).get(PROBLEMS_METADATA_KEY)
+    if raw:
+        try:
+            problems = [Problem.model_validate(p) for p in orjson.loads(raw)]
+        except (orjson.JSONDecodeError, ValidationError, TypeError) as exc:
+            raise StoreHTTPError(422, f"schema metadata {PROBLEMS_METADATA_KEY.decode()} is not a JSON list of "
+                                      f"Problem: {exc}") from exc
+    table = validate_table(table.replace_schema_metadata(None))
+    n_groups = pc.count_distinct(table.column("group_id")).as_py()
+    if n_groups > MAX_PUSH_GROUPS:
+        raise StoreHTTPError(422, f"{n_groups} groups in one push; at most {MAX_PUSH_GROUPS}: split it")
+    return table, problems

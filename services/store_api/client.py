@@ -1,0 +1,301 @@
+"""HTTP clients of the store (sync and async, httpx), with timeouts and retries; the trainer uses these.
+
+Bulk data travels as Arrow IPC both ways. Errors raise StoreError (status code and the server's message);
+a store that cannot be reached after the retries raises StoreUnavailable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from urllib.parse import quote
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import orjson
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from schemas import (
+    MAX_PUSH_GROUPS,
+    HealthResponse,
+    PeerLookupRequest,
+    PeerLookupResponse,
+    Problem,
+    PushGroupsResponse,
+    RolloutGroup,
+    StatsResponse,
+    groups_to_table,
+    table_to_groups,
+)
+
+ARROW_MEDIA_TYPE = "application/vnd.apache.arrow.stream"
+RETRY_STATUSES = {502, 503, 504}
+
+
+class StoreError(Exception):
+    """The store answered with an error; `status_code` and the server's `message`."""
+
+    def __init__(self, message: str, status_code: int | None = None):
+        super().__init__(f"{message} (HTTP {status_code})" if status_code else message)
+        self.status_code = status_code
+        self.message = message
+
+
+class StoreUnavailable(StoreError):
+    """The store could not be reached (connection refused, timeouts, 502-504) after every retry."""
+
+
+def _error(response: httpx.Response) -> StoreError:
+    try:
+        message = response.json().get("error") or response.text
+    except ValueError:
+        message = response.text or response.reason_phrase
+    return StoreError(f"{response.request.method} {response.request.url.path}: {message}", response.status_code)
+
+
+def _read_arrow(response: httpx.Response) -> pa.Table:
+    return pa.ipc.open_stream(pa.py_buffer(response.content)).read_all()
+
+
+def _metadata_json(table: pa.Table, key: str) -> Any:
+    raw = (table.schema.metadata or {}).get(key.encode())
+    return None if raw is None else orjson.loads(raw)
+
+
+def _push_bodies(groups: list[RolloutGroup] | pa.Table, problems: list[Problem] | None) -> list[bytes]:
+    """Arrow IPC bodies of at most MAX_PUSH_GROUPS groups of one model each; problems ride with the first."""
+    table = groups if isinstance(groups, pa.Table) else groups_to_table(list(groups))
+    bodies = []
+    problems_json = orjson.dumps([p.model_dump() for p in problems or []])
+    for model in pc.unique(table.column("model_id")).to_pylist():
+        rows = table.filter(pc.equal(table.column("model_id"), model))
+        group_ids = pc.unique(rows.column("group_id"))
+        for start in range(0, len(group_ids), MAX_PUSH_GROUPS):
+            chunk_ids = group_ids.slice(start, MAX_PUSH_GROUPS)
+            chunk = rows.filter(pc.is_in(rows.column("group_id"), chunk_ids))
+            metadata = {b"graft_problems": problems_json} if problems and not bodies else {}
+            chunk = chunk.replace_schema_metadata({**(chunk.schema.metadata or {}), **metadata})
+            sink = pa.BufferOutputStream()
+            with pa.ipc.new_stream(sink, chunk.schema) as writer:
+                writer.write_table(chunk)
+            bodies.append(sink.getvalue().to_pybytes())
+    return bodies
+
+
+def _merge_pushes(responses: list[PushGroupsResponse]) -> PushGroupsResponse:
+    shards = [r.shard for r in responses if r.shard]
+    return PushGroupsResponse(
+        accepted_groups=sum(r.accepted_groups for r in responses),
+        duplicate_groups=[g for r in responses for g in r.duplicate_groups],
+        shard=shards[-1] if shards else None,
+    )
+
+
+def _lookup_response(table: pa.Table, validate: bool) -> PeerLookupResponse:
+    groups = table_to_groups(table, validate=validate)
+    misses = _metadata_json(table, "misses") or []
+    if validate:
+        return PeerLookupResponse(groups=groups, misses=misses)
+    return PeerLookupResponse.model_construct(groups=groups, misses=misses)
+
+
+def _rollout_params(filters: dict[str, Any], cursor: str | None, limit: int) -> dict[str, Any]:
+    params = {k: (str(v).lower() if isinstance(v, bool) else v) for k, v in filters.items() if v is not None}
+    params["limit"] = limit
+    if cursor:
+        params["cursor"] = cursor
+    return params
+
+
+class StoreClient:
+    """Synchronous client. `retries` more attempts after the first on connection errors and 502-504."""
+
+    def __init__(self, base_url: str, token: str | None = None, timeout_s: float = 10.0, retries: int = 3,
+                 backoff_s: float = 0.2):
+        self.base_url = base_url.rstrip("/")
+        self.retries = retries
+        self.backoff_s = backoff_s
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=headers)
+
+    def _request(self, method: str, path: str, **kwargs) -> httpx.Response:
+        last: Exception | str = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                response = self._http.request(method, path, **kwargs)
+            except httpx.TransportError as exc:
+                last = exc
+                continue
+            if response.status_code in RETRY_STATUSES:
+                last = f"HTTP {response.status_code}"
+                continue
+            if response.status_code >= 400:
+                raise _error(response)
+            return response
+        raise StoreUnavailable(f"store at {self.base_url} unreachable after {self.retries + 1} attempts "
+                               f"({method} {path}): {last!r}")
+
+    def health(self) -> HealthResponse:
+        return HealthResponse.model_validate_json(self._request("GET", "/v1/health").content)
+
+    def stats(self) -> StatsResponse:
+        return StatsResponse.model_validate_json(self._request("GET", "/v1/stats").content)
+
+    def lookup_peer_table(self, req: PeerLookupRequest) -> tuple[pa.Table, list[str]]:
+        """Peer groups as an Arrow table of rollout rows (fastest), and the missed prompt ids."""
+        response = self._request("POST", "/v1/peer-groups/lookup", content=req.model_dump_json(exclude_none=True),
+                                 headers={"Content-Type": "application/json", "Accept": ARROW_MEDIA_TYPE})
+        table = _read_arrow(response)
+        return table, _metadata_json(table, "misses") or []
+
+    def lookup_peer_groups(self, req: PeerLookupRequest, validate: bool = False) -> PeerLookupResponse:
+        """Peer groups as models (built with model_construct unless `validate`)."""
+        table, _ = self.lookup_peer_table(req)
+        return _lookup_response(table, validate)
+
+    def push_groups(self, groups: list[RolloutGroup] | pa.Table, problems: list[Problem] | None = None) -> PushGroupsResponse:
+        """Store groups (any number, any models: split into pushes of one model and <= 512 groups)."""
+        responses = [
+            PushGroupsResponse.model_validate_json(self._request(
+                "POST", "/v1/groups", content=body, headers={"Content-Type": ARROW_MEDIA_TYPE}).content)
+            for body in _push_bodies(groups, problems)
+        ]
+        return _merge_pushes(responses)
+
+    def get_group(self, group_id: str) -> RolloutGroup | None:
+        try:
+            response = self._request("GET", f"/v1/groups/{quote(group_id, safe='')}", headers={"Accept": ARROW_MEDIA_TYPE})
+        except StoreError as exc:
+            if exc.status_code == 404:
+                return None
+            raise
+        return table_to_groups(_read_arrow(response))[0]
+
+    def prompt_groups(self, prompt_id: str, model: str | None = None, limit: int = 16) -> list[RolloutGroup]:
+        params = {"limit": limit, **({"model": model} if model else {})}
+        response = self._request("GET", f"/v1/prompts/{prompt_id}/groups", params=params,
+                                 headers={"Accept": ARROW_MEDIA_TYPE})
+        return table_to_groups(_read_arrow(response))
+
+    def rollouts_page(self, cursor: str | None = None, limit: int = 1000, **filters) -> tuple[pa.Table, str | None]:
+        """One page of GET /v1/rollouts as an Arrow table, and the next cursor (None on the last page)."""
+        response = self._request("GET", "/v1/rollouts", params=_rollout_params(filters, cursor, limit),
+                                 headers={"Accept": ARROW_MEDIA_TYPE})
+        table = _read_arrow(response)
+        return table, _metadata_json(table, "next_cursor")
+
+    def iter_rollouts(self, limit: int = 1000, **filters) -> Iterator[pa.Table]:
+        """Every page of GET /v1/rollouts with these filters (model, prompt_id, dataset, correct, ...)."""
+        cursor = None
+        while True:
+            table, cursor = self.rollouts_page(cursor, limit, **filters)
+            yield table
+            if cursor is None:
+                return
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> StoreClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncStoreClient:
+    """The same calls as StoreClient, as coroutines."""
+
+    def __init__(self, base_url: str, token: str | None = None, timeout_s: float = 10.0, retries: int = 3,
+                 backoff_s: float = 0.2):
+        self.base_url = base_url.rstrip("/")
+        self.retries = retries
+        self.backoff_s = backoff_s
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, headers=headers)
+
+    async def _request(self, method: str, path: str, **kwargs) -> httpx.Response:
+        last: Exception | str = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                response = await self._http.request(method, path, **kwargs)
+            except httpx.TransportError as exc:
+                last = exc
+                continue
+            if response.status_code in RETRY_STATUSES:
+                last = f"HTTP {response.status_code}"
+                continue
+            if response.status_code >= 400:
+                raise _error(response)
+            return response
+        raise StoreUnavailable(f"store at {self.base_url} unreachable after {self.retries + 1} attempts "
+                               f"({method} {path}): {last!r}")
+
+    async def health(self) -> HealthResponse:
+        return HealthResponse.model_validate_json((await self._request("GET", "/v1/health")).content)
+
+    async def stats(self) -> StatsResponse:
+        return StatsResponse.model_validate_json((await self._request("GET", "/v1/stats")).content)
+
+    async def lookup_peer_table(self, req: PeerLookupRequest) -> tuple[pa.Table, list[str]]:
+        response = await self._request("POST", "/v1/peer-groups/lookup", content=req.model_dump_json(exclude_none=True),
+                                       headers={"Content-Type": "application/json", "Accept": ARROW_MEDIA_TYPE})
+        table = _read_arrow(response)
+        return table, _metadata_json(table, "misses") or []
+
+    async def lookup_peer_groups(self, req: PeerLookupRequest, validate: bool = False) -> PeerLookupResponse:
+        table, _ = await self.lookup_peer_table(req)
+        return _lookup_response(table, validate)
+
+    async def push_groups(self, groups: list[RolloutGroup] | pa.Table,
+                          problems: list[Problem] | None = None) -> PushGroupsResponse:
+        responses = []
+        for body in _push_bodies(groups, problems):
+            response = await self._request("POST", "/v1/groups", content=body, headers={"Content-Type": ARROW_MEDIA_TYPE})
+            responses.append(PushGroupsResponse.model_validate_json(response.content))
+        return _merge_pushes(responses)
+
+    async def get_group(self, group_id: str) -> RolloutGroup | None:
+        try:
+            response = await self._request("GET", f"/v1/groups/{quote(group_id, safe='')}", headers={"Accept": ARROW_MEDIA_TYPE})
+        except StoreError as exc:
+            if exc.status_code == 404:
+                return None
+            raise
+        return table_to_groups(_read_arrow(response))[0]
+
+    async def prompt_groups(self, prompt_id: str, model: str | None = None, limit: int = 16) -> list[RolloutGroup]:
+        params = {"limit": limit, **({"model": model} if model else {})}
+        response = await self._request("GET", f"/v1/prompts/{prompt_id}/groups", params=params,
+                                       headers={"Accept": ARROW_MEDIA_TYPE})
+        return table_to_groups(_read_arrow(response))
+
+    async def rollouts_page(self, cursor: str | None = None, limit: int = 1000,
+                            **filters) -> tuple[pa.Table, str | None]:
+        response = await self._request("GET", "/v1/rollouts", params=_rollout_params(filters, cursor, limit),
+                                       headers={"Accept": ARROW_MEDIA_TYPE})
+        table = _read_arrow(response)
+        return table, _metadata_json(table, "next_cursor")
+
+    async def iter_rollouts(self, limit: int = 1000, **filters) -> AsyncIterator[pa.Table]:
+        cursor = None
+        while True:
+            table, cursor = await self.rollouts_page(cursor, limit, **filters)
+            yield table
+            if cursor is None:
+                return
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncStoreClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

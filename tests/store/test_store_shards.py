@@ -1,0 +1,151 @@
+"""The shard writer and the vectorised validator: round trips, the same rules as the pydantic models."""
+
+from __future__ import annotations
+
+import math
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from pydantic import ValidationError
+from store_factory import make_group, make_problem
+
+from schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA, Rollout, RolloutGroup, groups_to_table, table_to_groups
+from services.store_api.shards import (
+    BULK_COLUMNS,
+    TMP_PREFIX,
+    ShardReader,
+    ShardValidationError,
+    validate_table,
+    write_groups,
+)
+
+
+def test_round_trip_through_a_shard(tmp_path):
+    groups = [make_group(i, "model-a", step=3, size=8, tokens=20) for i in range(30)]
+    path = write_groups(tmp_path, groups, problems=[make_problem(i) for i in range(30)])
+
+    assert path.parent == tmp_path / "rollouts" / "model=model-a"
+    assert path.name.startswith("part-") and path.suffix == ".parquet"
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(TMP_PREFIX)]
+    back = table_to_groups(pq.read_table(path))
+    assert back == groups  # every field, every rollout, same order
+
+    reader = ShardReader(tmp_path)
+    rel = path.relative_to(tmp_path).as_posix()
+    middle = reader.read([(rel, 8 * 17, 8), (rel, 0, 8)])
+    assert table_to_groups(middle) == [groups[17], groups[0]]
+
+    problems = pq.read_table(next((tmp_path / "prompts" / "dataset=toy-math").glob("part-*.parquet")))
+    assert problems.schema.equals(PROBLEM_ARROW_SCHEMA, check_metadata=False)
+    assert sorted(problems.column("prompt_id").to_pylist()) == sorted(make_problem(i).prompt_id for i in range(30))
+
+
+def test_row_groups_hold_whole_groups_and_bulk_columns_are_zstd(tmp_path):
+    groups = [make_group(i, "model-a", size=6) for i in range(40)]  # 6 does not divide the 64-row target
+    path = write_groups(tmp_path, groups)
+    metadata = pq.ParquetFile(path).metadata
+    assert metadata.num_row_groups > 1
+    for i in range(metadata.num_row_groups):
+        row_group = metadata.row_group(i)
+        assert row_group.num_rows % 6 == 0 and row_group.num_rows <= 64
+        for j in range(row_group.num_columns):
+            column = row_group.column(j)
+            expected = "ZSTD" if column.path_in_schema.split(".")[0] in BULK_COLUMNS else "UNCOMPRESSED"
+            assert column.compression == expected, column.path_in_schema
+
+
+def test_arrow_path_writes_the_same_rows_as_the_model_path(tmp_path):
+    groups = [make_group(i, "model-b", size=4) for i in range(10)]
+    from_models = pq.read_table(write_groups(tmp_path / "a", groups))
+    from_arrow = pq.read_table(write_groups(tmp_path / "b", groups_to_table(groups)))
+    assert from_models.equals(from_arrow)
+    assert from_arrow.schema.equals(ROLLOUT_ARROW_SCHEMA, check_metadata=False)
+
+
+def test_one_model_per_shard_and_no_empty_writes(tmp_path):
+    with pytest.raises(ShardValidationError, match="one model's groups"):
+        write_groups(tmp_path, [make_group(1, "model-a"), make_group(1, "model-b")])
+    with pytest.raises(ShardValidationError, match="no groups"):
+        write_groups(tmp_path, [])
+    assert not list(tmp_path.rglob("*.parquet"))
+
+
+def _rows(group: RolloutGroup) -> list[dict]:
+    return [r.model_dump() for r in group.rollouts]
+
+
+def _set(index: int, **changes):
+    def mutate(rows):
+        rows[index].update(changes)
+        return rows
+    return mutate
+
+
+def _bad_logprob(value):
+    def mutate(rows):
+        rows[1]["token_logprobs"] = [value] + rows[1]["token_logprobs"][1:]
+        return rows
+    return mutate
+
+
+def _swap_rows(rows):
+    rows[0]["group_id"] = rows[1]["group_id"] = rows[0]["group_id"]
+    return rows
+
+
+MUTATIONS = {
+    "top_p above 1": _set(0, top_p=1.5),
+    "negative temperature": _set(0, temperature=-0.1),
+    "num_tokens mismatch": _set(1, num_tokens=3),
+    "num_bytes mismatch": _set(2, num_bytes=1),
+    "correct disagrees with reward": _set(0, correct=False),
+    "reward above 1": _set(0, reward=2.0, correct=True),
+    "positive logprob": _bad_logprob(0.5),
+    "nan logprob": _bad_logprob(math.nan),
+    "positive logprob_sum": _set(0, logprob_sum=1.0),
+    "wrong advantage": _set(0, advantage=5.0),
+    "bad prompt id": lambda rows: [{**r, "prompt_id": "XYZ"} for r in rows],
+    "unsafe model id": lambda rows: [{**r, "model_id": "../evil"} for r in rows],
+    "unknown finish reason": _set(3, finish_reason="eos"),
+    "group size mismatch": lambda rows: [{**r, "group_size": 5} for r in rows],
+    "repeated rollout id": _set(1, rollout_id="x") if False else (lambda rows: [rows[0], {**rows[1], "rollout_id": rows[0]["rollout_id"]}, *rows[2:]]),
+    "mixed policy steps": _set(2, policy_step=9),
+    "empty dataset": lambda rows: [{**r, "dataset": ""} for r in rows],
+    "token ids and logprobs differ": lambda rows: [{**rows[0], "token_logprobs": rows[0]["token_logprobs"][:-1]}, *rows[1:]],
+}
+
+
+@pytest.mark.parametrize("name", sorted(MUTATIONS))
+def test_validator_rejects_what_the_models_reject(name):
+    rows = MUTATIONS[name](_rows(make_group(5, "model-a", size=4)))
+    with pytest.raises(ValidationError):
+        RolloutGroup(rollouts=[Rollout(**r) for r in rows])
+    with pytest.raises(ShardValidationError) as info:
+        validate_table(pa.Table.from_pylist(rows, schema=ROLLOUT_ARROW_SCHEMA))
+    assert str(info.value)  # says which row and which rule
+
+
+def test_validator_accepts_null_rewards_dr_grpo_and_names_the_bad_row():
+    from schemas import group_advantages
+
+    group = make_group(3, rewards=[1.0, None, 0.0, 0.0])
+    validate_table(groups_to_table([group]))
+    rows = _rows(make_group(4, rewards=[1.0, 0.0, 0.0, 1.0]))
+    for r, a in zip(rows, group_advantages([1.0, 0.0, 0.0, 1.0], std_normalize=False)):
+        r["advantage"] = a
+    validate_table(pa.Table.from_pylist(rows, schema=ROLLOUT_ARROW_SCHEMA))
+
+    rows = _rows(make_group(6)) + _rows(make_group(7))
+    rows[6]["top_p"] = 0.0
+    with pytest.raises(ShardValidationError, match=rf"row 6 \(group {rows[6]['group_id']}.*top_p"):
+        validate_table(pa.Table.from_pylist(rows, schema=ROLLOUT_ARROW_SCHEMA))
+
+
+def test_split_groups_and_missing_columns_are_refused():
+    a, b = _rows(make_group(1)), _rows(make_group(2))
+    with pytest.raises(ShardValidationError, match="separate runs"):
+        validate_table(pa.Table.from_pylist(a[:2] + b + a[2:], schema=ROLLOUT_ARROW_SCHEMA))
+    table = groups_to_table([make_group(1)]).drop_columns(["advantage"])
+    with pytest.raises(ShardValidationError, match="missing \\['advantage'\\]"):
+        validate_table(table)

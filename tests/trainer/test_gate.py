@@ -1,0 +1,125 @@
+"""The gate, peer choice, peer advantages and the compatibility weights, by hand (GRAFT_SPEC 1, 2, 4, 5)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from schemas import Problem, Rollout, RolloutGroup
+from trainer.gate import (
+    behaviour_ratio,
+    choose_peer_group,
+    classify_group,
+    compat_weights,
+    effective_sample_size,
+    gate_groups,
+    group_normalize,
+    peer_group_advantages,
+)
+
+PROBLEMS = [Problem.from_text(f"{a}+1=", str(a + 1), "toy_add") for a in range(6)]
+
+
+def group(problem, rewards, model_id="peer", policy_step=0, std_normalize=True, advantages=None):
+    from schemas import group_advantages
+
+    gid = f"{model_id}-{problem.prompt_id}-{policy_step}-{len(rewards)}-{sum(rewards)}"
+    adv = advantages if advantages is not None else group_advantages(rewards, std_normalize)
+    rows = [
+        Rollout(rollout_id=f"{gid}-{i}", group_id=gid, prompt_id=problem.prompt_id, dataset="toy_add", model_id=model_id,
+                tokenizer_id="tok", policy_step=policy_step, temperature=1.0, top_p=1.0, max_tokens=8,
+                completion_text="x", completion_token_ids=[1], token_logprobs=[-1.0], logprob_sum=-1.0, num_tokens=1,
+                num_bytes=1, finish_reason="length", reward=r, correct=r > 0, advantage=a, group_size=len(rewards))
+        for i, (r, a) in enumerate(zip(rewards, adv))
+    ]
+    return RolloutGroup.model_construct(rollouts=rows) if advantages is not None else RolloutGroup(rollouts=rows)
+
+
+def test_classify():
+    assert classify_group([0.0, 0.0, None]) == "all_fail"
+    assert classify_group([1.0, 1.0]) == "all_success"
+    assert classify_group([1.0, 0.0]) == "mixed"
+    assert classify_group([1.0, None]) == "mixed"
+
+
+def test_choose_most_recent_informative_peer_group_and_filters():
+    p = PROBLEMS[0]
+    old = group(p, [1.0, 0.0], policy_step=3)
+    new = group(p, [0.0, 1.0, 0.0], policy_step=7)
+    uninformative = group(p, [0.0, 0.0], policy_step=9)
+    own = group(p, [1.0, 0.0], model_id="learner", policy_step=10)
+    other = group(p, [1.0, 0.0, 1.0], model_id="other", policy_step=8)
+    chosen, action = choose_peer_group([old, new, uninformative, own], "learner", None, None, False)
+    assert (chosen, action) == (new, "graft")
+    assert choose_peer_group([old, new, other], "learner", ["peer"], None, False) == (new, "graft")
+    assert choose_peer_group([old, new, other], "learner", None, None, False) == (other, "graft")
+    assert choose_peer_group([old, new], "learner", None, 8, False) == (None, "skip_no_peer")
+    assert choose_peer_group([uninformative], "learner", None, None, False) == (None, "skip_uninformative")
+    assert choose_peer_group([own], "learner", None, None, False) == (None, "skip_no_peer")
+    all_success = group(p, [1.0, 1.0])
+    assert choose_peer_group([all_success], "learner", None, None, False) == (None, "skip_uninformative")
+    assert choose_peer_group([all_success], "learner", None, None, True) == (all_success, "graft_union")
+    assert choose_peer_group([all_success, old], "learner", None, None, True) == (old, "graft")
+
+
+def test_gate_groups_and_the_grafted_fraction_cap():
+    rewards = {
+        PROBLEMS[0].prompt_id: [0.0, 0.0],  # all fail, peer informative -> graft
+        PROBLEMS[1].prompt_id: [0.0, 0.0],  # all fail, peer informative -> graft
+        PROBLEMS[2].prompt_id: [0.0, 0.0],  # all fail, no peer -> skip_no_peer
+        PROBLEMS[3].prompt_id: [1.0, 0.0],  # mixed -> on-policy (even with a peer group)
+        PROBLEMS[4].prompt_id: [1.0, 1.0],  # all success -> on-policy, zero advantage
+        PROBLEMS[5].prompt_id: [0.0, 0.0],  # all fail, peer uninformative -> skip_uninformative
+    }
+    peers = {
+        PROBLEMS[0].prompt_id: [group(PROBLEMS[0], [1.0, 0.0])],
+        PROBLEMS[1].prompt_id: [group(PROBLEMS[1], [1.0, 0.0])],
+        PROBLEMS[3].prompt_id: [group(PROBLEMS[3], [1.0, 0.0])],
+        PROBLEMS[5].prompt_id: [group(PROBLEMS[5], [0.0, 0.0])],
+    }
+    kwargs = dict(learner_model="learner", peer_models=None, min_policy_step=None, union_all_success=False, rng=random.Random(0))
+    decisions = gate_groups(list(rewards.items()), peers, enabled=True, max_grafted_fraction=0.5, **kwargs)
+    assert [d.action for d in decisions] == ["graft", "graft", "skip_no_peer", "onpolicy", "onpolicy", "skip_uninformative"]
+    assert [d.kind for d in decisions] == ["all_fail", "all_fail", "all_fail", "mixed", "all_success", "all_fail"]
+    capped = gate_groups(list(rewards.items()), peers, enabled=True, max_grafted_fraction=0.2, **kwargs)  # floor(0.2 * 6) = 1
+    assert sorted(d.action for d in capped[:2]) == ["graft", "skip_capped"]
+    off = gate_groups(list(rewards.items()), peers, enabled=False, max_grafted_fraction=0.5, **kwargs)
+    assert all(d.action == "onpolicy" for d in off)
+
+
+def test_peer_advantages_are_recomputed_and_checked():
+    g = group(PROBLEMS[0], [1.0, 0.0, 0.0, 0.0])
+    advantages, agrees = peer_group_advantages(g, std_normalize=True)
+    assert advantages == pytest.approx([1.5, -0.5, -0.5, -0.5], abs=1e-5) and agrees
+    dr, agrees = peer_group_advantages(g, std_normalize=False)
+    assert dr == pytest.approx([0.75, -0.25, -0.25, -0.25]) and agrees
+    tampered = group(PROBLEMS[0], [1.0, 0.0], advantages=[5.0, -5.0])
+    advantages, agrees = peer_group_advantages(tampered, std_normalize=True)
+    assert not agrees and advantages == pytest.approx([0.7071, -0.7071], abs=1e-3)
+
+
+def test_compat_weights_by_hand():
+    l_old = torch.tensor([-10.0, -2.0, -6.0, -100.0, -7.0])
+    l_peer = torch.tensor([-6.0, -6.0, -6.0, 0.0, -6.0])
+    n_bytes = torch.tensor([4, 4, 4, 2, 2])
+    w, log_rho = compat_weights(l_old, l_peer, n_bytes, kappa=1.0, log_rho_min=None)
+    # per-byte log rho: -1, +1, 0, -50 -> clamped -10, -0.5
+    assert log_rho.tolist() == pytest.approx([-1.0, 1.0, 0.0, -10.0, -0.5])
+    assert w.tolist() == pytest.approx([math.exp(-1), 1.0, 1.0, math.exp(-10), math.exp(-0.5)], rel=1e-6)
+    w2, _ = compat_weights(l_old, l_peer, n_bytes, kappa=2.0, log_rho_min=-0.75)
+    assert w2.tolist() == pytest.approx([0.0, 1.0, 1.0, 0.0, math.exp(-1.0)], rel=1e-6)
+
+
+def test_group_normalised_weights_behaviour_ratio_and_ess():
+    w = torch.tensor([0.5, 1.0, 0.3, 0.0, 0.0])
+    groups = torch.tensor([0, 0, 1, 2, 2])
+    assert group_normalize(w, groups).tolist() == pytest.approx([2 / 3, 4 / 3, 1.0, 0.0, 0.0])
+    old = torch.tensor([[-1.0, -1.0, -3.0]])
+    mu = torch.tensor([[-2.0, -0.5, -1.0]])
+    # exp(old - mu) = e^1 (capped at 2), e^-0.5, e^-2
+    assert behaviour_ratio(old, mu, cap=2.0).tolist()[0] == pytest.approx([2.0, math.exp(-0.5), math.exp(-2.0)])
+    assert effective_sample_size(torch.tensor([1.0, 1.0, 1.0, 1.0])) == pytest.approx(1.0)
+    assert effective_sample_size(torch.tensor([1.0, 0.0, 0.0, 0.0])) == pytest.approx(0.25)

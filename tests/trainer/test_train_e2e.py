@@ -1,0 +1,197 @@
+"""The real path end to end: tiny models, a real store server (uvicorn on loopback), math-verify."""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import orjson
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from services.store_api.client import StoreClient
+from services.store_api.server import StoreServer
+from trainer.config import TrainConfig
+from trainer.loop import METRIC_KEYS, train
+
+pytestmark = pytest.mark.slow
+DETERMINISTIC_KEYS = [
+    k for k in METRIC_KEYS if k not in ("step_time_s", "store_wait_s")
+] + ["frac_mixed", "grad_norm", "anchor_nll", "reward_previously_grafted"]
+
+
+@pytest.fixture(scope="module")
+def store(toy_world):
+    with StoreServer(toy_world.store_root) as server:
+        yield server
+
+
+def make_config(world, run_dir, store_url, **overrides):
+    data = {
+        "run_dir": str(run_dir), "seed": 0, "steps": 3, "method": "graft",
+        "model": {"path": str(world.learner_dir), "device": "cpu"},
+        "data": {"dataset": str(world.problems_path), "prompt_template": "raw"},
+        "rollout": {"backend": "hf", "group_size": 4, "prompts_per_step": 8, "max_response_tokens": 16, "scorer_workers": 1},
+        "optim": {"lr": 2e-3, "mini_batch_prompts": 8, "micro_batch_size": 64},
+        "graft": {"peer_tokenizers": [str(world.peer_dir)], "max_grafted_fraction": 0.75},
+        "store": {"url": store_url, "timeout_s": 2.0, "retries": 0, "backoff_initial_s": 0.05, "backoff_max_s": 0.1},
+        "checkpoint": {"every_steps": 0, "keep_last": None},
+        "logging": {"progress": False},
+    }
+    for key, value in overrides.items():
+        node = data
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return TrainConfig.model_validate(data)
+
+
+def read_metrics(run_dir):
+    return [orjson.loads(line) for line in (run_dir / "metrics.jsonl").read_bytes().splitlines()]
+
+
+def weights(path):
+    return load_file(str(path / "model.safetensors"))
+
+
+def same(a, b):
+    return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
+
+
+def test_graft_through_a_real_store_grafts_and_trains(toy_world, store, tmp_path):
+    run_dir = train(make_config(toy_world, tmp_path / "graft", store.url, steps=3))
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    for m in metrics:
+        assert set(METRIC_KEYS) <= set(m), set(METRIC_KEYS) - set(m)
+        # the learner fails the peer's family, where the peer stored informative groups: grafts happen
+        assert m["frac_all_fail"] > 0 and m["peer_hit_rate"] > 0 and m["frac_grafted"] > 0
+        assert m["peer_rollouts_consumed"] > 0 and m["projection_spans"] == m["peer_rollouts_consumed"]
+        assert 0 < m["compat_weight_mean"] <= 1 and m["log_rho_p10"] <= m["log_rho_p50"] <= m["log_rho_p90"]
+        assert m["rollouts_generated"] == 8 * 4 and m["store_lookup_failures"] == 0
+    assert metrics[-1]["peer_rollouts_consumed_total"] == sum(m["peer_rollouts_consumed"] for m in metrics)
+    before, after = weights(toy_world.learner_dir), weights(run_dir / "checkpoints" / "step_000003")
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert (run_dir / "checkpoints" / "step_000003" / "tokenizer.json").exists()
+
+
+def test_graft_without_peers_is_grpo(toy_world, tmp_path):
+    """With no store to reach, every all-fail group is skipped: the run is exactly GRPO (and never stops)."""
+    dead_url = "http://127.0.0.1:9"  # discard port: nothing listens
+    graft_dir = train(make_config(toy_world, tmp_path / "graft", dead_url, steps=2))
+    grpo_dir = train(make_config(toy_world, tmp_path / "grpo", dead_url, steps=2, method="grpo"))
+    graft, grpo = read_metrics(graft_dir), read_metrics(grpo_dir)
+    assert all(m["frac_grafted"] == 0 and m["store_lookup_failures"] + m["store_lookups_skipped_backoff"] >= 1 for m in graft)
+    assert [m["loss"] for m in graft] == [m["loss"] for m in grpo]
+    a, b = weights(graft_dir / "checkpoints" / "step_000002"), weights(grpo_dir / "checkpoints" / "step_000002")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_store_killed_mid_run_training_continues_and_grafting_resumes(toy_world, tmp_path):
+    # A store of its own over a copy of the shards (the module's server holds the original index).
+    root = shutil.copytree(toy_world.store_root, tmp_path / "store", ignore=shutil.ignore_patterns("index.duckdb*", "logs"))
+    server = StoreServer(root).start()
+    events = []
+
+    def on_step(metrics):
+        if metrics["step"] == 2:
+            server.kill()  # a crash, not a clean shutdown
+            events.append("killed")
+        if metrics["step"] == 4:
+            server.start()
+            events.append("restarted")
+
+    try:
+        run_dir = train(make_config(toy_world, tmp_path / "run", server.url, steps=6), on_step=on_step)
+    finally:
+        server.stop()
+    metrics = read_metrics(run_dir)
+    assert events == ["killed", "restarted"] and [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+    assert all(m["frac_grafted"] > 0 for m in metrics[:2])
+    down = metrics[2:4]
+    assert all(m["frac_grafted"] == 0 and m["peer_hit_rate"] == 0 for m in down)
+    assert sum(m["store_lookup_failures"] + m["store_lookups_skipped_backoff"] for m in down) >= 2
+    assert all(m["optimizer_updates"] == 1 for m in down)  # mixed groups still trained as GRPO
+    assert any(m["frac_grafted"] > 0 for m in metrics[4:])
+
+
+def test_resume_reproduces_the_next_step(toy_world, store, tmp_path):
+    full = train(make_config(toy_world, tmp_path / "full", store.url, steps=3, **{"checkpoint.every_steps": 2}))
+    part_cfg = make_config(toy_world, tmp_path / "part", store.url, steps=2)
+    train(part_cfg)
+    resumed = train(part_cfg.model_copy(update={"steps": 3}), resume=True)
+    full_metrics, resumed_metrics = read_metrics(full), read_metrics(resumed)
+    assert [m["step"] for m in resumed_metrics] == [1, 2, 3]
+    for key in DETERMINISTIC_KEYS:
+        assert same(full_metrics[2].get(key), resumed_metrics[2].get(key)), key
+    a, b = weights(full / "checkpoints" / "step_000003"), weights(resumed / "checkpoints" / "step_000003")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("overrides", [
+    {"graft.union_all_success": True, "store.groups_per_prompt": 4},
+    {"graft.token_is": "none", "graft.group_normalized_weight": True, "graft.log_rho_min": -1.0},
+    {"graft.token_is": "luffy", "graft.peer_negative_scale": 0.0},
+    {"ppo.advantage": "dr_grpo", "ppo.loss_agg": "seq-mean-token-mean", "ppo.kl_beta": 0.1, "graft.kl_on_peer": True},
+    {"ppo.loss_agg": "seq-mean-token-sum-norm", "optim.mini_batch_prompts": 4, "optim.micro_batch_size": 5,
+     "optim.ppo_epochs": 2, "graft.max_peer_policy_lag": 5, "graft.max_grafted_fraction": 0.25},
+])
+def test_options_run_on_the_same_code_path(toy_world, store, tmp_path, overrides):
+    run_dir = train(make_config(toy_world, tmp_path / "run", store.url, steps=1, **overrides))
+    (m,) = read_metrics(run_dir)
+    assert m["frac_grafted"] > 0 and math.isfinite(m["loss"]) and m["optimizer_updates"] >= 1
+    if overrides.get("graft.max_grafted_fraction") == 0.25:
+        assert m["frac_grafted"] <= 0.25 and m["optimizer_updates"] == 4  # 2 epochs x 2 mini-batches
+    if "ppo.kl_beta" in overrides:
+        assert m["kl"] >= 0
+
+
+def test_dapo_refills_and_counts_rollouts(toy_world, tmp_path):
+    run_dir = train(make_config(toy_world, tmp_path / "dapo", None, method="dapo", steps=2,
+                                **{"dapo.max_generation_rounds": 3}))
+    for m in read_metrics(run_dir):
+        assert m["frac_grafted"] == 0 and m["peer_rollouts_consumed"] == 0
+        assert m["rollouts_generated"] == 4 * (8 + m["dapo_groups_kept"] * 0) or m["rollouts_generated"] >= 32
+        assert m["rollouts_generated"] % 4 == 0 and 1 <= m["dapo_rounds"] <= 3
+        assert m["dapo_groups_kept"] <= 8 and m["frac_all_fail"] + m["frac_all_success"] == 0
+
+
+def test_anchor_and_tensorboard(toy_world, store, tmp_path):
+    run_dir = train(make_config(toy_world, tmp_path / "run", store.url, steps=1,
+                                **{"anchor.dataset": str(toy_world.anchor_path), "anchor.prompts_per_step": 4,
+                                   "logging.tensorboard": True}))
+    (m,) = read_metrics(run_dir)
+    assert m["anchor_nll"] > 0 and any((run_dir / "tb").iterdir())
+
+
+def test_cotraining_two_processes_through_one_store(toy_world, tmp_path):
+    """Two graft-train processes, each the other's peer, through one (initially empty) store."""
+    import subprocess
+    import sys
+
+    with StoreServer(tmp_path / "store") as server:
+        common = ["--store-url", server.url, "--cotrain", "--steps", "3", "--dataset", str(toy_world.problems_path),
+                  "--group-size", "4", "--prompts-per-step", "8", "--seed", "0",
+                  "--set", "data.prompt_template=raw", "--set", "rollout.max_response_tokens=16",
+                  "--set", "rollout.backend=hf", "--set", "rollout.scorer_workers=1", "--set", "optim.mini_batch_prompts=8",
+                  "--set", "store.cotrain_wait_s=20", "--set", "logging.progress=false", "--set", "model.device=cpu"]
+        runs = {
+            "learner": ["--model", str(toy_world.learner_dir), "--run-dir", str(tmp_path / "a"), "--peer-models", "peer",
+                        "--set", f"graft.peer_tokenizers=[{toy_world.peer_dir}]"],
+            "peer": ["--model", str(toy_world.peer_dir), "--run-dir", str(tmp_path / "b"), "--peer-models", "learner",
+                     "--set", "store.cotrain_wait_s=2"],
+        }
+        procs = {name: subprocess.Popen([sys.executable, "-m", "trainer.cli", "train", *args, *common],
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for name, args in runs.items()}
+        outputs = {name: p.communicate(timeout=600)[0].decode(errors="replace") for name, p in procs.items()}
+        for name, p in procs.items():
+            assert p.returncode == 0, f"{name} failed:\n{outputs[name][-3000:]}"
+        with StoreClient(server.url) as client:
+            stats = {m.model_id: m for m in client.stats().models}
+    assert stats["learner"].groups == 3 * 8 and stats["peer"].groups == 3 * 8
+    learner = read_metrics(tmp_path / "a")
+    assert sum(m["store_groups_published"] for m in learner) == 24
+    assert any(m["frac_grafted"] > 0 for m in learner)
+    assert all(m["peer_group_age_steps"] == 0 for m in learner if m["frac_grafted"] > 0)  # the peer's group of the same step

@@ -1,0 +1,218 @@
+"""The trainer's configuration: one pydantic model per component, readable from YAML, settable from the CLI.
+
+Every field has a one-line description (shown by `graft-train show-config`). Defaults follow
+GRAFT_SPEC.md section 7 (real models on GPU); the toy configs in `configs/` override what they need.
+Override any field from the command line with a dotted path: `--set graft.peer_negative_scale=0`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Section(BaseModel):
+    # A typo in a YAML key must fail loudly, not silently fall back to a default.
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelConfig(_Section):
+    path: str = Field(description="learner checkpoint: a HF-format directory (or a .gguf file) loaded with load_model_and_tokenizer")
+    model_id: str | None = Field(default=None, description="name this learner's groups carry in the store (path-safe); default: the directory or GGUF name")
+    tokenizer_id: str | None = Field(default=None, description="id of the learner's tokenizer; peers with the same id take the exact path; default: its fingerprint (as the generator stores it)")
+    revision: str | None = Field(default=None, description="revision stored with the learner's groups; default: fingerprint of the initial checkpoint")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(default="float32", description="parameter dtype of the trained policy")
+    device: str = Field(default="auto", description="torch device: 'auto' (cuda when available, else cpu), 'cpu', 'cuda', 'cuda:1', ...")
+
+
+class DataConfig(_Section):
+    dataset: str = Field(description="training problems: a JSONL path or a data set name under GRAFT_DATA_DIR (load_problems)")
+    limit: int | None = Field(default=None, ge=1, description="use only the first N problems")
+    prompt_template: Literal["auto", "chat", "plain", "raw"] = Field(default="auto", description="how build_prompt turns a problem into the learner's prompt")
+    shuffle: bool = Field(default=True, description="reshuffle the problems every epoch (seeded by `seed`)")
+
+
+class RolloutConfig(_Section):
+    backend: Literal["auto", "hf", "vllm"] = Field(default="auto", description="learner sampling: 'hf' on the in-memory policy, 'vllm' with weight sync after each step; auto: vllm on GPU, hf on CPU")
+    group_size: int = Field(default=8, ge=2, description="G: rollouts per prompt")
+    prompts_per_step: int = Field(default=128, ge=1, description="prompts per training step (the prompt batch)")
+    temperature: float = Field(default=1.0, gt=0.0, description="sampling temperature of training rollouts")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="nucleus mass of training rollouts")
+    top_k: int | None = Field(default=None, ge=1, description="top-k of training rollouts (None: off)")
+    max_response_tokens: int = Field(default=4096, ge=1, description="learner's max response length; longer re-tokenised peer texts are dropped")
+    generation_batch_size: int = Field(default=64, ge=1, description="prompts per generate() call of the hf backend")
+    vllm_gpu_memory_utilization: float = Field(default=0.4, gt=0.0, lt=1.0, description="share of GPU memory the vLLM engine may take (the policy and optimizer need the rest)")
+    scorer_workers: int = Field(default=2, ge=1, description="math-verify worker processes")
+    scorer_timeout_s: float = Field(default=10.0, gt=0.0, description="time limit for scoring one completion")
+
+
+class OptimConfig(_Section):
+    lr: float = Field(default=1e-6, gt=0.0, description="AdamW learning rate")
+    weight_decay: float = Field(default=0.0, ge=0.0, description="AdamW weight decay")
+    betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW betas")
+    adam_eps: float = Field(default=1e-8, gt=0.0, description="AdamW epsilon")
+    grad_clip: float | None = Field(default=1.0, gt=0.0, description="clip the global gradient norm to this (None: off)")
+    warmup_steps: int = Field(default=0, ge=0, description="linear learning-rate warm-up, in optimizer steps")
+    schedule: Literal["constant", "cosine"] = Field(default="constant", description="learning rate after warm-up")
+    ppo_epochs: int = Field(default=1, ge=1, description="passes over each step's batch")
+    mini_batch_prompts: int = Field(default=64, ge=1, description="prompts (groups) per optimizer step; prompts_per_step / this = updates per epoch")
+    micro_batch_size: int = Field(default=64, ge=1, description="sequences per forward/backward (gradient accumulation inside a mini-batch)")
+
+
+class PPOConfig(_Section):
+    eps_low: float = Field(default=0.2, ge=0.0, lt=1.0, description="PPO clip: ratio >= 1 - eps_low")
+    eps_high: float = Field(default=0.28, ge=0.0, description="PPO clip: ratio <= 1 + eps_high")
+    dual_clip_c: float | None = Field(default=3.0, gt=1.0, description="dual clip for negative advantages: loss <= -A * c (None: off)")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
+        default="token-mean", description="token-mean (default); seq-mean-token-mean; seq-mean-token-sum-norm = Dr. GRPO constant normaliser"
+    )
+    advantage: Literal["grpo", "dr_grpo"] = Field(default="grpo", description="grpo: (r - mean) / (std + 1e-6); dr_grpo: r - mean (no std division), for on-policy and grafted groups")
+    kl_beta: float = Field(default=0.0, ge=0.0, description="weight of the k3 KL to the initial policy (0: off, no reference model kept)")
+
+
+class GraftConfig(_Section):
+    peer_models: list[str] | None = Field(default=None, description="accept peer groups only from these model ids (None: any model but the learner)")
+    union_all_success: bool = Field(default=False, description="all-fail learner + all-success peer: advantages over the union of learner failures and peer successes instead of skipping")
+    kappa: float = Field(default=1.0, ge=0.0, description="exponent of the sequence compatibility weight w = min(1, rho) ** kappa")
+    log_rho_min: float | None = Field(default=None, description="drop grafted samples whose per-byte log rho is below this (None: no floor)")
+    token_is: Literal["tis", "none", "luffy"] = Field(default="tis", description="behaviour ratio per token: tis = truncated pi_old/mu; none = 1; luffy = p/(p+gamma) shaping, no peer logprobs")
+    is_cap: float = Field(default=2.0, gt=0.0, description="C: truncation of the token behaviour ratio b = min(pi_old/mu, C)")
+    luffy_gamma: float = Field(default=0.1, gt=0.0, description="gamma of the luffy shaping p/(p + gamma)")
+    peer_negative_scale: float = Field(default=1.0, ge=0.0, description="multiplies negative advantages of grafted responses (1: the method as published)")
+    group_normalized_weight: bool = Field(default=False, description="divide each w by the mean w of its grafted group")
+    kl_on_peer: bool = Field(default=False, description="apply the KL term (ppo.kl_beta > 0) to grafted tokens too")
+    max_grafted_fraction: float = Field(default=0.5, ge=0.0, le=1.0, description="at most this fraction of a step's groups are grafted")
+    max_peer_policy_lag: int | None = Field(default=None, ge=0, description="accept peer groups with policy_step >= learner step - lag (None: any step)")
+    max_peer_age_s: float | None = Field(default=None, gt=0.0, description="accept peer groups created at most this many seconds ago (None: any age)")
+    peer_tokenizers: list[str] = Field(default_factory=list, description="local tokenizer (or model) dirs of the peers, matched to stored tokenizer ids by fingerprint; used to project peer logprobs by character spans")
+
+
+class DapoConfig(_Section):
+    max_generation_rounds: int = Field(default=3, ge=1, description="dynamic sampling: generation rounds per step (the first plus refills) before training on what was kept")
+
+
+class StoreConfig(_Section):
+    url: str | None = Field(default=None, description="store base URL, e.g. http://127.0.0.1:8600 (required for method=graft)")
+    token: str | None = Field(default=None, description="bearer token for pushing groups, when the store requires one")
+    mode: Literal["offline", "cotrain"] = Field(default="offline", description="offline: never wait for the store; cotrain: publish own groups and wait a bounded time for the peer's")
+    timeout_s: float = Field(default=10.0, gt=0.0, description="HTTP timeout of one store call")
+    retries: int = Field(default=1, ge=0, description="client retries per call (the trainer backs off across steps on its own)")
+    backoff_initial_s: float = Field(default=1.0, gt=0.0, description="first pause after a failed store call; doubles per failure")
+    backoff_max_s: float = Field(default=30.0, gt=0.0, description="longest pause between store attempts")
+    publish: bool | None = Field(default=None, description="push every sampled group to the store (None: on in cotrain mode, off offline)")
+    cotrain_wait_s: float = Field(default=30.0, ge=0.0, description="cotrain: longest wait per step for peer groups of this step's all-fail prompts")
+    cotrain_poll_s: float = Field(default=0.25, gt=0.0, description="cotrain: pause between lookups while waiting")
+    groups_per_prompt: int = Field(default=4, ge=1, le=16, description="peer groups asked per prompt (most recent first)")
+
+
+class AnchorConfig(_Section):
+    dataset: str | None = Field(default=None, description="JSONL of problems with reference completions (fields problem, completion); None: no anchor")
+    prompts_per_step: int = Field(default=4, ge=1, description="reference completions per step in the anchor term")
+    weight: float = Field(default=1.0, ge=0.0, description="weight of the anchor's token-mean NLL added to the loss")
+
+
+class EvalConfig(_Section):
+    every_steps: int = Field(default=0, ge=0, description="evaluate every N steps and at the end (0: never)")
+    benchmarks: dict[str, str] = Field(default_factory=dict, description="benchmark name -> JSONL path or data set name")
+    limit: int | None = Field(default=None, ge=1, description="first N problems of each benchmark")
+    k: int = Field(default=1, ge=1, description="samples per problem (avg@k); greedy when 1")
+    temperature: float = Field(default=0.6, gt=0.0, description="sampling temperature for k > 1")
+    top_p: float = Field(default=0.95, gt=0.0, le=1.0, description="nucleus mass for k > 1")
+    max_tokens: int | None = Field(default=None, ge=1, description="completion budget (None: rollout.max_response_tokens)")
+
+
+class CheckpointConfig(_Section):
+    every_steps: int = Field(default=0, ge=0, description="save a checkpoint every N steps and at the end (0: only at the end)")
+    keep_last: int | None = Field(default=2, ge=1, description="keep only the newest N checkpoints (None: keep all)")
+
+
+class LoggingConfig(_Section):
+    tensorboard: bool = Field(default=False, description="also write TensorBoard scalars to <run_dir>/tb")
+    progress: bool = Field(default=True, description="show a progress bar")
+
+
+class TrainConfig(_Section):
+    run_dir: Path = Field(default=Path("runs/train"), description="where metrics, checkpoints and the resolved config go")
+    seed: int = Field(default=0, description="seeds prompt order, sampling and initialisation of everything random")
+    steps: int = Field(default=100, ge=1, description="training steps")
+    method: Literal["grpo", "graft", "dapo"] = Field(default="graft", description="grpo: gate off; graft: peer groups replace all-fail groups; dapo: dynamic sampling baseline")
+    model: ModelConfig
+    data: DataConfig
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    ppo: PPOConfig = Field(default_factory=PPOConfig)
+    graft: GraftConfig = Field(default_factory=GraftConfig)
+    dapo: DapoConfig = Field(default_factory=DapoConfig)
+    store: StoreConfig = Field(default_factory=StoreConfig)
+    anchor: AnchorConfig = Field(default_factory=AnchorConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TrainConfig:
+        if self.method == "graft" and not self.store.url:
+            raise ValueError("method 'graft' needs store.url (the store to take peer groups from); set it, or use method 'grpo'")
+        if self.store.mode == "cotrain" and not self.store.url:
+            raise ValueError("store.mode 'cotrain' needs store.url")
+        if self.optim.mini_batch_prompts > self.rollout.prompts_per_step:
+            raise ValueError(
+                f"optim.mini_batch_prompts = {self.optim.mini_batch_prompts} exceeds rollout.prompts_per_step = "
+                f"{self.rollout.prompts_per_step}; a mini-batch cannot be larger than the step's batch"
+            )
+        return self
+
+    @property
+    def publishes(self) -> bool:
+        """Whether sampled groups are pushed to the store."""
+        if self.store.publish is not None:
+            return self.store.publish and self.store.url is not None
+        return self.store.mode == "cotrain"
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Set dotted `key.sub=value` pairs in a nested dict; values are parsed as YAML (so 0, true, null, [a, b] work)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} is not of the form section.field=value (e.g. graft.peer_negative_scale=0)")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = data
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ValueError(f"override {item!r}: {part!r} is a value, not a section")
+            node = child
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """A validated TrainConfig from an optional YAML file plus dotted overrides (later wins)."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file {path} does not exist; pass the path of a YAML file like configs/train_toy.yaml")
+        loaded = yaml.safe_load(path.read_text())
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ValueError(f"config file {path} must hold a mapping of sections (model:, data:, ...), not {type(loaded).__name__}")
+        data = loaded or {}
+    return TrainConfig.model_validate(apply_overrides(data, list(overrides or [])))
+
+
+def describe_fields(model: type[BaseModel] = TrainConfig, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted name, default, description) of every field, for `graft-train show-config`."""
+    rows: list[tuple[str, str, str]] = []
+    for name, info in model.model_fields.items():
+        annotation = info.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            rows.extend(describe_fields(annotation, f"{prefix}{name}."))
+            continue
+        value = None if info.is_required() else info.get_default(call_default_factory=True)
+        default = "(required)" if info.is_required() else repr(str(value) if isinstance(value, Path) else value)
+        rows.append((f"{prefix}{name}", default, info.description or ""))
+    return rows

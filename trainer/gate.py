@@ -1,0 +1,171 @@
+"""The gate (GRAFT_SPEC section 1), peer advantages (section 2) and the compatibility weights (sections 4, 5).
+
+Pure functions over groups and tensors; the loop calls them once per step.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from schemas import RolloutGroup, group_advantages
+from schemas.rollout import ADVANTAGE_TOLERANCE
+
+GroupKind = Literal["all_fail", "all_success", "mixed"]
+Action = Literal["onpolicy", "graft", "graft_union", "skip_no_peer", "skip_uninformative", "skip_capped"]
+LOG_RHO_CLAMP = 10.0
+
+
+def classify_group(rewards: list[float | None]) -> GroupKind:
+    """all_fail: no reward > 0; all_success: every reward equal and > 0; otherwise mixed."""
+    scored = [r for r in rewards if r is not None]
+    if not any(r > 0 for r in scored):
+        return "all_fail"
+    if len(scored) == len(rewards) and all(r == scored[0] for r in scored):
+        return "all_success"
+    return "mixed"
+
+
+@dataclass
+class GateDecision:
+    """What the step does with one learner group."""
+
+    prompt_id: str
+    kind: GroupKind  # of the learner's own group
+    action: Action  # onpolicy: train on the learner's group (mixed, all-success, or gate off); graft*: use peer_group
+    peer_group: RolloutGroup | None = None  # the chosen peer group (graft, graft_union, or capped)
+
+
+def choose_peer_group(
+    candidates: list[RolloutGroup],
+    learner_model: str,
+    peer_models: list[str] | None,
+    min_policy_step: int | None,
+    union_all_success: bool,
+) -> tuple[RolloutGroup | None, Action]:
+    """The most recent informative peer group (highest policy step, then newest), else why none.
+
+    With union_all_success, an all-success peer group is the fallback ("graft_union")."""
+    eligible = [
+        g for g in candidates
+        if g.model_id != learner_model
+        and (peer_models is None or g.model_id in peer_models)
+        and (min_policy_step is None or g.policy_step >= min_policy_step)
+    ]
+    if not eligible:
+        return None, "skip_no_peer"
+
+    def recency(g: RolloutGroup) -> tuple:
+        return g.policy_step, g.rollouts[0].created_at
+
+    informative = [g for g in eligible if g.informative]
+    if informative:
+        return max(informative, key=recency), "graft"
+    if union_all_success:
+        all_success = [g for g in eligible if g.successes == len(g.rollouts)]
+        if all_success:
+            return max(all_success, key=recency), "graft_union"
+    return None, "skip_uninformative"
+
+
+def gate_groups(
+    learner_rewards: list[tuple[str, list[float | None]]],
+    peer_candidates: dict[str, list[RolloutGroup]],
+    *,
+    enabled: bool,
+    learner_model: str,
+    peer_models: list[str] | None,
+    min_policy_step: int | None,
+    union_all_success: bool,
+    max_grafted_fraction: float,
+    rng: random.Random,
+) -> list[GateDecision]:
+    """One decision per learner group, in order; `learner_rewards` holds (prompt id, rewards) per group.
+
+    Mixed and all-success groups train on-policy; all-fail groups are grafted when an acceptable
+    peer group arrived, else skipped. At most floor(max_grafted_fraction * groups) are grafted;
+    the rest of the candidates (chosen at random) are skipped as 'skip_capped'."""
+    decisions: list[GateDecision] = []
+    for prompt_id, rewards in learner_rewards:
+        kind = classify_group(rewards)
+        if kind != "all_fail" or not enabled:
+            decisions.append(GateDecision(prompt_id, kind, "onpolicy"))
+            continue
+        peer_group, action = choose_peer_group(
+            peer_candidates.get(prompt_id, []), learner_model, peer_models, min_policy_step, union_all_success
+        )
+        decisions.append(GateDecision(prompt_id, kind, action, peer_group))
+
+    grafted = [d for d in decisions if d.action in ("graft", "graft_union")]
+    cap = math.floor(max_grafted_fraction * len(decisions) + 1e-9)
+    if len(grafted) > cap:
+        for decision in rng.sample(grafted, len(grafted) - cap):
+            decision.action = "skip_capped"
+    return decisions
+
+
+def peer_group_advantages(group: RolloutGroup, std_normalize: bool) -> tuple[list[float], bool]:
+    """Advantages recomputed from the stored rewards, and whether they agree with the stored ones.
+
+    The stored value may follow either convention (GRPO or Dr. GRPO); it agrees if it matches the
+    convention it was written with. The recomputed value (this run's convention) is what trains."""
+    rewards = [r.reward for r in group.rollouts]
+    recomputed = group_advantages(rewards, std_normalize=std_normalize)
+    stored = [r.advantage for r in group.rollouts]
+    agrees = any(
+        all(abs(s - e) <= ADVANTAGE_TOLERANCE * max(1.0, abs(e)) for s, e in zip(stored, group_advantages(rewards, std_normalize=norm)))
+        for norm in (True, False)
+    )
+    return recomputed, agrees
+
+
+def compat_weights(
+    learner_logprob_sum: Tensor, peer_logprob_sum: Tensor, num_bytes: Tensor, kappa: float, log_rho_min: float | None
+) -> tuple[Tensor, Tensor]:
+    """Sequence compatibility weights w and per-byte log rho (GRAFT_SPEC section 4).
+
+    learner_logprob_sum: (n,) float, l_old = sum log pi_old over the learner's content tokens (EOS excluded)
+    peer_logprob_sum: (n,) float, l_peer = the stored logprob_sum (EOS excluded)
+    num_bytes: (n,) int, UTF-8 length of each completion text
+    Returns w (n,) = min(1, rho) ** kappa * 1[log rho >= log_rho_min] and log rho (n,), both detached."""
+    per_byte = (learner_logprob_sum.detach().double() - peer_logprob_sum.double()) / num_bytes.double().clamp(min=1.0)  # (n,)
+    log_rho = per_byte.clamp(-LOG_RHO_CLAMP, LOG_RHO_CLAMP)  # (n,)
+    weights = torch.exp(kappa * log_rho.clamp(max=0.0))  # (n,) = min(1, rho) ** kappa
+    if log_rho_min is not None:
+        weights = torch.where(log_rho >= log_rho_min, weights, torch.zeros_like(weights))
+    return weights.float(), log_rho.float()
+
+
+def group_normalize(weights: Tensor, group_index: Tensor) -> Tensor:
+    """Divide each weight by the mean weight of its group (option graft.group_normalized_weight).
+
+    weights: (n,) float; group_index: (n,) int64 group of each sample. A group whose weights are all
+    zero stays zero."""
+    num_groups = int(group_index.max()) + 1 if len(group_index) else 0
+    sums = torch.zeros(num_groups, dtype=weights.dtype).index_add_(0, group_index, weights)  # (groups,)
+    counts = torch.zeros(num_groups, dtype=weights.dtype).index_add_(0, group_index, torch.ones_like(weights))  # (groups,)
+    means = sums / counts.clamp(min=1.0)  # (groups,)
+    mean_per_sample = means[group_index]  # (n,)
+    return torch.where(mean_per_sample > 0, weights / mean_per_sample.clamp(min=1e-12), torch.zeros_like(weights))
+
+
+def behaviour_ratio(old_logprobs: Tensor, behaviour_logprobs: Tensor, cap: float) -> Tensor:
+    """Truncated token behaviour ratio b = min(pi_old / mu~, C), detached.
+
+    old_logprobs, behaviour_logprobs: (B, T) float, log pi_old and log mu~ of the learner's tokens.
+    Returns (B, T) float."""
+    log_b = (old_logprobs.detach() - behaviour_logprobs).clamp(max=math.log(cap))  # (B, T)
+    return torch.exp(log_b)
+
+
+def effective_sample_size(weights: Tensor) -> float:
+    """Kish ESS of the weights as a fraction of their count: (sum w)^2 / (n * sum w^2), in [0, 1]."""
+    if weights.numel() == 0:
+        return float("nan")
+    squares = float((weights.double() ** 2).sum())
+    return float(weights.double().sum()) ** 2 / (weights.numel() * squares) if squares > 0 else 0.0

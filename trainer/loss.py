@@ -1,0 +1,168 @@
+"""The GRPO/GRAFT policy loss: a pure function over a typed batch (GRAFT_SPEC sections 5 and 6).
+
+One function serves on-policy and grafted tokens. Everything that differs between them arrives in
+the batch: the per-token weight c (1 on-policy, w_j * b_jt grafted), the advantage (peer-computed,
+already scaled by `peer_negative_scale`), and `is_grafted`, which selects the luffy shaping and
+whether the KL applies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from trainer.config import TrainConfig
+
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """The knobs of `graft_loss` (built from a TrainConfig with `from_train`; defaults = GRAFT_SPEC)."""
+
+    eps_low: float = 0.2  # ratio clipped below at 1 - eps_low
+    eps_high: float = 0.28  # ratio clipped above at 1 + eps_high
+    dual_clip_c: float | None = 3.0  # for A < 0 the token loss is capped at -A * c
+    loss_agg: LossAgg = "token-mean"
+    token_sum_norm: float = 4096.0  # Dr. GRPO's constant normaliser (max response tokens) for seq-mean-token-sum-norm
+    kl_beta: float = 0.0  # weight of the k3 KL to the reference policy
+    kl_on_peer: bool = False  # KL on grafted tokens too
+    token_is: Literal["tis", "none", "luffy"] = "tis"  # luffy: grafted tokens use p/(p+gamma) instead of the PPO ratio
+    luffy_gamma: float = 0.1
+
+    @classmethod
+    def from_train(cls, cfg: TrainConfig) -> LossConfig:
+        return cls(
+            eps_low=cfg.ppo.eps_low,
+            eps_high=cfg.ppo.eps_high,
+            dual_clip_c=cfg.ppo.dual_clip_c,
+            loss_agg=cfg.ppo.loss_agg,
+            token_sum_norm=float(cfg.rollout.max_response_tokens),
+            kl_beta=cfg.ppo.kl_beta,
+            kl_on_peer=cfg.graft.kl_on_peer,
+            token_is=cfg.graft.token_is,
+            luffy_gamma=cfg.graft.luffy_gamma,
+        )
+
+
+@dataclass
+class LossBatch:
+    """B response sequences padded to T tokens; response positions only (the prompt is not here)."""
+
+    logprobs: Tensor  # (B, T) float32, log pi_theta(token) under the current policy; carries the gradient
+    old_logprobs: Tensor  # (B, T) float32, log pi_old(token), the proximal anchor; no grad
+    advantages: Tensor  # (B,) float32, per-sequence advantage (grafted: peer-computed, negative ones scaled)
+    mask: Tensor  # (B, T) bool, True on valid response tokens (EOS included, padding excluded)
+    token_weight: Tensor  # (B, T) float32, c = w_j * b_jt on grafted rows, 1 on on-policy rows; no grad
+    is_grafted: Tensor  # (B,) bool, True for rows that came from a peer group
+    ref_logprobs: Tensor | None = None  # (B, T) float32, log pi_ref(token); needed only when kl_beta > 0
+
+    def __post_init__(self) -> None:
+        B, T = self.logprobs.shape
+        expected = {
+            "old_logprobs": (B, T), "mask": (B, T), "token_weight": (B, T), "advantages": (B,), "is_grafted": (B,),
+        }
+        for name, shape in expected.items():
+            actual = tuple(getattr(self, name).shape)
+            if actual != shape:
+                raise ValueError(f"LossBatch.{name} has shape {actual}; expected {shape} (logprobs is {(B, T)})")
+        if self.ref_logprobs is not None and tuple(self.ref_logprobs.shape) != (B, T):
+            raise ValueError(f"LossBatch.ref_logprobs has shape {tuple(self.ref_logprobs.shape)}; expected {(B, T)}")
+        if self.mask.dtype != torch.bool or self.is_grafted.dtype != torch.bool:
+            raise ValueError("LossBatch.mask and LossBatch.is_grafted must be bool tensors")
+
+
+def agg_denominator(mask: Tensor, cfg: LossConfig) -> float:
+    """What `graft_loss` divides the summed token losses by, for a batch with this mask (B, T).
+
+    The loop uses it to weight micro-batches so that their sum equals the loss of the whole mini-batch."""
+    if cfg.loss_agg == "token-mean":
+        return float(mask.sum())
+    if cfg.loss_agg == "seq-mean-token-mean":
+        return float((mask.sum(dim=1) > 0).sum())
+    return float(mask.shape[0]) * cfg.token_sum_norm
+
+
+def aggregate(values: Tensor, mask: Tensor, cfg: LossConfig) -> Tensor:
+    """Reduce per-token values (B, T) over valid tokens (B, T) bool to a scalar with the configured rule.
+
+    token-mean divides by the unweighted count of valid tokens (never by the sum of weights: that
+    would undo the down-weighting of peer tokens)."""
+    maskf = mask.to(values.dtype)
+    if cfg.loss_agg == "token-mean":
+        return (values * maskf).sum() / maskf.sum().clamp(min=1.0)
+    if cfg.loss_agg == "seq-mean-token-mean":
+        tokens_per_seq = maskf.sum(dim=1)  # (B,)
+        seq_means = (values * maskf).sum(dim=1) / tokens_per_seq.clamp(min=1.0)  # (B,)
+        has_tokens = (tokens_per_seq > 0).to(values.dtype)
+        return (seq_means * has_tokens).sum() / has_tokens.sum().clamp(min=1.0)
+    return (values * maskf).sum() / (values.shape[0] * cfg.token_sum_norm)
+
+
+def graft_loss(batch: LossBatch, cfg: LossConfig) -> tuple[Tensor, dict[str, float]]:
+    """Clipped policy-gradient loss over on-policy and grafted tokens, plus the optional KL.
+
+    Per token: L = c * max(-A r, -A clip(r, 1-eps_low, 1+eps_high)), dual-clipped at -A * c_dual
+    when A < 0; r = exp(logprobs - old_logprobs). With token_is = luffy, grafted tokens use
+    -A * c * p / (p + gamma), p = exp(logprobs), unclipped. Returns the scalar loss and detached
+    metrics (clip fractions on-policy and grafted, KL, ratio statistics)."""
+    logprobs, mask = batch.logprobs, batch.mask  # (B, T), (B, T)
+    advantages = batch.advantages.to(logprobs.dtype)[:, None]  # (B, 1)
+    log_ratio = (logprobs - batch.old_logprobs).clamp(-20.0, 20.0)  # (B, T); clamp keeps exp finite
+    ratio = torch.exp(log_ratio)  # (B, T)
+
+    unclipped = -advantages * ratio  # (B, T)
+    clipped = -advantages * ratio.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high)  # (B, T)
+    pg = torch.maximum(unclipped, clipped)  # (B, T)
+    is_clipped = clipped > unclipped  # (B, T): the clipped branch is active (no gradient through it)
+    if cfg.dual_clip_c is not None:
+        dual_bound = -advantages * cfg.dual_clip_c  # (B, 1), positive where A < 0
+        dual_active = (advantages < 0) & (pg > dual_bound)  # (B, T)
+        pg = torch.where(dual_active, dual_bound.expand_as(pg), pg)
+        is_clipped = is_clipped | dual_active
+
+    grafted_rows = batch.is_grafted[:, None].expand_as(mask)  # (B, T) bool
+    if cfg.token_is == "luffy":
+        prob = torch.exp(logprobs)  # (B, T)
+        shaped = -advantages * prob / (prob + cfg.luffy_gamma)  # (B, T)
+        pg = torch.where(grafted_rows, shaped, pg)
+        is_clipped = is_clipped & ~grafted_rows
+
+    token_loss = batch.token_weight.to(pg.dtype) * pg  # (B, T)
+    pg_loss = aggregate(token_loss, mask, cfg)
+    loss = pg_loss
+
+    kl_value = torch.zeros((), dtype=logprobs.dtype)
+    if cfg.kl_beta > 0:
+        if batch.ref_logprobs is None:
+            raise ValueError("kl_beta > 0 but LossBatch.ref_logprobs is None; compute reference logprobs for the batch")
+        log_ref_ratio = (batch.ref_logprobs - logprobs).clamp(-20.0, 20.0)  # (B, T)
+        kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1.0  # (B, T), k3 estimator, >= 0
+        kl_mask = mask if cfg.kl_on_peer else mask & ~grafted_rows  # (B, T)
+        # Same denominator as the policy term (all valid tokens), so beta means the same with or without peers.
+        kl_value = aggregate(torch.where(kl_mask, kl, torch.zeros_like(kl)), mask, cfg)
+        loss = loss + cfg.kl_beta * kl_value
+
+    with torch.no_grad():
+        onpolicy_mask = mask & ~grafted_rows
+        grafted_mask = mask & grafted_rows
+        metrics = {
+            "loss": float(loss.detach()),
+            "pg_loss": float(pg_loss.detach()),
+            "kl": float(kl_value.detach()),
+            "clip_frac_onpolicy": _masked_mean(is_clipped.float(), onpolicy_mask),
+            "clip_frac_grafted": _masked_mean(is_clipped.float(), grafted_mask),
+            "ratio_mean": _masked_mean(ratio, mask),
+            "token_weight_mean_grafted": _masked_mean(batch.token_weight.float(), grafted_mask),
+            "tokens_onpolicy": float(onpolicy_mask.sum()),
+            "tokens_grafted": float(grafted_mask.sum()),
+        }
+    return loss, metrics
+
+
+def _masked_mean(values: Tensor, mask: Tensor) -> float:
+    count = int(mask.sum())
+    return float((values * mask).sum() / count) if count else float("nan")

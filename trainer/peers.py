@@ -1,0 +1,216 @@
+"""Talking to the store without ever stopping training on it.
+
+- `start_lookup`: as soon as a step's prompts are known, one batch lookup for all of them runs in a
+  background thread, so its latency hides behind generation; the gate takes whatever arrived.
+- `publish`: in co-training mode every sampled group is pushed in the background; groups that
+  could not be pushed wait in a bounded outbox and go with the next push.
+- A store that is down, slow or erroring: the call fails in the background thread, the failure is
+  counted and logged, further calls pause with exponential backoff, and the step goes on as GRPO.
+  The first successful call after an outage resumes grafting.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+
+from schemas import MAX_LOOKUP_PROMPTS, MAX_PUSH_GROUPS, PeerLookupRequest, Problem, RolloutGroup
+from services.store_api.client import StoreClient, StoreError
+from trainer.config import GraftConfig, StoreConfig
+
+log = logging.getLogger(__name__)
+OUTBOX_LIMIT = 4096  # groups kept for publishing while the store is down; older ones are dropped (counted)
+
+
+@dataclass
+class LookupResult:
+    groups: dict[str, list[RolloutGroup]] = field(default_factory=dict)  # prompt id -> candidate peer groups, most recent first
+    ok: bool = False  # False when the store could not be asked or failed
+
+
+@dataclass
+class StoreCounters:
+    """Cumulative counts since the trainer started; the loop logs per-step differences."""
+
+    lookups: int = 0
+    lookup_failures: int = 0
+    lookups_skipped_backoff: int = 0
+    lookups_late: int = 0  # not back when the gate needed them (offline mode never waits)
+    groups_published: int = 0
+    publish_failures: int = 0
+    groups_dropped_from_outbox: int = 0
+
+
+class PeerExchange:
+    """Background peer lookups and group publishing for one trainer."""
+
+    def __init__(self, store: StoreConfig, graft: GraftConfig, learner_model: str):
+        if not store.url:
+            raise ValueError("PeerExchange needs store.url")
+        self.store, self.graft, self.learner_model = store, graft, learner_model
+        # One client per thread: lookups and pushes never share a connection pool across threads.
+        self._lookup_client = StoreClient(store.url, token=store.token, timeout_s=store.timeout_s, retries=store.retries)
+        self._publish_client = StoreClient(store.url, token=store.token, timeout_s=store.timeout_s, retries=store.retries)
+        self._lookup_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="graft-peer-lookup")
+        self._publish_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="graft-peer-publish")
+        self._lock = threading.Lock()
+        self._consecutive_failures = 0
+        self._down_until = 0.0
+        self._outbox: list[tuple[RolloutGroup, Problem | None]] = []
+        self._publishing: Future | None = None
+        self.counters = StoreCounters()
+
+    # ---- store health -------------------------------------------------------------------------
+    @property
+    def available(self) -> bool:
+        """False while backing off after a failed call."""
+        return time.monotonic() >= self._down_until
+
+    def _record_success(self) -> None:
+        with self._lock:
+            if self._consecutive_failures:
+                log.warning("store %s is reachable again after %d failed calls: grafting resumes", self.store.url, self._consecutive_failures)
+            self._consecutive_failures = 0
+            self._down_until = 0.0
+
+    def _record_failure(self, what: str, error: Exception) -> None:
+        with self._lock:
+            self._consecutive_failures += 1
+            pause = min(self.store.backoff_initial_s * 2 ** (self._consecutive_failures - 1), self.store.backoff_max_s)
+            self._down_until = time.monotonic() + pause
+            log.warning("store %s: %s failed (%s: %s); training goes on without peers, next try in %.1f s",
+                        self.store.url, what, type(error).__name__, error, pause)
+
+    # ---- lookups ------------------------------------------------------------------------------
+    def lookup_request(self, prompt_ids: list[str], learner_step: int) -> PeerLookupRequest:
+        lag = self.graft.max_peer_policy_lag
+        return PeerLookupRequest(
+            prompt_ids=prompt_ids,
+            learner_model=self.learner_model,
+            peer_models=self.graft.peer_models,
+            # With the union option, all-success peer groups are useful too (never all-fail ones).
+            informative_only=not self.graft.union_all_success,
+            min_successes=1,
+            min_policy_step=max(0, learner_step - lag) if lag is not None else None,
+            max_age_s=self.graft.max_peer_age_s,
+            groups_per_prompt=self.store.groups_per_prompt,
+        )
+
+    def start_lookup(self, prompt_ids: list[str], learner_step: int) -> Future | None:
+        """Ask for peer groups of all `prompt_ids` in the background; None while backing off."""
+        if not self.available:
+            with self._lock:
+                self.counters.lookups_skipped_backoff += 1
+            return None
+        unique = list(dict.fromkeys(prompt_ids))
+        return self._lookup_pool.submit(self._lookup, unique, learner_step)
+
+    def _lookup(self, prompt_ids: list[str], learner_step: int) -> LookupResult:
+        result = LookupResult()
+        with self._lock:
+            self.counters.lookups += 1
+        try:
+            for begin in range(0, len(prompt_ids), MAX_LOOKUP_PROMPTS):
+                request = self.lookup_request(prompt_ids[begin : begin + MAX_LOOKUP_PROMPTS], learner_step)
+                response = self._lookup_client.lookup_peer_groups(request, validate=False)
+                for group in response.groups:
+                    result.groups.setdefault(group.prompt_id, []).append(group)
+        except (StoreError, ValueError, OSError) as error:  # ValueError: a malformed response body
+            with self._lock:
+                self.counters.lookup_failures += 1
+            self._record_failure("peer lookup", error)
+            return LookupResult()
+        self._record_success()
+        result.ok = True
+        return result
+
+    def collect(self, pending: Future | None, wait_s: float) -> LookupResult:
+        """The lookup's result if it is back within `wait_s` seconds (0: only if already back)."""
+        if pending is None:
+            return LookupResult()
+        try:
+            return pending.result(timeout=wait_s)
+        except FutureTimeout:
+            with self._lock:
+                self.counters.lookups_late += 1
+            return LookupResult()
+
+    def wait_for_peers(self, prompt_ids: list[str], learner_step: int, deadline: float) -> dict[str, list[RolloutGroup]]:
+        """Co-training: look up `prompt_ids` repeatedly until each has a peer group or `deadline` passes.
+
+        Returns what was found (prompt id -> groups); never raises on store trouble."""
+        found: dict[str, list[RolloutGroup]] = {}
+        missing = list(dict.fromkeys(prompt_ids))
+        while missing and time.monotonic() < deadline:
+            if self.available:
+                pending = self._lookup_pool.submit(self._lookup, missing, learner_step)
+                result = self.collect(pending, max(0.0, deadline - time.monotonic()))
+                found.update(result.groups)
+                missing = [p for p in missing if p not in found]
+            if missing:
+                time.sleep(min(self.store.cotrain_poll_s, max(0.0, deadline - time.monotonic())))
+        return found
+
+    # ---- publishing ---------------------------------------------------------------------------
+    def publish(self, groups: list[RolloutGroup], problems: list[Problem | None]) -> None:
+        """Queue groups for the store and push the queue in the background (never blocks)."""
+        with self._lock:
+            self._outbox.extend(zip(groups, problems))
+            overflow = len(self._outbox) - OUTBOX_LIMIT
+            if overflow > 0:
+                del self._outbox[:overflow]
+                self.counters.groups_dropped_from_outbox += overflow
+        if self.available and (self._publishing is None or self._publishing.done()):
+            self._publishing = self._publish_pool.submit(self._flush)
+
+    def _flush(self) -> None:
+        while True:
+            with self._lock:
+                batch = self._outbox[:MAX_PUSH_GROUPS]
+            if not batch:
+                return
+            groups = [g for g, _ in batch]
+            problems = list({p.prompt_id: p for _, p in batch if p is not None}.values())
+            try:
+                self._publish_client.push_groups(groups, problems=problems or None)
+            except (StoreError, ValueError, OSError) as error:
+                with self._lock:
+                    self.counters.publish_failures += 1
+                self._record_failure("publishing groups", error)
+                return
+            self._record_success()
+            with self._lock:
+                del self._outbox[: len(batch)]
+                self.counters.groups_published += len(batch)
+
+    def flush(self, timeout_s: float) -> bool:
+        """Push what is queued, waiting at most `timeout_s`; True when the outbox is empty."""
+        if self._publishing is not None:
+            try:
+                self._publishing.result(timeout=timeout_s)
+            except FutureTimeout:
+                return False
+        if self._outbox and self.available:
+            self._publishing = self._publish_pool.submit(self._flush)
+            try:
+                self._publishing.result(timeout=timeout_s)
+            except FutureTimeout:
+                return False
+        return not self._outbox
+
+    @property
+    def outbox_size(self) -> int:
+        with self._lock:
+            return len(self._outbox)
+
+    def close(self) -> None:
+        self._lookup_pool.shutdown(wait=False, cancel_futures=True)
+        self._publish_pool.shutdown(wait=False, cancel_futures=True)
+        for client in (self._lookup_client, self._publish_client):
+            close = getattr(client, "close", None)
+            if close is not None:
+                close()

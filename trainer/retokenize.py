@@ -1,0 +1,202 @@
+"""Peer completions in the learner's tokens, and the peer's per-token logprobs projected onto them.
+
+GRAFT_SPEC section 3 (re-tokenisation) and section 5 (mu~, the projected behaviour probability):
+- the completion text is tokenised with the learner's tokenizer (no special tokens); the learner's
+  EOS is appended when the peer finished with `stop`;
+- the sample is dropped when decode(encode(text)) != text (round trip) or when it is longer than the
+  learner's max response length (never truncated: the reward belongs to the whole text), or when
+  its stored logprobs are not finite;
+- projection: every peer token owns the characters it decodes to; its log-mass is spread evenly
+  over them; every learner token takes the mass of the characters it covers, so the projected
+  content logprobs sum to the peer's logprob_sum. When the tokenizers are the same (same
+  tokenizer id) the learner's tokens are the peer's tokens and the logprobs are copied exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+from schemas import Rollout
+
+DropReason = Literal["round_trip", "overlength", "non_finite"]
+Projection = Literal["exact", "spans", "uniform"]
+
+
+@dataclass
+class PeerTokens:
+    """One peer rollout as learner tokens."""
+
+    token_ids: list[int]  # (n,) learner token ids of the completion, plus the learner's EOS when the peer stopped
+    behaviour_logprobs: list[float]  # (n,) log mu~ per learner token: projected peer logprob (EOS: the peer's EOS logprob)
+    num_content_tokens: int  # tokens before the EOS (n - 1 with EOS, n without)
+    projection: Projection  # exact: same tokenizer; spans: character-span projection; uniform: peer tokenizer unknown
+
+
+def decode(tokenizer: PreTrainedTokenizerBase, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+    return tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+
+
+def token_char_starts(tokenizer: PreTrainedTokenizerBase, text: str, token_ids: list[int]) -> list[int] | None:
+    """First character (in `text`) of each token in `token_ids`, non-decreasing, the first one 0.
+
+    Tokens that share a start (bytes of one character split over several tokens) form one unit
+    that owns the characters up to the next larger start. Uses the fast tokenizer's offsets when
+    `token_ids` is the canonical encoding of `text`, else decodes incrementally. None when the ids
+    do not decode to `text`."""
+    if not token_ids:
+        return [] if text == "" else None
+    starts: list[int] | None = None
+    if tokenizer.is_fast:
+        encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        if list(encoding["input_ids"]) == list(token_ids):
+            starts = [start for start, _ in encoding["offset_mapping"]]
+    if starts is None:
+        starts = _starts_by_incremental_decode(tokenizer, token_ids, text)
+        if starts is None:
+            return None
+    # Offsets may skip characters (trimmed spaces) or overlap (merged bytes): keep starts monotone
+    # from 0, so every character belongs to exactly one unit.
+    starts[0] = 0
+    for k in range(1, len(starts)):
+        starts[k] = min(max(starts[k], starts[k - 1]), len(text))
+    return starts
+
+
+def _starts_by_incremental_decode(tokenizer: PreTrainedTokenizerBase, token_ids: list[int], text: str) -> list[int] | None:
+    """Character starts by decoding a short window at a time (vLLM's incremental detokenisation).
+
+    The window starts one emitted unit back, so decoders that strip a leading space on the first
+    token still give the right characters. Tokens that end inside a UTF-8 character emit nothing
+    and join the unit of the token that completes it."""
+    starts: list[int] = []
+    prefix_offset = read_offset = emitted = 0
+    pending: list[int] = []
+    for k in range(len(token_ids)):
+        prefix_text = decode(tokenizer, token_ids[prefix_offset:read_offset])
+        new_text = decode(tokenizer, token_ids[prefix_offset : k + 1])
+        pending.append(k)
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            starts.extend([emitted] * len(pending))
+            emitted += len(new_text) - len(prefix_text)
+            pending = []
+            prefix_offset, read_offset = read_offset, k + 1
+    starts.extend([emitted] * len(pending))
+    if decode(tokenizer, token_ids) != text or emitted != len(text):
+        return None
+    return starts
+
+
+def _unit_bounds(starts: list[int], text_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per token (n,): the [start, end) characters of the unit it belongs to (end = next larger start)."""
+    starts_arr = np.asarray(starts, dtype=np.int64)  # (n,)
+    ends = np.empty_like(starts_arr)  # (n,)
+    next_start = text_len
+    for k in range(len(starts) - 1, -1, -1):
+        ends[k] = next_start
+        if k > 0 and starts[k - 1] < starts[k]:
+            next_start = starts[k]
+    return starts_arr, ends
+
+
+def project_logprobs(text_len: int, peer_starts: list[int], peer_logprobs: list[float], learner_starts: list[int]) -> list[float]:
+    """Project per-token peer logprobs onto learner tokens by characters; the sums agree.
+
+    Each peer unit (tokens sharing a start) spreads its summed log-mass evenly over its characters;
+    each learner unit takes the mass of its characters, split evenly over its tokens."""
+    if text_len == 0:
+        return [0.0] * len(learner_starts)
+    char_mass = np.zeros(text_len, dtype=np.float64)  # (text_len,) peer log-mass per character
+    peer_begin, peer_end = _unit_bounds(peer_starts, text_len)
+    for k, lp in enumerate(peer_logprobs):
+        begin, end = int(peer_begin[k]), int(peer_end[k])
+        if end > begin:
+            char_mass[begin:end] += lp / (end - begin)
+        else:  # a unit that emitted no characters at the very end: keep its mass on the last character
+            char_mass[text_len - 1] += lp
+    cumulative = np.concatenate([[0.0], np.cumsum(char_mass)])  # (text_len + 1,)
+    learner_begin, learner_end = _unit_bounds(learner_starts, text_len)
+    unit_size = np.bincount(np.asarray(learner_starts, dtype=np.int64), minlength=text_len + 1)  # tokens per start
+    projected = (cumulative[learner_end] - cumulative[learner_begin]) / unit_size[learner_begin]  # (n,)
+    return projected.tolist()
+
+
+def retokenize_peer_rollout(
+    rollout: Rollout,
+    learner_tokenizer: PreTrainedTokenizerBase,
+    learner_tokenizer_id: str,
+    max_response_tokens: int,
+    peer_tokenizer: PreTrainedTokenizerBase | None = None,
+) -> PeerTokens | DropReason:
+    """The learner's tokens for a peer rollout and log mu~ on them, or why the sample is dropped."""
+    peer_logprobs = list(rollout.token_logprobs)
+    if not math.isfinite(rollout.logprob_sum) or not all(math.isfinite(lp) and lp <= 1e-6 for lp in peer_logprobs):
+        return "non_finite"
+    text = rollout.completion_text
+    finished = rollout.finish_reason == "stop"
+    # The stored logprob_sum excludes the EOS; what the token logprobs hold beyond it is the EOS's logprob.
+    peer_eos_logprob = min(0.0, sum(peer_logprobs) - rollout.logprob_sum) if finished else 0.0
+    learner_eos = learner_tokenizer.eos_token_id
+    if finished and learner_eos is None:
+        raise ValueError("the learner's tokenizer has no eos_token; set one (tokenizer.eos_token) before grafting finished peer texts")
+
+    projection: Projection
+    if rollout.tokenizer_id == learner_tokenizer_id:
+        # Same tokenizer: the learner's tokens are the peer's sampled tokens (EOS stripped), which
+        # the canonical encoding reproduces unless the sampler chose a non-canonical split; either
+        # way the stored logprobs are the exact behaviour probabilities of these tokens.
+        special_ids = set(learner_tokenizer.all_special_ids)
+        content = list(rollout.completion_token_ids)
+        content_logprobs = list(peer_logprobs)
+        while content and content[-1] in special_ids:
+            content.pop()
+            content_logprobs.pop()
+        if decode(learner_tokenizer, content) != text:
+            return "round_trip"
+        learner_ids, behaviour = content, content_logprobs
+        projection = "exact"
+    else:
+        learner_ids = list(learner_tokenizer(text, add_special_tokens=False)["input_ids"])
+        if decode(learner_tokenizer, learner_ids) != text:
+            return "round_trip"
+        behaviour, projection = _project(rollout, text, learner_tokenizer, learner_ids, peer_tokenizer)
+
+    num_content = len(learner_ids)
+    if finished:
+        learner_ids = learner_ids + [learner_eos]
+        behaviour = behaviour + [peer_eos_logprob]
+    if len(learner_ids) > max_response_tokens:
+        return "overlength"
+    if not all(math.isfinite(lp) for lp in behaviour):
+        return "non_finite"
+    return PeerTokens(token_ids=learner_ids, behaviour_logprobs=behaviour, num_content_tokens=num_content, projection=projection)
+
+
+def _project(
+    rollout: Rollout,
+    text: str,
+    learner_tokenizer: PreTrainedTokenizerBase,
+    learner_ids: list[int],
+    peer_tokenizer: PreTrainedTokenizerBase | None,
+) -> tuple[list[float], Projection]:
+    """Projected peer content logprobs on the learner's content tokens, and which projection was used."""
+    learner_starts = token_char_starts(learner_tokenizer, text, learner_ids)
+    if learner_starts is None:  # cannot happen after the round-trip check, unless the decoder is irregular
+        learner_starts = [0] * len(learner_ids)
+    if peer_tokenizer is not None:
+        special_ids = set(peer_tokenizer.all_special_ids)
+        content = list(rollout.completion_token_ids)
+        content_logprobs = list(rollout.token_logprobs)
+        while content and content[-1] in special_ids:
+            content.pop()
+            content_logprobs.pop()
+        peer_starts = token_char_starts(peer_tokenizer, text, content)
+        if peer_starts is not None:
+            return project_logprobs(len(text), peer_starts, content_logprobs, learner_starts), "spans"
+    # Without the peer's tokenizer (or when its ids do not decode to the stored text), spread the
+    # peer's log-mass evenly over characters: the sum still equals logprob_sum.
+    return project_logprobs(len(text), [0] * (1 if text else 0), [rollout.logprob_sum] if text else [], learner_starts), "uniform"
