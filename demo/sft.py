@@ -34,6 +34,13 @@ class SFTConfig(BaseModel):
     save_steps: list[int] = Field(default_factory=list, description="extra steps to save a checkpoint at (the last step is always saved)")
 
 
+def write_progress(path: Path, done: int, total: int) -> None:
+    """`done total` for a parent process to draw a progress bar from (temporary name, then rename)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(f"{done} {total}")
+    tmp.replace(path)
+
+
 def lr_at(step: int, cfg: SFTConfig) -> float:
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
@@ -74,6 +81,7 @@ def train_sft(
     cfg: SFTConfig,
     out_dir: Path,
     desc: str = "sft",
+    progress_path: Path | None = None,
 ) -> dict[int, Path]:
     """Train on (prompt, completion) pairs drawn from `pools` by `cfg.family_weights`; returns {step: checkpoint dir}."""
     missing = set(cfg.family_weights) - set(pools)
@@ -100,6 +108,8 @@ def train_sft(
         optimizer.step()
         if step % 20 == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}")
+            if progress_path is not None:
+                write_progress(progress_path, step, cfg.steps)
         if step in save_steps:
             path = out_dir / f"step-{step}"
             model.save_pretrained(path)

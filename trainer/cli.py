@@ -71,6 +71,7 @@ def train(
     cfg = _load(config, _overrides(model, peer_models, dataset, store_url, method, mode, steps, group_size,
                                    prompts_per_step, lr, seed, run_dir, sets))
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the trainer's own messages
     from trainer.loop import train as run_training
 
     out = run_training(cfg, resume=resume)

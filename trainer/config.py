@@ -138,6 +138,7 @@ class TrainConfig(_Section):
     run_dir: Path = Field(default=Path("runs/train"), description="where metrics, checkpoints and the resolved config go")
     seed: int = Field(default=0, description="seeds prompt order, sampling and initialisation of everything random")
     steps: int = Field(default=100, ge=1, description="training steps")
+    torch_threads: int | None = Field(default=None, ge=1, description="CPU threads torch may use (None: torch's default; 1 is fastest for tiny models on a busy machine)")
     method: Literal["grpo", "graft", "dapo"] = Field(default="graft", description="grpo: gate off; graft: peer groups replace all-fail groups; dapo: dynamic sampling baseline")
     model: ModelConfig
     data: DataConfig

@@ -132,6 +132,12 @@ def train(cfg: TrainConfig, resume: bool = False, on_step: Callable[[dict[str, A
         log.warning("--resume: no checkpoint in %s, starting from the beginning", run_dir)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
 
+    if not cfg.logging.progress:  # transformers' own bars (loading, saving checkpoints) too
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    if cfg.torch_threads is not None:
+        torch.set_num_threads(cfg.torch_threads)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed % 2**32)
     torch.manual_seed(cfg.seed)

@@ -86,18 +86,20 @@ class PeerExchange:
                         self.store.url, what, type(error).__name__, error, pause)
 
     # ---- lookups ------------------------------------------------------------------------------
-    def lookup_request(self, prompt_ids: list[str], learner_step: int) -> PeerLookupRequest:
+    def lookup_request(self, prompt_ids: list[str], learner_step: int, any_group: bool = False) -> PeerLookupRequest:
+        """The lookup for `prompt_ids`: usable groups only, or (any_group) every peer group, so that a
+        co-training wait can stop as soon as the peer's group exists, informative or not."""
         lag = self.graft.max_peer_policy_lag
         return PeerLookupRequest(
             prompt_ids=prompt_ids,
             learner_model=self.learner_model,
             peer_models=self.graft.peer_models,
             # With the union option, all-success peer groups are useful too (never all-fail ones).
-            informative_only=not self.graft.union_all_success,
-            min_successes=1,
+            informative_only=not (self.graft.union_all_success or any_group),
+            min_successes=0 if any_group else 1,
             min_policy_step=max(0, learner_step - lag) if lag is not None else None,
             max_age_s=self.graft.max_peer_age_s,
-            groups_per_prompt=self.store.groups_per_prompt,
+            groups_per_prompt=max(self.store.groups_per_prompt, 4) if any_group else self.store.groups_per_prompt,
         )
 
     def start_lookup(self, prompt_ids: list[str], learner_step: int) -> Future | None:
@@ -109,13 +111,13 @@ class PeerExchange:
         unique = list(dict.fromkeys(prompt_ids))
         return self._lookup_pool.submit(self._lookup, unique, learner_step)
 
-    def _lookup(self, prompt_ids: list[str], learner_step: int) -> LookupResult:
+    def _lookup(self, prompt_ids: list[str], learner_step: int, any_group: bool = False) -> LookupResult:
         result = LookupResult()
         with self._lock:
             self.counters.lookups += 1
         try:
             for begin in range(0, len(prompt_ids), MAX_LOOKUP_PROMPTS):
-                request = self.lookup_request(prompt_ids[begin : begin + MAX_LOOKUP_PROMPTS], learner_step)
+                request = self.lookup_request(prompt_ids[begin : begin + MAX_LOOKUP_PROMPTS], learner_step, any_group)
                 response = self._lookup_client.lookup_peer_groups(request, validate=False)
                 for group in response.groups:
                     result.groups.setdefault(group.prompt_id, []).append(group)
@@ -140,14 +142,15 @@ class PeerExchange:
             return LookupResult()
 
     def wait_for_peers(self, prompt_ids: list[str], learner_step: int, deadline: float) -> dict[str, list[RolloutGroup]]:
-        """Co-training: look up `prompt_ids` repeatedly until each has a peer group or `deadline` passes.
+        """Co-training: look up `prompt_ids` repeatedly until each has a peer group (informative or
+        not: the peer has sampled it) or `deadline` passes.
 
-        Returns what was found (prompt id -> groups); never raises on store trouble."""
+        Returns what was found (prompt id -> groups, the gate picks); never raises on store trouble."""
         found: dict[str, list[RolloutGroup]] = {}
         missing = list(dict.fromkeys(prompt_ids))
         while missing and time.monotonic() < deadline:
             if self.available:
-                pending = self._lookup_pool.submit(self._lookup, missing, learner_step)
+                pending = self._lookup_pool.submit(self._lookup, missing, learner_step, True)
                 result = self.collect(pending, max(0.0, deadline - time.monotonic()))
                 found.update(result.groups)
                 missing = [p for p in missing if p not in found]

@@ -99,7 +99,7 @@ def markdown_table(result: dict, model_id: str) -> str:
     for name, r in result["benchmarks"].items():
         lines.append(
             f"| {name} | {r['problems']} | {_pct(r['avg_at_k'])} | {_pct(r['pass_at_k'])} | "
-            f"{r['mean_completion_tokens']:.0f} | {_pct(r['finished_share'])} |"
+            f"{'-' if r['mean_completion_tokens'] is None else round(r['mean_completion_tokens'])} | {_pct(r['finished_share'])} |"
         )
     if result["mean_over"]:
         lines.append(

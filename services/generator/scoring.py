@@ -27,6 +27,8 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BOXED_COMMANDS = ("\\boxed", "\\fbox")
+TINY_MAGNITUDE = 1e-9  # below this, math-verify's absolute comparison cannot tell numbers apart
+TINY_RELATIVE_TOLERANCE = 1e-6
 WORKER_GRACE_S = 10.0  # beyond the per-item timeout, before the parent kills a silent worker
 WORKER_START_TIMEOUT_S = 120.0  # spawning a worker imports sympy: slow on a busy machine
 
@@ -73,6 +75,27 @@ def _on_alarm(signum, frame):
     raise ItemTimeout()
 
 
+def _tiny_numbers_differ(parsed_gold: list, parsed_pred: list) -> bool:
+    """True for two different numbers that math-verify called equal because both are tiny.
+
+    math-verify compares numbers that are not single atoms (`1.3 \\times 10^{-27}` is a product) by
+    `(a - b).evalf(chop=True) == 0`, and chop rounds anything below ~1e-15 to zero: any two tiny
+    numbers compare equal. Minerva's physical constants live there (1.325e-27 "equalled" 2.88e-19).
+    For them we require the relative agreement that rounding to 6 decimals asks of ordinary numbers.
+    """
+    from sympy import Basic
+
+    gold, pred = parsed_gold[0], parsed_pred[0]
+    if not (isinstance(gold, Basic) and isinstance(pred, Basic) and gold.is_number and pred.is_number):
+        return False
+    try:
+        g, p = complex(gold.evalf(30)), complex(pred.evalf(30))
+    except (TypeError, ValueError):
+        return False
+    scale = max(abs(g), abs(p))
+    return scale < TINY_MAGNITUDE and abs(g - p) > TINY_RELATIVE_TOLERANCE * scale
+
+
 def _score_one(extracted: str | None, gold: str, timeout_s: float, gold_cache: dict) -> tuple[float | None, bool | None, bool]:
     """(reward, gold parses, timed out) for one item, inside a worker; gold parses is None when unknown."""
     from math_verify import parse, verify
@@ -89,7 +112,9 @@ def _score_one(extracted: str | None, gold: str, timeout_s: float, gold_cache: d
         parsed_pred = parse("\\boxed{" + extracted + "}", parsing_timeout=None)
         if not parsed_pred:
             return 0.0, True, False
-        return (1.0 if verify(parsed_gold, parsed_pred, timeout_seconds=None) else 0.0), True, False
+        if not verify(parsed_gold, parsed_pred, timeout_seconds=None):
+            return 0.0, True, False
+        return (0.0 if _tiny_numbers_differ(parsed_gold, parsed_pred) else 1.0), True, False
     except ItemTimeout:
         return 0.0, (bool(gold_cache[gold]) if gold in gold_cache else None), True
     finally:
@@ -168,12 +193,13 @@ class Scorer:
     Safe to call from any thread (calls are serialised). Use as a context manager or call close().
     """
 
-    def __init__(self, num_workers: int = 1, timeout_s: float = 5.0):
+    def __init__(self, num_workers: int = 1, timeout_s: float = 5.0, grace_s: float = WORKER_GRACE_S):
         if num_workers < 1:
             raise ValueError(f"Scorer(num_workers={num_workers}): need at least one worker")
         if timeout_s <= 0:
             raise ValueError(f"Scorer(timeout_s={timeout_s}): the per-item timeout must be positive")
         self.timeout_s = timeout_s
+        self.grace_s = grace_s  # beyond timeout_s, before a silent worker is killed and replaced
         self.cache: dict[tuple[str | None, str], float | None] = {}
         self.gold_parses: dict[str, bool] = {}
         self.timeouts = 0  # items that hit the per-item timeout (reward 0), over this scorer's life
@@ -210,7 +236,7 @@ class Scorer:
             worker.items = [(i, *keys[i]) for i in range(w, len(keys), len(self._workers))]
             if worker.items:
                 worker.conn.send(worker.items)
-                worker.deadline = time.monotonic() + self.timeout_s + WORKER_GRACE_S
+                worker.deadline = time.monotonic() + self.timeout_s + self.grace_s
         while any(worker.items for worker in self._workers):
             busy = [worker for worker in self._workers if worker.items]
             timeout = max(0.0, min(worker.deadline for worker in busy) - time.monotonic())
@@ -220,7 +246,7 @@ class Scorer:
                     index, reward, gold_ok, timed_out = worker.conn.recv()
                     assert index == worker.items[0][0], "scoring worker answered out of order"
                     worker.items.pop(0)
-                    worker.deadline = time.monotonic() + self.timeout_s + WORKER_GRACE_S
+                    worker.deadline = time.monotonic() + self.timeout_s + self.grace_s
                     key = keys[index]
                     if gold_ok is not None:
                         self.gold_parses[key[1]] = gold_ok
@@ -243,7 +269,7 @@ class Scorer:
         fresh.items = remaining
         if remaining:
             fresh.conn.send(remaining)
-            fresh.deadline = time.monotonic() + self.timeout_s + WORKER_GRACE_S
+            fresh.deadline = time.monotonic() + self.timeout_s + self.grace_s
 
     def close(self) -> None:
         with self._lock:

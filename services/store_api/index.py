@@ -40,6 +40,7 @@ from schemas import (
 )
 from services.store_api.shards import (
     ROW_GROUP_ROWS,
+    SMALL_COLUMNS,
     TMP_PREFIX,
     ShardReadError,
     ShardReader,
@@ -56,10 +57,6 @@ from services.store_api.settings import StoreSettings
 log = logging.getLogger("graft.store")
 
 INDEX_VERSION = "1"
-INDEX_COLUMNS = [
-    "group_id", "prompt_id", "dataset", "model_id", "model_revision", "tokenizer_id", "policy_step", "group_size",
-    "correct", "reward", "created_at",
-]
 
 SCHEMA_SQL = """
 CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR);
@@ -157,8 +154,11 @@ def decode_cursor(cursor: str) -> tuple[int, int]:
     return seq, row
 
 
-def summarise_shard(path: Path, expected_model: str | None) -> pa.Table:
-    """One row per group of a rollout shard, read from its index columns only; raises if the file is bad."""
+def summarise_shard(path: Path, expected_model: str | None) -> tuple[pa.Table, pa.Table]:
+    """One row per group of a rollout shard, and the shard's small columns (read without the bulk ones).
+
+    Raises ShardReadError / ShardValidationError if the file is unreadable or not whole groups of one model.
+    """
     try:
         parquet = pq.ParquetFile(path, page_checksum_verification=True)
         schema = parquet.schema_arrow
@@ -169,13 +169,13 @@ def summarise_shard(path: Path, expected_model: str | None) -> pa.Table:
         ]
         if wrong:
             raise ShardValidationError(f"schema differs from ROLLOUT_ARROW_SCHEMA: {'; '.join(wrong[:5])}")
-        table = parquet.read(columns=INDEX_COLUMNS, use_threads=False)
+        table = parquet.read(columns=SMALL_COLUMNS, use_threads=False)
     except (OSError, pa.ArrowException) as exc:
         raise ShardReadError(path, str(exc)) from exc
     if table.num_rows == 0:
         raise ShardValidationError("no rows")
-    for name in INDEX_COLUMNS:
-        if name != "reward" and table.column(name).null_count:
+    for name in SMALL_COLUMNS:
+        if not ROLLOUT_ARROW_SCHEMA.field(name).nullable and table.column(name).null_count:
             raise ShardValidationError(f"column {name} has nulls")
     starts, lengths = group_runs(table.column("group_id"))
     check_groups(table, starts, lengths)
@@ -193,7 +193,7 @@ def summarise_shard(path: Path, expected_model: str | None) -> pa.Table:
     created = table.column("created_at").cast(pa.int64()).to_numpy()
     none = n_scored == 0
     first = pa.array(starts)
-    return pa.table({
+    summary = pa.table({
         "group_id": table.column("group_id").take(first),
         "prompt_id": table.column("prompt_id").take(first),
         "dataset": table.column("dataset").take(first),
@@ -212,6 +212,7 @@ def summarise_shard(path: Path, expected_model: str | None) -> pa.Table:
         "row_start": pa.array(starts),
         "num_rows": pa.array(lengths.astype(np.int32)),
     })
+    return summary, table
 
 
 class StoreIndex:
@@ -221,7 +222,7 @@ class StoreIndex:
         self.settings = settings
         self.root = Path(settings.root)
         self.path = self.root / "index.duckdb"
-        self.reader = ShardReader(self.root, settings.max_open_files)
+        self.reader = ShardReader(self.root, settings.max_open_files, int(settings.small_cache_mb * 2**20))
         self._write_lock = threading.RLock()  # DuckDB writes, file renames into the index, mirror updates
         self._mirror_lock = threading.Lock()
         self._compact_lock = threading.Lock()
@@ -327,16 +328,14 @@ class StoreIndex:
     def rebuild(self) -> int:
         """Recreate the index from the Parquet files alone; return the number of groups indexed."""
         with self._write_lock:
-            if self._con is not None:
-                self._con.close()
-                self._con = None
-            for suffix in ("", ".wal"):
-                Path(str(self.path) + suffix).unlink(missing_ok=True)
+            if self._con is None:
+                self._connect()  # takes DuckDB's file lock, or raises IndexLocked: never rebuild under a server
+            self._con.execute("DROP TABLE IF EXISTS groups; DROP TABLE IF EXISTS files; "
+                              "DROP TABLE IF EXISTS duplicates; DROP TABLE IF EXISTS problems; DROP TABLE IF EXISTS meta")
+            self._con.execute(SCHEMA_SQL)
+            self._con.execute("INSERT INTO meta VALUES ('index_version', ?)", [INDEX_VERSION])
+            self._next_file_id = self._next_seq = 1
             self._local = threading.local()
-            self._known_files, self._known_problems = {}, set()
-            with self._mirror_lock:
-                self._by_prompt, self._by_group = {}, {}
-            self._connect()
             self._load_mirror()
             self.ingest_new()
             return len(self._by_group)
@@ -402,7 +401,7 @@ class StoreIndex:
             return 0
         expected_model = path.parent.name.removeprefix("model=")
         try:
-            summary = summarise_shard(path, expected_model)
+            summary, small_columns = summarise_shard(path, expected_model)
         except (ShardReadError, ShardValidationError) as exc:
             self.quarantine(rel, str(exc))
             return 0
@@ -444,6 +443,7 @@ class StoreIndex:
             self._next_file_id += 1
             self._next_seq += fresh.num_rows
             self._known_files[rel] = file_id
+            self.reader.remember_small_columns(rel, small_columns)
             self._add_to_mirror(fresh, rel)
             self.last_ingest_us = indexed
         if duplicate_ids:
@@ -571,7 +571,7 @@ class StoreIndex:
     def select_peer_groups(self, req: PeerLookupRequest) -> tuple[list[GroupRef], list[str]]:
         """The groups a peer lookup returns (by prompt in request order, most recent first) and the misses."""
         peers = set(req.peer_models) if req.peer_models else None
-        oldest_us = None if req.max_age_s is None else now_us() - int(req.max_age_s * 1e6)
+        oldest_us = None if req.max_age_s is None else now_us() - req.max_age_s * 1e6  # float: max_age_s may be huge
         chosen: list[GroupRef] = []
         misses: list[str] = []
         with self._mirror_lock:

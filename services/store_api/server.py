@@ -64,17 +64,24 @@ class StoreServer:
                 [sys.executable, "-m", "services.store_api.cli", "serve"], env=env, cwd=REPO_ROOT,
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             )
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.kill()  # never leave a half-started server holding the index
+            raise
+        return self
+
+    def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"store server exited with {self.process.returncode} at startup:\n{self.log_tail()}")
             try:
                 if httpx.get(f"{self.url}/v1/health", timeout=1.0).status_code == 200:
-                    return self
+                    return
             except httpx.TransportError:
                 pass
             time.sleep(0.05)
-        self.kill()
         raise RuntimeError(f"store server not healthy after {self.startup_timeout_s} s:\n{self.log_tail()}")
 
     def stop(self, timeout_s: float = 30.0) -> None:

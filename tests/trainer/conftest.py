@@ -12,7 +12,7 @@ from trainer.testing import build_bpe_tokenizer, build_char_tokenizer, build_gro
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-@pytest.fixture(autouse=True, scope="module")
+@pytest.fixture(autouse=True, scope="session")
 def one_torch_thread():
     """Tiny models run fastest on one thread (and the machine is shared); restored afterwards."""
     before = torch.get_num_threads()
@@ -22,7 +22,7 @@ def one_torch_thread():
 
 
 @pytest.fixture(scope="session")
-def toy_world(tmp_path_factory):
+def toy_world(tmp_path_factory, one_torch_thread):
     """Learner, peer, problems and a store root holding the peer's groups (trainer.testing.build_toy_world)."""
     from trainer.testing import build_toy_world
 

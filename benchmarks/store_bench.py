@@ -1,0 +1,278 @@
+"""Trajectory store benchmark: ingest, freshness, peer lookups over HTTP, the naive DuckDB scan, peak RSS.
+
+    python -m benchmarks.store_bench --rollouts 1000000 --json store_bench.json
+
+Builds a store of N synthetic rollouts (groups of 8, 256 tokens and 1 KB of text each; 4 models, each
+with 2 groups per prompt at 2 policy steps) by writing shards through `write_groups` (the generators'
+path, vectorised validation included) while a real store server indexes them, then measures against it.
+Prints one JSON object; targets at N = 1,000,000 are in the issue and in benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import random
+import shutil
+import statistics
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+from tqdm import tqdm
+
+from schemas import ROLLOUT_ARROW_SCHEMA, PeerLookupRequest
+from services.store_api.client import StoreClient
+from services.store_api.server import StoreServer
+from services.store_api.shards import write_groups
+
+MODELS = ("model-a", "model-b", "model-c", "model-d")
+SUCCESS_RATE = {"model-a": 0.3, "model-b": 0.45, "model-c": 0.6, "model-d": 0.75}
+GROUP = 8
+TOKENS = 256
+TEXT_BYTES = 1024
+
+
+def prompt_hex(i: int) -> str:
+    return f"{i:016x}"
+
+
+class ShardMaker:
+    """Synthetic shards in ROLLOUT_ARROW_SCHEMA; the bulky content is drawn once and reused per shard."""
+
+    def __init__(self, rows: int, seed: int):
+        self.rng = np.random.default_rng(seed)
+        rng = self.rng
+        n = rows
+        ids = rng.integers(0, 50_000, n * TOKENS, dtype=np.int32)
+        logprobs = -rng.exponential(0.5, n * TOKENS).astype(np.float32)
+        offsets = pa.array(np.arange(0, n * TOKENS + 1, TOKENS, dtype=np.int32))
+        self.token_ids = pa.ListArray.from_arrays(offsets, pa.array(ids))
+        self.token_logprobs = pa.ListArray.from_arrays(offsets, pa.array(logprobs))
+        self.logprob_sum = pa.array(logprobs.reshape(n, TOKENS)[:, :-1].sum(1).astype(np.float64))
+        text = rng.integers(97, 123, n * TEXT_BYTES, dtype=np.uint8).tobytes()
+        text_offsets = np.arange(0, n * TEXT_BYTES + 1, TEXT_BYTES, dtype=np.int32)
+        self.text = pa.StringArray.from_buffers(n, pa.py_buffer(text_offsets.tobytes()), pa.py_buffer(text))
+        self.rows = rows
+
+    def shard(self, model: str, first_group: int, groups: int, prompts: int) -> pa.Table:
+        """`groups` groups of `model`; its k-th group is for prompt k % prompts at policy step k // prompts."""
+        n = groups * GROUP
+        k = np.arange(first_group, first_group + groups)
+        rewards = (self.rng.random(n) < SUCCESS_RATE.get(model, 0.5)).astype(np.float32)
+        per_group = rewards.reshape(groups, GROUP).astype(np.float64)
+        mean = per_group.mean(1, keepdims=True)
+        std = per_group.std(1, ddof=1, keepdims=True)
+        advantages = ((per_group - mean) / (std + 1e-6)).astype(np.float32).reshape(-1)
+        group_ids = np.char.add(f"{model}-g", k.astype(str))
+        rollout_ids = np.char.add(np.repeat(group_ids, GROUP), np.char.add("-", np.tile(np.arange(GROUP).astype(str), groups)))
+        now = np.datetime64(datetime.now(timezone.utc).replace(tzinfo=None), "us")
+        columns = {
+            "rollout_id": pa.array(rollout_ids), "group_id": pa.array(np.repeat(group_ids, GROUP)),
+            "prompt_id": pa.array(np.repeat(np.char.zfill(np.char.mod("%x", k % prompts), 16), GROUP)),
+            "dataset": pa.array(["synthetic"] * n), "model_id": pa.array([model] * n),
+            "model_revision": pa.array(["r1"] * n), "tokenizer_id": pa.array([f"tok-{model}"] * n),
+            "policy_step": pa.array(np.repeat(k // prompts, GROUP).astype(np.int64)),
+            "generator_id": pa.array(["store-bench"] * n),
+            "created_at": pa.array(np.full(n, now), pa.timestamp("us", tz="UTC")),
+            "schema_version": pa.array(np.ones(n, np.int32)), "temperature": pa.array(np.ones(n, np.float32)),
+            "top_p": pa.array(np.ones(n, np.float32)), "top_k": pa.nulls(n, pa.int32()),
+            "max_tokens": pa.array(np.full(n, 1024, np.int32)), "logprobs_mode": pa.array(["processed"] * n),
+            "completion_text": self.text.slice(0, n), "completion_token_ids": self.token_ids.slice(0, n),
+            "token_logprobs": self.token_logprobs.slice(0, n), "logprob_sum": self.logprob_sum.slice(0, n),
+            "num_tokens": pa.array(np.full(n, TOKENS, np.int32)), "num_bytes": pa.array(np.full(n, TEXT_BYTES, np.int32)),
+            "finish_reason": pa.array(["stop"] * n), "reward": pa.array(rewards), "correct": pa.array(rewards > 0),
+            "extracted_answer": pa.array(["42"] * n), "advantage": pa.array(advantages),
+            "group_size": pa.array(np.full(n, GROUP, np.int32)),
+        }
+        return pa.Table.from_arrays([columns[f.name] for f in ROLLOUT_ARROW_SCHEMA], schema=ROLLOUT_ARROW_SCHEMA)
+
+
+def plan_shards(n_rollouts: int, shard_rollouts: int) -> tuple[list[tuple[str, int, int]], int]:
+    """(model, first group of that model, groups) per shard, round-robin over models; and the prompt count."""
+    groups_total = n_rollouts // GROUP
+    per_model = groups_total // len(MODELS)
+    prompts = max(1, per_model // 2)
+    per_shard = max(1, shard_rollouts // GROUP)
+    plan = []
+    for start in range(0, per_model, per_shard):
+        for model in MODELS:
+            plan.append((model, start, min(per_shard, per_model - start)))
+    return plan, prompts
+
+
+def _writer(root: str, shards: list[tuple[str, int, int]], prompts: int, seed: int, max_rows: int, done) -> None:
+    maker = ShardMaker(max_rows, seed)
+    for model, first, groups in shards:
+        write_groups(root, maker.shard(model, first, groups, prompts))
+        done.put(groups * GROUP)
+    done.put(None)
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q))
+
+
+def peak_rss_mb(pid: int) -> float:
+    """The process's high-water resident set (VmHWM), MB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc status")
+
+
+def naive_lookup(con: duckdb.DuckDBPyConnection, glob: str, prompt: str, learner: str) -> list[dict]:
+    """The same single-prompt lookup without the index: scan the shards with read_parquet and a WHERE."""
+    rows = con.sql(
+        f"SELECT * FROM read_parquet('{glob}') WHERE prompt_id = ? AND model_id <> ?", params=[prompt, learner]
+    ).to_arrow_table().to_pylist()
+    groups: dict[str, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(row["group_id"], []).append(row)
+    informative = [g for g in groups.values() if 0 < sum(r["correct"] for r in g) < len(g)]
+    informative.sort(key=lambda g: (-g[0]["policy_step"], -max(r["created_at"] for r in g).timestamp()))
+    return informative[:1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rollouts", type=int, default=100_000, help="rollouts to store")
+    parser.add_argument("--json", type=Path, default=None, help="also write the JSON result here")
+    parser.add_argument("--root", type=Path, default=None, help="store root (default: a temporary directory, removed)")
+    parser.add_argument("--shard-rollouts", type=int, default=8192, help="rollouts per shard")
+    parser.add_argument("--writers", type=int, default=2, help="writer processes")
+    parser.add_argument("--lookups", type=int, default=2000, help="single-prompt lookups to time")
+    parser.add_argument("--batches", type=int, default=200, help="64-prompt lookups to time")
+    parser.add_argument("--naive", type=int, default=20, help="naive DuckDB lookups to time")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    root = args.root or Path(tempfile.mkdtemp(prefix="store-bench-")) / "store"
+    if root.exists():
+        shutil.rmtree(root)
+    plan, prompts = plan_shards(args.rollouts, args.shard_rollouts)
+    n_rollouts = sum(g for _, _, g in plan) * GROUP
+    rng = random.Random(args.seed)
+    result: dict = {"rollouts": n_rollouts, "shards": len(plan), "prompts": prompts, "models": len(MODELS),
+                    "cpus": os.cpu_count(), "load_avg_before": os.getloadavg()[0]}
+    server = StoreServer(root, env={"GRAFT_STORE_COMPACT_INTERVAL_S": "0", "GRAFT_STORE_LOG_LEVEL": "warning"}).start()
+    try:
+        client = StoreClient(server.url, timeout_s=60)
+
+        # ---- ingest: writer processes write shards, the store indexes them as they land
+        context = multiprocessing.get_context("fork")
+        done = context.Queue()
+        writers = [context.Process(target=_writer, args=(str(root), plan[w::args.writers], prompts, args.seed + w,
+                                                         args.shard_rollouts, done)) for w in range(args.writers)]
+        started = time.perf_counter()
+        for w in writers:
+            w.start()
+        finished = 0
+        with tqdm(total=n_rollouts, desc="write", unit="rollout", unit_scale=True) as bar:
+            while finished < len(writers):
+                item = done.get()
+                if item is None:
+                    finished += 1
+                else:
+                    bar.update(item)
+        for w in writers:
+            w.join()
+            if w.exitcode:
+                raise RuntimeError(f"writer exited with {w.exitcode}")
+        written = time.perf_counter()
+        with tqdm(total=n_rollouts, desc="index", unit="rollout", unit_scale=True) as bar:
+            while (indexed := client.stats().total_rollouts) < n_rollouts:
+                bar.n = indexed
+                bar.refresh()
+                time.sleep(0.05)
+            bar.n = indexed
+            bar.refresh()
+        ingested = time.perf_counter()
+        result["write_rollouts_per_s"] = round(n_rollouts / (written - started))
+        result["ingest_rollouts_per_s"] = round(n_rollouts / (ingested - started))
+        result["store_bytes_on_disk"] = sum(p.stat().st_size for p in (root / "rollouts").rglob("*.parquet"))
+
+        # ---- freshness: a shard lands, how long until a lookup returns it
+        maker = ShardMaker(GROUP, args.seed + 99)
+        delays = []
+        for trial in range(7):
+            table = maker.shard("fresh-model", prompts + trial, 1, prompts + 100)
+            write_groups(root, table)
+            landed = time.perf_counter()
+            req = PeerLookupRequest(prompt_ids=[table.column("prompt_id")[0].as_py()], learner_model="nobody",
+                                    informative_only=False, min_successes=0)
+            while client.lookup_peer_table(req)[0].num_rows == 0:
+                time.sleep(0.002)
+            delays.append(time.perf_counter() - landed)
+        result["freshness_s"] = round(statistics.median(delays), 3)
+        result["freshness_max_s"] = round(max(delays), 3)
+
+        # ---- peer lookups over HTTP (Arrow IPC, as the trainer's client does)
+        def random_request(n_prompts: int) -> PeerLookupRequest:
+            return PeerLookupRequest(prompt_ids=[prompt_hex(rng.randrange(prompts)) for _ in range(n_prompts)],
+                                     learner_model=rng.choice(MODELS))
+
+        for _ in range(50):
+            client.lookup_peer_table(random_request(1))
+        single, returned = [], 0
+        for _ in tqdm(range(args.lookups), desc="lookup x1"):
+            req = random_request(1)
+            t = time.perf_counter()
+            table, _ = client.lookup_peer_table(req)
+            single.append(time.perf_counter() - t)
+            returned += table.num_rows
+        result["lookup_p50_ms"] = round(percentile(single, 50) * 1e3, 3)
+        result["lookup_p99_ms"] = round(percentile(single, 99) * 1e3, 3)
+        result["lookup_rows_per_call"] = returned / args.lookups
+        with_models = []
+        for _ in range(200):
+            req = random_request(1)
+            t = time.perf_counter()
+            client.lookup_peer_groups(req)
+            with_models.append(time.perf_counter() - t)
+        result["lookup_as_models_p50_ms"] = round(percentile(with_models, 50) * 1e3, 3)
+        batch, returned = [], 0
+        for _ in tqdm(range(args.batches), desc="lookup x64"):
+            req = random_request(64)
+            t = time.perf_counter()
+            table, _ = client.lookup_peer_table(req)
+            batch.append(time.perf_counter() - t)
+            returned += table.num_rows
+        result["batch64_p50_ms"] = round(percentile(batch, 50) * 1e3, 3)
+        result["batch64_p99_ms"] = round(percentile(batch, 99) * 1e3, 3)
+        result["batch64_rows_per_call"] = returned / args.batches
+
+        # ---- the naive way: DuckDB read_parquet over the shard glob with a WHERE (in-process, no HTTP)
+        con = duckdb.connect()
+        glob = str(root / "rollouts" / "model=*" / "part-*.parquet")
+        naive_lookup(con, glob, prompt_hex(0), MODELS[0])
+        naive = []
+        for _ in tqdm(range(args.naive), desc="naive"):
+            prompt, learner = prompt_hex(rng.randrange(prompts)), rng.choice(MODELS)
+            t = time.perf_counter()
+            found = naive_lookup(con, glob, prompt, learner)
+            naive.append(time.perf_counter() - t)
+            assert found, f"naive lookup found nothing for {prompt}"
+        result["naive_p50_ms"] = round(percentile(naive, 50) * 1e3, 3)
+        result["speedup_vs_naive"] = round(result["naive_p50_ms"] / result["lookup_p50_ms"], 1)
+        result["peak_rss_mb"] = round(peak_rss_mb(server.pid), 1)
+        result["load_avg_after"] = os.getloadavg()[0]
+        client.close()
+    finally:
+        server.stop()
+        if args.root is None:
+            shutil.rmtree(root.parent, ignore_errors=True)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        args.json.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

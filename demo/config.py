@@ -1,0 +1,117 @@
+"""The demo's one config: the task, the two warm starts, the peer's stored groups, and the RL runs.
+
+Defaults are the full demo (`make demo`); `quick()` shrinks it for the test. Readable from YAML
+(`--config configs/demo.yaml`) and settable from the command line (`--set rl.steps=50`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from demo.sft import SFTConfig
+from trainer.config import apply_overrides
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TaskConfig(_Section):
+    n_eval: dict[str, int] = Field(default={"add2": 200, "add3": 400}, description="held-out problems per family")
+    n_rl: int = Field(default=800, ge=1, description="RL prompts per family split off before SFT (never seen in SFT)")
+    rl_prompts: dict[str, int] = Field(default={"add3": 800, "add2": 267}, description="RL prompts each family contributes (3:1 weak:strong, about 12 + 4 per step of 16)")
+    strong_family: str = Field(default="add2", description="the learner's strong family (the peer's weak one)")
+    weak_family: str = Field(default="add3", description="the learner's weak family (the peer's strong one)")
+
+
+class ModelBuildConfig(_Section):
+    hidden: int = Field(description="hidden size")
+    layers: int = Field(description="transformer layers")
+    sft: SFTConfig = Field(description="supervised warm start")
+    seed: int = Field(default=0, description="initialisation seed")
+
+
+class PeerGroupsConfig(_Section):
+    group_size: int = Field(default=8, ge=2, description="rollouts per prompt the peer stores")
+    seed: int = Field(default=1234, description="generator sampling seed")
+    prompts_per_batch: int = Field(default=128, ge=1, description="prompts per generator batch (one shard each)")
+
+
+class RLConfig(_Section):
+    steps: int = Field(default=100, ge=1, description="training steps of every run")
+    prompts_per_step: int = Field(default=16, ge=1, description="prompts per step (x group_size learner rollouts: the rollout budget)")
+    group_size: int = Field(default=8, ge=2, description="G")
+    lr: float = Field(default=3e-4, gt=0, description="AdamW learning rate")
+    anchor_prompts_per_step: int = Field(default=8, ge=1, description="strong-family reference completions in the supervised anchor, every step")
+    anchor_weight: float = Field(default=2.0, ge=0, description="weight of the anchor NLL")
+    eval_every: int = Field(default=25, ge=1, description="evaluate a checkpoint every N steps (and step 0)")
+    cotrain_wait_s: float = Field(default=2.0, ge=0, description="co-training: longest wait per step for the other model's groups")
+    seeds: list[int] = Field(default=[0, 1, 2], description="seeds of the headline runs (grpo, graft, graft co-training)")
+    ablation_seeds: list[int] = Field(default=[0, 1, 2], description="seeds of the ablation runs")
+    ablations: dict[str, list[str]] = Field(
+        default={
+            "graft_no_peer_neg": ["graft.peer_negative_scale=0"],
+            "graft_no_seq_weight": ["graft.kappa=0"],
+        },
+        description="ablation name -> trainer overrides on top of offline GRAFT with the spec's defaults",
+    )
+
+
+class DemoConfig(_Section):
+    out_dir: Path = Field(default=Path("demo_out"), description="models, store, runs (cached by config hash)")
+    report_dir: Path = Field(default=Path("report"), description="summary.json, REPORT.md, plots")
+    workers: int = Field(default=2, ge=1, description="processes run at once (one torch thread each)")
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    learner: ModelBuildConfig = Field(
+        default_factory=lambda: ModelBuildConfig(
+            hidden=128, layers=4,
+            sft=SFTConfig(steps=600, batch_size=128, lr=2e-3, family_weights={"add2": 0.97, "add3": 0.03}),
+        )
+    )
+    peer: ModelBuildConfig = Field(
+        default_factory=lambda: ModelBuildConfig(
+            hidden=96, layers=3,
+            sft=SFTConfig(steps=400, batch_size=128, lr=2e-3, family_weights={"add2": 0.1, "add3": 0.9}),
+        )
+    )
+    bpe_vocab_size: int = Field(default=64, ge=16, description="target vocabulary of the peer's BPE (it stops early: digits are never merged)")
+    peer_groups: PeerGroupsConfig = Field(default_factory=PeerGroupsConfig)
+    rl: RLConfig = Field(default_factory=RLConfig)
+    mode: Literal["full", "quick"] = Field(default="full", description="quick: the test's shrunken pipeline")
+
+
+def quick(cfg: DemoConfig) -> DemoConfig:
+    """The whole pipeline, small: for the structural test (not the accuracy target)."""
+    data = cfg.model_dump()
+    data["mode"] = "quick"
+    data["task"].update(n_eval={"add2": 40, "add3": 40}, rl_prompts={"add3": 48, "add2": 16})
+    data["learner"]["sft"].update(steps=60, batch_size=64)
+    data["peer"]["sft"].update(steps=60, batch_size=64)
+    data["rl"].update(steps=4, prompts_per_step=8, eval_every=2, seeds=[0, 1, 2], ablation_seeds=[0], anchor_prompts_per_step=4)
+    return DemoConfig.model_validate(data)
+
+
+def load_demo_config(path: Path | None, overrides: list[str], use_quick: bool) -> DemoConfig:
+    data: dict[str, Any] = {}
+    if path is not None:
+        if not path.is_file():
+            raise FileNotFoundError(f"demo config {path} does not exist (try configs/demo.yaml)")
+        data = yaml.safe_load(path.read_text()) or {}
+    cfg = DemoConfig.model_validate(data)
+    if use_quick:
+        cfg = quick(cfg)
+    if overrides:
+        cfg = DemoConfig.model_validate(apply_overrides(cfg.model_dump(mode="json"), overrides))
+    return cfg
+
+
+def config_hash(*parts: Any) -> str:
+    """12 hex chars over JSON of the parts: the cache key of a stage."""
+    payload = json.dumps([p.model_dump(mode="json") if isinstance(p, BaseModel) else p for p in parts], sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()[:12]

