@@ -24,6 +24,7 @@ from pathlib import Path
 
 import duckdb
 import numpy as np
+import psutil
 import pyarrow as pa
 from tqdm import tqdm
 
@@ -109,14 +110,29 @@ def plan_shards(n_rollouts: int, shard_rollouts: int) -> tuple[list[tuple[str, i
 
 def _writer(root: str, shards: list[tuple[str, int, int]], prompts: int, seed: int, max_rows: int, done) -> None:
     maker = ShardMaker(max_rows, seed)
+    cpu_writing = 0.0
     for model, first, groups in shards:
-        write_groups(root, maker.shard(model, first, groups, prompts))
+        table = maker.shard(model, first, groups, prompts)
+        started = time.process_time()
+        write_groups(root, table)
+        cpu_writing += time.process_time() - started
         done.put(groups * GROUP)
-    done.put(None)
+    done.put(("cpu", cpu_writing))
 
 
 def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q))
+
+
+def cpu_seconds(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
+
+
+def cpu_per_call(before: tuple[float, float], store_process: psutil.Process, calls: int) -> dict[str, float]:
+    """CPU milliseconds per call in the store and in this client process (contention-free cost)."""
+    return {"store": round((cpu_seconds(store_process) - before[0]) / calls * 1e3, 3),
+            "client": round((time.process_time() - before[1]) / calls * 1e3, 3)}
 
 
 def peak_rss_mb(pid: int) -> float:
@@ -170,15 +186,18 @@ def main() -> None:
         done = context.Queue()
         writers = [context.Process(target=_writer, args=(str(root), plan[w::args.writers], prompts, args.seed + w,
                                                          args.shard_rollouts, done)) for w in range(args.writers)]
+        store_process = psutil.Process(server.pid)
+        store_cpu = cpu_seconds(store_process)
         started = time.perf_counter()
         for w in writers:
             w.start()
-        finished = 0
+        finished, writer_cpu = 0, 0.0
         with tqdm(total=n_rollouts, desc="write", unit="rollout", unit_scale=True) as bar:
             while finished < len(writers):
                 item = done.get()
-                if item is None:
+                if isinstance(item, tuple):
                     finished += 1
+                    writer_cpu += item[1]
                 else:
                     bar.update(item)
         for w in writers:
@@ -194,8 +213,13 @@ def main() -> None:
             bar.n = indexed
             bar.refresh()
         ingested = time.perf_counter()
+        index_cpu = cpu_seconds(store_process) - store_cpu
         result["write_rollouts_per_s"] = round(n_rollouts / (written - started))
         result["ingest_rollouts_per_s"] = round(n_rollouts / (ingested - started))
+        # CPU seconds spent writing (validation + Parquet, in the writers) and indexing (in the store): what
+        # the wall-clock rate would be on idle cores, since this 2-core machine is shared with other jobs
+        result["ingest_cpu_s_per_100k_rollouts"] = {"write": round(writer_cpu / n_rollouts * 1e5, 2),
+                                                    "index": round(index_cpu / n_rollouts * 1e5, 2)}
         result["store_bytes_on_disk"] = sum(p.stat().st_size for p in (root / "rollouts").rglob("*.parquet"))
 
         # ---- freshness: a shard lands, how long until a lookup returns it
@@ -221,6 +245,7 @@ def main() -> None:
         for _ in range(50):
             client.lookup_peer_table(random_request(1))
         single, returned = [], 0
+        cpu_before = cpu_seconds(store_process), time.process_time()
         for _ in tqdm(range(args.lookups), desc="lookup x1"):
             req = random_request(1)
             t = time.perf_counter()
@@ -230,6 +255,7 @@ def main() -> None:
         result["lookup_p50_ms"] = round(percentile(single, 50) * 1e3, 3)
         result["lookup_p99_ms"] = round(percentile(single, 99) * 1e3, 3)
         result["lookup_rows_per_call"] = returned / args.lookups
+        result["lookup_cpu_ms"] = cpu_per_call(cpu_before, store_process, args.lookups)
         with_models = []
         for _ in range(200):
             req = random_request(1)
@@ -238,6 +264,7 @@ def main() -> None:
             with_models.append(time.perf_counter() - t)
         result["lookup_as_models_p50_ms"] = round(percentile(with_models, 50) * 1e3, 3)
         batch, returned = [], 0
+        cpu_before = cpu_seconds(store_process), time.process_time()
         for _ in tqdm(range(args.batches), desc="lookup x64"):
             req = random_request(64)
             t = time.perf_counter()
@@ -247,6 +274,7 @@ def main() -> None:
         result["batch64_p50_ms"] = round(percentile(batch, 50) * 1e3, 3)
         result["batch64_p99_ms"] = round(percentile(batch, 99) * 1e3, 3)
         result["batch64_rows_per_call"] = returned / args.batches
+        result["batch64_cpu_ms"] = cpu_per_call(cpu_before, store_process, args.batches)
 
         # ---- the naive way: DuckDB read_parquet over the shard glob with a WHERE (in-process, no HTTP)
         con = duckdb.connect()

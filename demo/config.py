@@ -71,13 +71,16 @@ class DemoConfig(_Section):
     learner: ModelBuildConfig = Field(
         default_factory=lambda: ModelBuildConfig(
             hidden=128, layers=4,
-            sft=SFTConfig(steps=600, batch_size=128, lr=2e-3, family_weights={"add2": 0.97, "add3": 0.03}),
+            # TOY_STUDY: RL starts from step 600 of a longer schedule, where the weak skill is emerging.
+            sft=SFTConfig(steps=1000, stop_at=600, batch_size=128, lr=2e-3, family_weights={"add2": 0.97, "add3": 0.03}),
         )
     )
     peer: ModelBuildConfig = Field(
         default_factory=lambda: ModelBuildConfig(
             hidden=96, layers=3,
-            sft=SFTConfig(steps=400, batch_size=128, lr=2e-3, family_weights={"add2": 0.1, "add3": 0.9}),
+            # Only the learner's weak family, stopped while still learning it: a peer that solves every
+            # problem gives all-pass groups, which carry no advantage (TOY_STUDY).
+            sft=SFTConfig(steps=500, stop_at=320, batch_size=128, lr=2e-3, family_weights={"add3": 1.0}),
         )
     )
     bpe_vocab_size: int = Field(default=64, ge=16, description="target vocabulary of the peer's BPE (it stops early: digits are never merged)")
@@ -91,8 +94,8 @@ def quick(cfg: DemoConfig) -> DemoConfig:
     data = cfg.model_dump()
     data["mode"] = "quick"
     data["task"].update(n_eval={"add2": 40, "add3": 40}, rl_prompts={"add3": 48, "add2": 16})
-    data["learner"]["sft"].update(steps=60, batch_size=64)
-    data["peer"]["sft"].update(steps=60, batch_size=64)
+    data["learner"]["sft"].update(steps=60, stop_at=None, batch_size=64)
+    data["peer"]["sft"].update(steps=60, stop_at=None, batch_size=64)
     data["rl"].update(steps=4, prompts_per_step=8, eval_every=2, seeds=[0, 1, 2], ablation_seeds=[0], anchor_prompts_per_step=4)
     return DemoConfig.model_validate(data)
 

@@ -62,8 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"GRAFT demo ({cfg.mode}): outputs in {out}, report in {cfg.report_dir}, {cfg.workers} processes at once", flush=True)
 
     data = prepare_data(cfg, out / "data")
-    models = build_models(cfg, data, out, env)
-    print_models(models)
+    build_jobs, models = model_jobs(cfg, data, out)
 
     from services.store_api.server import StoreServer
 
@@ -73,13 +72,17 @@ def main(argv: list[str] | None = None) -> int:
     with server:
         print(f"store API up at {server.url} over {store_root} (pid {server.pid})", flush=True)
         jobs, runs = rl_jobs(cfg, data, models, store_root, server.url, out)
-        timings = run_jobs(jobs, cfg.workers, desc="peer groups + RL runs", env=env)
+        # One schedule for everything: while the learner warms up, the other process warms up the
+        # peer and fills the store with its groups.
+        timings = run_jobs(build_jobs + jobs, cfg.workers, desc="SFT, peer groups, RL runs", env=env)
         from services.store_api.client import StoreClient
 
         with StoreClient(server.url) as client:
             store_stats = client.stats().model_dump(mode="json")
-    server_stopped = server.process is not None and server.process.poll() is not None
-    print(f"store server stopped cleanly: {server_stopped} (exit code {server.process.returncode})", flush=True)
+    server_stopped = server.process is not None and server.process.poll() is not None and "Application shutdown complete" in server.log_tail()
+    print(f"store server stopped cleanly: {server_stopped} (pid {server.pid}, exit code {server.process.returncode})", flush=True)
+    for role in ("learner", "peer"):
+        models[role].update(json.loads((Path(models[role]["dir"]) / "done.json").read_text()))
 
     from demo.report import write_report
 
@@ -127,38 +130,36 @@ def _write_jsonl(rows: list[dict], path: Path) -> None:
 
 # ---- 2. models -----------------------------------------------------------------------------------
 
-def build_models(cfg: DemoConfig, data: dict[str, Path], out: Path, env: dict[str, str]) -> dict[str, dict]:
-    """The learner and the peer, warm-started in two processes at once (cached by config hash)."""
+def model_jobs(cfg: DemoConfig, data: dict[str, Path], out: Path) -> tuple[list[Job], dict[str, dict]]:
+    """Two jobs: the learner's and the peer's warm start (cached by config hash), and where their checkpoints will be."""
     eval_sets = {f: str(data[f"eval_{f}"]) for f in cfg.task.n_eval}
-    jobs, dirs = [], {}
+    jobs, models = [], {}
     for role in ("learner", "peer"):
         spec = cfg.learner if role == "learner" else cfg.peer
         key = config_hash(role, spec, cfg.task, cfg.bpe_vocab_size if role == "peer" else None)
         job_dir = out / "models" / f"{role}-{key}"
         job_dir.mkdir(parents=True, exist_ok=True)
-        dirs[role] = job_dir
         job_file = job_dir / "job.json"
         job_file.write_text(json.dumps({"role": role, "out": str(job_dir), "demo": cfg.model_dump(mode="json"), "eval_sets": eval_sets}))
+        if (job_dir / "done.json").exists():
+            print_model(role, json.loads((job_dir / "done.json").read_text()))
+        models[role] = {"dir": str(job_dir), "checkpoint": str(job_dir / "sft" / f"step-{spec.sft.stop_at or spec.sft.steps}"), "checkpoint_hash": job_dir.name}
         jobs.append(Job(
             name=f"sft {role}", commands=[python_module("demo.worker", "build", str(job_file))], logs=[job_dir / "log.txt"],
-            done=[job_dir / "done.json"], progress=_progress_file(job_dir / "progress"), total=spec.sft.steps,
+            done=[job_dir / "done.json"], progress=_progress_file(job_dir / "progress"), total=spec.sft.stop_at or spec.sft.steps,
+            after=lambda job_dir=job_dir, role=role: print_model(role, json.loads((job_dir / "done.json").read_text())),
         ))
-    run_jobs(jobs, cfg.workers, desc="warm start (SFT)", env=env)
-    models = {}
-    for role, job_dir in dirs.items():
-        info = json.loads((job_dir / "done.json").read_text())
-        info["checkpoint_hash"] = job_dir.name
-        models[role] = info
-    return models
+    return jobs, models
 
 
-def print_models(models: dict[str, dict]) -> None:
-    for role, info in models.items():
-        greedy = ", ".join(f"{f} {100 * a:.1f}%" for f, a in info["acc_greedy"].items())
-        sampled = ", ".join(f"{f} {100 * a:.1f}%" for f, a in info["acc_sampled"].items())
-        print(f"  {role}: {info['architecture']}, {info['parameters']:,} parameters, vocab {info['vocab_size']} "
-              f"(`\\boxed{{1046}}` -> {info['tokenizer_tokens_of_example']}); SFT {info['sft_steps']} steps in {info['sft_s']:.0f} s; "
-              f"held-out greedy: {greedy}; sampled T=1: {sampled}", flush=True)
+def print_model(role: str, info: dict) -> None:
+    from tqdm import tqdm
+
+    greedy = ", ".join(f"{f} {100 * a:.1f}%" for f, a in info["acc_greedy"].items())
+    sampled = ", ".join(f"{f} {100 * a:.1f}%" for f, a in info["acc_sampled"].items())
+    tqdm.write(f"  {role}: {info['architecture']}, {info['parameters']:,} parameters, vocab {info['vocab_size']} "
+               f"(`\\boxed{{1046}}` -> {' '.join(info['tokenizer_tokens_of_example'])}); SFT {info['sft_steps']} steps in "
+               f"{info['sft_s']:.0f} s; held-out greedy: {greedy}; sampled T=1: {sampled}")
 
 
 def _progress_file(path: Path):
@@ -230,12 +231,10 @@ def rl_jobs(cfg: DemoConfig, data: dict[str, Path], models: dict[str, dict], sto
         ))
         runs.append({"name": name, "mode": mode, "seed": seed, "dir": str(job_dir), "peer_dir": str(job_dir / "peer") if len(trains) > 1 else None})
 
+    # Co-training pairs first: each needs both processes at once, which is easiest right after the warm start.
     for seed in cfg.rl.seeds:
-        add_run(f"grpo-s{seed}", "grpo", seed, [learner_config(seed, "grpo", [])], deps=[])
-        add_run(f"graft-s{seed}", "graft", seed, [learner_config(seed, "graft", [])], deps=["peer groups"])
-    for seed in cfg.rl.seeds:
-        # Co-training: both models train at once on the same prompts in the same order (same seed and
-        # data), each publishing every group it samples and taking the other's for its all-fail prompts.
+        # Both models train at once on the same prompts in the same order (same seed and data), each
+        # publishing every group it samples and taking the other's for its all-fail prompts.
         tag = config_hash(seed, models["learner"]["checkpoint_hash"], models["peer"]["checkpoint_hash"], cfg.rl)[:8]
         learner_id, peer_id = f"{LEARNER_MODEL_ID}-co{tag}", f"{PEER_MODEL_ID}-co{tag}"
         cotrain = ["store.mode=cotrain", f"store.cotrain_wait_s={cfg.rl.cotrain_wait_s}", f"model.model_id={learner_id}",
@@ -245,10 +244,13 @@ def rl_jobs(cfg: DemoConfig, data: dict[str, Path], models: dict[str, dict], sto
         peer["model"].update(path=peer_ckpt, model_id=peer_id)
         peer["graft"].update(peer_models=[learner_id], peer_tokenizers=[learner_ckpt])
         peer["anchor"]["dataset"] = None  # the anchor protects the learner's mastered family; the peer has none
-        add_run(f"graft_cotrain-s{seed}", "graft_cotrain", seed, [learner, peer], deps=[])
+        add_run(f"graft_cotrain-s{seed}", "graft_cotrain", seed, [learner, peer], deps=["sft learner", "sft peer"])
+    for seed in cfg.rl.seeds:
+        add_run(f"grpo-s{seed}", "grpo", seed, [learner_config(seed, "grpo", [])], deps=["sft learner"])
+        add_run(f"graft-s{seed}", "graft", seed, [learner_config(seed, "graft", [])], deps=["sft learner", "peer groups"])
     for name, overrides in cfg.rl.ablations.items():
         for seed in cfg.rl.ablation_seeds:
-            add_run(f"{name}-s{seed}", name, seed, [learner_config(seed, "graft", overrides)], deps=["peer groups"])
+            add_run(f"{name}-s{seed}", name, seed, [learner_config(seed, "graft", overrides)], deps=["sft learner", "peer groups"])
     return jobs, runs
 
 
@@ -288,7 +290,8 @@ def _generator_job(cfg: DemoConfig, data: dict[str, Path], models: dict[str, dic
         tmp.write_text(json.dumps(summary))
         tmp.replace(done)
 
-    return Job(name="peer groups", commands=[command], logs=[log], done=[done], progress=shards, total=n_prompts, after=after)
+    return Job(name="peer groups", commands=[command], logs=[log], done=[done], progress=shards, total=n_prompts, after=after,
+               deps=["sft peer"])
 
 
 # ---- 7. after the report -------------------------------------------------------------------------

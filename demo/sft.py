@@ -23,7 +23,8 @@ class SFTConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    steps: int = Field(gt=0, description="optimizer steps")
+    steps: int = Field(gt=0, description="length of the learning-rate schedule, in optimizer steps")
+    stop_at: int | None = Field(default=None, gt=0, description="stop (and save) at this step of the schedule: a checkpoint whose skill is still emerging (default: steps)")
     batch_size: int = Field(default=128, gt=0, description="examples per step")
     lr: float = Field(default=2e-3, gt=0, description="peak learning rate (AdamW)")
     warmup_steps: int = Field(default=30, ge=0, description="linear warmup steps")
@@ -83,7 +84,9 @@ def train_sft(
     desc: str = "sft",
     progress_path: Path | None = None,
 ) -> dict[int, Path]:
-    """Train on (prompt, completion) pairs drawn from `pools` by `cfg.family_weights`; returns {step: checkpoint dir}."""
+    """Train on (prompt, completion) pairs drawn from `pools` by `cfg.family_weights`; returns {step: checkpoint dir}.
+
+    The run ends at `cfg.stop_at` (default: the end of the schedule), which is always saved."""
     missing = set(cfg.family_weights) - set(pools)
     if missing:
         raise ValueError(f"family_weights names {sorted(missing)} but pools only has {sorted(pools)}")
@@ -91,10 +94,13 @@ def train_sft(
     families = list(cfg.family_weights)
     weights = [cfg.family_weights[f] for f in families]
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
-    save_steps = set(cfg.save_steps) | {cfg.steps}
+    last = cfg.stop_at or cfg.steps
+    if last > cfg.steps:
+        raise ValueError(f"stop_at = {cfg.stop_at} lies beyond the schedule's {cfg.steps} steps")
+    save_steps = {s for s in cfg.save_steps if s <= last} | {last}
     saved: dict[int, Path] = {}
     model.train()
-    bar = tqdm(range(1, cfg.steps + 1), desc=desc, mininterval=1.0)
+    bar = tqdm(range(1, last + 1), desc=desc, mininterval=1.0)
     for step in bar:
         picks = [rng.choices(families, weights)[0] for _ in range(cfg.batch_size)]
         examples = [rng.choice(pools[f]) for f in picks]
@@ -109,7 +115,7 @@ def train_sft(
         if step % 20 == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}")
             if progress_path is not None:
-                write_progress(progress_path, step, cfg.steps)
+                write_progress(progress_path, step, last)
         if step in save_steps:
             path = out_dir / f"step-{step}"
             model.save_pretrained(path)

@@ -52,7 +52,7 @@ def build(job: dict) -> dict:
         model = build_peer(tokenizer, spec.seed, spec.hidden, spec.layers)
     saved = train_sft(model, tokenizer, pools, spec.sft, out / "sft", desc=f"sft {role}", progress_path=out / "progress")
     sft_s = time.perf_counter() - started
-    checkpoint = saved[spec.sft.steps]
+    checkpoint = saved[spec.sft.stop_at or spec.sft.steps]
 
     from services.generator.scoring import Scorer
 
@@ -67,7 +67,7 @@ def build(job: dict) -> dict:
         "parameters": count_parameters(model),
         "vocab_size": len(tokenizer),
         "tokenizer_tokens_of_example": tokenizer.convert_ids_to_tokens(tokenizer("\\boxed{1046}", add_special_tokens=False)["input_ids"]),
-        "sft_steps": spec.sft.steps,
+        "sft_steps": spec.sft.stop_at or spec.sft.steps,
         "sft_s": round(sft_s, 1),
         "acc_greedy": greedy,
         "acc_sampled": sampled,

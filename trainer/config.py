@@ -60,6 +60,7 @@ class OptimConfig(_Section):
     ppo_epochs: int = Field(default=1, ge=1, description="passes over each step's batch")
     mini_batch_prompts: int = Field(default=64, ge=1, description="prompts (groups) per optimizer step; prompts_per_step / this = updates per epoch")
     micro_batch_size: int = Field(default=64, ge=1, description="sequences per forward/backward (gradient accumulation inside a mini-batch)")
+    skip_zero_advantage: bool = Field(default=False, description="no forward/backward for rows with zero advantage (exact when kl_beta = 0: they add no gradient, only count in the normaliser); off: every row is computed, as in standard GRPO trainers")
 
 
 class PPOConfig(_Section):

@@ -572,8 +572,9 @@ def _build_rows(cfg, learner: Learner, decisions: list[GateDecision], groups: li
 
 
 def _needs_forward(row: TrainSample, cfg: TrainConfig) -> bool:
-    """Rows with zero advantage add nothing to the loss (unless a KL is on): no forward pass for them."""
-    return row.advantage != 0.0 or cfg.ppo.kl_beta > 0
+    """Rows with zero advantage add nothing to the loss (unless a KL is on); with
+    optim.skip_zero_advantage they get no forward pass (they still count in the normaliser)."""
+    return not cfg.optim.skip_zero_advantage or row.advantage != 0.0 or cfg.ppo.kl_beta > 0
 
 
 @torch.no_grad()

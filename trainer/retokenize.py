@@ -38,7 +38,30 @@ class PeerTokens:
 
 
 def decode(tokenizer: PreTrainedTokenizerBase, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+    """Text of `token_ids`; straight through the Rust tokenizer when there is one (the wrapper costs
+    more than the decoding on short pieces, and the incremental decoder calls this per token)."""
+    if tokenizer.is_fast:
+        return tokenizer.backend_tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
     return tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+
+
+def encode(tokenizer: PreTrainedTokenizerBase, text: str) -> tuple[list[int], list[int] | None]:
+    """Token ids of `text` without special tokens, and each token's first character (None for a slow tokenizer)."""
+    if tokenizer.is_fast:
+        encoding = tokenizer.backend_tokenizer.encode(text, add_special_tokens=False)
+        return list(encoding.ids), [start for start, _ in encoding.offsets]
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"]), None
+
+
+def _monotone_starts(starts: list[int], text_len: int) -> list[int]:
+    """Offsets may skip characters (trimmed spaces) or overlap (merged bytes): make the starts
+    non-decreasing from 0, so that every character belongs to exactly one unit."""
+    starts = list(starts)
+    if starts:
+        starts[0] = 0
+    for k in range(1, len(starts)):
+        starts[k] = min(max(starts[k], starts[k - 1]), text_len)
+    return starts
 
 
 def token_char_starts(tokenizer: PreTrainedTokenizerBase, text: str, token_ids: list[int]) -> list[int] | None:
@@ -50,21 +73,12 @@ def token_char_starts(tokenizer: PreTrainedTokenizerBase, text: str, token_ids: 
     do not decode to `text`."""
     if not token_ids:
         return [] if text == "" else None
-    starts: list[int] | None = None
-    if tokenizer.is_fast:
-        encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        if list(encoding["input_ids"]) == list(token_ids):
-            starts = [start for start, _ in encoding["offset_mapping"]]
-    if starts is None:
-        starts = _starts_by_incremental_decode(tokenizer, token_ids, text)
+    canonical, starts = encode(tokenizer, text)
+    if starts is None or canonical != list(token_ids):
+        starts = _starts_by_incremental_decode(tokenizer, list(token_ids), text)
         if starts is None:
             return None
-    # Offsets may skip characters (trimmed spaces) or overlap (merged bytes): keep starts monotone
-    # from 0, so every character belongs to exactly one unit.
-    starts[0] = 0
-    for k in range(1, len(starts)):
-        starts[k] = min(max(starts[k], starts[k - 1]), len(text))
-    return starts
+    return _monotone_starts(starts, len(text))
 
 
 def _starts_by_incremental_decode(tokenizer: PreTrainedTokenizerBase, token_ids: list[int], text: str) -> list[int] | None:
@@ -160,10 +174,12 @@ def retokenize_peer_rollout(
         learner_ids, behaviour = content, content_logprobs
         projection = "exact"
     else:
-        learner_ids = list(learner_tokenizer(text, add_special_tokens=False)["input_ids"])
+        learner_ids, learner_starts = encode(learner_tokenizer, text)
         if decode(learner_tokenizer, learner_ids) != text:
             return "round_trip"
-        behaviour, projection = _project(rollout, text, learner_tokenizer, learner_ids, peer_tokenizer)
+        if learner_starts is None:
+            learner_starts = token_char_starts(learner_tokenizer, text, learner_ids) or [0] * len(learner_ids)
+        behaviour, projection = _project(rollout, text, _monotone_starts(learner_starts, len(text)), peer_tokenizer)
 
     num_content = len(learner_ids)
     if finished:
@@ -177,16 +193,10 @@ def retokenize_peer_rollout(
 
 
 def _project(
-    rollout: Rollout,
-    text: str,
-    learner_tokenizer: PreTrainedTokenizerBase,
-    learner_ids: list[int],
-    peer_tokenizer: PreTrainedTokenizerBase | None,
+    rollout: Rollout, text: str, learner_starts: list[int], peer_tokenizer: PreTrainedTokenizerBase | None
 ) -> tuple[list[float], Projection]:
-    """Projected peer content logprobs on the learner's content tokens, and which projection was used."""
-    learner_starts = token_char_starts(learner_tokenizer, text, learner_ids)
-    if learner_starts is None:  # cannot happen after the round-trip check, unless the decoder is irregular
-        learner_starts = [0] * len(learner_ids)
+    """Projected peer content logprobs on the learner's content tokens (given by their first
+    characters), and which projection was used."""
     if peer_tokenizer is not None:
         special_ids = set(peer_tokenizer.all_special_ids)
         content = list(rollout.completion_token_ids)

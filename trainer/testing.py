@@ -16,7 +16,16 @@ from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from schemas import Problem, Rollout, RolloutGroup, group_advantages
 
@@ -85,7 +94,12 @@ def build_bpe_tokenizer(vocab_size: int = 300, seed: int = 0) -> PreTrainedToken
 def build_tiny_model(
     tokenizer: PreTrainedTokenizerFast, arch: str = "llama", hidden: int = 32, layers: int = 2, seed: int = 0
 ) -> PreTrainedModel:
-    """A randomly initialised causal LM: 'llama' (RMSNorm, SwiGLU, RoPE) or 'qwen2' (q/k/v biases, GQA)."""
+    """A randomly initialised causal LM: 'llama' (RMSNorm, SwiGLU, RoPE), 'qwen2' (q/k/v biases, GQA) or
+    'qwen3' (q/k norms, GQA).
+
+    Saved to disk, prefer 'qwen3' over 'qwen2' with a locally trained tokenizer: transformers 5's
+    AutoTokenizer loads any directory whose config says qwen2 as Qwen2Tokenizer, which replaces the
+    saved pre-tokenizer with Qwen's regex split (a different tokenisation than the one trained)."""
     torch.manual_seed(seed)
     common = dict(
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
@@ -96,7 +110,9 @@ def build_tiny_model(
         return LlamaForCausalLM(LlamaConfig(num_key_value_heads=4, **common))
     if arch == "qwen2":
         return Qwen2ForCausalLM(Qwen2Config(num_key_value_heads=2, **common))
-    raise ValueError(f"arch {arch!r}: use 'llama' or 'qwen2'")
+    if arch == "qwen3":
+        return Qwen3ForCausalLM(Qwen3Config(num_key_value_heads=2, head_dim=hidden // 4, **common))
+    raise ValueError(f"arch {arch!r}: use 'llama', 'qwen2' or 'qwen3'")
 
 
 def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, path: Path) -> Path:
@@ -188,7 +204,7 @@ class ToyWorld:
     already holding the peer's groups for them."""
 
     learner_dir: Path  # char-level Llama, partly trained on `learner_problems`
-    peer_dir: Path  # byte-level BPE Qwen2, partly trained on `peer_problems`
+    peer_dir: Path  # byte-level BPE Qwen3, partly trained on `peer_problems`
     problems_path: Path  # JSONL of all training problems
     anchor_path: Path  # JSONL of the learner family's problems with reference completions
     store_root: Path  # holds the peer's groups (G = peer_group_size) for every problem
@@ -218,7 +234,7 @@ def build_toy_world(
     char_tok, bpe_tok = build_char_tokenizer(), build_bpe_tokenizer(seed=seed)
     learner = supervised_finetune(build_tiny_model(char_tok, "llama", hidden=64, seed=seed + 1), char_tok, learner_problems,
                                   steps=learner_sft_steps, seed=seed)
-    peer = supervised_finetune(build_tiny_model(bpe_tok, "qwen2", hidden=64, seed=seed + 2), bpe_tok, peer_problems,
+    peer = supervised_finetune(build_tiny_model(bpe_tok, "qwen3", hidden=64, seed=seed + 2), bpe_tok, peer_problems,
                                steps=peer_sft_steps, seed=seed)
     learner_dir = save_model(learner, char_tok, root / "learner")
     peer_dir = save_model(peer, bpe_tok, root / "peer")

@@ -30,5 +30,5 @@ def build_prompt(tokenizer, problem: str, template: PromptTemplate = "auto") -> 
         messages = [{"role": "user", "content": f"{problem}\n{INSTRUCTION}"}]
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     if template in ("plain", "auto"):
-        return PLAIN_TEMPLATE.format(problem=problem)
+        return PLAIN_TEMPLATE.replace("{problem}", problem)
     raise ValueError(f"unknown prompt template {template!r}: use one of auto, chat, plain, raw")

@@ -609,17 +609,20 @@ class StoreIndex:
     def read_selected(self, select):
         """Run `select() -> (refs, extra)` and read the refs' rows; on an unreadable shard, quarantine or
         re-resolve (a compacted-away file) and select again. Returns (table, extra)."""
-        for attempt in range(4):
+        failed: set[str] = set()
+        for attempt in range(5):
             refs, extra = select()
             try:
                 return self.reader.read([(r.file, r.row_start, r.num_rows) for r in refs]), extra
             except ShardReadError as exc:
-                rel = exc.path.relative_to(self.root).as_posix()
-                retired = self._con is not None and self._is_retired(rel)
-                if not retired and exc.path.exists() and attempt < 3:
-                    self.quarantine(rel, f"unreadable at lookup: {exc.reason}")
-                elif attempt == 3:
+                if attempt == 4:
                     raise
+                rel = exc.path.relative_to(self.root).as_posix()
+                if self._is_retired(rel) or not exc.path.exists():
+                    continue  # compacted away meanwhile: the next select() finds the groups' new home
+                if rel in failed:  # failed twice from a freshly opened file: really damaged
+                    self.quarantine(rel, f"unreadable at lookup: {exc.reason}")
+                failed.add(rel)
         raise AssertionError("unreachable")
 
     def _is_retired(self, rel: str) -> bool:
@@ -808,6 +811,9 @@ class StoreIndex:
                 raise
             self._next_file_id += 1
             self._known_files[rel] = file_id
+            self.reader.remember_small_columns(rel, table)
+            for old_rel in [p for p, i in self._known_files.items() if i in set(file_ids)]:
+                self.reader.forget(old_rel)  # in-flight reads keep their open file; the cache lets go
             with self._mirror_lock:
                 for gid, start in zip(moved_ids, starts.tolist()):
                     old = self._by_group[gid]

@@ -16,6 +16,7 @@ import socket
 import threading
 import uuid
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -33,7 +34,7 @@ SMALL_COLUMNS = [f.name for f in ROLLOUT_ARROW_SCHEMA if f.name not in BULK_COLU
 # (0, i): column i of the small columns; (1, j): column j of the bulk columns, in ROLLOUT_ARROW_SCHEMA order
 _COLUMN_SOURCES = [(0, SMALL_COLUMNS.index(f.name)) if f.name in SMALL_COLUMNS else (1, BULK_COLUMNS.index(f.name))
                    for f in ROLLOUT_ARROW_SCHEMA]
-STATISTICS_COLUMNS = ["group_id", "prompt_id", "model_id", "policy_step"]
+STATISTICS_COLUMNS = ["prompt_id", "policy_step"]  # min/max per row group: prunes scans of prompt-sorted files
 TMP_PREFIX = ".tmp-"
 SHARD_PATTERN = "part-*.parquet"
 SAFE_NAME = re.compile(r"^[A-Za-z0-9._\-]+$")  # model ids and dataset names become directory names
@@ -423,6 +424,7 @@ class ShardReader:
         self._small: OrderedDict[str, pa.Table] = OrderedDict()
         self._small_bytes = 0
         self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="shard-read")
 
     def _get(self, rel_path: str) -> _OpenShard:
         with self._lock:
@@ -478,21 +480,27 @@ class ShardReader:
         by_file: dict[str, list[int]] = {}
         for i, (rel_path, _, _) in enumerate(locations):
             by_file.setdefault(rel_path, []).append(i)
-        file_tables: list[pa.Table] = []
-        placed: dict[int, int] = {}  # location index -> its first row in the concatenation of file_tables
-        offset = 0
-        for rel_path, indices in by_file.items():
+        def read_file(item: tuple[str, list[int]]) -> pa.Table:
+            rel_path, indices = item
             try:
-                table = self._read_file_rows(rel_path, [locations[i] for i in indices])
+                return self._read_file_rows(rel_path, [locations[i] for i in indices])
             except (OSError, pa.ArrowException) as exc:
                 self.forget(rel_path)
                 if isinstance(exc, ShardReadError):
                     raise
                 raise ShardReadError(self.root / rel_path, str(exc)) from exc
+
+        items = list(by_file.items())
+        # Parquet decoding releases the GIL: files of a big lookup decode on all cores
+        file_tables = list(self._pool.map(read_file, items)) if len(items) >= 4 else [read_file(i) for i in items]
+        placed: dict[int, int] = {}  # location index -> its first row in the concatenation of file_tables
+        offset = 0
+        for _, indices in items:
             for i in indices:
                 placed[i] = offset
                 offset += locations[i][2]
-            file_tables.append(table)
+        if len(file_tables) == 1 and len(locations) == 1:
+            return file_tables[0]
         combined = pa.concat_tables(file_tables)
         return pa.concat_tables([combined.slice(placed[i], locations[i][2]) for i in range(len(locations))])
 
@@ -500,6 +508,19 @@ class ShardReader:
         """The rows of these spans of one file, in span order, in ROLLOUT_ARROW_SCHEMA."""
         shard = self._get(rel_path)
         bounds = shard.row_group_starts  # (R + 1,)
+        if len(spans) == 1:  # the common case: one group of this file, zero-copy slices
+            _, row_start, num_rows = spans[0]
+            first = int(np.searchsorted(bounds, row_start, side="right")) - 1
+            last = int(np.searchsorted(bounds, row_start + num_rows - 1, side="right")) - 1
+            if first < 0 or row_start + num_rows > bounds[-1]:
+                raise ShardReadError(self.root / rel_path, f"rows {row_start}+{num_rows} beyond its {bounds[-1]} rows")
+            with shard.lock:
+                bulk = shard.file.read_row_groups(list(range(first, last + 1)), columns=list(BULK_COLUMNS),
+                                                  use_threads=False)
+            small = self._small_columns(rel_path, shard).slice(row_start, num_rows)
+            bulk = bulk.slice(row_start - int(bounds[first]), num_rows)
+            parts = (small, bulk)
+            return pa.Table.from_arrays([parts[part].column(i) for part, i in _COLUMN_SOURCES], schema=ROLLOUT_ARROW_SCHEMA)
         wanted = []
         for _, row_start, num_rows in spans:
             if row_start < 0 or row_start + num_rows > bounds[-1]:

@@ -11,15 +11,15 @@ import pytest
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from tiny_generator_model import build_tiny_model, write_toy_dataset  # noqa: E402
+from tiny_generator_model import cached_tiny_model, write_toy_dataset  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-llama")
+def tiny_model_dir() -> Path:
+    return cached_tiny_model()
 
 
 @pytest.fixture(scope="session")

@@ -4,8 +4,12 @@ trained on `a+b=` -> `\\boxed{a+b}<eos>` so that it stops on its own and is righ
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import random
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -81,8 +85,30 @@ def build_tiny_model(out_dir: Path, train_steps: int = 150, seed: int = 0) -> Pa
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    (out_dir / "train_info.json").write_text(json.dumps({"steps": train_steps, "final_loss": float(loss)}))
+    (out_dir / "train_info.json").write_text(json.dumps({"steps": train_steps, "final_loss": loss.item()}))
     return out_dir
+
+
+def cached_tiny_model() -> Path:
+    """The tiny model, built once per machine into the cache folder (keyed by this file's contents, so a
+    change to the recipe builds a new one). Building takes ~10 s on an idle machine, minutes on a busy one."""
+    from services.generator.models import cache_dir
+
+    key = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
+    target = cache_dir() / "test-models" / f"tiny-llama-{key}"
+    if (target / "train_info.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        build_tiny_model(staging)
+        os.rename(staging, target)
+    except OSError:
+        if not (target / "train_info.json").exists():  # not a lost race with another test process
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
 
 
 def write_toy_dataset(path: Path, count: int, seed: int = 7) -> Path:

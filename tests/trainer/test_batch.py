@@ -99,7 +99,9 @@ def test_union_all_success_and_skipped_groups(char_model, char_tokenizer, bpe_mo
     # union rewards [0, 0, 1, 1]: advantages -+0.866 over learner failures (on-policy) and peer successes (grafted)
     a = 0.5 / math.sqrt(1 / 3)
     assert [(r.grafted, round(r.advantage, 4)) for r in rows] == [(False, round(-a, 4))] * 2 + [(True, round(a, 4))] * 2
-    # a skipped all-fail group stays in the batch with zero advantage (as under GRPO), and needs no forward pass
+    # a skipped all-fail group stays in the batch with zero advantage (as under GRPO); with
+    # optim.skip_zero_advantage its rows need no forward pass
+    cfg = cfg.model_copy(update={"optim": cfg.optim.model_copy(update={"skip_zero_advantage": True})})
     rows, _, _ = _build_rows(cfg, learner, [GateDecision(problem.prompt_id, "all_fail", "skip_no_peer")], [own],
                              {problem.prompt_id: problem}, {}, {})
     assert [(r.grafted, r.advantage) for r in rows] == [(False, 0.0), (False, 0.0)]

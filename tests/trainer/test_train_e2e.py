@@ -134,6 +134,7 @@ def test_resume_reproduces_the_next_step(toy_world, store, tmp_path):
     {"graft.token_is": "none", "graft.group_normalized_weight": True, "graft.log_rho_min": -1.0},
     {"graft.token_is": "luffy", "graft.peer_negative_scale": 0.0},
     {"ppo.advantage": "dr_grpo", "ppo.loss_agg": "seq-mean-token-mean", "ppo.kl_beta": 0.1, "graft.kl_on_peer": True},
+    {"optim.skip_zero_advantage": True, "graft.token_is": "tis"},
     {"ppo.loss_agg": "seq-mean-token-sum-norm", "optim.mini_batch_prompts": 4, "optim.micro_batch_size": 5,
      "optim.ppo_epochs": 2, "graft.max_peer_policy_lag": 5, "graft.max_grafted_fraction": 0.25},
 ])

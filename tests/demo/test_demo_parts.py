@@ -1,0 +1,100 @@
+"""The demo's building blocks: stable splits, the two tokenizers, the two models, SFT, the config."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from demo.config import DemoConfig, config_hash, load_demo_config, quick
+from demo.sft import SFTConfig, collate, train_sft
+from demo.task import ADD2, ADD3, alphabet, completion_text, family_splits
+from demo.toy_models import build_learner, build_peer, count_parameters
+from demo.toy_tokenizers import build_bpe_tokenizer, build_char_tokenizer
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_splits_are_disjoint_complete_and_the_same_in_another_process():
+    splits = family_splits("add2", 200, 800)
+    texts = {name: {p.problem for p in problems} for name, problems in splits.items()}
+    assert [len(splits[s]) for s in ("eval", "rl", "sft")] == [200, 800, len(ADD2.problems()) - 1000]
+    assert not (texts["eval"] & texts["rl"]) and not (texts["eval"] & texts["sft"]) and not (texts["rl"] & texts["sft"])
+    # Python's hash() differs per process; the splits must not.
+    code = "from demo.task import family_splits; print(','.join(p.problem for p in family_splits('add2', 200, 800)['eval'][:20]))"
+    other = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
+                           env={"PYTHONHASHSEED": "12345", "PATH": ""}).stdout.strip()
+    assert other == ",".join(p.problem for p in splits["eval"][:20])
+    assert all(p.answer == str(eval(p.problem[:-1])) for p in splits["eval"])
+
+
+def test_families_and_bad_input():
+    assert ADD3.problems()[0] == (100, 10) and len(ADD3.problems()) == 900 * 90
+    with pytest.raises(ValueError, match="unknown family"):
+        family_splits("mul", 1, 1)
+    with pytest.raises(ValueError, match="leaves none for SFT"):
+        family_splits("add2", 8000, 100)
+
+
+def test_char_tokenizer_round_trips_and_fuses():
+    tok = build_char_tokenizer(alphabet())
+    text = "123+45=" + completion_text("168")
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(text)  # one token per character
+    assert tok.decode(ids + [tok.eos_token_id], skip_special_tokens=True) == text  # no spaces inserted
+    assert tok.pad_token_id != tok.eos_token_id
+
+
+def test_bpe_splits_digits_and_refuses_foreign_characters(tmp_path):
+    corpus = [p.problem for p in family_splits("add3", 10, 10)["sft"][:500]] + [completion_text(str(n)) for n in range(200, 700)]
+    tok = build_bpe_tokenizer(corpus, alphabet(), 64)
+    tokens = tok.convert_ids_to_tokens(tok("\\boxed{1046}", add_special_tokens=False)["input_ids"])
+    assert tokens[-5:] == ["1", "0", "4", "6", "}"] and len(tokens) < len("\\boxed{1046}")  # merged prefix, digits alone
+    assert tok.decode(tok("512+34=", add_special_tokens=False)["input_ids"]) == "512+34="
+    tok.save_pretrained(tmp_path)
+    from transformers import AutoTokenizer
+
+    again = AutoTokenizer.from_pretrained(tmp_path)
+    assert again("\\boxed{99}")["input_ids"] == tok("\\boxed{99}")["input_ids"] and again.eos_token == "<|endoftext|>"
+    with pytest.raises(ValueError, match="lacks"):
+        build_bpe_tokenizer(["12 + 3"], alphabet(), 64)
+
+
+def test_models_have_the_planned_architectures_and_sizes():
+    char, bpe = build_char_tokenizer(alphabet()), build_bpe_tokenizer(["1+2=", "\\boxed{3}"], alphabet(), 64)
+    learner, peer = build_learner(char, seed=0), build_peer(bpe, seed=0)
+    assert type(learner).__name__ == "LlamaForCausalLM" and type(peer).__name__ == "Qwen2ForCausalLM"
+    assert 0.9e6 < count_parameters(learner) < 1.2e6 and 0.3e6 < count_parameters(peer) < 0.6e6
+
+
+def test_sft_masks_the_prompt_and_learns(tmp_path):
+    tok = build_char_tokenizer(alphabet())
+    input_ids, attention_mask, loss_mask = collate(tok, ["12+3=", "1+2="], ["\\boxed{15}", "\\boxed{3}"])
+    assert input_ids.shape == (2, 5 + 10 + 1)
+    assert loss_mask[0, :5].sum() == 0 and loss_mask[0, 5:].sum() == 11  # completion + EOS
+    assert attention_mask[1].sum() == 4 + 9 + 1 and input_ids[1, -1] == tok.pad_token_id
+    model = build_learner(tok, seed=0, hidden=32, layers=1)
+    before = [p.detach().clone() for p in model.parameters()]
+    pools = {"add2": [("12+3=", "\\boxed{15}")] * 4}
+    cfg = SFTConfig(steps=5, batch_size=4, lr=1e-2, warmup_steps=1, family_weights={"add2": 1.0}, save_steps=[2])
+    saved = train_sft(model, tok, pools, cfg, tmp_path, progress_path=tmp_path / "progress")
+    assert sorted(saved) == [2, 5] and (saved[5] / "config.json").exists() and (saved[5] / "tokenizer.json").exists()
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    with pytest.raises(ValueError, match="pools only has"):
+        train_sft(model, tok, pools, SFTConfig(steps=1, family_weights={"add3": 1.0}), tmp_path)
+
+
+def test_config_quick_overrides_and_hash(tmp_path):
+    full = DemoConfig()
+    small = quick(full)
+    assert small.mode == "quick" and small.rl.steps < full.rl.steps
+    cfg = load_demo_config(None, ["rl.steps=7", "rl.seeds=[3, 4]"], use_quick=False)
+    assert cfg.rl.steps == 7 and cfg.rl.seeds == [3, 4]
+    assert config_hash(full.rl) == config_hash(DemoConfig().rl) != config_hash(cfg.rl)
+    with pytest.raises(Exception, match="rl"):
+        load_demo_config(None, ["rl.no_such_field=1"], use_quick=False)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_demo_config(tmp_path / "missing.yaml", [], use_quick=False)

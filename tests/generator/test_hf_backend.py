@@ -1,0 +1,157 @@
+"""The transformers backend on a tiny local model: valid rows, and logprobs that are the behaviour
+policy's (they match a teacher-forced forward pass of the same model)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from schemas import RolloutGroup, groups_to_table, table_to_groups
+from services.generator.groups import assemble_group, make_group_id
+from services.generator.hf_backend import HFBackend, processed_logprobs, teacher_forced_logprobs
+from services.generator.prompts import build_prompt
+from services.generator.sampling import SamplingParams
+from services.generator.scoring import Scorer
+from tiny_generator_model import toy_problems
+
+from schemas import Problem
+
+PROMPTS = ["12+7=", "3+40=", "1+1=", "44+44="]  # different lengths: rows are left-padded together
+
+
+def assert_teacher_forced_match(backend: HFBackend, prompts: list[str], groups, params: SamplingParams, tol: float) -> int:
+    checked = 0
+    for prompt, samples in zip(prompts, groups):
+        prompt_ids = backend.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        for sample in samples:
+            expected = teacher_forced_logprobs(backend.model, prompt_ids, sample.token_ids, params)
+            assert len(expected) == len(sample.token_logprobs)
+            worst = max(abs(a - b) for a, b in zip(expected, sample.token_logprobs))
+            assert worst <= tol, f"logprob differs from the teacher-forced pass by {worst} (> {tol})"
+            checked += len(expected)
+    return checked
+
+
+def test_logprobs_match_teacher_forced_pass(tiny_backend):
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=0)
+    groups = tiny_backend.generate(PROMPTS, params)
+    assert [len(g) for g in groups] == [4] * len(PROMPTS)
+    assert assert_teacher_forced_match(tiny_backend, PROMPTS, groups, params, tol=1e-4) > 50
+
+
+def test_processed_logprobs_follow_temperature_top_k_top_p(tiny_backend):
+    params = SamplingParams(n=4, temperature=0.7, top_k=20, top_p=0.9, max_tokens=12, seed=1)
+    groups = tiny_backend.generate(PROMPTS, params)
+    assert_teacher_forced_match(tiny_backend, PROMPTS, groups, params, tol=1e-4)
+    # The behaviour distribution is sharper than the model's own: most tokens gain probability.
+    prompt_ids = tiny_backend.tokenizer(PROMPTS[0], add_special_tokens=False)["input_ids"]
+    sample = groups[0][0]
+    raw = teacher_forced_logprobs(tiny_backend.model, prompt_ids, sample.token_ids, SamplingParams(n=1))
+    assert sum(sample.token_logprobs) > sum(raw)
+
+
+def test_processed_logprobs_by_hand():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])  # (1, 4)
+    top_k = processed_logprobs(logits, SamplingParams(n=1, temperature=0.5, top_k=2))
+    kept = torch.log_softmax(torch.tensor([4.0, 2.0]), dim=-1)
+    assert torch.allclose(top_k[0, :2], kept) and torch.isinf(top_k[0, 2:]).all()
+    # top_p 0.7 with probabilities ~(0.64, 0.24, 0.09, 0.03): the two largest are needed to pass 0.7.
+    top_p = processed_logprobs(logits, SamplingParams(n=1, top_p=0.7))
+    assert torch.allclose(top_p[0, :2], torch.log_softmax(torch.tensor([2.0, 1.0]), dim=-1)) and torch.isinf(top_p[0, 2:]).all()
+    greedy = processed_logprobs(logits, SamplingParams(n=1, temperature=0.0))
+    assert torch.allclose(greedy, torch.log_softmax(logits, dim=-1))
+
+
+def test_finish_reasons_and_eos(tiny_backend):
+    finished = tiny_backend.generate(PROMPTS, SamplingParams(n=3, max_tokens=16, seed=2))
+    eos = tiny_backend.eos_token_ids
+    stops = [s for g in finished for s in g if s.finish_reason == "stop"]
+    assert stops, "the tiny model is trained to stop; expected some finished samples"
+    for s in stops:
+        assert s.token_ids[-1] in eos and not any(t in eos for t in s.token_ids[:-1])
+        assert s.text == tiny_backend.tokenizer.decode(s.token_ids[:-1])  # EOS not in the text
+    cut = tiny_backend.generate(PROMPTS[:1], SamplingParams(n=2, max_tokens=2, seed=2))[0]
+    assert all(s.finish_reason == "length" and len(s.token_ids) == 2 for s in cut)
+
+
+def test_seed_reproduces_and_batch_size_does_not_matter(tiny_model_dir, tiny_backend):
+    params = SamplingParams(n=2, max_tokens=10, seed=5)
+    first = tiny_backend.generate(PROMPTS, params)
+    again = tiny_backend.generate(PROMPTS, params)
+    assert [[s.token_ids for s in g] for g in first] == [[s.token_ids for s in g] for g in again]
+    # Greedy decoding is the same in any batch composition (left padding is masked out).
+    small = HFBackend(tiny_backend.model, tiny_backend.tokenizer, "tiny", batch_size=1)
+    greedy = SamplingParams(n=1, temperature=0.0, max_tokens=10)
+    assert [[s.token_ids for s in g] for g in small.generate(PROMPTS, greedy)] == \
+        [[s.token_ids for s in g] for g in tiny_backend.generate(PROMPTS, greedy)]
+
+
+def test_model_generation_config_and_training_mode_do_not_leak(tiny_model_dir):
+    backend = HFBackend.from_path(tiny_model_dir)
+    model = backend.model
+    model.train()
+    # A model shipping a repetition penalty and top_k=1 must not change our sampler.
+    model.generation_config = GenerationConfig(repetition_penalty=5.0, top_k=1, eos_token_id=model.config.eos_token_id)
+    params = SamplingParams(n=4, max_tokens=12, seed=3)
+    groups = backend.generate(PROMPTS, params)
+    assert model.training and model.generation_config.repetition_penalty == 5.0
+    model.eval()
+    assert_teacher_forced_match(backend, PROMPTS, groups, params, tol=1e-4)
+    assert len({tuple(s.token_ids) for g in groups for s in g}) > len(PROMPTS), "top_k=1 leaked: samples are greedy"
+
+
+def test_rows_are_valid_groups(tiny_backend, tmp_path):
+    problems = [Problem.from_text(p["problem"], p["answer"], "toy") for p in toy_problems(6, seed=3)]
+    params = SamplingParams(n=4, max_tokens=12, seed=4)
+    prompts = [build_prompt(tiny_backend.tokenizer, p.problem, "raw") for p in problems]
+    samples = tiny_backend.generate(prompts, params)
+    with Scorer(num_workers=1) as scorer:
+        scores = [scorer.score([s.text for s in g], [p.answer] * len(g)) for p, g in zip(problems, samples)]
+    groups = [
+        assemble_group(problem, group_samples, group_scores, model_id="tiny", model_revision="r1",
+                       tokenizer_id=tiny_backend.tokenizer_id, policy_step=3, generator_id="test", params=params,
+                       eos_token_ids=tiny_backend.eos_token_ids,
+                       group_id=make_group_id("tiny", "r1", 3, problem.prompt_id, 0))
+        for problem, group_samples, group_scores in zip(problems, samples, scores)
+    ]
+    round_trip = table_to_groups(groups_to_table(groups), validate=True)
+    assert [g.group_id for g in round_trip] == [g.group_id for g in groups]
+    for group, group_samples in zip(round_trip, samples):
+        assert isinstance(group, RolloutGroup) and len(group.rollouts) == 4
+        for row, sample in zip(group.rollouts, group_samples):
+            assert row.completion_token_ids == sample.token_ids
+            assert row.num_bytes == len(sample.text.encode())
+            assert row.logprobs_mode == "processed" and row.temperature == 1.0 and row.top_k is None
+            assert row.reward in (0.0, 1.0) and row.correct == (row.reward == 1.0)
+            expected_sum = sum(sample.token_logprobs[:-1] if sample.finish_reason == "stop" else sample.token_logprobs)
+            assert math.isclose(row.logprob_sum, expected_sum, rel_tol=1e-6, abs_tol=1e-6)
+            if row.extracted_answer is not None:
+                assert f"\\boxed{{{row.extracted_answer}}}" in row.completion_text
+
+
+def test_group_ids_are_deterministic():
+    a = make_group_id("m", "rev", 2, "0123456789abcdef", 1)
+    assert a == make_group_id("m", "rev", 2, "0123456789abcdef", 1)
+    others = {make_group_id("m", "rev", 2, "0123456789abcdef", 2), make_group_id("m", "rev", 3, "0123456789abcdef", 1),
+              make_group_id("m", "rev2", 2, "0123456789abcdef", 1), make_group_id("m2", "rev", 2, "0123456789abcdef", 1)}
+    assert a not in others and len(others) == 4
+
+
+def test_prompt_templates(tiny_backend):
+    tok = tiny_backend.tokenizer
+    chat = build_prompt(tok, "1+1=", "auto")
+    assert chat.startswith(tok.bos_token) and "1+1=" in chat and "\\boxed{}" in chat and chat.endswith("assistant: ")
+    assert build_prompt(tok, "1+1=", "raw") == "1+1="
+    plain = build_prompt(tok, "1+1=", "plain")
+    assert plain.startswith("Question: 1+1=") and "\\boxed{}" in plain
+    saved = tok.chat_template
+    tok.chat_template = None
+    try:
+        assert build_prompt(tok, "1+1=", "auto") == plain
+        with pytest.raises(ValueError, match="no chat template"):
+            build_prompt(tok, "1+1=", "chat")
+    finally:
+        tok.chat_template = saved
