@@ -48,6 +48,7 @@ from trainer.config import TrainConfig
 from trainer.gate import (
     GateDecision,
     behaviour_ratio,
+    classify_group,
     compat_weights,
     effective_sample_size,
     gate_groups,
@@ -167,7 +168,7 @@ def train(cfg: TrainConfig, resume: bool = False, on_step: Callable[[dict[str, A
     prompts = PromptStream(problems, cfg.seed, cfg.data.shuffle, state)
     anchors = _load_anchor(cfg)
     peer_tokenizers = _load_peer_tokenizers(cfg)
-    backend, uses_vllm = _make_backend(cfg, learner)
+    backend, uses_vllm = _make_backend(cfg, learner, checkpoint or cfg.model.path)
     scorer = Scorer(num_workers=cfg.rollout.scorer_workers, timeout_s=cfg.rollout.scorer_timeout_s)
     peers = None
     if cfg.method == "graft" or cfg.publishes:
@@ -176,6 +177,7 @@ def train(cfg: TrainConfig, resume: bool = False, on_step: Callable[[dict[str, A
         peers = PeerExchange(cfg.store, cfg.graft, learner.model_id)
     metrics_path = run_dir / "metrics.jsonl"
     _truncate_metrics(metrics_path, state.step)
+    _truncate_metrics(run_dir / "eval.jsonl", state.step)
     tb = _tensorboard(cfg, run_dir)
     grafted_before: set[str] = set(state.grafted_prompts)
     previous_counters = asdict(peers.counters) if peers else {}
@@ -219,6 +221,7 @@ def train(cfg: TrainConfig, resume: bool = False, on_step: Callable[[dict[str, A
                 peers.publish(generated, [problem_of[g.prompt_id] for g in generated])
 
             # 4. the gate
+            gate_start = time.perf_counter()
             store_wait = 0.0
             peer_candidates: dict[str, list[RolloutGroup]] = {}
             learner_rewards = [(g.prompt_id, [r.reward for r in g.rollouts]) for g in groups]
@@ -246,6 +249,8 @@ def train(cfg: TrainConfig, resume: bool = False, on_step: Callable[[dict[str, A
             # 4b. the batch: on-policy rows and re-tokenised peer rows
             rows, peer_groups_used, drops = _build_rows(cfg, learner, decisions, groups, problem_of, peer_tokenizers, counts)
 
+            gate_s = time.perf_counter() - gate_start
+
             # 5. pi_old (and pi_ref) on every row with signal; weights of grafted rows
             update_start = time.perf_counter()
             rows, weight_stats = _attach_old_logprobs_and_weights(cfg, learner, reference, rows, drops)
@@ -257,16 +262,19 @@ def train(cfg: TrainConfig, resume: bool = False, on_step: Callable[[dict[str, A
             if uses_vllm:  # the engine samples the next step with the new weights
                 from trainer.vllm_sync import sync_weights
 
+                sync_start = time.perf_counter()
                 sync_weights(backend, learner.model)
+                counts["weight_sync_s"] = time.perf_counter() - sync_start
 
             # 7. metrics
             state.step += 1
             rewards = [r.reward or 0.0 for g in generated for r in g.rollouts]
             n_groups = max(len(decisions), 1)
-            kinds = [d.kind for d in decisions]
+            # Kinds over every group sampled this step (dapo: before dropping zero-variance ones).
+            kinds = [classify_group([r.reward for r in g.rollouts]) for g in generated]
             all_fail = [d for d in decisions if d.kind == "all_fail"]
             grafted = [d for d in decisions if d.action in ("graft", "graft_union")]
-            hits = [d for d in all_fail if d.action in ("graft", "graft_union", "skip_capped")]
+            hits = [d for d in all_fail if d.peer_group is not None and d.peer_group.informative]
             skipped = [d for d in decisions if d.action.startswith("skip_")]
             previously = [r.reward or 0.0 for g in generated if g.prompt_id in grafted_before for r in g.rollouts]
             grafted_before.update(d.prompt_id for d in grafted)
@@ -281,9 +289,9 @@ def train(cfg: TrainConfig, resume: bool = False, on_step: Callable[[dict[str, A
                 "step": state.step,
                 "loss": update_metrics.pop("loss"),
                 "reward_mean": _mean(rewards),
-                "frac_all_fail": kinds.count("all_fail") / n_groups,
-                "frac_all_success": kinds.count("all_success") / n_groups,
-                "frac_mixed": kinds.count("mixed") / n_groups,
+                "frac_all_fail": kinds.count("all_fail") / max(len(kinds), 1),
+                "frac_all_success": kinds.count("all_success") / max(len(kinds), 1),
+                "frac_mixed": kinds.count("mixed") / max(len(kinds), 1),
                 "peer_hit_rate": len(hits) / len(all_fail) if all_fail and cfg.method == "graft" else NAN,
                 "frac_grafted": len(grafted) / n_groups,
                 "frac_skipped_no_signal": len(skipped) / n_groups,
@@ -298,6 +306,7 @@ def train(cfg: TrainConfig, resume: bool = False, on_step: Callable[[dict[str, A
                 "store_wait_s": store_wait,
                 "step_time_s": time.perf_counter() - step_start,
                 "generation_s": generation_s,
+                "gate_s": gate_s,
                 "update_s": update_s,
                 "reward_previously_grafted": _mean(previously),
                 "groups_capped": sum(1 for d in decisions if d.action == "skip_capped"),
@@ -433,13 +442,13 @@ def _load_peer_tokenizers(cfg: TrainConfig) -> dict[str, Any]:
     return found
 
 
-def _make_backend(cfg: TrainConfig, learner: Learner) -> tuple[Any, bool]:
+def _make_backend(cfg: TrainConfig, learner: Learner, weights_path: str | Path) -> tuple[Any, bool]:
     """The learner's sampler and whether it is a vLLM engine (which needs weight syncs)."""
     use_vllm = cfg.rollout.backend == "vllm" or (cfg.rollout.backend == "auto" and learner.device.type == "cuda" and _vllm_installed())
     if use_vllm:
         from trainer.vllm_sync import make_vllm_backend
 
-        return make_vllm_backend(cfg, learner), True
+        return make_vllm_backend(cfg, learner, weights_path), True
     from services.generator.hf_backend import HFBackend
 
     backend = HFBackend(learner.model, learner.tokenizer, learner.model_id, tokenizer_id=learner.tokenizer_id,
@@ -767,7 +776,7 @@ def _append_metrics(path: Path, metrics: dict[str, Any]) -> None:
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
-    """On resume, forget metrics lines of steps after the checkpoint (they will be run again)."""
+    """On resume, forget lines (metrics, evaluations) of steps after the checkpoint: they run again."""
     if not path.exists():
         return
     kept = [line for line in path.read_bytes().splitlines() if line.strip() and orjson.loads(line).get("step", 0) <= step]
@@ -784,7 +793,9 @@ def _evaluate(cfg: TrainConfig, backend, scorer, run_dir: Path, step: int) -> di
     greedy = cfg.eval.k == 1
     params = SamplingParams(n=cfg.eval.k, temperature=0.0 if greedy else cfg.eval.temperature, top_p=1.0 if greedy else cfg.eval.top_p,
                             max_tokens=cfg.eval.max_tokens or cfg.rollout.max_response_tokens, seed=cfg.seed)
-    result = evaluate(backend, problems_by_benchmark, cfg.eval.k, params, scorer)
+    result = evaluate(backend, problems_by_benchmark, cfg.eval.k, params, scorer, template=cfg.data.prompt_template)
     with open(run_dir / "eval.jsonl", "ab") as f:
         f.write(orjson.dumps({"step": step, **result}, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS) + b"\n")
+    accuracies = ", ".join(f"{name} {r['avg_at_k']:.3f}" for name, r in result["benchmarks"].items())
+    log.info("step %d evaluation (avg@%d): %s", step, cfg.eval.k, accuracies)
     return result

@@ -92,10 +92,11 @@ def build_bpe_tokenizer(vocab_size: int = 300, seed: int = 0) -> PreTrainedToken
 
 
 def build_tiny_model(
-    tokenizer: PreTrainedTokenizerFast, arch: str = "llama", hidden: int = 32, layers: int = 2, seed: int = 0
+    tokenizer: PreTrainedTokenizerFast, arch: str = "llama", hidden: int = 32, layers: int = 2, seed: int = 0,
+    heads: int = 4,
 ) -> PreTrainedModel:
     """A randomly initialised causal LM: 'llama' (RMSNorm, SwiGLU, RoPE), 'qwen2' (q/k/v biases, GQA) or
-    'qwen3' (q/k norms, GQA).
+    'qwen3' (q/k norms, GQA). vLLM's CPU attention needs head_dim = hidden / heads >= 32.
 
     Saved to disk, prefer 'qwen3' over 'qwen2' with a locally trained tokenizer: transformers 5's
     AutoTokenizer loads any directory whose config says qwen2 as Qwen2Tokenizer, which replaces the
@@ -103,15 +104,15 @@ def build_tiny_model(
     torch.manual_seed(seed)
     common = dict(
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=True,
+        num_attention_heads=heads, max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
     )
     if arch == "llama":
-        return LlamaForCausalLM(LlamaConfig(num_key_value_heads=4, **common))
+        return LlamaForCausalLM(LlamaConfig(num_key_value_heads=heads, **common))
     if arch == "qwen2":
-        return Qwen2ForCausalLM(Qwen2Config(num_key_value_heads=2, **common))
+        return Qwen2ForCausalLM(Qwen2Config(num_key_value_heads=max(1, heads // 2), **common))
     if arch == "qwen3":
-        return Qwen3ForCausalLM(Qwen3Config(num_key_value_heads=2, head_dim=hidden // 4, **common))
+        return Qwen3ForCausalLM(Qwen3Config(num_key_value_heads=max(1, heads // 2), head_dim=hidden // heads, **common))
     raise ValueError(f"arch {arch!r}: use 'llama', 'qwen2' or 'qwen3'")
 
 

@@ -177,14 +177,16 @@ def run_generator(config: GeneratorConfig, stop: StopFlag | None = None) -> RunS
     )
 
     sink = GroupSink(config.store, config.store_token)
-    backend = _load(config, model_path, model_id)
-    stored = sink.stored_group_ids(model_id, revision, policy_step)
-    problems_written = False
+    # The scoring workers import sympy while the model loads.
+    scorer = Scorer(num_workers=config.score_workers, timeout_s=config.score_timeout_s)
     bar = tqdm(disable=not config.progress, unit="group", dynamic_ncols=True,
                total=None if config.continuous else len(problems) * config.rounds)
-    round_index = 0
     try:
-        with Scorer(num_workers=config.score_workers, timeout_s=config.score_timeout_s) as scorer:
+        backend = _load(config, model_path, model_id)
+        stored = sink.stored_group_ids(model_id, revision, policy_step)
+        problems_written = False
+        round_index = 0
+        with scorer:
             while not stop.requested:
                 if not config.continuous and round_index >= config.rounds:
                     break
@@ -233,6 +235,7 @@ def run_generator(config: GeneratorConfig, stop: StopFlag | None = None) -> RunS
                     time.sleep(config.idle_sleep_s)  # nothing was left in this round; never spin
                 round_index += 1
     finally:
+        scorer.close()
         bar.close()
         sink.close()
         stats.wall_s = time.perf_counter() - started

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pytest
 from store_factory import make_group, make_problem, problem_text
 
-from schemas import ErrorResponse, PeerLookupRequest, RolloutGroup, prompt_id
+from schemas import ErrorResponse, PeerLookupRequest, RolloutGroup, groups_to_table, prompt_id, table_to_groups
 from services.store_api.client import AsyncStoreClient, StoreClient, StoreError, StoreUnavailable
 from services.store_api.server import StoreServer, free_port
 from services.store_api.shards import write_groups
@@ -61,8 +61,6 @@ def test_json_and_arrow_answers_agree(client, server):
     payload = as_json.json()
     from_json = [RolloutGroup.model_validate(g) for g in payload["groups"]]
     table, misses = client.lookup_peer_table(PeerLookupRequest(**body))
-    from schemas import table_to_groups
-
     assert from_json == table_to_groups(table) and len(from_json) == 3
     assert payload["misses"] == misses == [prompt_id(problem_text(999))]
 
@@ -113,8 +111,6 @@ def test_a_landed_shard_is_queryable_within_a_second(client, server):
 
 
 def _arrow_body(group: RolloutGroup, **changes) -> bytes:
-    from schemas import groups_to_table
-
     table = groups_to_table([group])
     for name, value in changes.items():
         table = table.set_column(table.schema.get_field_index(name), name, pa.array([value] * table.num_rows, table.schema.field(name).type))

