@@ -14,6 +14,7 @@ on the store, over its step time) < 1%. Prints the JSON and writes it to --json.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -69,6 +70,7 @@ def main() -> None:
     from trainer.testing import build_toy_world
 
     torch.set_num_threads(1)
+    load_before = os.getloadavg()[0]
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="trainer_bench-"))
     build_start = time.perf_counter()
     world_dir = workdir / "world"
@@ -90,12 +92,18 @@ def main() -> None:
         "grpo_step_s": median("grpo", "step_time_s"),
         "graft_step_s": median("graft", "step_time_s"),
         "step_time_ratio": median("graft", "step_time_s") / median("grpo", "step_time_s"),
+        # CPU time of the trainer process per step: what other jobs on a shared machine inflate least.
+        "grpo_step_cpu_s": median("grpo", "step_cpu_s"),
+        "graft_step_cpu_s": median("graft", "step_cpu_s"),
+        "step_cpu_ratio": median("graft", "step_cpu_s") / median("grpo", "step_cpu_s"),
         "store_wait_share": sum(m["store_wait_s"] for m in steps["graft"]) / graft_time,
         "graft_store_wait_s_per_step": statistics.mean(m["store_wait_s"] for m in steps["graft"]),
         "grpo_generation_s": median("grpo", "generation_s"),
         "graft_generation_s": median("graft", "generation_s"),
         "grpo_update_s": median("grpo", "update_s"),
         "graft_update_s": median("graft", "update_s"),
+        "graft_gate_s": median("graft", "gate_s"),
+        "grpo_gate_s": median("grpo", "gate_s"),
         "graft_frac_grafted": statistics.mean(m["frac_grafted"] for m in steps["graft"]),
         "graft_peer_lookups_late": sum(m["store_lookups_late"] for m in steps["graft"]),
         "steps_measured_per_method": len(steps["graft"]),
@@ -104,6 +112,9 @@ def main() -> None:
         "lr": args.lr,
         "skip_zero_advantage": args.skip_zero_advantage,
         "toy_world_build_s": build_s,
+        "cpus": os.cpu_count(),
+        "load_avg_before": load_before,
+        "load_avg_after": os.getloadavg()[0],
         "targets": {"step_time_ratio": "<= 1.10", "store_wait_share": "< 0.01"},
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)

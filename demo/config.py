@@ -93,10 +93,12 @@ def quick(cfg: DemoConfig) -> DemoConfig:
     """The whole pipeline, small: for the structural test (not the accuracy target)."""
     data = cfg.model_dump()
     data["mode"] = "quick"
-    data["task"].update(n_eval={"add2": 40, "add3": 40}, rl_prompts={"add3": 48, "add2": 16})
-    data["learner"]["sft"].update(steps=60, stop_at=None, batch_size=64)
-    data["peer"]["sft"].update(steps=60, stop_at=None, batch_size=64)
-    data["rl"].update(steps=4, prompts_per_step=8, eval_every=2, seeds=[0, 1, 2], ablation_seeds=[0], anchor_prompts_per_step=4)
+    data["task"].update(n_eval={"add2": 16, "add3": 16}, rl_prompts={"add3": 12, "add2": 4})
+    data["learner"]["sft"].update(steps=40, stop_at=None, batch_size=32)
+    data["peer"]["sft"].update(steps=40, stop_at=None, batch_size=32)
+    data["peer_groups"].update(prompts_per_batch=8)
+    data["rl"].update(steps=3, prompts_per_step=4, eval_every=2, seeds=[0], ablation_seeds=[0], anchor_prompts_per_step=2,
+                      cotrain_wait_s=0.5)
     return DemoConfig.model_validate(data)
 
 

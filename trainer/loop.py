@@ -187,7 +187,7 @@ def train(cfg: TrainConfig, resume: bool = False, on_step: Callable[[dict[str, A
     progress = tqdm(total=cfg.steps, initial=state.step, disable=not cfg.logging.progress, desc=f"{cfg.method}", unit="step")
     try:
         while state.step < cfg.steps:
-            step_start = time.perf_counter()
+            step_start, step_cpu_start = time.perf_counter(), time.process_time()
             policy_step = state.step
             counts: dict[str, float] = {}
 
@@ -305,6 +305,7 @@ def train(cfg: TrainConfig, resume: bool = False, on_step: Callable[[dict[str, A
                 "peer_rollouts_consumed": peer_rollouts_consumed,
                 "store_wait_s": store_wait,
                 "step_time_s": time.perf_counter() - step_start,
+                "step_cpu_s": time.process_time() - step_cpu_start,  # this process, all threads (not the scorer's)
                 "generation_s": generation_s,
                 "gate_s": gate_s,
                 "update_s": update_s,
