@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -111,6 +112,9 @@ def main() -> None:
     torch.set_num_threads(1)  # one process per core: two threads each would only contend
     job = json.loads(Path(sys.argv[2]).read_text())
     result = build(job) if sys.argv[1] == "build" else train(job)
+    # CPU seconds of this process and its finished children (the scorer): what the job costs on an idle core.
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    result["cpu_s"] = round(own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime, 1)
     write_json_atomic(Path(job["out"]) / "done.json", result)
 
 

@@ -46,9 +46,9 @@ class TokenBatch:
     content_mask: Tensor  # (B, T) bool, True on completion tokens before the EOS (the sum for l_old)
 
     def to(self, device: torch.device | str) -> TokenBatch:
-        return TokenBatch(*(t.to(device) for t in (
-            self.input_ids, self.attention_mask, self.response_positions, self.response_ids, self.mask, self.content_mask
-        )))
+        fields = (self.input_ids, self.attention_mask, self.response_positions, self.response_ids, self.mask,
+                  self.content_mask)
+        return TokenBatch(*(t.to(device) for t in fields))
 
 
 def collate(samples: list[TrainSample], pad_id: int) -> TokenBatch:
@@ -67,7 +67,9 @@ def collate(samples: list[TrainSample], pad_id: int) -> TokenBatch:
     for b, sample in enumerate(samples):
         P, n = len(sample.prompt_ids), len(sample.completion_ids)
         if P == 0:
-            raise ValueError(f"sample of prompt {sample.prompt_id} has an empty prompt: the first completion token has no context")
+            raise ValueError(
+                f"sample of prompt {sample.prompt_id} has an empty prompt: the first completion token has no context"
+            )
         input_ids[b, : P + n] = torch.tensor(sample.prompt_ids + sample.completion_ids, dtype=torch.long)
         attention_mask[b, : P + n] = 1
         response_positions[b, :n] = torch.arange(P, P + n)

@@ -117,10 +117,10 @@ def peer_group_advantages(group: RolloutGroup, std_normalize: bool) -> tuple[lis
     rewards = [r.reward for r in group.rollouts]
     recomputed = group_advantages(rewards, std_normalize=std_normalize)
     stored = [r.advantage for r in group.rollouts]
-    agrees = any(
-        all(abs(s - e) <= ADVANTAGE_TOLERANCE * max(1.0, abs(e)) for s, e in zip(stored, group_advantages(rewards, std_normalize=norm)))
-        for norm in (True, False)
-    )
+    def close_to(expected: list[float]) -> bool:
+        return all(abs(s - e) <= ADVANTAGE_TOLERANCE * max(1.0, abs(e)) for s, e in zip(stored, expected))
+
+    agrees = any(close_to(group_advantages(rewards, std_normalize=norm)) for norm in (True, False))
     return recomputed, agrees
 
 
@@ -133,7 +133,8 @@ def compat_weights(
     peer_logprob_sum: (n,) float, l_peer = the stored logprob_sum (EOS excluded)
     num_bytes: (n,) int, UTF-8 length of each completion text
     Returns w (n,) = min(1, rho) ** kappa * 1[log rho >= log_rho_min] and log rho (n,), both detached."""
-    per_byte = (learner_logprob_sum.detach().double() - peer_logprob_sum.double()) / num_bytes.double().clamp(min=1.0)  # (n,)
+    log_ratio = learner_logprob_sum.detach().double() - peer_logprob_sum.double()  # (n,)
+    per_byte = log_ratio / num_bytes.double().clamp(min=1.0)  # (n,)
     log_rho = per_byte.clamp(-LOG_RHO_CLAMP, LOG_RHO_CLAMP)  # (n,)
     weights = torch.exp(kappa * log_rho.clamp(max=0.0))  # (n,) = min(1, rho) ** kappa
     if log_rho_min is not None:
@@ -147,8 +148,9 @@ def group_normalize(weights: Tensor, group_index: Tensor) -> Tensor:
     weights: (n,) float; group_index: (n,) int64 group of each sample. A group whose weights are all
     zero stays zero."""
     num_groups = int(group_index.max()) + 1 if len(group_index) else 0
-    sums = torch.zeros(num_groups, dtype=weights.dtype).index_add_(0, group_index, weights)  # (groups,)
-    counts = torch.zeros(num_groups, dtype=weights.dtype).index_add_(0, group_index, torch.ones_like(weights))  # (groups,)
+    zeros = torch.zeros(num_groups, dtype=weights.dtype)  # (groups,)
+    sums = zeros.index_add(0, group_index, weights)  # (groups,)
+    counts = zeros.index_add(0, group_index, torch.ones_like(weights))  # (groups,)
     means = sums / counts.clamp(min=1.0)  # (groups,)
     mean_per_sample = means[group_index]  # (n,)
     return torch.where(mean_per_sample > 0, weights / mean_per_sample.clamp(min=1e-12), torch.zeros_like(weights))

@@ -67,6 +67,7 @@ METRIC_KEYS = (
     "log_rho_p50", "log_rho_p90", "clip_frac_onpolicy", "clip_frac_grafted", "peer_group_age_steps",
     "rollouts_generated", "peer_rollouts_consumed", "store_wait_s", "step_time_s",
 )
+WEIGHT_STAT_KEYS = ("compat_weight_mean", "compat_weight_ess", "log_rho_p10", "log_rho_p50", "log_rho_p90")
 NAN = float("nan")
 
 
@@ -184,7 +185,7 @@ def train(cfg: TrainConfig, resume: bool = False, on_step: Callable[[dict[str, A
 
     from tqdm import tqdm
 
-    progress = tqdm(total=cfg.steps, initial=state.step, disable=not cfg.logging.progress, desc=f"{cfg.method}", unit="step")
+    progress = tqdm(total=cfg.steps, initial=state.step, disable=not cfg.logging.progress, desc=cfg.method, unit="step")
     try:
         while state.step < cfg.steps:
             step_start, step_cpu_start = time.perf_counter(), time.process_time()
@@ -233,7 +234,8 @@ def train(cfg: TrainConfig, resume: bool = False, on_step: Callable[[dict[str, A
                 counts["peer_lookup_ok"] = float(lookup.ok)
                 if cotrain:
                     all_fail = [g.prompt_id for g in groups if not any((r.reward or 0) > 0 for r in g.rollouts)]
-                    missing = [p for p in all_fail if not _has_usable_peer(peer_candidates.get(p, []), cfg, learner, policy_step)]
+                    missing = [p for p in all_fail
+                               if not _has_usable_peer(peer_candidates.get(p, []), cfg, learner, policy_step)]
                     if missing:
                         deadline = wait_start + cfg.store.cotrain_wait_s
                         peer_candidates.update(peers.wait_for_peers(missing, policy_step, deadline))
@@ -241,13 +243,16 @@ def train(cfg: TrainConfig, resume: bool = False, on_step: Callable[[dict[str, A
             lag = cfg.graft.max_peer_policy_lag
             decisions = gate_groups(
                 learner_rewards, peer_candidates, enabled=cfg.method == "graft", learner_model=learner.model_id,
-                peer_models=cfg.graft.peer_models, min_policy_step=max(0, policy_step - lag) if lag is not None else None,
+                peer_models=cfg.graft.peer_models,
+                min_policy_step=max(0, policy_step - lag) if lag is not None else None,
                 union_all_success=cfg.graft.union_all_success, max_grafted_fraction=cfg.graft.max_grafted_fraction,
                 rng=random.Random(cfg.seed * 7_919 + policy_step),
             )
 
             # 4b. the batch: on-policy rows and re-tokenised peer rows
-            rows, peer_groups_used, drops = _build_rows(cfg, learner, decisions, groups, problem_of, peer_tokenizers, counts)
+            rows, peer_groups_used, drops = _build_rows(
+                cfg, learner, decisions, groups, problem_of, peer_tokenizers, counts
+            )
 
             gate_s = time.perf_counter() - gate_start
 
@@ -257,7 +262,9 @@ def train(cfg: TrainConfig, resume: bool = False, on_step: Callable[[dict[str, A
             counts.update(weight_stats)
 
             # 6. PPO epoch(s) over mini-batches
-            update_metrics = _update_policy(cfg, loss_cfg, learner, reference, optimizer, scheduler, rows, anchors, policy_step)
+            update_metrics = _update_policy(
+                cfg, loss_cfg, learner, reference, optimizer, scheduler, rows, anchors, policy_step
+            )
             update_s = time.perf_counter() - update_start
             if uses_vllm:  # the engine samples the next step with the new weights
                 from trainer.vllm_sync import sync_weights
@@ -295,8 +302,8 @@ def train(cfg: TrainConfig, resume: bool = False, on_step: Callable[[dict[str, A
                 "peer_hit_rate": len(hits) / len(all_fail) if all_fail and cfg.method == "graft" else NAN,
                 "frac_grafted": len(grafted) / n_groups,
                 "frac_skipped_no_signal": len(skipped) / n_groups,
-                "frac_dropped_retokenize": sum(drops.values()) / peer_samples_considered if peer_samples_considered else 0.0,
-                **{k: counts.pop(k) for k in ("compat_weight_mean", "compat_weight_ess", "log_rho_p10", "log_rho_p50", "log_rho_p90")},
+                "frac_dropped_retokenize": sum(drops.values()) / max(peer_samples_considered, 1),
+                **{k: counts.pop(k) for k in WEIGHT_STAT_KEYS},
                 "clip_frac_onpolicy": update_metrics.pop("clip_frac_onpolicy"),
                 "clip_frac_grafted": update_metrics.pop("clip_frac_grafted"),
                 "peer_group_age_steps": _mean(ages),
@@ -338,8 +345,8 @@ def train(cfg: TrainConfig, resume: bool = False, on_step: Callable[[dict[str, A
 
             last = state.step == cfg.steps
             if (cfg.checkpoint.every_steps and state.step % cfg.checkpoint.every_steps == 0) or last:
-                save_checkpoint(run_dir, state.step, learner.model, learner.tokenizer, optimizer, scheduler, asdict(state),
-                                cfg.checkpoint.keep_last)
+                save_checkpoint(run_dir, state.step, learner.model, learner.tokenizer, optimizer, scheduler,
+                                asdict(state), cfg.checkpoint.keep_last)
             if cfg.eval.every_steps and cfg.eval.benchmarks and (state.step % cfg.eval.every_steps == 0 or last):
                 _evaluate(cfg, backend, scorer, run_dir, state.step)
     finally:
@@ -386,7 +393,7 @@ def _load_learner(cfg: TrainConfig, checkpoint: Path | None) -> Learner:
         tokenizer=tokenizer,
         model_id=cfg.model.model_id or default_model_id(cfg.model.path),
         tokenizer_id=cfg.model.tokenizer_id or tokenizer_fingerprint(tokenizer),
-        revision=cfg.model.revision if cfg.model.revision is not None else model_fingerprint(resolve_model_dir(cfg.model.path)),
+        revision=cfg.model.revision or model_fingerprint(resolve_model_dir(cfg.model.path)),
         eos_ids=eos_token_ids(model, tokenizer),
         device=device,
     )
@@ -416,7 +423,9 @@ def _load_anchor(cfg: TrainConfig) -> list[tuple[str, str]]:
         return []
     path = Path(cfg.anchor.dataset)
     if not path.is_file():
-        raise FileNotFoundError(f"anchor.dataset {path} does not exist: pass a JSONL file with 'problem' and 'completion' fields")
+        raise FileNotFoundError(
+            f"anchor.dataset {path} does not exist: pass a JSONL file with 'problem' and 'completion' fields"
+        )
     pairs = []
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
@@ -437,7 +446,9 @@ def _load_peer_tokenizers(cfg: TrainConfig) -> dict[str, Any]:
     found = {}
     for path in cfg.graft.peer_tokenizers:
         if not Path(path).exists():
-            raise FileNotFoundError(f"graft.peer_tokenizers: {path} does not exist; pass the peer model's (or tokenizer's) directory")
+            raise FileNotFoundError(
+                f"graft.peer_tokenizers: {path} does not exist; pass the peer model's (or tokenizer's) directory"
+            )
         tokenizer = AutoTokenizer.from_pretrained(path)
         found[tokenizer_fingerprint(tokenizer)] = tokenizer
     return found
@@ -445,7 +456,8 @@ def _load_peer_tokenizers(cfg: TrainConfig) -> dict[str, Any]:
 
 def _make_backend(cfg: TrainConfig, learner: Learner, weights_path: str | Path) -> tuple[Any, bool]:
     """The learner's sampler and whether it is a vLLM engine (which needs weight syncs)."""
-    use_vllm = cfg.rollout.backend == "vllm" or (cfg.rollout.backend == "auto" and learner.device.type == "cuda" and _vllm_installed())
+    on_gpu = learner.device.type == "cuda"
+    use_vllm = cfg.rollout.backend == "vllm" or (cfg.rollout.backend == "auto" and on_gpu and _vllm_installed())
     if use_vllm:
         from trainer.vllm_sync import make_vllm_backend
 
@@ -469,7 +481,9 @@ def _tensorboard(cfg: TrainConfig, run_dir: Path):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as error:
-        raise RuntimeError("logging.tensorboard is on but tensorboard is not installed: pip install tensorboard") from error
+        raise RuntimeError(
+            "logging.tensorboard is on but tensorboard is not installed: pip install tensorboard"
+        ) from error
     return SummaryWriter(str(run_dir / "tb"))
 
 
@@ -482,7 +496,10 @@ def _sampling_params(cfg: TrainConfig, policy_step: int, round_index: int) -> Sa
                           top_k=cfg.rollout.top_k, max_tokens=cfg.rollout.max_response_tokens, seed=seed)
 
 
-def _generate_groups(cfg, backend, scorer, learner: Learner, problems: list[Problem], policy_step: int, round_index: int) -> list[RolloutGroup]:
+def _generate_groups(
+    cfg: TrainConfig, backend, scorer, learner: Learner, problems: list[Problem], policy_step: int, round_index: int
+) -> list[RolloutGroup]:
+    """G rollouts per problem from the current policy, scored and assembled into stored-format groups."""
     params = _sampling_params(cfg, policy_step, round_index)
     prompts = [build_prompt(learner.tokenizer, p.problem, cfg.data.prompt_template) for p in problems]
     samples = backend.generate(prompts, params)  # one list of G samples per prompt
@@ -494,8 +511,8 @@ def _generate_groups(cfg, backend, scorer, learner: Learner, problems: list[Prob
         group_scores = scores[offset : offset + len(per_prompt)]
         offset += len(per_prompt)
         # The seed is part of the key: two runs of one checkpoint with different seeds publish different groups.
-        group_id = make_group_id(learner.model_id, f"{learner.revision}/seed={cfg.seed}", policy_step, problem.prompt_id,
-                                 round_index * 1_000_000 + index)
+        group_id = make_group_id(learner.model_id, f"{learner.revision}/seed={cfg.seed}", policy_step,
+                                 problem.prompt_id, round_index * 1_000_000 + index)
         groups.append(assemble_group(
             problem, per_prompt, group_scores, model_id=learner.model_id, model_revision=learner.revision,
             tokenizer_id=learner.tokenizer_id, policy_step=policy_step, generator_id=f"graft-train:{cfg.run_dir.name}",
@@ -507,7 +524,9 @@ def _generate_groups(cfg, backend, scorer, learner: Learner, problems: list[Prob
 def _has_usable_peer(candidates: list[RolloutGroup], cfg: TrainConfig, learner: Learner, policy_step: int) -> bool:
     lag = cfg.graft.max_peer_policy_lag
     for g in candidates:
-        if g.model_id == learner.model_id or (cfg.graft.peer_models is not None and g.model_id not in cfg.graft.peer_models):
+        if g.model_id == learner.model_id:
+            continue
+        if cfg.graft.peer_models is not None and g.model_id not in cfg.graft.peer_models:
             continue
         if lag is not None and g.policy_step < policy_step - lag:
             continue
@@ -518,7 +537,15 @@ def _has_usable_peer(candidates: list[RolloutGroup], cfg: TrainConfig, learner: 
 
 # ---- the batch -----------------------------------------------------------------------------------
 
-def _build_rows(cfg, learner: Learner, decisions: list[GateDecision], groups: list[RolloutGroup], problem_of, peer_tokenizers, counts):
+def _build_rows(
+    cfg: TrainConfig,
+    learner: Learner,
+    decisions: list[GateDecision],
+    groups: list[RolloutGroup],
+    problem_of: dict[str, Problem],
+    peer_tokenizers: dict[str, Any],
+    counts: dict[str, float],
+) -> tuple[list[TrainSample], list[RolloutGroup], dict[str, int]]:
     """TrainSamples for the step: learner rows (on-policy, skipped with zero advantage) and peer rows.
 
     Skipped all-fail groups stay in the batch with zero advantage, exactly as GRPO has them: they
@@ -558,12 +585,15 @@ def _build_rows(cfg, learner: Learner, decisions: list[GateDecision], groups: li
             mismatched_advantages += int(not agrees)
         else:  # union: the learner's failures and the peer's successes form one group
             peer_rollouts = [r for r in peer.rollouts if r.correct]
-            union = group_advantages([r.reward for r in own.rollouts] + [r.reward for r in peer_rollouts], std_normalize=std_normalize)
+            union_rewards = [r.reward for r in own.rollouts] + [r.reward for r in peer_rollouts]
+            union = group_advantages(union_rewards, std_normalize=std_normalize)
             rows.extend(learner_row(r, a, group_index) for r, a in zip(own.rollouts, union[: len(own.rollouts)]))
             peer_advantages = union[len(own.rollouts):]
         for rollout, advantage in zip(peer_rollouts, peer_advantages):
-            out = retokenize_peer_rollout(rollout, learner.tokenizer, learner.tokenizer_id, cfg.rollout.max_response_tokens,
-                                          peer_tokenizers.get(rollout.tokenizer_id))
+            out = retokenize_peer_rollout(
+                rollout, learner.tokenizer, learner.tokenizer_id, cfg.rollout.max_response_tokens,
+                peer_tokenizers.get(rollout.tokenizer_id),
+            )
             if isinstance(out, str):
                 drops[out] += 1
                 continue
@@ -572,9 +602,9 @@ def _build_rows(cfg, learner: Learner, decisions: list[GateDecision], groups: li
                 advantage *= cfg.graft.peer_negative_scale
             rows.append(TrainSample(
                 prompt_id=decision.prompt_id, group=group_index, prompt_ids=prompt_tokens(decision.prompt_id),
-                completion_ids=out.token_ids, num_content_tokens=out.num_content_tokens, advantage=advantage, grafted=True,
-                num_bytes=len(rollout.completion_text.encode("utf-8")), behaviour_logprobs=out.behaviour_logprobs,
-                peer_logprob_sum=float(rollout.logprob_sum),
+                completion_ids=out.token_ids, num_content_tokens=out.num_content_tokens, advantage=advantage,
+                grafted=True, num_bytes=len(rollout.completion_text.encode("utf-8")),
+                behaviour_logprobs=out.behaviour_logprobs, peer_logprob_sum=float(rollout.logprob_sum),
             ))
     counts.update({f"projection_{k}": v for k, v in projections.items()})
     counts["peer_advantage_mismatch"] = mismatched_advantages
@@ -588,7 +618,9 @@ def _needs_forward(row: TrainSample, cfg: TrainConfig) -> bool:
 
 
 @torch.no_grad()
-def _forward_logprobs(model, rows: list[TrainSample], learner: Learner, micro: int, temperature: float) -> list[torch.Tensor]:
+def _forward_logprobs(
+    model: torch.nn.Module, rows: list[TrainSample], learner: Learner, micro: int, temperature: float
+) -> list[torch.Tensor]:
     """Per row (n_i,) float32 logprobs of its completion tokens, computed in micro-batches."""
     out: list[torch.Tensor] = []
     for begin in range(0, len(rows), micro):
@@ -606,15 +638,18 @@ def _attach_old_logprobs_and_weights(cfg, learner: Learner, reference, rows: lis
     weight statistics of the step."""
     active = [row for row in rows if _needs_forward(row, cfg)]
     old = _forward_logprobs(learner.model, active, learner, cfg.optim.micro_batch_size, cfg.rollout.temperature)
-    refs = _forward_logprobs(reference, active, learner, cfg.optim.micro_batch_size, 1.0) if reference is not None else [None] * len(active)
+    refs: list[torch.Tensor | None] = [None] * len(active)
+    if reference is not None:
+        refs = _forward_logprobs(reference, active, learner, cfg.optim.micro_batch_size, 1.0)
     for row, old_lp, ref_lp in zip(active, old, refs):
         row.old_logprobs, row.ref_logprobs = old_lp, ref_lp
         row.token_weight = torch.ones_like(old_lp)
 
     grafted = [row for row in active if row.grafted]
-    stats = {"compat_weight_mean": NAN, "compat_weight_ess": NAN, "log_rho_p10": NAN, "log_rho_p50": NAN, "log_rho_p90": NAN}
+    stats = dict.fromkeys(WEIGHT_STAT_KEYS, NAN)
     if grafted:
-        learner_sums = torch.stack([row.old_logprobs[: row.num_content_tokens].double().sum() for row in grafted])  # (g,)
+        # l_old: the learner's log-likelihood of the text, EOS excluded
+        learner_sums = torch.stack([r.old_logprobs[: r.num_content_tokens].double().sum() for r in grafted])  # (g,)
         peer_sums = torch.tensor([row.peer_logprob_sum for row in grafted], dtype=torch.float64)  # (g,)
         num_bytes = torch.tensor([row.num_bytes for row in grafted])  # (g,)
         weights, log_rho = compat_weights(learner_sums, peer_sums, num_bytes, cfg.graft.kappa, cfg.graft.log_rho_min)
@@ -628,12 +663,14 @@ def _attach_old_logprobs_and_weights(cfg, learner: Learner, reference, rows: lis
                 continue
             b = torch.ones_like(row.old_logprobs)  # (n,)
             if cfg.graft.token_is == "tis":
-                b = behaviour_ratio(row.old_logprobs, torch.tensor(row.behaviour_logprobs, dtype=torch.float32), cfg.graft.is_cap)
+                behaviour = torch.tensor(row.behaviour_logprobs, dtype=torch.float32)  # (n,) log mu~
+                b = behaviour_ratio(row.old_logprobs, behaviour, cfg.graft.is_cap)
             row.token_weight = w * b  # (n,)
         kept_weights = weights[finite]
         kept_log_rho = log_rho[finite]
         if kept_weights.numel():
-            quantiles = torch.quantile(kept_log_rho.double(), torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)).tolist()
+            levels = torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)
+            quantiles = torch.quantile(kept_log_rho.double(), levels).tolist()
             stats = {
                 "compat_weight_mean": float(kept_weights.mean()),
                 "compat_weight_ess": effective_sample_size(kept_weights),
@@ -663,7 +700,17 @@ def _length_mask(rows: list[TrainSample]) -> torch.Tensor:
     return torch.arange(max(int(lengths.max()), 1))[None, :] < lengths[:, None]  # (b, T) bool
 
 
-def _update_policy(cfg, loss_cfg: LossConfig, learner: Learner, reference, optimizer, scheduler, rows, anchors, policy_step) -> dict[str, float]:
+def _update_policy(
+    cfg: TrainConfig,
+    loss_cfg: LossConfig,
+    learner: Learner,
+    reference: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    rows: list[TrainSample],
+    anchors: list[tuple[str, str]],
+    policy_step: int,
+) -> dict[str, float]:
     """PPO epoch(s) over mini-batches of the step's rows; returns averaged loss metrics."""
     generator = torch.Generator().manual_seed(cfg.seed * 31_337 + policy_step)
     num_mini = _num_mini_batches(cfg)
@@ -702,16 +749,18 @@ def _update_policy(cfg, loss_cfg: LossConfig, learner: Learner, reference, optim
                     mask=tokens.mask,
                     token_weight=_pad([r.token_weight for r in chunk], width).to(learner.device),
                     is_grafted=torch.tensor([r.grafted for r in chunk], dtype=torch.bool, device=learner.device),
-                    ref_logprobs=_pad([r.ref_logprobs for r in chunk], width).to(learner.device) if reference is not None else None,
+                    ref_logprobs=None if reference is None else _pad([r.ref_logprobs for r in chunk], width).to(
+                        learner.device),
                 )
                 loss, metrics = graft_loss(batch, loss_cfg)
-                scale = agg_denominator(tokens.mask, loss_cfg) / denominator
+                micro_denominator = agg_denominator(tokens.mask, loss_cfg)
+                scale = micro_denominator / denominator  # the micro-batches' losses add up to the mini-batch's
                 (loss * scale).backward()
                 mini_loss += float(loss.detach()) * scale
                 accumulate("clip_frac_onpolicy", metrics["clip_frac_onpolicy"], metrics["tokens_onpolicy"])
                 accumulate("clip_frac_grafted", metrics["clip_frac_grafted"], metrics["tokens_grafted"])
                 accumulate("ratio_mean", metrics["ratio_mean"], metrics["tokens_onpolicy"] + metrics["tokens_grafted"])
-                accumulate("kl", metrics["kl"] * scale, 1.0)
+                accumulate("kl", metrics["kl"], micro_denominator)
             if anchor_rows:
                 nll = _anchor_nll(learner, anchor_rows)
                 (cfg.anchor.weight * nll).backward()
@@ -745,9 +794,11 @@ def _anchor_rows(cfg, learner: Learner, anchors, rng: random.Random) -> list[Tra
     rows = []
     for problem, completion in rng.sample(anchors, min(cfg.anchor.prompts_per_step, len(anchors))):
         prompt = build_prompt(learner.tokenizer, problem, cfg.data.prompt_template)
-        completion_ids = list(learner.tokenizer(completion, add_special_tokens=False)["input_ids"]) + [learner.tokenizer.eos_token_id]
+        prompt_ids = list(learner.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        completion_ids = list(learner.tokenizer(completion, add_special_tokens=False)["input_ids"])
+        completion_ids.append(learner.tokenizer.eos_token_id)
         rows.append(TrainSample(
-            prompt_id="anchor", group=-1, prompt_ids=list(learner.tokenizer(prompt, add_special_tokens=False)["input_ids"]),
+            prompt_id="anchor", group=-1, prompt_ids=prompt_ids,
             completion_ids=completion_ids, num_content_tokens=len(completion_ids) - 1, advantage=0.0, grafted=False,
             num_bytes=len(completion.encode("utf-8")),
         ))
@@ -780,7 +831,8 @@ def _truncate_metrics(path: Path, step: int) -> None:
     """On resume, forget lines (metrics, evaluations) of steps after the checkpoint: they run again."""
     if not path.exists():
         return
-    kept = [line for line in path.read_bytes().splitlines() if line.strip() and orjson.loads(line).get("step", 0) <= step]
+    lines = [line for line in path.read_bytes().splitlines() if line.strip()]
+    kept = [line for line in lines if orjson.loads(line).get("step", 0) <= step]
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_bytes(b"".join(line + b"\n" for line in kept))
     tmp.replace(path)
@@ -790,13 +842,18 @@ def _evaluate(cfg: TrainConfig, backend, scorer, run_dir: Path, step: int) -> di
     """Accuracy on the configured benchmarks through graft-eval's code; appended to eval.jsonl."""
     from services.generator.eval import evaluate
 
-    problems_by_benchmark = {name: load_problems(source, limit=cfg.eval.limit) for name, source in cfg.eval.benchmarks.items()}
-    greedy = cfg.eval.k == 1
-    params = SamplingParams(n=cfg.eval.k, temperature=0.0 if greedy else cfg.eval.temperature, top_p=1.0 if greedy else cfg.eval.top_p,
-                            max_tokens=cfg.eval.max_tokens or cfg.rollout.max_response_tokens, seed=cfg.seed)
+    problems_by_benchmark = {
+        name: load_problems(source, limit=cfg.eval.limit) for name, source in cfg.eval.benchmarks.items()
+    }
+    greedy = cfg.eval.k == 1  # GRAFT_SPEC section 10: greedy for k = 1, else T = 0.6, top_p = 0.95
+    params = SamplingParams(
+        n=cfg.eval.k, temperature=0.0 if greedy else cfg.eval.temperature, top_p=1.0 if greedy else cfg.eval.top_p,
+        max_tokens=cfg.eval.max_tokens or cfg.rollout.max_response_tokens, seed=cfg.seed,
+    )
     result = evaluate(backend, problems_by_benchmark, cfg.eval.k, params, scorer, template=cfg.data.prompt_template)
     with open(run_dir / "eval.jsonl", "ab") as f:
-        f.write(orjson.dumps({"step": step, **result}, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS) + b"\n")
+        options = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
+        f.write(orjson.dumps({"step": step, **result}, option=options) + b"\n")
     accuracies = ", ".join(f"{name} {r['avg_at_k']:.3f}" for name, r in result["benchmarks"].items())
     log.info("step %d evaluation (avg@%d): %s", step, cfg.eval.k, accuracies)
     return result

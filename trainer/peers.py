@@ -28,7 +28,7 @@ OUTBOX_LIMIT = 4096  # groups kept for publishing while the store is down; older
 
 @dataclass
 class LookupResult:
-    groups: dict[str, list[RolloutGroup]] = field(default_factory=dict)  # prompt id -> candidate peer groups, most recent first
+    groups: dict[str, list[RolloutGroup]] = field(default_factory=dict)  # prompt id -> peer groups, most recent first
     ok: bool = False  # False when the store could not be asked or failed
 
 
@@ -53,8 +53,9 @@ class PeerExchange:
             raise ValueError("PeerExchange needs store.url")
         self.store, self.graft, self.learner_model = store, graft, learner_model
         # One client per thread: lookups and pushes never share a connection pool across threads.
-        self._lookup_client = StoreClient(store.url, token=store.token, timeout_s=store.timeout_s, retries=store.retries)
-        self._publish_client = StoreClient(store.url, token=store.token, timeout_s=store.timeout_s, retries=store.retries)
+        client_args = dict(token=store.token, timeout_s=store.timeout_s, retries=store.retries)
+        self._lookup_client = StoreClient(store.url, **client_args)
+        self._publish_client = StoreClient(store.url, **client_args)
         self._lookup_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="graft-peer-lookup")
         self._publish_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="graft-peer-publish")
         self._lock = threading.Lock()
@@ -73,7 +74,8 @@ class PeerExchange:
     def _record_success(self) -> None:
         with self._lock:
             if self._consecutive_failures:
-                log.warning("store %s is reachable again after %d failed calls: grafting resumes", self.store.url, self._consecutive_failures)
+                log.warning("store %s is reachable again after %d failed calls: grafting resumes",
+                            self.store.url, self._consecutive_failures)
             self._consecutive_failures = 0
             self._down_until = 0.0
 
@@ -141,7 +143,9 @@ class PeerExchange:
                 self.counters.lookups_late += 1
             return LookupResult()
 
-    def wait_for_peers(self, prompt_ids: list[str], learner_step: int, deadline: float) -> dict[str, list[RolloutGroup]]:
+    def wait_for_peers(
+        self, prompt_ids: list[str], learner_step: int, deadline: float
+    ) -> dict[str, list[RolloutGroup]]:
         """Co-training: look up `prompt_ids` repeatedly until each has a peer group (informative or
         not: the peer has sampled it) or `deadline` passes.
 

@@ -32,7 +32,7 @@ class PeerTokens:
     """One peer rollout as learner tokens."""
 
     token_ids: list[int]  # (n,) learner token ids of the completion, plus the learner's EOS when the peer stopped
-    behaviour_logprobs: list[float]  # (n,) log mu~ per learner token: projected peer logprob (EOS: the peer's EOS logprob)
+    behaviour_logprobs: list[float]  # (n,) log mu~ per learner token (the EOS gets the peer's EOS logprob)
     num_content_tokens: int  # tokens before the EOS (n - 1 with EOS, n without)
     projection: Projection  # exact: same tokenizer; spans: character-span projection; uniform: peer tokenizer unknown
 
@@ -81,7 +81,9 @@ def token_char_starts(tokenizer: PreTrainedTokenizerBase, text: str, token_ids: 
     return _monotone_starts(starts, len(text))
 
 
-def _starts_by_incremental_decode(tokenizer: PreTrainedTokenizerBase, token_ids: list[int], text: str) -> list[int] | None:
+def _starts_by_incremental_decode(
+    tokenizer: PreTrainedTokenizerBase, token_ids: list[int], text: str
+) -> list[int] | None:
     """Character starts by decoding a short window at a time (vLLM's incremental detokenisation).
 
     The window starts one emitted unit back, so decoders that strip a leading space on the first
@@ -117,7 +119,9 @@ def _unit_bounds(starts: list[int], text_len: int) -> tuple[np.ndarray, np.ndarr
     return starts_arr, ends
 
 
-def project_logprobs(text_len: int, peer_starts: list[int], peer_logprobs: list[float], learner_starts: list[int]) -> list[float]:
+def project_logprobs(
+    text_len: int, peer_starts: list[int], peer_logprobs: list[float], learner_starts: list[int]
+) -> list[float]:
     """Project per-token peer logprobs onto learner tokens by characters; the sums agree.
 
     Each peer unit (tokens sharing a start) spreads its summed log-mass evenly over its characters;
@@ -156,7 +160,9 @@ def retokenize_peer_rollout(
     peer_eos_logprob = min(0.0, sum(peer_logprobs) - rollout.logprob_sum) if finished else 0.0
     learner_eos = learner_tokenizer.eos_token_id
     if finished and learner_eos is None:
-        raise ValueError("the learner's tokenizer has no eos_token; set one (tokenizer.eos_token) before grafting finished peer texts")
+        raise ValueError(
+            "the learner's tokenizer has no eos_token; set one (tokenizer.eos_token) before grafting finished peer texts"
+        )
 
     projection: Projection
     if rollout.tokenizer_id == learner_tokenizer_id:
@@ -189,7 +195,7 @@ def retokenize_peer_rollout(
         return "overlength"
     if not all(math.isfinite(lp) for lp in behaviour):
         return "non_finite"
-    return PeerTokens(token_ids=learner_ids, behaviour_logprobs=behaviour, num_content_tokens=num_content, projection=projection)
+    return PeerTokens(learner_ids, behaviour, num_content_tokens=num_content, projection=projection)
 
 
 def _project(
@@ -209,4 +215,6 @@ def _project(
             return project_logprobs(len(text), peer_starts, content_logprobs, learner_starts), "spans"
     # Without the peer's tokenizer (or when its ids do not decode to the stored text), spread the
     # peer's log-mass evenly over characters: the sum still equals logprob_sum.
-    return project_logprobs(len(text), [0] * (1 if text else 0), [rollout.logprob_sum] if text else [], learner_starts), "uniform"
+    if not text:
+        return [0.0] * len(learner_starts), "uniform"
+    return project_logprobs(len(text), [0], [rollout.logprob_sum], learner_starts), "uniform"

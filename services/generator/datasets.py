@@ -44,10 +44,13 @@ def load_problems(path_or_benchmark_name: str, limit: int | None = None) -> list
             raise FileNotFoundError(f"{path} not found: set GRAFT_DATA_DIR to the folder holding {relative}")
     else:
         path, answer_field = Path(path_or_benchmark_name), "answer"
+        if not path.exists() and not path.is_absolute() and (data_dir() / path).exists():
+            path = data_dir() / path  # a file inside the data dir, e.g. math_train/train_level3to5.jsonl
         dataset = path.stem
         if not path.exists():
             raise FileNotFoundError(
-                f"{path} is neither a file nor a known dataset name ({', '.join(KNOWN_DATASETS)})"
+                f"{path} is neither a file (here or under {data_dir()}) nor a known dataset name "
+                f"({', '.join(KNOWN_DATASETS)})"
             )
     rows = _read_rows(path)
     problems: dict[str, Problem] = {}

