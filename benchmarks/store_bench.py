@@ -205,8 +205,9 @@ def main() -> None:
             if w.exitcode:
                 raise RuntimeError(f"writer exited with {w.exitcode}")
         written = time.perf_counter()
+        # poll /v1/health (a counter), not /v1/stats (DuckDB aggregates): polling must not cost the store CPU
         with tqdm(total=n_rollouts, desc="index", unit="rollout", unit_scale=True) as bar:
-            while (indexed := client.stats().total_rollouts) < n_rollouts:
+            while (indexed := client.health().groups * GROUP) < n_rollouts:
                 bar.n = indexed
                 bar.refresh()
                 time.sleep(0.05)

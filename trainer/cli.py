@@ -65,11 +65,17 @@ def train(
     sets: Annotated[list[str], typer.Option("--set", help="dotted override, e.g. --set graft.peer_negative_scale=0 (repeatable)")] = [],
     resume: Annotated[bool, typer.Option("--resume", help="continue from the newest checkpoint in the run directory")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="log INFO messages to stderr")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="validate the configuration, print it as YAML and exit")] = False,
 ) -> None:
     """Train; metrics go to <run_dir>/metrics.jsonl, checkpoints to <run_dir>/checkpoints/."""
     mode = None if cotrain is None else ("cotrain" if cotrain else "offline")
     cfg = _load(config, _overrides(model, peer_models, dataset, store_url, method, mode, steps, group_size,
                                    prompts_per_step, lr, seed, run_dir, sets))
+    if dry_run:
+        import yaml
+
+        typer.echo(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        return
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the trainer's own messages
     from trainer.loop import train as run_training

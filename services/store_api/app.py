@@ -2,7 +2,8 @@
 
 Bulk responses (groups, rollout pages) are Arrow IPC streams when the client sends
 `Accept: application/vnd.apache.arrow.stream`, else JSON serialised with orjson into a raw Response
-(FastAPI's default response path is ~6x slower for these payloads).
+(FastAPI's default response path is ~6x slower for these payloads). Groups are sent as the record batch
+messages stored in the shards' lookup files, concatenated: nothing is decoded or re-encoded.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from schemas import (
 )
 from services.store_api.index import BadCursor, StoreIndex
 from services.store_api.settings import StoreSettings
-from services.store_api.shards import ShardValidationError, validate_table
+from services.store_api.shards import ShardValidationError, arrow_stream, read_stream, validate_table
 
 log = logging.getLogger("graft.store")
 
@@ -94,6 +95,11 @@ def arrow_response(table: pa.Table, metadata: dict[str, str]) -> Response:
     with pa.ipc.new_stream(sink, schema) as writer:
         writer.write_table(table.replace_schema_metadata(schema.metadata))
     return Response(sink.getvalue().to_pybytes(), media_type=ARROW_MEDIA_TYPE)
+
+
+def stream_response(messages: list[bytes], metadata: dict[str, str]) -> Response:
+    """Stored groups' record batch messages as an Arrow IPC stream response."""
+    return Response(arrow_stream(messages, metadata), media_type=ARROW_MEDIA_TYPE)
 
 
 def json_response(content: Any, status: int = 200) -> Response:
@@ -163,17 +169,7 @@ class BodySizeLimit:
                 return await self._refuse(send, 413, f"request body exceeds the limit of {limit} bytes")
             if not message.get("more_body", False):
                 break
-        body = b"".join(chunks)
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        return await self.app(scope, replay, send)
+        return await self.app(scope, replaying(b"".join(chunks), receive), send)
 
     @staticmethod
     async def _refuse(send, status: int, message: str) -> None:
@@ -181,6 +177,64 @@ class BodySizeLimit:
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
+
+
+def replaying(body: bytes, receive):
+    """An ASGI `receive` that hands out an already read request body, then defers to `receive`."""
+    replayed = False
+
+    async def replay():
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+# ------------------------------------------------------------------------------------------ lookup fast path
+
+LOOKUP_PATH = "/v1/peer-groups/lookup"
+
+
+class LookupFastPath:
+    """Answer valid Arrow peer lookups before FastAPI's routing, dependency and response machinery.
+
+    That machinery cost ~0.18 ms of the ~0.25 ms of app CPU per single-prompt lookup on the 2-core VM, for
+    a call whose budget is 2 ms end to end. Anything else, including every request that does not validate,
+    goes on to the FastAPI route, which documents the endpoint and words the errors.
+    """
+
+    def __init__(self, app, answer):
+        self.app = app
+        self.answer = answer  # async (PeerLookupRequest) -> bytes of the Arrow IPC stream
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] != LOOKUP_PATH or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        # the same requests FastAPI reads as a JSON body; other content types get its error
+        json_body = headers.get(b"content-type", b"").split(b";")[0].strip().lower() == b"application/json"
+        if not json_body or ARROW_MEDIA_TYPE.encode() not in headers.get(b"accept", b""):
+            return await self.app(scope, receive, send)
+        chunks = []
+        while True:  # the body is within the size limit: BodySizeLimit runs first
+            message = await receive()
+            if message["type"] != "http.request":
+                return await self.app(scope, receive, send)  # the client left: let the route see it
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        try:
+            req = PeerLookupRequest.model_validate_json(body)
+        except ValidationError:
+            return await self.app(scope, replaying(body, receive), send)
+        stream = await self.answer(req)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", ARROW_MEDIA_TYPE.encode()), (b"content-length", b"%d" % len(stream))]})
+        await send({"type": "http.response.body", "body": stream})
 
 
 # ------------------------------------------------------------------------------------------ auth
@@ -242,6 +296,7 @@ class Background:
                     if report["files_written"] or report["files_retired_empty"]:
                         log.info("compaction: %s", report)
                 self.index.delete_retired()
+                self.index.delete_orphan_lookup_files()
             except Exception:
                 log.exception("maintenance iteration failed; retrying")
 
@@ -281,6 +336,30 @@ def create_app(settings: StoreSettings) -> FastAPI:
         description="Stored rollout groups for GRAFT: peer lookups for trainers, push ingest, filtered queries.",
     )
     app.state.index = index
+
+    def read_lookup(req: PeerLookupRequest) -> tuple[list[bytes], list[str]]:
+        messages, misses = index.read_selected(lambda: index.select_peer_groups(req), as_messages=True)
+        lookups.inc()
+        lookup_misses.inc(len(misses))
+        return messages, misses
+
+    async def arrow_lookup(req: PeerLookupRequest) -> bytes:
+        """A peer lookup's answer as an Arrow IPC stream, misses in the schema metadata."""
+        started = time.perf_counter()
+
+        def answer() -> bytes:
+            messages, misses = read_lookup(req)
+            return arrow_stream(messages, {"misses": orjson.dumps(misses).decode()})
+
+        # reading a stored group costs ~25 us (a pread and a CRC): up to 64 groups, answer on the event loop
+        # and skip the thread hand-off; bigger lookups go to the thread pool so they never stall other requests
+        small = len(req.prompt_ids) * req.groups_per_prompt <= 64
+        stream = answer() if small else await run_in_threadpool(answer)
+        lookup_seconds.observe(time.perf_counter() - started)
+        return stream
+
+    # the last added middleware runs first: the size limit, then the fast path
+    app.add_middleware(LookupFastPath, answer=arrow_lookup)
     app.add_middleware(BodySizeLimit, push_limit=int(settings.max_body_mb * 2**20),
                        other_limit=int(settings.max_request_kb * 2**10))
     app.state.settings = settings
@@ -330,29 +409,24 @@ def create_app(settings: StoreSettings) -> FastAPI:
         """Counts per model, success rates, files, quarantined files, duplicates and ingest freshness."""
         return index.stats()
 
-    @app.post("/v1/peer-groups/lookup", response_model=PeerLookupResponse, tags=["groups"],
+    @app.post(LOOKUP_PATH, response_model=PeerLookupResponse, tags=["groups"],
               responses={200: {"content": ARROW_CONTENT}, **ERROR_RESPONSES})
     async def peer_lookup(req: PeerLookupRequest, request: Request) -> Response:
         """The trainer's call: whole peer groups for many prompts, most recent first, and the misses.
 
         Send `Accept: application/vnd.apache.arrow.stream` for an Arrow IPC stream of rollout rows in
-        ROLLOUT_ARROW_SCHEMA (misses as JSON in the schema metadata key `misses`).
+        ROLLOUT_ARROW_SCHEMA (misses as JSON in the schema metadata key `misses`). Valid Arrow lookups are
+        answered by LookupFastPath with the same `arrow_lookup`; this route serves the rest.
         """
+        if wants_arrow(request):
+            return Response(await arrow_lookup(req), media_type=ARROW_MEDIA_TYPE)
         started = time.perf_counter()
-        arrow = wants_arrow(request)
 
-        def answer() -> Response:
-            table, misses = index.read_selected(lambda: index.select_peer_groups(req))
-            lookups.inc()
-            lookup_misses.inc(len(misses))
-            if arrow:
-                return arrow_response(table, {"misses": orjson.dumps(misses).decode()})
-            return json_response({"groups": rows_as_groups(table), "misses": misses})
+        def answer() -> Response:  # JSON is slow to build: always on the thread pool
+            messages, misses = read_lookup(req)
+            return json_response({"groups": rows_as_groups(read_stream(arrow_stream(messages))), "misses": misses})
 
-        # a few groups decode in well under a millisecond: answer on the event loop and skip the
-        # thread hand-off; bigger lookups go to the thread pool so they never stall other requests
-        small = len(req.prompt_ids) * req.groups_per_prompt <= 4
-        response = answer() if small else await run_in_threadpool(answer)
+        response = await run_in_threadpool(answer)
         lookup_seconds.observe(time.perf_counter() - started)
         return response
 
@@ -365,21 +439,22 @@ def create_app(settings: StoreSettings) -> FastAPI:
         limit: Annotated[int, Query(ge=1, le=256, description="at most this many groups")] = 16,
     ) -> Response:
         """Every stored group of one prompt (any model), most recent first."""
-        table, _ = index.read_selected(lambda: (index.select_prompt_groups(prompt_id, model, limit), None))
+        messages, _ = index.read_selected(lambda: (index.select_prompt_groups(prompt_id, model, limit), None),
+                                          as_messages=True)
         if wants_arrow(request):
-            return arrow_response(table, {"prompt_id": prompt_id})
-        return json_response({"prompt_id": prompt_id, "groups": rows_as_groups(table)})
+            return stream_response(messages, {"prompt_id": prompt_id})
+        return json_response({"prompt_id": prompt_id, "groups": rows_as_groups(read_stream(arrow_stream(messages)))})
 
     @app.get("/v1/groups/{group_id}", response_model=RolloutGroup, tags=["groups"],
              responses={200: {"content": ARROW_CONTENT}, **ERROR_RESPONSES})
     def get_group(request: Request, group_id: Annotated[str, Path(min_length=1, max_length=256)]) -> Response:
         """One group by id."""
-        table, _ = index.read_selected(lambda: (index.select_group(group_id), None))
-        if table.num_rows == 0:
+        messages, _ = index.read_selected(lambda: (index.select_group(group_id), None), as_messages=True)
+        if not messages:
             raise StoreHTTPError(404, f"no group {group_id!r} in this store")
         if wants_arrow(request):
-            return arrow_response(table, {})
-        return json_response(rows_as_groups(table)[0])
+            return stream_response(messages, {})
+        return json_response(rows_as_groups(read_stream(arrow_stream(messages)))[0])
 
     @app.get("/v1/rollouts", response_model=RolloutPage, tags=["rollouts"],
              responses={200: {"content": ARROW_CONTENT}, **ERROR_RESPONSES})

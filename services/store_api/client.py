@@ -1,16 +1,20 @@
 """HTTP clients of the store (sync and async, httpx), with timeouts and retries; the trainer uses these.
 
 Bulk data travels as Arrow IPC both ways. Errors raise StoreError (status code and the server's message);
-a store that cannot be reached after the retries raises StoreUnavailable.
+a store that cannot be reached after the retries raises StoreUnavailable. The sync client's peer lookup,
+the trainer's hot call, goes over kept-alive `http.client` connections instead of httpx: ~0.25 ms of
+client CPU per request on the 2-core VM against ~1 ms through httpx (whose HTTP parsing, h11, is Python).
 """
 
 from __future__ import annotations
 
 import asyncio
+import http.client
+import threading
 import time
-from urllib.parse import quote
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
+from urllib.parse import quote, urlsplit
 
 import httpx
 import orjson
@@ -32,6 +36,9 @@ from schemas import (
 
 ARROW_MEDIA_TYPE = "application/vnd.apache.arrow.stream"
 RETRY_STATUSES = {502, 503, 504}
+LOOKUP_PATH = "/v1/peer-groups/lookup"
+# the server closed a kept-alive connection (idle timeout, restart): go again on a new one, no attempt lost
+_STALE_CONNECTION = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
 
 
 class StoreError(Exception):
@@ -55,8 +62,60 @@ def _error(response: httpx.Response) -> StoreError:
     return StoreError(f"{response.request.method} {response.request.url.path}: {message}", response.status_code)
 
 
-def _read_arrow(response: httpx.Response) -> pa.Table:
-    return pa.ipc.open_stream(pa.py_buffer(response.content)).read_all()
+def _read_arrow(response: httpx.Response | bytes) -> pa.Table:
+    body = response if isinstance(response, bytes) else response.content
+    return pa.ipc.open_stream(pa.py_buffer(body)).read_all()
+
+
+def _error_message(body: bytes, fallback: str) -> str:
+    try:
+        return orjson.loads(body).get("error") or fallback
+    except (orjson.JSONDecodeError, AttributeError):
+        return body.decode(errors="replace") or fallback
+
+
+class _KeptAliveConnections:
+    """http.client connections to one server, reused across requests; one per concurrent caller."""
+
+    def __init__(self, base_url: str, timeout_s: float):
+        url = urlsplit(base_url)
+        self.connection_class = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
+        self.host, self.port, self.prefix = url.hostname, url.port, url.path.rstrip("/")
+        self.timeout_s = timeout_s
+        self._idle: list[http.client.HTTPConnection] = []
+        self._lock = threading.Lock()
+
+    def post(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+        """POST and return (status, body); raises OSError / http.client.HTTPException if the exchange fails."""
+        with self._lock:
+            connection = self._idle.pop() if self._idle else None
+        reused = connection is not None
+        if connection is None:
+            connection = self.connection_class(self.host, self.port, timeout=self.timeout_s)
+        try:
+            connection.request("POST", self.prefix + path, body, headers)
+            response = connection.getresponse()
+            data = response.read()
+        except _STALE_CONNECTION:
+            connection.close()
+            if reused:
+                return self.post(path, body, headers)
+            raise
+        except BaseException:
+            connection.close()
+            raise
+        if response.will_close:
+            connection.close()
+        else:
+            with self._lock:
+                self._idle.append(connection)
+        return response.status, data
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for connection in idle:
+            connection.close()
 
 
 def _metadata_json(table: pa.Table, key: str) -> Any:
@@ -119,6 +178,8 @@ class StoreClient:
         self.backoff_s = backoff_s
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=headers)
+        self._lookups = _KeptAliveConnections(self.base_url, timeout_s)
+        self._lookup_headers = {"Content-Type": "application/json", "Accept": ARROW_MEDIA_TYPE, **headers}
 
     def _request(self, method: str, path: str, **kwargs) -> httpx.Response:
         last: Exception | str = ""
@@ -147,10 +208,25 @@ class StoreClient:
 
     def lookup_peer_table(self, req: PeerLookupRequest) -> tuple[pa.Table, list[str]]:
         """Peer groups as an Arrow table of rollout rows (fastest), and the missed prompt ids."""
-        response = self._request("POST", "/v1/peer-groups/lookup", content=req.model_dump_json(exclude_none=True),
-                                 headers={"Content-Type": "application/json", "Accept": ARROW_MEDIA_TYPE})
-        table = _read_arrow(response)
-        return table, _metadata_json(table, "misses") or []
+        body = req.model_dump_json(exclude_none=True).encode()
+        last: Exception | str = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                status, data = self._lookups.post(LOOKUP_PATH, body, self._lookup_headers)
+            except (OSError, http.client.HTTPException) as exc:
+                last = exc
+                continue
+            if status in RETRY_STATUSES:
+                last = f"HTTP {status}"
+                continue
+            if status >= 400:
+                raise StoreError(f"POST {LOOKUP_PATH}: {_error_message(data, f'HTTP {status}')}", status)
+            table = _read_arrow(data)
+            return table, _metadata_json(table, "misses") or []
+        raise StoreUnavailable(f"store at {self.base_url} unreachable after {self.retries + 1} attempts "
+                               f"(POST {LOOKUP_PATH}): {last!r}")
 
     def lookup_peer_groups(self, req: PeerLookupRequest, validate: bool = False) -> PeerLookupResponse:
         """Peer groups as models (built with model_construct unless `validate`)."""
@@ -199,6 +275,7 @@ class StoreClient:
 
     def close(self) -> None:
         self._http.close()
+        self._lookups.close()
 
     def __enter__(self) -> StoreClient:
         return self

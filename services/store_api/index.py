@@ -1,7 +1,8 @@
 """The store's index: DuckDB tables of files, groups, duplicates and problems; ingest, rebuild, compaction.
 
 Only the store process opens `<root>/index.duckdb` (DuckDB takes a file lock). The Parquet files are the
-source of truth: `rebuild()` recreates the index from them alone.
+source of truth: `rebuild()` recreates the index from them alone, and the reader rebuilds any missing or
+damaged lookup file from its shard.
 
 Peer lookups are answered from an in-memory mirror of the groups table (prompt id -> group locations,
 most recent first). A DuckDB point query costs 0.3 ms for `SELECT 1` and 1-15 ms for the filtered, ordered
@@ -39,6 +40,8 @@ from schemas import (
     StatsResponse,
 )
 from services.store_api.shards import (
+    LOOKUP_DIR,
+    LOOKUP_SUFFIX,
     ROW_GROUP_ROWS,
     SMALL_COLUMNS,
     TMP_PREFIX,
@@ -46,6 +49,7 @@ from services.store_api.shards import (
     ShardReader,
     ShardValidationError,
     check_groups,
+    discard,
     group_runs,
     model_dir,
     publish,
@@ -154,8 +158,8 @@ def decode_cursor(cursor: str) -> tuple[int, int]:
     return seq, row
 
 
-def summarise_shard(path: Path, expected_model: str | None) -> tuple[pa.Table, pa.Table]:
-    """One row per group of a rollout shard, and the shard's small columns (read without the bulk ones).
+def summarise_shard(path: Path, expected_model: str | None) -> pa.Table:
+    """One row per group of a rollout shard, from its small columns (the bulk ones are not decoded).
 
     Raises ShardReadError / ShardValidationError if the file is unreadable or not whole groups of one model.
     """
@@ -212,7 +216,7 @@ def summarise_shard(path: Path, expected_model: str | None) -> tuple[pa.Table, p
         "row_start": pa.array(starts),
         "num_rows": pa.array(lengths.astype(np.int32)),
     })
-    return summary, table
+    return summary
 
 
 class StoreIndex:
@@ -222,7 +226,7 @@ class StoreIndex:
         self.settings = settings
         self.root = Path(settings.root)
         self.path = self.root / "index.duckdb"
-        self.reader = ShardReader(self.root, settings.max_open_files, int(settings.small_cache_mb * 2**20))
+        self.reader = ShardReader(self.root, settings.max_open_files)
         self._write_lock = threading.RLock()  # DuckDB writes, file renames into the index, mirror updates
         self._mirror_lock = threading.Lock()
         self._compact_lock = threading.Lock()
@@ -244,6 +248,7 @@ class StoreIndex:
         self._reconcile()
         self._load_mirror()
         self.ingest_new()
+        self.delete_orphan_lookup_files()
         return self
 
     def _connect(self) -> None:
@@ -290,8 +295,10 @@ class StoreIndex:
             exists = (self.root / rel).exists()
             if retired is not None:
                 (self.root / rel).unlink(missing_ok=True)
+                self.reader.forget(rel)
                 con.execute("DELETE FROM files WHERE file_id = ?", [file_id])
             elif not exists:
+                self.reader.forget(rel)
                 n = con.execute("SELECT count(*) FROM groups WHERE file_id = ?", [file_id]).fetchall()[0][0]
                 log.warning("shard %s is in the index but gone from disk: dropping its %d groups", rel, n)
                 con.execute("DELETE FROM groups WHERE file_id = ?", [file_id])
@@ -371,6 +378,29 @@ class StoreIndex:
                         self._remove_stale_tmp(Path(entry.path), stale_before)
         return sorted(found, key=lambda p: p.name)
 
+    def delete_orphan_lookup_files(self) -> int:
+        """Delete lookup files whose shard is neither on disk nor indexed, and temporary ones, once older than
+        tmp_max_age_s: a writer that died between its lookup file and its shard leaves them behind."""
+        base = self.root / LOOKUP_DIR
+        if not base.is_dir():
+            return 0
+        stale_before = time.time() - self.settings.tmp_max_age_s
+        deleted = 0
+        for sub in os.scandir(base):
+            if not sub.is_dir():
+                continue
+            for entry in os.scandir(sub.path):
+                shard = f"rollouts/{sub.name}/{entry.name.removesuffix(LOOKUP_SUFFIX)}.parquet"
+                if not entry.name.startswith(TMP_PREFIX) and (shard in self._known_files or (self.root / shard).exists()):
+                    continue
+                try:
+                    if entry.stat().st_mtime < stale_before:
+                        os.unlink(entry.path)
+                        deleted += 1
+                except FileNotFoundError:
+                    pass
+        return deleted
+
     def _remove_stale_tmp(self, path: Path, stale_before: float) -> None:
         try:
             if path.stat().st_mtime < stale_before:
@@ -401,7 +431,9 @@ class StoreIndex:
             return 0
         expected_model = path.parent.name.removeprefix("model=")
         try:
-            summary, small_columns = summarise_shard(path, expected_model)
+            summary = summarise_shard(path, expected_model)
+            # normally the writer's lookup file, checked against the groups; rebuilt from the shard if not
+            self.reader.check(rel, summary.column("row_start").to_numpy(), summary.column("num_rows").to_numpy())
         except (ShardReadError, ShardValidationError) as exc:
             self.quarantine(rel, str(exc))
             return 0
@@ -443,7 +475,6 @@ class StoreIndex:
             self._next_file_id += 1
             self._next_seq += fresh.num_rows
             self._known_files[rel] = file_id
-            self.reader.remember_small_columns(rel, small_columns)
             self._add_to_mirror(fresh, rel)
             self.last_ingest_us = indexed
         if duplicate_ids:
@@ -606,14 +637,16 @@ class StoreIndex:
             ref = self._by_group.get(group_id)
         return [] if ref is None else [ref]
 
-    def read_selected(self, select):
+    def read_selected(self, select, as_messages: bool = False):
         """Run `select() -> (refs, extra)` and read the refs' rows; on an unreadable shard, quarantine or
-        re-resolve (a compacted-away file) and select again. Returns (table, extra)."""
+        re-resolve (a compacted-away file) and select again. Returns (table, extra), or with `as_messages`
+        (one IPC record batch message per group, extra) for `arrow_stream`."""
+        read = self.reader.messages if as_messages else self.reader.read
         failed: set[str] = set()
         for attempt in range(5):
             refs, extra = select()
             try:
-                return self.reader.read([(r.file, r.row_start, r.num_rows) for r in refs]), extra
+                return read([(r.file, r.row_start, r.num_rows) for r in refs]), extra
             except ShardReadError as exc:
                 if attempt == 4:
                     raise
@@ -785,7 +818,7 @@ class StoreIndex:
             live = self._con.execute(
                 f"SELECT count(*) FROM groups WHERE file_id IN ({placeholders})", file_ids).fetchall()[0][0]
             if live != len(rows):  # a shard of the batch was quarantined meanwhile: try again next time
-                tmp.unlink(missing_ok=True)
+                discard(tmp)
                 return 0
             final = publish(tmp)
             rel = final.relative_to(self.root).as_posix()
@@ -807,13 +840,10 @@ class StoreIndex:
                 con.commit()
             except BaseException:
                 con.rollback()
-                final.unlink(missing_ok=True)
+                discard(final)
                 raise
             self._next_file_id += 1
             self._known_files[rel] = file_id
-            self.reader.remember_small_columns(rel, table)
-            for old_rel in [p for p, i in self._known_files.items() if i in set(file_ids)]:
-                self.reader.forget(old_rel)  # in-flight reads keep their open file; the cache lets go
             with self._mirror_lock:
                 for gid, start in zip(moved_ids, starts.tolist()):
                     old = self._by_group[gid]

@@ -1,22 +1,34 @@
-"""Parquet shards: the vectorised validator, the atomic shard writer, and the cached row reader.
+"""Parquet shards and their lookup files: the vectorised validator, the atomic writer, the group reader.
 
 A shard is `<root>/rollouts/model=<model_id>/part-<utc time>-<host>-<pid>-<uuid>.parquet`, written under
 a `.tmp-` name in the same directory, fsynced, then renamed, so readers only ever see whole files. It holds
-whole groups of one model, in `ROLLOUT_ARROW_SCHEMA`. Row groups hold whole groups and about
-`ROW_GROUP_ROWS` rows: small enough that a point lookup decodes little, large enough that writing stays
-fast (per-row-group overhead dominates below ~64 rows). Only the bulk columns (text, token ids, logprobs)
-are zstd-compressed: decompressing dozens of tiny zstd pages per lookup cost more than the bytes saved.
-"""
+whole groups of one model, in `ROLLOUT_ARROW_SCHEMA`: the source of truth, read by DuckDB and by anyone.
+Row groups hold whole groups and about `ROW_GROUP_ROWS` rows; only the bulk columns (text, token ids,
+logprobs) are zstd-compressed (decompressing many small zstd pages of the small columns cost more than it
+saved).
 
+Point reads do not decode Parquet. Decoding is what a lookup cost: ~0.5 ms of CPU for the 64-row row group
+holding one 8-row group, and row groups of one group made writing 4x slower and footers 8x bigger. So every
+shard has a lookup file, `<root>/lookup/model=<model_id>/<shard name>.arrows`: an Arrow IPC stream with one
+record batch per group (all columns), then a block table (row start, rows, byte offset, length, CRC-32 of
+each group's message) and a trailer. A lookup preads its groups' messages and sends them behind a schema
+message as the response stream: no decoding, no re-encoding (~25 us per group). Lookup files are derived:
+the writer writes one just before publishing the shard (it has the table in memory; the store would have to
+decode the shard), the store rebuilds a missing or damaged one from the shard, and they may be deleted at any
+time. They are not fsynced: a file torn by a crash fails its CRCs and is rebuilt.
+"""
 from __future__ import annotations
 
+import functools
 import os
 import re
 import socket
+import struct
 import threading
 import uuid
+import zlib
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -28,15 +40,22 @@ import pyarrow.parquet as pq
 from schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA, Problem, RolloutGroup, groups_to_table
 from schemas.rollout import ADVANTAGE_EPS, ADVANTAGE_TOLERANCE
 
-ROW_GROUP_ROWS = 64  # target rows per Parquet row group (whole groups only; a bigger group gets its own)
+# target rows per Parquet row group (whole groups only; a bigger group gets its own). Lookups never decode
+# row groups, so they are sized for writing: 1024 rows cost 11 us/rollout to write, 64 rows cost 22 us.
+ROW_GROUP_ROWS = 1024
 BULK_COLUMNS = ("completion_text", "completion_token_ids", "token_logprobs")
 SMALL_COLUMNS = [f.name for f in ROLLOUT_ARROW_SCHEMA if f.name not in BULK_COLUMNS]
-# (0, i): column i of the small columns; (1, j): column j of the bulk columns, in ROLLOUT_ARROW_SCHEMA order
-_COLUMN_SOURCES = [(0, SMALL_COLUMNS.index(f.name)) if f.name in SMALL_COLUMNS else (1, BULK_COLUMNS.index(f.name))
-                   for f in ROLLOUT_ARROW_SCHEMA]
 STATISTICS_COLUMNS = ["prompt_id", "policy_step"]  # min/max per row group: prunes scans of prompt-sorted files
 TMP_PREFIX = ".tmp-"
 SHARD_PATTERN = "part-*.parquet"
+LOOKUP_DIR = "lookup"
+LOOKUP_SUFFIX = ".arrows"
+LOOKUP_MAGIC = b"GRAFTLK1"
+LOOKUP_VERSION = 1
+_LOOKUP_TRAILER = struct.Struct("<qII8s")  # groups, CRC-32 of the block table, format version, magic
+_BLOCK_FIELDS = 5  # block table columns (int64): row start, rows, message offset, message length, CRC-32
+SCHEMA_MESSAGE = ROLLOUT_ARROW_SCHEMA.serialize().to_pybytes()  # an IPC stream's first message
+END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # an IPC stream's last 8 bytes
 SAFE_NAME = re.compile(r"^[A-Za-z0-9._\-]+$")  # model ids and dataset names become directory names
 GROUP_SHARED_FIELDS = (
     "group_id", "prompt_id", "dataset", "model_id", "model_revision", "tokenizer_id", "policy_step", "group_size",
@@ -286,10 +305,10 @@ def row_group_plan(lengths: np.ndarray, target_rows: int) -> list[int]:
     return plan
 
 
-def write_temporary(directory: Path, write) -> Path:
+def write_temporary(directory: Path, write, name: str | None = None) -> Path:
     """Write through `write(path)` to a `.tmp-` name in `directory` and fsync; readers never pick it up."""
     directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / (TMP_PREFIX + shard_name())
+    tmp = directory / (TMP_PREFIX + (name or shard_name()))
     try:
         write(str(tmp))  # a path, not a Python file object: Arrow's native file is ~3x faster for many small pages
         fd = os.open(tmp, os.O_RDONLY)
@@ -315,15 +334,24 @@ def publish(tmp: Path) -> Path:
     return final
 
 
+def discard(shard: Path) -> None:
+    """Delete a shard (final or temporary name) and its lookup file."""
+    shard.unlink(missing_ok=True)
+    lookup_path(shard.with_name(shard.name.removeprefix(TMP_PREFIX))).unlink(missing_ok=True)
+
+
 def write_rollout_table(
     directory: Path, table: pa.Table, row_group_rows: int = ROW_GROUP_ROWS, publish_now: bool = True
 ) -> Path:
-    """Write an already validated table of whole groups as one shard in `directory`.
+    """Write an already validated table of whole groups as one shard in `directory`, and its lookup file.
 
     Returns the final path, or with `publish_now=False` the temporary one, for `publish` later (compaction
     renames only once it holds the index's write lock).
     """
     starts, lengths = group_runs(table.column("group_id"))
+    name = shard_name()
+    # the lookup file first: a store that sees the shard finds it ready
+    lookup = write_lookup_file(lookup_path(directory / name), _table_groups(table, starts, lengths))
 
     def write(f) -> None:
         with pq.ParquetWriter(
@@ -335,7 +363,11 @@ def write_rollout_table(
                 writer.write_table(table.slice(offset, rows), row_group_size=rows)
                 offset += rows
 
-    tmp = write_temporary(directory, write)
+    try:
+        tmp = write_temporary(directory, write, name)
+    except BaseException:
+        lookup.unlink(missing_ok=True)
+        raise
     return publish(tmp) if publish_now else tmp
 
 
@@ -392,151 +424,214 @@ def write_groups(
 
 
 # ----------------------------------------------------------------------------------------------------------
-# reading
+# lookup files (format in the module docstring)
 
 
-class _OpenShard:
-    def __init__(self, path: Path):
+class LookupFileInvalid(ValueError):
+    """A lookup file that is not whole or not of this format version; it gets rebuilt from its shard."""
+
+
+def lookup_path(shard: Path) -> Path:
+    """<root>/lookup/model=<m>/<name>.arrows for the shard <root>/rollouts/model=<m>/<name>.parquet."""
+    return shard.parent.parent.parent / LOOKUP_DIR / shard.parent.name / (shard.stem + LOOKUP_SUFFIX)
+
+
+@functools.lru_cache(maxsize=256)
+def _schema_message(metadata: tuple[tuple[str, str], ...]) -> bytes:
+    # ~60 us to build (28 fields with descriptions): most responses repeat one, e.g. misses = []
+    return ROLLOUT_ARROW_SCHEMA.with_metadata({**ROLLOUT_ARROW_SCHEMA.metadata, **dict(metadata)}).serialize().to_pybytes()
+
+
+def arrow_stream(messages: Iterable[bytes], metadata: dict[str, str] | None = None) -> bytes:
+    """An Arrow IPC stream of record batch messages in ROLLOUT_ARROW_SCHEMA, with extra schema metadata."""
+    schema = _schema_message(tuple(metadata.items())) if metadata else SCHEMA_MESSAGE
+    return b"".join([schema, *messages, END_OF_STREAM])
+
+
+def read_stream(stream: bytes) -> pa.Table:
+    """The table of an Arrow IPC stream (zero-copy: its columns point into `stream`)."""
+    return pa.ipc.open_stream(pa.py_buffer(stream)).read_all()
+
+
+def _as_batch(table: pa.Table) -> pa.RecordBatch:
+    """A non-empty table as one record batch (copies only columns split into several chunks)."""
+    return table.combine_chunks().to_batches()[0]
+
+
+def _table_groups(table: pa.Table, starts: np.ndarray, lengths: np.ndarray) -> Iterator[tuple[int, pa.RecordBatch]]:
+    batch = _as_batch(table)  # slicing a batch costs ~3 us, a table of 28 columns ~13 us
+    for start, length in zip(starts.tolist(), lengths.tolist()):
+        yield start, batch.slice(start, length)
+
+
+def write_lookup_file(path: Path, groups: Iterable[tuple[int, pa.RecordBatch]]) -> Path:
+    """Write (first row in the shard, the group's rows) pairs as the lookup file `path`, via a temporary name."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{TMP_PREFIX}{uuid.uuid4().hex[:8]}-{path.name}")
+    blocks: list[tuple[int, int, int, int, int]] = []
+    try:
+        with open(tmp, "wb") as f:
+            f.write(SCHEMA_MESSAGE)
+            offset = len(SCHEMA_MESSAGE)
+            for row_start, group in groups:
+                message = group.serialize()  # ~30 us for a group of 8: building the message, not copying
+                f.write(message)
+                blocks.append((row_start, group.num_rows, offset, message.size, zlib.crc32(message)))
+                offset += message.size
+            f.write(END_OF_STREAM)
+            table = np.array(blocks, dtype="<i8").reshape(-1, _BLOCK_FIELDS).tobytes()  # (groups, 5)
+            f.write(table)
+            f.write(_LOOKUP_TRAILER.pack(len(blocks), zlib.crc32(table), LOOKUP_VERSION, LOOKUP_MAGIC))
+        os.rename(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _shard_groups(shard: Path, parquet: pq.ParquetFile, starts: np.ndarray,
+                  lengths: np.ndarray) -> Iterator[tuple[int, pa.RecordBatch]]:
+    """The shard's groups one by one, decoding one row group at a time (a group may span row groups)."""
+    pending = ROLLOUT_ARROW_SCHEMA.empty_table()  # rows read and not yet yielded, from file row `pending_start`
+    pending_start = 0
+    g = 0
+    for i in range(parquet.num_row_groups):
         try:
-            self.file = pq.ParquetFile(path, memory_map=False, pre_buffer=False, page_checksum_verification=True)
-        except (OSError, pa.ArrowException) as exc:
-            raise ShardReadError(path, str(exc)) from exc
-        metadata = self.file.metadata
-        counts = [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
-        self.row_group_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)  # (R + 1,)
-        self.lock = threading.Lock()  # one ParquetFile is not safe for concurrent reads
+            chunk = conform_table(parquet.read_row_group(i, use_threads=False))
+        except (OSError, pa.ArrowException, ShardValidationError) as exc:
+            raise ShardReadError(shard, f"row group {i}: {exc}") from exc
+        pending = pa.concat_tables([pending, chunk])
+        end = pending_start + pending.num_rows
+        while g < len(starts) and starts[g] + lengths[g] <= end:
+            yield int(starts[g]), _as_batch(pending.slice(int(starts[g]) - pending_start, int(lengths[g])))
+            g += 1
+        cut = (int(starts[g]) if g < len(starts) else end) - pending_start
+        pending, pending_start = pending.slice(cut), pending_start + cut
+    if g != len(starts):
+        raise ShardReadError(shard, f"{len(starts) - g} groups beyond its row groups")
+
+
+def rebuild_lookup_file(shard: Path) -> Path:
+    """Write a shard's lookup file from the shard; ShardReadError if the shard cannot be read."""
+    try:
+        parquet = pq.ParquetFile(shard, page_checksum_verification=True)
+        starts, lengths = group_runs(parquet.read(columns=["group_id"], use_threads=False).column("group_id"))
+    except (OSError, pa.ArrowException, ShardValidationError) as exc:
+        raise ShardReadError(shard, str(exc)) from exc
+    return write_lookup_file(lookup_path(shard), _shard_groups(shard, parquet, starts, lengths))
+
+
+class _LookupFile:
+    """An open lookup file: its descriptor and its blocks by first row, {row_start: (rows, offset, length, crc)}."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.file = open(path, "rb", buffering=0)  # closed when the last reader lets go of this object
+        try:
+            self.blocks = self._read_block_table()
+        except BaseException:
+            self.file.close()
+            raise
+
+    def _read_block_table(self) -> dict[int, tuple[int, int, int, int]]:
+        fd = self.file.fileno()
+        size = os.fstat(fd).st_size
+        if size < len(SCHEMA_MESSAGE) + len(END_OF_STREAM) + _LOOKUP_TRAILER.size:
+            raise LookupFileInvalid(f"{self.path}: {size} bytes, too short")
+        groups, table_crc, version, magic = _LOOKUP_TRAILER.unpack(os.pread(fd, _LOOKUP_TRAILER.size,
+                                                                            size - _LOOKUP_TRAILER.size))
+        if magic != LOOKUP_MAGIC or version != LOOKUP_VERSION:
+            raise LookupFileInvalid(f"{self.path}: not a version-{LOOKUP_VERSION} lookup file")
+        table_bytes = groups * _BLOCK_FIELDS * 8
+        table_start = size - _LOOKUP_TRAILER.size - table_bytes
+        if groups < 0 or table_start < len(SCHEMA_MESSAGE):
+            raise LookupFileInvalid(f"{self.path}: block table of {groups} groups does not fit")
+        raw = os.pread(fd, table_bytes, table_start)
+        if zlib.crc32(raw) != table_crc:
+            raise LookupFileInvalid(f"{self.path}: block table checksum mismatch")
+        table = np.frombuffer(raw, dtype="<i8").reshape(groups, _BLOCK_FIELDS)
+        if ((table[:, 2] < len(SCHEMA_MESSAGE)) | (table[:, 2] + table[:, 3] > table_start)).any():
+            raise LookupFileInvalid(f"{self.path}: a block lies outside the file")
+        return {row[0]: tuple(row[1:]) for row in table.tolist()}
 
 
 class ShardReader:
-    """Reads row ranges of shards: small columns from a bounded cache, bulk columns from the row groups.
-
-    Decoding a row group costs ~14 us per column chunk before any data, and 25 of the 28 columns are small,
-    so a lookup that decoded whole row groups spent half its time on metadata. The small columns of a file
-    (~230 bytes per rollout) are kept per file in an LRU cache bounded by `small_cache_bytes`; only the 3
-    bulk columns are decoded per lookup. Open files (parsed footers) are kept in an LRU as well.
+    """Reads whole groups of shards from their lookup files (kept open in an LRU), rebuilding any that is
+    missing or damaged from its shard. Thread-safe: reads are preads on descriptors that stay open while used.
     """
 
-    def __init__(self, root: Path, max_open_files: int = 64, small_cache_bytes: int = 512 * 2**20):
+    def __init__(self, root: Path, max_open_files: int = 256):
         self.root = Path(root)
         self.max_open_files = max_open_files
-        self.small_cache_bytes = small_cache_bytes
-        self._open: OrderedDict[str, _OpenShard] = OrderedDict()
-        self._small: OrderedDict[str, pa.Table] = OrderedDict()
-        self._small_bytes = 0
+        self._open: OrderedDict[str, _LookupFile] = OrderedDict()
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="shard-read")
+        self._rebuild_lock = threading.Lock()  # rebuilds are rare: one at a time, never two of the same file
 
-    def _get(self, rel_path: str) -> _OpenShard:
+    def _get(self, rel_path: str) -> _LookupFile:
         with self._lock:
-            shard = self._open.get(rel_path)
-            if shard is not None:
+            lookup = self._open.get(rel_path)
+            if lookup is not None:
                 self._open.move_to_end(rel_path)
-                return shard
-        shard = _OpenShard(self.root / rel_path)
+                return lookup
+        shard = self.root / rel_path
+        try:
+            lookup = _LookupFile(lookup_path(shard))
+        except (FileNotFoundError, LookupFileInvalid):
+            with self._rebuild_lock:
+                try:  # another thread may have rebuilt it meanwhile
+                    lookup = _LookupFile(lookup_path(shard))
+                except (FileNotFoundError, LookupFileInvalid):
+                    if not shard.exists():
+                        raise ShardReadError(shard, "the shard is gone (compacted away or quarantined)") from None
+                    lookup = _LookupFile(rebuild_lookup_file(shard))
         with self._lock:
-            self._open[rel_path] = shard
+            self._open[rel_path] = lookup
             while len(self._open) > self.max_open_files:
                 self._open.popitem(last=False)
-        return shard
+        return lookup
 
-    def remember_small_columns(self, rel_path: str, table: pa.Table) -> None:
-        """Cache a file's small columns (all rows, SMALL_COLUMNS order), e.g. as read at ingest."""
-        table = table.select(SMALL_COLUMNS).combine_chunks()
-        with self._lock:
-            old = self._small.pop(rel_path, None)
-            if old is not None:
-                self._small_bytes -= old.nbytes
-            self._small[rel_path] = table
-            self._small_bytes += table.nbytes
-            while self._small_bytes > self.small_cache_bytes and len(self._small) > 1:
-                _, evicted = self._small.popitem(last=False)
-                self._small_bytes -= evicted.nbytes
+    def check(self, rel_path: str, starts: np.ndarray, lengths: np.ndarray) -> None:
+        """Make sure the shard's lookup file holds exactly these groups (first row, rows), else rebuild it.
 
-    def _small_columns(self, rel_path: str, shard: _OpenShard) -> pa.Table:
-        with self._lock:
-            table = self._small.get(rel_path)
-            if table is not None:
-                self._small.move_to_end(rel_path)
-                return table
-        with shard.lock:
-            table = shard.file.read(columns=SMALL_COLUMNS, use_threads=False)
-        self.remember_small_columns(rel_path, table)
-        return table.combine_chunks()
+        Raises ShardReadError if the shard cannot be read.
+        """
+        expected = dict(zip(starts.tolist(), lengths.tolist()))
+        for attempt in range(2):
+            blocks = self._get(rel_path).blocks
+            if len(blocks) == len(expected) and all(expected.get(s) == b[0] for s, b in blocks.items()):
+                return
+            self.forget(rel_path)  # written for other rows (a writer's bug or a stale file): rebuild from the shard
+        raise ShardReadError(self.root / rel_path, "its rebuilt lookup file does not hold the shard's groups")
 
-    def forget(self, rel_path: str) -> None:
-        with self._lock:
-            self._open.pop(rel_path, None)
-            old = self._small.pop(rel_path, None)
-            if old is not None:
-                self._small_bytes -= old.nbytes
-
-    def cached_bytes(self) -> int:
-        return self._small_bytes
+    def messages(self, locations: list[tuple[str, int, int]]) -> list[bytes]:
+        """The IPC record batch message of each whole group (file, row_start, num_rows), in order."""
+        found = []
+        for rel_path, row_start, num_rows in locations:
+            lookup = self._get(rel_path)
+            block = lookup.blocks.get(row_start)
+            if block is None or block[0] != num_rows:
+                self.forget(rel_path)
+                raise ShardReadError(self.root / rel_path, f"no group of {num_rows} rows at row {row_start} in its "
+                                                           "lookup file")
+            _, offset, length, crc = block
+            try:
+                message = os.pread(lookup.file.fileno(), length, offset)
+            except OSError as exc:
+                self.forget(rel_path)
+                raise ShardReadError(self.root / rel_path, f"reading its lookup file: {exc}") from exc
+            if len(message) != length or zlib.crc32(message) != crc:
+                self.forget(rel_path)
+                raise ShardReadError(self.root / rel_path, f"its lookup file is damaged at row {row_start} "
+                                                           "(checksum): it is rebuilt on the next read")
+            found.append(message)
+        return found
 
     def read(self, locations: list[tuple[str, int, int]]) -> pa.Table:
-        """Rows [row_start, row_start + num_rows) of each (file, row_start, num_rows), concatenated in order."""
-        if not locations:
-            return ROLLOUT_ARROW_SCHEMA.empty_table()
-        by_file: dict[str, list[int]] = {}
-        for i, (rel_path, _, _) in enumerate(locations):
-            by_file.setdefault(rel_path, []).append(i)
-        def read_file(item: tuple[str, list[int]]) -> pa.Table:
-            rel_path, indices = item
-            try:
-                return self._read_file_rows(rel_path, [locations[i] for i in indices])
-            except (OSError, pa.ArrowException) as exc:
-                self.forget(rel_path)
-                if isinstance(exc, ShardReadError):
-                    raise
-                raise ShardReadError(self.root / rel_path, str(exc)) from exc
+        """Rows of whole groups (file, row_start, num_rows), concatenated in order, in ROLLOUT_ARROW_SCHEMA."""
+        return read_stream(arrow_stream(self.messages(locations)))
 
-        items = list(by_file.items())
-        # Parquet decoding releases the GIL: files of a big lookup decode on all cores
-        file_tables = list(self._pool.map(read_file, items)) if len(items) >= 4 else [read_file(i) for i in items]
-        placed: dict[int, int] = {}  # location index -> its first row in the concatenation of file_tables
-        offset = 0
-        for _, indices in items:
-            for i in indices:
-                placed[i] = offset
-                offset += locations[i][2]
-        if len(file_tables) == 1 and len(locations) == 1:
-            return file_tables[0]
-        combined = pa.concat_tables(file_tables)
-        return pa.concat_tables([combined.slice(placed[i], locations[i][2]) for i in range(len(locations))])
-
-    def _read_file_rows(self, rel_path: str, spans: list[tuple[str, int, int]]) -> pa.Table:
-        """The rows of these spans of one file, in span order, in ROLLOUT_ARROW_SCHEMA."""
-        shard = self._get(rel_path)
-        bounds = shard.row_group_starts  # (R + 1,)
-        if len(spans) == 1:  # the common case: one group of this file, zero-copy slices
-            _, row_start, num_rows = spans[0]
-            first = int(np.searchsorted(bounds, row_start, side="right")) - 1
-            last = int(np.searchsorted(bounds, row_start + num_rows - 1, side="right")) - 1
-            if first < 0 or row_start + num_rows > bounds[-1]:
-                raise ShardReadError(self.root / rel_path, f"rows {row_start}+{num_rows} beyond its {bounds[-1]} rows")
-            with shard.lock:
-                bulk = shard.file.read_row_groups(list(range(first, last + 1)), columns=list(BULK_COLUMNS),
-                                                  use_threads=False)
-            small = self._small_columns(rel_path, shard).slice(row_start, num_rows)
-            bulk = bulk.slice(row_start - int(bounds[first]), num_rows)
-            parts = (small, bulk)
-            return pa.Table.from_arrays([parts[part].column(i) for part, i in _COLUMN_SOURCES], schema=ROLLOUT_ARROW_SCHEMA)
-        wanted = []
-        for _, row_start, num_rows in spans:
-            if row_start < 0 or row_start + num_rows > bounds[-1]:
-                raise ShardReadError(self.root / rel_path, f"rows {row_start}+{num_rows} beyond its {bounds[-1]} rows")
-            wanted.append(np.arange(row_start, row_start + num_rows))
-        rows = np.concatenate(wanted)  # (rows wanted,) row numbers in the file
-        row_groups = np.unique(np.searchsorted(bounds, rows, side="right") - 1)
-        with shard.lock:
-            bulk = shard.file.read_row_groups(row_groups.tolist(), columns=list(BULK_COLUMNS), use_threads=False)
-        # position of each wanted row inside `bulk`, which holds just the listed row groups back to back
-        sizes = bounds[row_groups + 1] - bounds[row_groups]
-        first_in_bulk = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-        group_of_row = np.searchsorted(row_groups, np.searchsorted(bounds, rows, side="right") - 1)
-        in_bulk = first_in_bulk[group_of_row] + rows - bounds[row_groups[group_of_row]]
-        small = self._small_columns(rel_path, shard).take(pa.array(rows))
-        bulk = bulk.take(pa.array(in_bulk))
-        parts = (small, bulk)
-        columns = [parts[part].column(i) for part, i in _COLUMN_SOURCES]
-        return pa.Table.from_arrays(columns, schema=ROLLOUT_ARROW_SCHEMA)
+    def forget(self, rel_path: str) -> None:
+        """Close the shard's lookup file and delete it: the next read rebuilds it from the shard."""
+        with self._lock:
+            self._open.pop(rel_path, None)
+        lookup_path(self.root / rel_path).unlink(missing_ok=True)

@@ -13,9 +13,13 @@ from store_factory import make_group, make_problem
 from schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA, Rollout, RolloutGroup, groups_to_table, table_to_groups
 from services.store_api.shards import (
     BULK_COLUMNS,
+    ROW_GROUP_ROWS,
     TMP_PREFIX,
     ShardReader,
+    ShardReadError,
     ShardValidationError,
+    lookup_path,
+    read_stream,
     validate_table,
     write_groups,
 )
@@ -42,17 +46,59 @@ def test_round_trip_through_a_shard(tmp_path):
 
 
 def test_row_groups_hold_whole_groups_and_bulk_columns_are_zstd(tmp_path):
-    groups = [make_group(i, "model-a", size=6) for i in range(40)]  # 6 does not divide the 64-row target
+    # 6 does not divide the row group target
+    groups = [make_group(i, "model-a", size=6, tokens=2) for i in range(ROW_GROUP_ROWS // 6 + 20)]
     path = write_groups(tmp_path, groups)
     metadata = pq.ParquetFile(path).metadata
     assert metadata.num_row_groups > 1
     for i in range(metadata.num_row_groups):
         row_group = metadata.row_group(i)
-        assert row_group.num_rows % 6 == 0 and row_group.num_rows <= 64
+        assert row_group.num_rows % 6 == 0 and row_group.num_rows <= ROW_GROUP_ROWS
         for j in range(row_group.num_columns):
             column = row_group.column(j)
             expected = "ZSTD" if column.path_in_schema.split(".")[0] in BULK_COLUMNS else "UNCOMPRESSED"
             assert column.compression == expected, column.path_in_schema
+
+
+def test_lookup_file_holds_each_group_and_is_rebuilt_when_missing_or_damaged(tmp_path):
+    groups = [make_group(i, "model-a", size=8, tokens=30) for i in range(12)]
+    path = write_groups(tmp_path, groups)
+    lookup = lookup_path(path)
+    assert lookup == tmp_path / "lookup" / "model=model-a" / (path.stem + ".arrows")
+    written = lookup.read_bytes()
+    assert read_stream(written).equals(pq.read_table(path))  # the file is a plain Arrow stream of the shard
+    rel = path.relative_to(tmp_path).as_posix()
+    wanted = [(rel, 8 * 5, 8), (rel, 8 * 11, 8), (rel, 0, 8)]
+
+    lookup.unlink()
+    reader = ShardReader(tmp_path)
+    assert table_to_groups(reader.read(wanted)) == [groups[5], groups[11], groups[0]]  # rebuilt from the shard
+    assert lookup.read_bytes() == written
+
+    damaged = bytearray(written)
+    damaged[len(written) // 2] ^= 0xFF  # inside some group's message
+    lookup.write_bytes(bytes(damaged))
+    reader = ShardReader(tmp_path)
+    with pytest.raises(ShardReadError, match="checksum"):
+        reader.read([(rel, 8 * g, 8) for g in range(12)])
+    assert table_to_groups(reader.read(wanted)) == [groups[5], groups[11], groups[0]]
+    assert lookup.read_bytes() == written
+
+    lookup.write_bytes(written[:-10])  # torn: the trailer is gone
+    assert table_to_groups(ShardReader(tmp_path).read(wanted[:1])) == [groups[5]]
+    with pytest.raises(ShardReadError, match="no group"):
+        ShardReader(tmp_path).read([(rel, 3, 8)])  # not where a group starts
+
+
+def test_lookup_file_of_a_foreign_shard_whose_groups_span_row_groups(tmp_path):
+    groups = [make_group(i, "model-f", size=4) for i in range(9)]
+    shard = tmp_path / "rollouts" / "model=model-f" / "part-foreign.parquet"
+    shard.parent.mkdir(parents=True)
+    pq.write_table(groups_to_table(groups), shard, row_group_size=5)  # no lookup file, groups cut across row groups
+    reader = ShardReader(tmp_path)
+    rel = shard.relative_to(tmp_path).as_posix()
+    assert table_to_groups(reader.read([(rel, 4 * g, 4) for g in (8, 0, 3)])) == [groups[8], groups[0], groups[3]]
+    assert read_stream(lookup_path(shard).read_bytes()).equals(pq.read_table(shard))
 
 
 def test_arrow_path_writes_the_same_rows_as_the_model_path(tmp_path):
