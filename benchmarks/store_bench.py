@@ -4,8 +4,13 @@
 
 Builds a store of N synthetic rollouts (groups of 8, 256 tokens and 1 KB of text each; 4 models, each
 with 2 groups per prompt at 2 policy steps) by writing shards through `write_groups` (the generators'
-path, vectorised validation included) while a real store server indexes them, then measures against it.
-Prints one JSON object; targets at N = 1,000,000 are in the issue and in benchmarks/RESULTS.md.
+path, vectorised validation and the lookup file included) while a real store server indexes them, then
+measures against it. Prints one JSON object; targets at N = 1,000,000 are in the issue and in
+benchmarks/RESULTS.md.
+
+The machine it was written on is a 2-core VM shared with other jobs, so next to each wall-clock figure the
+JSON gives the CPU time per operation (store process and this client process, from psutil / process_time
+around the phase) and the 1-minute load average when each phase started (`load_avg`).
 """
 
 from __future__ import annotations
@@ -177,6 +182,11 @@ def main() -> None:
     rng = random.Random(args.seed)
     result: dict = {"rollouts": n_rollouts, "shards": len(plan), "prompts": prompts, "models": len(MODELS),
                     "cpus": os.cpu_count(), "load_avg_before": os.getloadavg()[0]}
+    load = result["load_avg"] = {}  # 1-minute load average as each phase starts
+
+    def phase(name: str) -> None:
+        load[name] = round(os.getloadavg()[0], 2)
+
     server = StoreServer(root, env={"GRAFT_STORE_COMPACT_INTERVAL_S": "0", "GRAFT_STORE_LOG_LEVEL": "warning"}).start()
     try:
         client = StoreClient(server.url, timeout_s=60)
@@ -187,6 +197,7 @@ def main() -> None:
         writers = [context.Process(target=_writer, args=(str(root), plan[w::args.writers], prompts, args.seed + w,
                                                          args.shard_rollouts, done)) for w in range(args.writers)]
         store_process = psutil.Process(server.pid)
+        phase("ingest")
         store_cpu = cpu_seconds(store_process)
         started = time.perf_counter()
         for w in writers:
@@ -221,10 +232,14 @@ def main() -> None:
         # the wall-clock rate would be on idle cores, since this 2-core machine is shared with other jobs
         result["ingest_cpu_s_per_100k_rollouts"] = {"write": round(writer_cpu / n_rollouts * 1e5, 2),
                                                     "index": round(index_cpu / n_rollouts * 1e5, 2)}
+        # the rate the CPU time allows: all of write + index, on 2 cores kept busy by this job alone
+        result["ingest_rollouts_per_s_cpu_bound_2_cores"] = round(2 * n_rollouts / (writer_cpu + index_cpu))
         result["store_bytes_on_disk"] = sum(p.stat().st_size for p in (root / "rollouts").rglob("*.parquet"))
+        result["lookup_file_bytes_on_disk"] = sum(p.stat().st_size for p in (root / "lookup").rglob("*.arrows"))
 
         # ---- freshness: a shard lands, how long until a lookup returns it
         maker = ShardMaker(GROUP, args.seed + 99)
+        phase("freshness")
         delays = []
         for trial in range(7):
             table = maker.shard("fresh-model", prompts + trial, 1, prompts + 100)
@@ -245,6 +260,7 @@ def main() -> None:
 
         for _ in range(50):
             client.lookup_peer_table(random_request(1))
+        phase("lookup")
         single, returned = [], 0
         cpu_before = cpu_seconds(store_process), time.process_time()
         for _ in tqdm(range(args.lookups), desc="lookup x1"):
@@ -264,6 +280,7 @@ def main() -> None:
             client.lookup_peer_groups(req)
             with_models.append(time.perf_counter() - t)
         result["lookup_as_models_p50_ms"] = round(percentile(with_models, 50) * 1e3, 3)
+        phase("batch64")
         batch, returned = [], 0
         cpu_before = cpu_seconds(store_process), time.process_time()
         for _ in tqdm(range(args.batches), desc="lookup x64"):
@@ -281,6 +298,7 @@ def main() -> None:
         con = duckdb.connect()
         glob = str(root / "rollouts" / "model=*" / "part-*.parquet")
         naive_lookup(con, glob, prompt_hex(0), MODELS[0])
+        phase("naive")
         naive = []
         for _ in tqdm(range(args.naive), desc="naive"):
             prompt, learner = prompt_hex(rng.randrange(prompts)), rng.choice(MODELS)

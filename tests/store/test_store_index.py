@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import threading
 from datetime import datetime, timedelta, timezone
@@ -13,7 +14,7 @@ from store_factory import make_group, problem_text
 
 from schemas import PeerLookupRequest, prompt_id, table_to_groups
 from services.store_api.index import BadCursor, StoreIndex
-from services.store_api.shards import write_groups
+from services.store_api.shards import TMP_PREFIX, lookup_path, write_groups
 
 
 def pid(i: int) -> str:
@@ -123,6 +124,7 @@ def test_corrupt_and_truncated_files_are_quarantined(settings, caplog):
     groups, misses = lookup(index, prompt_ids=[pid(0), pid(1)], learner_model="x")
     assert groups == [] and misses == [pid(0), pid(1)]
     assert index.group_count() == 0 and index.stats().quarantined_files == 4
+    assert not lookup_path(good).exists()
     index.close()
 
 
@@ -199,8 +201,37 @@ def test_compaction_swaps_atomically_while_lookups_run(settings):
     assert len(list((root / "rollouts" / "model=peer").glob("part-*.parquet"))) == report["files_written"]
     groups, _ = lookup(index, prompt_ids=pids, learner_model="learner", groups_per_prompt=16)
     assert sorted(g.group_id for g in groups) == sorted(set().union(*expected.values()))
+    live = sorted((root / "rollouts").rglob("part-*.parquet"))
+    assert sorted((root / "lookup").rglob("*.arrows")) == sorted(lookup_path(p) for p in live)  # old ones deleted
     before = index_rows(index)
     assert index.rebuild() == 80 and index_rows(index) == before
+    index.close()
+
+
+def test_lookup_files_are_rebuilt_when_missing_and_orphans_swept(settings):
+    root = settings.root
+    shards = [write_groups(root, [make_group(i, model, step=1) for i in range(6)]) for model in ("model-a", "model-b")]
+    index = StoreIndex(settings).open()
+    want = lookup(index, prompt_ids=[pid(i) for i in range(6)], learner_model="model-a")
+    index.close()
+
+    shutil.rmtree(root / "lookup")  # e.g. a store written before lookup files existed
+    index = StoreIndex(settings).open()
+    index.open_lookup_files()
+    assert all(lookup_path(shard).is_file() for shard in shards)
+    assert lookup(index, prompt_ids=[pid(i) for i in range(6)], learner_model="model-a") == want
+
+    # a writer that died between its lookup file and its shard leaves them behind; young ones may be in flight
+    model_b = root / "lookup" / "model=model-b"
+    orphan = model_b / "part-died.arrows"
+    stale_tmp = model_b / f"{TMP_PREFIX}1234-part-died.arrows"
+    young = model_b / "part-in-flight.arrows"
+    for path in (orphan, stale_tmp, young):
+        shutil.copy(lookup_path(shards[1]), path)
+    for path in (orphan, stale_tmp, lookup_path(shards[1])):
+        os.utime(path, (1, 1))
+    assert index.delete_orphan_lookup_files() == 2
+    assert not orphan.exists() and not stale_tmp.exists() and young.exists() and lookup_path(shards[1]).exists()
     index.close()
 
 
