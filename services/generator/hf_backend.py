@@ -130,13 +130,12 @@ class HFBackend:
             pad_token_id=self.pad_token_id,
             return_dict_in_generate=True,
             output_logits=True,
-            # Explicit neutral values: transformers fills unset ones from global defaults (top_k=50).
-            top_k=params.effective_top_k or 0,
-            top_p=params.top_p if not params.greedy else 1.0,
             repetition_penalty=1.0,
-            typical_p=1.0,
             min_new_tokens=0,
-            **({} if params.greedy else {"temperature": params.temperature}),
+            # Explicit values: transformers fills unset ones from global defaults (top_k=50 among them).
+            **({} if params.greedy else {
+                "temperature": params.temperature, "top_k": params.effective_top_k or 0, "top_p": params.top_p, "typical_p": 1.0,
+            }),
         )
         out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
         completions = out.sequences[:, width:]  # (B, L): pad after a row's EOS
