@@ -16,13 +16,14 @@ import orjson
 
 from demo.config import DemoConfig
 
-MODE_ORDER = ["grpo", "graft", "graft_cotrain", "graft_no_peer_neg", "graft_no_seq_weight"]
+MODE_ORDER = ["grpo", "graft", "graft_cotrain", "graft_no_peer_neg", "graft_no_seq_weight", "graft_no_token_is"]
 MODE_LABEL = {
     "grpo": "GRPO",
     "graft": "GRAFT offline (spec defaults)",
     "graft_cotrain": "GRAFT co-training",
     "graft_no_peer_neg": "GRAFT, peer negatives x0",
     "graft_no_seq_weight": "GRAFT, no sequence weight (w = 1)",
+    "graft_no_token_is": "GRAFT, no token-level IS (b = 1)",
 }
 STRONG_TOLERANCE = 0.02  # "without losing the strong family": GRAFT's strong accuracy at most 2 points under GRPO's
 
@@ -180,6 +181,7 @@ def markdown(summary: dict, cfg: DemoConfig) -> str:
     weak, strong = summary["weak_family"], summary["strong_family"]
     per_mode = summary["per_mode"]
     start = summary["start"]
+    modes = MODE_ORDER + sorted(set(per_mode) - set(MODE_ORDER))
     lines = [
         f"# GRAFT CPU demo ({cfg.mode})",
         "",
@@ -193,12 +195,12 @@ def markdown(summary: dict, cfg: DemoConfig) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
         f"| start (SFT learner) | - | {_pct(start['acc_greedy'][weak])} | {_pct(start['acc_greedy'][strong])} | {_pct(start['acc_sampled'][weak])} | - | - | - | - | - |",
     ]
-    for mode in MODE_ORDER:
+    for mode in modes:
         if mode not in per_mode:
             continue
         m = per_mode[mode]
         lines.append(
-            f"| {MODE_LABEL[mode]} | {len(m['seeds'])} | {_pct(m['weak_mean'], m['weak_std'])} | {_pct(m['strong_mean'], m['strong_std'])} | "
+            f"| {MODE_LABEL.get(mode, mode)} | {len(m['seeds'])} | {_pct(m['weak_mean'], m['weak_std'])} | {_pct(m['strong_mean'], m['strong_std'])} | "
             f"{_pct(m['weak_sampled_mean'], m['weak_sampled_std'])} | {_num(m['frac_all_fail_mean'])} | {_num(m['peer_hit_rate_mean'])} | "
             f"{_num(m['frac_grafted_mean'])} | {m['rollouts_generated_mean']:.0f} | {m['peer_rollouts_consumed_mean']:.0f} |"
         )
@@ -244,18 +246,18 @@ def markdown(summary: dict, cfg: DemoConfig) -> str:
         "| run | compat weight w (mean) | log rho per byte (median) | all-fail frac | grafted frac | peer rollouts consumed |",
         "|---|---|---|---|---|---|",
     ]
-    for mode in MODE_ORDER:
+    for mode in modes:
         if mode in per_mode and mode != "grpo":
             m = per_mode[mode]
-            lines.append(f"| {MODE_LABEL[mode]} | {_num(m['compat_weight_mean'])} | {_num(m['log_rho_p50_mean'])} | "
+            lines.append(f"| {MODE_LABEL.get(mode, mode)} | {_num(m['compat_weight_mean'])} | {_num(m['log_rho_p50_mean'])} | "
                          f"{_num(m['frac_all_fail_mean'])} | {_num(m['frac_grafted_mean'])} | {m['peer_rollouts_consumed_mean']:.0f} |")
-    for mode in MODE_ORDER:
+    for mode in modes:
         if mode in per_mode and mode != "graft":
             d, s, n = paired_difference(summary["runs"], mode, "grpo" if mode != "grpo" else "graft", weak)
             if mode == "grpo":
                 continue
             lines.append("")
-            lines.append(f"- {MODE_LABEL[mode]} minus GRPO on `{weak}`: {_pct(d)} ± {_pct(s)} points over {n} paired seeds.")
+            lines.append(f"- {MODE_LABEL.get(mode, mode)} minus GRPO on `{weak}`: {_pct(d)} ± {_pct(s)} points over {n} paired seeds.")
     cotrain = [r for r in summary["runs"] if "cotrain_peer" in r]
     if cotrain:
         lines += ["", "Co-training, the peer's side (it trains too, taking the learner's groups for its all-fail prompts):", "",
@@ -288,7 +290,8 @@ def _plots(records: list[dict], report_dir: Path, weak: str, strong: str, models
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {mode: plt.get_cmap("tab10")(i) for i, mode in enumerate(MODE_ORDER)}
+    modes = MODE_ORDER + sorted({r["mode"] for r in records} - set(MODE_ORDER))
+    colors = {mode: plt.get_cmap("tab10")(i % 10) for i, mode in enumerate(modes)}
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, family in zip(axes, (weak, strong)):
         seen = set()
@@ -297,7 +300,7 @@ def _plots(records: list[dict], report_dir: Path, weak: str, strong: str, models
             acc = [100 * e[family] for e in r["acc_by_step"]]
             if steps and steps[0] != 0:  # step 0 is the warm-started learner, the same for every run
                 steps, acc = [0] + steps, [100 * models["learner"]["acc_greedy"][family]] + acc
-            label = MODE_LABEL[r["mode"]] if r["mode"] not in seen else None
+            label = MODE_LABEL.get(r["mode"], r["mode"]) if r["mode"] not in seen else None
             seen.add(r["mode"])
             ax.plot(steps, acc, color=colors[r["mode"]], alpha=0.8, marker="o", markersize=3, label=label)
         ax.set_title(f"held-out greedy accuracy, {family} ({'weak' if family == weak else 'strong'} family)")
@@ -315,7 +318,7 @@ def _plots(records: list[dict], report_dir: Path, weak: str, strong: str, models
         values = r["frac_all_fail_by_step"]
         window = 5
         smooth = [sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1]) for i in range(len(values))]
-        label = MODE_LABEL[r["mode"]] if r["mode"] not in seen else None
+        label = MODE_LABEL.get(r["mode"], r["mode"]) if r["mode"] not in seen else None
         seen.add(r["mode"])
         ax.plot(range(1, len(smooth) + 1), smooth, color=colors[r["mode"]], alpha=0.8, label=label)
     ax.set_title("fraction of the learner's groups that are all-fail (5-step mean)")

@@ -232,8 +232,8 @@ class LookupFastPath:
         except ValidationError:
             return await self.app(scope, replaying(body, receive), send)
         stream = await self.answer(req)
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", ARROW_MEDIA_TYPE.encode()), (b"content-length", b"%d" % len(stream))]})
+        headers = [(b"content-type", ARROW_MEDIA_TYPE.encode()), (b"content-length", b"%d" % len(stream))]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": stream})
 
 

@@ -391,7 +391,8 @@ class StoreIndex:
                 continue
             for entry in os.scandir(sub.path):
                 shard = f"rollouts/{sub.name}/{entry.name.removesuffix(LOOKUP_SUFFIX)}.parquet"
-                if not entry.name.startswith(TMP_PREFIX) and (shard in self._known_files or (self.root / shard).exists()):
+                in_use = shard in self._known_files or (self.root / shard).exists()
+                if in_use and not entry.name.startswith(TMP_PREFIX):
                     continue
                 try:
                     if entry.stat().st_mtime < stale_before:

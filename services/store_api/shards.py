@@ -17,6 +17,7 @@ the writer writes one just before publishing the shard (it has the table in memo
 decode the shard), the store rebuilds a missing or damaged one from the shard, and they may be deleted at any
 time. They are not fsynced: a file torn by a crash fails its CRCs and is rebuilt.
 """
+
 from __future__ import annotations
 
 import functools
@@ -439,7 +440,8 @@ def lookup_path(shard: Path) -> Path:
 @functools.lru_cache(maxsize=256)
 def _schema_message(metadata: tuple[tuple[str, str], ...]) -> bytes:
     # ~60 us to build (28 fields with descriptions): most responses repeat one, e.g. misses = []
-    return ROLLOUT_ARROW_SCHEMA.with_metadata({**ROLLOUT_ARROW_SCHEMA.metadata, **dict(metadata)}).serialize().to_pybytes()
+    schema = ROLLOUT_ARROW_SCHEMA.with_metadata({**ROLLOUT_ARROW_SCHEMA.metadata, **dict(metadata)})
+    return schema.serialize().to_pybytes()
 
 
 def arrow_stream(messages: Iterable[bytes], metadata: dict[str, str] | None = None) -> bytes:
