@@ -256,8 +256,11 @@ def markdown(summary: dict, cfg: DemoConfig) -> str:
             d, s, n = paired_difference(summary["runs"], mode, "grpo" if mode != "grpo" else "graft", weak)
             if mode == "grpo":
                 continue
-            lines.append("")
-            lines.append(f"- {MODE_LABEL.get(mode, mode)} minus GRPO on `{weak}`: {_pct(d)} ± {_pct(s)} points over {n} paired seeds.")
+            line = f"- {MODE_LABEL.get(mode, mode)} minus GRPO on `{weak}`: {_pct(d)} ± {_pct(s)} points over {n} paired seeds"
+            if mode.startswith("graft_no_"):
+                d2, s2, n2 = paired_difference(summary["runs"], mode, "graft", weak)
+                line += f"; minus GRAFT with the spec's defaults: {_pct(d2)} ± {_pct(s2)} points over {n2} paired seeds"
+            lines += ["", line + "."]
     cotrain = [r for r in summary["runs"] if "cotrain_peer" in r]
     if cotrain:
         lines += ["", "Co-training, the peer's side (it trains too, taking the learner's groups for its all-fail prompts):", "",

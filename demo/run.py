@@ -306,10 +306,11 @@ def _generator_job(cfg: DemoConfig, data: dict[str, Path], models: dict[str, dic
 def print_serve_instructions(store_root: Path, runs: list[dict], data: dict[str, Path]) -> None:
     first = orjson.loads(data["rl"].read_bytes().splitlines()[0])
     rel = os.path.relpath(store_root, Path.cwd())
-    graft_store = shutil.which("graft-store") or f"{sys.executable} -m services.store_api.cli"
+    script = Path(sys.executable).parent / "graft-store"
+    graft_store = os.path.relpath(script) if script.exists() else (shutil.which("graft-store") or f"{sys.executable} -m services.store_api.cli")
     print(f"""
 The demo's store is kept in {rel}. Serve it again with
-  {os.path.relpath(graft_store) if os.path.isabs(graft_store) and graft_store.startswith(str(REPO_ROOT)) else graft_store} serve --root {rel} --port 8600
+  {graft_store} serve --root {rel} --port 8600
 and query it, e.g.
   curl -s http://127.0.0.1:8600/v1/health
   curl -s http://127.0.0.1:8600/v1/stats
