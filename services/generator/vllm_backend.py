@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from services.generator.models import default_model_id, eos_token_ids, resolve_model_dir, tokenizer_fingerprint
+from services.generator.models import default_model_id, resolve_model_dir, tokenizer_fingerprint
 from services.generator.sampling import Sample, SamplingParams
 
 CPU_KV_CACHE_BYTES = 2 << 30  # on CPU the KV cache is ordinary RAM: reserve a fixed amount, not a fraction

