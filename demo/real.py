@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=160, help="learner's max response tokens (rollouts and evaluation)")
     parser.add_argument("--heldout", type=int, default=8, help="held-out problems per benchmark")
-    parser.add_argument("--peer-steps", type=int, default=120, help="SFT steps of the peer's warm start")
+    parser.add_argument("--peer-steps", type=int, default=60, help="SFT steps of the peer's warm start")
     parser.add_argument("--out-dir", type=Path, default=Path("demo_out/real"))
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
