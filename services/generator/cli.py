@@ -52,18 +52,24 @@ def generate(
     max_batches: Optional[int] = typer.Option(None, help=_help("max_batches")),
     idle_sleep_s: Optional[float] = typer.Option(None, help=_help("idle_sleep_s")),
     progress: Optional[bool] = typer.Option(None, "--progress/--no-progress", help=_help("progress")),
+    dry_run: bool = typer.Option(False, "--dry-run", help="validate the configuration, print it as YAML and exit"),
 ) -> None:
     """Sample groups for every prompt of a dataset, score them with math-verify, and store them.
 
     A restarted run skips the groups already stored for this model and revision. SIGTERM stops
     it cleanly after the current batch is stored.
     """
-    overrides = {k: v for k, v in locals().items() if k != "config"}
+    overrides = {k: v for k, v in locals().items() if k not in ("config", "dry_run")}
     try:
         cfg = load_config(GeneratorConfig, config, overrides)
     except (ValueError, FileNotFoundError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
+    if dry_run:
+        import yaml
+
+        typer.echo(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        return
 
     from services.generator.generate import run_generator
 
