@@ -217,7 +217,9 @@ def rl_jobs(cfg: DemoConfig, data: dict[str, Path], models: dict[str, dict], sto
         return apply_overrides(train, overrides)
 
     def add_run(name: str, mode: str, seed: int, trains: list[dict], deps: list[str]) -> None:
-        key = config_hash(trains, models["learner"]["checkpoint_hash"], models["peer"]["checkpoint_hash"], eval_sets)
+        # The store's URL (a fresh port each time) is no part of what a run computes: leave it out of the cache key.
+        portable = [{**train, "store": {**train["store"], "url": None}} for train in trains]
+        key = config_hash(portable, models["learner"]["checkpoint_hash"], models["peer"]["checkpoint_hash"], eval_sets)
         job_dir = out / "runs" / f"{name}-{key}"
         commands, logs, done = [], [], []
         for index, train in enumerate(trains):
