@@ -23,6 +23,7 @@ import importlib.util
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -132,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer-steps", type=int, default=60, help="SFT steps of the peer's warm start")
     parser.add_argument("--out-dir", type=Path, default=Path("demo_out/real"))
     args = parser.parse_args(argv)
+    # SIGTERM must unwind through the store server's context so that the server stops too.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     started = time.perf_counter()
@@ -211,6 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     print(f"\nwall time {summary['wall_s']:.0f} s; details in {out / 'summary.json'}", flush=True)
     return 0
+
+
+def _exit_on_signal(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _fmt(value) -> str:
