@@ -45,12 +45,13 @@ def normalised(gold: str) -> str:
 def truly_equivalent(a: str, b: str) -> bool:
     """Same number, same normalised expression, or the same items of an unbracketed list in another
     order (OlympiadBench's multiple answers, `2,3,4`, are unordered; a bracketed `(3,-1)` is a tuple)."""
-    va, vb = numeric_value(normalised(a)), numeric_value(normalised(b))
+    na, nb = normalised(a), normalised(b)
+    # A comma is a list separator unless it groups thousands (`1,000`), where the numbers compare below.
+    if na[:1] not in "([{" and "," in na and not re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", na):
+        return sorted(na.split(",")) == sorted(nb.split(","))
+    va, vb = numeric_value(na), numeric_value(nb)
     if va is not None and vb is not None:
         return abs(va - vb) <= 1e-9 * max(abs(va), abs(vb))
-    na, nb = normalised(a), normalised(b)
-    if na[:1] not in "([{" and "," in na:
-        return sorted(na.split(",")) == sorted(nb.split(","))
     return na == nb
 
 
