@@ -4,7 +4,7 @@ dequantised to float32) samples groups for GSM8K and MATH-500 prompts into a sto
 Measured here (2-core VM, see benchmarks/RESULTS.md): this model almost never writes its answer in
 \\boxed{}, so correct answers are rare (0 of 32 greedy and 0 of 32 sampled on the 8-32 shortest GSM8K
 problems within 192-256 tokens); the test therefore checks the path and the numbers, and prints the
-success counts instead of requiring a correct answer.
+success counts instead of requiring a correct answer. About 30 s on two idle cores.
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ def test_smollm2_generates_groups_into_a_store(tmp_path):
     store = tmp_path / "store"
     common = dict(model=str(GGUF), model_id="SmolLM2-135M-Instruct", backend="hf", store=str(store), score_workers=1,
                   progress=False, seed=0, temperature=1.0)
-    gsm8k_stats = run_generator(GeneratorConfig(dataset=str(gsm8k_file), group_size=4, max_tokens=128, **common))
-    math_stats = run_generator(GeneratorConfig(dataset="math500", dataset_limit=2, group_size=2, max_tokens=64, **common))
+    gsm8k_stats = run_generator(GeneratorConfig(dataset=str(gsm8k_file), group_size=4, max_tokens=64, **common))
+    math_stats = run_generator(GeneratorConfig(dataset="math500", dataset_limit=2, group_size=2, max_tokens=32, **common))
     print(f"SmolLM2 GSM8K: {gsm8k_stats.correct}/{gsm8k_stats.rollouts} correct, {gsm8k_stats.completion_tokens} tokens "
           f"in {gsm8k_stats.sampling_s:.1f} s; MATH-500: {math_stats.correct}/{math_stats.rollouts} correct")
     assert gsm8k_stats.groups == 4 and math_stats.groups == 2
