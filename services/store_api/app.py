@@ -42,11 +42,10 @@ from schemas import (
     RolloutGroup,
     RolloutPage,
     StatsResponse,
-    groups_to_table,
 )
 from services.store_api.index import BadCursor, StoreIndex
 from services.store_api.settings import StoreSettings
-from services.store_api.shards import ShardValidationError, arrow_stream, read_stream, validate_table
+from services.store_api.shards import ShardValidationError, arrow_stream, groups_table, read_stream, validate_table
 
 log = logging.getLogger("graft.store")
 
@@ -554,7 +553,7 @@ def parse_json_push(body: bytes) -> tuple[pa.Table, list[Problem]]:
         request = PushGroupsRequest.model_validate(payload)
     except ValidationError as exc:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]) from exc
-    return validate_table(groups_to_table(request.groups)), list(request.problems)
+    return validate_table(groups_table(request.groups)), list(request.problems)
 
 
 def parse_arrow_push(body: bytes) -> tuple[pa.Table, list[Problem]]:

@@ -30,9 +30,9 @@ from schemas import (
     PushGroupsResponse,
     RolloutGroup,
     StatsResponse,
-    groups_to_table,
     table_to_groups,
 )
+from services.store_api.shards import groups_table
 
 ARROW_MEDIA_TYPE = "application/vnd.apache.arrow.stream"
 RETRY_STATUSES = {502, 503, 504}
@@ -125,7 +125,7 @@ def _metadata_json(table: pa.Table, key: str) -> Any:
 
 def _push_bodies(groups: list[RolloutGroup] | pa.Table, problems: list[Problem] | None) -> list[bytes]:
     """Arrow IPC bodies of at most MAX_PUSH_GROUPS groups of one model each; problems ride with the first."""
-    table = groups if isinstance(groups, pa.Table) else groups_to_table(list(groups))
+    table = groups if isinstance(groups, pa.Table) else groups_table(groups)
     bodies = []
     problems_json = orjson.dumps([p.model_dump() for p in problems or []])
     for model in pc.unique(table.column("model_id")).to_pylist():

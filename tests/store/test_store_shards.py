@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from datetime import datetime
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -11,6 +12,7 @@ from pydantic import ValidationError
 from store_factory import make_group, make_problem
 
 from schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA, Rollout, RolloutGroup, groups_to_table, table_to_groups
+from services.store_api import shards
 from services.store_api.shards import (
     BULK_COLUMNS,
     ROW_GROUP_ROWS,
@@ -18,6 +20,7 @@ from services.store_api.shards import (
     ShardReader,
     ShardReadError,
     ShardValidationError,
+    groups_table,
     lookup_path,
     read_stream,
     validate_table,
@@ -107,6 +110,48 @@ def test_arrow_path_writes_the_same_rows_as_the_model_path(tmp_path):
     from_arrow = pq.read_table(write_groups(tmp_path / "b", groups_to_table(groups)))
     assert from_models.equals(from_arrow)
     assert from_arrow.schema.equals(ROLLOUT_ARROW_SCHEMA, check_metadata=False)
+
+
+def test_groups_table_builds_what_the_schemas_builder_builds(tmp_path):
+    plain = make_group(1, "model-a", size=8, tokens=40)
+    odd = [Rollout(**{**r.model_dump(), "top_k": 40, "extracted_answer": None})
+           for r in make_group(2, "model-a", rewards=[1.0, None, 0.0], tokens=0).rollouts]
+    naive_time = make_group(3, "model-a", created_at=datetime(2024, 5, 1, 12, 0, 0))  # pydantic makes it UTC
+    groups = [plain, RolloutGroup(rollouts=odd), naive_time]
+    assert groups_table(groups).equals(groups_to_table(groups), check_metadata=True)
+    assert groups_table([]).num_rows == 0
+
+    too_big = [Rollout(**{**r.model_dump(), "completion_token_ids": [2**40] * r.num_tokens}) for r in plain.rollouts]
+    with pytest.raises(ShardValidationError,
+                       match=r"completion_token_ids does not fit list<item: int32>.*out of bounds"):
+        write_groups(tmp_path, [RolloutGroup(rollouts=too_big)])
+    assert not list(tmp_path.rglob("*.parquet"))
+
+
+def test_lookup_file_is_the_same_however_it_is_chunked(tmp_path, monkeypatch):
+    groups = [make_group(i, "model-a", size=8, tokens=30) for i in range(7)]
+    path = write_groups(tmp_path, groups)
+    written = lookup_path(path).read_bytes()
+    rel = path.relative_to(tmp_path).as_posix()
+    for chunk_bytes in (1, 20_000):  # every group its own chunk; a few groups per chunk
+        monkeypatch.setattr(shards, "LOOKUP_CHUNK_BYTES", chunk_bytes)
+        lookup_path(path).unlink()
+        reader = ShardReader(tmp_path)
+        assert table_to_groups(reader.read([(rel, 8 * g, 8) for g in (6, 0, 3)])) == [groups[6], groups[0], groups[3]]
+        assert lookup_path(path).read_bytes() == written
+
+
+def test_validator_names_the_row_where_a_shared_field_changes_or_a_group_field_is_bad():
+    rows = _rows(make_group(6)) + _rows(make_group(7))
+    rows[6]["dataset"] = "other"
+    with pytest.raises(ShardValidationError,
+                       match=rf"row 6 \(group {rows[6]['group_id']}\): dataset = 'other' but the group's first rollout "
+                             "has 'toy-math'"):
+        validate_table(pa.Table.from_pylist(rows, schema=ROLLOUT_ARROW_SCHEMA))
+    rows = _rows(make_group(6)) + [{**r, "prompt_id": "0123456789ABCDEF"} for r in _rows(make_group(7))]
+    with pytest.raises(ShardValidationError,
+                       match=rf"row 4 \(group {rows[4]['group_id']}.*prompt_id must be 16 lowercase"):
+        validate_table(pa.Table.from_pylist(rows, schema=ROLLOUT_ARROW_SCHEMA))
 
 
 def test_one_model_per_shard_and_no_empty_writes(tmp_path):
