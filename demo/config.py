@@ -62,6 +62,11 @@ class RLConfig(_Section):
         },
         description="ablation name -> trainer overrides on top of offline GRAFT with the spec's defaults",
     )
+    imitation_examples_per_step: int = Field(
+        default=24, ge=0,
+        description="the ceiling run: supervised training on this many of the peer's correct weak-family answers per update, "
+                    "with the RL runs' lr, updates and anchor (about what GRAFT grafts per step, at full weight; 0: no such run)",
+    )
 
 
 class DemoConfig(_Section):
@@ -100,7 +105,7 @@ def quick(cfg: DemoConfig) -> DemoConfig:
     data["peer"]["sft"].update(steps=40, stop_at=None, batch_size=32)
     data["peer_groups"].update(prompts_per_batch=8)
     data["rl"].update(steps=3, prompts_per_step=4, eval_every=2, seeds=[0], ablation_seeds=[0], anchor_prompts_per_step=2,
-                      cotrain_wait_s=0.5)
+                      cotrain_wait_s=0.5, imitation_examples_per_step=4)
     return DemoConfig.model_validate(data)
 
 

@@ -61,6 +61,8 @@ def run_record(run: dict, families: list[str]) -> dict[str, Any]:
         "rollouts_generated": int(sum(m["rollouts_generated"] for m in metrics)),
         "peer_rollouts_consumed": int(sum(m["peer_rollouts_consumed"] for m in metrics)),
         "compat_weight_mean": _finite_mean([m["compat_weight_mean"] for m in metrics]),
+        "behaviour_ratio_p50_mean": _finite_mean([m.get("behaviour_ratio_p50") for m in metrics]),
+        "behaviour_ratio_hardest_p50_mean": _finite_mean([m.get("behaviour_ratio_hardest_p50") for m in metrics]),
         "log_rho_p50_mean": _finite_mean([m["log_rho_p50"] for m in metrics]),
         "frac_dropped_retokenize_mean": _finite_mean([m["frac_dropped_retokenize"] for m in metrics]),
         "store_wait_s_total": float(sum(m.get("store_wait_s", 0.0) for m in metrics)),
@@ -107,6 +109,8 @@ def aggregate(records: list[dict], weak: str, strong: str) -> dict[str, dict]:
             "peer_hit_rate_mean": _finite_mean([r["peer_hit_rate_mean"] for r in rs]),
             "frac_grafted_mean": _finite_mean([r["frac_grafted_mean"] for r in rs]),
             "compat_weight_mean": _finite_mean([r["compat_weight_mean"] for r in rs]),
+            "behaviour_ratio_p50_mean": _finite_mean([r["behaviour_ratio_p50_mean"] for r in rs]),
+            "behaviour_ratio_hardest_p50_mean": _finite_mean([r["behaviour_ratio_hardest_p50_mean"] for r in rs]),
             "log_rho_p50_mean": _finite_mean([r["log_rho_p50_mean"] for r in rs]),
             "rollouts_generated_mean": statistics.fmean(r["rollouts_generated"] for r in rs),
             "peer_rollouts_consumed_mean": statistics.fmean(r["peer_rollouts_consumed"] for r in rs),
@@ -127,7 +131,8 @@ def write_report(cfg: DemoConfig, models: dict, runs: list[dict], data: dict, st
                  wall_time_s: float, server_stopped: bool, store_root: Path) -> dict:
     weak, strong = cfg.task.weak_family, cfg.task.strong_family
     families = list(cfg.task.n_eval)
-    records = [run_record(r, families) for r in runs]
+    records = [run_record(r, families) for r in runs if r["mode"] != "peer_imitation"]
+    imitation = [{"seed": r["seed"], **json.loads((Path(r["dir"]) / "done.json").read_text())} for r in runs if r["mode"] == "peer_imitation"]
     per_mode = aggregate(records, weak, strong)
     diff, diff_std, n_pairs = paired_difference(records, "graft", "grpo", weak)
     strong_diff, _, _ = paired_difference(records, "graft", "grpo", strong)
@@ -148,6 +153,7 @@ def write_report(cfg: DemoConfig, models: dict, runs: list[dict], data: dict, st
         "seed_spread_weak_family": spread,
         "target": target,
         "per_mode": per_mode,
+        "peer_imitation": imitation,
         "start": {"acc_greedy": models["learner"]["acc_greedy"], "acc_sampled": models["learner"]["acc_sampled"]},
         "models": {role: {k: v for k, v in info.items() if k != "checkpoint"} for role, info in models.items()},
         "peer_groups": json.loads(peer_groups_done.read_text()) if peer_groups_done.exists() else None,
@@ -243,14 +249,25 @@ def markdown(summary: dict, cfg: DemoConfig) -> str:
         "",
         "## Why: the grafting metrics",
         "",
-        "| run | compat weight w (mean) | log rho per byte (median) | all-fail frac | grafted frac | peer rollouts consumed |",
-        "|---|---|---|---|---|---|",
+        "b = min(pi_old / mu~, 2) is the token-level behaviour ratio; 'at the hardest token' is its median, over the peer's correct "
+        "answers, at the token the learner found least likely: where the peer's answer departs from the learner's habit.",
+        "",
+        "| run | compat weight w (mean) | log rho per byte (median) | b (median) | b at the hardest token (median) | all-fail frac | grafted frac | peer rollouts consumed |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for mode in modes:
         if mode in per_mode and mode != "grpo":
             m = per_mode[mode]
             lines.append(f"| {MODE_LABEL.get(mode, mode)} | {_num(m['compat_weight_mean'])} | {_num(m['log_rho_p50_mean'])} | "
+                         f"{_num(m['behaviour_ratio_p50_mean'])} | {_num(m['behaviour_ratio_hardest_p50_mean'])} | "
                          f"{_num(m['frac_all_fail_mean'])} | {_num(m['frac_grafted_mean'])} | {m['peer_rollouts_consumed_mean']:.0f} |")
+    for run in summary["peer_imitation"]:
+        lines += ["", f"- The ceiling (seed {run['seed']}): supervised training on the peer's correct `{weak}` answers from the store "
+                  f"({run['examples_per_step']} per update at full weight, drawn from {run['peer_correct_answers']}), with the RL runs' "
+                  f"optimizer, lr, {run['steps']} updates and anchor, reaches `{weak}` {_pct(run['acc_greedy'][weak])} "
+                  f"(sampled {_pct(run['acc_sampled'][weak])}) and `{strong}` {_pct(run['acc_greedy'][strong])}, from "
+                  f"{_pct(start['acc_greedy'][weak])} / {_pct(start['acc_greedy'][strong])}. No way of consuming the peer's groups "
+                  f"with this budget of updates can be expected to gain much more than this on `{weak}`."]
     for mode in modes:
         if mode in per_mode and mode != "graft":
             d, s, n = paired_difference(summary["runs"], mode, "grpo" if mode != "grpo" else "graft", weak)
@@ -278,6 +295,7 @@ def markdown(summary: dict, cfg: DemoConfig) -> str:
                      f"{_num(r['frac_grafted_mean'])} | {r['rollouts_generated']} | {r['peer_rollouts_consumed']} | {r['train_s']:.0f} |")
     job_cpu = [r.get("cpu_s") for r in summary["runs"]] + [r.get("cotrain_peer", {}).get("cpu_s") for r in summary["runs"]]
     job_cpu += [info.get("cpu_s") for info in summary["models"].values()]
+    job_cpu += [run.get("cpu_s") for run in summary["peer_imitation"]]
     total_cpu = sum(c for c in job_cpu if c)
     lines += ["", "## Time", "",
               f"Wall time {summary['wall_time_s']:.0f} s with {cfg.workers} processes at once; the jobs used {total_cpu:.0f} CPU seconds "

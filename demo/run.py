@@ -33,7 +33,7 @@ import yaml
 
 from demo.config import DemoConfig, config_hash, load_demo_config
 from demo.jobs import Job, child_env, python_module, run_jobs
-from demo.task import completion_text, family_splits, write_problems_jsonl
+from demo.task import completion_text, dataset_name, family_splits, write_problems_jsonl
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TRAIN_BASE = REPO_ROOT / "configs" / "demo_train.yaml"
@@ -260,6 +260,22 @@ def rl_jobs(cfg: DemoConfig, data: dict[str, Path], models: dict[str, dict], sto
     for name, overrides in cfg.rl.ablations.items():
         for seed in cfg.rl.ablation_seeds:
             add_run(f"{name}-s{seed}", name, seed, [learner_config(seed, "graft", overrides)], deps=["sft learner", "peer groups"])
+    if cfg.rl.imitation_examples_per_step:
+        for seed in cfg.rl.ablation_seeds:
+            train = learner_config(seed, "grpo", [])
+            key = config_hash(train, cfg.rl.imitation_examples_per_step, models["learner"]["checkpoint_hash"], store_root.name, eval_sets)
+            job_dir = out / "runs" / f"peer_imitation-s{seed}-{key}"
+            job_dir.mkdir(parents=True, exist_ok=True)
+            job = {"out": str(job_dir), "train": train, "eval_sets": eval_sets, "rl_dataset": str(data["rl"]), "store_url": store_url,
+                   "weak_dataset": dataset_name(cfg.task.weak_family), "peer_model": PEER_MODEL_ID,
+                   "examples_per_step": cfg.rl.imitation_examples_per_step}
+            (job_dir / "job.json").write_text(json.dumps(job))
+            jobs.append(Job(
+                name=f"peer_imitation-s{seed}", commands=[python_module("demo.worker", "imitate", str(job_dir / "job.json"))],
+                logs=[job_dir / "log.txt"], done=[job_dir / "done.json"], deps=["sft learner", "peer groups"],
+                progress=_progress_file(job_dir / "progress"), total=float(cfg.rl.steps),
+            ))
+            runs.append({"name": f"peer_imitation-s{seed}", "mode": "peer_imitation", "seed": seed, "dir": str(job_dir), "peer_dir": None})
     return jobs, runs
 
 

@@ -2,6 +2,7 @@
 
     python -m demo.worker build <job.json>     # tokenizer + model + SFT + held-out accuracy
     python -m demo.worker train <job.json>     # trainer.loop.train, then held-out accuracy of its checkpoints
+    python -m demo.worker imitate <job.json>   # the ceiling: supervised training on the peer's correct answers
 
 The parent (`demo.run`) writes the job file and reads `done.json` from the job's folder; a job is
 finished exactly when that file exists (written last, atomically).
@@ -106,12 +107,80 @@ def train(job: dict) -> dict:
     }
 
 
+def imitate(job: dict) -> dict:
+    """What the peer's stored groups could teach at best in this setting, measured.
+
+    Plain supervised training of the learner on the peer's *correct* weak-family answers (read from
+    the store's REST API), with the RL runs' optimizer, learning rate, number of updates and anchor:
+    every update sees `examples_per_step` peer answers at full weight, more than GRAFT's grafted rows
+    carry (they are down-weighted by w and b and mixed with the learner's own groups). If this does
+    not move the weak family, no way of consuming the peer's groups can in this budget."""
+    import random
+
+    import orjson
+
+    from services.generator.prompts import build_prompt
+    from services.generator.models import load_model_and_tokenizer
+    from services.generator.scoring import Scorer
+    from services.store_api.client import StoreClient
+    from trainer.batch import TrainSample, collate, response_logprobs
+
+    started = time.perf_counter()
+    train_cfg = job["train"]
+    # The stored row carries the prompt id, not the text: the RL dataset maps one to the other.
+    problems = {row["prompt_id"]: row["problem"] for row in map(orjson.loads, Path(job["rl_dataset"]).read_bytes().splitlines())}
+    examples: list[tuple[str, str]] = []
+    with StoreClient(job["store_url"]) as client:
+        for table in client.iter_rollouts(model=job["peer_model"], correct=True, dataset=job["weak_dataset"]):
+            examples += [(problems[pid], text) for pid, text in zip(table["prompt_id"].to_pylist(), table["completion_text"].to_pylist())]
+    steps = train_cfg["steps"] if examples else 0  # a peer with no correct answer teaches nothing: the start is the ceiling
+    anchors = [(row["problem"], row["completion"]) for row in map(orjson.loads, Path(train_cfg["anchor"]["dataset"]).read_bytes().splitlines())]
+    model, tokenizer = load_model_and_tokenizer(Path(train_cfg["model"]["path"]))
+    model.train()
+    optim = train_cfg["optim"]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=optim["lr"], weight_decay=0.0)
+
+    def nll(pairs: list[tuple[str, str]]) -> torch.Tensor:
+        rows = []
+        for problem, completion in pairs:
+            prompt_ids = tokenizer(build_prompt(tokenizer, problem, "raw"), add_special_tokens=False)["input_ids"]
+            completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            rows.append(TrainSample(prompt_id="", group=-1, prompt_ids=list(prompt_ids), completion_ids=list(completion_ids),
+                                    num_content_tokens=len(completion_ids) - 1, advantage=0.0, grafted=False,
+                                    num_bytes=len(completion.encode())))
+        batch = collate(rows, tokenizer.pad_token_id)
+        logprobs = response_logprobs(model, batch)  # (b, T)
+        return -(logprobs * batch.mask).sum() / batch.mask.sum()  # token-mean NLL
+
+    rng = random.Random(train_cfg["seed"])
+    for step in range(steps):
+        loss = nll([rng.choice(examples) for _ in range(job["examples_per_step"])])
+        loss = loss + train_cfg["anchor"]["weight"] * nll(rng.sample(anchors, train_cfg["anchor"]["prompts_per_step"]))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), optim["grad_clip"])
+        optimizer.step()
+        write_progress(Path(job["out"]) / "progress", step + 1, train_cfg["steps"])
+    checkpoint = Path(job["out"]) / "final"
+    model.save_pretrained(checkpoint)
+    tokenizer.save_pretrained(checkpoint)
+    eval_sets = load_eval_sets({f: Path(p) for f, p in job["eval_sets"].items()})
+    with Scorer(num_workers=1, timeout_s=5.0) as scorer:
+        greedy = family_accuracy(checkpoint, eval_sets, scorer)
+        sampled = family_accuracy(checkpoint, eval_sets, scorer, sampled=True, seed=train_cfg["seed"])
+    return {"peer_correct_answers": len(examples), "examples_per_step": job["examples_per_step"], "steps": steps,
+            "acc_greedy": greedy, "acc_sampled": sampled, "wall_s": round(time.perf_counter() - started, 1)}
+
+
+COMMANDS = {"build": build, "train": train, "imitate": imitate}
+
+
 def main() -> None:
-    if len(sys.argv) != 3 or sys.argv[1] not in ("build", "train"):
-        raise SystemExit("usage: python -m demo.worker build|train <job.json>")
+    if len(sys.argv) != 3 or sys.argv[1] not in COMMANDS:
+        raise SystemExit(f"usage: python -m demo.worker {'|'.join(COMMANDS)} <job.json>")
     torch.set_num_threads(1)  # one process per core: two threads each would only contend
     job = json.loads(Path(sys.argv[2]).read_text())
-    result = build(job) if sys.argv[1] == "build" else train(job)
+    result = COMMANDS[sys.argv[1]](job)
     # CPU seconds of this process and its finished children (the scorer): what the job costs on an idle core.
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     result["cpu_s"] = round(own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime, 1)

@@ -67,7 +67,13 @@ METRIC_KEYS = (
     "log_rho_p50", "log_rho_p90", "clip_frac_onpolicy", "clip_frac_grafted", "peer_group_age_steps",
     "rollouts_generated", "peer_rollouts_consumed", "store_wait_s", "step_time_s",
 )
-WEIGHT_STAT_KEYS = ("compat_weight_mean", "compat_weight_ess", "log_rho_p10", "log_rho_p50", "log_rho_p90")
+WEIGHT_STAT_KEYS = (
+    "compat_weight_mean", "compat_weight_ess", "log_rho_p10", "log_rho_p50", "log_rho_p90",
+    # b = min(pi_old / mu~, C) over grafted tokens, and on each positive grafted row at the token the learner
+    # finds least likely (where the peer's answer differs from the learner's habit): how much of the
+    # peer's signal the token-level correction lets through where it matters.
+    "behaviour_ratio_p50", "behaviour_ratio_hardest_p50",
+)
 NAN = float("nan")
 
 
@@ -656,6 +662,8 @@ def _attach_old_logprobs_and_weights(cfg, learner: Learner, reference, rows: lis
         if cfg.graft.group_normalized_weight:
             weights = group_normalize(weights, torch.tensor([row.group for row in grafted]))
         finite = torch.isfinite(learner_sums) & torch.isfinite(weights)
+        ratios: list[torch.Tensor] = []
+        hardest: list[float] = []
         for row, w, ok in zip(grafted, weights.tolist(), finite.tolist()):
             row.compat_weight = w
             row.finite = bool(ok) and bool(torch.isfinite(row.old_logprobs).all())
@@ -665,6 +673,10 @@ def _attach_old_logprobs_and_weights(cfg, learner: Learner, reference, rows: lis
             if cfg.graft.token_is == "tis":
                 behaviour = torch.tensor(row.behaviour_logprobs, dtype=torch.float32)  # (n,) log mu~
                 b = behaviour_ratio(row.old_logprobs, behaviour, cfg.graft.is_cap)
+                if row.finite:
+                    ratios.append(b)
+                    if row.advantage > 0 and row.num_content_tokens > 0:
+                        hardest.append(float(b[int(torch.argmin(row.old_logprobs[: row.num_content_tokens]))]))
             row.token_weight = w * b  # (n,)
         kept_weights = weights[finite]
         kept_log_rho = log_rho[finite]
@@ -675,6 +687,8 @@ def _attach_old_logprobs_and_weights(cfg, learner: Learner, reference, rows: lis
                 "compat_weight_mean": float(kept_weights.mean()),
                 "compat_weight_ess": effective_sample_size(kept_weights),
                 "log_rho_p10": quantiles[0], "log_rho_p50": quantiles[1], "log_rho_p90": quantiles[2],
+                "behaviour_ratio_p50": float(torch.cat(ratios).median()) if ratios else NAN,
+                "behaviour_ratio_hardest_p50": float(torch.tensor(hardest).median()) if hardest else NAN,
             }
     kept = []
     for row in rows:

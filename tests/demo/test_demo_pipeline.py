@@ -45,10 +45,13 @@ def test_quick_demo_end_to_end(tmp_path):
     store_models = {m["model_id"] for m in summary["store_stats"]["models"]}
     assert "toy-peer-qwen2" in store_models and any("-co" in m for m in store_models)
     assert summary["models"]["learner"]["architecture"] == "LlamaForCausalLM"
+    # The ceiling run read the peer's correct answers back through the store's REST API.
+    (ceiling,) = summary["peer_imitation"]
+    assert ceiling["steps"] == (3 if ceiling["peer_correct_answers"] else 0) and set(ceiling["acc_greedy"]) == {"add2", "add3"}
     assert summary["models"]["peer"]["architecture"] == "Qwen2ForCausalLM"
 
     text = (report / "REPORT.md").read_text()
-    assert "| run | seeds |" in text and "GRAFT co-training" in text and "peer negatives x0" in text
+    assert "| run | seeds |" in text and "GRAFT co-training" in text and "peer negatives x0" in text and "The ceiling" in text
     for png in ("accuracy_vs_step.png", "all_fail_vs_step.png"):
         assert (report / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| run | seeds |" in proc.stdout and "curl -s" in proc.stdout and "serve --root" in proc.stdout

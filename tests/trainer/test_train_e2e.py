@@ -70,6 +70,8 @@ def test_graft_through_a_real_store_grafts_and_trains(toy_world, store, tmp_path
         assert m["frac_all_fail"] > 0 and m["peer_hit_rate"] > 0 and m["frac_grafted"] > 0
         assert m["peer_rollouts_consumed"] > 0 and m["projection_spans"] == m["peer_rollouts_consumed"]
         assert 0 < m["compat_weight_mean"] <= 1 and m["log_rho_p10"] <= m["log_rho_p50"] <= m["log_rho_p90"]
+        assert 0 < m["behaviour_ratio_p50"] <= 2.0  # b is truncated at C = 2
+        assert math.isnan(m["behaviour_ratio_hardest_p50"]) or 0 < m["behaviour_ratio_hardest_p50"] <= 2.0
         assert m["rollouts_generated"] == 8 * 4 and m["store_lookup_failures"] == 0
     assert metrics[-1]["peer_rollouts_consumed_total"] == sum(m["peer_rollouts_consumed"] for m in metrics)
     before, after = weights(toy_world.learner_dir), weights(run_dir / "checkpoints" / "step_000003")
