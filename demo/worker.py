@@ -127,12 +127,15 @@ def imitate(job: dict) -> dict:
 
     started = time.perf_counter()
     train_cfg = job["train"]
-    # The stored row carries the prompt id, not the text: the RL dataset maps one to the other.
-    problems = {row["prompt_id"]: row["problem"] for row in map(orjson.loads, Path(job["rl_dataset"]).read_bytes().splitlines())}
+    # The stored row carries the prompt id (and the generator's dataset name, the whole RL file), not the
+    # problem or its family: the RL dataset maps one to the other.
+    rl_rows = [orjson.loads(line) for line in Path(job["rl_dataset"]).read_bytes().splitlines()]
+    weak = {row["prompt_id"]: row["problem"] for row in rl_rows if row["dataset"] == job["weak_dataset"]}
     examples: list[tuple[str, str]] = []
     with StoreClient(job["store_url"]) as client:
-        for table in client.iter_rollouts(model=job["peer_model"], correct=True, dataset=job["weak_dataset"]):
-            examples += [(problems[pid], text) for pid, text in zip(table["prompt_id"].to_pylist(), table["completion_text"].to_pylist())]
+        for table in client.iter_rollouts(model=job["peer_model"], correct=True):
+            examples += [(weak[pid], text) for pid, text in zip(table["prompt_id"].to_pylist(), table["completion_text"].to_pylist())
+                         if pid in weak]
     steps = train_cfg["steps"] if examples else 0  # a peer with no correct answer teaches nothing: the start is the ceiling
     anchors = [(row["problem"], row["completion"]) for row in map(orjson.loads, Path(train_cfg["anchor"]["dataset"]).read_bytes().splitlines())]
     model, tokenizer = load_model_and_tokenizer(Path(train_cfg["model"]["path"]))
