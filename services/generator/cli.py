@@ -28,6 +28,7 @@ def generate(
     dataset: Optional[str] = typer.Option(None, help=_help("dataset")),
     dataset_limit: Optional[int] = typer.Option(None, help=_help("dataset_limit")),
     template: Optional[str] = typer.Option(None, help=_help("template")),
+    few_shot: Optional[int] = typer.Option(None, help=_help("few_shot")),
     group_size: Optional[int] = typer.Option(None, help=_help("group_size")),
     temperature: Optional[float] = typer.Option(None, help=_help("temperature")),
     top_p: Optional[float] = typer.Option(None, help=_help("top_p")),

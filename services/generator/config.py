@@ -9,7 +9,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from services.generator.prompts import PromptTemplate
+from services.generator.prompts import MAX_FEW_SHOT, PromptTemplate
 
 
 class GeneratorConfig(BaseModel):
@@ -24,6 +24,7 @@ class GeneratorConfig(BaseModel):
     dataset: str = Field(description="a JSONL/Parquet file with 'problem' and 'answer', or a known name (math_train, gsm8k, ...)")
     dataset_limit: int | None = Field(default=None, ge=1, description="use only the first N problems")
     template: PromptTemplate = Field(default="auto", description="prompt: auto (chat template if any), chat, plain, raw")
+    few_shot: int = Field(default=0, ge=0, le=MAX_FEW_SHOT, description=f"worked examples (GSM8K-style, answers in \\boxed{{}}) shown before each problem, 0-{MAX_FEW_SHOT}")
     group_size: int = Field(default=8, ge=1, description="samples per prompt (G)")
     temperature: float = Field(default=1.0, ge=0.0, description="sampling temperature (1.0: stored logprobs are the policy's own)")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="nucleus sampling mass")
@@ -53,6 +54,7 @@ class GeneratorConfig(BaseModel):
     def _continuous_needs_nothing_else(self) -> GeneratorConfig:
         if self.watch_dir is not None and not self.continuous:
             raise ValueError("watch_dir is only read in continuous mode: set continuous: true, or drop watch_dir")
+        _check_few_shot(self.template, self.few_shot)
         return self
 
     @property
@@ -79,6 +81,7 @@ class EvalConfig(BaseModel):
     max_tokens: int = Field(default=4096, ge=1, description="completion token budget")
     seed: int | None = Field(default=0, description="sampling seed")
     template: PromptTemplate = Field(default="auto", description="prompt: auto (chat template if any), chat, plain, raw")
+    few_shot: int = Field(default=0, ge=0, le=MAX_FEW_SHOT, description=f"worked examples (GSM8K-style, answers in \\boxed{{}}) shown before each problem, 0-{MAX_FEW_SHOT}")
     prompts_per_batch: int = Field(default=64, ge=1, description="prompts per generate call")
     score_workers: int = Field(default=2, ge=1, description="math-verify worker processes")
     score_timeout_s: float = Field(default=5.0, gt=0, description="per-item scoring timeout (reward 0 when hit)")
@@ -89,6 +92,16 @@ class EvalConfig(BaseModel):
     output_json: str | None = Field(default=None, description="write the results here as JSON")
     output_md: str | None = Field(default=None, description="write the Markdown table here")
     progress: bool = Field(default=True, description="show a progress bar")
+
+    @model_validator(mode="after")
+    def _few_shot_needs_a_template(self) -> EvalConfig:
+        _check_few_shot(self.template, self.few_shot)
+        return self
+
+
+def _check_few_shot(template: str, few_shot: int) -> None:
+    if template == "raw" and few_shot:
+        raise ValueError("template 'raw' shows the problem verbatim and takes no worked examples: set few_shot to 0")
 
 
 def load_config(cls: type[BaseModel], yaml_path: Path | None, overrides: dict[str, Any]) -> Any:

@@ -23,6 +23,7 @@ def evaluate(
     scorer: Scorer,
     *,
     template: PromptTemplate = "auto",
+    few_shot: int = 0,
     prompts_per_batch: int = 64,
     progress: bool = False,
 ) -> dict:
@@ -47,7 +48,7 @@ def evaluate(
             unscored = tokens = finished = 0
             for start in range(0, len(problems), prompts_per_batch):
                 batch = problems[start : start + prompts_per_batch]
-                prompts = [build_prompt(backend.tokenizer, p.problem, template) for p in batch]
+                prompts = [build_prompt(backend.tokenizer, p.problem, template, few_shot) for p in batch]
                 samples = backend.generate(prompts, params)  # (prompts, k)
                 texts = [s.text for group in samples for s in group]
                 golds = [p.answer for p in batch for _ in range(k)]

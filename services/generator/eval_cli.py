@@ -32,6 +32,7 @@ def evaluate_model(
     max_tokens: Optional[int] = typer.Option(None, help=_help("max_tokens")),
     seed: Optional[int] = typer.Option(None, help=_help("seed")),
     template: Optional[str] = typer.Option(None, help=_help("template")),
+    few_shot: Optional[int] = typer.Option(None, help=_help("few_shot")),
     prompts_per_batch: Optional[int] = typer.Option(None, help=_help("prompts_per_batch")),
     score_workers: Optional[int] = typer.Option(None, help=_help("score_workers")),
     score_timeout_s: Optional[float] = typer.Option(None, help=_help("score_timeout_s")),
@@ -74,7 +75,7 @@ def evaluate_model(
         seed=cfg.seed or 0,
     )
     with Scorer(num_workers=cfg.score_workers, timeout_s=cfg.score_timeout_s) as scorer:
-        result = evaluate(backend_, problems, cfg.k, params, scorer, template=cfg.template,
+        result = evaluate(backend_, problems, cfg.k, params, scorer, template=cfg.template, few_shot=cfg.few_shot,
                           prompts_per_batch=cfg.prompts_per_batch, progress=cfg.progress)
     result["model_id"] = model_id_
     table = markdown_table(result, model_id_)

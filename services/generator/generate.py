@@ -272,7 +272,7 @@ def _sample_batch(
     config: GeneratorConfig, model_id: str, revision: str, policy_step: int, generator_id: str, stats: RunStats,
 ) -> list[RolloutGroup]:
     """One batch of prompts: generate, score, assemble; timings go to `stats`."""
-    prompts = [build_prompt(backend.tokenizer, p.problem, config.template) for p in batch]
+    prompts = [build_prompt(backend.tokenizer, p.problem, config.template, config.few_shot) for p in batch]
     t0 = time.perf_counter()
     samples = backend.generate(prompts, params)  # (prompts, n)
     t1 = time.perf_counter()

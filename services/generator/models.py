@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -16,6 +17,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger(__name__)
 
 GGUF_SUFFIX = ".gguf"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
@@ -91,15 +94,70 @@ def load_model_and_tokenizer(path: str | Path, dtype: torch.dtype = torch.float3
     The model is in eval mode. A tokenizer without a pad token gets its EOS as pad (generation
     pads on the left; padded positions are masked out).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     model_dir = resolve_model_dir(path)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     model.eval()
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
+
+
+# Text that exercises what normalizers and pre-tokenizers disagree on: case, digit runs, runs of spaces,
+# tabs and newlines, contractions, punctuation, composed vs decomposed accents (NFC), CJK, an emoji, LaTeX.
+TOKENIZER_PROBE = (
+    "Question: It's 12345 + 678 = 13023, isn't it?\n\n  Two  spaces,\ttab;  caf\u00e9 vs cafe\u0301 \u2014 "
+    "\u6570\u5b66 \U0001f642 $\\frac{1}{2}$ and \\boxed{-3.50}\r\nEND"
+)
+
+
+def load_tokenizer(model_dir: str | Path):
+    """The tokenizer saved in an HF model directory, tokenising exactly as its tokenizer.json does.
+
+    transformers 5 picks the tokenizer class from the config's model type, and some classes rebuild the
+    pipeline instead of reading it: Qwen2Tokenizer (any config that says qwen2) puts Qwen's NFC normalizer
+    and regex pre-tokenizer in place of the saved ones, which silently re-tokenises a locally trained BPE.
+    When the loaded tokenizer's normalizer, pre-tokenizer or encoding of a probe text differ from
+    tokenizer.json's, the file is loaded as it is (with tokenizer_config.json's special tokens and chat
+    template) and one line is logged.
+    """
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    model_dir = Path(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer_file = model_dir / "tokenizer.json"
+    if not tokenizer_file.exists() or getattr(tokenizer, "backend_tokenizer", None) is None:
+        return tokenizer  # a slow (e.g. SentencePiece) tokenizer: nothing saved to compare with
+    saved = Tokenizer.from_file(str(tokenizer_file))
+    difference = _tokenisation_difference(tokenizer.backend_tokenizer, saved)
+    if difference is None:
+        return tokenizer
+    log.warning(
+        "%s: %s rebuilt the saved tokenizer with a different %s; loading tokenizer.json as it is instead",
+        model_dir, type(tokenizer).__name__, difference,
+    )
+    faithful = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    if _tokenisation_difference(faithful.backend_tokenizer, saved) is not None:
+        raise RuntimeError(f"{model_dir}: could not load tokenizer.json so that it tokenises as saved; check the file")
+    return faithful
+
+
+def _tokenisation_difference(loaded, saved) -> str | None:
+    """What makes two `tokenizers.Tokenizer`s encode differently ('normalizer', 'pre-tokenizer', 'encoding'), or None."""
+
+    def state(component) -> dict | None:
+        return None if component is None else json.loads(component.__getstate__())
+
+    if state(loaded.normalizer) != state(saved.normalizer):
+        return "normalizer"
+    if state(loaded.pre_tokenizer) != state(saved.pre_tokenizer):
+        return "pre-tokenizer"
+    if loaded.encode(TOKENIZER_PROBE, add_special_tokens=False).ids != saved.encode(TOKENIZER_PROBE, add_special_tokens=False).ids:
+        return "encoding"
+    return None
 
 
 def sanitize_model_id(name: str) -> str:

@@ -11,24 +11,86 @@ INSTRUCTION = "Please reason step by step, and put your final answer within \\bo
 # For base models without a chat template: the same instruction, then room to answer.
 PLAIN_TEMPLATE = "Question: {problem}\n" + INSTRUCTION + "\nAnswer: Let's think step by step."
 
+# Worked examples that a prompt may show before the problem (`few_shot`): the eight grade-school
+# chain-of-thought exemplars of Wei et al. 2022 ("Chain-of-Thought Prompting Elicits Reasoning in Large
+# Language Models", the standard few-shot GSM8K prompt), each answer ending in `\boxed{}` so that a small
+# model sees the answer format the scorer reads. None of them is a problem of the GSM8K test set.
+FEW_SHOT_EXAMPLES: tuple[tuple[str, str], ...] = (
+    (
+        "There are 15 trees in the grove. Grove workers will plant trees in the grove today. After they are done, "
+        "there will be 21 trees. How many trees did the grove workers plant today?",
+        "There are 15 trees originally. Then there were 21 trees after some more were planted. "
+        "So there must have been 21 - 15 = 6. The answer is \\boxed{6}.",
+    ),
+    (
+        "If there are 3 cars in the parking lot and 2 more cars arrive, how many cars are in the parking lot?",
+        "There are originally 3 cars. 2 more cars arrive. 3 + 2 = 5. The answer is \\boxed{5}.",
+    ),
+    (
+        "Leah had 32 chocolates and her sister had 42. If they ate 35, how many pieces do they have left in total?",
+        "Originally, Leah had 32 chocolates. Her sister had 42. So in total they had 32 + 42 = 74. "
+        "After eating 35, they had 74 - 35 = 39. The answer is \\boxed{39}.",
+    ),
+    (
+        "Jason had 20 lollipops. He gave Denny some lollipops. Now Jason has 12 lollipops. "
+        "How many lollipops did Jason give to Denny?",
+        "Jason started with 20 lollipops. Then he had 12 after giving some to Denny. "
+        "So he gave Denny 20 - 12 = 8. The answer is \\boxed{8}.",
+    ),
+    (
+        "Shawn has five toys. For Christmas, he got two toys each from his mom and dad. How many toys does he have now?",
+        "Shawn started with 5 toys. If he got 2 toys each from his mom and dad, then that is 4 more toys. "
+        "5 + 4 = 9. The answer is \\boxed{9}.",
+    ),
+    (
+        "There were nine computers in the server room. Five more computers were installed each day, from monday "
+        "to thursday. How many computers are now in the server room?",
+        "There were originally 9 computers. For each of 4 days, 5 more computers were added. "
+        "So 5 * 4 = 20 computers were added. 9 + 20 is 29. The answer is \\boxed{29}.",
+    ),
+    (
+        "Michael had 58 golf balls. On tuesday, he lost 23 golf balls. On wednesday, he lost 2 more. "
+        "How many golf balls did he have at the end of wednesday?",
+        "Michael started with 58 golf balls. After losing 23 on tuesday, he had 58 - 23 = 35. "
+        "After losing 2 more, he had 35 - 2 = 33 golf balls. The answer is \\boxed{33}.",
+    ),
+    (
+        "Olivia has $23. She bought five bagels for $3 each. How much money does she have left?",
+        "Olivia had 23 dollars. 5 bagels for 3 dollars each will be 5 x 3 = 15 dollars. "
+        "So she has 23 - 15 dollars left. 23 - 15 is 8. The answer is \\boxed{8}.",
+    ),
+)
+MAX_FEW_SHOT = len(FEW_SHOT_EXAMPLES)
 
-def build_prompt(tokenizer, problem: str, template: PromptTemplate = "auto") -> str:
+
+def build_prompt(tokenizer, problem: str, template: PromptTemplate = "auto", few_shot: int = 0) -> str:
     """The prompt string for `problem`.
 
     "auto": the tokenizer's chat template when it has one, else "plain". "chat": the chat
     template (an error when there is none). "plain": `PLAIN_TEMPLATE`. "raw": the problem text
     verbatim (the toy demo's tiny models see `a+b=`).
+    few_shot: the first `few_shot` of `FEW_SHOT_EXAMPLES` come first, as earlier user/assistant turns
+    of the chat, or as answered `PLAIN_TEMPLATE` blocks; not allowed with "raw".
     The chat template already holds any BOS token: tokenise the result with
     add_special_tokens=False.
     """
+    if not 0 <= few_shot <= MAX_FEW_SHOT:
+        raise ValueError(f"few_shot = {few_shot}: there are {MAX_FEW_SHOT} worked examples, pass 0 to {MAX_FEW_SHOT}")
+    examples = FEW_SHOT_EXAMPLES[:few_shot]
     if template == "raw":
+        if few_shot:
+            raise ValueError("template 'raw' shows the problem verbatim and takes no worked examples: set few_shot to 0")
         return problem
     has_chat = getattr(tokenizer, "chat_template", None) is not None
     if template == "chat" or (template == "auto" and has_chat):
         if not has_chat:
             raise ValueError("template 'chat' was asked for but the tokenizer has no chat template: use 'plain' or 'auto'")
-        messages = [{"role": "user", "content": f"{problem}\n{INSTRUCTION}"}]
+        messages = []
+        for question, answer in examples:
+            messages += [{"role": "user", "content": f"{question}\n{INSTRUCTION}"}, {"role": "assistant", "content": answer}]
+        messages.append({"role": "user", "content": f"{problem}\n{INSTRUCTION}"})
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     if template in ("plain", "auto"):
-        return PLAIN_TEMPLATE.replace("{problem}", problem)
+        shots = "".join(f"{PLAIN_TEMPLATE.replace('{problem}', q)} {a}\n\n" for q, a in examples)
+        return shots + PLAIN_TEMPLATE.replace("{problem}", problem)
     raise ValueError(f"unknown prompt template {template!r}: use one of auto, chat, plain, raw")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from services.generator.models import default_model_id, resolve_model_dir, tokenizer_fingerprint
+from services.generator.models import default_model_id, load_tokenizer, resolve_model_dir, tokenizer_fingerprint
 from services.generator.sampling import Sample, SamplingParams
 
 CPU_KV_CACHE_BYTES = 2 << 30  # on CPU the KV cache is ordinary RAM: reserve a fixed amount, not a fraction
@@ -41,7 +41,7 @@ class VLLMBackend:
         dtype: default float32 on CPU, the checkpoint's own ("auto") on GPU. engine_kwargs go to
         `vllm.LLM` unchanged (gpu_memory_utilization, tensor_parallel_size, ...).
         """
-        from transformers import AutoTokenizer, GenerationConfig
+        from transformers import GenerationConfig
 
         model_dir = resolve_model_dir(path)
         on_cpu = not _cuda_available()
@@ -68,7 +68,7 @@ class VLLMBackend:
         )
         # The tokenizer and EOS ids come from transformers, as for the HF backend, so both backends
         # agree on prompts, stop tokens and tokenizer ids.
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        tokenizer = load_tokenizer(model_dir)
         eos_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
         if (model_dir / "generation_config.json").exists():
             config_eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
@@ -98,7 +98,9 @@ class VLLMBackend:
                 seed=None if params.seed is None else params.seed + i * params.n,
                 logprobs=0,  # only the sampled token's logprob
                 stop_token_ids=sorted(self.eos_token_ids),
-                skip_special_tokens=True,
+                # The text is decoded below with our tokenizer (load_tokenizer), as the hf backend does: vLLM's
+                # own tokenizer may be the class transformers rebuilt from the model type, not the saved one.
+                detokenize=False,
             )
             for i in range(len(prompts))
         ]
@@ -112,7 +114,8 @@ class VLLMBackend:
                 if completion.finish_reason not in ("stop", "length"):
                     raise RuntimeError(f"vLLM finished a sample with {completion.finish_reason!r}; expected 'stop' or 'length'")
                 finish_reason = completion.finish_reason
-                samples.append(Sample(token_ids=token_ids, token_logprobs=logprobs, text=completion.text, finish_reason=finish_reason))
+                text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+                samples.append(Sample(token_ids=token_ids, token_logprobs=logprobs, text=text, finish_reason=finish_reason))
             groups.append(samples)
         return groups
 

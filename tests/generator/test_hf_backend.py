@@ -89,6 +89,25 @@ def test_seed_reproduces_and_batch_size_does_not_matter(tiny_model_dir, tiny_bac
         [[s.token_ids for s in g] for g in tiny_backend.generate(PROMPTS, greedy)]
 
 
+@pytest.mark.parametrize("layout", ["no common prefix", "common prefix"])
+def test_shared_prompt_prefill_samples_what_separate_prefills_sample(tiny_backend, layout):
+    # By default each prompt's tokens run through the model once: the prefix all prompts of a batch start with
+    # (a system prompt, few-shot examples) once for the batch, the rest once per prompt, not once per sample.
+    assert tiny_backend.share_prompt_prefill
+    separate = HFBackend(tiny_backend.model, tiny_backend.tokenizer, "tiny", share_prompt_prefill=False)
+    if layout == "no common prefix":  # raw prompts (4-6 tokens) with chat prompts (75): the short rows are mostly padding
+        prompts = PROMPTS + [build_prompt(tiny_backend.tokenizer, p, "chat") for p in PROMPTS[:2]]
+    else:  # two worked examples in common, then problems of different lengths (padding between prefix and problem)
+        prompts = [build_prompt(tiny_backend.tokenizer, p, "chat", few_shot=2) for p in PROMPTS + ["1+1+1+1+1+1="]]
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=6)
+    shared_groups, separate_groups = tiny_backend.generate(prompts, params), separate.generate(prompts, params)
+    assert [[s.token_ids for s in g] for g in shared_groups] == [[s.token_ids for s in g] for g in separate_groups]
+    for shared_group, separate_group in zip(shared_groups, separate_groups):
+        for a, b in zip(shared_group, separate_group):
+            assert max(abs(x - y) for x, y in zip(a.token_logprobs, b.token_logprobs)) < 1e-5
+    assert_teacher_forced_match(tiny_backend, prompts, shared_groups, params, tol=1e-4)
+
+
 def test_model_generation_config_and_training_mode_do_not_leak(tiny_model_dir):
     backend = HFBackend.from_path(tiny_model_dir)
     model = backend.model
