@@ -15,7 +15,16 @@ each group's message) and a trailer. A lookup preads its groups' messages and se
 message as the response stream: no decoding, no re-encoding (~25 us per group). Lookup files are derived:
 the writer writes one just before publishing the shard (it has the table in memory; the store would have to
 decode the shard), the store rebuilds a missing or damaged one from the shard, and they may be deleted at any
-time. They are not fsynced: a file torn by a crash fails its CRCs and is rebuilt.
+time. Their directory is not fsynced after the rename: a file lost or torn by a crash fails its size or CRC
+checks and is rebuilt.
+
+Written files leave the writer's page cache (`drop_cached_pages`, once their data is on disk): a writer
+streams ~6 KB per rollout (shard + lookup file) that it never reads again, and on the VM this was measured
+on, page cache grown beyond the guest's recently used memory cost 14-18 us of kernel time per 4 KB page
+against ~1 us for recycled pages (`benchmarks/RESULTS.md`, Store): at 1M rollouts that was 15 us per
+rollout. Dropping recycles the same pages shard after shard. The store reads a lookup file's groups from disk
+when first asked for (~0.15 ms per group here; a batch's reads are issued together, see
+`ShardReader.messages`), and the page cache keeps what lookups read.
 """
 
 from __future__ import annotations
@@ -68,6 +77,28 @@ _COMPRESSION = {
     (f"{f.name}.list.element" if pa.types.is_list(f.type) else f.name): ("zstd" if f.name in BULK_COLUMNS else "none")
     for f in ROLLOUT_ARROW_SCHEMA
 }
+
+
+def drop_cached_pages(fd: int) -> None:
+    """Tell the kernel a file's pages will not be read soon: clean ones leave the page cache, so the memory is
+    reused for the next file instead of growing the cache (see the module docstring); on Linux, dirty ones
+    start being written back (without waiting), so a later fsync waits less."""
+    if hasattr(os, "posix_fadvise"):  # Linux; elsewhere the page cache just grows
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def drop_written_pages(path: Path) -> None:
+    """Wait until a file's data is on disk, then drop its pages from the page cache (a file deleted meanwhile
+    is fine: its pages went with it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        os.fdatasync(fd)  # dirty pages cannot be dropped
+        drop_cached_pages(fd)
+    finally:
+        os.close(fd)
 
 
 class ShardValidationError(ValueError):
@@ -364,7 +395,8 @@ def row_group_plan(lengths: np.ndarray, target_rows: int) -> list[int]:
 
 
 def write_temporary(directory: Path, write, name: str | None = None) -> Path:
-    """Write through `write(path)` to a `.tmp-` name in `directory` and fsync; readers never pick it up."""
+    """Write through `write(path)` to a `.tmp-` name in `directory`, fsync, and drop its pages from the page
+    cache (durable, so clean: readers read it from disk); readers never pick up a `.tmp-` name."""
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / (TMP_PREFIX + (name or shard_name()))
     try:
@@ -372,6 +404,7 @@ def write_temporary(directory: Path, write, name: str | None = None) -> Path:
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)
+            drop_cached_pages(fd)
         finally:
             os.close(fd)
     except BaseException:
@@ -408,7 +441,7 @@ def write_rollout_table(
     """
     starts, lengths = group_runs(table.column("group_id"))
     name = shard_name()
-    # the lookup file first: a store that sees the shard finds it ready
+    # the lookup file first: a store that sees the shard finds it ready (it is written back meanwhile)
     lookup = write_lookup_file(lookup_path(directory / name), _table_groups(table, starts, lengths))
 
     def write(f) -> None:
@@ -416,15 +449,25 @@ def write_rollout_table(
             f, ROLLOUT_ARROW_SCHEMA, compression=_COMPRESSION, use_dictionary=False,
             write_statistics=STATISTICS_COLUMNS, write_page_checksum=True,
         ) as writer:
-            offset = 0
-            for rows in row_group_plan(lengths, row_group_rows):
-                writer.write_table(table.slice(offset, rows), row_group_size=rows)
-                offset += rows
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                offset = 0
+                for rows in row_group_plan(lengths, row_group_rows):
+                    writer.write_table(table.slice(offset, rows), row_group_size=rows)
+                    offset += rows
+                    drop_cached_pages(fd)  # starts writing back the row groups so far: the fsync waits less
+            finally:
+                os.close(fd)
 
     try:
         tmp = write_temporary(directory, write, name)
     except BaseException:
         lookup.unlink(missing_ok=True)
+        raise
+    try:
+        drop_written_pages(lookup)
+    except BaseException:
+        discard(tmp)
         raise
     return publish(tmp) if publish_now else tmp
 
@@ -554,7 +597,11 @@ def _encode_groups(groups: Iterator[tuple[int, pa.RecordBatch]]) -> Iterator[tup
 
 
 def write_lookup_file(path: Path, groups: Iterable[tuple[int, pa.RecordBatch]]) -> Path:
-    """Write (first row in the shard, the group's rows) pairs as the lookup file `path`, via a temporary name."""
+    """Write (first row in the shard, the group's rows) pairs as the lookup file `path`, via a temporary name.
+
+    Its writeback starts at once (`drop_cached_pages`); a writer that will not read it calls
+    `drop_written_pages` later to free its pages. It is not fsynced: the CRCs and sizes catch a torn file.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{TMP_PREFIX}{uuid.uuid4().hex[:8]}-{path.name}")
     blocks: list[tuple[int, int, int, int, int]] = []
@@ -571,6 +618,8 @@ def write_lookup_file(path: Path, groups: Iterable[tuple[int, pa.RecordBatch]]) 
             table = np.array(blocks, dtype="<i8").reshape(-1, _BLOCK_FIELDS).tobytes()  # (groups, 5)
             f.write(table)
             f.write(_LOOKUP_TRAILER.pack(len(blocks), zlib.crc32(table), LOOKUP_VERSION, LOOKUP_MAGIC))
+            f.flush()
+            drop_cached_pages(f.fileno())
         os.rename(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -617,6 +666,9 @@ class _LookupFile:
         self.path = path
         self.file = open(path, "rb", buffering=0)  # closed when the last reader lets go of this object
         try:
+            if hasattr(os, "posix_fadvise"):
+                # reads are single groups at random offsets: without this, each miss reads ahead 128 KB or more
+                os.posix_fadvise(self.file.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
             self.blocks = self._read_block_table()  # (groups, 5) int64, ascending row starts
         except BaseException:
             self.file.close()
@@ -706,7 +758,7 @@ class ShardReader:
 
     def messages(self, locations: list[tuple[str, int, int]]) -> list[bytes]:
         """The IPC record batch message of each whole group (file, row_start, num_rows), in order."""
-        found = []
+        blocks = []
         for rel_path, row_start, num_rows in locations:
             lookup = self.open(rel_path)
             block = lookup.block(row_start, num_rows)
@@ -714,7 +766,14 @@ class ShardReader:
                 self.forget(rel_path)
                 raise ShardReadError(self.root / rel_path, f"no group of {num_rows} rows at row {row_start} in its "
                                                            "lookup file")
-            offset, length, crc = block
+            blocks.append((lookup, block))
+        if len(blocks) > 1 and hasattr(os, "posix_fadvise"):
+            # groups not in the page cache come from disk (writers drop what they write): start all the reads
+            # at once, so a 64-prompt lookup waits ~one disk read instead of 64 in a row (~10 ms here)
+            for lookup, (offset, length, _) in blocks:
+                os.posix_fadvise(lookup.file.fileno(), offset, length, os.POSIX_FADV_WILLNEED)
+        found = []
+        for (rel_path, row_start, _), (lookup, (offset, length, crc)) in zip(locations, blocks):
             try:
                 message = os.pread(lookup.file.fileno(), length, offset)
             except OSError as exc:
