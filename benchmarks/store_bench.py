@@ -213,7 +213,7 @@ def main() -> None:
         for w in writers:
             w.start()
         for _ in writers:  # each writer has drawn its synthetic data: the clock starts with their first shard
-            if done.get() != "ready":
+            if done.get(timeout=300) != "ready":  # queue.Empty if a writer died while drawing its data
                 raise RuntimeError("a writer sent a result before it was ready")
         phase("ingest")
         store_cpu = cpu_seconds(store_process)

@@ -34,7 +34,9 @@ from services.generator.groups import assemble_group, make_group_id
 from services.generator.models import (
     default_model_id,
     eos_token_ids,
+    find_gguf,
     load_model_and_tokenizer,
+    load_tokenizer,
     model_fingerprint,
     resolve_model_dir,
     tokenizer_fingerprint,
@@ -447,15 +449,14 @@ def _load_anchor(cfg: TrainConfig) -> list[tuple[str, str]]:
 
 def _load_peer_tokenizers(cfg: TrainConfig) -> dict[str, Any]:
     """Peer tokenizers by their fingerprint (the tokenizer_id the generator stores), loaded as the generator loads them."""
-    from services.generator.models import load_tokenizer
-
     found = {}
     for path in cfg.graft.peer_tokenizers:
         if not Path(path).exists():
             raise FileNotFoundError(
                 f"graft.peer_tokenizers: {path} does not exist; pass the peer model's (or tokenizer's) directory"
             )
-        tokenizer = load_tokenizer(path)
+        # a GGUF peer's tokenizer lives in its dequantised copy; a directory may hold a tokenizer only (no config.json)
+        tokenizer = load_tokenizer(resolve_model_dir(path) if find_gguf(Path(path)) else path)
         found[tokenizer_fingerprint(tokenizer)] = tokenizer
     return found
 

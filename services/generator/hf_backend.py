@@ -246,16 +246,23 @@ class HFBackend:
                 past_key_values=cache, use_cache=True, logits_to_keep=1,
             )
         rows = torch.tensor(row_prompt, device=input_ids.device)  # (B,)
-        static = StaticCache(config=self.model.config, max_cache_len=width + max_tokens)
-        bytes_per_token = sum(layer.keys[0, :, :1].nbytes + layer.values[0, :, :1].nbytes for layer in cache.layers)  # one row
-        static_bytes = len(row_prompt) * (width + max_tokens) * bytes_per_token
-        plain_layers = not any(layer.is_sliding for layer in static.layers) and cache.get_seq_length() == width - 1
-        if static_bytes > self.static_cache_budget_bytes or not plain_layers:
+        if not self._fits_static_cache(cache, len(row_prompt), width, max_tokens):
             cache.batch_select_indices(rows)  # (U, ...) -> (B, ...)
             return cache
+        static = StaticCache(config=self.model.config, max_cache_len=width + max_tokens)
         for grown, fixed in zip(cache.layers, static.layers, strict=True):
             fixed.update(grown.keys[rows], grown.values[rows])  # (B, H_kv, P - 1, D) into (B, H_kv, P + max_tokens, D)
         return static
+
+    def _fits_static_cache(self, cache, rows: int, width: int, max_tokens: int) -> bool:
+        """Whether the prefilled `cache` goes into a preallocated StaticCache: on CPU only (on CUDA, generate()
+        torch.compiles every new StaticCache shape), for plain full-attention layers, within the byte budget."""
+        if self.model.device.type != "cpu" or cache.get_seq_length() != width - 1:
+            return False
+        if any(getattr(layer, "is_sliding", False) or not hasattr(layer, "keys") for layer in cache.layers):
+            return False
+        bytes_per_token = sum(layer.keys[0, :, :1].nbytes + layer.values[0, :, :1].nbytes for layer in cache.layers)  # one row
+        return rows * (width + max_tokens) * bytes_per_token <= self.static_cache_budget_bytes
 
 
 def _common_prefix_length(prompt_ids: list[list[int]]) -> int:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import operator
 import os
 import re
@@ -79,24 +80,44 @@ _COMPRESSION = {
 }
 
 
+HAS_FADVISE = hasattr(os, "posix_fadvise")  # Linux; elsewhere pages are not dropped and the page cache just grows
+log = logging.getLogger(__name__)
+
+
 def drop_cached_pages(fd: int) -> None:
     """Tell the kernel a file's pages will not be read soon: clean ones leave the page cache, so the memory is
     reused for the next file instead of growing the cache (see the module docstring); on Linux, dirty ones
-    start being written back (without waiting), so a later fsync waits less."""
-    if hasattr(os, "posix_fadvise"):  # Linux; elsewhere the page cache just grows
+    start being written back (without waiting), so a later fsync waits less. Only an optimisation: a failure
+    is logged, never raised."""
+    if not HAS_FADVISE:
+        return
+    try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except OSError as exc:
+        log.warning("could not drop cached pages of fd %d: %s", fd, exc)
+
+
+def sync_and_drop(fd: int, data_only: bool = False) -> None:
+    """Wait until the file's data is on disk (fsync, or fdatasync where only the data matters), then drop its
+    pages from the page cache: dirty pages cannot be dropped."""
+    (os.fdatasync if data_only and hasattr(os, "fdatasync") else os.fsync)(fd)
+    drop_cached_pages(fd)
 
 
 def drop_written_pages(path: Path) -> None:
-    """Wait until a file's data is on disk, then drop its pages from the page cache (a file deleted meanwhile
-    is fine: its pages went with it)."""
+    """Free the pages of a derived file this process will not read again (a lookup file): wait for its data,
+    then drop them. A file deleted meanwhile is fine (its pages went with it), and a failure is logged, not
+    raised: the file can be rebuilt from its shard, so it must never fail a shard write."""
+    if not HAS_FADVISE:
+        return
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         return
     try:
-        os.fdatasync(fd)  # dirty pages cannot be dropped
-        drop_cached_pages(fd)
+        sync_and_drop(fd, data_only=True)
+    except OSError as exc:
+        log.warning("could not write back %s before dropping its pages: %s", path, exc)
     finally:
         os.close(fd)
 
@@ -403,8 +424,7 @@ def write_temporary(directory: Path, write, name: str | None = None) -> Path:
         write(str(tmp))  # a path, not a Python file object: Arrow's native file is ~3x faster for many small pages
         fd = os.open(tmp, os.O_RDONLY)
         try:
-            os.fsync(fd)
-            drop_cached_pages(fd)
+            sync_and_drop(fd)
         finally:
             os.close(fd)
     except BaseException:
@@ -600,7 +620,8 @@ def write_lookup_file(path: Path, groups: Iterable[tuple[int, pa.RecordBatch]]) 
     """Write (first row in the shard, the group's rows) pairs as the lookup file `path`, via a temporary name.
 
     Its writeback starts at once (`drop_cached_pages`); a writer that will not read it calls
-    `drop_written_pages` later to free its pages. It is not fsynced: the CRCs and sizes catch a torn file.
+    `drop_written_pages` later, which waits for its data and frees its pages. Neither the rename nor the
+    directory is fsynced: a file lost or torn by a crash fails its size or CRC checks and is rebuilt.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{TMP_PREFIX}{uuid.uuid4().hex[:8]}-{path.name}")
@@ -666,7 +687,7 @@ class _LookupFile:
         self.path = path
         self.file = open(path, "rb", buffering=0)  # closed when the last reader lets go of this object
         try:
-            if hasattr(os, "posix_fadvise"):
+            if HAS_FADVISE:
                 # reads are single groups at random offsets: without this, each miss reads ahead 128 KB or more
                 os.posix_fadvise(self.file.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
             self.blocks = self._read_block_table()  # (groups, 5) int64, ascending row starts
@@ -767,7 +788,7 @@ class ShardReader:
                 raise ShardReadError(self.root / rel_path, f"no group of {num_rows} rows at row {row_start} in its "
                                                            "lookup file")
             blocks.append((lookup, block))
-        if len(blocks) > 1 and hasattr(os, "posix_fadvise"):
+        if len(blocks) > 1 and HAS_FADVISE:
             # groups not in the page cache come from disk (writers drop what they write): start all the reads
             # at once, so a 64-prompt lookup waits ~one disk read instead of 64 in a row (~10 ms here)
             for lookup, (offset, length, _) in blocks:

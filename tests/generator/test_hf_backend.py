@@ -104,7 +104,11 @@ def test_shared_prompt_prefill_samples_what_separate_prefills_sample(tiny_backen
     else:  # two worked examples in common, then problems of different lengths (padding between prefix and problem)
         prompts = [build_prompt(tiny_backend.tokenizer, p, "chat", few_shot=2) for p in PROMPTS + ["1+1+1+1+1+1="]]
     params = SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=6)
+    caches = []  # the type of cache each batch's generate() was handed
+    prefill = shared._shared_prefill
+    shared._shared_prefill = lambda *args: caches.append(prefill(*args)) or caches[-1]
     shared_groups, separate_groups = shared.generate(prompts, params), separate.generate(prompts, params)
+    assert caches and {type(c).__name__ for c in caches} == {"StaticCache" if cache == "preallocated" else "DynamicCache"}
     assert [[s.token_ids for s in g] for g in shared_groups] == [[s.token_ids for s in g] for g in separate_groups]
     for shared_group, separate_group in zip(shared_groups, separate_groups):
         for a, b in zip(shared_group, separate_group):

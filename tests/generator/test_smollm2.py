@@ -63,14 +63,15 @@ def small_number_gsm8k(count: int) -> list[dict]:
         return [float(n.replace(",", "")) for n in re.findall(r"\d[\d,]*(?:\.\d+)?", text)]
 
     small = [r for r in rows if numbers(r["problem"]) and max(numbers(r["problem"])) <= SMALL_NUMBER
-             and float(r["answer"]) <= SMALL_NUMBER]
+             and max(numbers(r["answer"]), default=SMALL_NUMBER + 1) <= SMALL_NUMBER]
     return sorted(small, key=lambda r: (len(r["solution"]), r["id"]))[:count]
 
 
 def test_smollm2_generates_groups_and_finds_correct_gsm8k_answers(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="services.generator.models"):
         model, tokenizer = load_model_and_tokenizer(GGUF)
-    assert not caplog.records, "SmolLM2's tokenizer should load as saved, without the tokenizer.json fallback"
+    assert not [r for r in caplog.records if r.name == "services.generator.models"], \
+        "SmolLM2's tokenizer should load as saved, without the tokenizer.json fallback"
     assert model.config.model_type == "llama" and next(model.parameters()).dtype.is_floating_point
     assert 130e6 < sum(p.numel() for p in model.parameters()) < 140e6
     assert tokenizer.chat_template is not None
