@@ -40,9 +40,15 @@ class Job:
     def is_done(self) -> bool:
         return all(path.exists() for path in self.done)
 
+    @property
+    def timing_path(self) -> Path:
+        """Where the job's wall seconds are kept, so that a rerun that finds the job done still reports them."""
+        return self.done[0].with_name(f"{self.done[0].stem}.wall_s")
+
 
 def run_jobs(jobs: list[Job], slots: int, desc: str, env: dict[str, str]) -> dict[str, float]:
-    """Run every job not already done; returns {job name: wall seconds} of those that ran."""
+    """Run every job not already done; returns {job name: wall seconds} of every job, those done by an
+    earlier invocation included (from the time it recorded then)."""
     names = {job.name for job in jobs}
     for job in jobs:
         unknown = set(job.deps) - names
@@ -51,9 +57,10 @@ def run_jobs(jobs: list[Job], slots: int, desc: str, env: dict[str, str]) -> dic
         if job.slots > slots:
             raise ValueError(f"job {job.name} needs {job.slots} processes at once but only {slots} slots are allowed")
     pending = [job for job in jobs if not job.is_done()]
+    to_run = {job.name for job in pending}  # the bar counts these
     finished = {job.name for job in jobs if job.is_done()}
     running: list[Job] = []
-    timings: dict[str, float] = {}
+    timings = {job.name: float(job.timing_path.read_text()) for job in jobs if job.name in finished and job.timing_path.exists()}
     bar = tqdm(total=sum(job.total for job in pending), desc=desc, unit="step", dynamic_ncols=True,
                bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} [{elapsed}<{remaining}] {postfix}")
     try:
@@ -79,9 +86,12 @@ def run_jobs(jobs: list[Job], slots: int, desc: str, env: dict[str, str]) -> dic
                         raise RuntimeError(f"job {job.name} exited cleanly but did not write {[str(p) for p in job.done if not p.exists()]}")
                     job.finished_at = time.perf_counter()
                     timings[job.name] = job.finished_at - job.started_at
+                    tmp = job.timing_path.with_name(f".{job.timing_path.name}.tmp")
+                    tmp.write_text(f"{timings[job.name]:.1f}")
+                    tmp.replace(job.timing_path)
                     running.remove(job)
                     finished.add(job.name)
-            done_units = sum(job.total for job in jobs if job.name in finished and job.name in timings)
+            done_units = sum(job.total for job in jobs if job.name in finished and job.name in to_run)
             done_units += sum(min(job.progress(), job.total) for job in running)
             bar.n = done_units
             bar.set_postfix_str(", ".join(job.name for job in running), refresh=False)

@@ -298,7 +298,9 @@ def markdown(summary: dict, cfg: DemoConfig) -> str:
     job_cpu += [run.get("cpu_s") for run in summary["peer_imitation"]]
     total_cpu = sum(c for c in job_cpu if c)
     lines += ["", "## Time", "",
-              f"Wall time {summary['wall_time_s']:.0f} s with {cfg.workers} processes at once; the jobs used {total_cpu:.0f} CPU seconds "
+              f"Wall time of this invocation {summary['wall_time_s']:.0f} s with {cfg.workers} processes at once (jobs found done "
+              f"in `demo_out/` from an earlier invocation are not rerun; their times below are the ones they took then); "
+              f"the jobs used {total_cpu:.0f} CPU seconds "
               f"(warm starts and RL runs, evaluation included; the generator and the store server not counted). Job wall times (s): "
               + ", ".join(f"{k} {v:.0f}" for k, v in summary["job_wall_s"].items()) + "."]
     lines += ["", "Produced by `make demo` (`python -m demo.run`); every number is read from the runs' outputs in `demo_out/`.", ""]
