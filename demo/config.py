@@ -47,9 +47,9 @@ class RLConfig(_Section):
     steps: int = Field(default=100, ge=1, description="training steps of every run")
     prompts_per_step: int = Field(default=16, ge=1, description="prompts per step (x group_size learner rollouts: the rollout budget)")
     group_size: int = Field(default=8, ge=2, description="G")
-    lr: float = Field(default=3e-4, gt=0, description="AdamW learning rate")
-    anchor_prompts_per_step: int = Field(default=8, ge=1, description="strong-family reference completions in the supervised anchor, every step")
-    anchor_weight: float = Field(default=2.0, ge=0, description="weight of the anchor NLL")
+    lr: float = Field(default=5e-4, gt=0, description="AdamW learning rate (1e-3 wrecks every RL run here, demo/README.md)")
+    anchor_prompts_per_step: int = Field(default=32, ge=1, description="strong-family reference completions in the supervised anchor, every step")
+    anchor_weight: float = Field(default=1.0, ge=0, description="weight of the anchor NLL")
     eval_every: int = Field(default=25, ge=1, description="evaluate a checkpoint every N steps (and step 0)")
     cotrain_wait_s: float = Field(default=2.0, ge=0, description="co-training: longest wait per step for the other model's groups")
     seeds: list[int] = Field(default=[0, 1, 2], description="seeds of the headline runs (grpo, graft, graft co-training)")
@@ -77,9 +77,11 @@ class DemoConfig(_Section):
     learner: ModelBuildConfig = Field(
         default_factory=lambda: ModelBuildConfig(
             hidden=128, layers=4,
-            # TOY_STUDY: RL starts from a checkpoint of a longer schedule where the weak skill is emerging
-            # (measured here: add3 greedy 3.8% at step 600, 7.5% at step 700; add2 98% and 100%).
-            sft=SFTConfig(steps=1000, stop_at=700, batch_size=128, lr=2e-3, family_weights={"add2": 0.97, "add3": 0.03}),
+            # RL starts halfway through the learner's transition on the weak family (demo/README.md, "A second
+            # look"): with 30% add3 it learns the operand alignment between steps 400 and 600 (add3 greedy 6% at
+            # 400, 13% at 450, 28% at 500, 95% at 600), so the peer's answers have much to teach (supervised on
+            # them: 13 -> 49 in 100 updates). With 3% it never gets there (7.5% at 700, 10% at 1000).
+            sft=SFTConfig(steps=1000, stop_at=450, batch_size=128, lr=2e-3, family_weights={"add2": 0.7, "add3": 0.3}),
         )
     )
     peer: ModelBuildConfig = Field(
