@@ -9,7 +9,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from services.generator.prompts import MAX_FEW_SHOT, PromptTemplate
+from services.generator.prompts import MAX_FEW_SHOT, PromptTemplate, check_few_shot
 
 
 class GeneratorConfig(BaseModel):
@@ -54,7 +54,7 @@ class GeneratorConfig(BaseModel):
     def _continuous_needs_nothing_else(self) -> GeneratorConfig:
         if self.watch_dir is not None and not self.continuous:
             raise ValueError("watch_dir is only read in continuous mode: set continuous: true, or drop watch_dir")
-        _check_few_shot(self.template, self.few_shot)
+        check_few_shot(self.template, self.few_shot)
         return self
 
     @property
@@ -95,13 +95,8 @@ class EvalConfig(BaseModel):
 
     @model_validator(mode="after")
     def _few_shot_needs_a_template(self) -> EvalConfig:
-        _check_few_shot(self.template, self.few_shot)
+        check_few_shot(self.template, self.few_shot)
         return self
-
-
-def _check_few_shot(template: str, few_shot: int) -> None:
-    if template == "raw" and few_shot:
-        raise ValueError("template 'raw' shows the problem verbatim and takes no worked examples: set few_shot to 0")
 
 
 def load_config(cls: type[BaseModel], yaml_path: Path | None, overrides: dict[str, Any]) -> Any:

@@ -63,6 +63,14 @@ FEW_SHOT_EXAMPLES: tuple[tuple[str, str], ...] = (
 MAX_FEW_SHOT = len(FEW_SHOT_EXAMPLES)
 
 
+def check_few_shot(template: PromptTemplate, few_shot: int) -> None:
+    """A clear error for a `few_shot` that `build_prompt` cannot honour (configs call it to fail at load time)."""
+    if not 0 <= few_shot <= MAX_FEW_SHOT:
+        raise ValueError(f"few_shot = {few_shot}: there are {MAX_FEW_SHOT} worked examples, pass 0 to {MAX_FEW_SHOT}")
+    if template == "raw" and few_shot:
+        raise ValueError("template 'raw' shows the problem verbatim and takes no worked examples: set few_shot to 0")
+
+
 def build_prompt(tokenizer, problem: str, template: PromptTemplate = "auto", few_shot: int = 0) -> str:
     """The prompt string for `problem`.
 
@@ -74,12 +82,9 @@ def build_prompt(tokenizer, problem: str, template: PromptTemplate = "auto", few
     The chat template already holds any BOS token: tokenise the result with
     add_special_tokens=False.
     """
-    if not 0 <= few_shot <= MAX_FEW_SHOT:
-        raise ValueError(f"few_shot = {few_shot}: there are {MAX_FEW_SHOT} worked examples, pass 0 to {MAX_FEW_SHOT}")
+    check_few_shot(template, few_shot)
     examples = FEW_SHOT_EXAMPLES[:few_shot]
     if template == "raw":
-        if few_shot:
-            raise ValueError("template 'raw' shows the problem verbatim and takes no worked examples: set few_shot to 0")
         return problem
     has_chat = getattr(tokenizer, "chat_template", None) is not None
     if template == "chat" or (template == "auto" and has_chat):
