@@ -84,6 +84,7 @@ class GraftConfig(_Section):
     luffy_gamma: float = Field(default=0.1, gt=0.0, description="gamma of the luffy shaping p/(p + gamma)")
     peer_negative_scale: float = Field(default=1.0, ge=0.0, description="multiplies negative advantages of grafted responses (1: the method as published)")
     group_normalized_weight: bool = Field(default=False, description="divide each w by the mean w of its grafted group")
+    peer_loss_scale: float = Field(default=1.0, gt=0.0, description="multiplies c on every grafted token (1: the spec; > 1 gives the peer's rows a larger share of the token-mean, outside the spec)")
     kl_on_peer: bool = Field(default=False, description="apply the KL term (ppo.kl_beta > 0) to grafted tokens too")
     max_grafted_fraction: float = Field(default=0.5, ge=0.0, le=1.0, description="at most this fraction of a step's groups are grafted")
     max_peer_policy_lag: int | None = Field(default=None, ge=0, description="accept peer groups with policy_step >= learner step - lag (None: any step)")

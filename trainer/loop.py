@@ -669,6 +669,7 @@ def _attach_old_logprobs_and_weights(cfg, learner: Learner, reference, rows: lis
             row.compat_weight = w
             row.finite = bool(ok) and bool(torch.isfinite(row.old_logprobs).all())
             if cfg.graft.token_is == "luffy":  # LUFFY needs no peer probabilities: c = 1
+                row.token_weight = row.token_weight * cfg.graft.peer_loss_scale
                 continue
             b = torch.ones_like(row.old_logprobs)  # (n,)
             if cfg.graft.token_is == "tis":
@@ -678,7 +679,7 @@ def _attach_old_logprobs_and_weights(cfg, learner: Learner, reference, rows: lis
                     ratios.append(b)
                     if row.advantage > 0 and row.num_content_tokens > 0:
                         hardest.append(float(b[int(torch.argmin(row.old_logprobs[: row.num_content_tokens]))]))
-            row.token_weight = w * b  # (n,)
+            row.token_weight = cfg.graft.peer_loss_scale * w * b  # (n,)
         kept_weights = weights[finite]
         kept_log_rho = log_rho[finite]
         if kept_weights.numel():

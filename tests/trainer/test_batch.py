@@ -77,14 +77,14 @@ def test_grafted_rows_weights_by_hand(char_model, char_tokenizer, bpe_model, bpe
         b = [min(math.exp(o - mu), 2.0) for o, mu in zip(old, row.behaviour_logprobs)]
         assert row.token_weight.tolist() == pytest.approx([w * x for x in b], rel=1e-4)
     assert stats["compat_weight_mean"] == pytest.approx(sum(r.compat_weight for r in rows) / 4, rel=1e-5)
-    # token_is = none: b = 1; luffy: c = 1
-    for token_is, expect_b in (("none", True), ("luffy", False)):
-        cfg = config(token_is=token_is)
+    # token_is = none: b = 1; luffy: c = 1; peer_loss_scale multiplies c (outside the spec)
+    for token_is, expect_b, scale in (("none", True, 1.0), ("luffy", False, 1.0), ("none", True, 3.0), ("luffy", False, 3.0)):
+        cfg = config(token_is=token_is, peer_loss_scale=scale)
         rows, _, _ = _build_rows(cfg, learner, [GateDecision(problem.prompt_id, "all_fail", "graft", peer)], [own],
                                  {problem.prompt_id: problem}, {}, {})
         rows, _ = _attach_old_logprobs_and_weights(cfg, learner, None, rows, dict(drops))
         for row in rows:
-            expected = row.compat_weight if expect_b else 1.0
+            expected = scale * (row.compat_weight if expect_b else 1.0)
             assert row.token_weight.tolist() == pytest.approx([expected] * len(row.completion_ids))
 
 
