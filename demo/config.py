@@ -61,6 +61,11 @@ class RLConfig(_Section):
         },
         description="ablation name -> trainer overrides on top of offline GRAFT with the spec's defaults",
     )
+    variants: dict[str, list[str]] = Field(
+        default={},
+        description="changes to the method outside the spec's defaults: name -> trainer overrides on top of offline GRAFT, "
+                    "run over `seeds` like the headline runs and reported next to them (configs/demo_study.yaml)",
+    )
     imitation_examples_per_step: int = Field(
         default=24, ge=0,
         description="the ceiling run: supervised training on this many of the peer's correct weak-family answers per update, "

@@ -16,7 +16,7 @@ import orjson
 
 from demo.config import DemoConfig
 
-MODE_ORDER = ["grpo", "graft", "graft_cotrain", "graft_no_peer_neg", "graft_no_seq_weight", "graft_no_token_is"]
+MODE_ORDER = ["grpo", "graft", "graft_cotrain", "graft_fix", "graft_no_peer_neg", "graft_no_seq_weight", "graft_no_token_is"]
 MODE_LABEL = {
     "grpo": "GRPO",
     "graft": "GRAFT offline (spec defaults)",
@@ -24,6 +24,7 @@ MODE_LABEL = {
     "graft_no_peer_neg": "GRAFT, peer negatives x0",
     "graft_no_seq_weight": "GRAFT, no sequence weight (w = 1)",
     "graft_no_token_is": "GRAFT, no token-level IS (b = 1)",
+    "graft_fix": "GRAFT changed: LUFFY shaping, peer negatives x0, peer rows x4",
 }
 STRONG_TOLERANCE = 0.02  # "without losing the strong family": GRAFT's strong accuracy at most 2 points under GRPO's
 
@@ -150,6 +151,10 @@ def write_report(cfg: DemoConfig, models: dict, runs: list[dict], data: dict, st
         "graft_minus_grpo_weak_family_std": diff_std,
         "graft_minus_grpo_strong_family": strong_diff,
         "paired_seeds": n_pairs,
+        "variants_minus_grpo_weak_family": {
+            mode: dict(zip(("mean", "std", "paired_seeds"), paired_difference(records, mode, "grpo", weak)))
+            for mode in cfg.rl.variants
+        },
         "seed_spread_weak_family": spread,
         "target": target,
         "per_mode": per_mode,
@@ -219,6 +224,11 @@ def markdown(summary: dict, cfg: DemoConfig) -> str:
         f"Target (>= 5 points, larger than the seed spread {_pct(summary['seed_spread_weak_family'])}, strong family kept within "
         f"{100 * STRONG_TOLERANCE:.0f} points): **{'met' if target['met'] else 'not met'}** "
         f"({', '.join(f'{k}: {v}' for k, v in target.items() if k != 'met')}).",
+    ]
+    for mode, d in summary["variants_minus_grpo_weak_family"].items():
+        lines.append(f"{MODE_LABEL.get(mode, mode)} (not the spec's defaults: `{' '.join(cfg.rl.variants[mode])}`) minus GRPO on "
+                     f"`{weak}`: **{_pct(d['mean'])} points** (std over {d['paired_seeds']} paired seeds {_pct(d['std'])}).")
+    lines += [
         f"Wall time {summary['wall_time_s']:.0f} s.",
         "",
         "<!-- table-end -->",

@@ -257,6 +257,9 @@ def rl_jobs(cfg: DemoConfig, data: dict[str, Path], models: dict[str, dict], sto
     for seed in cfg.rl.seeds:
         add_run(f"grpo-s{seed}", "grpo", seed, [learner_config(seed, "grpo", [])], deps=["sft learner"])
         add_run(f"graft-s{seed}", "graft", seed, [learner_config(seed, "graft", [])], deps=["sft learner", "peer groups"])
+    for name, overrides in cfg.rl.variants.items():
+        for seed in cfg.rl.seeds:
+            add_run(f"{name}-s{seed}", name, seed, [learner_config(seed, "graft", overrides)], deps=["sft learner", "peer groups"])
     for name, overrides in cfg.rl.ablations.items():
         for seed in cfg.rl.ablation_seeds:
             add_run(f"{name}-s{seed}", name, seed, [learner_config(seed, "graft", overrides)], deps=["sft learner", "peer groups"])

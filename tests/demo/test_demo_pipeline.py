@@ -22,14 +22,16 @@ RUN_KEYS = {"mode", "seed", "acc_by_family", "acc_mean", "frac_all_fail_mean", "
 def test_quick_demo_end_to_end(tmp_path):
     out, report = tmp_path / "demo_out", tmp_path / "report"
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-m", "demo.run", "--quick", "--out-dir", str(out), "--report-dir", str(report)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    # The study's config (its method variant included), shrunk by --quick
+    args = ["--quick", "--config", str(REPO / "configs" / "demo_study.yaml"), "--out-dir", str(out), "--report-dir", str(report)]
+    proc = subprocess.run([sys.executable, "-m", "demo.run", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     summary = json.loads((report / "summary.json").read_text())
     assert {"runs", "graft_minus_grpo_weak_family", "graft_minus_grpo_weak_family_std", "wall_time_s"} <= set(summary)
     modes = {r["mode"] for r in summary["runs"]}
-    assert {"grpo", "graft", "graft_cotrain", "graft_no_peer_neg", "graft_no_seq_weight"} <= modes
+    assert {"grpo", "graft", "graft_cotrain", "graft_no_peer_neg", "graft_no_seq_weight", "graft_fix"} <= modes
+    assert summary["variants_minus_grpo_weak_family"]["graft_fix"]["paired_seeds"] == 1
     for run in summary["runs"]:
         assert RUN_KEYS <= set(run), run.keys()
         assert set(run["acc_by_family"]) == {"add2", "add3"}
@@ -52,6 +54,7 @@ def test_quick_demo_end_to_end(tmp_path):
 
     text = (report / "REPORT.md").read_text()
     assert "| run | seeds |" in text and "GRAFT co-training" in text and "peer negatives x0" in text and "The ceiling" in text
+    assert "(not the spec's defaults: `graft.token_is=luffy graft.peer_negative_scale=0 graft.peer_loss_scale=4`)" in text
     for png in ("accuracy_vs_step.png", "all_fail_vs_step.png"):
         assert (report / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| run | seeds |" in proc.stdout and "curl -s" in proc.stdout and "serve --root" in proc.stdout
@@ -63,8 +66,7 @@ def test_quick_demo_end_to_end(tmp_path):
         assert s.connect_ex(("127.0.0.1", port)) != 0
 
     # A rerun finds every stage finished and only rewrites the report.
-    again = subprocess.run([sys.executable, "-m", "demo.run", "--quick", "--out-dir", str(out), "--report-dir", str(report)],
-                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    again = subprocess.run([sys.executable, "-m", "demo.run", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     rerun = json.loads((report / "summary.json").read_text())
     assert rerun["runs"] == summary["runs"]
