@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: install install-vllm test demo demo-real bench clean-venv
+.PHONY: install install-vllm test demo demo-real bench clean-venv demo-study
 
 install: $(STAMP)
 
@@ -41,6 +41,9 @@ test: install install-vllm
 
 demo: install
 	$(BIN)/python -m demo.run
+
+demo-study: install
+	$(BIN)/python -m demo.run --config configs/demo_study.yaml
 
 demo-real: install
 	$(BIN)/python -m demo.real

@@ -44,7 +44,7 @@ class PeerGroupsConfig(_Section):
 
 
 class RLConfig(_Section):
-    steps: int = Field(default=60, ge=1, description="training steps of every run (60 fits the 15-minute budget; 100 or 300 change nothing here, demo/README.md)")
+    steps: int = Field(default=60, ge=1, description="training steps of every run (60 fits the 15-minute budget; for GRPO and GRAFT with the spec's defaults 100 or 300 change nothing here, demo/README.md)")
     prompts_per_step: int = Field(default=16, ge=1, description="prompts per step (x group_size learner rollouts: the rollout budget)")
     group_size: int = Field(default=8, ge=2, description="G")
     lr: float = Field(default=5e-4, gt=0, description="AdamW learning rate (1e-3 wrecks every RL run here, demo/README.md)")
