@@ -18,6 +18,8 @@ from typing import Callable
 
 from tqdm import tqdm
 
+from demo.files import write_text_atomic
+
 
 @dataclass
 class Job:
@@ -86,9 +88,7 @@ def run_jobs(jobs: list[Job], slots: int, desc: str, env: dict[str, str]) -> dic
                         raise RuntimeError(f"job {job.name} exited cleanly but did not write {[str(p) for p in job.done if not p.exists()]}")
                     job.finished_at = time.perf_counter()
                     timings[job.name] = job.finished_at - job.started_at
-                    tmp = job.timing_path.with_name(f".{job.timing_path.name}.tmp")
-                    tmp.write_text(f"{timings[job.name]:.1f}")
-                    tmp.replace(job.timing_path)
+                    write_text_atomic(job.timing_path, f"{timings[job.name]:.1f}", durable=False)
                     running.remove(job)
                     finished.add(job.name)
             done_units = sum(job.total for job in jobs if job.name in finished and job.name in to_run)

@@ -15,6 +15,7 @@ from typing import Any
 import orjson
 
 from demo.config import DemoConfig
+from demo.files import write_text_atomic
 
 MODE_ORDER = ["grpo", "graft", "graft_cotrain", "graft_fix", "graft_no_peer_neg", "graft_no_seq_weight", "graft_no_token_is"]
 MODE_LABEL = {
@@ -172,9 +173,9 @@ def write_report(cfg: DemoConfig, models: dict, runs: list[dict], data: dict, st
     }
     report_dir = cfg.report_dir
     report_dir.mkdir(parents=True, exist_ok=True)
-    _write_atomic(report_dir / "summary.json", json.dumps(summary, indent=2, default=str))
+    write_text_atomic(report_dir / "summary.json", json.dumps(summary, indent=2, default=str))
     _plots(records, report_dir, weak, strong, models)
-    _write_atomic(report_dir / "REPORT.md", markdown(summary, cfg))
+    write_text_atomic(report_dir / "REPORT.md", markdown(summary, cfg))
     return summary
 
 
@@ -367,13 +368,4 @@ def _plots(records: list[dict], report_dir: Path, weak: str, strong: str, models
 def _save_fig(fig, path: Path) -> None:
     tmp = path.with_name(f".{path.stem}.tmp.png")
     fig.savefig(tmp, dpi=110)
-    os.replace(tmp, path)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
     os.replace(tmp, path)

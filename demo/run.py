@@ -26,12 +26,12 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import orjson
 import yaml
 
 from demo.config import DemoConfig, config_hash, load_demo_config
+from demo.files import write_text_atomic
 from demo.jobs import Job, child_env, python_module, run_jobs
 from demo.task import completion_text, dataset_name, family_splits, write_problems_jsonl
 
@@ -314,9 +314,7 @@ def _generator_job(cfg: DemoConfig, data: dict[str, Path], models: dict[str, dic
                     raise RuntimeError(f"the store indexed {0 if peer is None else peer.groups} of {n_prompts} peer groups after 60 s")
                 time.sleep(0.2)
         summary.update(indexed_groups=peer.groups, informative_groups=peer.informative_groups, success_rate=peer.success_rate)
-        tmp = done.with_name(".peer-groups-done.tmp")
-        tmp.write_text(json.dumps(summary))
-        tmp.replace(done)
+        write_text_atomic(done, json.dumps(summary))
 
     return Job(name="peer groups", commands=[command], logs=[log], done=[done], progress=shards, total=n_prompts, after=after,
                deps=["sft peer"])

@@ -17,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
+from demo.files import write_text_atomic
+
 
 class SFTConfig(BaseModel):
     """One supervised warm-start run."""
@@ -36,10 +38,8 @@ class SFTConfig(BaseModel):
 
 
 def write_progress(path: Path, done: int, total: int) -> None:
-    """`done total` for a parent process to draw a progress bar from (temporary name, then rename)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(f"{done} {total}")
-    tmp.replace(path)
+    """`done total` for a parent process to draw a progress bar from."""
+    write_text_atomic(path, f"{done} {total}", durable=False)
 
 
 def lr_at(step: int, cfg: SFTConfig) -> float:

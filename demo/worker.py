@@ -11,7 +11,6 @@ finished exactly when that file exists (written last, atomically).
 from __future__ import annotations
 
 import json
-import os
 import resource
 import sys
 import time
@@ -21,6 +20,7 @@ import torch
 
 from demo.config import DemoConfig
 from demo.evaluation import family_accuracy, load_eval_sets
+from demo.files import write_text_atomic
 from demo.sft import train_sft, write_progress
 from demo.task import alphabet, completion_text, family_splits
 from demo.toy_models import build_learner, build_peer, count_parameters
@@ -28,12 +28,7 @@ from demo.toy_tokenizers import build_bpe_tokenizer, build_char_tokenizer
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(data, indent=2))
 
 
 def build(job: dict) -> dict:
