@@ -6,8 +6,9 @@ One step:
   3. publish the groups to the store (co-training)
   4. gate: mixed / all-success groups train on-policy; all-fail groups take an informative peer
      group when one arrived (re-tokenised into the learner's tokens), else are skipped
-  5. pi_old: a no-grad forward on every row with signal; compatibility weights w and token
-     behaviour ratios b for grafted rows
+  5. pi_old: a no-grad forward on every row with signal (or, with one update per step, the
+     update's own forward, detached); compatibility weights w and token behaviour ratios b for
+     grafted rows
   6. PPO epoch(s) over mini-batches (micro-batched), plus the optional supervised anchor
   7. metrics line, vLLM weight sync, checkpoint, evaluation
 `train(cfg)` runs it in-process and returns the run directory.
@@ -44,7 +45,7 @@ from services.generator.models import (
 from services.generator.prompts import build_prompt
 from services.generator.sampling import SamplingParams
 from services.generator.scoring import Scorer
-from trainer.batch import TrainSample, collate, response_logprobs
+from trainer.batch import TokenBatch, TrainSample, collate, response_logprobs
 from trainer.checkpoint import latest_checkpoint, load_trainer_state, restore_rng_state, save_checkpoint
 from trainer.config import TrainConfig
 from trainer.gate import (
@@ -266,12 +267,13 @@ def train(cfg: TrainConfig, resume: bool = False, on_step: Callable[[dict[str, A
 
             # 5. pi_old (and pi_ref) on every row with signal; weights of grafted rows
             update_start = time.perf_counter()
-            rows, weight_stats = _attach_old_logprobs_and_weights(cfg, learner, reference, rows, drops)
+            first_pass = _single_pass_forward(cfg, learner, rows)
+            rows, weight_stats = _attach_old_logprobs_and_weights(cfg, learner, reference, rows, drops, first_pass)
             counts.update(weight_stats)
 
             # 6. PPO epoch(s) over mini-batches
             update_metrics = _update_policy(
-                cfg, loss_cfg, learner, reference, optimizer, scheduler, rows, anchors, policy_step
+                cfg, loss_cfg, learner, reference, optimizer, scheduler, rows, anchors, policy_step, first_pass
             )
             update_s = time.perf_counter() - update_start
             if uses_vllm:  # the engine samples the next step with the new weights
@@ -638,13 +640,46 @@ def _forward_logprobs(
     return out
 
 
-def _attach_old_logprobs_and_weights(cfg, learner: Learner, reference, rows: list[TrainSample], drops: dict[str, int]):
+@dataclass
+class FirstPass:
+    """The update's own forward pass, taken before pi_old is needed (see `_single_pass_forward`)."""
+
+    rows: list[TrainSample]  # the rows with signal, in the order of `logprobs`
+    tokens: TokenBatch
+    logprobs: torch.Tensor  # (b, T) with grad
+
+    def select(self, chunk: list[TrainSample]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logprobs with grad, mask) of `chunk`'s rows, in its order."""
+        position = {id(row): i for i, row in enumerate(self.rows)}
+        index = torch.tensor([position[id(row)] for row in chunk], device=self.logprobs.device)
+        return self.logprobs.index_select(0, index), self.tokens.mask.index_select(0, index)
+
+
+def _single_pass_forward(cfg: TrainConfig, learner: Learner, rows: list[TrainSample]) -> FirstPass | None:
+    """With one PPO epoch of one mini-batch that fits one micro-batch, the update's forward pass runs on
+    exactly the weights that pi_old is defined by (ratio 1): one forward with grad serves both, as verl
+    does, and the separate no-grad pass is skipped. None otherwise (several updates per step need pi_old
+    frozen before the first)."""
+    active = [row for row in rows if _needs_forward(row, cfg)]
+    if cfg.optim.ppo_epochs != 1 or _num_mini_batches(cfg) != 1 or not active or len(active) > cfg.optim.micro_batch_size:
+        return None
+    tokens = collate(active, learner.tokenizer.pad_token_id).to(learner.device)
+    return FirstPass(active, tokens, response_logprobs(learner.model, tokens, cfg.rollout.temperature))
+
+
+def _attach_old_logprobs_and_weights(
+    cfg, learner: Learner, reference, rows: list[TrainSample], drops: dict[str, int], first_pass: FirstPass | None = None
+):
     """pi_old (and pi_ref) for every row with signal; token weights c = w*b on grafted rows.
 
     Returns the rows kept (grafted rows with non-finite values are dropped and counted) and the
     weight statistics of the step."""
     active = [row for row in rows if _needs_forward(row, cfg)]
-    old = _forward_logprobs(learner.model, active, learner, cfg.optim.micro_batch_size, cfg.rollout.temperature)
+    if first_pass is not None:
+        detached = first_pass.logprobs.detach().cpu()  # (b, T)
+        old = [detached[i, : len(row.completion_ids)] for i, row in enumerate(first_pass.rows)]
+    else:
+        old = _forward_logprobs(learner.model, active, learner, cfg.optim.micro_batch_size, cfg.rollout.temperature)
     refs: list[torch.Tensor | None] = [None] * len(active)
     if reference is not None:
         refs = _forward_logprobs(reference, active, learner, cfg.optim.micro_batch_size, 1.0)
@@ -726,8 +761,10 @@ def _update_policy(
     rows: list[TrainSample],
     anchors: list[tuple[str, str]],
     policy_step: int,
+    first_pass: FirstPass | None = None,
 ) -> dict[str, float]:
-    """PPO epoch(s) over mini-batches of the step's rows; returns averaged loss metrics."""
+    """PPO epoch(s) over mini-batches of the step's rows; returns averaged loss metrics. With `first_pass`
+    (one epoch, one mini-batch, one micro-batch) its logprobs are the update's: no second forward."""
     generator = torch.Generator().manual_seed(cfg.seed * 31_337 + policy_step)
     num_mini = _num_mini_batches(cfg)
     totals: dict[str, float] = {}
@@ -755,21 +792,24 @@ def _update_policy(
             mini_loss = 0.0
             for begin in range(0, len(active), cfg.optim.micro_batch_size):
                 chunk = active[begin : begin + cfg.optim.micro_batch_size]
-                tokens = collate(chunk, learner.tokenizer.pad_token_id).to(learner.device)
-                logprobs = response_logprobs(learner.model, tokens, cfg.rollout.temperature)  # (b, T), with grad
+                if first_pass is not None:
+                    logprobs, mask = first_pass.select(chunk)  # (b, T), with grad
+                else:
+                    tokens = collate(chunk, learner.tokenizer.pad_token_id).to(learner.device)
+                    logprobs, mask = response_logprobs(learner.model, tokens, cfg.rollout.temperature), tokens.mask
                 width = logprobs.shape[1]
                 batch = LossBatch(
                     logprobs=logprobs,
                     old_logprobs=_pad([r.old_logprobs for r in chunk], width).to(learner.device),
                     advantages=torch.tensor([r.advantage for r in chunk], dtype=torch.float32, device=learner.device),
-                    mask=tokens.mask,
+                    mask=mask,
                     token_weight=_pad([r.token_weight for r in chunk], width).to(learner.device),
                     is_grafted=torch.tensor([r.grafted for r in chunk], dtype=torch.bool, device=learner.device),
                     ref_logprobs=None if reference is None else _pad([r.ref_logprobs for r in chunk], width).to(
                         learner.device),
                 )
                 loss, metrics = graft_loss(batch, loss_cfg)
-                micro_denominator = agg_denominator(tokens.mask, loss_cfg)
+                micro_denominator = agg_denominator(mask, loss_cfg)
                 scale = micro_denominator / denominator  # the micro-batches' losses add up to the mini-batch's
                 (loss * scale).backward()
                 mini_loss += float(loss.detach()) * scale
