@@ -44,7 +44,7 @@ class PeerGroupsConfig(_Section):
 
 
 class RLConfig(_Section):
-    steps: int = Field(default=60, ge=1, description="training steps of every run (60 fits the 15-minute budget; for GRPO and GRAFT with the spec's defaults 100 or 300 change nothing here, demo/README.md)")
+    steps: int = Field(default=100, ge=1, description="training steps of every run (the changed GRAFT's gain appears between steps 60 and 100, demo/README.md)")
     prompts_per_step: int = Field(default=16, ge=1, description="prompts per step (x group_size learner rollouts: the rollout budget)")
     group_size: int = Field(default=8, ge=2, description="G")
     lr: float = Field(default=5e-4, gt=0, description="AdamW learning rate (1e-3 wrecks every RL run here, demo/README.md)")
@@ -62,9 +62,15 @@ class RLConfig(_Section):
         description="ablation name -> trainer overrides on top of offline GRAFT with the spec's defaults",
     )
     variants: dict[str, list[str]] = Field(
-        default={},
+        default={
+            # The fix found by the diagnosis (demo/README.md, "A third look"): the spec's truncated ratio b makes a
+            # grafted group about what more on-policy samples give, so the peer's answer barely moves the learner.
+            # LUFFY's shaping p / (p + 0.1) instead of b (a GRAFT_SPEC option), peer negatives x0 (an option), and
+            # the grafted rows' token weights x4 (outside the spec: their share of the token-mean).
+            "graft_fix": ["graft.token_is=luffy", "graft.peer_negative_scale=0", "graft.peer_loss_scale=4"],
+        },
         description="changes to the method outside the spec's defaults: name -> trainer overrides on top of offline GRAFT, "
-                    "run over `seeds` like the headline runs and reported next to them (configs/demo_study.yaml)",
+                    "run over `seeds` like the headline runs and reported next to them",
     )
     imitation_examples_per_step: int = Field(
         default=24, ge=0,

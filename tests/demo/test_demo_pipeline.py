@@ -22,7 +22,7 @@ RUN_KEYS = {"mode", "seed", "acc_by_family", "acc_mean", "frac_all_fail_mean", "
 def test_quick_demo_end_to_end(tmp_path):
     out, report = tmp_path / "demo_out", tmp_path / "report"
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
-    # The study's config (its method variant included), shrunk by --quick
+    # The study's config (the demo's runs, its method variant included, and every ablation), shrunk by --quick
     args = ["--quick", "--config", str(REPO / "configs" / "demo_study.yaml"), "--out-dir", str(out), "--report-dir", str(report)]
     proc = subprocess.run([sys.executable, "-m", "demo.run", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -30,8 +30,10 @@ def test_quick_demo_end_to_end(tmp_path):
     summary = json.loads((report / "summary.json").read_text())
     assert {"runs", "graft_minus_grpo_weak_family", "graft_minus_grpo_weak_family_std", "wall_time_s"} <= set(summary)
     modes = {r["mode"] for r in summary["runs"]}
-    assert {"grpo", "graft", "graft_cotrain", "graft_no_peer_neg", "graft_no_seq_weight", "graft_fix"} <= modes
+    assert {"grpo", "graft", "graft_cotrain", "graft_no_peer_neg", "graft_no_seq_weight", "graft_no_token_is", "graft_fix",
+            "graft_fix_with_b", "graft_fix_with_neg", "graft_fix_x1"} <= modes
     assert summary["variants_minus_grpo_weak_family"]["graft_fix"]["paired_seeds"] == 1
+    assert set(summary["variants_target"]["graft_fix"]) == set(summary["target"])
     for run in summary["runs"]:
         assert RUN_KEYS <= set(run), run.keys()
         assert set(run["acc_by_family"]) == {"add2", "add3"}
@@ -55,6 +57,8 @@ def test_quick_demo_end_to_end(tmp_path):
     text = (report / "REPORT.md").read_text()
     assert "| run | seeds |" in text and "GRAFT co-training" in text and "peer negatives x0" in text and "The ceiling" in text
     assert "(not the spec's defaults: `graft.token_is=luffy graft.peer_negative_scale=0 graft.peer_loss_scale=4`)" in text
+    assert "The same target with this method" in text
+    assert "GRAFT changed, peer rows x1 minus GRPO" in text and "minus GRAFT changed: LUFFY shaping" in text
     for png in ("accuracy_vs_step.png", "all_fail_vs_step.png"):
         assert (report / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| run | seeds |" in proc.stdout and "curl -s" in proc.stdout and "serve --root" in proc.stdout
