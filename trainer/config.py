@@ -24,7 +24,12 @@ class ModelConfig(_Section):
     model_id: str | None = Field(default=None, description="name this learner's groups carry in the store (path-safe); default: the directory or GGUF name")
     tokenizer_id: str | None = Field(default=None, description="id of the learner's tokenizer; peers with the same id take the exact path; default: its fingerprint (as the generator stores it)")
     revision: str | None = Field(default=None, description="revision stored with the learner's groups; default: fingerprint of the initial checkpoint")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(default="float32", description="parameter dtype of the trained policy")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        default="float32",
+        description="compute dtype of the policy's forward passes (torch.autocast) and of the vLLM sampler; parameters and "
+                    "optimizer state stay float32 (master weights: a 1e-6 update of a bfloat16 weight rounds away). "
+                    "No float16: it would need loss scaling",
+    )
     device: str = Field(default="auto", description="torch device: 'auto' (cuda when available, else cpu), 'cpu', 'cuda', 'cuda:1', ...")
 
 

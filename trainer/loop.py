@@ -16,6 +16,7 @@ One step:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
@@ -128,6 +129,13 @@ class Learner:
     revision: str
     eos_ids: set[int]
     device: torch.device
+    compute_dtype: torch.dtype = torch.float32  # forward passes run in it; the parameters stay float32
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Mixed precision for forward passes (sampling, pi_old, the update's forward and loss); backward runs outside."""
+        if self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
 
 
 def train(cfg: TrainConfig, resume: bool = False, on_step: Callable[[dict[str, Any]], None] | None = None) -> Path:
@@ -161,7 +169,8 @@ def train(cfg: TrainConfig, resume: bool = False, on_step: Callable[[dict[str, A
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg, cfg.steps * updates_per_step))
     reference = None
     if cfg.ppo.kl_beta > 0:  # the initial policy, frozen (loaded from the start checkpoint, also on resume)
-        reference = _load_learner(cfg, None).model.requires_grad_(False)
+        # frozen, so it needs no float32 master copy: kept in the compute dtype
+        reference = _load_learner(cfg, None).model.requires_grad_(False).to(learner.compute_dtype)
 
     state = LoopState()
     if checkpoint is not None:
@@ -358,7 +367,8 @@ def train(cfg: TrainConfig, resume: bool = False, on_step: Callable[[dict[str, A
                 save_checkpoint(run_dir, state.step, learner.model, learner.tokenizer, optimizer, scheduler,
                                 asdict(state), cfg.checkpoint.keep_last)
             if cfg.eval.every_steps and cfg.eval.benchmarks and (state.step % cfg.eval.every_steps == 0 or last):
-                _evaluate(cfg, backend, scorer, run_dir, state.step)
+                with learner.autocast():
+                    _evaluate(cfg, backend, scorer, run_dir, state.step)
     finally:
         progress.close()
         if peers is not None:
@@ -391,8 +401,8 @@ def _resolve_device(spec: str) -> torch.device:
 
 
 def _load_learner(cfg: TrainConfig, checkpoint: Path | None) -> Learner:
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.dtype]
-    model, tokenizer = load_model_and_tokenizer(checkpoint or cfg.model.path, dtype=dtype)
+    # float32 master weights whatever the compute dtype (mixed precision through Learner.autocast)
+    model, tokenizer = load_model_and_tokenizer(checkpoint or cfg.model.path, dtype=torch.float32)
     device = _resolve_device(cfg.model.device)
     # Dropout off: the policy that samples must be the one whose logprobs are trained on.
     model.to(device).eval()
@@ -406,6 +416,7 @@ def _load_learner(cfg: TrainConfig, checkpoint: Path | None) -> Learner:
         revision=cfg.model.revision or model_fingerprint(resolve_model_dir(cfg.model.path)),
         eos_ids=eos_token_ids(model, tokenizer),
         device=device,
+        compute_dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype],
     )
 
 
@@ -511,7 +522,8 @@ def _generate_groups(
     """G rollouts per problem from the current policy, scored and assembled into stored-format groups."""
     params = _sampling_params(cfg, policy_step, round_index)
     prompts = [build_prompt(learner.tokenizer, p.problem, cfg.data.prompt_template) for p in problems]
-    samples = backend.generate(prompts, params)  # one list of G samples per prompt
+    with learner.autocast():
+        samples = backend.generate(prompts, params)  # one list of G samples per prompt
     completions = [s.text for per_prompt in samples for s in per_prompt]
     golds = [p.answer for p, per_prompt in zip(problems, samples) for _ in per_prompt]
     scores = scorer.score(completions, golds)
@@ -635,7 +647,8 @@ def _forward_logprobs(
     for begin in range(0, len(rows), micro):
         chunk = rows[begin : begin + micro]
         batch = collate(chunk, learner.tokenizer.pad_token_id).to(learner.device)
-        logprobs = response_logprobs(model, batch, temperature).cpu()  # (b, T)
+        with learner.autocast():
+            logprobs = response_logprobs(model, batch, temperature).cpu()  # (b, T)
         out.extend(logprobs[i, : len(row.completion_ids)] for i, row in enumerate(chunk))
     return out
 
@@ -664,7 +677,9 @@ def _single_pass_forward(cfg: TrainConfig, learner: Learner, rows: list[TrainSam
     if cfg.optim.ppo_epochs != 1 or _num_mini_batches(cfg) != 1 or not active or len(active) > cfg.optim.micro_batch_size:
         return None
     tokens = collate(active, learner.tokenizer.pad_token_id).to(learner.device)
-    return FirstPass(active, tokens, response_logprobs(learner.model, tokens, cfg.rollout.temperature))
+    with learner.autocast():
+        logprobs = response_logprobs(learner.model, tokens, cfg.rollout.temperature)  # (b, T) float32, with grad
+    return FirstPass(active, tokens, logprobs)
 
 
 def _attach_old_logprobs_and_weights(
@@ -796,7 +811,9 @@ def _update_policy(
                     logprobs, mask = first_pass.select(chunk)  # (b, T), with grad
                 else:
                     tokens = collate(chunk, learner.tokenizer.pad_token_id).to(learner.device)
-                    logprobs, mask = response_logprobs(learner.model, tokens, cfg.rollout.temperature), tokens.mask
+                    with learner.autocast():
+                        logprobs = response_logprobs(learner.model, tokens, cfg.rollout.temperature)
+                    mask = tokens.mask
                 width = logprobs.shape[1]
                 batch = LossBatch(
                     logprobs=logprobs,
@@ -864,7 +881,8 @@ def _anchor_rows(cfg, learner: Learner, anchors, rng: random.Random) -> list[Tra
 def _anchor_nll(learner: Learner, rows: list[TrainSample]) -> torch.Tensor:
     """Token-mean negative log-likelihood of the reference completions (temperature 1)."""
     tokens = collate(rows, learner.tokenizer.pad_token_id).to(learner.device)
-    logprobs = response_logprobs(learner.model, tokens, 1.0)  # (b, T)
+    with learner.autocast():
+        logprobs = response_logprobs(learner.model, tokens, 1.0)  # (b, T)
     return -(logprobs * tokens.mask).sum() / tokens.mask.sum().clamp(min=1)
 
 

@@ -47,7 +47,7 @@ def start_vllm_backend(
 
 def make_vllm_backend(cfg, learner, model_path: str | Path):
     """The trainer's vLLM sampler, started from the checkpoint the policy was loaded from."""
-    dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[cfg.model.dtype]
+    dtype = {"float32": "float32", "bfloat16": "bfloat16"}[cfg.model.dtype]  # the engine samples in the compute dtype
     prompt_room = 4096  # prompts are not bounded by the config; leave room beyond the response budget
     return start_vllm_backend(
         model_path, learner.model_id, learner.tokenizer_id, seed=cfg.seed,

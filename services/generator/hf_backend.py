@@ -256,10 +256,13 @@ class HFBackend:
 
     def _fits_static_cache(self, cache, rows: int, width: int, max_tokens: int) -> bool:
         """Whether the prefilled `cache` goes into a preallocated StaticCache: on CPU only (on CUDA, generate()
-        torch.compiles every new StaticCache shape), for plain full-attention layers, within the byte budget."""
+        torch.compiles every new StaticCache shape), for plain full-attention layers, within the byte budget, and not
+        under autocast (RoPE gives float32 keys next to bfloat16 values there, and a StaticCache holds one dtype)."""
         if self.model.device.type != "cpu" or cache.get_seq_length() != width - 1:
             return False
         if any(getattr(layer, "is_sliding", False) or not hasattr(layer, "keys") for layer in cache.layers):
+            return False
+        if torch.is_autocast_enabled(self.model.device.type):
             return False
         bytes_per_token = sum(layer.keys[0, :, :1].nbytes + layer.values[0, :, :1].nbytes for layer in cache.layers)  # one row
         return rows * (width + max_tokens) * bytes_per_token <= self.static_cache_budget_bytes

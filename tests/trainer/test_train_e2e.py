@@ -146,6 +146,20 @@ def test_one_forward_serves_as_pi_old_when_one_update_per_step(toy_world, store,
     assert all(torch.allclose(a[k], b[k], atol=1e-4) for k in a)
 
 
+def test_bfloat16_trains_on_float32_master_weights(toy_world, store, tmp_path):
+    """model.dtype bfloat16 runs the forward passes under autocast and keeps float32 parameters: at the GPU configs'
+    lr of 1e-6, bfloat16 parameters would take almost no update (it rounds away: ~1% of them moved)."""
+    start = weights(toy_world.learner_dir)
+    run_dir = train(make_config(toy_world, tmp_path / "bf16", store.url, steps=1, **{
+        "model.dtype": "bfloat16", "optim.lr": 1e-6, "checkpoint.every_steps": 1}))
+    (m,) = read_metrics(run_dir)
+    assert m["frac_grafted"] > 0 and math.isfinite(m["loss"]) and m["optimizer_updates"] == 1
+    after = weights(run_dir / "checkpoints" / "step_000001")
+    assert all(t.dtype == torch.float32 for t in after.values())
+    changed = sum(int((after[k] != start[k]).sum()) for k in start) / sum(t.numel() for t in start.values())
+    assert changed > 0.5, changed
+
+
 @pytest.mark.parametrize("overrides", [
     {"graft.union_all_success": True, "store.groups_per_prompt": 4},
     {"graft.token_is": "none", "graft.group_normalized_weight": True, "graft.log_rho_min": -1.0},
