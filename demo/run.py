@@ -147,7 +147,9 @@ def model_jobs(cfg: DemoConfig, data: dict[str, Path], out: Path) -> tuple[list[
         job_dir = out / "models" / f"{role}-{key}"
         job_dir.mkdir(parents=True, exist_ok=True)
         job_file = job_dir / "job.json"
-        job_file.write_text(json.dumps({"role": role, "out": str(job_dir), "demo": cfg.model_dump(mode="json"), "eval_sets": eval_sets}))
+        threads = cfg.learner_sft_threads if role == "learner" else 1
+        job_file.write_text(json.dumps({"role": role, "out": str(job_dir), "demo": cfg.model_dump(mode="json"), "eval_sets": eval_sets,
+                                        "threads": threads}))
         if (job_dir / "done.json").exists():
             print_model(role, json.loads((job_dir / "done.json").read_text()))
         models[role] = {"dir": str(job_dir), "checkpoint": str(job_dir / "sft" / f"step-{spec.sft.stop_at or spec.sft.steps}"), "checkpoint_hash": job_dir.name}

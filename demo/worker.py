@@ -176,8 +176,8 @@ COMMANDS = {"build": build, "train": train, "imitate": imitate}
 def main() -> None:
     if len(sys.argv) != 3 or sys.argv[1] not in COMMANDS:
         raise SystemExit(f"usage: python -m demo.worker {'|'.join(COMMANDS)} <job.json>")
-    torch.set_num_threads(1)  # one process per core: two threads each would only contend
     job = json.loads(Path(sys.argv[2]).read_text())
+    torch.set_num_threads(job.get("threads", 1))  # one process per core, but the learner's warm start, which all RL waits for
     result = COMMANDS[sys.argv[1]](job)
     # CPU seconds of this process and its finished children (the scorer): what the job costs on an idle core.
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
