@@ -1,13 +1,19 @@
-"""Run the demo's jobs as subprocesses, at most `slots` at once, with one progress bar.
+"""Run the demo's jobs as processes, at most `slots` at once, with one progress bar.
 
 A job is one or more commands started together (a co-training pair is two trainers that must run
-at the same time: it takes two slots). A job starts when the jobs it depends on have finished; it
-is finished when its `done` file exists. Each command's output goes to a log file beside it, so
-the terminal shows only the demo's own progress bar.
+at the same time: it takes two slots). A job starts when the jobs it depends on have finished, in
+the order given (a ready job that does not fit yet is not overtaken); it is finished when its `done`
+file exists. Each command's output goes to a log file beside it, so the terminal shows only the
+demo's own progress bar.
+
+`python -m demo.worker ...` commands run in children of a multiprocessing forkserver that has
+imported `demo.worker` (torch, transformers) once: importing them takes about 7 s of a busy core,
+for each of the demo's ~20 jobs. Any other command runs as a plain subprocess.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -31,7 +37,7 @@ class Job:
     total: float  # units of work of the whole job
     deps: list[str] = field(default_factory=list)
     after: Callable[[], None] | None = None  # run in the parent when the commands have exited successfully
-    processes: list[subprocess.Popen] = field(default_factory=list)
+    processes: list[subprocess.Popen | ForkedWorker] = field(default_factory=list)
     started_at: float | None = None
     finished_at: float | None = None
 
@@ -67,12 +73,14 @@ def run_jobs(jobs: list[Job], slots: int, desc: str, env: dict[str, str]) -> dic
                bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} [{elapsed}<{remaining}] {postfix}")
     try:
         while pending or running:
-            for job in list(pending):  # start what fits, in order
-                free = slots - sum(j.slots for j in running)
-                if job.slots <= free and all(d in finished for d in job.deps):
-                    _start(job, env)
-                    pending.remove(job)
-                    running.append(job)
+            for job in list(pending):  # start what fits, in order; a ready job that does not fit is not overtaken
+                if not all(d in finished for d in job.deps):
+                    continue
+                if job.slots > slots - sum(j.slots for j in running):
+                    break
+                _start(job, env)
+                pending.remove(job)
+                running.append(job)
             time.sleep(0.5)
             for job in list(running):
                 codes = [p.poll() for p in job.processes]
@@ -104,10 +112,61 @@ def run_jobs(jobs: list[Job], slots: int, desc: str, env: dict[str, str]) -> dic
     return timings
 
 
+PRELOADED = "demo.worker"
+_forkserver: multiprocessing.context.BaseContext | None = None
+
+
+class ForkedWorker:
+    """`python -m demo.worker ARGS` as a child of the forkserver, with the part of Popen's interface used here."""
+
+    def __init__(self, args: list[str], log: Path, env: dict[str, str]):
+        global _forkserver
+        if _forkserver is None:
+            # The server starts with the first child and keeps this environment (HF offline, one OpenMP thread: read
+            # when torch and huggingface_hub are imported, which the server does once, for every child).
+            os.environ.update(env)
+            _forkserver = multiprocessing.get_context("forkserver")
+            _forkserver.set_forkserver_preload([PRELOADED])
+        self.process = _forkserver.Process(target=_run_worker, args=(args, str(log)), daemon=False)
+        self.process.start()
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def terminate(self) -> None:
+        self.process.terminate()
+
+    def kill(self) -> None:
+        self.process.kill()
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired(PRELOADED, timeout or 0)
+        return self.process.exitcode
+
+
+def _run_worker(args: list[str], log: str) -> None:
+    """In the forked child: output to the job's log, then demo.worker's main as if run with `python -m`."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.argv = [PRELOADED, *args]
+    from demo.worker import main
+
+    main()
+
+
 def _start(job: Job, env: dict[str, str]) -> None:
     job.started_at = time.perf_counter()
     for command, log in zip(job.commands, job.logs):
         log.parent.mkdir(parents=True, exist_ok=True)
+        if command[:3] == [sys.executable, "-m", PRELOADED]:
+            job.processes.append(ForkedWorker(command[3:], log, env))
+            continue
         with open(log, "ab") as out:
             job.processes.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env))
 

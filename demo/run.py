@@ -157,6 +157,9 @@ def model_jobs(cfg: DemoConfig, data: dict[str, Path], out: Path) -> tuple[list[
             name=f"sft {role}", commands=[python_module("demo.worker", "build", str(job_file))], logs=[job_dir / "log.txt"],
             done=[job_dir / "done.json"], progress=_progress_file(job_dir / "progress"), total=spec.sft.stop_at or spec.sft.steps,
             after=lambda job_dir=job_dir, role=role: print_model(role, json.loads((job_dir / "done.json").read_text())),
+            # The learner's warm start, which every RL run waits for, runs alone on its threads (OpenMP threads that
+            # share a core with another process wait for each other); the peer's follows, next to the GRPO runs.
+            deps=["sft learner"] if role == "peer" else [],
         ))
     return jobs, models
 
