@@ -2,9 +2,9 @@
 
 A job is one or more commands started together (a co-training pair is two trainers that must run
 at the same time: it takes two slots). A job starts when the jobs it depends on have finished, in
-the order given (a ready job that does not fit yet is not overtaken); it is finished when its `done`
-file exists. Each command's output goes to a log file beside it, so the terminal shows only the
-demo's own progress bar.
+the order given (a ready job that does not fit yet is overtaken only while a job as big runs, which
+will make room for it); it is finished when its `done` file exists. Each command's output goes to a
+log file beside it, so the terminal shows only the demo's own progress bar.
 
 `python -m demo.worker ...` commands run in children of a multiprocessing forkserver that has
 imported `demo.worker` (torch, transformers) once: importing them takes about 7 s of a busy core,
@@ -73,11 +73,15 @@ def run_jobs(jobs: list[Job], slots: int, desc: str, env: dict[str, str]) -> dic
                bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} [{elapsed}<{remaining}] {postfix}")
     try:
         while pending or running:
-            for job in list(pending):  # start what fits, in order; a ready job that does not fit is not overtaken
+            for job in list(pending):  # start what fits, in order
                 if not all(d in finished for d in job.deps):
                     continue
                 if job.slots > slots - sum(j.slots for j in running):
-                    break
+                    # Later jobs may take the free slots meanwhile only if a running job at least this big will
+                    # make room for it when it ends; otherwise they would keep it waiting to the end.
+                    if not any(j.slots >= job.slots for j in running):
+                        break
+                    continue
                 _start(job, env)
                 pending.remove(job)
                 running.append(job)
