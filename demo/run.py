@@ -249,7 +249,9 @@ def rl_jobs(cfg: DemoConfig, data: dict[str, Path], models: dict[str, dict], sto
     for seed in cfg.rl.seeds:
         # Both models train at once on the same prompts in the same order (same seed and data), each
         # publishing every group it samples and taking the other's for its all-fail prompts.
-        tag = config_hash(seed, models["learner"]["checkpoint_hash"], models["peer"]["checkpoint_hash"], cfg.rl)[:8]
+        # (ids unique to what the pair computes: not to the other runs of the config, so demo-study reuses the demo's pairs)
+        pair_rl = cfg.rl.model_dump(exclude={"ablations", "ablation_seeds", "variants", "imitation_examples_per_step"})
+        tag = config_hash(seed, models["learner"]["checkpoint_hash"], models["peer"]["checkpoint_hash"], pair_rl)[:8]
         learner_id, peer_id = f"{LEARNER_MODEL_ID}-co{tag}", f"{PEER_MODEL_ID}-co{tag}"
         cotrain = ["store.mode=cotrain", f"store.cotrain_wait_s={cfg.rl.cotrain_wait_s}", f"model.model_id={learner_id}",
                    f"graft.peer_models=[{peer_id}]"]
