@@ -131,7 +131,7 @@ class ForkedWorker:
             os.environ.update(env)
             _forkserver = multiprocessing.get_context("forkserver")
             _forkserver.set_forkserver_preload([PRELOADED])
-        self.process = _forkserver.Process(target=_run_worker, args=(args, str(log)), daemon=False)
+        self.process = _forkserver.Process(target=_run_worker, args=(args, str(log)))
         self.process.start()
 
     def poll(self) -> int | None:

@@ -689,11 +689,12 @@ def _attach_old_logprobs_and_weights(
 
     Returns the rows kept (grafted rows with non-finite values are dropped and counted) and the
     weight statistics of the step."""
-    active = [row for row in rows if _needs_forward(row, cfg)]
-    if first_pass is not None:
+    if first_pass is not None:  # its rows are the ones with signal, in the order of its logprobs
+        active = first_pass.rows
         detached = first_pass.logprobs.detach().cpu()  # (b, T)
-        old = [detached[i, : len(row.completion_ids)] for i, row in enumerate(first_pass.rows)]
+        old = [detached[i, : len(row.completion_ids)] for i, row in enumerate(active)]
     else:
+        active = [row for row in rows if _needs_forward(row, cfg)]
         old = _forward_logprobs(learner.model, active, learner, cfg.optim.micro_batch_size, cfg.rollout.temperature)
     refs: list[torch.Tensor | None] = [None] * len(active)
     if reference is not None:
