@@ -43,9 +43,11 @@ from schemas import (
     RolloutPage,
     StatsResponse,
 )
-from services.store_api.index import BadCursor, StoreIndex
+from services.store_api.index import StoreIndex
+from services.store_api.lookup import arrow_stream, read_stream
+from services.store_api.queries import BadCursor
 from services.store_api.settings import StoreSettings
-from services.store_api.shards import ShardValidationError, arrow_stream, groups_table, read_stream, validate_table
+from services.store_api.tables import ShardValidationError, groups_table, validate_table
 
 log = logging.getLogger("graft.store")
 

@@ -48,7 +48,8 @@ def serve(
     import uvicorn
 
     from services.store_api.app import create_app
-    from services.store_api.index import IndexLocked, StoreIndex
+    from services.store_api.catalog import IndexLocked
+    from services.store_api.index import StoreIndex
 
     settings = load_settings(config, root=root, host=host, port=port)
     configure_logging(settings.log_level)
@@ -67,7 +68,8 @@ def serve(
 @app.command()
 def rebuild(root: RootOption = None, config: ConfigOption = None) -> None:
     """Rebuild the index from the Parquet files alone (stop the server first)."""
-    from services.store_api.index import IndexLocked, StoreIndex
+    from services.store_api.catalog import IndexLocked
+    from services.store_api.index import StoreIndex
 
     settings = load_settings(config, root=root)
     configure_logging(settings.log_level)
@@ -89,7 +91,8 @@ def compact(
     min_files: Annotated[int, typer.Option(help="compact a model once it has this many small shards")] = 2,
 ) -> None:
     """Merge small shards into large files sorted by prompt id (stop the server first; it compacts by itself)."""
-    from services.store_api.index import IndexLocked, StoreIndex
+    from services.store_api.catalog import IndexLocked
+    from services.store_api.index import StoreIndex
 
     settings = load_settings(config, root=root)
     configure_logging(settings.log_level)
@@ -115,7 +118,8 @@ def stats(root: RootOption = None, host: HostOption = None, port: PortOption = N
         return
     except httpx.HTTPError:
         pass
-    from services.store_api.index import IndexLocked, StoreIndex
+    from services.store_api.catalog import IndexLocked
+    from services.store_api.index import StoreIndex
 
     configure_logging(settings.log_level)
     try:

@@ -32,7 +32,7 @@ from schemas import (
     StatsResponse,
     table_to_groups,
 )
-from services.store_api.shards import groups_table
+from services.store_api.tables import groups_table
 
 ARROW_MEDIA_TYPE = "application/vnd.apache.arrow.stream"
 RETRY_STATUSES = {502, 503, 504}

@@ -13,8 +13,11 @@ import pytest
 from store_factory import make_group, problem_text
 
 from schemas import PeerLookupRequest, prompt_id, table_to_groups
-from services.store_api.index import BadCursor, StoreIndex
-from services.store_api.shards import TMP_PREFIX, lookup_path, write_groups
+from services.store_api.durable import TMP_PREFIX
+from services.store_api.index import StoreIndex
+from services.store_api.lookup import lookup_path
+from services.store_api.queries import BadCursor
+from services.store_api.shards import write_groups
 
 
 def pid(i: int) -> str:

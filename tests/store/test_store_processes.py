@@ -18,8 +18,9 @@ from typer.testing import CliRunner
 from schemas import PeerLookupRequest, table_to_groups
 from services.store_api.cli import app as cli_app
 from services.store_api.client import StoreClient
+from services.store_api.durable import TMP_PREFIX
 from services.store_api.server import StoreServer
-from services.store_api.shards import TMP_PREFIX, write_groups
+from services.store_api.shards import write_groups
 
 WRITER = Path(__file__).with_name("store_writer_proc.py")
 

@@ -13,20 +13,11 @@ from pydantic import ValidationError
 from store_factory import make_group, make_problem
 
 from schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA, Rollout, RolloutGroup, groups_to_table, table_to_groups
-from services.store_api import shards
-from services.store_api.shards import (
-    BULK_COLUMNS,
-    ROW_GROUP_ROWS,
-    TMP_PREFIX,
-    ShardReader,
-    ShardReadError,
-    ShardValidationError,
-    groups_table,
-    lookup_path,
-    read_stream,
-    validate_table,
-    write_groups,
-)
+from services.store_api import lookup as lookup_files
+from services.store_api.durable import TMP_PREFIX
+from services.store_api.lookup import ShardReader, ShardReadError, lookup_path, read_stream
+from services.store_api.shards import BULK_COLUMNS, ROW_GROUP_ROWS, write_groups
+from services.store_api.tables import ShardValidationError, groups_table, validate_table
 
 
 def test_round_trip_through_a_shard(tmp_path):
@@ -218,7 +209,7 @@ def test_lookup_file_is_the_same_however_it_is_chunked(tmp_path, monkeypatch):
     written = lookup_path(path).read_bytes()
     rel = path.relative_to(tmp_path).as_posix()
     for chunk_bytes in (1, 20_000):  # every group its own chunk; a few groups per chunk
-        monkeypatch.setattr(shards, "LOOKUP_CHUNK_BYTES", chunk_bytes)
+        monkeypatch.setattr(lookup_files, "LOOKUP_CHUNK_BYTES", chunk_bytes)
         lookup_path(path).unlink()
         reader = ShardReader(tmp_path)
         assert table_to_groups(reader.read([(rel, 8 * g, 8) for g in (6, 0, 3)])) == [groups[6], groups[0], groups[3]]

@@ -1,0 +1,217 @@
+"""The index's DuckDB tables (files, groups, duplicates, problems) and their lifecycle, and the state every
+part of `StoreIndex` shares.
+
+Only the store process opens `<root>/index.duckdb` (DuckDB takes a file lock). `Catalog` owns the schema,
+connecting (setting aside an unusable or other-version index), reconciling the tables with the files on
+disk, loading the mirror (`mirror.py`), per-thread read cursors, quarantine and closing. Every change
+commits to DuckDB first and then applies to the mirror, under the write lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+from datetime import datetime, timezone
+from pathlib import Path
+
+import duckdb
+
+from services.store_api.lookup import ShardReader
+from services.store_api.mirror import GroupMirror, GroupRef
+from services.store_api.settings import StoreSettings
+
+log = logging.getLogger("graft.store")
+
+INDEX_VERSION = "1"
+
+SCHEMA_SQL = """
+CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR);
+CREATE TABLE IF NOT EXISTS files (
+    file_id INTEGER PRIMARY KEY,
+    path VARCHAR NOT NULL UNIQUE,      -- relative to the store root
+    kind VARCHAR NOT NULL,             -- 'rollouts' or 'prompts'
+    model_id VARCHAR,
+    num_rows BIGINT NOT NULL,
+    size_bytes BIGINT NOT NULL,
+    landed_us BIGINT NOT NULL,         -- file mtime, microseconds since the epoch (UTC)
+    indexed_us BIGINT NOT NULL,
+    groups_indexed INTEGER NOT NULL,
+    groups_duplicate INTEGER NOT NULL,
+    retired_us BIGINT                  -- set when compaction moved its groups elsewhere
+);
+CREATE TABLE IF NOT EXISTS groups (
+    group_id VARCHAR PRIMARY KEY,
+    seq BIGINT NOT NULL,               -- ingest order; cursors of GET /v1/rollouts page by it
+    prompt_id VARCHAR NOT NULL,
+    dataset VARCHAR NOT NULL,
+    model_id VARCHAR NOT NULL,
+    model_revision VARCHAR NOT NULL,
+    tokenizer_id VARCHAR NOT NULL,
+    policy_step BIGINT NOT NULL,
+    group_size INTEGER NOT NULL,
+    successes INTEGER NOT NULL,
+    scored INTEGER NOT NULL,           -- rollouts with a non-null reward
+    reward_sum DOUBLE NOT NULL,
+    mean_reward DOUBLE,
+    min_reward DOUBLE,
+    max_reward DOUBLE,
+    created_us BIGINT NOT NULL,        -- newest created_at of the group's rollouts
+    file_id INTEGER NOT NULL,
+    row_start BIGINT NOT NULL,         -- first row of the group in its file
+    num_rows INTEGER NOT NULL,
+    indexed_us BIGINT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS duplicates (group_id VARCHAR NOT NULL, path VARCHAR NOT NULL, seen_us BIGINT NOT NULL);
+CREATE TABLE IF NOT EXISTS problems (
+    dataset VARCHAR NOT NULL, prompt_id VARCHAR NOT NULL, file_id INTEGER NOT NULL, PRIMARY KEY (dataset, prompt_id)
+);
+"""
+
+
+class IndexLocked(RuntimeError):
+    """Another process holds the index (a running store)."""
+
+
+class Catalog:
+    """The DuckDB index of one store root and its mirror: the state `StoreIndex` (index.py) is built on."""
+
+    def __init__(self, settings: StoreSettings):
+        self.settings = settings
+        self.root = Path(settings.root)
+        self.path = self.root / "index.duckdb"
+        self.reader = ShardReader(self.root, settings.max_open_files)
+        self._write_lock = threading.RLock()  # DuckDB writes, file renames into the index, mirror updates
+        self._compact_lock = threading.Lock()
+        self._local = threading.local()
+        self.mirror = GroupMirror()
+        self._known_files: dict[str, int] = {}  # relative path -> file_id (live or retired)
+        self._known_problems: set[tuple[str, str]] = set()
+        self._next_file_id = 1
+        self._next_seq = 1
+        self.last_ingest_us: int | None = None
+        self._con: duckdb.DuckDBPyConnection | None = None
+
+    # ------------------------------------------------------------------ opening, closing, rebuilding
+
+    def _connect(self) -> None:
+        for sub in ("rollouts", "prompts", "quarantine"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        # one thread: the index's statements are small (an ingest inserts ~1000 groups; the largest query
+        # aggregates one row per group), and a second thread cost the ingest ~25% more CPU in task hand-offs
+        config = {"threads": 1, "memory_limit": self.settings.duckdb_memory_limit}
+        try:
+            self._con = duckdb.connect(str(self.path), config=config)
+        except duckdb.IOException as exc:
+            if "lock" in str(exc).lower():
+                raise IndexLocked(
+                    f"{self.path} is held by another process (a running store?): {exc}. Stop it, or ask it over "
+                    "HTTP (`graft-store stats --host/--port`)"
+                ) from exc
+            self._set_aside(f"cannot open: {exc}")
+            self._con = duckdb.connect(str(self.path), config=config)
+        except duckdb.Error as exc:
+            self._set_aside(f"cannot open: {exc}")
+            self._con = duckdb.connect(str(self.path), config=config)
+        self._con.execute(SCHEMA_SQL)
+        version = next(iter(self._con.execute("SELECT value FROM meta WHERE key = 'index_version'").fetchall()), None)
+        if version is None:
+            self._con.execute("INSERT INTO meta VALUES ('index_version', ?)", [INDEX_VERSION])
+        elif version[0] != INDEX_VERSION:
+            self._con.close()
+            self._set_aside(f"index version {version[0]}, this store writes {INDEX_VERSION}")
+            self._connect()
+            return
+        self._next_file_id = self._con.execute("SELECT coalesce(max(file_id), 0) + 1 FROM files").fetchall()[0][0]
+        self._next_seq = self._con.execute("SELECT coalesce(max(seq), 0) + 1 FROM groups").fetchall()[0][0]
+
+    def _set_aside(self, reason: str) -> None:
+        aside = self.path.with_name(f"index.duckdb.broken-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}")
+        log.error("index %s unusable (%s): moved to %s; rebuilding from the Parquet files", self.path, reason, aside)
+        for suffix in ("", ".wal"):
+            src = Path(str(self.path) + suffix)
+            if src.exists():
+                shutil.move(src, Path(str(aside) + suffix))
+
+    def _reconcile(self) -> None:
+        """Delete shards retired before a restart; drop index entries of files that vanished."""
+        con = self._con
+        for file_id, rel, retired in con.execute("SELECT file_id, path, retired_us FROM files").fetchall():
+            exists = (self.root / rel).exists()
+            if retired is not None:
+                (self.root / rel).unlink(missing_ok=True)
+                self.reader.forget(rel)
+                con.execute("DELETE FROM files WHERE file_id = ?", [file_id])
+            elif not exists:
+                self.reader.forget(rel)
+                n = con.execute("SELECT count(*) FROM groups WHERE file_id = ?", [file_id]).fetchall()[0][0]
+                log.warning("shard %s is in the index but gone from disk: dropping its %d groups", rel, n)
+                con.execute("DELETE FROM groups WHERE file_id = ?", [file_id])
+                con.execute("DELETE FROM problems WHERE file_id = ?", [file_id])
+                con.execute("DELETE FROM files WHERE file_id = ?", [file_id])
+
+    def _load_mirror(self) -> None:
+        rows = self._con.execute("""
+            SELECT g.group_id, g.prompt_id, g.model_id, g.policy_step, g.created_us, g.successes, g.group_size,
+                   g.seq, f.path, g.row_start, g.num_rows
+            FROM groups g JOIN files f USING (file_id)""").fetchall()
+        self.mirror.replace(map(GroupRef._make, rows))
+        self._known_files = dict((p, i) for i, p in self._con.execute("SELECT file_id, path FROM files").fetchall())
+        self._known_problems = set(self._con.execute("SELECT dataset, prompt_id FROM problems").fetchall())
+        last = self._con.execute("SELECT max(indexed_us) FROM files").fetchall()[0][0]
+        self.last_ingest_us = last
+
+    def close(self) -> None:
+        with self._write_lock:
+            if self._con is not None:
+                self._con.execute("CHECKPOINT")
+                self._con.close()
+                self._con = None
+
+    def recreate(self) -> None:
+        """Drop every table and start an empty index (`StoreIndex.rebuild` then ingests the files anew)."""
+        if self._con is None:
+            self._connect()  # takes DuckDB's file lock, or raises IndexLocked: never rebuild under a server
+        self._con.execute("DROP TABLE IF EXISTS groups; DROP TABLE IF EXISTS files; "
+                          "DROP TABLE IF EXISTS duplicates; DROP TABLE IF EXISTS problems; DROP TABLE IF EXISTS meta")
+        self._con.execute(SCHEMA_SQL)
+        self._con.execute("INSERT INTO meta VALUES ('index_version', ?)", [INDEX_VERSION])
+        self._next_file_id = self._next_seq = 1
+        self._local = threading.local()
+        self._load_mirror()
+
+    def _cursor(self) -> duckdb.DuckDBPyConnection:
+        """A DuckDB cursor for reads on this thread (cursors are cheap connections to the same database)."""
+        cursor = getattr(self._local, "cursor", None)
+        if cursor is None:
+            cursor = self._con.cursor()
+            self._local.cursor = cursor
+        return cursor
+
+    def quarantine(self, rel: str, reason: str) -> None:
+        """Move a bad file to <root>/quarantine/ (with a .reason.txt), drop whatever the index had of it."""
+        source = self.root / rel
+        target = self.root / "quarantine" / f"{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{rel.replace('/', '__')}"
+        with self._write_lock:
+            file_id = self._known_files.pop(rel, None)
+            if file_id is not None:
+                con = self._con
+                con.begin()
+                try:
+                    con.execute("DELETE FROM groups WHERE file_id = ?", [file_id])
+                    con.execute("DELETE FROM problems WHERE file_id = ?", [file_id])
+                    con.execute("DELETE FROM files WHERE file_id = ?", [file_id])
+                    con.commit()
+                except BaseException:
+                    con.rollback()
+                    raise
+                self.mirror.drop_file(rel)
+            self.reader.forget(rel)
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.move(source, target)
+                target.with_name(target.name + ".reason.txt").write_text(reason + "\n")
+            except FileNotFoundError:
+                log.warning("shard %s unreadable (%s) and already gone", rel, reason)
+                return
+        log.error("quarantined %s -> %s: %s", rel, target.relative_to(self.root), reason)

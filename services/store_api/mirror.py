@@ -1,0 +1,148 @@
+"""The in-memory mirror of the index's groups table that peer lookups are answered from.
+
+Owns `GroupRef` (where one group lives and what a lookup filters on) and `GroupMirror` (prompt id -> group
+locations, most recent first; group id -> location). A DuckDB point query costs 0.3 ms for `SELECT 1` and
+1-15 ms for the filtered, ordered lookup on 125k groups on this machine, against a 2 ms budget for the whole
+HTTP lookup; the mirror costs ~100 bytes per group (12 MB per million rollouts in groups of 8). The index
+(`index.py`) commits every change to DuckDB first and then applies it here, each change under this mirror's
+one lock, so a lookup sees a group before or after a compaction swap, never twice and never missing.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+from collections.abc import Iterable
+from typing import NamedTuple
+
+from schemas import PeerLookupRequest
+
+
+def now_us() -> int:
+    """Now, in the index's unit: microseconds since the epoch."""
+    return time.time_ns() // 1000
+
+
+class GroupRef(NamedTuple):
+    """Where one indexed group lives, and what a peer lookup filters on (a named tuple: building one costs
+    ~0.6 us against ~6 us for a frozen dataclass, and the ingest loop builds one per group)."""
+
+    group_id: str
+    prompt_id: str
+    model_id: str
+    policy_step: int
+    created_us: int
+    successes: int
+    group_size: int
+    seq: int
+    file: str  # relative to the store root
+    row_start: int
+    num_rows: int
+
+    def recency_key(self) -> tuple[int, int, str]:
+        """Most recent first: highest policy step, then newest, then group id for a stable order."""
+        return (-self.policy_step, -self.created_us, self.group_id)
+
+
+class GroupMirror:
+    """Every indexed group's GroupRef, by group id and by prompt (most recent first); thread-safe.
+
+    `in` and `len` read without the lock: the index's writer, the only one that changes the mirror, calls them
+    under its own write lock.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_prompt: dict[str, list[GroupRef]] = {}
+        self._by_group: dict[str, GroupRef] = {}
+
+    def __contains__(self, group_id: str) -> bool:
+        return group_id in self._by_group
+
+    def __len__(self) -> int:
+        return len(self._by_group)
+
+    # ------------------------------------------------------------------ changes (after DuckDB committed them)
+
+    def replace(self, refs: Iterable[GroupRef]) -> None:
+        """Hold exactly these groups (loading the index)."""
+        by_prompt: dict[str, list[GroupRef]] = {}
+        by_group: dict[str, GroupRef] = {}
+        for ref in refs:
+            by_group[ref.group_id] = ref
+            by_prompt.setdefault(ref.prompt_id, []).append(ref)
+        for prompt_refs in by_prompt.values():
+            prompt_refs.sort(key=GroupRef.recency_key)
+        with self._lock:
+            self._by_prompt, self._by_group = by_prompt, by_group
+
+    def add(self, refs: list[GroupRef]) -> None:
+        """Add newly indexed groups."""
+        with self._lock:
+            for ref in refs:
+                self._by_group[ref.group_id] = ref
+                # a prompt's list stays sorted most recent first; insort compares ~log2(n) keys, sort ~n
+                bisect.insort(self._by_prompt.setdefault(ref.prompt_id, []), ref, key=GroupRef.recency_key)
+
+    def relocate(self, group_ids: list[str], row_starts: list[int], file: str) -> None:
+        """The groups now live in `file` from these rows on (a compaction swap)."""
+        with self._lock:
+            for gid, start in zip(group_ids, row_starts):
+                old = self._by_group[gid]
+                new = GroupRef(old.group_id, old.prompt_id, old.model_id, old.policy_step, old.created_us,
+                               old.successes, old.group_size, old.seq, file, start, old.num_rows)
+                self._by_group[gid] = new
+                refs = self._by_prompt[old.prompt_id]
+                refs[refs.index(old)] = new
+
+    def drop_file(self, file: str) -> None:
+        """Forget every group stored in `file` (a quarantined shard)."""
+        with self._lock:
+            for gid in [g for g, ref in self._by_group.items() if ref.file == file]:
+                ref = self._by_group.pop(gid)
+                self._by_prompt[ref.prompt_id].remove(ref)
+                if not self._by_prompt[ref.prompt_id]:
+                    del self._by_prompt[ref.prompt_id]
+
+    # ------------------------------------------------------------------ lookups
+
+    def peer_groups(self, req: PeerLookupRequest) -> tuple[list[GroupRef], list[str]]:
+        """The groups a peer lookup returns (by prompt in request order, most recent first) and the misses."""
+        peers = set(req.peer_models) if req.peer_models else None
+        oldest_us = None if req.max_age_s is None else now_us() - req.max_age_s * 1e6  # float: max_age_s may be huge
+        chosen: list[GroupRef] = []
+        misses: list[str] = []
+        with self._lock:
+            for prompt in dict.fromkeys(req.prompt_ids):
+                found = 0
+                for ref in self._by_prompt.get(prompt, ()):
+                    if ref.model_id == req.learner_model or (peers is not None and ref.model_id not in peers):
+                        continue
+                    if req.informative_only and not 0 < ref.successes < ref.group_size:
+                        continue
+                    if ref.successes < req.min_successes:
+                        continue
+                    if req.min_policy_step is not None and ref.policy_step < req.min_policy_step:
+                        continue
+                    if oldest_us is not None and ref.created_us < oldest_us:
+                        continue
+                    chosen.append(ref)
+                    found += 1
+                    if found == req.groups_per_prompt:
+                        break
+                if not found:
+                    misses.append(prompt)
+        return chosen, misses
+
+    def prompt_groups(self, prompt: str, model: str | None, limit: int) -> list[GroupRef]:
+        """A prompt's groups, most recent first, of one model or any."""
+        with self._lock:
+            refs = [r for r in self._by_prompt.get(prompt, ()) if model is None or r.model_id == model]
+        return refs[:limit]
+
+    def group(self, group_id: str) -> list[GroupRef]:
+        """The group, or nothing."""
+        with self._lock:
+            ref = self._by_group.get(group_id)
+        return [] if ref is None else [ref]

@@ -1,0 +1,180 @@
+"""What the index answers: peer, prompt and group lookups (from the mirror), filtered rollout pages and
+stats (from DuckDB), and the reads of the chosen groups' rows; methods of `StoreIndex` (index.py).
+
+Everything the API serves from the index goes through here; nothing here changes the index except
+`read_selected` quarantining a shard it finds damaged.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from datetime import datetime, timezone
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from schemas import ROLLOUT_ARROW_SCHEMA, ModelStats, PeerLookupRequest, StatsResponse
+from services.store_api.catalog import Catalog
+from services.store_api.lookup import ShardReadError
+from services.store_api.mirror import GroupRef
+
+
+def us_to_datetime(us: int | None) -> datetime | None:
+    return None if us is None else datetime.fromtimestamp(us / 1e6, tz=timezone.utc)
+
+
+class BadCursor(ValueError):
+    """A `cursor` that this store did not hand out."""
+
+
+def encode_cursor(seq: int, row: int) -> str:
+    return base64.urlsafe_b64encode(f"{seq}:{row}".encode()).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> tuple[int, int]:
+    try:
+        seq_text, row_text = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode().split(":")
+        seq, row = int(seq_text), int(row_text)
+    except (ValueError, UnicodeDecodeError, binascii.Error) as exc:
+        raise BadCursor(f"cursor {cursor!r} is not one this store handed out: pass next_cursor unchanged") from exc
+    if seq < 0 or row < 0:
+        raise BadCursor(f"cursor {cursor!r} is not one this store handed out: pass next_cursor unchanged")
+    return seq, row
+
+
+class IndexQueries(Catalog):
+    """The read side of StoreIndex: lookups, pages, stats."""
+
+    # ------------------------------------------------------------------ lookups (the mirror)
+
+    def select_peer_groups(self, req: PeerLookupRequest) -> tuple[list[GroupRef], list[str]]:
+        """The groups a peer lookup returns (by prompt in request order, most recent first) and the misses."""
+        return self.mirror.peer_groups(req)
+
+    def select_prompt_groups(self, prompt: str, model: str | None, limit: int) -> list[GroupRef]:
+        return self.mirror.prompt_groups(prompt, model, limit)
+
+    def select_group(self, group_id: str) -> list[GroupRef]:
+        return self.mirror.group(group_id)
+
+    def read_selected(self, select, as_messages: bool = False):
+        """Run `select() -> (refs, extra)` and read the refs' rows; on an unreadable shard, quarantine or
+        re-resolve (a compacted-away file) and select again. Returns (table, extra), or with `as_messages`
+        (one IPC record batch message per group, extra) for `arrow_stream`."""
+        read = self.reader.messages if as_messages else self.reader.read
+        failed: set[str] = set()
+        for attempt in range(5):
+            refs, extra = select()
+            try:
+                return read([(r.file, r.row_start, r.num_rows) for r in refs]), extra
+            except ShardReadError as exc:
+                if attempt == 4:
+                    raise
+                rel = exc.path.relative_to(self.root).as_posix()
+                if self._is_retired(rel) or not exc.path.exists():
+                    continue  # compacted away meanwhile: the next select() finds the groups' new home
+                if rel in failed:  # failed twice from a freshly opened file: really damaged
+                    self.quarantine(rel, f"unreadable at lookup: {exc.reason}")
+                failed.add(rel)
+        raise AssertionError("unreachable")
+
+    def _is_retired(self, rel: str) -> bool:
+        rows = self._cursor().execute("SELECT retired_us FROM files WHERE path = ?", [rel]).fetchall()
+        return not rows or rows[0][0] is not None
+
+    def group_count(self) -> int:
+        return len(self.mirror)
+
+
+    # ------------------------------------------------------------------ filtered pages (DuckDB)
+
+    def rollout_page(
+        self, *, model: str | None = None, prompt_id: str | None = None, dataset: str | None = None,
+        correct: bool | None = None, min_reward: float | None = None, max_reward: float | None = None,
+        min_policy_step: int | None = None, max_policy_step: int | None = None,
+        cursor: str | None = None, limit: int = 100,
+    ) -> tuple[pa.Table, str | None]:
+        """Rollouts matching the filters in ingest order, `limit` at most, and the cursor of the next page."""
+        seq, row = decode_cursor(cursor) if cursor else (0, 0)
+        where, params = ["g.seq >= ?"], [seq]
+        for clause, value in (("g.model_id = ?", model), ("g.prompt_id = ?", prompt_id), ("g.dataset = ?", dataset),
+                              ("g.policy_step >= ?", min_policy_step), ("g.policy_step <= ?", max_policy_step),
+                              ("g.max_reward >= ?", min_reward), ("g.min_reward <= ?", max_reward)):
+            if value is not None:
+                where.append(clause)
+                params.append(value)
+        if correct is True:
+            where.append("g.successes > 0")
+        elif correct is False:
+            where.append("g.successes < g.group_size")
+        sql = f"""SELECT g.seq, f.path, g.row_start, g.num_rows FROM groups g JOIN files f USING (file_id)
+                  WHERE {' AND '.join(where)} ORDER BY g.seq LIMIT ?"""
+        pieces: list[pa.Table] = []
+        taken = scanned = 0
+        batch = max(16, min(256, limit // 4 + 1))
+        while True:
+            def select():
+                rows = self._cursor().execute(sql, params + [batch]).fetchall()
+                return [GroupRef("", "", "", 0, 0, 0, 0, s, f, r, n) for s, f, r, n in rows], rows
+
+            table, rows = self.read_selected(select)
+            if not rows:
+                return _concat(pieces), None
+            seqs = np.repeat([r[0] for r in rows], [r[3] for r in rows])  # (rows read,)
+            position = np.concatenate([np.arange(r[3]) for r in rows])  # row within its group
+            keep = (seqs > seq) | (position >= row)
+            if correct is not None:
+                keep &= table.column("correct").to_numpy(zero_copy_only=False) == correct
+            if min_reward is not None or max_reward is not None:
+                reward = table.column("reward")
+                ok = pc.is_valid(reward).to_numpy(zero_copy_only=False)
+                values = pc.fill_null(reward, 0.0).to_numpy()
+                if min_reward is not None:
+                    ok &= values >= min_reward
+                if max_reward is not None:
+                    ok &= values <= max_reward
+                keep &= ok
+            kept = np.flatnonzero(keep)
+            if taken + len(kept) >= limit:
+                kept = kept[: limit - taken]
+                pieces.append(table.take(pa.array(kept)))
+                last = int(kept[-1])
+                return _concat(pieces), encode_cursor(int(seqs[last]), int(position[last]) + 1)
+            pieces.append(table.take(pa.array(kept)))
+            taken += len(kept)
+            scanned += len(rows)
+            seq, row = rows[-1][0] + 1, 0
+            params[0] = seq
+            if scanned >= self.settings.max_scan_groups:
+                return _concat(pieces), encode_cursor(seq, 0)
+
+    # ------------------------------------------------------------------ stats
+
+    def stats(self) -> StatsResponse:
+        cursor = self._cursor()
+        rows = cursor.execute("""
+            SELECT model_id, count(*), sum(num_rows), count(DISTINCT prompt_id),
+                   sum(reward_sum) / nullif(sum(scored), 0),
+                   count(*) FILTER (WHERE successes > 0 AND successes < group_size),
+                   max(policy_step), max(created_us)
+            FROM groups GROUP BY model_id ORDER BY model_id""").fetchall()
+        models = [
+            ModelStats(model_id=m, groups=g, rollouts=int(r), prompts=p, success_rate=s, informative_groups=i,
+                       max_policy_step=step, newest_created_at=us_to_datetime(c))
+            for m, g, r, p, s, i, step, c in rows
+        ]
+        files = cursor.execute(
+            "SELECT count(*) FROM files WHERE kind = 'rollouts' AND retired_us IS NULL").fetchall()[0][0]
+        duplicates = cursor.execute("SELECT count(*) FROM duplicates").fetchall()[0][0]
+        quarantined = sum(1 for p in (self.root / "quarantine").iterdir() if not p.name.endswith(".reason.txt"))
+        return StatsResponse(
+            models=models, files=files, quarantined_files=quarantined,
+            total_groups=sum(m.groups for m in models), total_rollouts=sum(m.rollouts for m in models),
+            last_ingest_at=us_to_datetime(self.last_ingest_us), duplicate_groups=duplicates,
+        )
+
+
+def _concat(pieces: list[pa.Table]) -> pa.Table:
+    return pa.concat_tables(pieces) if pieces else ROLLOUT_ARROW_SCHEMA.empty_table()
