@@ -12,7 +12,7 @@ import asyncio
 import http.client
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 from urllib.parse import quote, urlsplit
 
@@ -160,6 +160,26 @@ def _lookup_response(table: pa.Table, validate: bool) -> PeerLookupResponse:
     return PeerLookupResponse.model_construct(groups=groups, misses=misses)
 
 
+class _RetryRule:
+    """When both clients try a call again: after a transport error or a 502-504 answer, `retries` more times at
+    most, waiting backoff_s, 2 * backoff_s, 4 * backoff_s, ... before each; then StoreUnavailable. Any other
+    answer is final."""
+
+    def __init__(self, base_url: str, retries: int, backoff_s: float):
+        self.base_url = base_url
+        self.retries = retries
+        self.backoff_s = backoff_s
+
+    def waits(self) -> Iterator[float]:
+        """Seconds to wait before each attempt: none before the first."""
+        for attempt in range(self.retries + 1):
+            yield self.backoff_s * 2 ** (attempt - 1) if attempt else 0.0
+
+    def unavailable(self, what: str, last: Exception | str) -> StoreUnavailable:
+        return StoreUnavailable(f"store at {self.base_url} unreachable after {self.retries + 1} attempts ({what}): "
+                                f"{last!r}")
+
+
 def _rollout_params(filters: dict[str, Any], cursor: str | None, limit: int) -> dict[str, Any]:
     params = {k: (str(v).lower() if isinstance(v, bool) else v) for k, v in filters.items() if v is not None}
     params["limit"] = limit
@@ -177,28 +197,37 @@ class StoreClient:
         self.retries = retries
         self.backoff_s = backoff_s
         headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._retry = _RetryRule(self.base_url, retries, backoff_s)
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=headers)
         self._lookups = _KeptAliveConnections(self.base_url, timeout_s)
         self._lookup_headers = {"Content-Type": "application/json", "Accept": ARROW_MEDIA_TYPE, **headers}
 
-    def _request(self, method: str, path: str, **kwargs) -> httpx.Response:
+    def _attempt(self, what: str, send: Callable[[], tuple[int, Any]],
+                 transport_errors: type[Exception] | tuple[type[Exception], ...]) -> tuple[int, Any]:
+        """(status, answer) of the first `send()` that the retry rule does not try again."""
         last: Exception | str = ""
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+        for wait in self._retry.waits():
+            if wait:
+                time.sleep(wait)
             try:
-                response = self._http.request(method, path, **kwargs)
-            except httpx.TransportError as exc:
+                status, answer = send()
+            except transport_errors as exc:
                 last = exc
                 continue
-            if response.status_code in RETRY_STATUSES:
-                last = f"HTTP {response.status_code}"
-                continue
-            if response.status_code >= 400:
-                raise _error(response)
-            return response
-        raise StoreUnavailable(f"store at {self.base_url} unreachable after {self.retries + 1} attempts "
-                               f"({method} {path}): {last!r}")
+            if status not in RETRY_STATUSES:
+                return status, answer
+            last = f"HTTP {status}"
+        raise self._retry.unavailable(what, last)
+
+    def _request(self, method: str, path: str, **kwargs) -> httpx.Response:
+        def send() -> tuple[int, httpx.Response]:
+            response = self._http.request(method, path, **kwargs)
+            return response.status_code, response
+
+        status, response = self._attempt(f"{method} {path}", send, httpx.TransportError)
+        if status >= 400:
+            raise _error(response)
+        return response
 
     def health(self) -> HealthResponse:
         return HealthResponse.model_validate_json(self._request("GET", "/v1/health").content)
@@ -209,24 +238,13 @@ class StoreClient:
     def lookup_peer_table(self, req: PeerLookupRequest) -> tuple[pa.Table, list[str]]:
         """Peer groups as an Arrow table of rollout rows (fastest), and the missed prompt ids."""
         body = req.model_dump_json(exclude_none=True).encode()
-        last: Exception | str = ""
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
-            try:
-                status, data = self._lookups.post(LOOKUP_PATH, body, self._lookup_headers)
-            except (OSError, http.client.HTTPException) as exc:
-                last = exc
-                continue
-            if status in RETRY_STATUSES:
-                last = f"HTTP {status}"
-                continue
-            if status >= 400:
-                raise StoreError(f"POST {LOOKUP_PATH}: {_error_message(data, f'HTTP {status}')}", status)
-            table = _read_arrow(data)
-            return table, _metadata_json(table, "misses") or []
-        raise StoreUnavailable(f"store at {self.base_url} unreachable after {self.retries + 1} attempts "
-                               f"(POST {LOOKUP_PATH}): {last!r}")
+        status, data = self._attempt(f"POST {LOOKUP_PATH}",
+                                     lambda: self._lookups.post(LOOKUP_PATH, body, self._lookup_headers),
+                                     (OSError, http.client.HTTPException))
+        if status >= 400:
+            raise StoreError(f"POST {LOOKUP_PATH}: {_error_message(data, f'HTTP {status}')}", status)
+        table = _read_arrow(data)
+        return table, _metadata_json(table, "misses") or []
 
     def lookup_peer_groups(self, req: PeerLookupRequest, validate: bool = False) -> PeerLookupResponse:
         """Peer groups as models (built with model_construct unless `validate`)."""
@@ -293,13 +311,15 @@ class AsyncStoreClient:
         self.retries = retries
         self.backoff_s = backoff_s
         headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._retry = _RetryRule(self.base_url, retries, backoff_s)
         self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, headers=headers)
 
     async def _request(self, method: str, path: str, **kwargs) -> httpx.Response:
+        """StoreClient._attempt and _request, awaited (the same retry rule)."""
         last: Exception | str = ""
-        for attempt in range(self.retries + 1):
-            if attempt:
-                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+        for wait in self._retry.waits():
+            if wait:
+                await asyncio.sleep(wait)
             try:
                 response = await self._http.request(method, path, **kwargs)
             except httpx.TransportError as exc:
@@ -311,8 +331,7 @@ class AsyncStoreClient:
             if response.status_code >= 400:
                 raise _error(response)
             return response
-        raise StoreUnavailable(f"store at {self.base_url} unreachable after {self.retries + 1} attempts "
-                               f"({method} {path}): {last!r}")
+        raise self._retry.unavailable(f"{method} {path}", last)
 
     async def health(self) -> HealthResponse:
         return HealthResponse.model_validate_json((await self._request("GET", "/v1/health")).content)

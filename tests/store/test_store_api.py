@@ -204,6 +204,17 @@ def test_client_errors_carry_status_and_message(client):
         dead.health()
     assert time.perf_counter() - started < 5
 
+    async def the_same_through_the_async_client():  # the same retry rule
+        async with AsyncStoreClient(client.base_url) as live:
+            with pytest.raises(StoreError) as info:
+                await live.prompt_groups("zz")
+            assert info.value.status_code == 422 and "prompt_id" in info.value.message
+        async with AsyncStoreClient(dead.base_url, retries=2, backoff_s=0.01, timeout_s=1) as gone:
+            with pytest.raises(StoreUnavailable, match="3 attempts"):
+                await gone.health()
+
+    asyncio.run(the_same_through_the_async_client())
+
 
 def test_writes_need_the_token_when_one_is_set(tmp_path):
     with StoreServer(tmp_path / "store", token="s3cret") as srv:
