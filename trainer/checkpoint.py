@@ -1,25 +1,39 @@
 """HF-format checkpoints (save_pretrained of model and tokenizer) with optimizer, scheduler, RNG and
 loop state, so `--resume` continues exactly where the run stopped.
 
-Layout: <run_dir>/checkpoints/step_000010/{config.json, model.safetensors, tokenizer files, trainer_state.pt}.
+One process: <run_dir>/checkpoints/step_000010/{config.json, model.safetensors, tokenizer files, trainer_state.pt}.
+Data parallel (ddp, fsdp): the same HF files (the full weights, gathered once and written by rank 0)
+and, instead of trainer_state.pt, dcp/: a torch.distributed.checkpoint of the sharded model and
+optimizer, the scheduler, the loop state (step, data position) and each rank's RNG. It resumes at
+the same world size and loads at another one (a 2-rank checkpoint into 1 process, say).
+
 A checkpoint is written into a temporary folder beside its final name and renamed when complete:
-a crash never leaves a half-written checkpoint under a final name.
+a crash never leaves a half-written checkpoint under a final name. With several machines, run_dir
+must be a file system they all see (as torch.distributed.checkpoint requires).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import pickle
 import random
 import re
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from trainer.distributed import DistContext, barrier, broadcast_object, full_state_dict, unwrap
+
+log = logging.getLogger("trainer")
+
 STATE_FILE = "trainer_state.pt"
+SHARDED_DIR = "dcp"  # torch.distributed.checkpoint of a data-parallel run (its .metadata is written last)
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
 
@@ -51,38 +65,52 @@ def save_checkpoint(
     scheduler: Any,
     loop_state: dict[str, Any],
     keep_last: int | None,
+    ctx: DistContext | None = None,
 ) -> Path:
-    """Write checkpoint `step` atomically and prune older ones beyond `keep_last`; returns its path."""
+    """Write checkpoint `step` atomically and prune older ones beyond `keep_last`; returns its path.
+
+    Data parallel (ctx.distributed): every rank calls it; each writes its shards and RNG into dcp/,
+    rank 0 the HF export and the rename."""
+    sharded = ctx is not None and ctx.distributed
+    writes_folder = not sharded or ctx.is_main  # creates, renames (or removes) the staging folder
     root = checkpoints_dir(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
-    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    staging = None
+    if writes_folder:
+        root.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    if sharded:
+        staging = Path(broadcast_object(ctx, str(staging)))
+    trainer_state = {"step": step, "scheduler": scheduler.state_dict(), "loop": loop_state}
     try:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        torch.save(
-            {
-                "step": step,
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "rng": rng_state(),
-                "loop": loop_state,
-            },
-            staging / STATE_FILE,
-        )
-        for f in staging.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        if final.exists():  # a rerun of the same step (e.g. after resuming) replaces it
-            shutil.rmtree(final)
-        os.rename(staging, final)
+        if sharded:
+            _write_sharded(staging, model, tokenizer, optimizer, trainer_state, ctx)
+        else:
+            model.save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
+            torch.save({**trainer_state, "optimizer": optimizer.state_dict(), "rng": rng_state()}, staging / STATE_FILE)
+        if writes_folder:
+            _move_into_place(staging, final, run_dir, keep_last)
+        if sharded:
+            barrier(ctx)  # no rank returns before the checkpoint is in place
     finally:
-        if staging.exists():
+        if writes_folder and staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
+    return final
+
+
+def _move_into_place(staging: Path, final: Path, run_dir: Path, keep_last: int | None) -> None:
+    """fsync a complete checkpoint, rename it to its final name, prune beyond keep_last."""
+    for folder, _, files in os.walk(staging):
+        for name in files:
+            with open(Path(folder) / name, "rb") as fh:
+                os.fsync(fh.fileno())
+    if final.exists():  # a rerun of the same step (e.g. after resuming) replaces it
+        shutil.rmtree(final)
+    os.rename(staging, final)
     if keep_last is not None:
         for old in list_checkpoints(run_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -90,7 +118,8 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     root = checkpoints_dir(run_dir)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name) and (p / STATE_FILE).exists()]
+    found = [p for p in root.iterdir()
+             if p.is_dir() and STEP_DIR.match(p.name) and ((p / STATE_FILE).exists() or is_sharded_checkpoint(p))]
     return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
 
 
@@ -105,3 +134,84 @@ def load_trainer_state(checkpoint: Path) -> dict[str, Any]:
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing: {checkpoint} is not a complete trainer checkpoint")
     return torch.load(path, map_location="cpu", weights_only=False)
+
+
+# ---- data parallel: torch.distributed.checkpoint ---------------------------------------------------
+
+def is_sharded_checkpoint(checkpoint: Path) -> bool:
+    """Whether `checkpoint` holds a data-parallel run's dcp/ state (resume it with load_sharded_checkpoint)."""
+    return (Path(checkpoint) / SHARDED_DIR / ".metadata").exists()
+
+
+def _rng_key(rank: int) -> str:
+    return f"rng_rank_{rank:05d}"
+
+
+def _write_sharded(
+    staging: Path, model: torch.nn.Module, tokenizer: Any, optimizer: torch.optim.Optimizer,
+    trainer_state: dict[str, Any], ctx: DistContext,
+) -> None:
+    """Every rank: its shards of model and optimizer and its own RNG into staging/dcp/; rank 0 the HF export."""
+    from torch.distributed.checkpoint import save as dcp_save
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {
+        "model": model_state,
+        "optimizer": optimizer_state,
+        # One pickled blob: lists whose length varies (grafted prompts) do not fit DCP's fixed layout.
+        "trainer": pickle.dumps({**trainer_state, "world_size": ctx.world_size}),
+        _rng_key(ctx.rank): pickle.dumps(rng_state()),  # one key per rank: DCP keeps them all
+    }
+    dcp_save(state, checkpoint_id=staging / SHARDED_DIR)
+    export_hf(model, tokenizer, staging, ctx)
+    barrier(ctx)  # every rank's files are written before rank 0 renames the folder
+
+
+def load_sharded_checkpoint(
+    checkpoint: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, ctx: DistContext
+) -> dict[str, Any]:
+    """Every rank calls it, at any world size and strategy (a 2-rank fsdp checkpoint loads into one
+    plain process): model and optimizer are resharded onto this job, the scheduler and this rank's
+    RNG are restored. Returns {"step", "loop", "world_size"} as saved. The model and optimizer must be
+    built (and wrapped) already."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    directory = Path(checkpoint) / SHARDED_DIR
+    if not (directory / ".metadata").exists():
+        raise FileNotFoundError(f"{directory}/.metadata is missing: {checkpoint} is not a complete data-parallel checkpoint")
+    saved_keys = FileSystemReader(directory).read_metadata().state_dict_metadata
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state, "trainer": b""}
+    has_rng = _rng_key(ctx.rank) in saved_keys
+    if has_rng:
+        state[_rng_key(ctx.rank)] = b""
+    with warnings.catch_warnings():  # one process reading a sharded checkpoint is what we mean; DCP warns about it
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp_load(state, checkpoint_id=directory, no_dist=not ctx.distributed)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    trainer = pickle.loads(state["trainer"])  # our own file
+    scheduler.load_state_dict(trainer["scheduler"])
+    if has_rng:
+        restore_rng_state(pickle.loads(state[_rng_key(ctx.rank)]))
+    else:
+        log.warning("%s was written by %d ranks: rank %d has no saved RNG state and keeps the one it was seeded with",
+                    checkpoint, trainer["world_size"], ctx.rank)
+    if trainer["world_size"] != ctx.world_size:
+        log.warning("%s was written by %d ranks and loads into %d: weights and optimizer continue exactly, sampling "
+                    "does not repeat what the old job would have drawn", checkpoint, trainer["world_size"], ctx.world_size)
+    return {"step": trainer["step"], "loop": trainer["loop"], "world_size": trainer["world_size"]}
+
+
+def export_hf(model: torch.nn.Module, tokenizer: Any, directory: Path, ctx: DistContext) -> None:
+    """save_pretrained of the full weights (gathered once onto rank 0's CPU) and the tokenizer into
+    `directory`, by rank 0: what transformers, vLLM and graft-generate --watch-dir load. Every rank
+    calls it (the gather is a collective)."""
+    weights = full_state_dict(model, ctx)
+    if ctx.is_main:
+        # transformers names the architecture after the class, less FSDP2's "FSDP" prefix
+        unwrap(model).save_pretrained(directory, state_dict=weights)
+        tokenizer.save_pretrained(directory)
+

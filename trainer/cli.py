@@ -4,11 +4,14 @@
     graft-train train configs/train_toy.yaml --method grpo --set graft.peer_negative_scale=0 --steps 50
     graft-train train configs/train_toy.yaml --resume          # continue from the newest checkpoint
     graft-train show-config configs/train_toy.yaml             # every field, its value and its doc line
+
+Also runs as `python -m trainer.cli`, which is how torchrun starts ranks (`torchrun ... -m trainer.cli train CONFIG`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -76,6 +79,13 @@ def train(
 
         typer.echo(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
         return
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.parallel.strategy != "none" or world_size > 1:
+        # trainer/distributed.py holds the parts; until the loop calls them a second rank would train alone
+        raise typer.BadParameter(
+            f"parallel.strategy {cfg.parallel.strategy!r} with WORLD_SIZE={world_size}: the training loop does not run "
+            "data parallel yet (issue 15); train in one process with parallel.strategy none"
+        )
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the trainer's own messages
     from trainer.loop import train as run_training

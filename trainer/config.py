@@ -141,6 +141,15 @@ class LoggingConfig(_Section):
     progress: bool = Field(default=True, description="show a progress bar")
 
 
+class ParallelConfig(_Section):
+    strategy: Literal["none", "ddp", "fsdp"] = Field(
+        default="none",
+        description="data parallelism over the ranks torchrun starts: none (one process); ddp (full replicas, gradients "
+                    "all-reduced); fsdp (FSDP2 fully_shard per decoder layer and on the whole model)",
+    )
+    timeout_s: float = Field(default=1800.0, gt=0.0, description="a collective waiting longer than this fails the run instead of hanging it")
+
+
 class TrainConfig(_Section):
     run_dir: Path = Field(default=Path("runs/train"), description="where metrics, checkpoints and the resolved config go")
     seed: int = Field(default=0, description="seeds prompt order, sampling and initialisation of everything random")
@@ -159,6 +168,7 @@ class TrainConfig(_Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
@@ -166,6 +176,11 @@ class TrainConfig(_Section):
             raise ValueError("method 'graft' needs store.url (the store to take peer groups from); set it, or use method 'grpo'")
         if self.store.mode == "cotrain" and not self.store.url:
             raise ValueError("store.mode 'cotrain' needs store.url")
+        if self.parallel.strategy != "none" and self.model.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(
+                f"model.device {self.model.device!r} with parallel.strategy {self.parallel.strategy!r}: each rank takes the "
+                "GPU of its LOCAL_RANK; set model.device to auto, cuda or cpu"
+            )
         if self.optim.mini_batch_prompts > self.rollout.prompts_per_step:
             raise ValueError(
                 f"optim.mini_batch_prompts = {self.optim.mini_batch_prompts} exceeds rollout.prompts_per_step = "

