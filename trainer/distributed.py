@@ -345,7 +345,8 @@ def reduce_metrics(
     fingerprint = float(zlib.crc32(repr(keys).encode()))  # exact in float64: catches ranks that pass other keys
     row = [fingerprint]
     for name in keys[0]:
-        row += [_or_zero(sums[name]), float(math.isfinite(sums[name]))]
+        present = math.isfinite(sums[name])
+        row += [sums[name] if present else 0.0, float(present)]
     for name in keys[1]:
         value, weight = means[name]
         present = math.isfinite(value) and weight > 0
@@ -369,10 +370,6 @@ def reduce_metrics(
         out[name] = largest if math.isfinite(largest) else math.nan
         column += 1
     return out
-
-
-def _or_zero(value: float) -> float:
-    return value if math.isfinite(value) else 0.0
 
 
 def _gather(ctx: DistContext, values: list[float]) -> Tensor:

@@ -33,6 +33,7 @@ from trainer.distributed import (
     full_state_dict,
     init_distributed,
     iter_full_weights,
+    max_over_ranks,
     reduce_metrics,
     wrap_model,
 )
@@ -107,7 +108,7 @@ def metrics(ctx: DistContext) -> dict:
         mismatch_raised = False
     except RuntimeError:
         mismatch_raised = True
-    return {"reduced": reduced, "mismatch_raised": mismatch_raised}
+    return {"reduced": reduced, "mismatch_raised": mismatch_raised, "max_over_ranks": max_over_ranks(ctx, 3 * r + 1)}
 
 
 def full_weights(ctx: DistContext) -> dict:

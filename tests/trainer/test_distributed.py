@@ -24,6 +24,8 @@ from trainer.distributed import (
     MiniBatchPlan,
     RowSpan,
     close_distributed,
+    decoder_layers,
+    fsdp_mixed_precision,
     init_distributed,
     mini_batch_rows,
     plan_mini_batches,
@@ -124,6 +126,7 @@ def test_metrics_reduce_over_ranks(ranks):
         assert reduced["reward"] == pytest.approx((0.5 * 2 + 1.0 * 6) / 8)
         assert reduced["only_rank_1"] == 3.0 and math.isnan(reduced["nowhere"]) and reduced["step_time_s"] == 1.5
         assert result["metrics"]["mismatch_raised"]
+        assert result["metrics"]["max_over_ranks"] == 4
 
 
 def test_streamed_full_weights_equal_the_gathered_state_dict(ranks):
@@ -217,6 +220,17 @@ def test_reduce_metrics_in_one_process_is_nan_aware():
                          maxima={"t": float("nan")})
     assert out["n"] == 3.0 and out["m"] == 2.0
     assert math.isnan(out["gone"]) and math.isnan(out["empty"]) and math.isnan(out["t"])
+
+
+def test_fsdp_units_and_mixed_precision():
+    model, _ = tiny_policy()
+    assert len(decoder_layers(model)) == 2
+    with pytest.raises(ValueError, match="get_decoder"):
+        decoder_layers(torch.nn.Linear(2, 2))
+    on_gpu = fsdp_mixed_precision(torch.device("cuda", 0), torch.bfloat16)
+    assert (on_gpu.param_dtype, on_gpu.reduce_dtype) == (torch.bfloat16, torch.float32)
+    on_cpu = fsdp_mixed_precision(torch.device("cpu"), torch.bfloat16)
+    assert (on_cpu.param_dtype, on_cpu.reduce_dtype) == (torch.float32, torch.float32)
 
 
 def test_init_without_torchrun(monkeypatch):
