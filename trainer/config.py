@@ -84,7 +84,7 @@ class GraftConfig(_Section):
     union_all_success: bool = Field(default=False, description="all-fail learner + all-success peer: advantages over the union of learner failures and peer successes instead of skipping")
     kappa: float = Field(default=1.0, ge=0.0, description="exponent of the sequence compatibility weight w = min(1, rho) ** kappa")
     log_rho_min: float | None = Field(default=None, description="drop grafted samples whose per-byte log rho is below this (None: no floor)")
-    token_is: Literal["tis", "none", "luffy"] = Field(default="tis", description="behaviour ratio per token: tis = truncated pi_old/mu; none = 1; luffy = p/(p+gamma) shaping, no peer logprobs")
+    token_is: Literal["tis", "none", "luffy"] = Field(default="tis", description="token level: tis = truncated ratio b = pi_old/mu~ times the PPO-clipped ratio; none = b = 1; luffy = p/(p+gamma) shaping instead of the PPO ratio, b = 1. The sequence weight w (kappa, log_rho_min, group_normalized_weight) applies under all three")
     is_cap: float = Field(default=2.0, gt=0.0, description="C: truncation of the token behaviour ratio b = min(pi_old/mu, C)")
     luffy_gamma: float = Field(default=0.1, gt=0.0, description="gamma of the luffy shaping p/(p + gamma)")
     peer_negative_scale: float = Field(default=1.0, ge=0.0, description="multiplies negative advantages of grafted responses (1: the method as published)")
@@ -94,7 +94,18 @@ class GraftConfig(_Section):
     max_grafted_fraction: float = Field(default=0.5, ge=0.0, le=1.0, description="at most this fraction of a step's groups are grafted")
     max_peer_policy_lag: int | None = Field(default=None, ge=0, description="accept peer groups with policy_step >= learner step - lag (None: any step)")
     max_peer_age_s: float | None = Field(default=None, gt=0.0, description="accept peer groups created at most this many seconds ago (None: any age)")
-    peer_tokenizers: list[str] = Field(default_factory=list, description="local tokenizer (or model) dirs of the peers, matched to stored tokenizer ids by fingerprint; used to project peer logprobs by character spans")
+    peer_tokenizers: dict[str, str] | list[str] = Field(
+        default_factory=dict,
+        description="the peers' tokenizers, found from the tokenizer_id their stored rows carry: {tokenizer_id: local tokenizer "
+                    "or model dir}, or a list of dirs whose fingerprints are their ids (the generator's default id); used to "
+                    "project peer logprobs by character spans. Peers with the learner's tokenizer id need no entry; groups in "
+                    "another id without an entry are refused (groups_no_peer_tokenizer)",
+    )
+    uniform_projection: bool = Field(
+        default=False,
+        description="opt-in: graft peer groups whose tokenizer is not in peer_tokenizers, spreading their logprob_sum evenly "
+                    "over the text's characters (mu~ per token, so b, then carries little); off: such groups are refused",
+    )
 
 
 class DapoConfig(_Section):

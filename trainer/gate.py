@@ -17,7 +17,9 @@ from schemas import RolloutGroup, group_advantages
 from schemas.rollout import ADVANTAGE_TOLERANCE
 
 GroupKind = Literal["all_fail", "all_success", "mixed"]
-Action = Literal["onpolicy", "graft", "graft_union", "skip_no_peer", "skip_uninformative", "skip_capped"]
+Action = Literal[
+    "onpolicy", "graft", "graft_union", "skip_no_peer", "skip_uninformative", "skip_no_peer_tokenizer", "skip_capped"
+]
 LOG_RHO_CLAMP = 10.0
 
 
@@ -38,7 +40,8 @@ class GateDecision:
     prompt_id: str
     kind: GroupKind  # of the learner's own group
     action: Action  # onpolicy: train on the learner's group (mixed, all-success, or gate off); graft*: use peer_group
-    peer_group: RolloutGroup | None = None  # the chosen peer group (graft, graft_union, or capped)
+    # the chosen peer group (graft, graft_union, capped), or the one refused for want of its tokenizer
+    peer_group: RolloutGroup | None = None
 
 
 def choose_peer_group(
@@ -47,10 +50,14 @@ def choose_peer_group(
     peer_models: list[str] | None,
     min_policy_step: int | None,
     union_all_success: bool,
+    usable_tokenizers: set[str] | None = None,
 ) -> tuple[RolloutGroup | None, Action]:
     """The most recent informative peer group (highest policy step, then newest), else why none.
 
-    With union_all_success, an all-success peer group is the fallback ("graft_union")."""
+    With union_all_success, an all-success peer group is the fallback ("graft_union").
+    usable_tokenizers: the tokenizer ids whose text the learner can weigh (its own and the peers' it
+    has); a group in another one is refused, and when that leaves nothing, the most recent refused
+    group comes back with "skip_no_peer_tokenizer". None: any tokenizer."""
     eligible = [
         g for g in candidates
         if g.model_id != learner_model
@@ -63,14 +70,21 @@ def choose_peer_group(
     def recency(g: RolloutGroup) -> tuple:
         return g.policy_step, g.rollouts[0].created_at
 
-    informative = [g for g in eligible if g.informative]
-    if informative:
-        return max(informative, key=recency), "graft"
-    if union_all_success:
-        all_success = [g for g in eligible if g.successes == len(g.rollouts)]
-        if all_success:
-            return max(all_success, key=recency), "graft_union"
-    return None, "skip_uninformative"
+    def useful(groups: list[RolloutGroup]) -> list[RolloutGroup]:
+        informative = [g for g in groups if g.informative]
+        if informative or not union_all_success:
+            return informative
+        return [g for g in groups if g.successes == len(g.rollouts)]
+
+    candidates_useful = useful(eligible)
+    if not candidates_useful:
+        return None, "skip_uninformative"
+    usable = [g for g in eligible if usable_tokenizers is None or g.rollouts[0].tokenizer_id in usable_tokenizers]
+    chosen = useful(usable)
+    if not chosen:
+        return max(candidates_useful, key=recency), "skip_no_peer_tokenizer"
+    best = max(chosen, key=recency)
+    return best, "graft" if best.informative else "graft_union"
 
 
 def gate_groups(
@@ -84,12 +98,14 @@ def gate_groups(
     union_all_success: bool,
     max_grafted_fraction: float,
     rng: random.Random,
+    usable_tokenizers: set[str] | None = None,
 ) -> list[GateDecision]:
     """One decision per learner group, in order; `learner_rewards` holds (prompt id, rewards) per group.
 
     Mixed and all-success groups train on-policy; all-fail groups are grafted when an acceptable
-    peer group arrived, else skipped. At most floor(max_grafted_fraction * groups) are grafted;
-    the rest of the candidates (chosen at random) are skipped as 'skip_capped'."""
+    peer group arrived (in a tokenizer of `usable_tokenizers`, see `choose_peer_group`), else skipped.
+    At most floor(max_grafted_fraction * groups) are grafted; the rest of the candidates (chosen at
+    random) are skipped as 'skip_capped'."""
     decisions: list[GateDecision] = []
     for prompt_id, rewards in learner_rewards:
         kind = classify_group(rewards)
@@ -97,7 +113,8 @@ def gate_groups(
             decisions.append(GateDecision(prompt_id, kind, "onpolicy"))
             continue
         peer_group, action = choose_peer_group(
-            peer_candidates.get(prompt_id, []), learner_model, peer_models, min_policy_step, union_all_success
+            peer_candidates.get(prompt_id, []), learner_model, peer_models, min_policy_step, union_all_success,
+            usable_tokenizers,
         )
         decisions.append(GateDecision(prompt_id, kind, action, peer_group))
 

@@ -52,6 +52,7 @@ from trainer.config import TrainConfig
 from trainer.gate import (
     GateDecision,
     behaviour_ratio,
+    choose_peer_group,
     classify_group,
     compat_weights,
     effective_sample_size,
@@ -60,7 +61,7 @@ from trainer.gate import (
     peer_group_advantages,
 )
 from trainer.loss import LossBatch, LossConfig, agg_denominator, graft_loss
-from trainer.retokenize import retokenize_peer_rollout
+from trainer.retokenize import learner_stop_token, retokenize_peer_rollout
 
 log = logging.getLogger("trainer")
 
@@ -130,6 +131,9 @@ class Learner:
     eos_ids: set[int]
     device: torch.device
     compute_dtype: torch.dtype = torch.float32  # forward passes run in it; the parameters stay float32
+    # the token its own rollouts end with (retokenize.learner_stop_token), which grafted and anchor rows end with
+    # too; None: the tokenizer's EOS
+    stop_token_id: int | None = None
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """Mixed precision for forward passes (sampling, pi_old, the update's forward and loss); backward runs outside."""
@@ -187,6 +191,10 @@ def train(cfg: TrainConfig, resume: bool = False, on_step: Callable[[dict[str, A
     prompts = PromptStream(problems, cfg.seed, cfg.data.shuffle, state)
     anchors = _load_anchor(cfg)
     peer_tokenizers = _load_peer_tokenizers(cfg)
+    # Peer groups whose text the learner can weigh: its own tokenizer's and those of the configured peer tokenizers
+    # (None: any, the uniform projection opted in); the others are refused at the gate, with one warning per id.
+    usable_tokenizers = None if cfg.graft.uniform_projection else {learner.tokenizer_id, *peer_tokenizers}
+    warned_tokenizers: set[str] = set()
     backend, uses_vllm = _make_backend(cfg, learner, checkpoint or cfg.model.path)
     scorer = Scorer(num_workers=cfg.rollout.scorer_workers, timeout_s=cfg.rollout.scorer_timeout_s)
     peers = None
@@ -252,8 +260,8 @@ def train(cfg: TrainConfig, resume: bool = False, on_step: Callable[[dict[str, A
                 counts["peer_lookup_ok"] = float(lookup.ok)
                 if cotrain:
                     all_fail = [g.prompt_id for g in groups if not any((r.reward or 0) > 0 for r in g.rollouts)]
-                    missing = [p for p in all_fail
-                               if not _has_usable_peer(peer_candidates.get(p, []), cfg, learner, policy_step)]
+                    missing = [p for p in all_fail if not _has_usable_peer(
+                        peer_candidates.get(p, []), cfg, learner, policy_step, usable_tokenizers)]
                     if missing:
                         deadline = wait_start + cfg.store.cotrain_wait_s
                         peer_candidates.update(peers.wait_for_peers(missing, policy_step, deadline))
@@ -264,8 +272,9 @@ def train(cfg: TrainConfig, resume: bool = False, on_step: Callable[[dict[str, A
                 peer_models=cfg.graft.peer_models,
                 min_policy_step=max(0, policy_step - lag) if lag is not None else None,
                 union_all_success=cfg.graft.union_all_success, max_grafted_fraction=cfg.graft.max_grafted_fraction,
-                rng=random.Random(cfg.seed * 7_919 + policy_step),
+                rng=random.Random(cfg.seed * 7_919 + policy_step), usable_tokenizers=usable_tokenizers,
             )
+            _warn_refused_tokenizers(decisions, peer_candidates, usable_tokenizers, warned_tokenizers)
 
             # 4b. the batch: on-policy rows and re-tokenised peer rows
             rows, peer_groups_used, drops = _build_rows(
@@ -339,7 +348,8 @@ def train(cfg: TrainConfig, resume: bool = False, on_step: Callable[[dict[str, A
                 "groups_capped": sum(1 for d in decisions if d.action == "skip_capped"),
                 "groups_no_peer": sum(1 for d in decisions if d.action == "skip_no_peer"),
                 "groups_peer_uninformative": sum(1 for d in decisions if d.action == "skip_uninformative"),
-                **{f"dropped_{reason}": drops[reason] for reason in ("round_trip", "overlength", "non_finite")},
+                "groups_no_peer_tokenizer": sum(1 for d in decisions if d.action == "skip_no_peer_tokenizer"),
+                **{f"dropped_{reason}": count for reason, count in drops.items()},
                 "rollouts_generated_total": state.rollouts_generated_total,
                 "peer_rollouts_consumed_total": state.peer_rollouts_consumed_total,
                 "lr": scheduler.get_last_lr()[0],
@@ -408,15 +418,17 @@ def _load_learner(cfg: TrainConfig, checkpoint: Path | None) -> Learner:
     model.to(device).eval()
     if tokenizer.eos_token_id is None:
         raise ValueError(f"the tokenizer of {cfg.model.path} has no eos_token; set one in its tokenizer_config.json")
+    eos_ids = eos_token_ids(model, tokenizer)
     return Learner(
         model=model,
         tokenizer=tokenizer,
         model_id=cfg.model.model_id or default_model_id(cfg.model.path),
         tokenizer_id=cfg.model.tokenizer_id or tokenizer_fingerprint(tokenizer),
         revision=cfg.model.revision or model_fingerprint(resolve_model_dir(cfg.model.path)),
-        eos_ids=eos_token_ids(model, tokenizer),
+        eos_ids=eos_ids,
         device=device,
         compute_dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype],
+        stop_token_id=learner_stop_token(tokenizer, eos_ids, cfg.data.prompt_template),
     )
 
 
@@ -461,17 +473,51 @@ def _load_anchor(cfg: TrainConfig) -> list[tuple[str, str]]:
 
 
 def _load_peer_tokenizers(cfg: TrainConfig) -> dict[str, Any]:
-    """Peer tokenizers by their fingerprint (the tokenizer_id the generator stores), loaded as the generator loads them."""
+    """Peer tokenizers by the tokenizer_id their stored rows carry, loaded as the generator loads them.
+
+    graft.peer_tokenizers maps ids to directories, or lists directories whose fingerprints (the id the
+    generator and the trainer store unless told otherwise) are their ids."""
+    entries = cfg.graft.peer_tokenizers
+    pairs = list(entries.items()) if isinstance(entries, dict) else [(None, path) for path in entries]
     found = {}
-    for path in cfg.graft.peer_tokenizers:
+    for tokenizer_id, path in pairs:
         if not Path(path).exists():
             raise FileNotFoundError(
                 f"graft.peer_tokenizers: {path} does not exist; pass the peer model's (or tokenizer's) directory"
             )
         # a GGUF peer's tokenizer lives in its dequantised copy; a directory may hold a tokenizer only (no config.json)
         tokenizer = load_tokenizer(resolve_model_dir(path) if find_gguf(Path(path)) else path)
-        found[tokenizer_fingerprint(tokenizer)] = tokenizer
+        fingerprint = tokenizer_fingerprint(tokenizer)
+        if tokenizer_id is not None and tokenizer_id.startswith("tok-") and tokenizer_id != fingerprint:
+            log.warning("graft.peer_tokenizers maps %s to %s, whose fingerprint is %s: if the peer sampled with another "
+                        "tokenizer, its rows will not decode (counted as dropped_peer_decode)", tokenizer_id, path,
+                        fingerprint)
+        found[tokenizer_id or fingerprint] = tokenizer
     return found
+
+
+def _warn_refused_tokenizers(
+    decisions: list[GateDecision], peer_candidates: dict[str, list[RolloutGroup]], usable: set[str] | None,
+    warned: set[str],
+) -> None:
+    """One warning per tokenizer id whose peer groups the gate refused for want of the peer's tokenizer."""
+    if usable is None:
+        return
+    refused: dict[str, set[str]] = {}  # tokenizer id -> the models that sampled in it
+    for decision in decisions:
+        if decision.action == "skip_no_peer_tokenizer":
+            for group in peer_candidates.get(decision.prompt_id, []):
+                refused.setdefault(group.rollouts[0].tokenizer_id, set()).add(group.model_id)
+    for tokenizer_id, models in sorted(refused.items()):
+        if tokenizer_id in usable or tokenizer_id in warned:
+            continue
+        warned.add(tokenizer_id)
+        log.warning(
+            "peer groups of %s are in tokenizer %r, for which this trainer has no tokenizer: they are refused "
+            "(counted as groups_no_peer_tokenizer). Map that id to the peer's tokenizer or model directory: "
+            "graft.peer_tokenizers: {%s: /path/to/peer} (or opt in to graft.uniform_projection, which spreads the "
+            "peer's logprobs evenly over characters)", ", ".join(sorted(models)), tokenizer_id, tokenizer_id,
+        )
 
 
 def _make_backend(cfg: TrainConfig, learner: Learner, weights_path: str | Path) -> tuple[Any, bool]:
@@ -542,18 +588,16 @@ def _generate_groups(
     return groups
 
 
-def _has_usable_peer(candidates: list[RolloutGroup], cfg: TrainConfig, learner: Learner, policy_step: int) -> bool:
+def _has_usable_peer(
+    candidates: list[RolloutGroup], cfg: TrainConfig, learner: Learner, policy_step: int, usable_tokenizers: set[str] | None
+) -> bool:
+    """Whether the gate would graft one of `candidates` (the co-training wait ends for a prompt when it would)."""
     lag = cfg.graft.max_peer_policy_lag
-    for g in candidates:
-        if g.model_id == learner.model_id:
-            continue
-        if cfg.graft.peer_models is not None and g.model_id not in cfg.graft.peer_models:
-            continue
-        if lag is not None and g.policy_step < policy_step - lag:
-            continue
-        if g.informative or (cfg.graft.union_all_success and g.successes == len(g.rollouts)):
-            return True
-    return False
+    _, action = choose_peer_group(
+        candidates, learner.model_id, cfg.graft.peer_models, max(0, policy_step - lag) if lag is not None else None,
+        cfg.graft.union_all_success, usable_tokenizers,
+    )
+    return action in ("graft", "graft_union")
 
 
 # ---- the batch -----------------------------------------------------------------------------------
@@ -575,9 +619,10 @@ def _build_rows(
     prompt_ids_of: dict[str, list[int]] = {}
     rows: list[TrainSample] = []
     peer_groups_used: list[RolloutGroup] = []
-    drops = {"round_trip": 0, "overlength": 0, "non_finite": 0}
+    drops = {"round_trip": 0, "overlength": 0, "non_finite": 0, "peer_decode": 0}
     projections = {"exact": 0, "spans": 0, "uniform": 0}
     mismatched_advantages = 0
+    not_canonical = 0  # same-tokenizer rows whose text does not re-tokenise to the stored ids
 
     def prompt_tokens(prompt_id: str) -> list[int]:
         if prompt_id not in prompt_ids_of:
@@ -613,12 +658,14 @@ def _build_rows(
         for rollout, advantage in zip(peer_rollouts, peer_advantages):
             out = retokenize_peer_rollout(
                 rollout, learner.tokenizer, learner.tokenizer_id, cfg.rollout.max_response_tokens,
-                peer_tokenizers.get(rollout.tokenizer_id),
+                peer_tokenizers.get(rollout.tokenizer_id), stop_token_id=learner.stop_token_id,
+                uniform_projection=cfg.graft.uniform_projection,
             )
             if isinstance(out, str):
                 drops[out] += 1
                 continue
             projections[out.projection] += 1
+            not_canonical += int(not out.canonical)
             if advantage < 0:
                 advantage *= cfg.graft.peer_negative_scale
             rows.append(TrainSample(
@@ -629,13 +676,17 @@ def _build_rows(
             ))
     counts.update({f"projection_{k}": v for k, v in projections.items()})
     counts["peer_advantage_mismatch"] = mismatched_advantages
+    counts["same_tokenizer_id_mismatch"] = not_canonical
     return rows, peer_groups_used, drops
 
 
 def _needs_forward(row: TrainSample, cfg: TrainConfig) -> bool:
     """Rows with zero advantage add nothing to the loss (unless a KL is on); with
-    optim.skip_zero_advantage they get no forward pass (they still count in the normaliser)."""
-    return not cfg.optim.skip_zero_advantage or row.advantage != 0.0 or cfg.ppo.kl_beta > 0
+    optim.skip_zero_advantage they get no forward pass (they still count in the normaliser).
+    Grafted rows under graft.group_normalized_weight always get one: their w is part of their
+    group's mean, which must not depend on that speed switch."""
+    return (not cfg.optim.skip_zero_advantage or row.advantage != 0.0 or cfg.ppo.kl_beta > 0
+            or (row.grafted and cfg.graft.group_normalized_weight))
 
 
 @torch.no_grad()
@@ -698,7 +749,8 @@ def _attach_old_logprobs_and_weights(
         old = _forward_logprobs(learner.model, active, learner, cfg.optim.micro_batch_size, cfg.rollout.temperature)
     refs: list[torch.Tensor | None] = [None] * len(active)
     if reference is not None:
-        refs = _forward_logprobs(reference, active, learner, cfg.optim.micro_batch_size, 1.0)
+        # at the rollout temperature, as the policy's: the KL compares the two distributions the loss sees
+        refs = _forward_logprobs(reference, active, learner, cfg.optim.micro_batch_size, cfg.rollout.temperature)
     for row, old_lp, ref_lp in zip(active, old, refs):
         row.old_logprobs, row.ref_logprobs = old_lp, ref_lp
         row.token_weight = torch.ones_like(old_lp)
@@ -719,9 +771,8 @@ def _attach_old_logprobs_and_weights(
         for row, w, ok in zip(grafted, weights.tolist(), finite.tolist()):
             row.compat_weight = w
             row.finite = bool(ok) and bool(torch.isfinite(row.old_logprobs).all())
-            if cfg.graft.token_is == "luffy":  # LUFFY needs no peer probabilities: c = 1
-                row.token_weight = row.token_weight * cfg.graft.peer_loss_scale
-                continue
+            # b, the token-level correction, exists under tis only (luffy's shaping replaces the PPO ratio and needs
+            # no peer probabilities); the sequence weight w applies under every token_is, as kappa etc. say.
             b = torch.ones_like(row.old_logprobs)  # (n,)
             if cfg.graft.token_is == "tis":
                 behaviour = torch.tensor(row.behaviour_logprobs, dtype=torch.float32)  # (n,) log mu~
@@ -828,7 +879,8 @@ def _update_policy(
                 )
                 loss, metrics = graft_loss(batch, loss_cfg)
                 micro_denominator = agg_denominator(mask, loss_cfg)
-                scale = micro_denominator / denominator  # the micro-batches' losses add up to the mini-batch's
+                # the micro-batches' losses add up to the mini-batch's (a mini-batch without a token has none)
+                scale = micro_denominator / denominator if denominator else 0.0
                 (loss * scale).backward()
                 mini_loss += float(loss.detach()) * scale
                 accumulate("clip_frac_onpolicy", metrics["clip_frac_onpolicy"], metrics["tokens_onpolicy"])
@@ -870,7 +922,7 @@ def _anchor_rows(cfg, learner: Learner, anchors, rng: random.Random) -> list[Tra
         prompt = build_prompt(learner.tokenizer, problem, cfg.data.prompt_template)
         prompt_ids = list(learner.tokenizer(prompt, add_special_tokens=False)["input_ids"])
         completion_ids = list(learner.tokenizer(completion, add_special_tokens=False)["input_ids"])
-        completion_ids.append(learner.tokenizer.eos_token_id)
+        completion_ids.append(learner.tokenizer.eos_token_id if learner.stop_token_id is None else learner.stop_token_id)
         rows.append(TrainSample(
             prompt_id="anchor", group=-1, prompt_ids=prompt_ids,
             completion_ids=completion_ids, num_content_tokens=len(completion_ids) - 1, advantage=0.0, grafted=False,

@@ -17,6 +17,7 @@ from torch import Tensor
 from trainer.config import TrainConfig
 
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+KL_CLAMP = 10.0  # per-token k3 KL bound (verl's low_var_kl)
 
 
 @dataclass(frozen=True)
@@ -81,25 +82,27 @@ def agg_denominator(mask: Tensor, cfg: LossConfig) -> float:
     The loop uses it to weight micro-batches so that their sum equals the loss of the whole mini-batch."""
     if cfg.loss_agg == "token-mean":
         return float(mask.sum())
+    rows_with_tokens = float((mask.sum(dim=1) > 0).sum())
     if cfg.loss_agg == "seq-mean-token-mean":
-        return float((mask.sum(dim=1) > 0).sum())
-    return float(mask.shape[0]) * cfg.token_sum_norm
+        return rows_with_tokens
+    return rows_with_tokens * cfg.token_sum_norm
 
 
 def aggregate(values: Tensor, mask: Tensor, cfg: LossConfig) -> Tensor:
     """Reduce per-token values (B, T) over valid tokens (B, T) bool to a scalar with the configured rule.
 
     token-mean divides by the unweighted count of valid tokens (never by the sum of weights: that
-    would undo the down-weighting of peer tokens)."""
+    would undo the down-weighting of peer tokens). Both sequence means count only rows with at least
+    one valid token: an empty completion is no sequence to average over, under either rule."""
     maskf = mask.to(values.dtype)
     if cfg.loss_agg == "token-mean":
         return (values * maskf).sum() / maskf.sum().clamp(min=1.0)
+    tokens_per_seq = maskf.sum(dim=1)  # (B,)
+    rows_with_tokens = (tokens_per_seq > 0).to(values.dtype).sum().clamp(min=1.0)  # scalar
     if cfg.loss_agg == "seq-mean-token-mean":
-        tokens_per_seq = maskf.sum(dim=1)  # (B,)
-        seq_means = (values * maskf).sum(dim=1) / tokens_per_seq.clamp(min=1.0)  # (B,)
-        has_tokens = (tokens_per_seq > 0).to(values.dtype)
-        return (seq_means * has_tokens).sum() / has_tokens.sum().clamp(min=1.0)
-    return (values * maskf).sum() / (values.shape[0] * cfg.token_sum_norm)
+        seq_means = (values * maskf).sum(dim=1) / tokens_per_seq.clamp(min=1.0)  # (B,), 0 on empty rows
+        return seq_means.sum() / rows_with_tokens
+    return (values * maskf).sum() / (rows_with_tokens * cfg.token_sum_norm)
 
 
 def graft_loss(batch: LossBatch, cfg: LossConfig) -> tuple[Tensor, dict[str, float]]:
@@ -140,7 +143,9 @@ def graft_loss(batch: LossBatch, cfg: LossConfig) -> tuple[Tensor, dict[str, flo
         if batch.ref_logprobs is None:
             raise ValueError("kl_beta > 0 but LossBatch.ref_logprobs is None; compute reference logprobs for the batch")
         log_ref_ratio = (batch.ref_logprobs - logprobs).clamp(-20.0, 20.0)  # (B, T)
-        kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1.0  # (B, T), k3 estimator, >= 0
+        # k3 estimator (>= 0), clamped at 10 as verl's low_var_kl: one token the reference finds far likelier
+        # (ref - logp ~ 12 gives e^12 ~ 1.6e5) would otherwise outweigh the whole policy term.
+        kl = (torch.exp(log_ref_ratio) - log_ref_ratio - 1.0).clamp(-KL_CLAMP, KL_CLAMP)  # (B, T)
         kl_mask = mask if cfg.kl_on_peer else mask & ~grafted_rows  # (B, T)
         # Same denominator as the policy term (all valid tokens), so beta means the same with or without peers.
         kl_value = aggregate(torch.where(kl_mask, kl, torch.zeros_like(kl)), mask, cfg)

@@ -4,8 +4,9 @@
   background thread, so its latency hides behind generation; the gate takes whatever arrived.
 - `publish`: in co-training mode every sampled group is pushed in the background; groups that
   could not be pushed wait in a bounded outbox and go with the next push.
-- A store that is down, slow or erroring: the call fails in the background thread, the failure is
-  counted and logged, further calls pause with exponential backoff, and the step goes on as GRPO.
+- A store that is down, slow or erroring, or a response that is malformed in any way: the call fails
+  in the background thread, the failure is counted and logged, further calls pause with exponential
+  backoff, and the step goes on as GRPO.
   The first successful call after an outage resumes grafting.
 """
 
@@ -79,13 +80,14 @@ class PeerExchange:
             self._consecutive_failures = 0
             self._down_until = 0.0
 
-    def _record_failure(self, what: str, error: Exception) -> None:
+    def _record_failure(self, what: str, error: Exception, unexpected: bool = False) -> None:
+        """Back off; `unexpected` (not a store or network error) logs the traceback too: it points at a bug."""
         with self._lock:
             self._consecutive_failures += 1
             pause = min(self.store.backoff_initial_s * 2 ** (self._consecutive_failures - 1), self.store.backoff_max_s)
             self._down_until = time.monotonic() + pause
             log.warning("store %s: %s failed (%s: %s); training goes on without peers, next try in %.1f s",
-                        self.store.url, what, type(error).__name__, error, pause)
+                        self.store.url, what, type(error).__name__, error, pause, exc_info=unexpected)
 
     # ---- lookups ------------------------------------------------------------------------------
     def lookup_request(self, prompt_ids: list[str], learner_step: int, any_group: bool = False) -> PeerLookupRequest:
@@ -123,10 +125,12 @@ class PeerExchange:
                 response = self._lookup_client.lookup_peer_groups(request, validate=False)
                 for group in response.groups:
                     result.groups.setdefault(group.prompt_id, []).append(group)
-        except (StoreError, ValueError, OSError) as error:  # ValueError: a malformed response body
+        except Exception as error:  # noqa: BLE001 - whatever went wrong, this step runs as GRPO (counted, logged)
+            # Besides a store that is down (StoreError, OSError) a response can be malformed in any way (a missing
+            # column is a KeyError): none of it may stop training.
             with self._lock:
                 self.counters.lookup_failures += 1
-            self._record_failure("peer lookup", error)
+            self._record_failure("peer lookup", error, unexpected=not isinstance(error, (StoreError, OSError)))
             return LookupResult()
         self._record_success()
         result.ok = True
@@ -159,6 +163,10 @@ class PeerExchange:
                 found.update(result.groups)
                 missing = [p for p in missing if p not in found]
             if missing:
+                # The co-trainer may be waiting for our groups as we wait for its: groups a failed push left queued go
+                # again now, not after this wait.
+                if self.outbox_size and self.available and (self._publishing is None or self._publishing.done()):
+                    self._publishing = self._publish_pool.submit(self._flush)
                 time.sleep(min(self.store.cotrain_poll_s, max(0.0, deadline - time.monotonic())))
         return found
 
@@ -171,7 +179,10 @@ class PeerExchange:
             if overflow > 0:
                 del self._outbox[:overflow]
                 self.counters.groups_dropped_from_outbox += overflow
-        if self.available and (self._publishing is None or self._publishing.done()):
+        if self.available:
+            # Always queue a flush (the one worker runs them in order; one that finds the outbox empty returns at
+            # once): skipping it while a push is in flight could strand these groups, since that push may have
+            # read the outbox before they arrived, and a co-trainer waiting for them would wait for nothing.
             self._publishing = self._publish_pool.submit(self._flush)
 
     def _flush(self) -> None:
@@ -184,10 +195,10 @@ class PeerExchange:
             problems = list({p.prompt_id: p for _, p in batch if p is not None}.values())
             try:
                 self._publish_client.push_groups(groups, problems=problems or None)
-            except (StoreError, ValueError, OSError) as error:
+            except Exception as error:  # noqa: BLE001 - as for lookups: counted, retried later, never fatal
                 with self._lock:
                     self.counters.publish_failures += 1
-                self._record_failure("publishing groups", error)
+                self._record_failure("publishing groups", error, unexpected=not isinstance(error, (StoreError, OSError)))
                 return
             self._record_success()
             with self._lock:

@@ -1,15 +1,20 @@
 """Peer completions in the learner's tokens, and the peer's per-token logprobs projected onto them.
 
 GRAFT_SPEC section 3 (re-tokenisation) and section 5 (mu~, the projected behaviour probability):
-- the completion text is tokenised with the learner's tokenizer (no special tokens); the learner's
-  EOS is appended when the peer finished with `stop`;
+- the completion text is tokenised with the learner's tokenizer (no special tokens); the token the
+  learner's own rollouts stop on (`learner_stop_token`: a chat learner's end of turn) is appended
+  when the peer finished with `stop`;
 - the sample is dropped when decode(encode(text)) != text (round trip) or when it is longer than the
   learner's max response length (never truncated: the reward belongs to the whole text), or when
   its stored logprobs are not finite;
 - projection: every peer token owns the characters it decodes to; its log-mass is spread evenly
   over them; every learner token takes the mass of the characters it covers, so the projected
   content logprobs sum to the peer's logprob_sum. When the tokenizers are the same (same
-  tokenizer id) the learner's tokens are the peer's tokens and the logprobs are copied exactly.
+  tokenizer id) the learner's tokens are the peer's tokens and the logprobs are copied exactly;
+  whether re-tokenising the text reproduces them is reported (a sampler may choose a split the
+  canonical encoding would not, and then the stored ids are the ones whose probabilities we know).
+- without the peer's tokenizer there is no projection: the gate refuses such groups, unless
+  `graft.uniform_projection` opts in to spreading the peer's log-mass evenly over characters.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from transformers import PreTrainedTokenizerBase
 
 from schemas import Rollout
 
-DropReason = Literal["round_trip", "overlength", "non_finite"]
+# peer_decode: the peer's stored ids do not decode to its stored text with the tokenizer configured for its id
+DropReason = Literal["round_trip", "overlength", "non_finite", "peer_decode"]
 Projection = Literal["exact", "spans", "uniform"]
 
 
@@ -35,6 +41,29 @@ class PeerTokens:
     behaviour_logprobs: list[float]  # (n,) log mu~ per learner token (the EOS gets the peer's EOS logprob)
     num_content_tokens: int  # tokens before the EOS (n - 1 with EOS, n without)
     projection: Projection  # exact: same tokenizer; spans: character-span projection; uniform: peer tokenizer unknown
+    # exact only: encoding the text gives the stored ids (False: the sampler's own split, kept)
+    canonical: bool = True
+
+
+def learner_stop_token(tokenizer: PreTrainedTokenizerBase, eos_ids: set[int], prompt_template: str) -> int:
+    """The token the learner's own rollouts end with, which grafted rows must end with too.
+
+    A learner prompted through its chat template ends its turn with the template's end-of-turn token
+    (Qwen's `<|im_end|>`, Llama 3's `<|eot_id|>`), which may differ from `eos_token_id`; that token is
+    used when sampling stops on it (it is one of `eos_ids`). Otherwise the tokenizer's EOS."""
+    has_chat = getattr(tokenizer, "chat_template", None) is not None
+    if prompt_template == "chat" or (prompt_template == "auto" and has_chat):
+        marker = "GRAFT-END-OF-CONTENT"
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "?"}, {"role": "assistant", "content": marker}], tokenize=False
+        )
+        after = rendered[rendered.rfind(marker) + len(marker):] if marker in rendered else ""
+        following = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
+        if following and following[0] in eos_ids:
+            return int(following[0])
+    if tokenizer.eos_token_id is None:
+        raise ValueError("the learner's tokenizer has no eos_token; set one (tokenizer.eos_token) before training")
+    return int(tokenizer.eos_token_id)
 
 
 def decode(tokenizer: PreTrainedTokenizerBase, token_ids: list[int], skip_special_tokens: bool = False) -> str:
@@ -149,8 +178,16 @@ def retokenize_peer_rollout(
     learner_tokenizer_id: str,
     max_response_tokens: int,
     peer_tokenizer: PreTrainedTokenizerBase | None = None,
+    *,
+    stop_token_id: int | None = None,
+    uniform_projection: bool = False,
 ) -> PeerTokens | DropReason:
-    """The learner's tokens for a peer rollout and log mu~ on them, or why the sample is dropped."""
+    """The learner's tokens for a peer rollout and log mu~ on them, or why the sample is dropped.
+
+    peer_tokenizer: the tokenizer of `rollout.tokenizer_id` (not needed when it is the learner's).
+    stop_token_id: what a finished row ends with (`learner_stop_token`; default the learner's EOS).
+    uniform_projection: without `peer_tokenizer`, spread the peer's log-mass evenly over characters
+    (an explicit opt-in; otherwise a missing peer tokenizer is an error: the gate refuses such groups)."""
     peer_logprobs = list(rollout.token_logprobs)
     if not math.isfinite(rollout.logprob_sum) or not all(math.isfinite(lp) and lp <= 1e-6 for lp in peer_logprobs):
         return "non_finite"
@@ -158,13 +195,14 @@ def retokenize_peer_rollout(
     finished = rollout.finish_reason == "stop"
     # The stored logprob_sum excludes the EOS; what the token logprobs hold beyond it is the EOS's logprob.
     peer_eos_logprob = min(0.0, sum(peer_logprobs) - rollout.logprob_sum) if finished else 0.0
-    learner_eos = learner_tokenizer.eos_token_id
+    learner_eos = learner_tokenizer.eos_token_id if stop_token_id is None else stop_token_id
     if finished and learner_eos is None:
         raise ValueError(
             "the learner's tokenizer has no eos_token; set one (tokenizer.eos_token) before grafting finished peer texts"
         )
 
     projection: Projection
+    canonical = True
     if rollout.tokenizer_id == learner_tokenizer_id:
         # Same tokenizer: the learner's tokens are the peer's sampled tokens (EOS stripped), which
         # the canonical encoding reproduces unless the sampler chose a non-canonical split; either
@@ -179,13 +217,22 @@ def retokenize_peer_rollout(
             return "round_trip"
         learner_ids, behaviour = content, content_logprobs
         projection = "exact"
+        canonical = encode(learner_tokenizer, text)[0] == content
     else:
+        if peer_tokenizer is None and not uniform_projection:
+            raise ValueError(
+                f"no tokenizer for the peer's tokenizer_id {rollout.tokenizer_id!r}: map it to the peer's tokenizer "
+                "directory in graft.peer_tokenizers, or opt in to graft.uniform_projection"
+            )
         learner_ids, learner_starts = encode(learner_tokenizer, text)
         if decode(learner_tokenizer, learner_ids) != text:
             return "round_trip"
         if learner_starts is None:
             learner_starts = token_char_starts(learner_tokenizer, text, learner_ids) or [0] * len(learner_ids)
-        behaviour, projection = _project(rollout, text, _monotone_starts(learner_starts, len(text)), peer_tokenizer)
+        projected = _project(rollout, text, _monotone_starts(learner_starts, len(text)), peer_tokenizer, uniform_projection)
+        if projected is None:
+            return "peer_decode"
+        behaviour, projection = projected
 
     num_content = len(learner_ids)
     if finished:
@@ -195,14 +242,16 @@ def retokenize_peer_rollout(
         return "overlength"
     if not all(math.isfinite(lp) for lp in behaviour):
         return "non_finite"
-    return PeerTokens(learner_ids, behaviour, num_content_tokens=num_content, projection=projection)
+    return PeerTokens(learner_ids, behaviour, num_content_tokens=num_content, projection=projection, canonical=canonical)
 
 
 def _project(
-    rollout: Rollout, text: str, learner_starts: list[int], peer_tokenizer: PreTrainedTokenizerBase | None
-) -> tuple[list[float], Projection]:
+    rollout: Rollout, text: str, learner_starts: list[int], peer_tokenizer: PreTrainedTokenizerBase | None,
+    uniform_projection: bool,
+) -> tuple[list[float], Projection] | None:
     """Projected peer content logprobs on the learner's content tokens (given by their first
-    characters), and which projection was used."""
+    characters), and which projection was used; None when the peer's ids do not decode to its text
+    (a wrong tokenizer for its id, or a damaged row) and the uniform projection is not opted in."""
     if peer_tokenizer is not None:
         special_ids = set(peer_tokenizer.all_special_ids)
         content = list(rollout.completion_token_ids)
@@ -213,8 +262,10 @@ def _project(
         peer_starts = token_char_starts(peer_tokenizer, text, content)
         if peer_starts is not None:
             return project_logprobs(len(text), peer_starts, content_logprobs, learner_starts), "spans"
-    # Without the peer's tokenizer (or when its ids do not decode to the stored text), spread the
-    # peer's log-mass evenly over characters: the sum still equals logprob_sum.
+    if not uniform_projection:
+        return None
+    # Opted in: spread the peer's log-mass evenly over characters (the sum still equals logprob_sum, but
+    # mu~ per token, and so b, carries little).
     if not text:
         return [0.0] * len(learner_starts), "uniform"
     return project_logprobs(len(text), [0], [rollout.logprob_sum], learner_starts), "uniform"

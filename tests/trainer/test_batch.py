@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from schemas import Problem
+from schemas import Problem, RolloutGroup
 from services.generator.hf_backend import HFBackend
 from services.generator.sampling import SamplingParams
 from trainer.batch import TrainSample, collate, response_logprobs
@@ -59,10 +59,11 @@ def test_grafted_rows_weights_by_hand(char_model, char_tokenizer, bpe_model, bpe
     learner = learner_of(char_model, char_tokenizer)
     cfg = config(peer_negative_scale=0.5)
     counts = {}
+    peer_tokenizers = {"tok-bpe": bpe_tokenizer}
     rows, used, drops = _build_rows(cfg, learner, [GateDecision(problem.prompt_id, "all_fail", "graft", peer)], [own],
-                                    {problem.prompt_id: problem}, {}, counts)
-    assert used == [peer] and drops == {"round_trip": 0, "overlength": 0, "non_finite": 0}
-    assert [r.grafted for r in rows] == [True] * 4 and counts["projection_uniform"] == 4  # no peer tokenizer given
+                                    {problem.prompt_id: problem}, peer_tokenizers, counts)
+    assert used == [peer] and drops == {"round_trip": 0, "overlength": 0, "non_finite": 0, "peer_decode": 0}
+    assert [r.grafted for r in rows] == [True] * 4 and counts["projection_spans"] == 4
     # peer-computed advantages: rewards [1, 0, 1, 0] -> +-0.866; negatives scaled by 0.5
     a = 0.5 / math.sqrt(1 / 3)
     assert [r.advantage for r in rows] == pytest.approx([a, -0.5 * a, a, -0.5 * a], rel=1e-4)
@@ -77,15 +78,22 @@ def test_grafted_rows_weights_by_hand(char_model, char_tokenizer, bpe_model, bpe
         b = [min(math.exp(o - mu), 2.0) for o, mu in zip(old, row.behaviour_logprobs)]
         assert row.token_weight.tolist() == pytest.approx([w * x for x in b], rel=1e-4)
     assert stats["compat_weight_mean"] == pytest.approx(sum(r.compat_weight for r in rows) / 4, rel=1e-5)
-    # token_is = none: b = 1; luffy: c = 1; peer_loss_scale multiplies c (outside the spec)
-    for token_is, expect_b, scale in (("none", True, 1.0), ("luffy", False, 1.0), ("none", True, 3.0), ("luffy", False, 3.0)):
+    # token_is = none and luffy: b = 1, c = w (the sequence weight stays: kappa and log_rho_min mean the same under
+    # every token_is, and its logged statistics are the ones applied); peer_loss_scale multiplies c (outside the spec)
+    for token_is, scale in (("none", 1.0), ("luffy", 1.0), ("none", 3.0), ("luffy", 3.0)):
         cfg = config(token_is=token_is, peer_loss_scale=scale)
         rows, _, _ = _build_rows(cfg, learner, [GateDecision(problem.prompt_id, "all_fail", "graft", peer)], [own],
-                                 {problem.prompt_id: problem}, {}, {})
-        rows, _ = _attach_old_logprobs_and_weights(cfg, learner, None, rows, dict(drops))
+                                 {problem.prompt_id: problem}, peer_tokenizers, {})
+        rows, luffy_stats = _attach_old_logprobs_and_weights(cfg, learner, None, rows, dict(drops))
+        assert any(row.compat_weight < 0.9 for row in rows)  # so that c = w and c = 1 differ
         for row in rows:
-            expected = scale * (row.compat_weight if expect_b else 1.0)
-            assert row.token_weight.tolist() == pytest.approx([expected] * len(row.completion_ids))
+            assert row.token_weight.tolist() == pytest.approx([scale * row.compat_weight] * len(row.completion_ids))
+        assert luffy_stats["compat_weight_mean"] == pytest.approx(stats["compat_weight_mean"], rel=1e-6)
+    # kappa = 0 gives w = 1: the way to train without the sequence weight, under any token_is
+    rows, _, _ = _build_rows(config(token_is="luffy", kappa=0.0), learner, [GateDecision(problem.prompt_id, "all_fail", "graft", peer)],
+                             [own], {problem.prompt_id: problem}, peer_tokenizers, {})
+    rows, _ = _attach_old_logprobs_and_weights(config(token_is="luffy", kappa=0.0), learner, None, rows, dict(drops))
+    assert all(row.token_weight.tolist() == [1.0] * len(row.completion_ids) for row in rows)
 
 
 def test_union_all_success_and_skipped_groups(char_model, char_tokenizer, bpe_model, bpe_tokenizer):
@@ -95,7 +103,7 @@ def test_union_all_success_and_skipped_groups(char_model, char_tokenizer, bpe_mo
     learner = learner_of(char_model, char_tokenizer)
     cfg = config(union_all_success=True)
     rows, _, _ = _build_rows(cfg, learner, [GateDecision(problem.prompt_id, "all_fail", "graft_union", peer)], [own],
-                             {problem.prompt_id: problem}, {}, {})
+                             {problem.prompt_id: problem}, {"tok-bpe": bpe_tokenizer}, {})
     # union rewards [0, 0, 1, 1]: advantages -+0.866 over learner failures (on-policy) and peer successes (grafted)
     a = 0.5 / math.sqrt(1 / 3)
     assert [(r.grafted, round(r.advantage, 4)) for r in rows] == [(False, round(-a, 4))] * 2 + [(True, round(a, 4))] * 2
@@ -107,3 +115,59 @@ def test_union_all_success_and_skipped_groups(char_model, char_tokenizer, bpe_mo
     assert [(r.grafted, r.advantage) for r in rows] == [(False, 0.0), (False, 0.0)]
     rows, _ = _attach_old_logprobs_and_weights(cfg, learner, None, rows, {"non_finite": 0})
     assert all(r.old_logprobs is None for r in rows)
+
+
+def test_same_tokenizer_peer_rows_keep_the_sampled_split_and_count_the_mismatch(bpe_model, bpe_tokenizer):
+    """GRAFT_SPEC 3: a peer with the learner's tokenizer id must re-tokenise to its stored ids. Where the sampler
+    chose a split the canonical encoding would not, the stored ids stay (their logprobs are exact) and the step
+    counts it (same_tokenizer_id_mismatch)."""
+    problem = PROBLEMS[0]
+    peer = build_group(problem, ["\\boxed{19}", "\\boxed{18}"], [1.0, 0.0], bpe_tokenizer, bpe_model, model_id="twin",
+                       tokenizer_id="tok-bpe")
+    split = bpe_tokenizer("\\b", add_special_tokens=False)["input_ids"] + bpe_tokenizer("oxed{19}", add_special_tokens=False)["input_ids"]
+    ids = split + [bpe_tokenizer.eos_token_id]
+    resampled = peer.rollouts[0].model_copy(update={
+        "completion_token_ids": ids, "token_logprobs": [-0.25] * len(ids), "num_tokens": len(ids),
+        "logprob_sum": -0.25 * (len(ids) - 1)})
+    peer = RolloutGroup(rollouts=[resampled, peer.rollouts[1]])
+    own = build_group(problem, ["1", "2"], [0.0, 0.0], bpe_tokenizer, bpe_model, model_id="learner", tokenizer_id="tok-bpe")
+    learner = learner_of(bpe_model, bpe_tokenizer, tokenizer_id="tok-bpe")
+    counts = {}
+    rows, _, drops = _build_rows(config(), learner, [GateDecision(problem.prompt_id, "all_fail", "graft", peer)], [own],
+                                 {problem.prompt_id: problem}, {}, counts)
+    assert sum(drops.values()) == 0 and counts["projection_exact"] == 2
+    assert counts["same_tokenizer_id_mismatch"] == 1
+    assert rows[0].completion_ids == ids and rows[0].behaviour_logprobs == [-0.25] * len(ids)
+    assert rows[1].completion_ids == list(peer.rollouts[1].completion_token_ids)
+
+
+def test_a_chat_learner_ends_grafted_and_anchor_rows_with_its_end_of_turn(tmp_path, char_model, char_tokenizer, bpe_model,
+                                                                         bpe_tokenizer):
+    """A learner whose chat turns end with <|im_end|> (one of the tokens its sampling stops on) stops its own
+    rollouts there; grafted rows and anchor completions must end the same way, not with eos_token_id."""
+    from services.generator.models import tokenizer_fingerprint
+    from trainer.loop import _anchor_rows, _load_learner
+    from trainer.testing import build_char_tokenizer, build_tiny_model, save_model
+
+    tokenizer = build_char_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_end|>"]})
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}"
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    model = build_tiny_model(tokenizer, "llama", seed=3)
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, im_end]
+    path = save_model(model, tokenizer, tmp_path / "chat-learner")
+    cfg = TrainConfig(model={"path": str(path), "device": "cpu"}, data={"dataset": "unused", "prompt_template": "auto"},
+                      store={"url": "http://x"}, rollout={"max_response_tokens": 32})
+    learner = _load_learner(cfg, None)
+    assert learner.stop_token_id == im_end != learner.tokenizer.eos_token_id
+
+    problem = PROBLEMS[0]
+    peer = build_group(problem, ["\\boxed{19}", "\\boxed{18}"], [1.0, 0.0], bpe_tokenizer, bpe_model, model_id="peer",
+                       tokenizer_id="tok-bpe")
+    own = build_group(problem, ["1", "2"], [0.0, 0.0], learner.tokenizer, learner.model, model_id="learner",
+                      tokenizer_id=tokenizer_fingerprint(learner.tokenizer))
+    rows, _, _ = _build_rows(cfg, learner, [GateDecision(problem.prompt_id, "all_fail", "graft", peer)], [own],
+                             {problem.prompt_id: problem}, {"tok-bpe": bpe_tokenizer}, {})
+    assert [row.completion_ids[-1] for row in rows] == [im_end, im_end]
+    anchor = _anchor_rows(cfg, learner, [("12+7=", "\\boxed{19}")], random.Random(0))
+    assert anchor[0].completion_ids[-1] == im_end

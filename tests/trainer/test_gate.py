@@ -23,14 +23,14 @@ from trainer.gate import (
 PROBLEMS = [Problem.from_text(f"{a}+1=", str(a + 1), "toy_add") for a in range(6)]
 
 
-def group(problem, rewards, model_id="peer", policy_step=0, std_normalize=True, advantages=None):
+def group(problem, rewards, model_id="peer", policy_step=0, std_normalize=True, advantages=None, tokenizer_id="tok"):
     from schemas import group_advantages
 
     gid = f"{model_id}-{problem.prompt_id}-{policy_step}-{len(rewards)}-{sum(rewards)}"
     adv = advantages if advantages is not None else group_advantages(rewards, std_normalize)
     rows = [
         Rollout(rollout_id=f"{gid}-{i}", group_id=gid, prompt_id=problem.prompt_id, dataset="toy_add", model_id=model_id,
-                tokenizer_id="tok", policy_step=policy_step, temperature=1.0, top_p=1.0, max_tokens=8,
+                tokenizer_id=tokenizer_id, policy_step=policy_step, temperature=1.0, top_p=1.0, max_tokens=8,
                 completion_text="x", completion_token_ids=[1], token_logprobs=[-1.0], logprob_sum=-1.0, num_tokens=1,
                 num_bytes=1, finish_reason="length", reward=r, correct=r > 0, advantage=a, group_size=len(rewards))
         for i, (r, a) in enumerate(zip(rewards, adv))
@@ -63,6 +63,28 @@ def test_choose_most_recent_informative_peer_group_and_filters():
     assert choose_peer_group([all_success], "learner", None, None, False) == (None, "skip_uninformative")
     assert choose_peer_group([all_success], "learner", None, None, True) == (all_success, "graft_union")
     assert choose_peer_group([all_success, old], "learner", None, None, True) == (old, "graft")
+
+
+def test_peer_groups_in_a_tokenizer_the_learner_lacks_are_refused():
+    p = PROBLEMS[0]
+    known = group(p, [1.0, 0.0], policy_step=2, tokenizer_id="tok-peer")
+    unknown_newer = group(p, [0.0, 1.0], policy_step=5, model_id="other", tokenizer_id="tok-other")
+    usable = {"tok-learner", "tok-peer"}
+    # the newest usable group wins over a newer one the learner cannot weigh
+    assert choose_peer_group([known, unknown_newer], "learner", None, None, False, usable) == (known, "graft")
+    assert choose_peer_group([unknown_newer], "learner", None, None, False, usable) == (unknown_newer, "skip_no_peer_tokenizer")
+    assert choose_peer_group([unknown_newer], "learner", None, None, False, None) == (unknown_newer, "graft")
+    # the learner's own tokenizer needs no entry
+    same = group(p, [1.0, 0.0], tokenizer_id="tok-learner")
+    assert choose_peer_group([same], "learner", None, None, False, {"tok-learner"}) == (same, "graft")
+    # an uninformative group stays "uninformative" whatever its tokenizer
+    assert choose_peer_group([group(p, [0.0, 0.0], tokenizer_id="tok-other")], "learner", None, None, False, usable)[1] == (
+        "skip_uninformative")
+    rewards = [(p.prompt_id, [0.0, 0.0])]
+    decisions = gate_groups(rewards, {p.prompt_id: [unknown_newer]}, enabled=True, learner_model="learner", peer_models=None,
+                            min_policy_step=None, union_all_success=False, max_grafted_fraction=1.0, rng=random.Random(0),
+                            usable_tokenizers=usable)
+    assert [(d.action, d.peer_group) for d in decisions] == [("skip_no_peer_tokenizer", unknown_newer)]
 
 
 def test_gate_groups_and_the_grafted_fraction_cap():

@@ -134,6 +134,28 @@ def test_seq_mean_token_mean_and_dr_grpo_normalisers_by_hand():
     assert grad[1, 0] == pytest.approx(1.0 / 20)
 
 
+def test_both_sequence_means_leave_empty_rows_out():
+    """An empty completion (no valid token) is no sequence under either rule: adding one changes neither
+    loss nor denominator (a batch of one 3-token row with A = -1: token sum 3)."""
+    for agg, expected in (("seq-mean-token-mean", 1.0), ("seq-mean-token-sum-norm", 3.0 / 10.0)):
+        cfg = LossConfig(loss_agg=agg, token_sum_norm=10.0)
+        alone, _ = make_batch([3], [-1.0])
+        with_empty, _ = make_batch([3, 0], [-1.0, 0.5])
+        assert float(graft_loss(alone, cfg)[0]) == pytest.approx(expected, rel=1e-6), agg
+        assert float(graft_loss(with_empty, cfg)[0]) == pytest.approx(expected, rel=1e-6), agg
+        assert agg_denominator(with_empty.mask, cfg) == agg_denominator(alone.mask, cfg), agg
+
+
+def test_k3_kl_is_clamped_at_10_per_token_as_verls_low_var_kl():
+    # ref - logprob = 12 on one token: k3 = e^12 - 13 ~ 1.6e5 unclamped; 10 after the clamp (and no gradient through it)
+    cfg = LossConfig(kl_beta=1.0)
+    batch, logprobs = make_batch([2], [0.0], ref_delta=[[12.0, math.log(2.0)]])
+    loss, grad, metrics = loss_and_grad(batch, logprobs, cfg)
+    k3 = 2.0 - math.log(2.0) - 1.0
+    assert metrics["kl"] == pytest.approx((10.0 + k3) / 2, rel=1e-5)
+    assert grad[0, 0] == 0.0 and grad[0, 1] == pytest.approx((1.0 - 2.0) / 2, rel=1e-5)  # d k3 / d logp = 1 - e^(ref - logp)
+
+
 def test_kl_applies_to_onpolicy_tokens_unless_kl_on_peer():
     # ref - logprob = log 2 on every token: k3 = 2 - log 2 - 1
     delta = [[math.log(2.0)] * 2, [math.log(2.0)] * 2]

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from schemas import Problem, Rollout
-from trainer.retokenize import PeerTokens, project_logprobs, retokenize_peer_rollout, token_char_starts
+from trainer.retokenize import (
+    PeerTokens,
+    learner_stop_token,
+    project_logprobs,
+    retokenize_peer_rollout,
+    token_char_starts,
+)
 
 PROBLEM = Problem.from_text("12+7=", "19", "toy_add")
 TEXTS = ["\\boxed{19}", "\\boxed{18}", "\\boxed{109} ", "\\boxed{1"]
@@ -60,10 +66,13 @@ def test_bpe_peer_onto_char_learner_preserves_logprob_sum(make_group, bpe_tokeni
             if piece.isdigit():
                 char_index = len(bpe_tokenizer.decode(peer_ids[:k]))
                 assert out.behaviour_logprobs[char_index] == pytest.approx(rollout.token_logprobs[k], abs=1e-6)
-        # without the peer's tokenizer: uniform per character, same sum
-        uniform = retokenize_peer_rollout(rollout, char_tokenizer, "tok-char", 64, peer_tokenizer=None)
+        # without the peer's tokenizer: uniform per character, same sum, only when opted in
+        uniform = retokenize_peer_rollout(rollout, char_tokenizer, "tok-char", 64, peer_tokenizer=None,
+                                          uniform_projection=True)
         assert uniform.projection == "uniform"
         assert uniform.behaviour_logprobs[:-1] == pytest.approx([rollout.logprob_sum / len(text)] * len(text), abs=1e-5)
+        with pytest.raises(ValueError, match="graft.peer_tokenizers"):
+            retokenize_peer_rollout(rollout, char_tokenizer, "tok-char", 64, peer_tokenizer=None)
 
 
 def test_char_peer_onto_bpe_learner_preserves_logprob_sum(make_group, char_tokenizer, char_model, bpe_tokenizer):
@@ -82,6 +91,60 @@ def test_same_tokenizer_reproduces_stored_ids_and_copies_logprobs(make_group, bp
         assert out.token_ids == list(rollout.completion_token_ids)  # content + the same EOS
         assert out.token_ids[:-1] == bpe_tokenizer(rollout.completion_text, add_special_tokens=False)["input_ids"]
         assert out.behaviour_logprobs == list(rollout.token_logprobs)
+
+
+def test_same_tokenizer_non_canonical_split_keeps_the_stored_ids_and_says_so(make_group, bpe_tokenizer, bpe_model):
+    """GRAFT_SPEC 3: with the same tokenizer, re-tokenising must reproduce the stored ids. A sampler may choose a
+    split the canonical encoding would not: then the stored ids (whose probabilities are known) are kept, and the
+    mismatch is reported."""
+    group = make_group(PROBLEM, ["\\boxed{19}"], [1.0], bpe_tokenizer, bpe_model, model_id="peer", tokenizer_id="tok-bpe")
+    canonical = group.rollouts[0]
+    out = retokenize_peer_rollout(canonical, bpe_tokenizer, "tok-bpe", 64)
+    assert out.canonical and out.projection == "exact"
+    split = bpe_tokenizer("\\b", add_special_tokens=False)["input_ids"] + bpe_tokenizer("oxed{19}", add_special_tokens=False)["input_ids"]
+    assert split != canonical.completion_token_ids[:-1]
+    ids = split + [bpe_tokenizer.eos_token_id]
+    logprobs = [-0.5] * len(ids)
+    sampled = Rollout.model_validate(canonical.model_dump() | {
+        "completion_token_ids": ids, "token_logprobs": logprobs, "num_tokens": len(ids), "logprob_sum": sum(logprobs[:-1])})
+    out = retokenize_peer_rollout(sampled, bpe_tokenizer, "tok-bpe", 64)
+    assert not out.canonical and out.projection == "exact"
+    assert out.token_ids == ids and out.behaviour_logprobs == logprobs
+
+
+def test_peer_ids_that_do_not_decode_with_the_mapped_tokenizer_are_dropped(make_group, bpe_tokenizer, bpe_model,
+                                                                           char_tokenizer):
+    """A tokenizer mapped to the wrong id (or a damaged row): the stored ids do not give the stored text, so no
+    span projection exists; the row is dropped (counted), not silently projected uniformly."""
+    group = make_group(PROBLEM, ["\\boxed{19}"], [1.0], bpe_tokenizer, bpe_model, model_id="peer", tokenizer_id="tok-bpe")
+    rollout = group.rollouts[0]
+    assert retokenize_peer_rollout(rollout, bpe_tokenizer, "tok-other", 64, peer_tokenizer=char_tokenizer) == "peer_decode"
+    opted_in = retokenize_peer_rollout(rollout, bpe_tokenizer, "tok-other", 64, peer_tokenizer=char_tokenizer,
+                                       uniform_projection=True)
+    assert opted_in.projection == "uniform"
+
+
+def test_learner_stop_token_is_the_chat_turns_end_when_sampling_stops_there(char_tokenizer):
+    """A chat learner ends its turns with the template's end-of-turn token (Qwen's <|im_end|>), not eos_token_id."""
+    from trainer.testing import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()  # a fresh one: the session's fixture stays as it is
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_end|>"]})
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}"
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    eos = tokenizer.eos_token_id
+    assert learner_stop_token(tokenizer, {eos, im_end}, "auto") == im_end
+    assert learner_stop_token(tokenizer, {eos, im_end}, "chat") == im_end
+    assert learner_stop_token(tokenizer, {eos, im_end}, "raw") == eos  # no chat template in the prompt
+    assert learner_stop_token(tokenizer, {eos}, "auto") == eos  # sampling does not stop on <|im_end|>
+    assert learner_stop_token(char_tokenizer, {char_tokenizer.eos_token_id}, "auto") == char_tokenizer.eos_token_id
+
+
+def test_grafted_rows_end_with_the_learners_stop_token(make_group, bpe_tokenizer, bpe_model, char_tokenizer):
+    group = make_group(PROBLEM, ["\\boxed{19}"], [1.0], bpe_tokenizer, bpe_model, model_id="peer", tokenizer_id="tok-bpe")
+    stop = char_tokenizer.convert_tokens_to_ids("+")  # any id other than the EOS stands for an end-of-turn token
+    out = retokenize_peer_rollout(group.rollouts[0], char_tokenizer, "tok-char", 64, bpe_tokenizer, stop_token_id=stop)
+    assert out.token_ids[-1] == stop and out.num_content_tokens == len(out.token_ids) - 1
 
 
 def test_eos_appended_only_when_the_peer_stopped(make_group, bpe_tokenizer, bpe_model, char_tokenizer):

@@ -73,6 +73,7 @@ def test_graft_through_a_real_store_grafts_and_trains(toy_world, store, tmp_path
         assert 0 < m["behaviour_ratio_p50"] <= 2.0  # b is truncated at C = 2
         assert math.isnan(m["behaviour_ratio_hardest_p50"]) or 0 < m["behaviour_ratio_hardest_p50"] <= 2.0
         assert m["rollouts_generated"] == 8 * 4 and m["store_lookup_failures"] == 0
+        assert m["groups_no_peer_tokenizer"] == 0 and m["same_tokenizer_id_mismatch"] == 0 and m["dropped_peer_decode"] == 0
     assert metrics[-1]["peer_rollouts_consumed_total"] == sum(m["peer_rollouts_consumed"] for m in metrics)
     before, after = weights(toy_world.learner_dir), weights(run_dir / "checkpoints" / "step_000003")
     assert any(not torch.equal(before[k], after[k]) for k in before)
@@ -179,6 +180,110 @@ def test_options_run_on_the_same_code_path(toy_world, store, tmp_path, overrides
         assert m["kl"] >= 0
 
 
+def test_peer_groups_without_their_tokenizer_are_refused_with_one_warning(toy_world, store, tmp_path):
+    """No tokenizer for the peer's tokenizer_id: its groups are refused at the gate (counted), with one warning
+    naming the id and the setting, never grafted with a made-up mu~. The map {id: dir} finds it; the uniform
+    projection grafts only when opted in."""
+    from services.generator.models import load_tokenizer, tokenizer_fingerprint
+
+    run_dir = train(make_config(toy_world, tmp_path / "none", store.url, steps=3, **{"graft.peer_tokenizers": {}}))
+    metrics = read_metrics(run_dir)
+    for m in metrics:
+        assert m["frac_grafted"] == 0 and m["peer_rollouts_consumed"] == 0 and m["peer_hit_rate"] > 0
+        assert m["groups_no_peer_tokenizer"] > 0 and m["projection_uniform"] == 0
+        assert m["frac_skipped_no_signal"] * 8 >= m["groups_no_peer_tokenizer"]
+    peer_tokenizer_id = tokenizer_fingerprint(load_tokenizer(toy_world.peer_dir))
+    warnings = [line for line in (run_dir / "train.log").read_text().splitlines() if "has no tokenizer" in line]
+    assert len(warnings) == 1, warnings  # one per tokenizer id, not one per step
+    assert peer_tokenizer_id in warnings[0] and "graft.peer_tokenizers" in warnings[0] and "WARNING" in warnings[0]
+
+    mapped = read_metrics(train(make_config(toy_world, tmp_path / "mapped", store.url, steps=1, **{
+        "graft.peer_tokenizers": {peer_tokenizer_id: str(toy_world.peer_dir)}})))
+    assert mapped[0]["frac_grafted"] > 0 and mapped[0]["groups_no_peer_tokenizer"] == 0
+    assert mapped[0]["projection_spans"] == mapped[0]["peer_rollouts_consumed"] > 0
+
+    uniform = read_metrics(train(make_config(toy_world, tmp_path / "uniform", store.url, steps=1, **{
+        "graft.peer_tokenizers": [], "graft.uniform_projection": True})))
+    assert uniform[0]["frac_grafted"] > 0 and uniform[0]["groups_no_peer_tokenizer"] == 0
+    assert uniform[0]["projection_uniform"] == uniform[0]["peer_rollouts_consumed"] > 0
+
+
+def test_kl_reference_is_taken_at_the_rollout_temperature(toy_world, store, tmp_path):
+    """Before the first update the policy is the reference: at T = 0.7 the KL must be 0 (a reference at T = 1
+    against a policy at T = 0.7 gives a KL of a few hundredths)."""
+    run_dir = train(make_config(toy_world, tmp_path / "kl", store.url, steps=1, **{
+        "rollout.temperature": 0.7, "ppo.kl_beta": 0.5, "graft.kl_on_peer": True}))
+    (m,) = read_metrics(run_dir)
+    assert m["frac_grafted"] > 0 and m["optimizer_updates"] == 1
+    assert abs(m["kl"]) < 1e-6, m["kl"]
+
+
+def test_group_normalized_weight_does_not_depend_on_skip_zero_advantage(toy_world, store, tmp_path):
+    """With peer negatives x0 the grafted groups hold zero-advantage rows; their w still belongs to the group's
+    mean w. optim.skip_zero_advantage is a speed switch: the update must be the same with it or without it."""
+    overrides = {"steps": 1, "checkpoint.every_steps": 1, "graft.group_normalized_weight": True,
+                 "graft.peer_negative_scale": 0.0}
+    plain = train(make_config(toy_world, tmp_path / "plain", store.url, **overrides))
+    skipping = train(make_config(toy_world, tmp_path / "skip", store.url, **overrides, **{"optim.skip_zero_advantage": True}))
+    (a,), (b,) = read_metrics(plain), read_metrics(skipping)
+    assert a["frac_grafted"] > 0 and a["peer_rollouts_consumed"] == b["peer_rollouts_consumed"]
+    for key in ("loss", "compat_weight_mean", "compat_weight_ess"):
+        assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+    wa, wb = weights(plain / "checkpoints" / "step_000001"), weights(skipping / "checkpoints" / "step_000001")
+    assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
+
+
+@pytest.fixture
+def malformed_store():
+    """A server on loopback whose peer lookup answers 200 with an Arrow stream that lacks the rows' columns (the
+    client's parsing raises KeyError: neither a StoreError nor an OSError)."""
+    import http.server
+    import threading
+
+    import pyarrow as pa
+
+    sink = pa.BufferOutputStream()
+    table = pa.table({"prompt_id": ["0000000000000000"]})
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    body = sink.getvalue().to_pybytes()
+    lookups = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            lookups.append(self.path)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/vnd.apache.arrow.stream")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", lookups
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_malformed_lookup_response_degrades_the_step_to_grpo(toy_world, malformed_store, tmp_path):
+    url, lookups = malformed_store
+    run_dir = train(make_config(toy_world, tmp_path / "run", url, steps=2))
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics] == [1, 2] and lookups
+    assert all(m["frac_grafted"] == 0 and m["peer_lookup_ok"] == 0.0 for m in metrics)
+    assert sum(m["store_lookup_failures"] for m in metrics) >= 1
+    assert "KeyError" in (run_dir / "train.log").read_text()
+
+
 def test_dapo_refills_and_counts_rollouts(toy_world, tmp_path):
     run_dir = train(make_config(toy_world, tmp_path / "dapo", None, method="dapo", steps=2,
                                 **{"dapo.max_generation_rounds": 3}))
@@ -208,7 +313,11 @@ def test_anchor_evaluation_and_tensorboard(toy_world, store, tmp_path):
 
 
 def test_cotraining_two_processes_through_one_store(toy_world, tmp_path):
-    """Two graft-train processes, each the other's peer, through one (initially empty) store."""
+    """Two graft-train processes, each the other's peer, through one (initially empty) store.
+
+    Each step both publish their groups, then wait until the other's group of every prompt they failed is in
+    the store: the wait ends on that condition, and cotrain_wait_s (300 s) is only a deadline against a
+    co-trainer that died. So what each process trains on does not depend on the two processes' timing."""
     import subprocess
     import sys
 
@@ -217,15 +326,14 @@ def test_cotraining_two_processes_through_one_store(toy_world, tmp_path):
                   "--group-size", "4", "--prompts-per-step", "8", "--seed", "0",
                   "--set", "data.prompt_template=raw", "--set", "rollout.max_response_tokens=16",
                   "--set", "rollout.backend=hf", "--set", "rollout.scorer_workers=1", "--set", "optim.mini_batch_prompts=8",
-                  "--set", "store.cotrain_wait_s=20", "--set", "logging.progress=false", "--set", "model.device=cpu",
+                  "--set", "store.cotrain_wait_s=300", "--set", "logging.progress=false", "--set", "model.device=cpu",
                   "--set", "torch_threads=1"]
         runs = {
             "learner": ["--model", str(toy_world.learner_dir), "--run-dir", str(tmp_path / "a"), "--peer-models", "peer",
                         "--set", f"graft.peer_tokenizers=[{toy_world.peer_dir}]"],
             "peer": ["--model", str(toy_world.peer_dir), "--run-dir", str(tmp_path / "b"), "--peer-models", "learner",
-                     "--set", "store.cotrain_wait_s=2"],
+                     "--set", f"graft.peer_tokenizers=[{toy_world.learner_dir}]"],
         }
-        # Per-run options after the common ones: the later --set wins.
         procs = {name: subprocess.Popen([sys.executable, "-m", "trainer.cli", "train", *common, *args],
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for name, args in runs.items()}
         outputs = {name: p.communicate(timeout=600)[0].decode(errors="replace") for name, p in procs.items()}
@@ -234,7 +342,12 @@ def test_cotraining_two_processes_through_one_store(toy_world, tmp_path):
         with StoreClient(server.url) as client:
             stats = {m.model_id: m for m in client.stats().models}
     assert stats["learner"].groups == 3 * 8 and stats["peer"].groups == 3 * 8
-    learner = read_metrics(tmp_path / "a")
-    assert sum(m["store_groups_published"] for m in learner) == 24
+    learner, peer = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
+    for run in (learner, peer):
+        assert [m["step"] for m in run] == [1, 2, 3]
+        # the last push may land after the last metrics line (the exit flush sends it): the store holds all 24
+        assert sum(m["store_groups_published"] for m in run) <= 24
+        assert all(m["store_publish_failures"] == 0 and m["store_lookup_failures"] == 0 for m in run)
+        assert all(m["groups_no_peer_tokenizer"] == 0 for m in run)
     assert any(m["frac_grafted"] > 0 for m in learner)
     assert all(m["peer_group_age_steps"] == 0 for m in learner if m["frac_grafted"] > 0)  # the peer's group of the same step
