@@ -6,6 +6,7 @@ the entry point must be a console script of pyproject.toml, and the arguments (w
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import tomllib
@@ -48,6 +49,39 @@ def test_service_command_is_a_valid_entry_point(service: str) -> None:
     assert result.exit_code == 0, f"{service}: {' '.join(command)} fails validation:\n{result.output}"
     resolved = yaml.safe_load(result.output)
     assert isinstance(resolved, dict) and resolved, f"{service}: --dry-run printed no configuration"
+
+
+def _option(command: list[str], flag: str) -> str | None:
+    return command[command.index(flag) + 1] if flag in command else None
+
+
+def test_every_grafting_trainer_has_its_peers_tokenizer() -> None:
+    """A trainer refuses peer groups whose tokenizer it lacks: each compose trainer that grafts must get the
+    tokenizer of every model it takes groups from (the generator's or its co-trainer's `--model`), at a path
+    inside a volume mounted into its container."""
+    services = COMPOSE["services"]
+    samplers = {name: _option(s["command"], "--model") for name, s in services.items() if _option(s["command"], "--model")}
+    trainers = [name for name, s in services.items() if s["command"][0] == "graft-train"]
+    assert trainers
+    for name in trainers:
+        service = services[name]
+        result = CliRunner().invoke(_app("graft-train"), [*_local_args(service["command"]), "--dry-run"])
+        assert result.exit_code == 0, result.output
+        resolved = yaml.safe_load(result.output)
+        if resolved["method"] != "graft":
+            continue
+        # the models it grafts from: the other samplers started with it (same compose profiles)
+        peers = {model for other, model in samplers.items()
+                 if other != name and model != samplers[name] and services[other].get("profiles") == service.get("profiles")}
+        assert peers, f"{name}: no peer model found in the compose file"
+        configured = resolved["graft"]["peer_tokenizers"]
+        paths = set(configured.values() if isinstance(configured, dict) else configured)
+        assert peers <= paths, f"{name}: graft.peer_tokenizers {sorted(paths)} lacks its peers' {sorted(peers - paths)}"
+        # SOURCE:TARGET[:MODE], where SOURCE may be ${VAR:-default}
+        mounts = [re.sub(r"\$\{[^}]*\}", "source", volume).split(":")[1] for volume in service["volumes"]]
+        for path in paths:
+            assert any(path == m or path.startswith(m.rstrip("/") + "/") for m in mounts), (
+                f"{name}: peer tokenizer {path} is not inside a mounted volume ({mounts})")
 
 
 def test_gpu_services_reserve_a_gpu_and_store_has_healthcheck() -> None:

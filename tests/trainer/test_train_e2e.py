@@ -186,7 +186,7 @@ def test_peer_groups_without_their_tokenizer_are_refused_with_one_warning(toy_wo
     projection grafts only when opted in."""
     from services.generator.models import load_tokenizer, tokenizer_fingerprint
 
-    run_dir = train(make_config(toy_world, tmp_path / "none", store.url, steps=3, **{"graft.peer_tokenizers": {}}))
+    run_dir = train(make_config(toy_world, tmp_path / "none", store.url, steps=3, **{"graft.peer_tokenizers": []}))
     metrics = read_metrics(run_dir)
     for m in metrics:
         assert m["frac_grafted"] == 0 and m["peer_rollouts_consumed"] == 0 and m["peer_hit_rate"] > 0
