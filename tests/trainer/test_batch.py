@@ -50,18 +50,28 @@ def test_response_logprobs_align_with_teacher_forcing_and_the_sampler(char_model
         assert logprobs[b, n:].abs().sum() == 0 and not batch.mask[b, n:].any()
 
 
-def test_grafted_rows_weights_by_hand(char_model, char_tokenizer, bpe_model, bpe_tokenizer):
+def grafting(char_model, char_tokenizer, bpe_model, bpe_tokenizer):
+    """A BPE peer's informative group for the char learner's all-fail one: (problem, peer group, learner, build),
+    where build(cfg, counts) runs `_build_rows` on the grafting decision."""
     problem = PROBLEMS[0]
     texts = ["\\boxed{19}", "\\boxed{18}", "\\boxed{19}", "\\boxed{1"]
     peer = build_group(problem, texts, [1.0, 0.0, 1.0, 0.0], bpe_tokenizer, bpe_model, model_id="peer", tokenizer_id="tok-bpe")
     own = build_group(problem, ["1", "2", "3", "4"], [0.0, 0.0, 0.0, 0.0], char_tokenizer, char_model, model_id="learner",
                       tokenizer_id="tok-char")
     learner = learner_of(char_model, char_tokenizer)
+
+    def build(cfg, counts):
+        return _build_rows(cfg, learner, [GateDecision(problem.prompt_id, "all_fail", "graft", peer)], [own],
+                           {problem.prompt_id: problem}, {"tok-bpe": bpe_tokenizer}, counts)
+
+    return problem, peer, learner, build
+
+
+def test_grafted_rows_weights_by_hand(char_model, char_tokenizer, bpe_model, bpe_tokenizer):
+    problem, peer, learner, build = grafting(char_model, char_tokenizer, bpe_model, bpe_tokenizer)
     cfg = config(peer_negative_scale=0.5)
     counts = {}
-    peer_tokenizers = {"tok-bpe": bpe_tokenizer}
-    rows, used, drops = _build_rows(cfg, learner, [GateDecision(problem.prompt_id, "all_fail", "graft", peer)], [own],
-                                    {problem.prompt_id: problem}, peer_tokenizers, counts)
+    rows, used, drops = build(cfg, counts)
     assert used == [peer] and sum(drops.values()) == 0
     assert [r.grafted for r in rows] == [True] * 4 and counts["projection_spans"] == 4
     # peer-computed advantages: rewards [1, 0, 1, 0] -> +-0.866; negatives scaled by 0.5
@@ -81,32 +91,21 @@ def test_grafted_rows_weights_by_hand(char_model, char_tokenizer, bpe_model, bpe
 
 
 def test_token_is_none_and_luffy_keep_the_sequence_weight(char_model, char_tokenizer, bpe_model, bpe_tokenizer):
-    problem = PROBLEMS[0]
-    texts = ["\\boxed{19}", "\\boxed{18}", "\\boxed{19}", "\\boxed{1"]
-    peer = build_group(problem, texts, [1.0, 0.0, 1.0, 0.0], bpe_tokenizer, bpe_model, model_id="peer", tokenizer_id="tok-bpe")
-    own = build_group(problem, ["1", "2", "3", "4"], [0.0, 0.0, 0.0, 0.0], char_tokenizer, char_model, model_id="learner",
-                      tokenizer_id="tok-char")
-    learner = learner_of(char_model, char_tokenizer)
-    peer_tokenizers = {"tok-bpe": bpe_tokenizer}
+    _, _, learner, build = grafting(char_model, char_tokenizer, bpe_model, bpe_tokenizer)
     drops = {"non_finite": 0}
-    rows, _, _ = _build_rows(config(), learner, [GateDecision(problem.prompt_id, "all_fail", "graft", peer)], [own],
-                             {problem.prompt_id: problem}, peer_tokenizers, {})
-    _, stats = _attach_old_logprobs_and_weights(config(), learner, None, rows, dict(drops))
+    _, stats = _attach_old_logprobs_and_weights(config(), learner, None, build(config(), {})[0], dict(drops))
     # token_is = none and luffy: b = 1, c = w (the sequence weight stays: kappa and log_rho_min mean the same under
     # every token_is, and its logged statistics are the ones applied); peer_loss_scale multiplies c (outside the spec)
     for token_is, scale in (("none", 1.0), ("luffy", 1.0), ("none", 3.0), ("luffy", 3.0)):
         cfg = config(token_is=token_is, peer_loss_scale=scale)
-        rows, _, _ = _build_rows(cfg, learner, [GateDecision(problem.prompt_id, "all_fail", "graft", peer)], [own],
-                                 {problem.prompt_id: problem}, peer_tokenizers, {})
-        rows, luffy_stats = _attach_old_logprobs_and_weights(cfg, learner, None, rows, dict(drops))
+        rows, luffy_stats = _attach_old_logprobs_and_weights(cfg, learner, None, build(cfg, {})[0], dict(drops))
         assert any(row.compat_weight < 0.9 for row in rows)  # so that c = w and c = 1 differ
         for row in rows:
             assert row.token_weight.tolist() == pytest.approx([scale * row.compat_weight] * len(row.completion_ids))
         assert luffy_stats["compat_weight_mean"] == pytest.approx(stats["compat_weight_mean"], rel=1e-6)
     # kappa = 0 gives w = 1: the way to train without the sequence weight, under any token_is
-    rows, _, _ = _build_rows(config(token_is="luffy", kappa=0.0), learner, [GateDecision(problem.prompt_id, "all_fail", "graft", peer)],
-                             [own], {problem.prompt_id: problem}, peer_tokenizers, {})
-    rows, _ = _attach_old_logprobs_and_weights(config(token_is="luffy", kappa=0.0), learner, None, rows, dict(drops))
+    cfg = config(token_is="luffy", kappa=0.0)
+    rows, _ = _attach_old_logprobs_and_weights(cfg, learner, None, build(cfg, {})[0], dict(drops))
     assert all(row.token_weight.tolist() == [1.0] * len(row.completion_ids) for row in rows)
 
 
