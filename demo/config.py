@@ -66,8 +66,10 @@ class RLConfig(_Section):
             # The fix found by the diagnosis (demo/README.md, "A third look"): the spec's truncated ratio b makes a
             # grafted group about what more on-policy samples give, so the peer's answer barely moves the learner.
             # LUFFY's shaping p / (p + 0.1) instead of b (a GRAFT_SPEC option), peer negatives x0 (an option), and
-            # the grafted rows' token weights x4 (outside the spec: their share of the token-mean).
-            "graft_fix": ["graft.token_is=luffy", "graft.peer_negative_scale=0", "graft.peer_loss_scale=4"],
+            # the grafted rows' token weights x4 (outside the spec: their share of the token-mean). kappa=0: no
+            # sequence weight (w = 1), as LUFFY publishes it and as these runs were measured (the trainer used to
+            # drop w under luffy silently; it now keeps w unless kappa is 0).
+            "graft_fix": ["graft.token_is=luffy", "graft.kappa=0", "graft.peer_negative_scale=0", "graft.peer_loss_scale=4"],
         },
         description="changes to the method outside the spec's defaults: name -> trainer overrides on top of offline GRAFT, "
                     "run over `seeds` like the headline runs and reported next to them",

@@ -26,7 +26,7 @@ MODE_LABEL = {
     "graft_no_peer_neg": "GRAFT, peer negatives x0",
     "graft_no_seq_weight": "GRAFT, no sequence weight (w = 1)",
     "graft_no_token_is": "GRAFT, no token-level IS (b = 1)",
-    "graft_fix": "GRAFT changed: LUFFY shaping, peer negatives x0, peer rows x4",
+    "graft_fix": "GRAFT changed: LUFFY shaping (w = 1), peer negatives x0, peer rows x4",
     "graft_fix_with_b": "GRAFT changed, with the spec's b instead of LUFFY",
     "graft_fix_with_neg": "GRAFT changed, with peer negatives",
     "graft_fix_x1": "GRAFT changed, peer rows x1",
