@@ -47,6 +47,7 @@ from schemas import (
     RolloutPage,
     StatsResponse,
 )
+from services.store_api.browser import add_browser
 from services.store_api.index import StoreIndex
 from services.store_api.lookup import arrow_stream, read_stream
 from services.store_api.queries import BadCursor
@@ -545,6 +546,7 @@ def create_app(settings: StoreSettings) -> FastAPI:
         app.openapi_schema = schema
         return schema
 
+    add_browser(app, index, settings, ERROR_RESPONSES, PROMPT_ID_PATTERN)
     app.openapi = custom_openapi
     return app
 

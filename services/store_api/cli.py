@@ -43,15 +43,18 @@ def configure_logging(level: str) -> None:
 def serve(
     root: RootOption = None, host: HostOption = None, port: PortOption = None, config: ConfigOption = None,
     rebuild: Annotated[bool, typer.Option(help="rebuild the index from the Parquet files before serving")] = False,
+    tokenizer: Annotated[Optional[list[Path]], typer.Option(
+        help="a model's (or tokenizer's) directory: the browser shows its tokens' text (repeat for more models)")] = None,
 ) -> None:
-    """Serve the API; the store process is the only owner of <root>/index.duckdb."""
+    """Serve the API and the trajectory browser (http://HOST:PORT/ui/); the store process is the only owner of
+    <root>/index.duckdb."""
     import uvicorn
 
     from services.store_api.app import create_app
     from services.store_api.catalog import IndexLocked
     from services.store_api.index import StoreIndex
 
-    settings = load_settings(config, root=root, host=host, port=port)
+    settings = load_settings(config, root=root, host=host, port=port, tokenizers=tokenizer or None)
     configure_logging(settings.log_level)
     if rebuild:
         index = StoreIndex(settings)
