@@ -36,9 +36,8 @@ from services.generator.groups import assemble_group, make_group_id
 from services.generator.models import (
     default_model_id,
     eos_token_ids,
-    find_gguf,
     load_model_and_tokenizer,
-    load_tokenizer,
+    load_tokenizer_of,
     model_fingerprint,
     resolve_model_dir,
     tokenizer_fingerprint,
@@ -485,8 +484,7 @@ def _load_peer_tokenizers(cfg: TrainConfig) -> dict[str, Any]:
             raise FileNotFoundError(
                 f"graft.peer_tokenizers: {path} does not exist; pass the peer model's (or tokenizer's) directory"
             )
-        # a GGUF peer's tokenizer lives in its dequantised copy; a directory may hold a tokenizer only (no config.json)
-        tokenizer = load_tokenizer(resolve_model_dir(path) if find_gguf(Path(path)) else path)
+        tokenizer = load_tokenizer_of(path)
         fingerprint = tokenizer_fingerprint(tokenizer)
         if tokenizer_id is not None and tokenizer_id.startswith("tok-") and tokenizer_id != fingerprint:
             log.warning("graft.peer_tokenizers maps %s to %s, whose fingerprint is %s: if the peer sampled with another "

@@ -105,6 +105,13 @@ def load_model_and_tokenizer(path: str | Path, dtype: torch.dtype = torch.float3
     return model, tokenizer
 
 
+def load_tokenizer_of(path: str | Path):
+    """The tokenizer of a model directory, a tokenizer-only directory, or a GGUF (from its dequantised copy, as
+    the generator loads it): what decodes and fingerprints the token ids a generator stored."""
+    # a GGUF peer's tokenizer lives in its dequantised copy; a directory may hold a tokenizer only (no config.json)
+    return load_tokenizer(resolve_model_dir(path) if find_gguf(Path(path)) else path)
+
+
 # Text that exercises what normalizers and pre-tokenizers disagree on: case, digit runs, runs of spaces,
 # tabs and newlines, contractions, punctuation, composed vs decomposed accents (NFC), CJK, an emoji, LaTeX.
 TOKENIZER_PROBE = (

@@ -160,7 +160,7 @@ class Browse:
         db.register("problem_texts", self.texts.table())
         try:
             # with the lookup deciding, read candidates in batches as big as one lookup takes
-            batch = limit + 1 if failed_by is None else MAX_LOOKUP_PROMPTS
+            batch = limit + 1 if failed_by is None else min(MAX_LOOKUP_PROMPTS, self.index.settings.max_scan_groups)
             page: list[PageRow] = []
             scanned = 0
             while True:

@@ -38,7 +38,9 @@ ModelName = Annotated[str | None, Query(min_length=1, max_length=256, descriptio
 def add_browser(app: FastAPI, index: StoreIndex, settings: StoreSettings, error_responses: dict[int | str, Any],
                 prompt_id_pattern: str) -> None:
     """Mount the browser's endpoints and page on `app` (errors answer as the app's ErrorResponse)."""
-    browse = Browse(index, TokenizerShelf(settings.tokenizers))
+    tokenizers = TokenizerShelf(settings.tokenizers)
+    tokenizers.load_in_background()
+    browse = Browse(index, tokenizers)
     router = APIRouter(tags=["browse"], responses=error_responses)
 
     @router.get("/v1/prompts", response_model=PromptPage)

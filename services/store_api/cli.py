@@ -44,7 +44,7 @@ def serve(
     root: RootOption = None, host: HostOption = None, port: PortOption = None, config: ConfigOption = None,
     rebuild: Annotated[bool, typer.Option(help="rebuild the index from the Parquet files before serving")] = False,
     tokenizer: Annotated[Optional[list[Path]], typer.Option(
-        help="a model's (or tokenizer's) directory: the browser shows its tokens' text (repeat for more models)")] = None,
+        help="a model path as the generator took it: the browser shows its tokens' text (repeat per model)")] = None,
 ) -> None:
     """Serve the API and the trajectory browser (http://HOST:PORT/ui/); the store process is the only owner of
     <root>/index.duckdb."""

@@ -29,6 +29,7 @@ class StoreSettings(BaseSettings):
     max_request_kb: float = Field(default=1024.0, gt=0, description="largest request body for any other request, KB")
     max_scan_groups: int = Field(default=4096, ge=1, description="groups GET /v1/rollouts reads at most per page")
     duckdb_memory_limit: str = Field(default="256MB", description="DuckDB memory limit of the index")
-    tokenizers: list[Path] = Field(default_factory=list, description="model or tokenizer directories the browser decodes "
-                                   "token ids with, matched by fingerprint to each row's tokenizer_id")
+    tokenizers: list[Path] = Field(default_factory=list, description="model paths (HF or tokenizer directories, GGUF) "
+                                   "whose tokenizers the browser decodes token ids with, matched by fingerprint to "
+                                   "each row's tokenizer_id")
     log_level: str = Field(default="info", description="debug, info, warning or error")

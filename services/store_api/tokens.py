@@ -4,7 +4,7 @@ tokenizer when it has one (`graft-store serve --tokenizer DIR`, matched by finge
 A token's piece is the text it adds to the decoded completion: decode(ids[s:i+1]) minus decode(ids[s:i]) over a
 window of WINDOW tokens, so that SentencePiece's leading spaces and byte-level BPE's merged characters come out as
 in the whole text. A token that ends inside a multi-byte character adds '' and the token completing it carries the
-character. Without the tokenizer there are no pieces, and the browser says so instead of guessing.
+character (with whatever the unfinished tokens held before it, a space say). Without the tokenizer there are no pieces, and the browser says so instead of guessing.
 """
 
 from __future__ import annotations
@@ -27,39 +27,48 @@ def token_pieces(tokenizer: Any, ids: list[int]) -> tuple[list[str], list[bool]]
     with_token = tokenizer.batch_decode([ids[s : i + 1] for i, s in enumerate(starts)], **options)
     before = tokenizer.batch_decode([ids[s:i] for i, s in enumerate(starts)], **options)
     pieces = []
+    deferred = None  # the first token of a character not yet complete
     for i, (text, prefix) in enumerate(zip(with_token, before)):
         if text.endswith(REPLACEMENT):  # inside a character: the token that completes it shows it
             pieces.append("")
+            deferred = i if deferred is None else deferred
             continue
-        prefix = prefix.rstrip(REPLACEMENT)  # the unfinished character's bytes this token completes
+        if deferred is not None:  # this token completes it: its piece is everything after the last piece shown
+            prefix = tokenizer.decode(ids[starts[i] : deferred], **options)
+            deferred = None
         pieces.append(text[len(prefix):] if text.startswith(prefix) else tokenizer.decode([ids[i]], **options))
     special = set(tokenizer.all_special_ids)
     return pieces, [i in special for i in ids]
 
 
 class TokenizerShelf:
-    """The tokenizers of `paths` (HF model or tokenizer directories) by fingerprint, loaded at first use."""
+    """The tokenizers of `paths` (model paths as the generator takes them) by fingerprint, loaded at first use."""
 
     def __init__(self, paths: list[Path]):
-        missing = [str(p) for p in paths if not Path(p).is_dir()]
+        missing = [str(p) for p in paths if not Path(p).exists()]
         if missing:
-            raise ValueError(f"tokenizers: {', '.join(missing)} not a directory; pass HF model or tokenizer "
-                             "directories (the ones the generator loaded)")
+            raise ValueError(f"tokenizers: {', '.join(missing)} does not exist; pass the model paths the generators "
+                             "loaded (HF model or tokenizer directories, or GGUF files)")
         self.paths = [Path(p) for p in paths]
         self._lock = threading.Lock()
         self._by_id: dict[str, tuple[Any, Path]] | None = None
         self._failures: list[str] = []
 
+    def load_in_background(self) -> None:
+        """Start loading now (transformers' import and the files take seconds), so the first view does not wait."""
+        if self.paths:
+            threading.Thread(target=self._load, name="store-tokenizers", daemon=True).start()
+
     def _load(self) -> dict[str, tuple[Any, Path]]:
         with self._lock:
             if self._by_id is None:
                 # the generator's own loader and fingerprint: the ids it stored are the ones these decode
-                from services.generator.models import load_tokenizer, tokenizer_fingerprint
+                from services.generator.models import load_tokenizer_of, tokenizer_fingerprint
 
                 found: dict[str, tuple[Any, Path]] = {}
                 for path in self.paths:
                     try:
-                        tokenizer = load_tokenizer(path)
+                        tokenizer = load_tokenizer_of(path)
                     except (OSError, ValueError) as exc:
                         self._failures.append(f"{path}: {exc}")
                         log.error("tokenizer in %s could not be loaded: %s", path, exc)
