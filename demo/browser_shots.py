@@ -88,20 +88,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--store", type=Path, required=True, help="store root (the demo's: demo_out/store-<key>)")
     parser.add_argument("--out", type=Path, default=Path("docs/img"), help="where the PNGs go")
     parser.add_argument("--tokenizer", type=Path, action="append", default=[], help="a model directory (repeat)")
-    parser.add_argument("--learner", default="toy-learner-llama", help="the model whose failures the peer solves")
-    parser.add_argument("--peer", default="toy-peer-qwen2", help="the peer model")
+    parser.add_argument("--learner", default="toy-learner-llama",
+                        help="the model whose failures the peer solves (the first model id starting so)")
+    parser.add_argument("--peer", default="toy-peer-qwen2", help="the peer model (the first model id starting so)")
     args = parser.parse_args(argv)
 
     from services.store_api.server import StoreServer
 
     with StoreServer(args.store, env={"GRAFT_STORE_TOKENIZERS": json.dumps([str(p) for p in args.tokenizer])}) as server:
-        api = httpx.Client(base_url=server.url, timeout=30)
-        graft = f"failed_by={args.learner}&solved_by={args.peer}"
+        api = httpx.Client(base_url=server.url, timeout=120)
+        models = sorted(m["model_id"] for m in api.get("/v1/stats").raise_for_status().json()["models"])
+        learner, peer = (next((m for m in models if m.startswith(prefix)), None) for prefix in (args.learner, args.peer))
+        if learner is None or peer is None:
+            raise SystemExit(f"{args.store} holds groups of {models}: pass --learner and --peer")
+        graft = f"failed_by={learner}&solved_by={peer}"
         grafted = api.get(f"/v1/prompts?{graft}&limit=20").raise_for_status().json()["prompts"]
         if not grafted:
-            raise SystemExit(f"no prompt that {args.learner} failed and {args.peer} solved in {args.store}")
+            raise SystemExit(f"no prompt that {learner} failed and {peer} solved in {args.store}")
         prompt = max(grafted, key=lambda p: p["groups"])["prompt_id"]  # the one with the most to compare
-        peer_group = api.get(f"/v1/prompts/{prompt}/groups?model={args.peer}&limit=1").raise_for_status().json()["groups"][0]
+        peer_group = api.get(f"/v1/prompts/{prompt}/groups?model={peer}&limit=1").raise_for_status().json()["groups"][0]
         # a correct peer rollout, the longest: what the learner would be taught, with the most tokens to colour
         position = max(range(len(peer_group["rollouts"])),
                        key=lambda i: (peer_group["rollouts"][i]["correct"], peer_group["rollouts"][i]["num_tokens"]))

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                            server_stopped=server_stopped, store_root=store_root)
     print()
     print((cfg.report_dir / "REPORT.md").read_text().split("<!-- table-end -->")[0])
-    print_serve_instructions(store_root, runs, data)
+    print_serve_instructions(store_root, runs, data, models)
     print(f"wall time {summary['wall_time_s']:.0f} s; report written to {cfg.report_dir}/", flush=True)
     return 0
 
@@ -329,15 +329,18 @@ def _generator_job(cfg: DemoConfig, data: dict[str, Path], models: dict[str, dic
 
 # ---- 7. after the report -------------------------------------------------------------------------
 
-def print_serve_instructions(store_root: Path, runs: list[dict], data: dict[str, Path]) -> None:
+def print_serve_instructions(store_root: Path, runs: list[dict], data: dict[str, Path], models: dict[str, dict]) -> None:
     first = orjson.loads(data["rl"].read_bytes().splitlines()[0])
     rel = os.path.relpath(store_root, Path.cwd())
+    # the models' directories: the browser decodes their token ids with their tokenizers
+    tokenizers = " ".join(f"--tokenizer {os.path.relpath(models[role]['checkpoint'], Path.cwd())}" for role in ("learner", "peer"))
     script = Path(sys.executable).parent / "graft-store"
     graft_store = os.path.relpath(script) if script.exists() else (shutil.which("graft-store") or f"{sys.executable} -m services.store_api.cli")
     print(f"""
 The demo's store is kept in {rel}. Serve it again with
-  {graft_store} serve --root {rel} --port 8600
-and query it, e.g.
+  {graft_store} serve --root {rel} --port 8600 {tokenizers}
+browse it at http://127.0.0.1:8600/ui/ (every model's groups per prompt, each rollout's tokens coloured by
+probability, the prompts GRAFT grafts), or query it, e.g.
   curl -s http://127.0.0.1:8600/v1/health
   curl -s http://127.0.0.1:8600/v1/stats
   curl -s 'http://127.0.0.1:8600/v1/prompts/{first["prompt_id"]}/groups?model={PEER_MODEL_ID}&limit=1'   # the peer's group for `{first["problem"]}`
