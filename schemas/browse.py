@@ -11,7 +11,6 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from schemas.rollout import Problem
 
 MAX_PROMPT_PAGE = 200  # prompts per page of GET /v1/prompts
 MAX_STEP_BINS = 1000  # points per model of GET /v1/stats/steps
@@ -47,9 +46,17 @@ class PromptPage(BaseModel):
     next_cursor: str | None = Field(description="pass as `cursor` for the next page; null on the last page")
 
 
+class StoredProblem(BaseModel):
+    """A problem as its file holds it (the browser shows what is stored, even a problem whose id does not match)."""
+
+    dataset: str
+    problem: str
+    answer: str
+
+
 class PromptDetail(BaseModel):
     prompt_id: str
-    problems: list[Problem] = Field(description="the stored problem text and gold answer, per dataset")
+    problems: list[StoredProblem] = Field(description="the stored problem text and gold answer, per dataset")
     models: list[PromptModelSummary] = Field(description="every model with groups of this prompt, by model id")
 
 

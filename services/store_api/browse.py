@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from schemas import MAX_LOOKUP_PROMPTS, PROBLEM_ARROW_SCHEMA, PeerLookupRequest, Problem
+from schemas import MAX_LOOKUP_PROMPTS, PROBLEM_ARROW_SCHEMA, PeerLookupRequest
 from schemas.browse import (
     DatasetsResponse,
     DatasetSummary,
@@ -34,6 +34,7 @@ from schemas.browse import (
     RolloutTokens,
     StepCurves,
     StepPoint,
+    StoredProblem,
 )
 from services.store_api.index import StoreIndex
 from services.store_api.queries import decode_cursor, encode_cursor, us_to_datetime
@@ -76,10 +77,10 @@ class ProblemTexts:
                 self._table = pa.concat_tables(tables) if tables else PROBLEM_ARROW_SCHEMA.empty_table()
             return self._table
 
-    def of(self, prompt_id: str) -> list[Problem]:
+    def of(self, prompt_id: str) -> list[StoredProblem]:
         table = self.table()
-        rows = table.filter(pc.equal(table.column("prompt_id"), prompt_id)).to_pylist()
-        return sorted((Problem.model_construct(**r) for r in rows), key=lambda p: p.dataset)
+        rows = table.filter(pc.equal(table.column("prompt_id"), prompt_id)).select(["dataset", "problem", "answer"])
+        return sorted((StoredProblem(**r) for r in rows.to_pylist()), key=lambda p: p.dataset)
 
 
 class PageRow(NamedTuple):
