@@ -343,7 +343,8 @@ def create_app(settings: StoreSettings) -> FastAPI:
 
     app = FastAPI(
         title="graft trajectory store", version=VERSION, lifespan=lifespan,
-        description="Stored rollout groups for GRAFT: peer lookups for trainers, push ingest, filtered queries.",
+        description="Stored rollout groups for GRAFT: peer lookups for trainers, push ingest, filtered queries; a "
+                    "read-only trajectory browser at /ui/ reads the same API.",
     )
     app.state.index = index
 

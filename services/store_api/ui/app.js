@@ -180,15 +180,18 @@ async function overview() {
 function successPlot(curves) {
   const series = curves.models.filter((m) => m.points.length);
   if (!series.length) return h("p", { class: "empty" }, "No groups stored yet.");
-  const W = 760, H = 280, left = 48, right = 16, top = 12, bottom = 40;
+  const W = 1100, H = 300, left = 52, right = 16, top = 12, bottom = 40;
   const xs = series.flatMap((m) => m.points.map((p) => (p.step_min + p.step_max) / 2));
   let [x0, x1] = [Math.min(...xs), Math.max(...xs)];
   if (x0 === x1) [x0, x1] = [x0 - 1, x1 + 1];
   const X = (x) => left + ((x - x0) / (x1 - x0)) * (W - left - right);
-  const Y = (y) => top + (1 - y) * (H - top - bottom);
-  const grid = [0, 0.25, 0.5, 0.75, 1].map((y) => [
+  // the y axis ends at the first of these above every point: low rates (a weak model, early steps) stay readable
+  const highest = Math.max(...series.flatMap((m) => m.points.map((p) => p.success_rate ?? 0)));
+  const yMax = [0.05, 0.1, 0.2, 0.25, 0.5, 1].find((y) => y >= highest) ?? 1;
+  const Y = (y) => top + (1 - y / yMax) * (H - top - bottom);
+  const grid = [0, 0.25, 0.5, 0.75, 1].map((f) => f * yMax).map((y) => [
     svg("line", { x1: left, x2: W - right, y1: Y(y), y2: Y(y), class: "grid" }),
-    svg("text", { x: left - 6, y: Y(y) + 4, "text-anchor": "end" }, `${y * 100}%`)]);
+    svg("text", { x: left - 6, y: Y(y) + 4, "text-anchor": "end" }, `${+(y * 100).toFixed(2)}%`)]);
   const ticks = niceTicks(x0, x1, 6).map((x) => [
     svg("line", { x1: X(x), x2: X(x), y1: H - bottom, y2: H - bottom + 4, class: "axis" }),
     svg("text", { x: X(x), y: H - bottom + 16, "text-anchor": "middle" }, num(x))]);
