@@ -15,6 +15,7 @@ from schemas.api import (
     StatsResponse,
 )
 from schemas.rollout import (
+    GROUP_ID_PATTERN,
     PROBLEM_ARROW_SCHEMA,
     ROLLOUT_ARROW_SCHEMA,
     SCHEMA_VERSION,
@@ -24,12 +25,13 @@ from schemas.rollout import (
     group_advantages,
     groups_to_table,
     prompt_id,
+    rollout_id,
     table_to_groups,
 )
 
 __all__ = [
-    "MAX_LOOKUP_PROMPTS", "MAX_PAGE_SIZE", "MAX_PUSH_GROUPS", "PROBLEM_ARROW_SCHEMA", "ROLLOUT_ARROW_SCHEMA",
+    "GROUP_ID_PATTERN", "MAX_LOOKUP_PROMPTS", "MAX_PAGE_SIZE", "MAX_PUSH_GROUPS", "PROBLEM_ARROW_SCHEMA", "ROLLOUT_ARROW_SCHEMA",
     "SCHEMA_VERSION", "ErrorResponse", "HealthResponse", "ModelStats", "PeerLookupRequest", "PeerLookupResponse",
     "Problem", "PushGroupsRequest", "PushGroupsResponse", "Rollout", "RolloutGroup", "RolloutPage", "StatsResponse",
-    "group_advantages", "groups_to_table", "prompt_id", "table_to_groups",
+    "group_advantages", "groups_to_table", "prompt_id", "rollout_id", "table_to_groups",
 ]

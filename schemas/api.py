@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
-from schemas.rollout import Problem, Rollout, RolloutGroup
+from schemas.rollout import INT32_MAX, INT64_MAX, Problem, Rollout, RolloutGroup
 
 MAX_LOOKUP_PROMPTS = 1024
 MAX_PAGE_SIZE = 1000
@@ -22,10 +22,13 @@ class PeerLookupRequest(BaseModel):
 
     prompt_ids: list[str] = Field(min_length=1, max_length=MAX_LOOKUP_PROMPTS, description="prompts to find peer groups for")
     learner_model: str = Field(min_length=1, description="the asking model; its own groups are never returned")
-    peer_models: list[str] | None = Field(default=None, description="accept only these peer models (default: any other)")
-    informative_only: bool = Field(default=True, description="only groups with 0 < successes < group size")
-    min_successes: int = Field(default=1, ge=0, description="at least this many correct rollouts in a returned group")
-    min_policy_step: int | None = Field(default=None, ge=0, description="only groups from peer policy step >= this")
+    peer_models: list[str] | None = Field(
+        default=None, min_length=1,
+        description="accept only these peer models; null (the default): any model but the learner. An empty list "
+                    "would accept none and is refused")
+    informative_only: StrictBool = Field(default=True, description="only groups with 0 < successes < group size")
+    min_successes: int = Field(default=1, ge=0, le=INT32_MAX, description="at least this many correct rollouts in a returned group")
+    min_policy_step: int | None = Field(default=None, ge=0, le=INT64_MAX, description="only groups from peer policy step >= this")
     max_age_s: float | None = Field(default=None, gt=0, description="only groups created at most this many seconds ago")
     groups_per_prompt: int = Field(default=1, ge=1, le=16, description="most recent first: highest policy step, then newest")
 
@@ -46,7 +49,7 @@ class PushGroupsRequest(BaseModel):
 
 class PushGroupsResponse(BaseModel):
     accepted_groups: int = Field(description="groups written to a new shard")
-    duplicate_groups: list[str] = Field(description="group ids already stored, not written again")
+    duplicate_groups: list[str] = Field(description="group ids already stored (same model and prompt), not written again")
     shard: str | None = Field(description="path of the new shard relative to the store root, if any")
 
 
@@ -60,7 +63,7 @@ class ModelStats(BaseModel):
     groups: int
     rollouts: int
     prompts: int
-    success_rate: float | None = Field(description="mean reward over scored rollouts")
+    success_rate: float | None = Field(description="mean reward over scored rollouts; null when none is scored")
     informative_groups: int
     max_policy_step: int
     newest_created_at: datetime | None
@@ -74,6 +77,9 @@ class StatsResponse(BaseModel):
     total_rollouts: int
     last_ingest_at: datetime | None = Field(description="when the ingest loop last indexed a new shard")
     duplicate_groups: int = Field(default=0, description="group ids met again in a later shard: kept once, skipped there")
+    conflicting_groups: int = Field(
+        default=0, description="group ids met again in a later shard under another model or prompt: the first kept, "
+                               "the other skipped and logged as an error")
 
 
 class HealthResponse(BaseModel):

@@ -13,11 +13,27 @@ from datetime import datetime, timezone
 from typing import Annotated, Any, Literal
 
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 SCHEMA_VERSION = 1
 ADVANTAGE_EPS = 1e-6  # GRAFT_SPEC section 2: A = (r - mean) / (std + eps)
 ADVANTAGE_TOLERANCE = 1e-3  # stored advantages are float32; recomputed ones must agree to this
+LOGPROB_TOLERANCE = 1e-6  # a logprob may exceed 0 by this much (rounding in the sampler)
+# A group id is a URL path segment (GET /v1/groups/{group_id}): no '/', no '.' or '..', bounded length.
+GROUP_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$"
+# "<group_id>-<position in the group>": unique in the whole store wherever group ids are
+ROLLOUT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}-(0|[1-9][0-9]{0,9})$"
+SAFE_NAME_PATTERN = r"^[A-Za-z0-9._\-]+$"  # model ids and dataset names of problems name directories
+CLOCK_SKEW_S = 300.0  # created_at may lie this far in the future (writers' clocks differ), no further
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+FLOAT32_MAX = 3.4028234663852886e38  # larger finite floats become inf in a float32 column
+FLOAT32_TINY = 1.401298464324817e-45  # smaller positive floats become 0 in a float32 column
+
+
+def rollout_id(group_id: str, position: int) -> str:
+    """The id of the rollout at `position` (0-based) of group `group_id`."""
+    return f"{group_id}-{position}"
 
 
 def prompt_id(problem_text: str) -> str:
@@ -52,53 +68,60 @@ FinishReason = Literal["stop", "length", "abort"]
 
 
 class Rollout(BaseModel):
-    """One stored rollout: one row of a Parquet shard (ARCHITECTURE.md, 'One stored rollout')."""
+    """One stored rollout: one row of a Parquet shard (docs/ARCHITECTURE.md, "One stored rollout")."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     # identity
-    rollout_id: Annotated[str, Arrow(pa.string())] = Field(min_length=1, description="unique id of this rollout")
-    group_id: Annotated[str, Arrow(pa.string())] = Field(min_length=1, description="id shared by the rollouts of one group")
+    rollout_id: Annotated[str, Arrow(pa.string())] = Field(
+        pattern=ROLLOUT_ID_PATTERN, description="'<group_id>-<i>', i its 0-based position in the group: unique in the store")
+    group_id: Annotated[str, Arrow(pa.string())] = Field(
+        pattern=GROUP_ID_PATTERN,
+        description="id shared by the rollouts of one group, unique in the store: 1-128 of [A-Za-z0-9._:-], starting with "
+                    "a letter or digit (it is a URL path segment)")
     prompt_id: Annotated[str, Arrow(pa.string())] = Field(pattern=r"^[0-9a-f]{16}$", description="prompt_id(problem text)")
     dataset: Annotated[str, Arrow(pa.string())] = Field(min_length=1, description="dataset the prompt comes from")
     # provenance
-    model_id: Annotated[str, Arrow(pa.string())] = Field(min_length=1, pattern=r"^[A-Za-z0-9._\-]+$", description="model that generated it (a path-safe name)")
+    model_id: Annotated[str, Arrow(pa.string())] = Field(min_length=1, pattern=SAFE_NAME_PATTERN, description="model that generated it (a path-safe name)")
     model_revision: Annotated[str, Arrow(pa.string())] = Field(default="", description="checkpoint revision or hash")
     tokenizer_id: Annotated[str, Arrow(pa.string())] = Field(min_length=1, description="tokenizer the token ids belong to")
-    policy_step: Annotated[int, Arrow(pa.int64())] = Field(default=0, ge=0, description="training step of the behaviour policy")
+    policy_step: Annotated[int, Arrow(pa.int64())] = Field(default=0, ge=0, le=INT64_MAX, description="training step of the behaviour policy")
     generator_id: Annotated[str, Arrow(pa.string())] = Field(default="", description="process that generated it")
     created_at: Annotated[datetime, Arrow(pa.timestamp("us", tz="UTC"))] = Field(
-        default_factory=lambda: datetime.now(timezone.utc), description="when it was generated (UTC)"
-    )
-    schema_version: Annotated[int, Arrow(pa.int32())] = Field(default=SCHEMA_VERSION, description="row format version")
+        default_factory=lambda: datetime.now(timezone.utc),
+        description=f"when it was generated (UTC); at most {CLOCK_SKEW_S:.0f} s ahead of the store's clock")
+    schema_version: Annotated[int, Arrow(pa.int32())] = Field(default=SCHEMA_VERSION, ge=-INT32_MAX - 1, le=INT32_MAX, description="row format version")
     # sampling
-    temperature: Annotated[float, Arrow(pa.float32())] = Field(ge=0.0, description="sampling temperature")
-    top_p: Annotated[float, Arrow(pa.float32())] = Field(gt=0.0, le=1.0, description="nucleus sampling mass")
-    top_k: Annotated[int | None, Arrow(pa.int32(), nullable=True)] = Field(default=None, description="top-k, null for none")
-    max_tokens: Annotated[int, Arrow(pa.int32())] = Field(gt=0, description="completion token budget")
+    temperature: Annotated[float, Arrow(pa.float32())] = Field(ge=0.0, le=FLOAT32_MAX, description="sampling temperature")
+    top_p: Annotated[float, Arrow(pa.float32())] = Field(
+        ge=FLOAT32_TINY, le=1.0, description="nucleus sampling mass in (0, 1] (stored as float32: at least its smallest positive value)")
+    top_k: Annotated[int | None, Arrow(pa.int32(), nullable=True)] = Field(default=None, ge=-INT32_MAX - 1, le=INT32_MAX, description="top-k, null for none")
+    max_tokens: Annotated[int, Arrow(pa.int32())] = Field(gt=0, le=INT32_MAX, description="completion token budget")
     logprobs_mode: Annotated[str, Arrow(pa.string())] = Field(
         default="processed", description="'processed': logprobs after temperature/top-p (the behaviour policy)"
     )
     # content
     completion_text: Annotated[str, Arrow(pa.string())] = Field(description="decoded completion, special tokens excluded")
-    completion_token_ids: Annotated[list[int], Arrow(pa.list_(pa.int32()))] = Field(description="sampled token ids (EOS included when finished)")
-    token_logprobs: Annotated[list[float], Arrow(pa.list_(pa.float32()))] = Field(description="behaviour logprob of each sampled token")
+    completion_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Arrow(pa.list_(pa.int32()))] = Field(
+        description="sampled token ids (EOS included when finished)")
+    token_logprobs: Annotated[list[Annotated[float, Field(ge=-FLOAT32_MAX, le=LOGPROB_TOLERANCE)]], Arrow(pa.list_(pa.float32()))] = Field(
+        description="behaviour logprob of each sampled token (finite, <= 0)")
     logprob_sum: Annotated[float, Arrow(pa.float64())] = Field(le=0.0, description="sum of token_logprobs, EOS excluded")
-    num_tokens: Annotated[int, Arrow(pa.int32())] = Field(ge=0, description="len(completion_token_ids)")
-    num_bytes: Annotated[int, Arrow(pa.int32())] = Field(ge=0, description="UTF-8 length of completion_text")
-    finish_reason: Annotated[FinishReason, Arrow(pa.string())] = Field(description="'stop' (EOS or stop string) or 'length'")
+    num_tokens: Annotated[int, Arrow(pa.int32())] = Field(ge=0, le=INT32_MAX, description="len(completion_token_ids)")
+    num_bytes: Annotated[int, Arrow(pa.int32())] = Field(ge=0, le=INT32_MAX, description="UTF-8 length of completion_text")
+    finish_reason: Annotated[FinishReason, Arrow(pa.string())] = Field(description="'stop' (EOS or stop string), 'length' or 'abort'")
     # outcome
     reward: Annotated[float | None, Arrow(pa.float32(), nullable=True)] = Field(default=None, description="in [0, 1]; null when the gold cannot be parsed")
-    correct: Annotated[bool, Arrow(pa.bool_())] = Field(description="reward > 0")
+    correct: Annotated[StrictBool, Arrow(pa.bool_())] = Field(description="reward > 0")
     extracted_answer: Annotated[str | None, Arrow(pa.string(), nullable=True)] = Field(default=None, description="last \\boxed{} of the completion")
-    advantage: Annotated[float, Arrow(pa.float32())] = Field(description="group-normalised advantage")
-    group_size: Annotated[int, Arrow(pa.int32())] = Field(ge=1, description="number of rollouts in the group")
+    advantage: Annotated[float, Arrow(pa.float32())] = Field(ge=-FLOAT32_MAX, le=FLOAT32_MAX, description="group-normalised advantage")
+    group_size: Annotated[int, Arrow(pa.int32())] = Field(ge=1, le=INT32_MAX, description="number of rollouts in the group")
 
     @field_validator("token_logprobs")
     @classmethod
     def _logprobs_finite_nonpositive(cls, v: list[float]) -> list[float]:
         for i, lp in enumerate(v):
-            if not math.isfinite(lp) or lp > 1e-6:
+            if not math.isfinite(lp) or lp > LOGPROB_TOLERANCE:
                 raise ValueError(f"token_logprobs[{i}] = {lp!r}: logprobs must be finite and <= 0")
         return v
 
@@ -111,8 +134,13 @@ class Rollout(BaseModel):
 
     @field_validator("created_at")
     @classmethod
-    def _utc(cls, v: datetime) -> datetime:
-        return v.replace(tzinfo=timezone.utc) if v.tzinfo is None else v.astimezone(timezone.utc)
+    def _utc_not_ahead(cls, v: datetime) -> datetime:
+        v = v.replace(tzinfo=timezone.utc) if v.tzinfo is None else v.astimezone(timezone.utc)
+        ahead = (v - datetime.now(timezone.utc)).total_seconds()
+        if ahead > CLOCK_SKEW_S:
+            raise ValueError(f"created_at {v.isoformat()} is {ahead:.0f} s in the future; at most {CLOCK_SKEW_S:.0f} s "
+                             "of clock skew is accepted")
+        return v
 
     @model_validator(mode="after")
     def _consistent_lengths(self) -> Rollout:
@@ -151,9 +179,10 @@ class RolloutGroup(BaseModel):
                     )
         if len(self.rollouts) != first.group_size:
             raise ValueError(f"group {first.group_id} has {len(self.rollouts)} rollouts but group_size = {first.group_size}")
-        ids = [r.rollout_id for r in self.rollouts]
-        if len(set(ids)) != len(ids):
-            raise ValueError(f"group {first.group_id} repeats a rollout_id")
+        for position, r in enumerate(self.rollouts):
+            if r.rollout_id != rollout_id(first.group_id, position):
+                raise ValueError(f"group {first.group_id}: rollout {position} has rollout_id {r.rollout_id!r}, expected "
+                                 f"{rollout_id(first.group_id, position)!r} ('<group_id>-<position>')")
         expected = group_advantages([r.reward for r in self.rollouts], std_normalize=True)
         expected_dr = group_advantages([r.reward for r in self.rollouts], std_normalize=False)
         stored = [r.advantage for r in self.rollouts]
@@ -200,7 +229,8 @@ class Problem(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     prompt_id: Annotated[str, Arrow(pa.string())] = Field(pattern=r"^[0-9a-f]{16}$", description="prompt_id(problem)")
-    dataset: Annotated[str, Arrow(pa.string())] = Field(min_length=1, description="dataset name")
+    dataset: Annotated[str, Arrow(pa.string())] = Field(
+        pattern=SAFE_NAME_PATTERN, description="dataset name: [A-Za-z0-9._-]+ (it names the directory prompts/dataset=<name>/)")
     problem: Annotated[str, Arrow(pa.string())] = Field(min_length=1, description="problem text")
     answer: Annotated[str, Arrow(pa.string())] = Field(description="gold answer (LaTeX, without \\boxed{})")
 

@@ -33,31 +33,32 @@ from pydantic import BaseModel, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from schemas import (
+    GROUP_ID_PATTERN,
     MAX_PAGE_SIZE,
-    MAX_PUSH_GROUPS,
     ROLLOUT_ARROW_SCHEMA,
     ErrorResponse,
     HealthResponse,
     PeerLookupRequest,
     PeerLookupResponse,
-    Problem,
     PushGroupsRequest,
     PushGroupsResponse,
     RolloutGroup,
     RolloutPage,
     StatsResponse,
 )
+from schemas.rollout import INT64_MAX
 from services.store_api.browser import add_browser
 from services.store_api.index import StoreIndex
+from services.store_api.ingest import GroupConflict
 from services.store_api.lookup import arrow_stream, read_stream
+from services.store_api.push import PushRejected, parse_arrow_push, parse_json_push
 from services.store_api.queries import BadCursor
 from services.store_api.settings import StoreSettings
-from services.store_api.tables import ShardValidationError, groups_table, validate_table
+from services.store_api.tables import ShardValidationError
 
 log = logging.getLogger("graft.store")
 
 ARROW_MEDIA_TYPE = "application/vnd.apache.arrow.stream"
-PROBLEMS_METADATA_KEY = b"graft_problems"  # Arrow push: problems as JSON in the stream's schema metadata
 PROMPT_ID_PATTERN = r"^[0-9a-f]{16}$"
 try:
     VERSION = version("graft")
@@ -79,12 +80,14 @@ class PromptGroupsResponse(BaseModel):
     groups: list[RolloutGroup] = Field(description="its stored groups, most recent first (highest policy step, then newest)")
 
 
-ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse, "description": text}
-    for status, text in ((400, "malformed request"), (401, "missing or wrong bearer token"),
-                         (404, "not found"), (413, "request body too large"), (415, "unsupported content type"),
-                         (422, "request fails validation"))
-}
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    texts = {400: "malformed request", 401: "missing or wrong bearer token", 404: "not found",
+             409: "a group id is stored already under another model or prompt", 413: "request body too large",
+             415: "unsupported content type", 422: "request fails validation"}
+    return {status: {"model": ErrorResponse, "description": texts[status]} for status in statuses}
+
+
+ERROR_RESPONSES = error_responses(400, 404, 413, 415, 422)
 ARROW_CONTENT = {ARROW_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}
 
 
@@ -124,8 +127,10 @@ def rows_as_groups(table: pa.Table) -> list[dict[str, list[dict[str, Any]]]]:
     return groups
 
 
-def error_body(status: int, message: str, detail: list[dict] | None = None) -> JSONResponse:
-    return JSONResponse(ErrorResponse(error=message, detail=detail).model_dump(exclude_none=True), status_code=status)
+def error_body(status: int, message: str, detail: list[dict] | None = None,
+               headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(ErrorResponse(error=message, detail=detail).model_dump(exclude_none=True), status_code=status,
+                        headers=headers)
 
 
 def readable_errors(errors: list[dict[str, Any]]) -> tuple[str, list[dict]]:
@@ -140,8 +145,17 @@ def readable_errors(errors: list[dict[str, Any]]) -> tuple[str, list[dict]]:
 # ------------------------------------------------------------------------------------------ body size limit
 
 
+class BodyTooLarge(Exception):
+    """Raised by BodySizeLimit's `receive` once a body without Content-Length goes past the limit."""
+
+
 class BodySizeLimit:
-    """Refuse request bodies over a limit with 413 before the app reads them (POST /v1/groups has its own)."""
+    """Refuse request bodies over a limit with 413 (POST /v1/groups has its own limit), reading nothing ahead.
+
+    A declared Content-Length over the limit is refused before the app runs. A chunked body is counted as the
+    app reads it and refused the moment it passes the limit: nothing is read before the route asks for it, so a
+    write without its bearer token gets its 401 without its body being read.
+    """
 
     def __init__(self, app, push_limit: int, other_limit: int):
         self.app = app
@@ -163,19 +177,29 @@ class BodySizeLimit:
                 return await self._refuse(send, 413, f"request body of {int(length)} bytes exceeds the limit of {limit} "
                                                      "bytes: send fewer groups or prompt ids per request")
             return await self.app(scope, receive, send)
-        # no Content-Length (chunked): read up to the limit here, then replay it to the app
-        chunks, size = [], 0
-        while True:
+        received = 0
+        started = False
+
+        async def counted_receive():
+            nonlocal received
             message = await receive()
-            if message["type"] != "http.request":
-                break
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > limit:
-                return await self._refuse(send, 413, f"request body exceeds the limit of {limit} bytes")
-            if not message.get("more_body", False):
-                break
-        return await self.app(scope, replaying(b"".join(chunks), receive), send)
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise BodyTooLarge
+            return message
+
+        async def watched_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, watched_send)
+        except BodyTooLarge:
+            if started:
+                raise
+            await self._refuse(send, 413, f"request body exceeds the limit of {limit} bytes")
 
     @staticmethod
     async def _refuse(send, status: int, message: str) -> None:
@@ -245,7 +269,7 @@ class LookupFastPath:
 
 # ------------------------------------------------------------------------------------------ auth
 
-bearer = HTTPBearer(auto_error=False, description="required for writes when GRAFT_STORE_TOKEN is set")
+bearer = HTTPBearer(auto_error=False, description="this store's GRAFT_STORE_TOKEN: required for writes (POST /v1/groups)")
 
 
 def require_token(request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> None:
@@ -387,7 +411,7 @@ def create_app(settings: StoreSettings) -> FastAPI:
             message = f"no such endpoint: {request.method} {request.url.path}; see /docs"
         elif exc.status_code == 405:
             message = f"{request.method} is not allowed on {request.url.path}; see /docs"
-        return error_body(exc.status_code, message)
+        return error_body(exc.status_code, message, headers=getattr(exc, "headers", None))  # 405 keeps its Allow
 
     @app.exception_handler(StoreHTTPError)
     async def on_store_error(request: Request, exc: StoreHTTPError):
@@ -396,6 +420,14 @@ def create_app(settings: StoreSettings) -> FastAPI:
     @app.exception_handler(ShardValidationError)
     async def on_shard_validation(request: Request, exc: ShardValidationError):
         return error_body(422, f"invalid rollouts: {exc}")
+
+    @app.exception_handler(PushRejected)
+    async def on_push_rejected(request: Request, exc: PushRejected):
+        return error_body(exc.status, exc.message)
+
+    @app.exception_handler(GroupConflict)
+    async def on_group_conflict(request: Request, exc: GroupConflict):
+        return error_body(409, str(exc))
 
     @app.exception_handler(BadCursor)
     async def on_bad_cursor(request: Request, exc: BadCursor):
@@ -458,7 +490,8 @@ def create_app(settings: StoreSettings) -> FastAPI:
 
     @app.get("/v1/groups/{group_id}", response_model=RolloutGroup, tags=["groups"],
              responses={200: {"content": ARROW_CONTENT}, **ERROR_RESPONSES})
-    def get_group(request: Request, group_id: Annotated[str, Path(min_length=1, max_length=256)]) -> Response:
+    def get_group(request: Request, group_id: Annotated[str, Path(pattern=GROUP_ID_PATTERN,
+                                                                  description="the group's id (schemas.Rollout.group_id)")]) -> Response:
         """One group by id."""
         messages, _ = index.read_selected(lambda: (index.select_group(group_id), None), as_messages=True)
         if not messages:
@@ -477,8 +510,8 @@ def create_app(settings: StoreSettings) -> FastAPI:
         correct: Annotated[bool | None, Query(description="only correct (true) or incorrect (false) rollouts")] = None,
         min_reward: Annotated[float | None, Query(ge=0, le=1, description="reward >= this (unscored rows excluded)")] = None,
         max_reward: Annotated[float | None, Query(ge=0, le=1, description="reward <= this (unscored rows excluded)")] = None,
-        min_policy_step: Annotated[int | None, Query(ge=0, description="policy_step >= this")] = None,
-        max_policy_step: Annotated[int | None, Query(ge=0, description="policy_step <= this")] = None,
+        min_policy_step: Annotated[int | None, Query(ge=0, le=INT64_MAX, description="policy_step >= this")] = None,
+        max_policy_step: Annotated[int | None, Query(ge=0, le=INT64_MAX, description="policy_step <= this")] = None,
         cursor: Annotated[str | None, Query(max_length=64, description="next_cursor of the previous page")] = None,
         limit: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE, description="page size")] = 100,
     ) -> Response:
@@ -502,8 +535,10 @@ def create_app(settings: StoreSettings) -> FastAPI:
 
     push_body_schema = {"$ref": "#/components/schemas/PushGroupsRequest"}
 
+    push_errors = error_responses(400, *((401,) if settings.token else ()), 409, 413, 415, 422)
+
     @app.post("/v1/groups", response_model=PushGroupsResponse, tags=["groups"], dependencies=[Depends(require_token)],
-              responses=ERROR_RESPONSES, openapi_extra={"requestBody": {"required": True, "content": {
+              responses=push_errors, openapi_extra={"requestBody": {"required": True, "content": {
                   "application/json": {"schema": push_body_schema},
                   ARROW_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}}})
     async def push_groups(request: Request) -> PushGroupsResponse:
@@ -511,7 +546,9 @@ def create_app(settings: StoreSettings) -> FastAPI:
 
         JSON body: PushGroupsRequest. Or an Arrow IPC stream (Content-Type application/vnd.apache.arrow.stream)
         of rollout rows in ROLLOUT_ARROW_SCHEMA, problems as JSON in schema metadata key `graft_problems`.
-        Groups already stored are not written again (listed in duplicate_groups).
+        Groups already stored are not written again (listed in duplicate_groups); a group id stored under another
+        model or prompt is refused with 409. With GRAFT_STORE_TOKEN set, send `Authorization: Bearer <token>`
+        (checked before the body is read).
         """
         content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
         body = await request.body()
@@ -535,7 +572,8 @@ def create_app(settings: StoreSettings) -> FastAPI:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     def custom_openapi() -> dict[str, Any]:
-        """FastAPI's schema plus PushGroupsRequest and Problem, which the push body refers to."""
+        """FastAPI's schema plus PushGroupsRequest and Problem, which the push body refers to; the bearer token
+        only where the store has one."""
         if app.openapi_schema:
             return app.openapi_schema
         schema = FastAPI.openapi(app)
@@ -544,43 +582,13 @@ def create_app(settings: StoreSettings) -> FastAPI:
         for name, definition in generated.pop("$defs", {}).items():
             components.setdefault(name, definition)
         components["PushGroupsRequest"] = generated
+        if settings.token is None:  # an open store: no operation needs the bearer token, so none says it does
+            schema["components"].pop("securitySchemes", None)
+            for operation in (op for path in schema["paths"].values() for op in path.values()):
+                operation.pop("security", None)
         app.openapi_schema = schema
         return schema
 
     add_browser(app, index, settings, ERROR_RESPONSES, PROMPT_ID_PATTERN)
     app.openapi = custom_openapi
     return app
-
-
-def parse_json_push(body: bytes) -> tuple[pa.Table, list[Problem]]:
-    """A PushGroupsRequest body as a validated table and its problems; pydantic errors become 422s."""
-    try:
-        payload = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise StoreHTTPError(400, f"body is not JSON: {exc}") from exc
-    try:
-        request = PushGroupsRequest.model_validate(payload)
-    except ValidationError as exc:
-        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]) from exc
-    return validate_table(groups_table(request.groups)), list(request.problems)
-
-
-def parse_arrow_push(body: bytes) -> tuple[pa.Table, list[Problem]]:
-    """An Arrow IPC stream body as a validated table (vectorised checks) and the problems in its metadata."""
-    try:
-        table = pa.ipc.open_stream(pa.py_buffer(body)).read_all()
-    except (pa.ArrowInvalid, OSError) as exc:
-        raise StoreHTTPError(400, f"body is not an Arrow IPC stream: {exc}") from exc
-    problems: list[Problem] = []
-    raw = (table.schema.metadata or {}).get(PROBLEMS_METADATA_KEY)
-    if raw:
-        try:
-            problems = [Problem.model_validate(p) for p in orjson.loads(raw)]
-        except (orjson.JSONDecodeError, ValidationError, TypeError) as exc:
-            raise StoreHTTPError(422, f"schema metadata {PROBLEMS_METADATA_KEY.decode()} is not a JSON list of "
-                                      f"Problem: {exc}") from exc
-    table = validate_table(table.replace_schema_metadata(None))
-    n_groups = pc.count_distinct(table.column("group_id")).as_py()
-    if n_groups > MAX_PUSH_GROUPS:
-        raise StoreHTTPError(422, f"{n_groups} groups in one push; at most {MAX_PUSH_GROUPS}: split it")
-    return table, problems

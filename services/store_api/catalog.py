@@ -3,8 +3,9 @@ part of `StoreIndex` shares.
 
 Only the store process opens `<root>/index.duckdb` (DuckDB takes a file lock). `Catalog` owns the schema,
 connecting (setting aside an unusable or other-version index), reconciling the tables with the files on
-disk, loading the mirror (`mirror.py`), per-thread read cursors, quarantine and closing. Every change
-commits to DuckDB first and then applies to the mirror, under the write lock.
+disk, loading the mirror (`mirror.py`), per-thread read cursors, quarantine, the readers' manifest
+(`manifest.py`) and closing. Every change commits to DuckDB first and then applies to the mirror and the
+manifest, under the write lock.
 """
 
 from __future__ import annotations
@@ -18,12 +19,15 @@ from pathlib import Path
 import duckdb
 
 from services.store_api.lookup import ShardReader
+from services.store_api.manifest import write_manifest
 from services.store_api.mirror import GroupMirror, GroupRef
 from services.store_api.settings import StoreSettings
 
 log = logging.getLogger("graft.store")
 
-INDEX_VERSION = "1"
+# 2: every shard passes validate_table at ingest, duplicates tell conflicts apart (an index of version 1 is set
+# aside and rebuilt from the files, so shards indexed under the old rules are checked again)
+INDEX_VERSION = "2"
 
 SCHEMA_SQL = """
 CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR);
@@ -62,7 +66,10 @@ CREATE TABLE IF NOT EXISTS groups (
     num_rows INTEGER NOT NULL,
     indexed_us BIGINT NOT NULL
 );
-CREATE TABLE IF NOT EXISTS duplicates (group_id VARCHAR NOT NULL, path VARCHAR NOT NULL, seen_us BIGINT NOT NULL);
+CREATE TABLE IF NOT EXISTS duplicates (
+    group_id VARCHAR NOT NULL, path VARCHAR NOT NULL, seen_us BIGINT NOT NULL,
+    conflict BOOLEAN NOT NULL          -- stored under another model or prompt, not a second copy of the group
+);
 CREATE TABLE IF NOT EXISTS problems (
     dataset VARCHAR NOT NULL, prompt_id VARCHAR NOT NULL, file_id INTEGER NOT NULL, PRIMARY KEY (dataset, prompt_id)
 );
@@ -90,6 +97,7 @@ class Catalog:
         self._next_file_id = 1
         self._next_seq = 1
         self.last_ingest_us: int | None = None
+        self._failed_batches: set[tuple[str, frozenset[int]]] = set()  # compaction batches not to retry as they are
         self._con: duckdb.DuckDBPyConnection | None = None
 
     # ------------------------------------------------------------------ opening, closing, rebuilding
@@ -188,8 +196,17 @@ class Catalog:
             self._local.cursor = cursor
         return cursor
 
+    def write_manifest(self) -> None:
+        """Rewrite <root>/manifest.json, the live files for outside readers, from the index."""
+        with self._write_lock:
+            files = self._con.execute(
+                "SELECT kind, path FROM files WHERE retired_us IS NULL ORDER BY kind, path").fetchall()
+            groups, rows = self._con.execute("SELECT count(*), coalesce(sum(num_rows), 0) FROM groups").fetchall()[0]
+            write_manifest(self.root, [p for kind, p in files if kind == "rollouts"],
+                           [p for kind, p in files if kind == "prompts"], groups, int(rows))
+
     def quarantine(self, rel: str, reason: str) -> None:
-        """Move a bad file to <root>/quarantine/ (with a .reason.txt), drop whatever the index had of it."""
+        """Move a bad file or folder to <root>/quarantine/ (with a .reason.txt), drop whatever the index had of it."""
         source = self.root / rel
         target = self.root / "quarantine" / f"{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{rel.replace('/', '__')}"
         with self._write_lock:
@@ -206,7 +223,9 @@ class Catalog:
                     con.rollback()
                     raise
                 self.mirror.drop_file(rel)
-            self.reader.forget(rel)
+                self.write_manifest()  # before the file leaves: readers of the manifest never miss a listed file
+            if not source.is_dir():
+                self.reader.forget(rel)
             try:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.move(source, target)

@@ -1,5 +1,8 @@
 """Compaction: merging a model's small shards into files sorted by prompt id, swapped into the index
 atomically, and deleting retired shards once no read can still hold them; methods of `StoreIndex` (index.py).
+
+A batch that fails is not retried in a loop: an unreadable shard is quarantined, any other error is logged
+once and that same batch skipped until its files change.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import pyarrow.compute as pc
 
 from services.store_api.catalog import Catalog
 from services.store_api.durable import publish
+from services.store_api.lookup import ShardReadError
 from services.store_api.mirror import now_us
 from services.store_api.shards import ROW_GROUP_ROWS, discard, model_dir, write_rollout_table
 from services.store_api.tables import group_runs
@@ -55,13 +59,31 @@ class IndexCompaction(Catalog):
                         rows += item[2]
                         continue
                     if len(batch) >= 2:
-                        moved = self._compact_batch(model, [b[0] for b in batch])
+                        moved = self._compact_batch_once(model, [b[0] for b in batch])
                         if moved:
                             report["files_merged"] += len(batch)
                             report["files_written"] += 1
                             report["groups_moved"] += moved
                     batch, rows = ([item], item[2]) if item is not None else ([], 0)
         return report
+
+    def _compact_batch_once(self, model: str, file_ids: list[int]) -> int:
+        """`_compact_batch`, unless this very batch failed before; a failure never propagates into a loop."""
+        key = (model, frozenset(file_ids))
+        if key in self._failed_batches:
+            return 0
+        try:
+            return self._compact_batch(model, file_ids)
+        except ShardReadError as exc:
+            rel = exc.path.relative_to(self.root).as_posix()
+            if exc.path.exists():  # else compacted or quarantined meanwhile: the next round sees the new state
+                self.quarantine(rel, f"unreadable at compaction: {exc.reason}")
+            return 0
+        except Exception:
+            self._failed_batches.add(key)
+            log.exception("compacting %d shards of %s failed; this batch is skipped until its files change",
+                          len(file_ids), model)
+            return 0
 
     def _compact_batch(self, model: str, file_ids: list[int]) -> int:
         placeholders = ", ".join("?" * len(file_ids))
@@ -110,6 +132,7 @@ class IndexCompaction(Catalog):
             self._next_file_id += 1
             self._known_files[rel] = file_id
             self.mirror.relocate(moved_ids, starts.tolist(), rel)
+            self.write_manifest()
         log.info("compacted %d shards of %s into %s (%d groups, %d rows)", len(file_ids), model, rel,
                  len(moved_ids), table.num_rows)
         return len(moved_ids)
@@ -118,6 +141,7 @@ class IndexCompaction(Catalog):
         with self._write_lock:
             placeholders = ", ".join("?" * len(file_ids))
             self._con.execute(f"UPDATE files SET retired_us = ? WHERE file_id IN ({placeholders})", [now_us(), *file_ids])
+            self.write_manifest()
 
     def delete_retired(self, grace_s: float | None = None) -> int:
         """Delete shards retired more than `grace_s` ago (in-flight reads of them have finished)."""

@@ -1,8 +1,10 @@
-"""How a file appears in the store, and leaves the writer's page cache: temporary name, fsync, rename.
+"""How a file appears in the store, and leaves the writer's page cache: temporary file, fsync, rename.
 
-Owns the `.tmp-` convention every writer follows (readers and the store's scanner never pick up such a
-name), the atomic publish, and dropping written pages. Shards (`shards.py`), problem files and lookup files
-(`lookup.py`) are all written through here.
+Owns where unfinished files live: `<root>/.tmp/`, on the store's file system but outside `rollouts/` and
+`prompts/`, so no reader's glob (`rollouts/*/*.parquet`, `rollouts/**`, a pandas or polars directory read)
+ever meets a partial file, even one a killed writer left behind; then the atomic publish (rename into place,
+directory fsynced), and dropping written pages. Shards and problem files (`shards.py`) are written through
+here; lookup files (`lookup.py`), which no outside reader reads, keep a `.tmp-` name in their own directory.
 
 Written files leave the writer's page cache (`drop_cached_pages`, once their data is on disk): a writer
 streams ~6 KB per rollout (shard + lookup file) that it never reads again, and on the VM this was measured
@@ -17,9 +19,12 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
-TMP_PREFIX = ".tmp-"
+TMP_DIR = ".tmp"  # <root>/.tmp/: writers' unfinished files
+TMP_PREFIX = ".tmp-"  # lookup files' temporary names; also what earlier writers left next to shards
 HAS_FADVISE = hasattr(os, "posix_fadvise")  # Linux; elsewhere pages are not dropped and the page cache just grows
 log = logging.getLogger(__name__)
 
@@ -62,11 +67,26 @@ def drop_written_pages(path: Path) -> None:
         os.close(fd)
 
 
-def write_temporary(directory: Path, write, name: str) -> Path:
-    """Write through `write(path)` to a `.tmp-` name in `directory`, fsync, and drop its pages from the page
-    cache (durable, so clean: readers read it from disk); readers never pick up a `.tmp-` name."""
+@dataclass(frozen=True)
+class Pending:
+    """A finished, fsynced file in `<root>/.tmp/`, to be renamed to `final` by `publish`."""
+
+    tmp: Path
+    final: Path
+
+
+def store_root(final: Path) -> Path:
+    """The store root of a file at <root>/<kind>/<partition>/<name> (rollouts/model=m, prompts/dataset=d)."""
+    return final.parents[2]
+
+
+def write_temporary(final: Path, write, root: Path | None = None) -> Pending:
+    """Write through `write(path)` to a file in `<root>/.tmp/`, fsync it, and drop its pages from the page cache
+    (durable, so clean: readers read it from disk). `final`'s directory is made only when it is published.
+    `root` defaults to the root of a file at <root>/<kind>/<partition>/<name>."""
+    directory = (store_root(final) if root is None else root) / TMP_DIR
     directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / (TMP_PREFIX + name)
+    tmp = directory / f"{final.parent.name}--{final.name}.{uuid.uuid4().hex[:8]}"
     try:
         write(str(tmp))  # a path, not a Python file object: Arrow's native file is ~3x faster for many small pages
         fd = os.open(tmp, os.O_RDONLY)
@@ -77,17 +97,21 @@ def write_temporary(directory: Path, write, name: str) -> Path:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return tmp
+    return Pending(tmp, final)
 
 
-def publish(tmp: Path) -> Path:
+def publish(pending: Pending) -> Path:
     """Rename a finished temporary file to its final name (atomic) and make the rename durable."""
-    final = tmp.with_name(tmp.name.removeprefix(TMP_PREFIX))
-    os.rename(tmp, final)
-    dir_fd = os.open(tmp.parent, os.O_RDONLY)
+    pending.final.parent.mkdir(parents=True, exist_ok=True)
+    os.rename(pending.tmp, pending.final)
+    fsync_directory(pending.final.parent)
+    return pending.final
+
+
+def fsync_directory(directory: Path) -> None:
+    dir_fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-    return final
 

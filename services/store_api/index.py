@@ -6,9 +6,11 @@ each own one job, all on the state of `Catalog`:
 
 - `catalog.py`: the DuckDB tables, opening, reconciling with the disk, quarantine, closing;
 - `mirror.py`: the in-memory copy of the groups table that peer, prompt and group lookups are answered from;
-- `ingest.py`: new files in (scanning, indexing shards and problem files, pushes, cleaning up after writers);
+- `ingest.py`: new files in (scanning, checking and indexing shards and problem files, pushes, cleaning up
+  after writers);
 - `queries.py`: what the API asks (lookups, filtered rollout pages, stats) and reading the chosen rows;
-- `compaction.py`: merging small shards and deleting retired ones.
+- `compaction.py`: merging small shards and deleting retired ones;
+- `manifest.py`: the live files for outside readers, rewritten whenever the set changes.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class StoreIndex(IndexIngest, IndexQueries, IndexCompaction):
         self._reconcile()
         self._load_mirror()
         self.ingest_new()
+        self.write_manifest()  # what the index holds now, whatever a crash left in the old one
         self.delete_orphan_lookup_files()
         return self
 
@@ -35,4 +38,5 @@ class StoreIndex(IndexIngest, IndexQueries, IndexCompaction):
         with self._write_lock:
             self.recreate()
             self.ingest_new()
+            self.write_manifest()
             return len(self.mirror)

@@ -1,9 +1,13 @@
-"""How files get into the index: scanning for new shards and problem files, summarising and indexing them,
+"""How files get into the index: scanning for new shards and problem files, checking and indexing them,
 pushes over HTTP, and cleaning up what dead writers left; methods of `StoreIndex` (index.py).
 
-A shard is indexed from a summary of one row per group (`summarise_shard`, reading only the columns the index
-keeps) and checked against its lookup file; an unreadable or invalid file is quarantined. Indexing is
-idempotent and the first copy of a group wins: later copies are counted in `duplicates` and skipped.
+A shard from the folder passes the rules a push passes: `validate_shard` reads it whole, a few thousand rows at
+a time, through `tables.validate_table` (and writes its lookup file in the same pass when the writer left
+none); an unreadable or invalid file, or a folder named as the API would refuse, is quarantined with the
+reason. Indexing is idempotent and the first copy of a group wins: a later copy (same model and prompt) is a
+duplicate, one under another model or prompt a conflict; both are counted in `duplicates` and skipped, and
+the file is rewritten without them, so the files the manifest lists hold exactly the indexed groups. A push
+with a conflicting group is refused (`GroupConflict`).
 """
 
 from __future__ import annotations
@@ -19,48 +23,40 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA, Problem
-from services.store_api.catalog import Catalog
-from services.store_api.durable import TMP_PREFIX
-from services.store_api.lookup import LOOKUP_DIR, LOOKUP_SUFFIX, ShardReadError
+from schemas import ROLLOUT_ARROW_SCHEMA, Problem
+from services.store_api.compaction import IndexCompaction
+from services.store_api.durable import TMP_DIR, TMP_PREFIX
+from services.store_api.lookup import (
+    LOOKUP_DIR,
+    LOOKUP_SUFFIX,
+    ShardReadError,
+    groups_of,
+    lookup_path,
+    read_whole_groups,
+    write_lookup_file,
+)
 from services.store_api.mirror import GroupRef, now_us
 from services.store_api.shards import model_dir, write_problems, write_rollout_table
-from services.store_api.tables import GROUP_SHARED_FIELDS, ShardValidationError, check_groups, group_runs
+from services.store_api.tables import SAFE_NAME, ShardValidationError, group_runs, validate_problems, validate_table
 
 log = logging.getLogger("graft.store")
 
-# what the index keeps of a shard: the columns a group shares, and what its successes, rewards and time come from
-INDEX_COLUMNS = [*GROUP_SHARED_FIELDS, "correct", "reward", "created_at"]
+PARTITIONS = (("rollouts", "model="), ("prompts", "dataset="))  # <root>/<kind>/<prefix><safe name>/
 
 
-def summarise_shard(path: Path, expected_model: str | None) -> pa.Table:
-    """One row per group of a rollout shard, from INDEX_COLUMNS (the other columns are not decoded).
+class GroupConflict(ValueError):
+    """Group ids already stored under another model or prompt; `conflicts` maps each to the stored one."""
 
-    Raises ShardReadError / ShardValidationError if the file is unreadable or not whole groups of one model.
-    """
-    try:
-        parquet = pq.ParquetFile(path, page_checksum_verification=True)
-        schema = parquet.schema_arrow
-        wrong = [
-            f"{f.name}: {schema.field(f.name).type if f.name in schema.names else 'missing'} (expected {f.type})"
-            for f in ROLLOUT_ARROW_SCHEMA
-            if f.name not in schema.names or schema.field(f.name).type != f.type
-        ]
-        if wrong:
-            raise ShardValidationError(f"schema differs from ROLLOUT_ARROW_SCHEMA: {'; '.join(wrong[:5])}")
-        table = parquet.read(columns=INDEX_COLUMNS, use_threads=False)
-    except (OSError, pa.ArrowException) as exc:
-        raise ShardReadError(path, str(exc)) from exc
-    if table.num_rows == 0:
-        raise ShardValidationError("no rows")
-    for name in INDEX_COLUMNS:
-        if not ROLLOUT_ARROW_SCHEMA.field(name).nullable and table.column(name).null_count:
-            raise ShardValidationError(f"column {name} has nulls")
-    starts, lengths = group_runs(table.column("group_id"))
-    check_groups(table, starts, lengths)
-    models = pc.unique(table.column("model_id")).to_pylist()
-    if expected_model is not None and models != [expected_model]:
-        raise ShardValidationError(f"rows of model(s) {models} in the directory of model {expected_model!r}")
+    def __init__(self, conflicts: dict[str, GroupRef]):
+        shown = "; ".join(f"{gid} (stored for model {ref.model_id}, prompt {ref.prompt_id})"
+                          for gid, ref in list(conflicts.items())[:5])
+        super().__init__(f"{len(conflicts)} group id(s) already stored for another model or prompt: {shown}. "
+                         "Group ids are unique in the store: give these groups new ids")
+        self.conflicts = conflicts
+
+
+def summarise_groups(table: pa.Table, starts: np.ndarray, lengths: np.ndarray, first_row: int = 0) -> pa.Table:
+    """One row per group of a validated table of whole groups: what the index keeps (rows from `first_row`)."""
     correct = table.column("correct").to_numpy(zero_copy_only=False).astype(np.int64)
     reward = table.column("reward")
     scored = pc.is_valid(reward).to_numpy(zero_copy_only=False)
@@ -72,15 +68,9 @@ def summarise_shard(path: Path, expected_model: str | None) -> pa.Table:
     created = table.column("created_at").cast(pa.int64()).to_numpy()
     none = n_scored == 0
     first = pa.array(starts)
-    summary = pa.table({
-        "group_id": table.column("group_id").take(first),
-        "prompt_id": table.column("prompt_id").take(first),
-        "dataset": table.column("dataset").take(first),
-        "model_id": table.column("model_id").take(first),
-        "model_revision": table.column("model_revision").take(first),
-        "tokenizer_id": table.column("tokenizer_id").take(first),
-        "policy_step": table.column("policy_step").take(first),
-        "group_size": table.column("group_size").take(first),
+    shared = ("group_id", "prompt_id", "dataset", "model_id", "model_revision", "tokenizer_id", "policy_step", "group_size")
+    return pa.table({
+        **{name: table.column(name).take(first) for name in shared},
         "successes": pa.array(np.add.reduceat(correct, starts).astype(np.int32)),
         "scored": pa.array(n_scored.astype(np.int32)),
         "reward_sum": pa.array(reward_sum),
@@ -88,25 +78,81 @@ def summarise_shard(path: Path, expected_model: str | None) -> pa.Table:
         "min_reward": pa.array(min_reward, mask=none),
         "max_reward": pa.array(max_reward, mask=none),
         "created_us": pa.array(np.maximum.reduceat(created, starts)),
-        "row_start": pa.array(starts),
+        "row_start": pa.array(starts + first_row),
         "num_rows": pa.array(lengths.astype(np.int32)),
     })
-    return summary
 
 
-class IndexIngest(Catalog):
-    """The write side of StoreIndex: new files in."""
+def validate_shard(path: Path, expected_model: str, write_lookup: bool = False) -> pa.Table:
+    """Check every row of a rollout shard with `validate_table` (the rules of a push) and return the index's
+    summary, one row per group; with `write_lookup`, write the shard's lookup file in the same pass.
+
+    Reads whole groups a chunk at a time (memory bounded for any file). Raises ShardReadError if the file
+    cannot be decoded, ShardValidationError naming the first bad row otherwise.
+    """
+    try:
+        parquet = pq.ParquetFile(path, page_checksum_verification=True)
+        schema = parquet.schema_arrow
+    except (OSError, pa.ArrowException) as exc:
+        raise ShardReadError(path, str(exc)) from exc
+    names = schema.names
+    wrong = [
+        f"{f.name}: {schema.field(f.name).type if f.name in names else 'missing'} (expected {f.type})"
+        for f in ROLLOUT_ARROW_SCHEMA
+        if names.count(f.name) != 1 or schema.field(f.name).type != f.type
+    ]
+    if wrong or len(names) != len(ROLLOUT_ARROW_SCHEMA):
+        raise ShardValidationError(f"schema differs from ROLLOUT_ARROW_SCHEMA: {'; '.join(wrong[:5]) or 'extra columns'}")
+    if parquet.metadata.num_rows == 0:
+        raise ShardValidationError("no rows")
+    summaries: list[pa.Table] = []
+    seen: set[str] = set()
+
+    def checked():
+        for first_row, chunk in read_whole_groups(path, parquet):
+            try:
+                chunk = validate_table(chunk)
+            except ShardValidationError as exc:
+                raise ShardValidationError(f"in the rows from {first_row}: {exc}") from exc
+            starts, lengths = group_runs(chunk.column("group_id"))
+            group_ids = chunk.column("group_id").take(pa.array(starts)).to_pylist()
+            again = seen.intersection(group_ids)
+            if again:
+                raise ShardValidationError(f"group {min(again)} appears in separate runs of rows; a shard holds whole "
+                                           "groups, each once")
+            seen.update(group_ids)
+            models = pc.unique(chunk.column("model_id")).to_pylist()
+            if models != [expected_model]:
+                raise ShardValidationError(f"rows of model(s) {models} in the directory of model {expected_model!r}")
+            summaries.append(summarise_groups(chunk, starts, lengths, first_row))
+            yield first_row, chunk
+
+    if write_lookup:
+        write_lookup_file(lookup_path(path), groups_of(checked()))
+    else:
+        for _ in checked():
+            pass
+    return pa.concat_tables(summaries)
+
+
+class IndexIngest(IndexCompaction):
+    """The write side of StoreIndex: new files in (a file with skipped groups is rewritten as compaction does)."""
 
     def scan(self) -> list[Path]:
-        """Final-named shards and problem files not yet in the index, oldest name first."""
+        """Final-named shards and problem files not yet in the index, oldest name first; on the way, quarantine
+        folders named as the API would refuse and delete writers' temporary files left for tmp_max_age_s."""
         found = []
         stale_before = time.time() - self.settings.tmp_max_age_s
-        for kind, prefix in (("rollouts", "model="), ("prompts", "dataset=")):
+        for kind, prefix in PARTITIONS:
             base = self.root / kind
             if not base.is_dir():
                 continue
             for sub in os.scandir(base):
                 if not (sub.name.startswith(prefix) and sub.is_dir()):
+                    continue
+                if not SAFE_NAME.match(sub.name.removeprefix(prefix)):
+                    self.quarantine(f"{kind}/{sub.name}", f"folder {kind}/{sub.name}: the name after {prefix!r} must "
+                                    "match [A-Za-z0-9._-]+, as the API requires; nothing in it was indexed")
                     continue
                 for entry in os.scandir(sub.path):
                     name = entry.name
@@ -114,8 +160,11 @@ class IndexIngest(Catalog):
                         rel = f"{kind}/{sub.name}/{name}"
                         if rel not in self._known_files:
                             found.append(self.root / rel)
-                    elif name.startswith(TMP_PREFIX):
+                    elif name.startswith(TMP_PREFIX):  # left by a writer of an earlier version
                         self._remove_stale_tmp(Path(entry.path), stale_before)
+        if (self.root / TMP_DIR).is_dir():
+            for entry in os.scandir(self.root / TMP_DIR):
+                self._remove_stale_tmp(Path(entry.path), stale_before)
         return sorted(found, key=lambda p: p.name)
 
     def delete_orphan_lookup_files(self) -> int:
@@ -165,15 +214,22 @@ class IndexIngest(Catalog):
     def ingest_new(self) -> int:
         """Index every new file on disk; return the number of groups indexed."""
         total = 0
-        for path in self.scan():
+        found = self.scan()
+        for path in found:
             if path.parent.parent.name == "prompts":
                 self.ingest_problem_file(path)
             else:
                 total += self.ingest_file(path)
+        if found:
+            self.write_manifest()
         return total
 
-    def ingest_file(self, path: Path) -> int:
-        """Index one rollout shard (idempotent); quarantine it if unreadable. Return groups indexed."""
+    def ingest_file(self, path: Path, summary: pa.Table | None = None) -> int:
+        """Index one rollout shard (idempotent); quarantine it if unreadable or invalid. Return groups indexed.
+
+        `summary`: the writer's own `summarise_groups` of the validated table it just wrote (a push); else the
+        shard is read and checked whole (`validate_shard`).
+        """
         rel = path.relative_to(self.root).as_posix()
         if rel in self._known_files:
             return 0
@@ -183,7 +239,8 @@ class IndexIngest(Catalog):
             return 0
         expected_model = path.parent.name.removeprefix("model=")
         try:
-            summary = summarise_shard(path, expected_model)
+            if summary is None:
+                summary = validate_shard(path, expected_model, write_lookup=not lookup_path(path).exists())
             # normally the writer's lookup file, checked against the groups; rebuilt from the shard if not
             self.reader.check(rel, summary.column("row_start").to_numpy(), summary.column("num_rows").to_numpy())
         except (ShardReadError, ShardValidationError) as exc:
@@ -193,22 +250,23 @@ class IndexIngest(Catalog):
             if rel in self._known_files:
                 return 0
             group_ids = summary.column("group_id").to_pylist()
-            duplicate = np.fromiter((g in self.mirror for g in group_ids), bool, len(group_ids))
-            fresh = summary.filter(pa.array(~duplicate))
+            duplicates, conflicts = self._stored_already(group_ids, summary.column("prompt_id").to_pylist(),
+                                                         expected_model)
+            skipped = np.fromiter((g in duplicates or g in conflicts for g in group_ids), bool, len(group_ids))
+            fresh = summary.filter(pa.array(~skipped))
             file_id = self._next_file_id
             first_seq = self._next_seq
             indexed = now_us()
             fresh = fresh.append_column("seq", pa.array(np.arange(first_seq, first_seq + fresh.num_rows, dtype=np.int64)))
             fresh = fresh.append_column("file_id", pa.array(np.full(fresh.num_rows, file_id, np.int32)))
             fresh = fresh.append_column("indexed_us", pa.array(np.full(fresh.num_rows, indexed, np.int64)))
-            duplicate_ids = [g for g, d in zip(group_ids, duplicate) if d]
             con = self._con
             con.begin()
             try:
                 con.execute(
                     "INSERT INTO files VALUES (?, ?, 'rollouts', ?, ?, ?, ?, ?, ?, ?, NULL)",
                     [file_id, rel, expected_model, int(summary.column("num_rows").to_numpy().sum()), stat.st_size,
-                     int(stat.st_mtime * 1e6), indexed, fresh.num_rows, len(duplicate_ids)],
+                     int(stat.st_mtime * 1e6), indexed, fresh.num_rows, len(duplicates) + len(conflicts)],
                 )
                 if fresh.num_rows:
                     con.register("fresh_groups", fresh)
@@ -218,8 +276,9 @@ class IndexIngest(Catalog):
                             min_reward, max_reward, created_us, file_id, row_start, num_rows, indexed_us
                         FROM fresh_groups""")
                     con.unregister("fresh_groups")
-                if duplicate_ids:
-                    con.executemany("INSERT INTO duplicates VALUES (?, ?, ?)", [[g, rel, indexed] for g in duplicate_ids])
+                if duplicates or conflicts:
+                    con.executemany("INSERT INTO duplicates VALUES (?, ?, ?, ?)",
+                                    [[g, rel, indexed, g in conflicts] for g in itertools.chain(duplicates, conflicts)])
                 con.commit()
             except BaseException:
                 con.rollback()
@@ -229,11 +288,31 @@ class IndexIngest(Catalog):
             self._known_files[rel] = file_id
             self._add_to_mirror(fresh, rel)
             self.last_ingest_us = indexed
-        if duplicate_ids:
-            log.warning("shard %s: %d of %d groups already indexed, kept the first copy and skipped these "
-                        "(first few: %s)", rel, len(duplicate_ids), len(group_ids), ", ".join(duplicate_ids[:5]))
+            if duplicates:
+                log.warning("shard %s: %d of %d groups already indexed, kept the first copy and skipped these "
+                            "(first few: %s)", rel, len(duplicates), len(group_ids), ", ".join(list(duplicates)[:5]))
+            if conflicts:
+                log.error("shard %s: skipped %s", rel, GroupConflict(conflicts))
+            if duplicates or conflicts:
+                # readers of the manifest must not count the skipped groups: the file leaves the live set
+                if fresh.num_rows:
+                    self._compact_batch(expected_model, [file_id])
+                else:
+                    self._retire([file_id])
         log.debug("indexed %s: %d groups", rel, fresh.num_rows)
         return fresh.num_rows
+
+    def _stored_already(self, group_ids: list[str], prompt_ids: list[str],
+                        model: str) -> tuple[dict[str, GroupRef], dict[str, GroupRef]]:
+        """Of these groups (of `model`), those stored already: as duplicates (the same model and prompt) and as
+        conflicts (another model or prompt), each with the stored group's GroupRef."""
+        duplicates: dict[str, GroupRef] = {}
+        conflicts: dict[str, GroupRef] = {}
+        for gid, prompt in zip(group_ids, prompt_ids):
+            ref = self.mirror.get(gid)
+            if ref is not None:
+                (duplicates if (ref.model_id, ref.prompt_id) == (model, prompt) else conflicts)[gid] = ref
+        return duplicates, conflicts
 
     def _add_to_mirror(self, fresh: pa.Table, rel: str) -> None:
         columns = [fresh.column(name).to_pylist() for name in (
@@ -242,15 +321,13 @@ class IndexIngest(Catalog):
         self.mirror.add(list(map(GroupRef._make, zip(*columns, itertools.repeat(rel), *locations))))
 
     def ingest_problem_file(self, path: Path) -> int:
-        """Index a problems file of one dataset: (dataset, prompt id) pairs, first copy wins."""
+        """Index a problems file of one dataset, each problem checked as a push's are: (dataset, prompt id)
+        pairs, first copy wins. Quarantined if unreadable or invalid."""
         rel = path.relative_to(self.root).as_posix()
         if rel in self._known_files:
             return 0
         try:
-            parquet = pq.ParquetFile(path)
-            if parquet.schema_arrow.names != PROBLEM_ARROW_SCHEMA.names:
-                raise ShardValidationError(f"columns {parquet.schema_arrow.names}, expected {PROBLEM_ARROW_SCHEMA.names}")
-            table = parquet.read(columns=["dataset", "prompt_id"])
+            problems = validate_problems(pq.read_table(path), dataset=path.parent.name.removeprefix("dataset="))
             stat = path.stat()
         except (OSError, pa.ArrowException, ShardValidationError) as exc:
             self.quarantine(rel, str(exc))
@@ -258,7 +335,7 @@ class IndexIngest(Catalog):
         with self._write_lock:
             if rel in self._known_files:
                 return 0
-            pairs = [(d, p) for d, p in zip(*(c.to_pylist() for c in table.columns))]
+            pairs = [(p.dataset, p.prompt_id) for p in problems]
             fresh = list(dict.fromkeys(pair for pair in pairs if pair not in self._known_problems))
             file_id = self._next_file_id
             con = self._con
@@ -266,7 +343,7 @@ class IndexIngest(Catalog):
             try:
                 con.execute(
                     "INSERT INTO files VALUES (?, ?, 'prompts', NULL, ?, ?, ?, ?, ?, ?, NULL)",
-                    [file_id, rel, table.num_rows, stat.st_size, int(stat.st_mtime * 1e6), now_us(), len(fresh),
+                    [file_id, rel, len(problems), stat.st_size, int(stat.st_mtime * 1e6), now_us(), len(fresh),
                      len(pairs) - len(fresh)],
                 )
                 if fresh:
@@ -283,22 +360,32 @@ class IndexIngest(Catalog):
     # ------------------------------------------------------------------ push ingest
 
     def push(self, table: pa.Table, problems: list[Problem]) -> tuple[int, list[str], str | None]:
-        """Write validated groups of one model as a shard and index it at once.
+        """Write validated groups of one model as a shard and index it at once; then the problems.
 
-        Returns (groups accepted, duplicate group ids not written, shard path relative to the root).
+        Returns (groups accepted, duplicate group ids not written, shard path relative to the root). Raises
+        GroupConflict, writing nothing, if a group id is stored already under another model or prompt.
         """
+        starts, lengths = group_runs(table.column("group_id"))
+        heads = table.select(["group_id", "prompt_id", "model_id"]).take(pa.array(starts))
+        model = heads.column("model_id")[0].as_py()
         with self._write_lock:
-            group_ids = pc.unique(table.column("group_id")).to_pylist()
-            duplicates = [g for g in group_ids if g in self.mirror]
+            duplicates, conflicts = self._stored_already(heads.column("group_id").to_pylist(),
+                                                         heads.column("prompt_id").to_pylist(), model)
+            if conflicts:
+                raise GroupConflict(conflicts)
+            shard = None
+            accepted = 0
             if duplicates:
-                table = table.filter(pc.invert(pc.is_in(table.column("group_id"), pa.array(duplicates))))
+                keep = pc.invert(pc.is_in(table.column("group_id"), pa.array(list(duplicates), pa.string())))
+                table = table.filter(keep)
+                starts, lengths = group_runs(table.column("group_id"))
+            if table.num_rows:
+                path = write_rollout_table(model_dir(self.root, model), table)
+                accepted = self.ingest_file(path, summary=summarise_groups(table, starts, lengths))
+                shard = path.relative_to(self.root).as_posix()
             new_problems = [p for p in problems if (p.dataset, p.prompt_id) not in self._known_problems]
-            if new_problems:
-                for path in write_problems(self.root, new_problems):
-                    self.ingest_problem_file(path)
-            if table.num_rows == 0:
-                return 0, duplicates, None
-            model = table.column("model_id")[0].as_py()
-            path = write_rollout_table(model_dir(self.root, model), table)
-            accepted = self.ingest_file(path)
-            return accepted, duplicates, path.relative_to(self.root).as_posix()
+            for path in write_problems(self.root, new_problems) if new_problems else ():
+                self.ingest_problem_file(path)
+            if shard is not None or new_problems:
+                self.write_manifest()  # before the push is acknowledged
+            return accepted, list(duplicates), shard

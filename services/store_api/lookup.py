@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from schemas import ROLLOUT_ARROW_SCHEMA
@@ -155,36 +156,52 @@ def write_lookup_file(path: Path, groups: Iterable[tuple[int, pa.RecordBatch]]) 
     return path
 
 
-def _shard_groups(shard: Path, parquet: pq.ParquetFile, starts: np.ndarray,
-                  lengths: np.ndarray) -> Iterator[tuple[int, pa.RecordBatch]]:
-    """The shard's groups one by one, decoding one row group at a time (a group may span row groups)."""
+CHUNK_ROWS = 4096  # rows decoded at a time when a shard is read whole (bounded memory for any foreign file)
+
+
+def read_whole_groups(shard: Path, parquet: pq.ParquetFile) -> Iterator[tuple[int, pa.Table]]:
+    """The shard's rows in ROLLOUT_ARROW_SCHEMA, as (first row, table of whole groups) about CHUNK_ROWS rows at
+    a time; a group may span row groups and batches. ShardReadError if the file cannot be decoded."""
     pending = ROLLOUT_ARROW_SCHEMA.empty_table()  # rows read and not yet yielded, from file row `pending_start`
     pending_start = 0
-    g = 0
-    for i in range(parquet.num_row_groups):
+    batches = parquet.iter_batches(batch_size=CHUNK_ROWS, use_threads=False)
+    while True:
         try:
-            chunk = conform_table(parquet.read_row_group(i, use_threads=False))
+            batch = next(batches, None)
+            if batch is not None:
+                pending = pa.concat_tables([pending, conform_table(pa.Table.from_batches([batch]))])
         except (OSError, pa.ArrowException, ShardValidationError) as exc:
-            raise ShardReadError(shard, f"row group {i}: {exc}") from exc
-        pending = pa.concat_tables([pending, chunk])
-        end = pending_start + pending.num_rows
-        while g < len(starts) and starts[g] + lengths[g] <= end:
-            yield int(starts[g]), _as_batch(pending.slice(int(starts[g]) - pending_start, int(lengths[g])))
-            g += 1
-        cut = (int(starts[g]) if g < len(starts) else end) - pending_start
-        pending, pending_start = pending.slice(cut), pending_start + cut
-    if g != len(starts):
-        raise ShardReadError(shard, f"{len(starts) - g} groups beyond its row groups")
+            raise ShardReadError(shard, f"rows from {pending_start + pending.num_rows}: {exc}") from exc
+        if batch is None:
+            if pending.num_rows:
+                yield pending_start, pending
+            return
+        ids = pending.column("group_id").combine_chunks()
+        changes = np.flatnonzero(pc.not_equal(ids.slice(1), ids.slice(0, len(ids) - 1)).to_numpy(zero_copy_only=False))
+        if len(changes) and pending.num_rows >= CHUNK_ROWS:
+            cut = int(changes[-1]) + 1  # the last group may go on in the next batch: keep it
+            yield pending_start, pending.slice(0, cut)
+            pending, pending_start = pending.slice(cut), pending_start + cut
+
+
+def groups_of(chunks: Iterable[tuple[int, pa.Table]]) -> Iterator[tuple[int, pa.RecordBatch]]:
+    """(first row in the shard, rows) of each group of chunks of whole groups, for `write_lookup_file`."""
+    for first_row, chunk in chunks:
+        starts, lengths = group_runs(chunk.column("group_id"))
+        for start, batch in table_groups(chunk, starts, lengths):
+            yield first_row + start, batch
 
 
 def rebuild_lookup_file(shard: Path) -> Path:
     """Write a shard's lookup file from the shard; ShardReadError if the shard cannot be read."""
     try:
         parquet = pq.ParquetFile(shard, page_checksum_verification=True)
-        starts, lengths = group_runs(parquet.read(columns=["group_id"], use_threads=False).column("group_id"))
-    except (OSError, pa.ArrowException, ShardValidationError) as exc:
+    except (OSError, pa.ArrowException) as exc:
         raise ShardReadError(shard, str(exc)) from exc
-    return write_lookup_file(lookup_path(shard), _shard_groups(shard, parquet, starts, lengths))
+    try:
+        return write_lookup_file(lookup_path(shard), groups_of(read_whole_groups(shard, parquet)))
+    except ShardValidationError as exc:  # a group in separate runs of rows
+        raise ShardReadError(shard, str(exc)) from exc
 
 
 class _LookupFile:

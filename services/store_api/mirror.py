@@ -141,6 +141,10 @@ class GroupMirror:
             refs = [r for r in self._by_prompt.get(prompt, ()) if model is None or r.model_id == model]
         return refs[:limit]
 
+    def get(self, group_id: str) -> GroupRef | None:
+        """The group's GroupRef, or None (the index's writer calls it under its write lock)."""
+        return self._by_group.get(group_id)
+
     def group(self, group_id: str) -> list[GroupRef]:
         """The group, or nothing."""
         with self._lock:

@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from schemas import ROLLOUT_ARROW_SCHEMA, ModelStats, PeerLookupRequest, StatsResponse
+from schemas.rollout import INT64_MAX
 from services.store_api.catalog import Catalog
 from services.store_api.lookup import ShardReadError
 from services.store_api.mirror import GroupRef
@@ -39,7 +40,7 @@ def decode_cursor(cursor: str) -> tuple[int, int]:
         seq, row = int(seq_text), int(row_text)
     except (ValueError, UnicodeDecodeError, binascii.Error) as exc:
         raise BadCursor(f"cursor {cursor!r} is not one this store handed out: pass next_cursor unchanged") from exc
-    if seq < 0 or row < 0:
+    if not (0 <= seq <= INT64_MAX and 0 <= row <= INT64_MAX):
         raise BadCursor(f"cursor {cursor!r} is not one this store handed out: pass next_cursor unchanged")
     return seq, row
 
@@ -167,12 +168,14 @@ class IndexQueries(Catalog):
         ]
         files = cursor.execute(
             "SELECT count(*) FROM files WHERE kind = 'rollouts' AND retired_us IS NULL").fetchall()[0][0]
-        duplicates = cursor.execute("SELECT count(*) FROM duplicates").fetchall()[0][0]
+        duplicates, conflicts = cursor.execute(
+            "SELECT count(*) FILTER (WHERE NOT conflict), count(*) FILTER (WHERE conflict) FROM duplicates").fetchall()[0]
         quarantined = sum(1 for p in (self.root / "quarantine").iterdir() if not p.name.endswith(".reason.txt"))
         return StatsResponse(
             models=models, files=files, quarantined_files=quarantined,
             total_groups=sum(m.groups for m in models), total_rollouts=sum(m.rollouts for m in models),
             last_ingest_at=us_to_datetime(self.last_ingest_us), duplicate_groups=duplicates,
+            conflicting_groups=conflicts,
         )
 
 

@@ -1,7 +1,7 @@
 """Parquet shards: where they live and how they are written (the generators' `write_groups`).
 
-A shard is `<root>/rollouts/model=<model_id>/part-<utc time>-<host>-<pid>-<uuid>.parquet`, written under
-a `.tmp-` name in the same directory, fsynced, then renamed, so readers only ever see whole files. It holds
+A shard is `<root>/rollouts/model=<model_id>/part-<utc time>-<host>-<pid>-<uuid>.parquet`, written in
+`<root>/.tmp/`, fsynced, then renamed into place, so readers only ever see whole files. It holds
 whole groups of one model, in `ROLLOUT_ARROW_SCHEMA`: the source of truth, read by DuckDB and by anyone.
 Row groups hold whole groups and about `ROW_GROUP_ROWS` rows; only the bulk columns (text, token ids,
 logprobs) are zstd-compressed (decompressing many small zstd pages of the small columns cost more than it
@@ -26,7 +26,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA, Problem, RolloutGroup
-from services.store_api.durable import TMP_PREFIX, drop_cached_pages, drop_written_pages, publish, write_temporary
+from services.store_api.durable import Pending, drop_cached_pages, drop_written_pages, publish, write_temporary
 from services.store_api.lookup import lookup_path, table_groups, write_lookup_file
 from services.store_api.tables import SAFE_NAME, ShardValidationError, group_runs, groups_table, validate_table
 
@@ -63,19 +63,22 @@ def row_group_plan(lengths: np.ndarray, target_rows: int) -> list[int]:
     return plan
 
 
-def discard(shard: Path) -> None:
-    """Delete a shard (final or temporary name) and its lookup file."""
+def discard(shard: Path | Pending) -> None:
+    """Delete a shard (published, or still pending) and its lookup file."""
+    if isinstance(shard, Pending):
+        shard.tmp.unlink(missing_ok=True)
+        shard = shard.final
     shard.unlink(missing_ok=True)
-    lookup_path(shard.with_name(shard.name.removeprefix(TMP_PREFIX))).unlink(missing_ok=True)
+    lookup_path(shard).unlink(missing_ok=True)
 
 
 def write_rollout_table(
     directory: Path, table: pa.Table, row_group_rows: int = ROW_GROUP_ROWS, publish_now: bool = True
-) -> Path:
+) -> Path | Pending:
     """Write an already validated table of whole groups as one shard in `directory`, and its lookup file.
 
-    Returns the final path, or with `publish_now=False` the temporary one, for `publish` later (compaction
-    renames only once it holds the index's write lock).
+    Returns the final path, or with `publish_now=False` the Pending file, for `publish` later (the store renames
+    only once it holds the index's write lock).
     """
     starts, lengths = group_runs(table.column("group_id"))
     name = shard_name()
@@ -98,7 +101,7 @@ def write_rollout_table(
                 os.close(fd)
 
     try:
-        tmp = write_temporary(directory, write, name)
+        tmp = write_temporary(directory / name, write)
     except BaseException:
         lookup.unlink(missing_ok=True)
         raise
@@ -132,7 +135,7 @@ def write_problems(root: str | Path, problems: list[Problem]) -> list[Path]:
         directory = dataset_dir(root, dataset)
         table = pa.Table.from_pylist([p.model_dump() for p in unique.values()], schema=PROBLEM_ARROW_SCHEMA)
         write = functools.partial(pq.write_table, table, compression="zstd")
-        paths.append(publish(write_temporary(directory, write, shard_name())))
+        paths.append(publish(write_temporary(directory / shard_name(), write)))
     return paths
 
 

@@ -1,8 +1,10 @@
 """Tables of rollouts in ROLLOUT_ARROW_SCHEMA: built from pydantic groups, conformed, validated vectorised.
 
 Owns the rules a stored row must keep, the same as `schemas.Rollout` and `schemas.RolloutGroup` but checked
-column by column with pyarrow.compute (what `write_groups` and a push run before anything is written), and
-`group_runs`, which finds the groups of a table (each one contiguous run of rows).
+column by column with pyarrow.compute: `validate_table` is the one check every way in runs before a row is
+stored or served (a push, `write_groups`, a shard the store finds in its folder, the lake backend), and
+`validate_problems` the same for problems. Also `group_runs`, which finds the groups of a table (each one
+contiguous run of rows).
 """
 
 from __future__ import annotations
@@ -11,15 +13,25 @@ import itertools
 import operator
 import re
 from collections.abc import Iterable
+from datetime import datetime, timedelta, timezone
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from schemas import ROLLOUT_ARROW_SCHEMA, RolloutGroup
-from schemas.rollout import ADVANTAGE_EPS, ADVANTAGE_TOLERANCE
+from pydantic import ValidationError
 
-SAFE_NAME = re.compile(r"^[A-Za-z0-9._\-]+$")  # model ids and dataset names become directory names
+from schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA, Problem, RolloutGroup
+from schemas.rollout import (
+    ADVANTAGE_EPS,
+    ADVANTAGE_TOLERANCE,
+    CLOCK_SKEW_S,
+    GROUP_ID_PATTERN,
+    LOGPROB_TOLERANCE,
+    SAFE_NAME_PATTERN,
+)
+
+SAFE_NAME = re.compile(SAFE_NAME_PATTERN)  # model ids and dataset names become directory names
 GROUP_SHARED_FIELDS = (
     "group_id", "prompt_id", "dataset", "model_id", "model_revision", "tokenizer_id", "policy_step", "group_size",
 )
@@ -71,16 +83,17 @@ def groups_table(groups: Iterable[RolloutGroup]) -> pa.Table:
 # validation (the same rules as schemas.Rollout and schemas.RolloutGroup, vectorised with pyarrow.compute)
 
 
-def conform_table(table: pa.Table) -> pa.Table:
-    """The table with exactly the columns of ROLLOUT_ARROW_SCHEMA, in order and cast to its types."""
-    missing = [n for n in ROLLOUT_ARROW_SCHEMA.names if n not in table.column_names]
-    extra = [n for n in table.column_names if n not in ROLLOUT_ARROW_SCHEMA.names]
-    if missing or extra:
+def conform_table(table: pa.Table, schema: pa.Schema = ROLLOUT_ARROW_SCHEMA) -> pa.Table:
+    """The table with exactly the columns of `schema`, in order and cast to its types."""
+    missing = [n for n in schema.names if n not in table.column_names]
+    extra = [n for n in table.column_names if n not in schema.names]
+    repeated = sorted({n for n in table.column_names if table.column_names.count(n) > 1})
+    if missing or extra or repeated:
         raise ShardValidationError(
-            f"rollout table columns differ from ROLLOUT_ARROW_SCHEMA: missing {missing}, unexpected {extra}"
+            f"table columns differ from the schema: missing {missing}, unexpected {extra}, repeated {repeated}"
         )
     columns = []
-    for field in ROLLOUT_ARROW_SCHEMA:
+    for field in schema:
         column = table.column(field.name)
         if column.type != field.type:
             try:
@@ -90,7 +103,7 @@ def conform_table(table: pa.Table) -> pa.Table:
                     f"column {field.name} has type {column.type}, expected {field.type}, and cannot be cast: {exc}"
                 ) from exc
         columns.append(column)
-    return pa.Table.from_arrays(columns, schema=ROLLOUT_ARROW_SCHEMA)
+    return pa.Table.from_arrays(columns, schema=schema)
 
 
 def group_runs(group_ids: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
@@ -176,16 +189,15 @@ def validate_table(table: pa.Table) -> pa.Table:
         if pa.types.is_list(field.type):
             flat = pc.list_flatten(column)
             if flat.null_count:
-                lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False)
-                row_of_item = np.repeat(np.arange(table.num_rows), lengths)
-                bad = row_of_item[np.flatnonzero(~pc.is_valid(flat).to_numpy(zero_copy_only=False))[0]]
-                ok = np.ones(table.num_rows, bool)
-                ok[bad] = False
-                _fail_first(ok, table, f"{field.name} holds a null item")
+                _fail_first_item(column, pc.is_valid(flat).to_numpy(zero_copy_only=False), table,
+                                 f"{field.name} holds a null item")
     col = table.column
-    _fail_first(pc.greater_equal(pc.binary_length(col("rollout_id")), 1), table, "rollout_id is empty")
     _fail_first(pc.greater_equal(col("policy_step"), 0), table, "policy_step must be >= 0", col("policy_step"))
-    _fail_first(pc.greater_equal(col("temperature"), 0), table, "temperature must be >= 0", col("temperature"))
+    _fail_first(pc.and_(pc.greater_equal(col("temperature"), 0), pc.is_finite(col("temperature"))), table,
+                "temperature must be finite and >= 0", col("temperature"))
+    latest = pa.scalar(datetime.now(timezone.utc) + timedelta(seconds=CLOCK_SKEW_S), col("created_at").type)
+    _fail_first(pc.less_equal(col("created_at"), latest), table,
+                f"created_at is more than {CLOCK_SKEW_S:.0f} s in the future", col("created_at"))
     _fail_first(pc.and_(pc.greater(col("top_p"), 0), pc.less_equal(col("top_p"), 1)), table,
                 "top_p must be in (0, 1]", col("top_p"))
     _fail_first(pc.greater(col("max_tokens"), 0), table, "max_tokens must be > 0", col("max_tokens"))
@@ -204,13 +216,12 @@ def validate_table(table: pa.Table) -> pa.Table:
     _fail_first(pc.equal(col("correct"), correct_expected), table, "correct disagrees with reward (correct means reward > 0)")
     logprobs_flat = pc.list_flatten(col("token_logprobs")).to_numpy()  # (total tokens,) float32, no copy
     # two reductions, no temporaries (max is NaN if any item is); the per-item test only to name the row
-    if len(logprobs_flat) and not (logprobs_flat.max() <= 1e-6 and logprobs_flat.min() > -np.inf):
-        lp_ok = (logprobs_flat <= 1e-6) & (logprobs_flat > -np.inf)  # NaN fails both comparisons
-        lengths = pc.list_value_length(col("token_logprobs")).to_numpy(zero_copy_only=False)
-        row_of_item = np.repeat(np.arange(table.num_rows), lengths)
-        ok = np.ones(table.num_rows, bool)
-        ok[row_of_item[np.flatnonzero(~lp_ok)[0]]] = False
-        _fail_first(ok, table, "token_logprobs must be finite and <= 0")
+    if len(logprobs_flat) and not (logprobs_flat.max() <= LOGPROB_TOLERANCE and logprobs_flat.min() > -np.inf):
+        _fail_first_item(col("token_logprobs"), (logprobs_flat <= LOGPROB_TOLERANCE) & (logprobs_flat > -np.inf), table,
+                         "token_logprobs must be finite and <= 0")  # NaN fails both comparisons
+    ids_flat = pc.list_flatten(col("completion_token_ids")).to_numpy()  # (total tokens,) int32, no copy
+    if len(ids_flat) and ids_flat.min() < 0:
+        _fail_first_item(col("completion_token_ids"), ids_flat >= 0, table, "completion_token_ids must be >= 0")
     n_ids = pc.list_value_length(col("completion_token_ids"))
     _fail_first(pc.equal(n_ids, pc.list_value_length(col("token_logprobs"))), table,
                 "completion_token_ids and token_logprobs must have the same length")
@@ -234,23 +245,41 @@ def validate_table(table: pa.Table) -> pa.Table:
                      "prompt_id must be 16 lowercase hex chars (schemas.prompt_id)", col("prompt_id"))
     fail_first_group(pc.match_substring_regex(heads.column("model_id"), SAFE_NAME.pattern),
                      "model_id must match [A-Za-z0-9._-]+ (it names a directory)", col("model_id"))
-    _check_unique_rollout_ids(table)
+    fail_first_group(pc.match_substring_regex(heads.column("group_id"), GROUP_ID_PATTERN),
+                     "group_id must be 1-128 of [A-Za-z0-9._:-] starting with a letter or digit (it is a URL path "
+                     "segment)", col("group_id"))
+    # rollout ids derive from group ids, so they are unique in the store wherever group ids are
+    position = np.arange(table.num_rows) - np.repeat(starts, lengths)  # (rows,) position in the group
+    expected = pc.binary_join_element_wise(col("group_id"), pa.array(position).cast(pa.string()), "-")
+    _fail_first(pc.equal(col("rollout_id"), expected), table, "rollout_id must be '<group_id>-<position in the "
+                "group>'", col("rollout_id"))
     _check_advantages(table, starts, lengths)
     return table
 
 
-def _check_unique_rollout_ids(table: pa.Table) -> None:
-    if pc.count_distinct(table.column("rollout_id")).as_py() == table.num_rows:
-        return  # unique in the whole table (the usual case), so within each group: 10x cheaper than grouping
-    pairs = table.select(["group_id", "rollout_id"]).group_by(["group_id", "rollout_id"]).aggregate([])
-    if pairs.num_rows != table.num_rows:
-        counts = table.select(["group_id", "rollout_id"]).group_by(["group_id", "rollout_id"]).aggregate(
-            [("rollout_id", "count")]
-        )
-        dup = pc.filter(counts, pc.greater(counts.column("rollout_id_count"), 1))
-        raise ShardValidationError(
-            f"group {dup.column('group_id')[0].as_py()} repeats rollout_id {dup.column('rollout_id')[0].as_py()!r}"
-        )
+def _fail_first_item(column: pa.ChunkedArray, item_ok: np.ndarray, table: pa.Table, message: str) -> None:
+    """Raise naming the row of the first list item where `item_ok` (one bool per flattened item) is false."""
+    lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False)
+    row_of_item = np.repeat(np.arange(table.num_rows), lengths)  # (items,)
+    ok = np.ones(table.num_rows, bool)
+    ok[row_of_item[np.flatnonzero(~item_ok)[0]]] = False
+    _fail_first(ok, table, message)
+
+
+def validate_problems(table: pa.Table, dataset: str | None = None) -> list[Problem]:
+    """The problems of a table in PROBLEM_ARROW_SCHEMA, each checked by `schemas.Problem` (the rules a push's
+    problems meet); with `dataset`, all of that dataset. Raises ShardValidationError naming the first bad row."""
+    table = conform_table(table, PROBLEM_ARROW_SCHEMA)
+    problems = []
+    for row, values in enumerate(table.to_pylist()):
+        try:
+            problem = Problem.model_validate(values)
+        except ValidationError as exc:
+            raise ShardValidationError(f"problem row {row}: {exc.errors(include_url=False)[0]['msg']}") from exc
+        if dataset is not None and problem.dataset != dataset:
+            raise ShardValidationError(f"problem row {row}: dataset {problem.dataset!r} in the directory of {dataset!r}")
+        problems.append(problem)
+    return problems
 
 
 def _check_advantages(table: pa.Table, starts: np.ndarray, lengths: np.ndarray) -> None:

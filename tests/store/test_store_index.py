@@ -16,6 +16,7 @@ from schemas import PeerLookupRequest, prompt_id, table_to_groups
 from services.store_api.durable import TMP_PREFIX
 from services.store_api.index import StoreIndex
 from services.store_api.lookup import lookup_path
+from services.store_api.manifest import live_files
 from services.store_api.queries import BadCursor
 from services.store_api.shards import write_groups
 
@@ -89,7 +90,10 @@ def test_ingest_is_idempotent_and_logs_duplicates(settings, caplog):
     assert "already indexed" in caplog.text and groups[0].group_id in caplog.text
     stats = index.stats()
     assert (stats.total_groups, stats.total_rollouts, stats.duplicate_groups) == (7, 28, 8)
-    assert stats.files == 3
+    # the copy added nothing and left the live set; the other file was rewritten with its one new group only
+    assert stats.files == 2
+    live = pq.ParquetDataset(live_files(root)).read().column("rollout_id").to_pylist()
+    assert len(live) == len(set(live)) == 28  # the manifest's files hold each indexed rollout once
     pages, cursor = [], None
     while True:
         table, cursor = index.rollout_page(cursor=cursor, limit=5)

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from schemas import PeerLookupRequest, table_to_groups
 from services.store_api.cli import app as cli_app
 from services.store_api.client import StoreClient
-from services.store_api.durable import TMP_PREFIX
+from services.store_api.durable import TMP_DIR
 from services.store_api.server import StoreServer
 from services.store_api.shards import write_groups
 
@@ -78,12 +78,12 @@ def test_killed_writer_leaves_no_partial_file_and_loses_nothing_closed(tmp_path)
         writer = start_writer(root, "model-k", 1000, 40, done_log)
         model_dir = root / "rollouts" / "model=model-k"
         wait_for(lambda: len(closed_shards(done_log)) >= 3, what="three closed shards")
-        wait_for(lambda: model_dir.exists() and any(p.name.startswith(TMP_PREFIX) for p in model_dir.iterdir()),
-                 what="a shard being written")
+        wait_for(lambda: any((root / TMP_DIR).glob("model=model-k--part-*")), what="a shard being written")
         os.kill(writer.pid, signal.SIGKILL)  # mid-write
         writer.wait()
         closed = closed_shards(done_log)
         visible = sorted(model_dir.glob("part-*.parquet"))
+        assert sorted(model_dir.iterdir()) == visible  # the killed writer's partial file is not in the folder
         for path in visible:
             assert pq.read_table(path).num_rows % 8 == 0  # every visible file is whole and readable
         assert set(closed) <= {str(p) for p in visible}
