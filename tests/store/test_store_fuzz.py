@@ -1,0 +1,140 @@
+"""Mutated pushes against a live server in its own process (a crash shows as a dead process): a few hundred
+Arrow bodies (bit flips, truncations, splices, overwritten words) and JSON bodies (schema-aware mutations of
+valid pushes). Seeded and bounded. Every answer must be 2xx or 4xx, the server must still be up, and every
+group a push acknowledged must be readable afterwards. `benchmarks/store_attack.py` runs more of the same."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import random
+from datetime import datetime, timezone
+
+import httpx
+import pyarrow as pa
+import pytest
+from store_factory import make_group
+
+from schemas import groups_to_table
+from services.store_api.server import StoreServer
+
+ARROW = "application/vnd.apache.arrow.stream"
+SEED = 13
+ARROW_CASES = 240
+JSON_CASES = 160
+CREATED = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)  # fixed: the same bytes on every run
+INTERESTING = [None, -1, 0, 1, 2**31, 2**63, 2**64, -(2**63) - 1, 1e308, -1e308, 5e-324, float("nan"), "", "x" * 5000,
+               "../x", "a/b", "\u0000", "\udcff", True, False, [], {}, [[1]], "NaN", 1.5, -0.0]
+
+
+def base_groups(case: int, groups: int = 2):
+    return [make_group(case * 4 + k, "fuzz", seed=case * 4 + k, size=4, tokens=8, created_at=CREATED,
+                       group_id=f"fuzz-{case}-{k}") for k in range(groups)]
+
+
+def arrow_body(case: int) -> bytes:
+    table = groups_to_table(base_groups(case))
+    sink = io.BytesIO()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue()
+
+
+def mutate_bytes(rng: random.Random, body: bytes, other: bytes) -> bytes:
+    data = bytearray(body)
+    kind = rng.choice(["flip", "flip", "flip", "truncate", "splice", "repeat", "word"])
+    if kind == "flip":
+        for _ in range(rng.randint(1, 8)):
+            position = rng.randrange(len(data))
+            data[position] ^= 1 << rng.randrange(8)
+    elif kind == "truncate":
+        del data[rng.randrange(len(data)):]
+    elif kind == "splice":
+        data = data[:rng.randrange(len(data))] + other[rng.randrange(len(other)):]
+    elif kind == "repeat":
+        a = rng.randrange(len(data))
+        b = min(len(data), a + rng.randint(1, 512))
+        data = data[:b] + data[a:b] + data[b:]
+    else:
+        position = rng.randrange(0, len(data) - 8)
+        value = rng.choice([0, 0xFFFFFFFF, 0x7FFFFFFF, 0x80000000, rng.getrandbits(32)])
+        data[position:position + 4] = value.to_bytes(4, "little")
+    return bytes(data)
+
+
+def leaves(node, path=()):
+    """Every (path, value) of a JSON-like tree."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from leaves(value, (*path, key))
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from leaves(value, (*path, i))
+    yield path, node
+
+
+def at(node, path):
+    for key in path:
+        node = node[key]
+    return node
+
+
+def mutate_json(rng: random.Random, payload: dict) -> dict:
+    payload = copy.deepcopy(payload)
+    for _ in range(rng.randint(1, 3)):
+        paths = [p for p, _ in leaves(payload) if p]
+        path = rng.choice(paths)
+        parent, key = at(payload, path[:-1]), path[-1]
+        kind = rng.choice(["value", "value", "value", "delete", "add", "copy"])
+        if kind == "value":
+            parent[key] = copy.deepcopy(rng.choice(INTERESTING))
+        elif kind == "delete":
+            del parent[key]
+        elif kind == "add":
+            if isinstance(parent, dict):
+                parent[rng.choice(["bogus", "rollout_id", "group_size"])] = rng.choice(INTERESTING)
+            else:
+                parent.append(copy.deepcopy(rng.choice(parent) if parent else None))
+        else:  # a value from elsewhere in the same push: ids, sizes and lists that disagree
+            parent[key] = copy.deepcopy(at(payload, rng.choice(paths)))
+    return payload
+
+
+def test_mutated_pushes_never_crash_the_server_or_lose_an_acknowledged_group(tmp_path):
+    rng = random.Random(SEED)
+    statuses: dict[int, int] = {}
+    acknowledged: set[str] = set()
+    with StoreServer(tmp_path / "store") as server, httpx.Client(base_url=server.url, timeout=60) as client:
+        for case in range(ARROW_CASES):
+            body = mutate_bytes(rng, arrow_body(case), arrow_body(case + 10_000))
+            try:
+                response = client.post("/v1/groups", content=body, headers={"content-type": ARROW})
+            except httpx.TransportError as exc:
+                pytest.fail(f"Arrow case {case}: no answer ({exc!r}); server alive: {server.process.poll() is None}\n"
+                            f"{server.log_tail()}")
+            statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+            assert response.status_code < 500, (case, response.text)
+            if response.status_code == 200:
+                table = pa.ipc.open_stream(pa.py_buffer(body)).read_all()  # the server validated it whole
+                pushed = set(table.column("group_id").to_pylist())
+                acknowledged |= pushed - set(response.json()["duplicate_groups"])
+        for case in range(JSON_CASES):
+            valid = {"groups": [json.loads(g.model_dump_json()) for g in base_groups(ARROW_CASES + case)]}
+            body = json.dumps(mutate_json(rng, valid)).encode("utf-8", "surrogatepass")
+            try:
+                response = client.post("/v1/groups", content=body, headers={"content-type": "application/json"})
+            except httpx.TransportError as exc:
+                pytest.fail(f"JSON case {case}: no answer ({exc!r})\n{server.log_tail()}")
+            statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+            assert response.status_code < 500, (case, response.text)
+            if response.status_code == 200:
+                pushed = {g["rollouts"][0]["group_id"] for g in json.loads(body)["groups"]}
+                acknowledged |= pushed - set(response.json()["duplicate_groups"])
+
+        assert server.process.poll() is None, server.log_tail()
+        assert client.get("/v1/health").json()["status"] == "ok"
+        assert statuses.get(200, 0) >= 20 and sum(statuses.values()) == ARROW_CASES + JSON_CASES, statuses
+        for group_id in sorted(acknowledged):
+            assert client.get(f"/v1/groups/{group_id}").status_code == 200, group_id
+        assert client.get("/v1/stats").json()["total_groups"] == len(acknowledged)

@@ -1,0 +1,140 @@
+"""The README's outside-reader queries (DuckDB from Python and from SQL, polars), run as written against a store
+SIGKILLed while pushing and while a writer wrote, and against one that just compacted: they count exactly what
+the API counts, and no glob of the folder meets a partial file."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import duckdb
+import polars
+import pyarrow.parquet as pq
+from store_factory import make_group
+
+from services.store_api.client import StoreClient, StoreError
+from services.store_api.server import StoreServer
+from services.store_api.shards import write_groups
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+WRITER = Path(__file__).with_name("store_writer_proc.py")
+
+
+def readme_blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", README.read_text(), flags=re.S)
+
+
+def readme_counts(root: Path) -> dict[str, dict[str, int]]:
+    """Rollouts per model by each of the README's outside readers, run as written on `root`."""
+    (python,) = [b for b in readme_blocks("python") if "manifest.json" in b]
+    (sql,) = [b for b in readme_blocks("sql") if "manifest.json" in b]
+    namespace: dict = {}
+    exec(python.replace("stores/local", str(root)), namespace)
+    counts = {"duckdb": {m: n for m, n, _ in namespace["per_model"]},
+              "polars": dict(namespace["frame"].group_by("model_id").len().iter_rows())}
+    connection = duckdb.connect()
+    statements = [s for s in sql.replace("stores/local", str(root)).split(";") if s.strip().strip("-").strip()]
+    for statement in statements[:-1]:
+        connection.execute("\n".join(line for line in statement.splitlines() if not line.startswith("--")))
+    counts["duckdb sql"] = {m: n for m, n, _ in connection.execute(statements[-1]).fetchall()}
+    return counts
+
+
+def api_counts(client: StoreClient) -> dict[str, int]:
+    return {m.model_id: m.rollouts for m in client.stats().models}
+
+
+def glob_rows(root: Path) -> int:
+    """What a plain glob of the folder counts (the README's old way); raises on a partial file."""
+    return duckdb.sql(f"SELECT count(*) FROM '{root}/rollouts/*/*.parquet'").fetchall()[0][0]
+
+
+def writing(root: Path, model: str) -> bool:
+    """Whether a temporary file of a `model` shard exists anywhere under the root (a write in progress)."""
+    return any(".tmp" in rel and f"model={model}" in rel and ".parquet" in rel and not rel.startswith("lookup/")
+               for rel in (p.relative_to(root).as_posix() for p in root.rglob("*")))
+
+
+def wait_for(predicate, timeout_s: float = 60.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_readme_readers_count_what_the_api_counts_after_sigkills_and_compaction(tmp_path):
+    root = tmp_path / "store"
+    write_groups(root, [make_group(i, "seed-model", seed=i) for i in range(6)])
+    server = StoreServer(root, env={"GRAFT_STORE_COMPACT_INTERVAL_S": "0"}).start()
+    acknowledged: list[str] = []
+    stop = threading.Event()
+
+    def push_until_stopped():
+        with StoreClient(server.url, retries=0) as client:
+            batch = 0
+            while not stop.is_set():
+                groups = [make_group(1000 + batch * 40 + i, "pushed", step=batch, size=8, tokens=256) for i in range(40)]
+                try:
+                    client.push_groups(groups)
+                except (StoreError, OSError):
+                    return  # the server is gone
+                acknowledged.extend(g.group_id for g in groups)
+                batch += 1
+
+    writer = subprocess.Popen([sys.executable, str(WRITER), str(root), "written", "1000", "40", str(tmp_path / "done.log")])
+    pusher = threading.Thread(target=push_until_stopped)
+    pusher.start()
+    try:
+        wait_for(lambda: len(acknowledged) >= 120, what="three acknowledged pushes")
+        # SIGKILL both while they write: each has its temporary file open in <root>/.tmp/
+        wait_for(lambda: writing(root, "written"), what="the writer writing")
+        os.kill(writer.pid, signal.SIGKILL)
+        wait_for(lambda: writing(root, "pushed"), what="the server writing a push")
+        server.kill()
+        stop.set()
+        pusher.join(60)
+        writer.wait(60)
+        assert writing(root, "written") or writing(root, "pushed"), "no partial file left: the kills came between writes"
+        # the store is down: the folder holds only whole files, and the README's readers run
+        assert all(p.name.startswith("part-") for p in (root / "rollouts").glob("*/*"))
+        assert glob_rows(root) >= 8 * len(acknowledged)
+        before_restart = readme_counts(root)
+        assert before_restart["duckdb"] == before_restart["polars"] == before_restart["duckdb sql"]
+        assert before_restart["duckdb"]["pushed"] >= 8 * len(acknowledged)
+
+        server.start()
+        with StoreClient(server.url) as client:
+            assert all(client.get_group(g) is not None for g in acknowledged)  # nothing acknowledged was lost
+            wait_for(lambda: client.stats().total_rollouts == glob_rows(root), what="every whole file indexed")
+            counts = readme_counts(root)
+            assert counts["duckdb"] == counts["polars"] == counts["duckdb sql"] == api_counts(client)
+        server.stop()
+
+        # compaction keeps the replaced shards 30 s for in-flight reads: a glob counts them twice, the manifest not
+        for i in range(6):
+            write_groups(root, [make_group(2000 + 10 * i + k, "seed-model", step=i, seed=i) for k in range(3)])
+        server.env.update({"GRAFT_STORE_COMPACT_INTERVAL_S": "0.5", "GRAFT_STORE_COMPACT_MIN_FILES": "2",
+                           "GRAFT_STORE_RETIRED_GRACE_S": "300"})
+        server.start()
+        with StoreClient(server.url) as client:
+            wait_for(lambda: len(list((root / "rollouts" / "model=seed-model").glob("part-*"))) >= 8
+                     and client.stats().files < len(list(root.glob("rollouts/*/part-*"))), what="a compaction")
+            api = api_counts(client)
+            assert glob_rows(root) > sum(api.values())  # the replaced shards are still in the folder
+            counts = readme_counts(root)
+            assert counts["duckdb"] == counts["polars"] == counts["duckdb sql"] == api
+            assert sum(pq.ParquetFile(f).metadata.num_rows for f in root.glob("rollouts/*/part-*")) > sum(api.values())
+    finally:
+        stop.set()
+        pusher.join(60)
+        if writer.poll() is None:
+            writer.kill()
+        server.stop()
