@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
@@ -12,15 +13,15 @@ MAX_LOOKUP_PROMPTS = 1024
 MAX_PAGE_SIZE = 1000
 MAX_PUSH_GROUPS = 512
 
-PromptId = str
+PromptId = Annotated[str, Field(pattern=r"^[0-9a-f]{16}$", description="prompt_id(problem text)")]
 
 
 class PeerLookupRequest(BaseModel):
-    """The trainer's call: informative peer groups for many prompts at once."""
+    """The trainer's call: informative peer groups for many prompts at once (strict: `false` is no integer)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    prompt_ids: list[str] = Field(min_length=1, max_length=MAX_LOOKUP_PROMPTS, description="prompts to find peer groups for")
+    prompt_ids: list[PromptId] = Field(min_length=1, max_length=MAX_LOOKUP_PROMPTS, description="prompts to find peer groups for")
     learner_model: str = Field(min_length=1, description="the asking model; its own groups are never returned")
     peer_models: list[str] | None = Field(
         default=None, min_length=1,

@@ -13,6 +13,7 @@ could leave first if it grows.
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 import threading
 import time
@@ -26,11 +27,12 @@ import pyarrow.compute as pc
 from fastapi import Depends, FastAPI, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from schemas import (
     GROUP_ID_PATTERN,
@@ -128,9 +130,10 @@ def rows_as_groups(table: pa.Table) -> list[dict[str, list[dict[str, Any]]]]:
 
 
 def error_body(status: int, message: str, detail: list[dict] | None = None,
-               headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(ErrorResponse(error=message, detail=detail).model_dump(exclude_none=True), status_code=status,
-                        headers=headers)
+               headers: dict[str, str] | None = None) -> Response:
+    """An ErrorResponse; ASCII JSON, so that any input it quotes (a lone surrogate included) can be sent."""
+    body = json.dumps(ErrorResponse(error=message, detail=detail).model_dump(exclude_none=True), ensure_ascii=True)
+    return Response(body, status_code=status, headers=headers, media_type="application/json")
 
 
 def readable_errors(errors: list[dict[str, Any]]) -> tuple[str, list[dict]]:
@@ -432,6 +435,12 @@ def create_app(settings: StoreSettings) -> FastAPI:
     @app.exception_handler(BadCursor)
     async def on_bad_cursor(request: Request, exc: BadCursor):
         return error_body(400, str(exc))
+
+    @app.exception_handler(ClientDisconnect)
+    async def on_client_left(request: Request, exc: ClientDisconnect):
+        log.info("client left during %s %s before its body was read whole: nothing stored", request.method,
+                 request.url.path)
+        return error_body(400, "the client disconnected before sending the whole body")
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception):

@@ -35,15 +35,17 @@ class PushRejected(Exception):
 
 
 def parse_json_push(body: bytes) -> tuple[pa.Table, list[Problem]]:
-    """A PushGroupsRequest body as a validated table and its problems; pydantic errors become 422s."""
+    """A PushGroupsRequest body as a validated table and its problems; pydantic errors become 422s.
+
+    Strict: a value the published schema refuses (`false` for a number, `"3"` for an integer) is refused.
+    """
     try:
-        payload = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise PushRejected(400, f"body is not JSON: {exc}") from exc
-    try:
-        request = PushGroupsRequest.model_validate(payload)
+        request = PushGroupsRequest.model_validate_json(body, strict=True)
     except ValidationError as exc:
-        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]) from exc
+        errors = exc.errors(include_url=False)
+        if errors and errors[0]["type"] == "json_invalid":
+            raise PushRejected(400, f"body is not JSON: {errors[0]['msg']}") from exc
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in errors]) from exc
     return validate_table(groups_table(request.groups)), list(request.problems)
 
 
@@ -54,7 +56,7 @@ def parse_arrow_push(body: bytes) -> tuple[pa.Table, list[Problem]]:
     raw = metadata.get(PROBLEMS_METADATA_KEY)
     if raw:
         try:
-            problems = [Problem.model_validate(p) for p in orjson.loads(raw)]
+            problems = [Problem.model_validate(p, strict=True) for p in orjson.loads(raw)]
         except (orjson.JSONDecodeError, ValidationError, TypeError) as exc:
             raise PushRejected(422, f"schema metadata {PROBLEMS_METADATA_KEY.decode()} is not a JSON list of "
                                     f"Problem: {exc}") from exc

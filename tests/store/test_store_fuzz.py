@@ -1,11 +1,11 @@
 """Mutated pushes against a live server in its own process (a crash shows as a dead process): a few hundred
 Arrow bodies (bit flips, truncations, splices, overwritten words) and JSON bodies (schema-aware mutations of
-valid pushes). Seeded and bounded. Every answer must be 2xx or 4xx, the server must still be up, and every
-group a push acknowledged must be readable afterwards. `benchmarks/store_attack.py` runs more of the same."""
+valid pushes), with the mutators of `benchmarks/store_attack.py`, which runs more of the same. Seeded and
+bounded. Every answer must be 2xx or 4xx, the server must still be up, and every group a push acknowledged must
+be readable afterwards."""
 
 from __future__ import annotations
 
-import copy
 import io
 import json
 import random
@@ -16,6 +16,7 @@ import pyarrow as pa
 import pytest
 from store_factory import make_group
 
+from benchmarks.store_attack import json_bytes, mutate_bytes, mutate_json
 from schemas import groups_to_table
 from services.store_api.server import StoreServer
 
@@ -24,8 +25,6 @@ SEED = 13
 ARROW_CASES = 240
 JSON_CASES = 160
 CREATED = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)  # fixed: the same bytes on every run
-INTERESTING = [None, -1, 0, 1, 2**31, 2**63, 2**64, -(2**63) - 1, 1e308, -1e308, 5e-324, float("nan"), "", "x" * 5000,
-               "../x", "a/b", "\u0000", "\udcff", True, False, [], {}, [[1]], "NaN", 1.5, -0.0]
 
 
 def base_groups(case: int, groups: int = 2):
@@ -39,66 +38,6 @@ def arrow_body(case: int) -> bytes:
     with pa.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)
     return sink.getvalue()
-
-
-def mutate_bytes(rng: random.Random, body: bytes, other: bytes) -> bytes:
-    data = bytearray(body)
-    kind = rng.choice(["flip", "flip", "flip", "truncate", "splice", "repeat", "word"])
-    if kind == "flip":
-        for _ in range(rng.randint(1, 8)):
-            position = rng.randrange(len(data))
-            data[position] ^= 1 << rng.randrange(8)
-    elif kind == "truncate":
-        del data[rng.randrange(len(data)):]
-    elif kind == "splice":
-        data = data[:rng.randrange(len(data))] + other[rng.randrange(len(other)):]
-    elif kind == "repeat":
-        a = rng.randrange(len(data))
-        b = min(len(data), a + rng.randint(1, 512))
-        data = data[:b] + data[a:b] + data[b:]
-    else:
-        position = rng.randrange(0, len(data) - 8)
-        value = rng.choice([0, 0xFFFFFFFF, 0x7FFFFFFF, 0x80000000, rng.getrandbits(32)])
-        data[position:position + 4] = value.to_bytes(4, "little")
-    return bytes(data)
-
-
-def leaves(node, path=()):
-    """Every (path, value) of a JSON-like tree."""
-    if isinstance(node, dict):
-        for key, value in node.items():
-            yield from leaves(value, (*path, key))
-    elif isinstance(node, list):
-        for i, value in enumerate(node):
-            yield from leaves(value, (*path, i))
-    yield path, node
-
-
-def at(node, path):
-    for key in path:
-        node = node[key]
-    return node
-
-
-def mutate_json(rng: random.Random, payload: dict) -> dict:
-    payload = copy.deepcopy(payload)
-    for _ in range(rng.randint(1, 3)):
-        paths = [p for p, _ in leaves(payload) if p]
-        path = rng.choice(paths)
-        parent, key = at(payload, path[:-1]), path[-1]
-        kind = rng.choice(["value", "value", "value", "delete", "add", "copy"])
-        if kind == "value":
-            parent[key] = copy.deepcopy(rng.choice(INTERESTING))
-        elif kind == "delete":
-            del parent[key]
-        elif kind == "add":
-            if isinstance(parent, dict):
-                parent[rng.choice(["bogus", "rollout_id", "group_size"])] = rng.choice(INTERESTING)
-            else:
-                parent.append(copy.deepcopy(rng.choice(parent) if parent else None))
-        else:  # a value from elsewhere in the same push: ids, sizes and lists that disagree
-            parent[key] = copy.deepcopy(at(payload, rng.choice(paths)))
-    return payload
 
 
 def test_mutated_pushes_never_crash_the_server_or_lose_an_acknowledged_group(tmp_path):
@@ -121,7 +60,7 @@ def test_mutated_pushes_never_crash_the_server_or_lose_an_acknowledged_group(tmp
                 acknowledged |= pushed - set(response.json()["duplicate_groups"])
         for case in range(JSON_CASES):
             valid = {"groups": [json.loads(g.model_dump_json()) for g in base_groups(ARROW_CASES + case)]}
-            body = json.dumps(mutate_json(rng, valid)).encode("utf-8", "surrogatepass")
+            body = json_bytes(mutate_json(rng, valid))
             try:
                 response = client.post("/v1/groups", content=body, headers={"content-type": "application/json"})
             except httpx.TransportError as exc:

@@ -138,3 +138,13 @@ def test_readme_readers_count_what_the_api_counts_after_sigkills_and_compaction(
         if writer.poll() is None:
             writer.kill()
         server.stop()
+
+
+def test_the_readmes_links_and_doc_mentions_point_into_the_repository():
+    text = README.read_text()
+    repository = README.parent
+    targets = [t for t in re.findall(r"\]\(([^)#\s]+)\)", text) if "://" not in t]
+    mentioned = re.findall(r"((?:[\w.-]+/)*ARCHITECTURE\.md)", text)
+    assert "docs/ARCHITECTURE.md" in targets
+    missing = [t for t in targets + mentioned if not (repository / t).exists()]
+    assert not missing, f"the README points to files the repository does not have: {missing}"
