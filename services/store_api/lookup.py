@@ -8,7 +8,9 @@ each group's message) and a trailer. A lookup preads its groups' messages and se
 message as the response stream: no decoding, no re-encoding (~25 us per group). Lookup files are derived:
 the writer writes one just before publishing the shard (it has the table in memory; the store would have to
 decode the shard), the store rebuilds a missing or damaged one from the shard, and they may be deleted at any
-time. Their directory is not fsynced after the rename: a file lost or torn by a crash fails its size or CRC
+time. The trailer records the CRC-32 and size of the shard's Parquet footer: a lookup file is written only from
+rows that passed `validate_table`, so a matching footer tells the store that this very shard was checked whole
+by its writer (`ingest.py` then decodes only its small columns); any rewrite of the shard changes its footer. Their directory is not fsynced after the rename: a file lost or torn by a crash fails its size or CRC
 checks and is rebuilt.
 
 Owns the format (writer, rebuild from a shard, block table checks), `ShardReader` (the store's reader of
@@ -39,8 +41,11 @@ from services.store_api.tables import ShardValidationError, conform_table, group
 LOOKUP_DIR = "lookup"
 LOOKUP_SUFFIX = ".arrows"
 LOOKUP_MAGIC = b"GRAFTLK1"
-LOOKUP_VERSION = 1
-_LOOKUP_TRAILER = struct.Struct("<qII8s")  # groups, CRC-32 of the block table, format version, magic
+LOOKUP_VERSION = 2
+# groups, CRC-32 of the block table, CRC-32 and size of the shard's Parquet footer, format version, magic
+_LOOKUP_TRAILER = struct.Struct("<qIIqI8s")
+_FOOTER_FIELDS = struct.Struct("<Iq")  # the footer's CRC-32 and size, 12 bytes into the trailer
+UNBOUND = (0, 0)  # no shard's footer: a lookup file not (yet) bound to its shard
 _BLOCK_FIELDS = 5  # block table columns (int64): row start, rows, message offset, message length, CRC-32
 SCHEMA_MESSAGE = ROLLOUT_ARROW_SCHEMA.serialize().to_pybytes()  # an IPC stream's first message
 END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # an IPC stream's last 8 bytes
@@ -124,8 +129,23 @@ def _encode_groups(groups: Iterator[tuple[int, pa.RecordBatch]]) -> Iterator[tup
         ]
 
 
-def write_lookup_file(path: Path, groups: Iterable[tuple[int, pa.RecordBatch]]) -> Path:
-    """Write (first row in the shard, the group's rows) pairs as the lookup file `path`, via a temporary name.
+def shard_footer(shard: Path | str) -> tuple[int, int]:
+    """CRC-32 and length of a Parquet file's footer (its metadata, read from the file's end: a few KB)."""
+    with open(shard, "rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        if size < 12:
+            raise ShardReadError(Path(shard), f"{size} bytes: not a Parquet file")
+        f.seek(size - 8)
+        length = int.from_bytes(f.read(4), "little")
+        if f.read(4) != b"PAR1" or not 0 < length <= size - 12:
+            raise ShardReadError(Path(shard), "no Parquet footer at its end")
+        f.seek(size - 8 - length)
+        return zlib.crc32(f.read(length)), length
+
+
+def write_lookup_file(path: Path, groups: Iterable[tuple[int, pa.RecordBatch]], footer: tuple[int, int]) -> Path:
+    """Write (first row in the shard, the group's rows) pairs as the lookup file `path`, via a temporary name;
+    `footer` is `shard_footer` of the shard they were validated and written as.
 
     Its writeback starts at once (`drop_cached_pages`); a writer that will not read it calls
     `drop_written_pages` later, which waits for its data and frees its pages. Neither the rename nor the
@@ -146,7 +166,7 @@ def write_lookup_file(path: Path, groups: Iterable[tuple[int, pa.RecordBatch]]) 
             f.write(END_OF_STREAM)
             table = np.array(blocks, dtype="<i8").reshape(-1, _BLOCK_FIELDS).tobytes()  # (groups, 5)
             f.write(table)
-            f.write(_LOOKUP_TRAILER.pack(len(blocks), zlib.crc32(table), LOOKUP_VERSION, LOOKUP_MAGIC))
+            f.write(_LOOKUP_TRAILER.pack(len(blocks), zlib.crc32(table), *footer, LOOKUP_VERSION, LOOKUP_MAGIC))
             f.flush()
             drop_cached_pages(f.fileno())
         os.rename(tmp, path)
@@ -159,17 +179,40 @@ def write_lookup_file(path: Path, groups: Iterable[tuple[int, pa.RecordBatch]]) 
 CHUNK_ROWS = 4096  # rows decoded at a time when a shard is read whole (bounded memory for any foreign file)
 
 
-def read_whole_groups(shard: Path, parquet: pq.ParquetFile) -> Iterator[tuple[int, pa.Table]]:
-    """The shard's rows in ROLLOUT_ARROW_SCHEMA, as (first row, table of whole groups) about CHUNK_ROWS rows at
-    a time; a group may span row groups and batches. ShardReadError if the file cannot be decoded."""
-    pending = ROLLOUT_ARROW_SCHEMA.empty_table()  # rows read and not yet yielded, from file row `pending_start`
+def lookup_footer(path: Path) -> tuple[int, int] | None:
+    """The shard footer a lookup file is bound to (`shard_footer`), or None if there is no whole lookup file."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            if size < _LOOKUP_TRAILER.size:
+                return None
+            _, _, crc, length, version, magic = _LOOKUP_TRAILER.unpack(os.pread(f.fileno(), _LOOKUP_TRAILER.size,
+                                                                                size - _LOOKUP_TRAILER.size))
+    except OSError:
+        return None
+    return (crc, length) if magic == LOOKUP_MAGIC and version == LOOKUP_VERSION else None
+
+
+def bind_lookup_file(path: Path, footer: tuple[int, int]) -> None:
+    """Record in a lookup file's trailer the `shard_footer` of the shard it was written for."""
+    with open(path, "r+b") as f:
+        trailer = f.seek(0, os.SEEK_END) - _LOOKUP_TRAILER.size
+        os.pwrite(f.fileno(), _FOOTER_FIELDS.pack(*footer), trailer + 12)
+
+
+def read_whole_groups(shard: Path, parquet: pq.ParquetFile, schema: pa.Schema = ROLLOUT_ARROW_SCHEMA,
+                      chunk_rows: int = CHUNK_ROWS) -> Iterator[tuple[int, pa.Table]]:
+    """The shard's rows in `schema` (ROLLOUT_ARROW_SCHEMA or some of its columns), as (first row, table of whole
+    groups) about `chunk_rows` rows at a time; a group may span row groups and batches. ShardReadError if the
+    file cannot be decoded."""
+    pending = schema.empty_table()  # rows read and not yet yielded, from file row `pending_start`
     pending_start = 0
-    batches = parquet.iter_batches(batch_size=CHUNK_ROWS, use_threads=False)
+    batches = parquet.iter_batches(batch_size=chunk_rows, columns=schema.names, use_threads=False)
     while True:
         try:
             batch = next(batches, None)
             if batch is not None:
-                pending = pa.concat_tables([pending, conform_table(pa.Table.from_batches([batch]))])
+                pending = pa.concat_tables([pending, conform_table(pa.Table.from_batches([batch]), schema)])
         except (OSError, pa.ArrowException, ShardValidationError) as exc:
             raise ShardReadError(shard, f"rows from {pending_start + pending.num_rows}: {exc}") from exc
         if batch is None:
@@ -178,7 +221,7 @@ def read_whole_groups(shard: Path, parquet: pq.ParquetFile) -> Iterator[tuple[in
             return
         ids = pending.column("group_id").combine_chunks()
         changes = np.flatnonzero(pc.not_equal(ids.slice(1), ids.slice(0, len(ids) - 1)).to_numpy(zero_copy_only=False))
-        if len(changes) and pending.num_rows >= CHUNK_ROWS:
+        if len(changes) and pending.num_rows >= chunk_rows:
             cut = int(changes[-1]) + 1  # the last group may go on in the next batch: keep it
             yield pending_start, pending.slice(0, cut)
             pending, pending_start = pending.slice(cut), pending_start + cut
@@ -193,13 +236,15 @@ def groups_of(chunks: Iterable[tuple[int, pa.Table]]) -> Iterator[tuple[int, pa.
 
 
 def rebuild_lookup_file(shard: Path) -> Path:
-    """Write a shard's lookup file from the shard; ShardReadError if the shard cannot be read."""
+    """Write a shard's lookup file from the shard, an indexed (so validated) one; ShardReadError if the shard
+    cannot be read."""
     try:
         parquet = pq.ParquetFile(shard, page_checksum_verification=True)
+        footer = shard_footer(shard)
     except (OSError, pa.ArrowException) as exc:
         raise ShardReadError(shard, str(exc)) from exc
     try:
-        return write_lookup_file(lookup_path(shard), groups_of(read_whole_groups(shard, parquet)))
+        return write_lookup_file(lookup_path(shard), groups_of(read_whole_groups(shard, parquet)), footer)
     except ShardValidationError as exc:  # a group in separate runs of rows
         raise ShardReadError(shard, str(exc)) from exc
 
@@ -233,8 +278,9 @@ class _LookupFile:
         size = os.fstat(fd).st_size
         if size < len(SCHEMA_MESSAGE) + len(END_OF_STREAM) + _LOOKUP_TRAILER.size:
             raise LookupFileInvalid(f"{self.path}: {size} bytes, too short")
-        groups, table_crc, version, magic = _LOOKUP_TRAILER.unpack(os.pread(fd, _LOOKUP_TRAILER.size,
-                                                                            size - _LOOKUP_TRAILER.size))
+        groups, table_crc, footer_crc, footer_size, version, magic = _LOOKUP_TRAILER.unpack(
+            os.pread(fd, _LOOKUP_TRAILER.size, size - _LOOKUP_TRAILER.size))
+        self.footer = (footer_crc, footer_size)  # shard_footer() of the shard it was written for
         if magic != LOOKUP_MAGIC or version != LOOKUP_VERSION:
             raise LookupFileInvalid(f"{self.path}: not a version-{LOOKUP_VERSION} lookup file")
         table_bytes = groups * _BLOCK_FIELDS * 8

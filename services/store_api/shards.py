@@ -4,9 +4,10 @@ A shard is `<root>/rollouts/model=<model_id>/part-<utc time>-<host>-<pid>-<uuid>
 `<root>/.tmp/`, fsynced, then renamed into place, so readers only ever see whole files. It holds
 whole groups of one model, in `ROLLOUT_ARROW_SCHEMA`: the source of truth, read by DuckDB and by anyone.
 Row groups hold whole groups and about `ROW_GROUP_ROWS` rows; only the bulk columns (text, token ids,
-logprobs) are zstd-compressed (decompressing many small zstd pages of the small columns cost more than it
+logprobs, `BULK_COLUMNS` in tables.py) are zstd-compressed (decompressing many small zstd pages of the small columns cost more than it
 saved), at level 1: the cheapest level that compresses (negative levels skip entropy coding and saved ~1%).
-Each shard's lookup file (`lookup.py`) is written just before the shard is published. Problems go once per
+Each shard's lookup file (`lookup.py`) is written just before the shard is published, bound to the shard's
+footer. Problems go once per
 dataset to `<root>/prompts/dataset=<name>/`. Validation lives in `tables.py`, atomic files in `durable.py`.
 """
 
@@ -27,13 +28,26 @@ import pyarrow.parquet as pq
 
 from schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA, Problem, RolloutGroup
 from services.store_api.durable import Pending, drop_cached_pages, drop_written_pages, publish, write_temporary
-from services.store_api.lookup import lookup_path, table_groups, write_lookup_file
-from services.store_api.tables import SAFE_NAME, ShardValidationError, group_runs, groups_table, validate_table
+from services.store_api.lookup import (
+    UNBOUND,
+    bind_lookup_file,
+    lookup_path,
+    shard_footer,
+    table_groups,
+    write_lookup_file,
+)
+from services.store_api.tables import (
+    BULK_COLUMNS,
+    SAFE_NAME,
+    ShardValidationError,
+    group_runs,
+    groups_table,
+    validate_table,
+)
 
 # target rows per Parquet row group (whole groups only; a bigger group gets its own). Lookups never decode
 # row groups, so they are sized for writing: 1024 rows cost 11 us/rollout to write, 64 rows cost 22 us.
 ROW_GROUP_ROWS = 1024
-BULK_COLUMNS = ("completion_text", "completion_token_ids", "token_logprobs")
 STATISTICS_COLUMNS = ["prompt_id", "policy_step"]  # min/max per row group: prunes scans of prompt-sorted files
 # per-column codecs are keyed by Parquet leaf path: a list column's leaf is "<name>.list.element"
 _COMPRESSION = {
@@ -82,8 +96,9 @@ def write_rollout_table(
     """
     starts, lengths = group_runs(table.column("group_id"))
     name = shard_name()
-    # the lookup file first: a store that sees the shard finds it ready (it is written back meanwhile)
-    lookup = write_lookup_file(lookup_path(directory / name), table_groups(table, starts, lengths))
+    # the lookup file first: a store that sees the shard finds it ready (it is written back meanwhile); it is
+    # bound to the shard's footer once the shard is written, which tells the store this shard was checked whole
+    lookup = write_lookup_file(lookup_path(directory / name), table_groups(table, starts, lengths), UNBOUND)
 
     def write(f) -> None:
         with pq.ParquetWriter(
@@ -106,6 +121,7 @@ def write_rollout_table(
         lookup.unlink(missing_ok=True)
         raise
     try:
+        bind_lookup_file(lookup, shard_footer(tmp.tmp))
         drop_written_pages(lookup)
     except BaseException:
         discard(tmp)

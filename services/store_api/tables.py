@@ -9,6 +9,7 @@ contiguous run of rows).
 
 from __future__ import annotations
 
+import collections
 import itertools
 import operator
 import re
@@ -32,6 +33,10 @@ from schemas.rollout import (
 )
 
 SAFE_NAME = re.compile(SAFE_NAME_PATTERN)  # model ids and dataset names become directory names
+BULK_COLUMNS = ("completion_text", "completion_token_ids", "token_logprobs")  # ~97% of a row's bytes
+# every column but the bulk ones: what the store decodes of a shard its writer validated whole (ingest.py)
+SMALL_COLUMNS_SCHEMA = pa.schema([f for f in ROLLOUT_ARROW_SCHEMA if f.name not in BULK_COLUMNS],
+                                 metadata=ROLLOUT_ARROW_SCHEMA.metadata)
 GROUP_SHARED_FIELDS = (
     "group_id", "prompt_id", "dataset", "model_id", "model_revision", "tokenizer_id", "policy_step", "group_size",
 )
@@ -85,9 +90,10 @@ def groups_table(groups: Iterable[RolloutGroup]) -> pa.Table:
 
 def conform_table(table: pa.Table, schema: pa.Schema = ROLLOUT_ARROW_SCHEMA) -> pa.Table:
     """The table with exactly the columns of `schema`, in order and cast to its types."""
-    missing = [n for n in schema.names if n not in table.column_names]
-    extra = [n for n in table.column_names if n not in schema.names]
-    repeated = sorted({n for n in table.column_names if table.column_names.count(n) > 1})
+    names = collections.Counter(table.column_names)
+    missing = [n for n in schema.names if n not in names]
+    extra = [n for n in names if n not in schema.names]
+    repeated = sorted(n for n, count in names.items() if count > 1)
     if missing or extra or repeated:
         raise ShardValidationError(
             f"table columns differ from the schema: missing {missing}, unexpected {extra}, repeated {repeated}"
@@ -174,15 +180,18 @@ def _fail_first(ok: np.ndarray | pa.Array | pa.ChunkedArray, table: pa.Table, me
     )
 
 
-def validate_table(table: pa.Table) -> pa.Table:
+def validate_table(table: pa.Table, bulk: bool = True) -> pa.Table:
     """Check a table of rollouts against every rule of Rollout and RolloutGroup; return it conformed.
 
-    Raises ShardValidationError naming the first offending row and the rule it breaks.
+    With `bulk=False` the table has the columns of SMALL_COLUMNS_SCHEMA and the rules on BULK_COLUMNS (token
+    ids and logprobs, their lengths, the text's byte length) are left out. Raises ShardValidationError naming
+    the first offending row and the rule it breaks.
     """
-    table = conform_table(table)
+    schema = ROLLOUT_ARROW_SCHEMA if bulk else SMALL_COLUMNS_SCHEMA
+    table = conform_table(table, schema)
     if table.num_rows == 0:
         raise ShardValidationError("no rollouts: a shard holds at least one whole group")
-    for field in ROLLOUT_ARROW_SCHEMA:
+    for field in schema:
         column = table.column(field.name)
         if not field.nullable and column.null_count:
             _fail_first(pc.is_valid(column), table, f"{field.name} is null; only top_k, reward and extracted_answer may be")
@@ -214,21 +223,8 @@ def validate_table(table: pa.Table) -> pa.Table:
                 table, "reward must be in [0, 1] or null", reward)
     correct_expected = pc.fill_null(pc.greater(reward, 0), False)
     _fail_first(pc.equal(col("correct"), correct_expected), table, "correct disagrees with reward (correct means reward > 0)")
-    logprobs_flat = pc.list_flatten(col("token_logprobs")).to_numpy()  # (total tokens,) float32, no copy
-    # two reductions, no temporaries (max is NaN if any item is); the per-item test only to name the row
-    if len(logprobs_flat) and not (logprobs_flat.max() <= LOGPROB_TOLERANCE and logprobs_flat.min() > -np.inf):
-        _fail_first_item(col("token_logprobs"), (logprobs_flat <= LOGPROB_TOLERANCE) & (logprobs_flat > -np.inf), table,
-                         "token_logprobs must be finite and <= 0")  # NaN fails both comparisons
-    ids_flat = pc.list_flatten(col("completion_token_ids")).to_numpy()  # (total tokens,) int32, no copy
-    if len(ids_flat) and ids_flat.min() < 0:
-        _fail_first_item(col("completion_token_ids"), ids_flat >= 0, table, "completion_token_ids must be >= 0")
-    n_ids = pc.list_value_length(col("completion_token_ids"))
-    _fail_first(pc.equal(n_ids, pc.list_value_length(col("token_logprobs"))), table,
-                "completion_token_ids and token_logprobs must have the same length")
-    _fail_first(pc.equal(col("num_tokens"), n_ids), table, "num_tokens must equal len(completion_token_ids)", col("num_tokens"))
-    _fail_first(pc.equal(col("num_bytes"), pc.binary_length(col("completion_text"))), table,
-                "num_bytes must equal the UTF-8 length of completion_text", col("num_bytes"))
-
+    if bulk:
+        _check_bulk_columns(table)
     starts, lengths = group_runs(col("group_id"))
     check_groups(table, starts, lengths)
     # the fields a group shares are now known equal within it: check them on its first row only (8x fewer
@@ -255,6 +251,26 @@ def validate_table(table: pa.Table) -> pa.Table:
                 "group>'", col("rollout_id"))
     _check_advantages(table, starts, lengths)
     return table
+
+
+def _check_bulk_columns(table: pa.Table) -> None:
+    """The rules on BULK_COLUMNS: finite logprobs <= 0, token ids >= 0, as many of each as num_tokens, and
+    num_bytes the text's UTF-8 length."""
+    col = table.column
+    logprobs_flat = pc.list_flatten(col("token_logprobs")).to_numpy()  # (total tokens,) float32, no copy
+    # two reductions, no temporaries (max is NaN if any item is); the per-item test only to name the row
+    if len(logprobs_flat) and not (logprobs_flat.max() <= LOGPROB_TOLERANCE and logprobs_flat.min() > -np.inf):
+        _fail_first_item(col("token_logprobs"), (logprobs_flat <= LOGPROB_TOLERANCE) & (logprobs_flat > -np.inf), table,
+                         "token_logprobs must be finite and <= 0")  # NaN fails both comparisons
+    ids_flat = pc.list_flatten(col("completion_token_ids")).to_numpy()  # (total tokens,) int32, no copy
+    if len(ids_flat) and ids_flat.min() < 0:
+        _fail_first_item(col("completion_token_ids"), ids_flat >= 0, table, "completion_token_ids must be >= 0")
+    n_ids = pc.list_value_length(col("completion_token_ids"))
+    _fail_first(pc.equal(n_ids, pc.list_value_length(col("token_logprobs"))), table,
+                "completion_token_ids and token_logprobs must have the same length")
+    _fail_first(pc.equal(col("num_tokens"), n_ids), table, "num_tokens must equal len(completion_token_ids)", col("num_tokens"))
+    _fail_first(pc.equal(col("num_bytes"), pc.binary_length(col("completion_text"))), table,
+                "num_bytes must equal the UTF-8 length of completion_text", col("num_bytes"))
 
 
 def _fail_first_item(column: pa.ChunkedArray, item_ok: np.ndarray, table: pa.Table, message: str) -> None:

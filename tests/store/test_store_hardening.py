@@ -135,6 +135,27 @@ def test_a_shard_from_the_folder_passes_the_rules_of_a_push_or_is_quarantined(se
         index.close()
 
 
+def test_a_graft_shard_rewritten_after_its_writer_checked_it_is_checked_whole_again(settings):
+    """The writer's lookup file vouches only for the shard whose footer it records: rewrite the shard (a NaN
+    logprob, a column only a whole check decodes) and keep the lookup file, and the store checks it whole."""
+    root = settings.root
+    shard = write_groups(root, [make_group(i, "side", seed=i) for i in range(3)])
+    kept = write_groups(root, [make_group(10, "side", seed=10)])
+    table = pq.read_table(shard)
+    logprobs = table.column("token_logprobs").to_pylist()
+    logprobs[5][0] = float("nan")
+    index = table.schema.get_field_index("token_logprobs")
+    pq.write_table(table.set_column(index, "token_logprobs", pa.array(logprobs, table.schema.field(index).type)), shard)
+    assert lookup_path(shard).exists()
+    index = StoreIndex(settings).open()
+    try:
+        assert not shard.exists() and kept.exists() and index.stats().total_groups == 1
+        reasons = [p.read_text() for p in (root / "quarantine").glob("*.reason.txt")]
+        assert len(reasons) == 1 and "token_logprobs" in reasons[0], reasons
+    finally:
+        index.close()
+
+
 def test_json_answers_keep_their_schema_after_a_bad_shard_lands(tmp_path):
     root = tmp_path / "store"
     write_groups(root, [make_group(0, "side", seed=0)])
