@@ -14,6 +14,7 @@ from fastapi.responses import FileResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
+from schemas import GROUP_ID_PATTERN
 from schemas.browse import (
     MAX_PROMPT_PAGE,
     MAX_STEP_BINS,
@@ -101,7 +102,7 @@ def add_browser(app: FastAPI, index: StoreIndex, settings: StoreSettings, error_
 
     @router.get("/v1/groups/{group_id}/tokens", response_model=GroupTokens)
     def group_tokens(
-        group_id: Annotated[str, PathParam(min_length=1, max_length=256)],
+        group_id: Annotated[str, PathParam(pattern=GROUP_ID_PATTERN, description="schemas.Rollout.group_id")],
         rollout_id: Annotated[str | None, Query(min_length=1, max_length=256, description="only this rollout")] = None,
     ) -> GroupTokens:
         """The text of each token of a group's rollouts, decoded with the model's tokenizer when the store has it
