@@ -24,7 +24,7 @@ from typing import Annotated, Any
 import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
-from fastapi import Depends, FastAPI, Path, Query, Request
+from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
@@ -148,8 +148,12 @@ def readable_errors(errors: list[dict[str, Any]]) -> tuple[str, list[dict]]:
 # ------------------------------------------------------------------------------------------ body size limit
 
 
-class BodyTooLarge(Exception):
-    """Raised by BodySizeLimit's `receive` once a body without Content-Length goes past the limit."""
+class BodyTooLarge(HTTPException):
+    """Raised by BodySizeLimit's `receive` once a body without Content-Length goes past the limit; an
+    HTTPException, so that FastAPI's body parsing passes it on as it is (other errors there become a 400)."""
+
+    def __init__(self, limit: int):
+        super().__init__(413, f"request body exceeds the limit of {limit} bytes")
 
 
 class BodySizeLimit:
@@ -189,7 +193,7 @@ class BodySizeLimit:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
-                    raise BodyTooLarge
+                    raise BodyTooLarge(limit)
             return message
 
         async def watched_send(message):
@@ -199,10 +203,10 @@ class BodySizeLimit:
 
         try:
             await self.app(scope, counted_receive, watched_send)
-        except BodyTooLarge:
+        except BodyTooLarge as exc:  # raised where no route turned it into a response (LookupFastPath)
             if started:
                 raise
-            await self._refuse(send, 413, f"request body exceeds the limit of {limit} bytes")
+            await self._refuse(send, 413, exc.detail)
 
     @staticmethod
     async def _refuse(send, status: int, message: str) -> None:

@@ -201,9 +201,8 @@ class Catalog:
         with self._write_lock:
             files = self._con.execute(
                 "SELECT kind, path FROM files WHERE retired_us IS NULL ORDER BY kind, path").fetchall()
-            groups, rows = self._con.execute("SELECT count(*), coalesce(sum(num_rows), 0) FROM groups").fetchall()[0]
             write_manifest(self.root, [p for kind, p in files if kind == "rollouts"],
-                           [p for kind, p in files if kind == "prompts"], groups, int(rows))
+                           [p for kind, p in files if kind == "prompts"], groups=len(self.mirror))
 
     def quarantine(self, rel: str, reason: str) -> None:
         """Move a bad file or folder to <root>/quarantine/ (with a .reason.txt), drop whatever the index had of it."""

@@ -6,7 +6,7 @@ The store rewrites this file (temporary file, fsync, rename) whenever the live s
 committed the change and before any file it no longer lists is moved or deleted, so a reader that lists its
 files from it counts exactly what the API counts. It lists paths relative to the root:
 
-    {"format": "graft-store-manifest", "version": 1, "written_at": "...", "groups": 1234, "rollout_rows": 9872,
+    {"format": "graft-store-manifest", "version": 1, "written_at": "...", "groups": 1234,
      "rollouts": ["rollouts/model=a/part-....parquet", ...], "prompts": ["prompts/dataset=d/part-....parquet", ...]}
 
 A file it lists stays readable for at least `retired_grace_s` (30 s by default) after it stops listing it.
@@ -27,12 +27,12 @@ MANIFEST_FORMAT = "graft-store-manifest"
 MANIFEST_VERSION = 1
 
 
-def write_manifest(root: Path, rollouts: list[str], prompts: list[str], groups: int, rollout_rows: int) -> Path:
+def write_manifest(root: Path, rollouts: list[str], prompts: list[str], groups: int) -> Path:
     """Atomically replace <root>/manifest.json with this live set (paths relative to `root`)."""
     body = orjson.dumps({
         "format": MANIFEST_FORMAT, "version": MANIFEST_VERSION,
         "written_at": datetime.now(timezone.utc).isoformat(timespec="microseconds"),
-        "groups": groups, "rollout_rows": rollout_rows, "rollouts": rollouts, "prompts": prompts,
+        "groups": groups, "rollouts": rollouts, "prompts": prompts,
     }, option=orjson.OPT_INDENT_2)
     return publish(write_temporary(Path(root) / MANIFEST_NAME, functools.partial(_write_bytes, body), root=Path(root)))
 

@@ -260,6 +260,18 @@ def test_an_unauthenticated_chunked_push_is_refused_without_reading_its_body(tmp
         assert response.status_code == 401
 
 
+def test_a_chunked_body_is_refused_when_it_passes_the_limit(server):
+    def chunks():  # no Content-Length: counted as the route reads it
+        for _ in range(40):
+            yield b" " * 2**16
+
+    for accept in ("application/json", ARROW):  # the route, and LookupFastPath before it
+        response = httpx.post(f"{server.url}/v1/peer-groups/lookup", content=chunks(),
+                              headers={"content-type": "application/json", "accept": accept})
+        assert response.status_code == 413 and "exceeds the limit" in response.json()["error"], accept
+    assert httpx.get(f"{server.url}/v1/health").json()["status"] == "ok"
+
+
 # ------------------------------------------------------------------ 8-9: rollout ids and group ids
 
 
