@@ -20,16 +20,13 @@ import time
 from pathlib import Path
 
 import httpx
-import numpy as np
 import psutil
-import pyarrow as pa
-import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from benchmarks.store_bench import MODELS, ShardMaker, percentile, plan_shards
-from schemas import PROBLEM_ARROW_SCHEMA
+from benchmarks.store_bench import MODELS, ShardMaker, bench_problem, bench_prompt_ids, percentile, plan_shards
+from schemas import Problem
 from services.store_api.server import StoreServer
-from services.store_api.shards import publish, write_groups, write_temporary
+from services.store_api.shards import write_groups, write_problems
 
 
 def write_store(root: Path, n_rollouts: int, seed: int) -> int:
@@ -38,14 +35,7 @@ def write_store(root: Path, n_rollouts: int, seed: int) -> int:
     maker = ShardMaker(max(groups for _, _, groups in plan) * 8, seed)
     for model, first, groups in tqdm(plan, desc="shards", unit="shard"):
         write_groups(root, maker.shard(model, first, groups, prompts))
-    ids = np.char.zfill(np.char.mod("%x", np.arange(prompts)), 16)
-    # store_bench's prompt ids are counters, not hashes of a text: the file is written as the store reads it
-    table = pa.table({"prompt_id": pa.array(ids), "dataset": pa.array(["bench"] * prompts),
-                      "problem": pa.array([f"Problem {i}: what is {i} + {i + 7}?" for i in range(prompts)]),
-                      "answer": pa.array([str(2 * i + 7) for i in range(prompts)])}, schema=PROBLEM_ARROW_SCHEMA)
-    directory = root / "prompts" / "dataset=bench"
-    directory.mkdir(parents=True, exist_ok=True)
-    publish(write_temporary(directory, lambda f: pq.write_table(table, f, compression="zstd")))
+    write_problems(root, [Problem.from_text(bench_problem(i), str(2 * i + 7), "bench") for i in range(prompts)])
     return prompts
 
 
@@ -77,16 +67,17 @@ def main() -> None:
         stats = client.get("/v1/stats").json()
         second_page = client.get("/v1/prompts", params={"limit": 50}).json()["next_cursor"]
         learner, peer = MODELS[0], MODELS[-1]
+        one = bench_prompt_ids(101)[100]  # the 100th problem's prompt id
         grafted = client.get("/v1/prompts", params={"failed_by": learner, "solved_by": peer, "limit": 50}).json()
         requests = {
             "stats (existing)": "/v1/stats",
             "prompt list, first page of 50": "/v1/prompts?limit=50",
             "prompt list, second page": f"/v1/prompts?limit=50&cursor={second_page}",
             "prompt list, text search": "/v1/prompts?limit=50&q=what%20is%20123",
-            "prompt list, id prefix": "/v1/prompts?limit=50&q=00000000000012",
+            "prompt list, id prefix": f"/v1/prompts?limit=50&q={one[:14]}",
             f"prompt list, failed by {learner} solved by {peer}": f"/v1/prompts?limit=50&failed_by={learner}&solved_by={peer}",
             f"prompt list, all-fail for {learner}": f"/v1/prompts?limit=50&outcome=all_fail&model={learner}",
-            "one prompt": "/v1/prompts/0000000000000100",
+            "one prompt": f"/v1/prompts/{one}",
             "success rate per policy step": "/v1/stats/steps",
             "datasets": "/v1/datasets",
         }

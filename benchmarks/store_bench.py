@@ -18,6 +18,7 @@ around the phase) and the 1-minute load average when each phase started (`load_a
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing
 import os
@@ -35,7 +36,7 @@ import psutil
 import pyarrow as pa
 from tqdm import tqdm
 
-from schemas import ROLLOUT_ARROW_SCHEMA, PeerLookupRequest
+from schemas import ROLLOUT_ARROW_SCHEMA, PeerLookupRequest, prompt_id
 from services.store_api.client import StoreClient
 from services.store_api.server import StoreServer
 from services.store_api.shards import write_groups
@@ -47,8 +48,16 @@ TOKENS = 256
 TEXT_BYTES = 1024
 
 
-def prompt_hex(i: int) -> str:
-    return f"{i:016x}"
+def bench_problem(i: int) -> str:
+    """The text of the benchmark's i-th problem (browse_bench stores it; the shards use its prompt_id)."""
+    return f"Problem {i}: what is {i} + {i + 7}?"
+
+
+@functools.lru_cache(maxsize=4)
+def bench_prompt_ids(prompts: int) -> np.ndarray:
+    """(prompts,) prompt ids of the first `prompts` problems: hashes of their texts, as a stored problem's are
+    (~60 ms for 62,500; writers make them before the clock starts)."""
+    return np.array([prompt_id(bench_problem(i)) for i in range(prompts)])
 
 
 class ShardMaker:
@@ -99,7 +108,7 @@ class ShardMaker:
         columns = {name: array.slice(0, n) for name, array in (self.constant | self.per_model[model]).items()}
         columns |= {
             "rollout_id": pa.array(rollout_ids), "group_id": pa.array(np.repeat(group_ids, GROUP)),
-            "prompt_id": pa.array(np.repeat(np.char.zfill(np.char.mod("%x", k % prompts), 16), GROUP)),
+            "prompt_id": pa.array(np.repeat(bench_prompt_ids(prompts)[k % prompts], GROUP)),
             "policy_step": pa.array(np.repeat(k // prompts, GROUP).astype(np.int64)),
             "created_at": pa.array(np.full(n, now), pa.timestamp("us", tz="UTC")),
             "completion_text": self.text.slice(0, n), "completion_token_ids": self.token_ids.slice(0, n),
@@ -124,6 +133,7 @@ def plan_shards(n_rollouts: int, shard_rollouts: int) -> tuple[list[tuple[str, i
 
 def _writer(root: str, shards: list[tuple[str, int, int]], prompts: int, seed: int, max_rows: int, done, go) -> None:
     maker = ShardMaker(max_rows, seed)  # ~0.1-0.4 s of setup, before the clock starts
+    bench_prompt_ids(prompts)
     done.put("ready")
     go.wait()
     user = system = 0.0  # CPU seconds inside write_groups: user space, and the kernel (page cache copies)
@@ -281,8 +291,10 @@ def main() -> None:
         result["freshness_max_s"] = round(max(delays), 3)
 
         # ---- peer lookups over HTTP (Arrow IPC, as the trainer's client does)
+        prompt_ids = bench_prompt_ids(prompts).tolist()
+
         def random_request(n_prompts: int) -> PeerLookupRequest:
-            return PeerLookupRequest(prompt_ids=[prompt_hex(rng.randrange(prompts)) for _ in range(n_prompts)],
+            return PeerLookupRequest(prompt_ids=[prompt_ids[rng.randrange(prompts)] for _ in range(n_prompts)],
                                      learner_model=rng.choice(MODELS))
 
         for _ in range(50):
@@ -324,11 +336,11 @@ def main() -> None:
         # ---- the naive way: DuckDB read_parquet over the shard glob with a WHERE (in-process, no HTTP)
         con = duckdb.connect()
         glob = str(root / "rollouts" / "model=*" / "part-*.parquet")
-        naive_lookup(con, glob, prompt_hex(0), MODELS[0])
+        naive_lookup(con, glob, prompt_ids[0], MODELS[0])
         phase("naive")
         naive = []
         for _ in tqdm(range(args.naive), desc="naive"):
-            prompt, learner = prompt_hex(rng.randrange(prompts)), rng.choice(MODELS)
+            prompt, learner = prompt_ids[rng.randrange(prompts)], rng.choice(MODELS)
             t = time.perf_counter()
             found = naive_lookup(con, glob, prompt, learner)
             naive.append(time.perf_counter() - t)
