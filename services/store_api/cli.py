@@ -134,5 +134,39 @@ def stats(root: RootOption = None, host: HostOption = None, port: PortOption = N
     index.close()
 
 
+@app.command()
+def migrate(
+    source: Annotated[str, typer.Option("--from", help="a store root, or a lake: 'ducklake:postgres:...' / 'ducklake:sqlite:...'")],
+    target: Annotated[str, typer.Option("--to", help="a store root, or a lake (the other kind than --from)")],
+    lake_data_path: Annotated[Optional[str], typer.Option(
+        help="data path of a new lake (s3://bucket/prefix/ or a directory; default GRAFT_LAKE_DATA_PATH)")] = None,
+    progress: Annotated[bool, typer.Option(help="show progress bars")] = True,
+) -> None:
+    """Copy a store between a local root and a lake, either way (S3 settings from AWS_* / GRAFT_LAKE_*).
+
+    Idempotent: groups and problems the target holds are skipped, so an interrupted migration is run again.
+    Stop a local store's server first, or migrate what its shards hold at the moment they are read.
+    """
+    from services.store_api.lake import Lake, LakeConfig, LakeError, is_lake_target
+    from services.store_api.migrate import lake_to_local, local_to_lake
+
+    configure_logging("info")
+    if is_lake_target(source) == is_lake_target(target):
+        typer.echo("error: migrate copies between a store root and a lake ('ducklake:...'): give one of each", err=True)
+        raise typer.Exit(2)
+    lake_spec, root = (target, Path(source)) if is_lake_target(target) else (source, Path(target))
+    if is_lake_target(target) and not (root / "rollouts").is_dir():
+        typer.echo(f"error: {root} is not a store root (no rollouts/ directory)", err=True)
+        raise typer.Exit(2)
+    overrides = {"data_path": lake_data_path} if lake_data_path else {}
+    try:
+        with Lake(LakeConfig(catalog=lake_spec, **overrides), create=is_lake_target(target)) as lake:
+            report = local_to_lake(root, lake, progress) if is_lake_target(target) else lake_to_local(lake, root, progress)
+    except (LakeError, ValueError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    typer.echo(json.dumps(report))
+
+
 if __name__ == "__main__":
     app()

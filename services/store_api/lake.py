@@ -406,12 +406,13 @@ class Lake:
 
     # ------------------------------------------------------------------ writing
 
-    def commit(self, table: pa.Table, problems: list[Problem] | tuple = ()) -> LakeCommit:
-        """Commit a validated table of whole groups and their problems in one transaction (one snapshot).
+    def commit(self, table: pa.Table | None, problems: list[Problem] | tuple = ()) -> LakeCommit:
+        """Commit a validated table of whole groups (None: problems only) and their problems in one transaction.
 
         Groups the lake already holds are skipped (returned as duplicates): a retried commit adds nothing.
         Raises LakeUnavailable / LakeError; then nothing of this commit is visible.
         """
+        table = ROLLOUT_ARROW_SCHEMA.empty_table() if table is None else table
         group_ids = pc.unique(table.column("group_id"))
         models = pc.unique(table.column("model_id"))
         incoming_ids = pa.table({"group_id": group_ids})
@@ -493,6 +494,21 @@ class Lake:
                 WHERE snapshot_id > ? AND snapshot_id <= ? ORDER BY rowid""", [after, upto]).arrow().read_all()
 
         return self._run("read rollouts from", work)
+
+    def iter_rollouts(self, after: int, upto: int, max_rows: int = 32768) -> Iterator[tuple[int, pa.Table]]:
+        """The rows of snapshots after+1..upto as (last snapshot id covered, rows of `rollouts_between`) windows
+        of about `max_rows` rows: the window's width in snapshot ids adapts to the rows the previous one held (a
+        row's snapshot id is the one that added it, kept when that snapshot is expired or its file merged)."""
+        width = 16
+        while after < upto:
+            end = min(upto, after + width)
+            rows = self.rollouts_between(after, end)
+            yield end, rows
+            after = end
+            if rows.num_rows > max_rows:
+                width = max(1, width // 2)
+            elif rows.num_rows < max_rows // 4:
+                width *= 2
 
     def problems_between(self, after: int, upto: int) -> pa.Table:
         """Problems committed in snapshots after+1..upto, in PROBLEM_ARROW_SCHEMA."""
