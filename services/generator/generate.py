@@ -123,7 +123,7 @@ class GroupSink:
             response = self.client.push_groups(groups, problems)
             return response.shard or ""
         if self.is_lake:
-            from services.store_api.shards import groups_table, validate_table
+            from services.store_api.tables import groups_table, validate_table
 
             result = self.lake.commit(validate_table(groups_table(groups)), problems or [])
             return f"lake: {result.accepted_groups} groups committed"

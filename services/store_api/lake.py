@@ -576,14 +576,3 @@ class Lake:
 
 def _interval_ago(seconds: float) -> str:
     return f"now() - INTERVAL '{max(0.0, float(seconds)):.6f} seconds'"
-
-
-def iter_groups_of(table: pa.Table, max_rows: int) -> Iterator[pa.Table]:
-    """Consecutive slices of a table of contiguous whole groups, about `max_rows` each, cut between groups."""
-    from services.store_api.shards import group_runs, row_group_plan
-
-    starts, lengths = group_runs(table.column("group_id"))
-    offset = 0
-    for rows in row_group_plan(lengths, max_rows):
-        yield table.slice(offset, rows)
-        offset += rows

@@ -18,31 +18,24 @@ from tqdm import tqdm
 
 from schemas import PROBLEM_ARROW_SCHEMA, Problem
 from services.store_api.lake import Lake
-from services.store_api.shards import (
-    SHARD_PATTERN,
-    ShardValidationError,
-    group_runs,
-    model_dir,
-    row_group_plan,
-    validate_table,
-    write_problems,
-    write_rollout_table,
-)
+from services.store_api.shards import model_dir, row_group_plan, write_problems, write_rollout_table
+from services.store_api.tables import ShardValidationError, group_runs, validate_table
 
 log = logging.getLogger("graft.store.migrate")
 
 BATCH_ROLLOUTS = 8192  # rollouts per lake commit and per written shard
+SHARDS = "part-*.parquet"  # final names of shards and problem files (writers' temporary names start with .tmp-)
 
 
 def local_shards(root: Path) -> list[Path]:
     """A local store's rollout shards, oldest first (the order its index met them)."""
-    return sorted((Path(root) / "rollouts").glob(f"model=*/{SHARD_PATTERN}"), key=lambda p: p.name)
+    return sorted((Path(root) / "rollouts").glob(f"model=*/{SHARDS}"), key=lambda p: p.name)
 
 
 def local_problems(root: Path) -> list[Problem]:
     """A local store's problems, first copy of each (dataset, prompt id) kept."""
     found: dict[tuple[str, str], Problem] = {}
-    for path in sorted((Path(root) / "prompts").glob(f"dataset=*/{SHARD_PATTERN}"), key=lambda p: p.name):
+    for path in sorted((Path(root) / "prompts").glob(f"dataset=*/{SHARDS}"), key=lambda p: p.name):
         for row in pq.read_table(path).cast(PROBLEM_ARROW_SCHEMA).to_pylist():
             found.setdefault((row["dataset"], row["prompt_id"]), Problem(**row))
     return list(found.values())

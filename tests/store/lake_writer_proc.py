@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from store_factory import make_group, make_problem  # noqa: E402
 
 from services.store_api.lake import Lake, LakeConfig  # noqa: E402
-from services.store_api.shards import groups_table, validate_table  # noqa: E402
+from services.store_api.tables import groups_table, validate_table  # noqa: E402
 
 
 def main() -> None:

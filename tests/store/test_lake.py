@@ -24,7 +24,8 @@ from schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA
 from services.store_api import lake as lake_module
 from services.store_api.cli import app as cli_app
 from services.store_api.lake import ExtensionMissing, Lake, LakeConfig, LakeError, LakeUnavailable
-from services.store_api.shards import conform_table, groups_table, validate_table, write_groups
+from services.store_api.shards import write_groups
+from services.store_api.tables import conform_table, groups_table, validate_table
 
 WRITER = Path(__file__).resolve().parent / "lake_writer_proc.py"
 
