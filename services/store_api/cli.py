@@ -1,4 +1,8 @@
-"""`graft-store serve | rebuild | compact | stats`: run the store, or work on its index offline."""
+"""`graft-store serve | rebuild | compact | stats | migrate`: run the store, or work on it offline.
+
+Every command but migrate works on either backend: `local` (shards under --root) or `lake` (--lake-catalog;
+--root is then the replica's lookup cache).
+"""
 
 from __future__ import annotations
 
@@ -21,6 +25,11 @@ RootOption = Annotated[Optional[Path], typer.Option("--root", help="store root (
 HostOption = Annotated[Optional[str], typer.Option("--host", help="interface (default: GRAFT_STORE_HOST or 127.0.0.1)")]
 PortOption = Annotated[Optional[int], typer.Option("--port", help="TCP port (default: GRAFT_STORE_PORT or 8600)")]
 ConfigOption = Annotated[Optional[Path], typer.Option("--config", help="YAML file of StoreSettings fields")]
+BackendOption = Annotated[Optional[str], typer.Option("--backend", help="local or lake (default: GRAFT_STORE_BACKEND or local)")]
+LakeCatalogOption = Annotated[Optional[str], typer.Option(
+    "--lake-catalog", help="backend lake: 'ducklake:postgres:<libpq string>' or 'ducklake:sqlite:<path>'")]
+LakeDataPathOption = Annotated[Optional[str], typer.Option(
+    "--lake-data-path", help="backend lake: data path of a new lake (s3://bucket/prefix/ or a shared directory)")]
 
 
 def load_settings(config: Path | None = None, **overrides) -> StoreSettings:
@@ -32,7 +41,24 @@ def load_settings(config: Path | None = None, **overrides) -> StoreSettings:
             raise typer.BadParameter(f"{config} must hold a mapping of StoreSettings fields")
         values.update(loaded)
     values.update({k: v for k, v in overrides.items() if v is not None})
-    return StoreSettings(**values)
+    try:
+        return StoreSettings(**values)
+    except ValueError as exc:  # pydantic's ValidationError: say which setting is wrong, without a traceback
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+
+
+def open_store(settings: StoreSettings, what: str = ""):
+    """The settings' store (services.store_api.index.store_backend), opened; a clear error and exit 1 if it cannot."""
+    from services.store_api.catalog import IndexLocked
+    from services.store_api.index import store_backend
+    from services.store_api.lake import LakeError
+
+    try:
+        return store_backend(settings).open()
+    except (IndexLocked, LakeError) as exc:
+        typer.echo(f"error: {what}{exc}", err=True)
+        raise typer.Exit(1) from exc
 
 
 def configure_logging(level: str) -> None:
@@ -42,68 +68,82 @@ def configure_logging(level: str) -> None:
 @app.command()
 def serve(
     root: RootOption = None, host: HostOption = None, port: PortOption = None, config: ConfigOption = None,
-    rebuild: Annotated[bool, typer.Option(help="rebuild the index from the Parquet files before serving")] = False,
+    backend: BackendOption = None, lake_catalog: LakeCatalogOption = None, lake_data_path: LakeDataPathOption = None,
+    rebuild: Annotated[bool, typer.Option(help="rebuild the index from the Parquet files (backend lake: the cache from "
+                                                "the lake) before serving")] = False,
     tokenizer: Annotated[Optional[list[Path]], typer.Option(
         help="a model path as the generator took it: the browser shows its tokens' text (repeat per model)")] = None,
 ) -> None:
     """Serve the API and the trajectory browser (http://HOST:PORT/ui/); the store process is the only owner of
-    <root>/index.duckdb."""
+    <root>/index.duckdb (backend lake: a replica of a lake, its cache under --root)."""
     import uvicorn
 
     from services.store_api.app import create_app
-    from services.store_api.catalog import IndexLocked
-    from services.store_api.index import StoreIndex
 
-    settings = load_settings(config, root=root, host=host, port=port, tokenizers=tokenizer or None)
+    settings = load_settings(config, root=root, host=host, port=port, tokenizers=tokenizer or None, backend=backend,
+                             lake_catalog=lake_catalog, lake_data_path=lake_data_path)
     configure_logging(settings.log_level)
     if rebuild:
-        index = StoreIndex(settings)
-        try:
-            index.rebuild()
-        except IndexLocked as exc:
-            typer.echo(f"error: {exc}", err=True)
-            raise typer.Exit(1) from exc
-        index.close()
+        _rebuild(settings)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
                 access_log=False)
 
 
-@app.command()
-def rebuild(root: RootOption = None, config: ConfigOption = None) -> None:
-    """Rebuild the index from the Parquet files alone (stop the server first)."""
+def _rebuild(settings: StoreSettings) -> dict:
     from services.store_api.catalog import IndexLocked
-    from services.store_api.index import StoreIndex
+    from services.store_api.index import store_backend
+    from services.store_api.lake import LakeError
 
-    settings = load_settings(config, root=root)
-    configure_logging(settings.log_level)
-    index = StoreIndex(settings)
+    index = store_backend(settings)
     try:
         groups = index.rebuild()
-    except IndexLocked as exc:
+    except (IndexLocked, LakeError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from exc
     stats = index.stats()
     index.close()
-    typer.echo(json.dumps({"groups": groups, "rollouts": stats.total_rollouts, "files": stats.files}))
+    return {"groups": groups, "rollouts": stats.total_rollouts, "files": stats.files}
+
+
+@app.command()
+def rebuild(root: RootOption = None, config: ConfigOption = None, backend: BackendOption = None,
+            lake_catalog: LakeCatalogOption = None) -> None:
+    """Rebuild the index from the Parquet files alone, or a replica's cache from the lake (stop the server first)."""
+    settings = load_settings(config, root=root, backend=backend, lake_catalog=lake_catalog)
+    configure_logging(settings.log_level)
+    typer.echo(json.dumps(_rebuild(settings)))
 
 
 @app.command()
 def compact(
-    root: RootOption = None, config: ConfigOption = None,
-    model: Annotated[Optional[str], typer.Option(help="only this model")] = None,
-    min_files: Annotated[int, typer.Option(help="compact a model once it has this many small shards")] = 2,
+    root: RootOption = None, config: ConfigOption = None, backend: BackendOption = None,
+    lake_catalog: LakeCatalogOption = None,
+    model: Annotated[Optional[str], typer.Option(help="only this model (backend local)")] = None,
+    min_files: Annotated[int, typer.Option(help="compact a model once it has this many small shards (backend local)")] = 2,
 ) -> None:
-    """Merge small shards into large files sorted by prompt id (stop the server first; it compacts by itself)."""
-    from services.store_api.catalog import IndexLocked
-    from services.store_api.index import StoreIndex
+    """Merge small files: a local store's shards, or a lake's data files.
 
-    settings = load_settings(config, root=root)
+    Backend local: shards into large files sorted by prompt id (stop the server first; it compacts by itself).
+    Backend lake: DuckLake's merge of adjacent files, then snapshot expiry and file cleanup
+    (lake_snapshot_retention_s, lake_file_grace_s); replicas and writers keep running.
+    """
+    settings = load_settings(config, root=root, backend=backend, lake_catalog=lake_catalog)
     configure_logging(settings.log_level)
-    try:
-        index = StoreIndex(settings).open()
-    except IndexLocked as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from exc
+    if settings.backend == "lake":
+        from services.store_api.lake import Lake, LakeError
+
+        if model is not None:
+            typer.echo("error: --model applies to the local backend; DuckLake merges every table's files", err=True)
+            raise typer.Exit(2)
+        try:
+            with Lake(settings.lake_config(), create=False) as lake:
+                report = lake.maintain(settings.lake_snapshot_retention_s, settings.lake_file_grace_s)
+        except LakeError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(1) from exc
+        typer.echo(json.dumps(report))
+        return
+    index = open_store(settings)
     report = index.compact(model_id=model, min_files=min_files)
     report["files_deleted"] = index.delete_retired(grace_s=0)  # offline: no reader can hold the old files
     index.close()
@@ -111,9 +151,11 @@ def compact(
 
 
 @app.command()
-def stats(root: RootOption = None, host: HostOption = None, port: PortOption = None, config: ConfigOption = None) -> None:
-    """Print the store's stats as JSON: from the running server if one answers, else from the index offline."""
-    settings = load_settings(config, root=root, host=host, port=port)
+def stats(root: RootOption = None, host: HostOption = None, port: PortOption = None, config: ConfigOption = None,
+          backend: BackendOption = None, lake_catalog: LakeCatalogOption = None) -> None:
+    """Print the store's stats as JSON: from the running server if one answers, else from the index offline
+    (backend lake: the replica's cache, brought up to date with the lake first)."""
+    settings = load_settings(config, root=root, host=host, port=port, backend=backend, lake_catalog=lake_catalog)
     try:
         response = httpx.get(f"http://{settings.host}:{settings.port}/v1/stats", timeout=5.0)
         response.raise_for_status()
@@ -121,15 +163,8 @@ def stats(root: RootOption = None, host: HostOption = None, port: PortOption = N
         return
     except httpx.HTTPError:
         pass
-    from services.store_api.catalog import IndexLocked
-    from services.store_api.index import StoreIndex
-
     configure_logging(settings.log_level)
-    try:
-        index = StoreIndex(settings).open()
-    except IndexLocked as exc:
-        typer.echo(f"error: no server answered on {settings.host}:{settings.port} and {exc}", err=True)
-        raise typer.Exit(1) from exc
+    index = open_store(settings, f"no server answered on {settings.host}:{settings.port} and ")
     typer.echo(index.stats().model_dump_json())
     index.close()
 

@@ -255,7 +255,7 @@ def _rollback_quietly(con: duckdb.DuckDBPyConnection) -> None:
 
 
 def _retryable(exc: LakeError) -> bool:
-    text = str(exc.__cause__ or exc).lower()
+    text = str(exc).lower()
     return "database is locked" in text or "exceeded the maximum retry count" in text
 
 
@@ -282,6 +282,7 @@ class Lake:
         self.config = config
         self.create = create
         self._con: duckdb.DuckDBPyConnection | None = None
+        self.data_path: str | None = config.data_path  # the lake's own once attached
         self._local = threading.local()
         self._generation = 0  # bumped on every (re)attach: thread cursors of an older attach are dropped
         self._lock = threading.Lock()
@@ -312,9 +313,11 @@ class Lake:
                     time.sleep(random.uniform(0.05, 0.2))
                     continue
                 con.close()
-                raise self._error("attach", exc) from exc
+                raise self._error("attach", exc) from None  # the cause's text may hold a password: said, redacted
         try:
             self._ensure_tables(con)
+            self.data_path = con.execute(
+                f"SELECT value FROM {ALIAS}.options() WHERE option_name = 'data_path'").fetchall()[0][0]
         except BaseException:
             con.close()
             raise
@@ -346,7 +349,7 @@ class Lake:
                 tables = {row[0] for row in con.execute(
                     "SELECT table_name FROM duckdb_tables() WHERE database_name = ?", [ALIAS]).fetchall()}
                 if "rollouts" not in tables:
-                    raise self._error("create the tables of", exc) from exc
+                    raise self._error("create the tables of", exc) from None
         comment = con.execute("SELECT comment FROM duckdb_tables() WHERE database_name = ? AND table_name = 'rollouts'",
                               [ALIAS]).fetchall()
         columns = con.execute("SELECT column_name, data_type FROM duckdb_columns() WHERE database_name = ? AND "
@@ -368,7 +371,7 @@ class Lake:
         return self._local.cursor
 
     def _error(self, action: str, exc: BaseException) -> LakeError:
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        message = " ".join(line.strip() for line in str(exc).strip().splitlines() if line.strip()) or type(exc).__name__
         if _unavailable_markers(str(exc)):
             return LakeUnavailable(f"cannot {action} lake {self.config.describe()}: {redact(message)}. Check that the "
                                    "catalog and the storage are up and the credentials are right; nothing was changed")
@@ -382,7 +385,7 @@ class Lake:
             error = self._error(action, exc)
             if isinstance(error, LakeUnavailable):
                 self.reset()
-            raise error from exc
+            raise error from None  # its message has the cause's text, passwords hidden
 
     def reset(self) -> None:
         """Detach: the next call attaches afresh (after the catalog or the storage came back)."""
@@ -488,12 +491,51 @@ class Lake:
     def rollouts_between(self, after: int, upto: int) -> pa.Table:
         """Rows committed in snapshots after+1..upto, in row id (commit) order, in ROLLOUT_ARROW_SCHEMA, with the
         `rowid` and `snapshot_id` columns first. Groups are contiguous (each was inserted in one statement)."""
-        def work(con):
-            return con.execute(f"""
-                SELECT rowid, snapshot_id, * FROM {ALIAS}.rollouts
-                WHERE snapshot_id > ? AND snapshot_id <= ? ORDER BY rowid""", [after, upto]).arrow().read_all()
+        return self._changes("rollouts", ROLLOUT_ARROW_SCHEMA.names, after, upto, ["rowid", "snapshot_id"])
 
-        return self._run("read rollouts from", work)
+    def problems_between(self, after: int, upto: int) -> pa.Table:
+        """Problems committed in snapshots after+1..upto, in PROBLEM_ARROW_SCHEMA."""
+        return self._changes("problems", PROBLEM_ARROW_SCHEMA.names, after, upto, [])
+
+    def _changes(self, table: str, columns: list[str], after: int, upto: int, extra: list[str]) -> pa.Table:
+        """Rows a table gained in snapshots after+1..upto, in row id order.
+
+        DuckLake's change feed (`table_changes`) opens only the data files those snapshots added, so a poll costs
+        what is new and a damaged file spoils only the snapshots it holds. The feed starts at a snapshot the
+        catalog still has: after expiry, at the newest one not after after+1 (rows keep the id of the snapshot
+        that added them, so filtering on it gives the same rows); if none is left, at the table itself, filtered
+        on that id (which opens every data file's footer).
+        """
+        select = ", ".join([*extra, *columns])
+
+        def changes(con, start: int) -> pa.Table:
+            return con.execute(f"""
+                SELECT {select} FROM {ALIAS}.table_changes('{table}', ?, ?)
+                WHERE change_type = 'insert' AND snapshot_id > ? ORDER BY rowid""", [start, upto, after]).arrow().read_all()
+
+        def work(con):
+            try:
+                return changes(con, after + 1)
+            except duckdb.CatalogException as exc:  # the table was created after `upto`: nothing to read
+                if "does not exist at version" not in str(exc):
+                    raise
+                return con.execute(f"SELECT {select} FROM {ALIAS}.{table} LIMIT 0").arrow().read_all()
+            except duckdb.InvalidInputException as exc:
+                if "no snapshot found" not in str(exc).lower():
+                    raise
+            start = con.execute(f"SELECT max(snapshot_id) FROM {ALIAS}.snapshots() WHERE snapshot_id <= ?",
+                                [after + 1]).fetchall()[0][0]
+            if start is not None:
+                try:
+                    return changes(con, start)
+                except duckdb.InvalidInputException as exc:
+                    if "no snapshot found" not in str(exc).lower():
+                        raise
+            return con.execute(f"""
+                SELECT {select} FROM {ALIAS}.{table} WHERE snapshot_id > ? AND snapshot_id <= ? ORDER BY rowid""",
+                               [after, upto]).arrow().read_all()
+
+        return self._run(f"read {table} from", work)
 
     def iter_rollouts(self, after: int, upto: int, max_rows: int = 32768) -> Iterator[tuple[int, pa.Table]]:
         """The rows of snapshots after+1..upto as (last snapshot id covered, rows of `rollouts_between`) windows
@@ -505,19 +547,7 @@ class Lake:
             rows = self.rollouts_between(after, end)
             yield end, rows
             after = end
-            if rows.num_rows > max_rows:
-                width = max(1, width // 2)
-            elif rows.num_rows < max_rows // 4:
-                width *= 2
-
-    def problems_between(self, after: int, upto: int) -> pa.Table:
-        """Problems committed in snapshots after+1..upto, in PROBLEM_ARROW_SCHEMA."""
-        def work(con):
-            return con.execute(f"""
-                SELECT {', '.join(PROBLEM_ARROW_SCHEMA.names)} FROM {ALIAS}.problems
-                WHERE snapshot_id > ? AND snapshot_id <= ? ORDER BY rowid""", [after, upto]).arrow().read_all()
-
-        return self._run("read problems from", work)
+            width = next_window(width, rows.num_rows, max_rows)
 
     def group_ids(self, model_id: str, model_revision: str | None = None, policy_step: int | None = None) -> set[str]:
         """Ids of the model's stored groups (optionally of one revision and policy step)."""
@@ -539,15 +569,6 @@ class Lake:
             return {"rollouts": int(rows), "groups": int(groups), "files": int(files)}
 
         return self._run("count", work)
-
-    def snapshot_ids_between(self, after: int, upto: int) -> list[int]:
-        """Ids of the snapshots after+1..upto that the catalog still holds (expired ones are gone)."""
-        def work(con):
-            return [r[0] for r in con.execute(
-                f"SELECT snapshot_id FROM {ALIAS}.snapshots() WHERE snapshot_id > ? AND snapshot_id <= ? ORDER BY 1",
-                [after, upto]).fetchall()]
-
-        return self._run("list the snapshots of", work)
 
     # ------------------------------------------------------------------ maintenance
 
@@ -572,6 +593,13 @@ class Lake:
                     "files_deleted": int(deleted), "orphans_deleted": int(orphans)}
 
         return self._run("maintain", work)
+
+
+def next_window(width: int, rows: int, max_rows: int) -> int:
+    """The width in snapshot ids of the next window read from a lake, after one of `width` held `rows` rows."""
+    if rows > max_rows:
+        return max(1, width // 2)
+    return width * 2 if rows < max_rows // 4 else width
 
 
 def _interval_ago(seconds: float) -> str:

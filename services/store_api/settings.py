@@ -22,6 +22,8 @@ class StoreSettings(BaseSettings):
                                      "'ducklake:sqlite:<path>'; S3 endpoint and keys from AWS_* or GRAFT_LAKE_S3_*")
     lake_data_path: str | None = Field(default=None, description="backend lake: where a new lake puts its data files "
                                        "(s3://bucket/prefix/ or a shared directory); an existing lake knows its own")
+    lake_retry_unreadable_s: float = Field(default=60.0, gt=0, description="backend lake: how often a replica reads "
+                                           "again a snapshot whose data files it could not read (corrupt, missing)")
     lake_snapshot_retention_s: float = Field(default=86400.0, gt=0, description="graft-store compact on a lake: expire "
                                              "snapshots older than this (time travel and slow followers need them)")
     lake_file_grace_s: float = Field(default=3600.0, ge=0, description="graft-store compact on a lake: delete merged-away "
@@ -60,4 +62,4 @@ class StoreSettings(BaseSettings):
         """The LakeConfig of backend 'lake' (S3 endpoint and credentials from the environment)."""
         from services.store_api.lake import LakeConfig
 
-        return LakeConfig(catalog=self.lake_catalog, data_path=self.lake_data_path)
+        return LakeConfig(catalog=self.lake_catalog, **({"data_path": self.lake_data_path} if self.lake_data_path else {}))
