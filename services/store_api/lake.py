@@ -489,8 +489,9 @@ class Lake:
         return self._run("read the snapshot of", work)
 
     def rollouts_between(self, after: int, upto: int) -> pa.Table:
-        """Rows committed in snapshots after+1..upto, in row id (commit) order, in ROLLOUT_ARROW_SCHEMA, with the
-        `rowid` and `snapshot_id` columns first. Groups are contiguous (each was inserted in one statement)."""
+        """Rows committed in snapshots after+1..upto, in commit order (snapshot id, then row id), in
+        ROLLOUT_ARROW_SCHEMA, with the `rowid` and `snapshot_id` columns first. Groups are contiguous (each was
+        inserted in one statement)."""
         return self._changes("rollouts", ROLLOUT_ARROW_SCHEMA.names, after, upto, ["rowid", "snapshot_id"])
 
     def problems_between(self, after: int, upto: int) -> pa.Table:
@@ -498,7 +499,7 @@ class Lake:
         return self._changes("problems", PROBLEM_ARROW_SCHEMA.names, after, upto, [])
 
     def _changes(self, table: str, columns: list[str], after: int, upto: int, extra: list[str]) -> pa.Table:
-        """Rows a table gained in snapshots after+1..upto, in row id order.
+        """Rows a table gained in snapshots after+1..upto, in commit order (snapshot id, then row id).
 
         DuckLake's change feed (`table_changes`) opens only the data files those snapshots added, so a poll costs
         what is new and a damaged file spoils only the snapshots it holds. The feed starts at a snapshot the
@@ -511,7 +512,8 @@ class Lake:
         def changes(con, start: int) -> pa.Table:
             return con.execute(f"""
                 SELECT {select} FROM {ALIAS}.table_changes('{table}', ?, ?)
-                WHERE change_type = 'insert' AND snapshot_id > ? ORDER BY rowid""", [start, upto, after]).arrow().read_all()
+                WHERE change_type = 'insert' AND snapshot_id > ? ORDER BY snapshot_id, rowid""",
+                               [start, upto, after]).arrow().read_all()
 
         def work(con):
             try:
@@ -532,7 +534,8 @@ class Lake:
                     if "no snapshot found" not in str(exc).lower():
                         raise
             return con.execute(f"""
-                SELECT {select} FROM {ALIAS}.{table} WHERE snapshot_id > ? AND snapshot_id <= ? ORDER BY rowid""",
+                SELECT {select} FROM {ALIAS}.{table} WHERE snapshot_id > ? AND snapshot_id <= ?
+                ORDER BY snapshot_id, rowid""",
                                [after, upto]).arrow().read_all()
 
         return self._run(f"read {table} from", work)

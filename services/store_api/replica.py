@@ -2,9 +2,9 @@
 
 The replica's root is a local store (shards, lookup files, index.duckdb) that only the replica writes: its
 ingest loop follows the lake instead of scanning for shards. Each time, it reads the groups committed in the
-snapshots after the one its cache holds (in row id order, so every replica keeps the same copy of a group
-committed twice), writes them as cache shards of one model each, indexes them, and records the snapshot in
-the index. Lookups are then answered exactly as on the local backend, at the same cost, and two replicas
+snapshots after the one its cache holds (in commit order, so every replica keeps the same copy of a group
+committed twice and indexes groups in the same order), writes them as cache shards of one snapshot and model
+each, indexes them, and records the snapshot in the index. Lookups are then answered exactly as on the local backend, at the same cost, and two replicas
 that have read the same snapshot answer the same lookup identically. A new replica, or one whose cache was
 deleted, reads the whole lake; `graft-store rebuild --backend lake` starts the cache afresh.
 
@@ -21,6 +21,7 @@ import shutil
 import threading
 import time
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -210,7 +211,11 @@ class LakeReplica(StoreIndex):
             self._logged = (self.error, now)
 
     def _ingest(self, rows: pa.Table, problems: pa.Table) -> int:
-        """Cache the groups of lake rows (row id order) not cached yet, the first copy of each; and problems."""
+        """Cache the groups of lake rows (commit order) not cached yet, the first copy of each; and problems.
+
+        Cache shards hold one snapshot's groups of one model, indexed in commit order: the order groups are
+        indexed in (which GET /v1/rollouts pages by) is then the lake's, whatever windows a replica read.
+        """
         fresh_problems = [Problem(**p) for p in problems.cast(PROBLEM_ARROW_SCHEMA).to_pylist()
                           if (p["dataset"], p["prompt_id"]) not in self._known_problems]
         if fresh_problems:
@@ -225,24 +230,28 @@ class LakeReplica(StoreIndex):
             [("snapshot_id", "min")])
         first_snapshot = first.column("snapshot_id_min").take(pc.index_in(group_ids, first.column("group_id")))
         keep = pc.equal(rows.column("snapshot_id"), first_snapshot)
+        if not pc.all(keep).as_py():
+            log.warning("%d groups were committed to the lake more than once; the cache keeps the first copy",
+                        len(pc.unique(rows.filter(pc.invert(keep)).column("group_id"))))
         cached = pa.array([g in self.mirror for g in group_ids.to_pylist()], pa.bool_())
-        table = rows.filter(pc.and_(keep, pc.invert(cached))).drop_columns(["rowid", "snapshot_id"])
-        skipped = len(pc.unique(rows.filter(pc.invert(keep)).column("group_id"))) if not pc.all(keep).as_py() else 0
-        if skipped:
-            log.warning("%d groups were committed to the lake more than once; the cache keeps the first copy", skipped)
-        if not table.num_rows:
+        rows = rows.filter(pc.and_(keep, pc.invert(cached)))
+        if not rows.num_rows:
             return 0
-        table = validate_table(table)
+        snapshot_ids = rows.column("snapshot_id").to_numpy()  # (rows,) ascending
+        table = validate_table(rows.drop_columns(["rowid", "snapshot_id"]))
+        bounds = [0, *(np.flatnonzero(np.diff(snapshot_ids)) + 1).tolist(), table.num_rows]
         added = 0
-        models = pc.unique(table.column("model_id")).to_pylist()
-        for model in models:
-            of_model = table if len(models) == 1 else table.filter(pc.equal(table.column("model_id"), model))
-            _, lengths = group_runs(of_model.column("group_id"))
-            offset = 0
-            for rows_in_shard in row_group_plan(lengths, CACHE_SHARD_ROWS):
-                path = write_rollout_table(model_dir(self.root, model), of_model.slice(offset, rows_in_shard))
-                added += self.ingest_file(path)
-                offset += rows_in_shard
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            snapshot = table.slice(start, end - start)
+            models = pc.unique(snapshot.column("model_id")).to_pylist()
+            for model in models:
+                of_model = snapshot if len(models) == 1 else snapshot.filter(pc.equal(snapshot.column("model_id"), model))
+                _, lengths = group_runs(of_model.column("group_id"))
+                offset = 0
+                for rows_in_shard in row_group_plan(lengths, CACHE_SHARD_ROWS):
+                    path = write_rollout_table(model_dir(self.root, model), of_model.slice(offset, rows_in_shard))
+                    added += self.ingest_file(path)
+                    offset += rows_in_shard
         self.last_ingest_us = now_us()
         return added
 
