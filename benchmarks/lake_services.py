@@ -153,6 +153,11 @@ class MotoS3:
         self._process: subprocess.Popen | None = None
 
     @property
+    def pid(self) -> int:
+        """The server's process (this one when it runs in-process)."""
+        return self._process.pid if self._process is not None else os.getpid()
+
+    @property
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 

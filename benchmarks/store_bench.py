@@ -234,11 +234,13 @@ def _lake_writer(lake_env: dict, shards: list[tuple[str, int, int]], prompts: in
     lake = Lake(LakeConfig()).open()  # extensions loaded and the lake attached before the clock starts
     done.put("ready")
     go.wait()
+    before = os.times()
     for model, first, groups in shards:
         lake.commit(validate_table(maker.shard(model, first, groups, prompts)))
         done.put(groups * GROUP)
+    after = os.times()
     lake.close()
-    done.put(("finished",))
+    done.put(("cpu", after.user - before.user, after.system - before.system))
 
 
 def measure_lake(args: argparse.Namespace, phase) -> dict:
@@ -278,17 +280,21 @@ def measure_lake(args: argparse.Namespace, phase) -> dict:
             if done.get(timeout=300) != "ready":
                 raise RuntimeError("a lake writer sent a result before it was ready")
         phase("lake_ingest")
+        services = {"s3": psutil.Process(s3.pid), **{f"replica-{r}": psutil.Process(p.pid) for r, p in enumerate(replicas)}}
+        cpu_before = {name: cpu_seconds(process) for name, process in services.items()}
         started = time.perf_counter()
         go.set()
-        finished = 0
+        finished, writer_cpu = 0, 0.0
         with tqdm(total=n_rollouts, desc="lake commit", unit="rollout", unit_scale=True) as bar:
             while finished < len(writers):
                 item = done.get()
                 if isinstance(item, tuple):
                     finished += 1
+                    writer_cpu += item[1] + item[2]
                 else:
                     bar.update(item)
         committed = time.perf_counter()
+        s3_cpu_commit = cpu_seconds(services["s3"]) - cpu_before["s3"]
         for w in writers:
             w.join()
             if w.exitcode:
@@ -299,6 +305,15 @@ def measure_lake(args: argparse.Namespace, phase) -> dict:
                 bar.refresh()
                 time.sleep(0.05)
         servable = time.perf_counter()
+        cpu = {name: cpu_seconds(process) - cpu_before[name] for name, process in services.items()}
+        replica_cpu = [cpu[f"replica-{r}"] for r in range(len(replicas))]
+        # CPU per rollout (this 2-core machine is shared): the writers' processes, moto's server for the uploads
+        # (and, by the time the replicas caught up, their downloads), each replica following the lake
+        result["lake_cpu_us_per_rollout"] = {
+            "writers": round(writer_cpu / n_rollouts * 1e6, 1), "s3_server_commit": round(s3_cpu_commit / n_rollouts * 1e6, 1),
+            "s3_server_total": round(cpu["s3"] / n_rollouts * 1e6, 1),
+            "each_replica": round(statistics.mean(replica_cpu) / n_rollouts * 1e6, 1)}
+        result["lake_ingest_rollouts_per_s_cpu_bound_2_cores"] = round(2 * n_rollouts / (writer_cpu + s3_cpu_commit))
         result["lake_ingest_rollouts_per_s"] = round(n_rollouts / (committed - started))
         result["lake_replicas_caught_up_s"] = round(servable - committed, 2)
         result["lake_ingest_to_servable_rollouts_per_s"] = round(n_rollouts / (servable - started))

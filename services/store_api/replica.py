@@ -37,7 +37,7 @@ from services.store_api.tables import ShardValidationError, group_runs, validate
 
 log = logging.getLogger("graft.store.replica")
 
-WINDOW_ROWS = 32768  # rollouts read from the lake at a time (bounds the replica's memory)
+WINDOW_ROWS = 16384  # about this many rollouts read from the lake at a time (bounds the replica's memory)
 CACHE_SHARD_ROWS = 8192  # rollouts per cache shard, whole groups
 ERROR_LOG_INTERVAL_S = 60.0  # the same follow error is logged again after this long, not every poll
 

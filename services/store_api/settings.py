@@ -42,7 +42,8 @@ class StoreSettings(BaseSettings):
     max_body_mb: float = Field(default=256.0, gt=0, description="largest request body for POST /v1/groups, MB")
     max_request_kb: float = Field(default=1024.0, gt=0, description="largest request body for any other request, KB")
     max_scan_groups: int = Field(default=4096, ge=1, description="groups GET /v1/rollouts reads at most per page")
-    duckdb_memory_limit: str = Field(default="256MB", description="DuckDB memory limit of the index")
+    duckdb_memory_limit: str = Field(default="256MB", description="DuckDB memory limit of the index (and of a "
+                                     "lake replica's connection to the lake)")
     tokenizers: list[Path] = Field(default_factory=list, description="model paths (HF or tokenizer directories, GGUF) "
                                    "whose tokenizers the browser decodes token ids with, matched by fingerprint to "
                                    "each row's tokenizer_id")
@@ -62,4 +63,6 @@ class StoreSettings(BaseSettings):
         """The LakeConfig of backend 'lake' (S3 endpoint and credentials from the environment)."""
         from services.store_api.lake import LakeConfig
 
-        return LakeConfig(catalog=self.lake_catalog, **({"data_path": self.lake_data_path} if self.lake_data_path else {}))
+        # a replica's lake connection reads a window at a time: the index's memory limit bounds it too
+        return LakeConfig(catalog=self.lake_catalog, memory_limit=self.duckdb_memory_limit,
+                          **({"data_path": self.lake_data_path} if self.lake_data_path else {}))
