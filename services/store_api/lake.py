@@ -52,6 +52,7 @@ EXTENSIONS = {"ducklake": "ducklake", "httpfs": "httpfs", "postgres": "postgres_
 ALIAS = "lake"  # the lake's name inside each DuckDB connection
 LAKE_PREFIX = "ducklake:"
 LAYOUT_COMMENT = "graft rollouts, layout 1"
+NO_PROGRESS_BAR = "SET enable_progress_bar = false"  # long reads would draw one on a server's stdout
 COMMIT_ATTEMPTS = 40  # a commit that keeps losing to other writers' commits (see Lake.commit) gives up after these  # on the rollouts table: a lake this store made, in this layout
 # DuckDB types of the Arrow types in the stored schemas (DDL keeps NOT NULL, which CREATE TABLE AS would drop)
 _DUCK_TYPES = {
@@ -186,6 +187,7 @@ def lake_connection(config: LakeConfig) -> duckdb.DuckDBPyConnection:
         "memory_limit": config.memory_limit, "threads": config.threads,
     })
     try:
+        con.execute(NO_PROGRESS_BAR)
         load_extensions(con)
         con.execute("SET ducklake_max_retry_count = 100")  # many writers: a lost race is retried, not an error
         con.execute("SET TimeZone = 'UTC'")
@@ -285,6 +287,7 @@ class Lake:
         self.create = create
         self._con: duckdb.DuckDBPyConnection | None = None
         self.data_path: str | None = config.data_path  # the lake's own once attached
+        self._last_snapshot: Snapshot | None = None
         self._local = threading.local()
         self._generation = 0  # bumped on every (re)attach: thread cursors of an older attach are dropped
         self._lock = threading.Lock()
@@ -369,6 +372,7 @@ class Lake:
         if getattr(self._local, "generation", None) != self._generation:
             with self._lock:
                 self._local.cursor = self._con.cursor()
+                self._local.cursor.execute(NO_PROGRESS_BAR)  # a connection's own setting: each cursor needs it
                 self._local.generation = self._generation
         return self._local.cursor
 
@@ -477,16 +481,18 @@ class Lake:
     # ------------------------------------------------------------------ reading
 
     def snapshot(self) -> Snapshot:
-        """The newest committed snapshot."""
+        """The newest committed snapshot (a replica asks every poll: one catalog query when nothing changed)."""
         def work(con):
-            con.execute("BEGIN")  # a fresh transaction sees the newest snapshot
-            try:
-                snapshot_id = con.execute(f"SELECT id FROM {ALIAS}.current_snapshot()").fetchall()[0][0]
-                rows = con.execute(f"SELECT epoch_us(snapshot_time) FROM {ALIAS}.snapshots() WHERE snapshot_id = ?",
-                                   [snapshot_id]).fetchall()
-            finally:
-                con.execute("COMMIT")
-            return Snapshot(int(snapshot_id), int(rows[0][0]) if rows else 0)
+            snapshot_id = int(con.execute(f"SELECT id FROM {ALIAS}.current_snapshot()").fetchall()[0][0])
+            last = self._last_snapshot
+            if last is not None and last.id == snapshot_id:
+                return last
+            # the catalog's snapshot table (DuckLake's spec), filtered in the catalog database
+            rows = con.execute(f"SELECT epoch_us(CAST(snapshot_time AS TIMESTAMPTZ)) "  # (SQLite keeps text)
+                               f"FROM __ducklake_metadata_{ALIAS}.ducklake_snapshot WHERE snapshot_id = ?",
+                               [snapshot_id]).fetchall()
+            self._last_snapshot = Snapshot(snapshot_id, int(rows[0][0]) if rows else 0)
+            return self._last_snapshot
 
         return self._run("read the snapshot of", work)
 
