@@ -258,8 +258,9 @@ def measure_lake(args: argparse.Namespace, phase) -> dict:
     s3 = MotoS3(in_process=False).start()  # its own process: its request handling does not share our GIL
     replicas: list[StoreServer] = []
     try:
-        config = LakeConfig(catalog=f"ducklake:postgres:{postgres.create_database('bench')}", data_path=f"s3://{s3.bucket}/bench/",
-                            s3_endpoint=s3.endpoint, s3_key_id=S3_KEY_ID, s3_secret=S3_SECRET)
+        config = LakeConfig(catalog=f"ducklake:postgres:{postgres.create_database('bench')}",
+                            data_path=f"s3://{s3.bucket}/bench/", s3_endpoint=s3.endpoint, s3_key_id=S3_KEY_ID,
+                            s3_secret=S3_SECRET)
         Lake(config).open().close()
         lake_env = config.env()
         replica_env = {k: v for k, v in lake_env.items() if k != "GRAFT_LAKE_CATALOG"} | {
@@ -280,7 +281,7 @@ def measure_lake(args: argparse.Namespace, phase) -> dict:
             if done.get(timeout=300) != "ready":
                 raise RuntimeError("a lake writer sent a result before it was ready")
         phase("lake_ingest")
-        services = {"s3": psutil.Process(s3.pid), **{f"replica-{r}": psutil.Process(p.pid) for r, p in enumerate(replicas)}}
+        services = {"s3": psutil.Process(s3.pid)} | {f"replica-{r}": psutil.Process(p.pid) for r, p in enumerate(replicas)}
         cpu_before = {name: cpu_seconds(process) for name, process in services.items()}
         started = time.perf_counter()
         go.set()
@@ -310,7 +311,8 @@ def measure_lake(args: argparse.Namespace, phase) -> dict:
         # CPU per rollout (this 2-core machine is shared): the writers' processes, moto's server for the uploads
         # (and, by the time the replicas caught up, their downloads), each replica following the lake
         result["lake_cpu_us_per_rollout"] = {
-            "writers": round(writer_cpu / n_rollouts * 1e6, 1), "s3_server_commit": round(s3_cpu_commit / n_rollouts * 1e6, 1),
+            "writers": round(writer_cpu / n_rollouts * 1e6, 1),
+            "s3_server_commit": round(s3_cpu_commit / n_rollouts * 1e6, 1),
             "s3_server_total": round(cpu["s3"] / n_rollouts * 1e6, 1),
             "each_replica": round(statistics.mean(replica_cpu) / n_rollouts * 1e6, 1)}
         result["lake_ingest_rollouts_per_s_cpu_bound_2_cores"] = round(2 * n_rollouts / (writer_cpu + s3_cpu_commit))

@@ -25,7 +25,8 @@ RootOption = Annotated[Optional[Path], typer.Option("--root", help="store root (
 HostOption = Annotated[Optional[str], typer.Option("--host", help="interface (default: GRAFT_STORE_HOST or 127.0.0.1)")]
 PortOption = Annotated[Optional[int], typer.Option("--port", help="TCP port (default: GRAFT_STORE_PORT or 8600)")]
 ConfigOption = Annotated[Optional[Path], typer.Option("--config", help="YAML file of StoreSettings fields")]
-BackendOption = Annotated[Optional[str], typer.Option("--backend", help="local or lake (default: GRAFT_STORE_BACKEND or local)")]
+BackendOption = Annotated[Optional[str], typer.Option(
+    "--backend", help="local or lake (default: GRAFT_STORE_BACKEND or local)")]
 LakeCatalogOption = Annotated[Optional[str], typer.Option(
     "--lake-catalog", help="backend lake: 'ducklake:postgres:<libpq string>' or 'ducklake:sqlite:<path>'")]
 LakeDataPathOption = Annotated[Optional[str], typer.Option(
@@ -171,7 +172,8 @@ def stats(root: RootOption = None, host: HostOption = None, port: PortOption = N
 
 @app.command()
 def migrate(
-    source: Annotated[str, typer.Option("--from", help="a store root, or a lake: 'ducklake:postgres:...' / 'ducklake:sqlite:...'")],
+    source: Annotated[str, typer.Option(
+        "--from", help="a store root, or a lake: 'ducklake:postgres:...' / 'ducklake:sqlite:...'")],
     target: Annotated[str, typer.Option("--to", help="a store root, or a lake (the other kind than --from)")],
     lake_data_path: Annotated[Optional[str], typer.Option(
         help="data path of a new lake (s3://bucket/prefix/ or a directory; default GRAFT_LAKE_DATA_PATH)")] = None,

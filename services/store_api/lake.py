@@ -53,7 +53,7 @@ ALIAS = "lake"  # the lake's name inside each DuckDB connection
 LAKE_PREFIX = "ducklake:"
 LAYOUT_COMMENT = "graft rollouts, layout 1"
 NO_PROGRESS_BAR = "SET enable_progress_bar = false"  # long reads would draw one on a server's stdout
-COMMIT_ATTEMPTS = 40  # a commit that keeps losing to other writers' commits (see Lake.commit) gives up after these  # on the rollouts table: a lake this store made, in this layout
+COMMIT_ATTEMPTS = 40  # a commit that keeps losing to other writers' (see Lake.commit) gives up after these  # on the rollouts table: a lake this store made, in this layout
 # DuckDB types of the Arrow types in the stored schemas (DDL keeps NOT NULL, which CREATE TABLE AS would drop)
 _DUCK_TYPES = {
     pa.string(): "VARCHAR", pa.int64(): "BIGINT", pa.int32(): "INTEGER", pa.float32(): "FLOAT", pa.float64(): "DOUBLE",
@@ -82,8 +82,8 @@ class LakeConfig(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="GRAFT_LAKE_", extra="forbid", populate_by_name=True)
 
-    catalog: str = Field(repr=False, description="DuckLake catalog: 'ducklake:postgres:dbname=... host=... user=...' (many hosts) "
-                                     "or 'ducklake:sqlite:/path/catalog.sqlite' (one host)")
+    catalog: str = Field(repr=False, description="DuckLake catalog: 'ducklake:postgres:dbname=... host=... user=...' "
+                                                 "(many hosts) or 'ducklake:sqlite:/path/catalog.sqlite' (one host)")
     data_path: str | None = Field(default=None, description="where a new lake puts its Parquet files: s3://bucket/prefix/ "
                                                             "or a shared directory (an existing lake remembers its own)")
     s3_endpoint: str | None = Field(default=None, validation_alias=AliasChoices(
@@ -314,7 +314,8 @@ class Lake:
             except duckdb.Error as exc:
                 # processes attaching a new lake at once race to create DuckLake's own catalog tables: the losers
                 # find them made on the next try
-                if attempt < 5 and "failed to initialize ducklake" in str(exc).lower() and not _unavailable_markers(str(exc)):
+                racing = "failed to initialize ducklake" in str(exc).lower() and not _unavailable_markers(str(exc))
+                if attempt < 5 and racing:
                     time.sleep(random.uniform(0.05, 0.2))
                     continue
                 con.close()
@@ -592,11 +593,11 @@ class Lake:
             con.execute(f"CALL ducklake_merge_adjacent_files('{ALIAS}')")
             after = con.execute(f"SELECT count(*) FROM ducklake_list_files('{ALIAS}', 'rollouts')").fetchall()[0][0]
             expire_before = _interval_ago(expire_older_than_s)
-            expired = con.execute(
-                f"SELECT count(*) FROM ducklake_expire_snapshots('{ALIAS}', older_than => {expire_before})").fetchall()[0][0]
+            expired = con.execute(f"SELECT count(*) FROM ducklake_expire_snapshots('{ALIAS}', "
+                                  f"older_than => {expire_before})").fetchall()[0][0]
             cleanup_before = _interval_ago(cleanup_older_than_s)
-            deleted = con.execute(
-                f"SELECT count(*) FROM ducklake_cleanup_old_files('{ALIAS}', older_than => {cleanup_before})").fetchall()[0][0]
+            deleted = con.execute(f"SELECT count(*) FROM ducklake_cleanup_old_files('{ALIAS}', "
+                                  f"older_than => {cleanup_before})").fetchall()[0][0]
             orphans = con.execute(
                 f"SELECT count(*) FROM ducklake_delete_orphaned_files('{ALIAS}', older_than => {cleanup_before})"
             ).fetchall()[0][0]

@@ -4,9 +4,10 @@ The replica's root is a local store (shards, lookup files, index.duckdb) that on
 ingest loop follows the lake instead of scanning for shards. Each time, it reads the groups committed in the
 snapshots after the one its cache holds (in commit order, so every replica keeps the same copy of a group
 committed twice and indexes groups in the same order), writes them as cache shards of one snapshot and model
-each, indexes them, and records the snapshot in the index. Lookups are then answered exactly as on the local backend, at the same cost, and two replicas
-that have read the same snapshot answer the same lookup identically. A new replica, or one whose cache was
-deleted, reads the whole lake; `graft-store rebuild --backend lake` starts the cache afresh.
+each, indexes them, and records the snapshot in the index. Lookups are then answered exactly as on the
+local backend, at the same cost, and two replicas that have read the same snapshot answer the same lookup
+identically. A new replica, or one whose cache was deleted, reads the whole lake; `graft-store rebuild
+--backend lake` starts the cache afresh.
 
 Pushes (POST /v1/groups) commit to the lake in one transaction and are read back at once. When the lake
 cannot be reached the replica keeps serving its cache, says why in /v1/stats and tries again on the next
@@ -143,7 +144,8 @@ class LakeReplica(StoreIndex):
                     added += self._read(self.followed, newest.id)
                     self.followed_time_us = newest.time_us
                     self._set_meta("lake_snapshot_time_us", str(newest.time_us))
-                if self.unreadable and time.monotonic() - self._unreadable_tried >= self.settings.lake_retry_unreadable_s:
+                retry_due = time.monotonic() - self._unreadable_tried >= self.settings.lake_retry_unreadable_s
+                if self.unreadable and retry_due:
                     added += self._retry_unreadable()
             except LakeError as exc:  # unreachable, or failing as a whole: serve the cache, try again next poll
                 self._failed(exc)
@@ -196,7 +198,8 @@ class LakeReplica(StoreIndex):
         self.unreadable[snapshot] = _reason(exc)
         self._set_meta("lake_unreadable", ",".join(map(str, sorted(self.unreadable))))
         log.error("lake snapshot %d cannot be read into the cache (its groups are missing here until it can; "
-                  "retried every %.0f s): %s", snapshot, self.settings.lake_retry_unreadable_s, self.unreadable[snapshot])
+                  "retried every %.0f s): %s", snapshot, self.settings.lake_retry_unreadable_s,
+                  self.unreadable[snapshot])
 
     def _advance(self, snapshot: int) -> None:
         self.followed = snapshot
@@ -245,7 +248,8 @@ class LakeReplica(StoreIndex):
             snapshot = table.slice(start, end - start)
             models = pc.unique(snapshot.column("model_id")).to_pylist()
             for model in models:
-                of_model = snapshot if len(models) == 1 else snapshot.filter(pc.equal(snapshot.column("model_id"), model))
+                of_model = snapshot if len(models) == 1 else snapshot.filter(
+                    pc.equal(snapshot.column("model_id"), model))
                 _, lengths = group_runs(of_model.column("group_id"))
                 offset = 0
                 for rows_in_shard in row_group_plan(lengths, CACHE_SHARD_ROWS):

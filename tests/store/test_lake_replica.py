@@ -93,7 +93,7 @@ def test_two_replicas_follow_writers_and_pushes_and_answer_identically(pg_s3_lak
             newest = lake.snapshot().id
             assert lake.group_ids("model-p") == {g.group_id for g in pushed}
             counts = lake.counts()
-        wait_for(lambda: caught_up(client_a, newest) and caught_up(client_b, newest), 120, "both replicas at the newest snapshot")
+        wait_for(lambda: caught_up(client_a, newest) and caught_up(client_b, newest), 120, "both at the newest snapshot")
         prompts = lake_prompts(pg_s3_lake)
         assert answers(client_a, prompts) == answers(client_b, prompts)
         for client in (client_a, client_b):
@@ -204,7 +204,8 @@ def test_catalog_and_bucket_outages_the_replica_keeps_serving_and_catches_up(pg_
         try:
             wait_for(lambda: client.stats().lake.error, 60, "the replica to notice")
             assert "cannot" in client.stats().lake.error and answers(client, prompts) == before
-            with pytest.raises(StoreError, match=r"HTTP 503: cannot (attach|commit to) lake .*refused.*catalog and the storage are up"):
+            refused = r"HTTP 503: cannot (attach|commit to) lake .*refused.*catalog and the storage are up"
+            with pytest.raises(StoreError, match=refused):
                 client.push_groups([make_group(90)])
             with pytest.raises(LakeUnavailable):
                 Lake(pg_s3_lake).open()
