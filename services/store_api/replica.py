@@ -156,7 +156,7 @@ class LakeReplica(StoreIndex):
     def _read(self, after: int, upto: int) -> int:
         """Snapshots after+1..upto in windows of about WINDOW_ROWS rollouts; a window that fails to read is read
         again one snapshot at a time, and a snapshot that still fails is set aside."""
-        added, width = 0, 16
+        added, width = 0, 1  # grows while windows are small: a backlog of big commits never comes at once
         while after < upto:
             end = min(upto, after + width)
             try:

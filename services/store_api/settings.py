@@ -63,6 +63,7 @@ class StoreSettings(BaseSettings):
         """The LakeConfig of backend 'lake' (S3 endpoint and credentials from the environment)."""
         from services.store_api.lake import LakeConfig
 
-        # a replica's lake connection reads a window at a time: the index's memory limit bounds it too
-        return LakeConfig(catalog=self.lake_catalog, memory_limit=self.duckdb_memory_limit,
+        # a replica's lake connection reads a window at a time (each data file once: no file cache); the index's
+        # memory limit bounds it too
+        return LakeConfig(catalog=self.lake_catalog, memory_limit=self.duckdb_memory_limit, file_cache=False,
                           **({"data_path": self.lake_data_path} if self.lake_data_path else {}))
