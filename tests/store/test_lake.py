@@ -140,11 +140,11 @@ def test_writer_killed_mid_commit_leaves_no_partial_group(pg_s3_lake, moto_s3, t
         assert acknowledged <= visible  # nothing acknowledged is lost
         assert len(visible - acknowledged) <= 4 * per_batch  # at most the batch each kill caught after its commit
         assert len(visible) % per_batch == 0  # whole batches only: one transaction each
-        prefix = pg_s3_lake.data_path.removeprefix(f"s3://{moto_s3.bucket}/") + "main/rollouts/"
+        prefix = pg_s3_lake.data_path.removeprefix(f"s3://{moto_s3.bucket}/")
 
-        def data_files() -> set[str]:
-            return {p for (p,) in lake._cursor().execute("SELECT data_file FROM ducklake_list_files('lake', 'rollouts')")
-                    .fetchall()}
+        def data_files() -> set[str]:  # both tables': a killed commit may have uploaded its problems too
+            return {p for table in ("rollouts", "problems") for (p,) in lake._cursor().execute(
+                f"SELECT data_file FROM ducklake_list_files('lake', '{table}')").fetchall()}
 
         def stored() -> set[str]:
             return {f"s3://{moto_s3.bucket}/{key}" for key in moto_s3.objects(prefix)}
