@@ -1,6 +1,12 @@
 """Trajectory store benchmark: ingest, freshness, peer lookups over HTTP, the naive DuckDB scan, peak RSS.
 
     python -m benchmarks.store_bench --rollouts 1000000 --json store_bench.json
+    python -m benchmarks.store_bench --backend lake --rollouts 200000 --json store_lake.json
+
+With `--backend lake` the same run then measures the DuckLake backend beside the local one: a PostgreSQL 15
+catalog and moto's S3 server (a subprocess) on loopback, 4 writer processes committing the same synthetic
+shards to the lake (one transaction each), 2 replicas (`graft-store serve --backend lake`) following it. Keys
+`lake_*` and `replica_*`: commit rate, commit-to-servable time at a replica, replica lookups, replica RSS.
 
 Builds a store of N synthetic rollouts (groups of 8, 256 tokens and 1 KB of text each; 4 models, each
 with 2 groups per prompt at 2 policy steps) by writing shards through `write_groups` (the generators'
@@ -171,6 +177,45 @@ def peak_rss_mb(pid: int) -> float:
     raise RuntimeError("no VmHWM in /proc status")
 
 
+def measure_lookups(client: StoreClient, store_process: psutil.Process, rng: random.Random, prompts: int,
+                    args: argparse.Namespace, phase) -> dict:
+    """Single-prompt and 64-prompt peer lookups over HTTP (Arrow IPC, as the trainer's client does)."""
+    result: dict = {}
+
+    def random_request(n_prompts: int) -> PeerLookupRequest:
+        return PeerLookupRequest(prompt_ids=[prompt_hex(rng.randrange(prompts)) for _ in range(n_prompts)],
+                                 learner_model=rng.choice(MODELS))
+
+    def timed(name: str, n_prompts: int, calls: int) -> None:
+        """`calls` lookups of `n_prompts` random prompts: p50/p99 ms, rows per call, CPU ms per call."""
+        phase(name)
+        times, returned = [], 0
+        cpu_before = cpu_seconds(store_process), time.process_time()
+        for _ in tqdm(range(calls), desc=f"lookup x{n_prompts}"):
+            req = random_request(n_prompts)
+            t = time.perf_counter()
+            table, _ = client.lookup_peer_table(req)
+            times.append(time.perf_counter() - t)
+            returned += table.num_rows
+        result[f"{name}_p50_ms"] = round(percentile(times, 50) * 1e3, 3)
+        result[f"{name}_p99_ms"] = round(percentile(times, 99) * 1e3, 3)
+        result[f"{name}_rows_per_call"] = returned / calls
+        result[f"{name}_cpu_ms"] = cpu_per_call(cpu_before, store_process, calls)
+
+    for _ in range(50):
+        client.lookup_peer_table(random_request(1))
+    timed("lookup", 1, args.lookups)
+    with_models = []
+    for _ in range(200):
+        req = random_request(1)
+        t = time.perf_counter()
+        client.lookup_peer_groups(req)
+        with_models.append(time.perf_counter() - t)
+    result["lookup_as_models_p50_ms"] = round(percentile(with_models, 50) * 1e3, 3)
+    timed("batch64", 64, args.batches)
+    return result
+
+
 def naive_lookup(con: duckdb.DuckDBPyConnection, glob: str, prompt: str, learner: str) -> list[dict]:
     """The same single-prompt lookup without the index: scan the shards with read_parquet and a WHERE."""
     rows = con.sql(
@@ -184,6 +229,156 @@ def naive_lookup(con: duckdb.DuckDBPyConnection, glob: str, prompt: str, learner
     return informative[:1]
 
 
+# ------------------------------------------------------------------------------------------ the lake backend
+
+
+def _lake_writer(lake_env: dict, shards: list[tuple[str, int, int]], prompts: int, seed: int, max_rows: int,
+                 done, go) -> None:
+    """A writer process committing each synthetic shard to the lake in one transaction (validated first, as
+    graft-generate and write_groups do)."""
+    from services.store_api.lake import Lake, LakeConfig
+    from services.store_api.tables import validate_table
+
+    os.environ.update(lake_env)
+    maker = ShardMaker(max_rows, seed)
+    lake = Lake(LakeConfig()).open()  # extensions loaded and the lake attached before the clock starts
+    done.put("ready")
+    go.wait()
+    before = os.times()
+    for model, first, groups in shards:
+        lake.commit(validate_table(maker.shard(model, first, groups, prompts)))
+        done.put(groups * GROUP)
+    after = os.times()
+    lake.close()
+    done.put(("cpu", after.user - before.user, after.system - before.system))
+
+
+def measure_lake(args: argparse.Namespace, phase) -> dict:
+    """The lake backend on the same synthetic data: commit rate of `--lake-writers` processes, commit-to-servable
+    time at a replica, lookups at a replica (the local figures' method), replica RSS."""
+    from benchmarks.lake_services import S3_KEY_ID, S3_SECRET, MotoS3, PostgresServer
+    from services.store_api.lake import Lake, LakeConfig
+    from services.store_api.tables import validate_table
+
+    result: dict = {}
+    plan, prompts = plan_shards(args.rollouts, args.shard_rollouts)
+    n_rollouts = sum(g for _, _, g in plan) * GROUP
+    work = Path(tempfile.mkdtemp(prefix="store-bench-lake-"))
+    postgres = PostgresServer().start()
+    s3 = MotoS3(in_process=False).start()  # its own process: its request handling does not share our GIL
+    replicas: list[StoreServer] = []
+    try:
+        config = LakeConfig(catalog=f"ducklake:postgres:{postgres.create_database('bench')}",
+                            data_path=f"s3://{s3.bucket}/bench/", s3_endpoint=s3.endpoint, s3_key_id=S3_KEY_ID,
+                            s3_secret=S3_SECRET)
+        Lake(config).open().close()
+        lake_env = config.env()
+        replica_env = {k: v for k, v in lake_env.items() if k != "GRAFT_LAKE_CATALOG"} | {
+            "GRAFT_STORE_BACKEND": "lake", "GRAFT_STORE_LAKE_CATALOG": config.catalog,
+            "GRAFT_STORE_COMPACT_INTERVAL_S": "0", "GRAFT_STORE_LOG_LEVEL": "warning"}
+        replicas = [StoreServer(work / f"replica-{r}", env=replica_env).start() for r in range(args.replicas)]
+        clients = [StoreClient(r.url, timeout_s=60) for r in replicas]
+
+        # ---- ingest: writer processes commit shards to the lake; the replicas follow
+        context = multiprocessing.get_context("fork")
+        done, go = context.Queue(), context.Event()
+        writers = [context.Process(target=_lake_writer, args=(lake_env, plan[w::args.lake_writers], prompts,
+                                                              args.seed + w, args.shard_rollouts, done, go))
+                   for w in range(args.lake_writers)]
+        for w in writers:
+            w.start()
+        for _ in writers:
+            if done.get(timeout=300) != "ready":
+                raise RuntimeError("a lake writer sent a result before it was ready")
+        phase("lake_ingest")
+        services = {"s3": psutil.Process(s3.pid)} | {f"replica-{r}": psutil.Process(p.pid) for r, p in enumerate(replicas)}
+        cpu_before = {name: cpu_seconds(process) for name, process in services.items()}
+        started = time.perf_counter()
+        go.set()
+        finished, writer_cpu = 0, 0.0
+        with tqdm(total=n_rollouts, desc="lake commit", unit="rollout", unit_scale=True) as bar:
+            while finished < len(writers):
+                item = done.get()
+                if isinstance(item, tuple):
+                    finished += 1
+                    writer_cpu += item[1] + item[2]
+                else:
+                    bar.update(item)
+        committed = time.perf_counter()
+        s3_cpu_commit = cpu_seconds(services["s3"]) - cpu_before["s3"]
+        for w in writers:
+            w.join()
+            if w.exitcode:
+                raise RuntimeError(f"lake writer exited with {w.exitcode}")
+        with tqdm(total=n_rollouts * len(clients), desc="replicas", unit="rollout", unit_scale=True) as bar:
+            while (served := sum(c.health().groups for c in clients) * GROUP) < n_rollouts * len(clients):
+                bar.n = served
+                bar.refresh()
+                time.sleep(0.05)
+        servable = time.perf_counter()
+        cpu = {name: cpu_seconds(process) - cpu_before[name] for name, process in services.items()}
+        replica_cpu = [cpu[f"replica-{r}"] for r in range(len(replicas))]
+        # CPU per rollout (this 2-core machine is shared): the writers' processes, moto's server for the uploads
+        # (and, by the time the replicas caught up, their downloads), each replica following the lake
+        result["lake_cpu_us_per_rollout"] = {
+            "writers": round(writer_cpu / n_rollouts * 1e6, 1),
+            "s3_server_commit": round(s3_cpu_commit / n_rollouts * 1e6, 1),
+            "s3_server_total": round(cpu["s3"] / n_rollouts * 1e6, 1),
+            "each_replica": round(statistics.mean(replica_cpu) / n_rollouts * 1e6, 1)}
+        result["lake_ingest_rollouts_per_s_cpu_bound_2_cores"] = round(2 * n_rollouts / (writer_cpu + s3_cpu_commit))
+        result["lake_ingest_rollouts_per_s"] = round(n_rollouts / (committed - started))
+        result["lake_replicas_caught_up_s"] = round(servable - committed, 2)
+        result["lake_ingest_to_servable_rollouts_per_s"] = round(n_rollouts / (servable - started))
+        with Lake(config, create=False) as lake:
+            result["lake_data_files"] = lake.counts()["files"]
+        pages = s3.client().get_paginator("list_objects_v2").paginate(Bucket=s3.bucket, Prefix="bench/")
+        result["lake_bytes_in_bucket"] = sum(o["Size"] for page in pages for o in page.get("Contents", []))
+
+        # ---- freshness: a commit lands, how long until a replica's lookup returns it
+        maker = ShardMaker(GROUP, args.seed + 99)
+        phase("lake_freshness")
+        delays = []
+        with Lake(config) as lake:
+            for trial in range(7):
+                table = validate_table(maker.shard("fresh-model", prompts + trial, 1, prompts + 100))
+                req = PeerLookupRequest(prompt_ids=[table.column("prompt_id")[0].as_py()], learner_model="nobody",
+                                        informative_only=False, min_successes=0)
+                lake.commit(table)
+                landed = time.perf_counter()
+                while clients[0].lookup_peer_table(req)[0].num_rows == 0:
+                    time.sleep(0.002)
+                delays.append(time.perf_counter() - landed)
+        result["lake_freshness_s"] = round(statistics.median(delays), 3)
+        result["lake_freshness_max_s"] = round(max(delays), 3)
+
+        # ---- lookups at a replica, as for the local store
+        rng = random.Random(args.seed + 1)
+        replica_result = measure_lookups(clients[0], psutil.Process(replicas[0].pid), rng, prompts, args,
+                                         lambda name: phase("replica_" + name))
+        result |= {"replica_" + key: value for key, value in replica_result.items()}
+        # the replicas answer the same lookups identically once both read the newest snapshot
+        newest = max(c.stats().lake.newest_snapshot_id for c in clients)
+        while min(c.stats().lake.snapshot_id for c in clients) < newest:
+            time.sleep(0.05)
+        for _ in range(50):
+            req = PeerLookupRequest(prompt_ids=[prompt_hex(rng.randrange(prompts)) for _ in range(16)],
+                                    learner_model=rng.choice(MODELS))
+            answers = [c.lookup_peer_table(req)[0] for c in clients]
+            if not all(a.equals(answers[0]) for a in answers[1:]):
+                raise AssertionError(f"replicas answered {req} differently")
+        result["replicas_identical_answers"] = True
+        result["replica_peak_rss_mb"] = round(max(peak_rss_mb(r.pid) for r in replicas), 1)
+        for client in clients:
+            client.close()
+    finally:
+        for replica in replicas:
+            replica.stop()
+        s3.stop()
+        postgres.close()
+        shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rollouts", type=int, default=100_000, help="rollouts to store")
@@ -195,6 +390,10 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=200, help="64-prompt lookups to time")
     parser.add_argument("--naive", type=int, default=20, help="naive DuckDB lookups to time")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--backend", choices=["local", "lake"], default="local",
+                        help="lake: also measure the DuckLake backend (PostgreSQL + moto on loopback) in the same run")
+    parser.add_argument("--lake-writers", type=int, default=4, help="writer processes committing to the lake")
+    parser.add_argument("--replicas", type=int, default=2, help="lake replicas following the lake")
     args = parser.parse_args()
 
     root = args.root or Path(tempfile.mkdtemp(prefix="store-bench-")) / "store"
@@ -291,47 +490,7 @@ def main() -> None:
         result["freshness_max_s"] = round(max(delays), 3)
 
         # ---- peer lookups over HTTP (Arrow IPC, as the trainer's client does)
-        prompt_ids = bench_prompt_ids(prompts).tolist()
-
-        def random_request(n_prompts: int) -> PeerLookupRequest:
-            return PeerLookupRequest(prompt_ids=[prompt_ids[rng.randrange(prompts)] for _ in range(n_prompts)],
-                                     learner_model=rng.choice(MODELS))
-
-        for _ in range(50):
-            client.lookup_peer_table(random_request(1))
-        phase("lookup")
-        single, returned = [], 0
-        cpu_before = cpu_seconds(store_process), time.process_time()
-        for _ in tqdm(range(args.lookups), desc="lookup x1"):
-            req = random_request(1)
-            t = time.perf_counter()
-            table, _ = client.lookup_peer_table(req)
-            single.append(time.perf_counter() - t)
-            returned += table.num_rows
-        result["lookup_p50_ms"] = round(percentile(single, 50) * 1e3, 3)
-        result["lookup_p99_ms"] = round(percentile(single, 99) * 1e3, 3)
-        result["lookup_rows_per_call"] = returned / args.lookups
-        result["lookup_cpu_ms"] = cpu_per_call(cpu_before, store_process, args.lookups)
-        with_models = []
-        for _ in range(200):
-            req = random_request(1)
-            t = time.perf_counter()
-            client.lookup_peer_groups(req)
-            with_models.append(time.perf_counter() - t)
-        result["lookup_as_models_p50_ms"] = round(percentile(with_models, 50) * 1e3, 3)
-        phase("batch64")
-        batch, returned = [], 0
-        cpu_before = cpu_seconds(store_process), time.process_time()
-        for _ in tqdm(range(args.batches), desc="lookup x64"):
-            req = random_request(64)
-            t = time.perf_counter()
-            table, _ = client.lookup_peer_table(req)
-            batch.append(time.perf_counter() - t)
-            returned += table.num_rows
-        result["batch64_p50_ms"] = round(percentile(batch, 50) * 1e3, 3)
-        result["batch64_p99_ms"] = round(percentile(batch, 99) * 1e3, 3)
-        result["batch64_rows_per_call"] = returned / args.batches
-        result["batch64_cpu_ms"] = cpu_per_call(cpu_before, store_process, args.batches)
+        result |= measure_lookups(client, store_process, rng, prompts, args, phase)
 
         # ---- the naive way: DuckDB read_parquet over the shard glob with a WHERE (in-process, no HTTP)
         con = duckdb.connect()
@@ -354,6 +513,9 @@ def main() -> None:
         server.stop()
         if args.root is None:
             shutil.rmtree(root.parent, ignore_errors=True)
+    if args.backend == "lake":
+        result |= measure_lake(args, phase)
+        result["load_avg_after_lake"] = os.getloadavg()[0]
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:

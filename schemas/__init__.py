@@ -6,6 +6,7 @@ from schemas.api import (
     MAX_PUSH_GROUPS,
     ErrorResponse,
     HealthResponse,
+    LakeStats,
     ModelStats,
     PeerLookupRequest,
     PeerLookupResponse,
@@ -31,7 +32,7 @@ from schemas.rollout import (
 
 __all__ = [
     "GROUP_ID_PATTERN", "MAX_LOOKUP_PROMPTS", "MAX_PAGE_SIZE", "MAX_PUSH_GROUPS", "PROBLEM_ARROW_SCHEMA", "ROLLOUT_ARROW_SCHEMA",
-    "SCHEMA_VERSION", "ErrorResponse", "HealthResponse", "ModelStats", "PeerLookupRequest", "PeerLookupResponse",
+    "SCHEMA_VERSION", "ErrorResponse", "HealthResponse", "LakeStats", "ModelStats", "PeerLookupRequest", "PeerLookupResponse",
     "Problem", "PushGroupsRequest", "PushGroupsResponse", "Rollout", "RolloutGroup", "RolloutPage", "StatsResponse",
     "group_advantages", "groups_to_table", "prompt_id", "rollout_id", "table_to_groups",
 ]

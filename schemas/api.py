@@ -70,6 +70,22 @@ class ModelStats(BaseModel):
     newest_created_at: datetime | None
 
 
+class LakeStats(BaseModel):
+    """Where a lake replica stands (`graft-store serve --backend lake`)."""
+
+    catalog: str = Field(description="the lake's catalog, password hidden")
+    data_path: str | None = Field(description="where its data files live")
+    snapshot_id: int | None = Field(description="the newest lake snapshot this replica has read into its cache")
+    snapshot_at: datetime | None = Field(description="when that snapshot was committed")
+    snapshot_age_s: float | None = Field(description="seconds since that snapshot was committed")
+    newest_snapshot_id: int | None = Field(description="the lake's newest snapshot when the replica last looked")
+    checked_at: datetime | None = Field(description="when the replica last reached the lake")
+    error: str | None = Field(default=None, description="why the last attempt to follow the lake failed, if it did; "
+                                                        "the replica keeps serving its cache meanwhile")
+    unreadable_snapshots: list[int] = Field(default_factory=list, description="snapshots whose data files could not be "
+                                                                             "read (retried); their groups are missing here")
+
+
 class StatsResponse(BaseModel):
     models: list[ModelStats]
     files: int
@@ -81,6 +97,8 @@ class StatsResponse(BaseModel):
     conflicting_groups: int = Field(
         default=0, description="group ids met again in a later shard under another model or prompt: the first kept, "
                                "the other skipped and logged as an error")
+    backend: str = Field(default="local", description="'local' (shards on this disk) or 'lake' (a replica of a DuckLake)")
+    lake: LakeStats | None = Field(default=None, description="the lake this replica follows (backend 'lake')")
 
 
 class HealthResponse(BaseModel):

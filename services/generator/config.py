@@ -33,7 +33,8 @@ class GeneratorConfig(BaseModel):
     seed: int | None = Field(default=None, description="base sampling seed (each batch derives its own); none: fresh randomness")
     rounds: int = Field(default=1, ge=1, description="groups per prompt (one per round); ignored in continuous mode")
     prompts_per_batch: int = Field(default=32, ge=1, description="prompts sampled, scored and written together (one shard)")
-    store: str = Field(description="store root directory (shards written directly) or store URL http(s)://... (push ingest)")
+    store: str = Field(description="store root directory (shards written directly), store URL http(s)://... (push ingest), "
+                                   "or a lake 'ducklake:postgres:...' / 'ducklake:sqlite:...' (one transaction per batch)")
     store_token: str | None = Field(default=None, description="bearer token for push ingest (URL mode)")
     policy_step: int = Field(default=0, ge=0, description="training step of the model, stored with every row")
     generator_id: str | None = Field(default=None, description="name of this process in the rows (default: host-pid)")

@@ -85,20 +85,30 @@ class StopFlag:
 
 
 class GroupSink:
-    """Where groups go: shards under a store root (atomic files), or the store's push API."""
+    """Where groups go: shards under a store root (atomic files), the store's push API, or a lake (`ducklake:...`:
+    one transaction per batch; data path and S3 settings from GRAFT_LAKE_* / AWS_*)."""
 
     def __init__(self, store: str, token: str | None):
+        from services.store_api.lake import is_lake_target
+
         self.is_url = store.startswith(("http://", "https://"))
+        self.is_lake = is_lake_target(store)
         self.store = store
         if self.is_url:
             from services.store_api.client import StoreClient
 
             self.client = StoreClient(store, token=token)
+        elif self.is_lake:
+            from services.store_api.lake import Lake, LakeConfig
+
+            self.lake = Lake(LakeConfig(catalog=store)).open()
         else:
             Path(store).mkdir(parents=True, exist_ok=True)
 
     def stored_group_ids(self, model_id: str, model_revision: str, policy_step: int) -> set[str]:
         """Ids of the groups already stored for this model, revision and policy step."""
+        if self.is_lake:
+            return self.lake.group_ids(model_id, model_revision, policy_step)
         if self.is_url:
             ids: set[str] = set()
             for page in self.client.iter_rollouts(model=model_id, min_policy_step=policy_step, max_policy_step=policy_step):
@@ -112,6 +122,11 @@ class GroupSink:
         if self.is_url:
             response = self.client.push_groups(groups, problems)
             return response.shard or ""
+        if self.is_lake:
+            from services.store_api.tables import groups_table, validate_table
+
+            result = self.lake.commit(validate_table(groups_table(groups)), problems or [])
+            return f"lake: {result.accepted_groups} groups committed"
         from services.store_api.shards import write_groups
 
         return str(write_groups(self.store, groups, problems))
@@ -119,6 +134,8 @@ class GroupSink:
     def close(self) -> None:
         if self.is_url:
             self.client.close()
+        elif self.is_lake:
+            self.lake.close()
 
 
 def _stored_group_ids_in_shards(root: Path, model_id: str, model_revision: str, policy_step: int) -> set[str]:

@@ -50,8 +50,9 @@ from schemas import (
 )
 from schemas.rollout import INT64_MAX
 from services.store_api.browser import add_browser
-from services.store_api.index import StoreIndex
+from services.store_api.index import StoreIndex, store_backend
 from services.store_api.ingest import GroupConflict
+from services.store_api.lake import LakeError, LakeUnavailable
 from services.store_api.lookup import arrow_stream, read_stream
 from services.store_api.push import PushRejected, parse_arrow_push, parse_json_push
 from services.store_api.queries import BadCursor
@@ -355,7 +356,7 @@ def create_app(settings: StoreSettings) -> FastAPI:
     ingested = Counter("graft_store_groups_ingested", "groups indexed by the ingest loop", registry=registry)
     pushed = Counter("graft_store_groups_pushed", "groups accepted by POST /v1/groups", registry=registry)
     groups_gauge = Gauge("graft_store_groups", "groups in the index", registry=registry)
-    index = StoreIndex(settings)
+    index = store_backend(settings)
     state: dict[str, Background] = {}
 
     @asynccontextmanager
@@ -435,6 +436,11 @@ def create_app(settings: StoreSettings) -> FastAPI:
     @app.exception_handler(GroupConflict)
     async def on_group_conflict(request: Request, exc: GroupConflict):
         return error_body(409, str(exc))
+
+    @app.exception_handler(LakeError)
+    async def on_lake_error(request: Request, exc: LakeError):
+        # a push the lake refused: nothing of it was committed, the writer retries (503) or fixes its input
+        return error_body(503 if isinstance(exc, LakeUnavailable) else 502, f"{exc}")
 
     @app.exception_handler(BadCursor)
     async def on_bad_cursor(request: Request, exc: BadCursor):

@@ -1,4 +1,8 @@
-"""`graft-store serve | rebuild | compact | stats`: run the store, or work on its index offline."""
+"""`graft-store serve | rebuild | compact | stats | migrate`: run the store, or work on it offline.
+
+Every command but migrate works on either backend: `local` (shards under --root) or `lake` (--lake-catalog;
+--root is then the replica's lookup cache).
+"""
 
 from __future__ import annotations
 
@@ -21,6 +25,12 @@ RootOption = Annotated[Optional[Path], typer.Option("--root", help="store root (
 HostOption = Annotated[Optional[str], typer.Option("--host", help="interface (default: GRAFT_STORE_HOST or 127.0.0.1)")]
 PortOption = Annotated[Optional[int], typer.Option("--port", help="TCP port (default: GRAFT_STORE_PORT or 8600)")]
 ConfigOption = Annotated[Optional[Path], typer.Option("--config", help="YAML file of StoreSettings fields")]
+BackendOption = Annotated[Optional[str], typer.Option(
+    "--backend", help="local or lake (default: GRAFT_STORE_BACKEND or local)")]
+LakeCatalogOption = Annotated[Optional[str], typer.Option(
+    "--lake-catalog", help="backend lake: 'ducklake:postgres:<libpq string>' or 'ducklake:sqlite:<path>'")]
+LakeDataPathOption = Annotated[Optional[str], typer.Option(
+    "--lake-data-path", help="backend lake: data path of a new lake (s3://bucket/prefix/ or a shared directory)")]
 
 
 def load_settings(config: Path | None = None, **overrides) -> StoreSettings:
@@ -32,7 +42,24 @@ def load_settings(config: Path | None = None, **overrides) -> StoreSettings:
             raise typer.BadParameter(f"{config} must hold a mapping of StoreSettings fields")
         values.update(loaded)
     values.update({k: v for k, v in overrides.items() if v is not None})
-    return StoreSettings(**values)
+    try:
+        return StoreSettings(**values)
+    except ValueError as exc:  # pydantic's ValidationError: say which setting is wrong, without a traceback
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+
+
+def open_store(settings: StoreSettings, what: str = ""):
+    """The settings' store (services.store_api.index.store_backend), opened; a clear error and exit 1 if it cannot."""
+    from services.store_api.catalog import IndexLocked
+    from services.store_api.index import store_backend
+    from services.store_api.lake import LakeError
+
+    try:
+        return store_backend(settings).open()
+    except (IndexLocked, LakeError) as exc:
+        typer.echo(f"error: {what}{exc}", err=True)
+        raise typer.Exit(1) from exc
 
 
 def configure_logging(level: str) -> None:
@@ -42,68 +69,82 @@ def configure_logging(level: str) -> None:
 @app.command()
 def serve(
     root: RootOption = None, host: HostOption = None, port: PortOption = None, config: ConfigOption = None,
-    rebuild: Annotated[bool, typer.Option(help="rebuild the index from the Parquet files before serving")] = False,
+    backend: BackendOption = None, lake_catalog: LakeCatalogOption = None, lake_data_path: LakeDataPathOption = None,
+    rebuild: Annotated[bool, typer.Option(help="rebuild the index from the Parquet files (backend lake: the cache from "
+                                                "the lake) before serving")] = False,
     tokenizer: Annotated[Optional[list[Path]], typer.Option(
         help="a model path as the generator took it: the browser shows its tokens' text (repeat per model)")] = None,
 ) -> None:
     """Serve the API and the trajectory browser (http://HOST:PORT/ui/); the store process is the only owner of
-    <root>/index.duckdb."""
+    <root>/index.duckdb (backend lake: a replica of a lake, its cache under --root)."""
     import uvicorn
 
     from services.store_api.app import create_app
-    from services.store_api.catalog import IndexLocked
-    from services.store_api.index import StoreIndex
 
-    settings = load_settings(config, root=root, host=host, port=port, tokenizers=tokenizer or None)
+    settings = load_settings(config, root=root, host=host, port=port, tokenizers=tokenizer or None, backend=backend,
+                             lake_catalog=lake_catalog, lake_data_path=lake_data_path)
     configure_logging(settings.log_level)
     if rebuild:
-        index = StoreIndex(settings)
-        try:
-            index.rebuild()
-        except IndexLocked as exc:
-            typer.echo(f"error: {exc}", err=True)
-            raise typer.Exit(1) from exc
-        index.close()
+        _rebuild(settings)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
                 access_log=False)
 
 
-@app.command()
-def rebuild(root: RootOption = None, config: ConfigOption = None) -> None:
-    """Rebuild the index from the Parquet files alone (stop the server first)."""
+def _rebuild(settings: StoreSettings) -> dict:
     from services.store_api.catalog import IndexLocked
-    from services.store_api.index import StoreIndex
+    from services.store_api.index import store_backend
+    from services.store_api.lake import LakeError
 
-    settings = load_settings(config, root=root)
-    configure_logging(settings.log_level)
-    index = StoreIndex(settings)
+    index = store_backend(settings)
     try:
         groups = index.rebuild()
-    except IndexLocked as exc:
+    except (IndexLocked, LakeError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from exc
     stats = index.stats()
     index.close()
-    typer.echo(json.dumps({"groups": groups, "rollouts": stats.total_rollouts, "files": stats.files}))
+    return {"groups": groups, "rollouts": stats.total_rollouts, "files": stats.files}
+
+
+@app.command()
+def rebuild(root: RootOption = None, config: ConfigOption = None, backend: BackendOption = None,
+            lake_catalog: LakeCatalogOption = None) -> None:
+    """Rebuild the index from the Parquet files alone, or a replica's cache from the lake (stop the server first)."""
+    settings = load_settings(config, root=root, backend=backend, lake_catalog=lake_catalog)
+    configure_logging(settings.log_level)
+    typer.echo(json.dumps(_rebuild(settings)))
 
 
 @app.command()
 def compact(
-    root: RootOption = None, config: ConfigOption = None,
-    model: Annotated[Optional[str], typer.Option(help="only this model")] = None,
-    min_files: Annotated[int, typer.Option(help="compact a model once it has this many small shards")] = 2,
+    root: RootOption = None, config: ConfigOption = None, backend: BackendOption = None,
+    lake_catalog: LakeCatalogOption = None,
+    model: Annotated[Optional[str], typer.Option(help="only this model (backend local)")] = None,
+    min_files: Annotated[int, typer.Option(help="compact a model once it has this many small shards (backend local)")] = 2,
 ) -> None:
-    """Merge small shards into large files sorted by prompt id (stop the server first; it compacts by itself)."""
-    from services.store_api.catalog import IndexLocked
-    from services.store_api.index import StoreIndex
+    """Merge small files: a local store's shards, or a lake's data files.
 
-    settings = load_settings(config, root=root)
+    Backend local: shards into large files sorted by prompt id (stop the server first; it compacts by itself).
+    Backend lake: DuckLake's merge of adjacent files, then snapshot expiry and file cleanup
+    (lake_snapshot_retention_s, lake_file_grace_s); replicas and writers keep running.
+    """
+    settings = load_settings(config, root=root, backend=backend, lake_catalog=lake_catalog)
     configure_logging(settings.log_level)
-    try:
-        index = StoreIndex(settings).open()
-    except IndexLocked as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from exc
+    if settings.backend == "lake":
+        from services.store_api.lake import Lake, LakeError
+
+        if model is not None:
+            typer.echo("error: --model applies to the local backend; DuckLake merges every table's files", err=True)
+            raise typer.Exit(2)
+        try:
+            with Lake(settings.lake_config(), create=False) as lake:
+                report = lake.maintain(settings.lake_snapshot_retention_s, settings.lake_file_grace_s)
+        except LakeError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(1) from exc
+        typer.echo(json.dumps(report))
+        return
+    index = open_store(settings)
     report = index.compact(model_id=model, min_files=min_files)
     report["files_deleted"] = index.delete_retired(grace_s=0)  # offline: no reader can hold the old files
     index.close()
@@ -111,9 +152,11 @@ def compact(
 
 
 @app.command()
-def stats(root: RootOption = None, host: HostOption = None, port: PortOption = None, config: ConfigOption = None) -> None:
-    """Print the store's stats as JSON: from the running server if one answers, else from the index offline."""
-    settings = load_settings(config, root=root, host=host, port=port)
+def stats(root: RootOption = None, host: HostOption = None, port: PortOption = None, config: ConfigOption = None,
+          backend: BackendOption = None, lake_catalog: LakeCatalogOption = None) -> None:
+    """Print the store's stats as JSON: from the running server if one answers, else from the index offline
+    (backend lake: the replica's cache, brought up to date with the lake first)."""
+    settings = load_settings(config, root=root, host=host, port=port, backend=backend, lake_catalog=lake_catalog)
     try:
         response = httpx.get(f"http://{settings.host}:{settings.port}/v1/stats", timeout=5.0)
         response.raise_for_status()
@@ -121,17 +164,45 @@ def stats(root: RootOption = None, host: HostOption = None, port: PortOption = N
         return
     except httpx.HTTPError:
         pass
-    from services.store_api.catalog import IndexLocked
-    from services.store_api.index import StoreIndex
-
     configure_logging(settings.log_level)
-    try:
-        index = StoreIndex(settings).open()
-    except IndexLocked as exc:
-        typer.echo(f"error: no server answered on {settings.host}:{settings.port} and {exc}", err=True)
-        raise typer.Exit(1) from exc
+    index = open_store(settings, f"no server answered on {settings.host}:{settings.port} and ")
     typer.echo(index.stats().model_dump_json())
     index.close()
+
+
+@app.command()
+def migrate(
+    source: Annotated[str, typer.Option(
+        "--from", help="a store root, or a lake: 'ducklake:postgres:...' / 'ducklake:sqlite:...'")],
+    target: Annotated[str, typer.Option("--to", help="a store root, or a lake (the other kind than --from)")],
+    lake_data_path: Annotated[Optional[str], typer.Option(
+        help="data path of a new lake (s3://bucket/prefix/ or a directory; default GRAFT_LAKE_DATA_PATH)")] = None,
+    progress: Annotated[bool, typer.Option(help="show progress bars")] = True,
+) -> None:
+    """Copy a store between a local root and a lake, either way (S3 settings from AWS_* / GRAFT_LAKE_*).
+
+    Idempotent: groups and problems the target holds are skipped, so an interrupted migration is run again.
+    Stop a local store's server first, or migrate what its shards hold at the moment they are read.
+    """
+    from services.store_api.lake import Lake, LakeConfig, LakeError, is_lake_target
+    from services.store_api.migrate import lake_to_local, local_to_lake
+
+    configure_logging("info")
+    if is_lake_target(source) == is_lake_target(target):
+        typer.echo("error: migrate copies between a store root and a lake ('ducklake:...'): give one of each", err=True)
+        raise typer.Exit(2)
+    lake_spec, root = (target, Path(source)) if is_lake_target(target) else (source, Path(target))
+    if is_lake_target(target) and not (root / "rollouts").is_dir():
+        typer.echo(f"error: {root} is not a store root (no rollouts/ directory)", err=True)
+        raise typer.Exit(2)
+    overrides = {"data_path": lake_data_path} if lake_data_path else {}
+    try:
+        with Lake(LakeConfig(catalog=lake_spec, **overrides), create=is_lake_target(target)) as lake:
+            report = local_to_lake(root, lake, progress) if is_lake_target(target) else lake_to_local(lake, root, progress)
+    except (LakeError, ValueError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    typer.echo(json.dumps(report))
 
 
 if __name__ == "__main__":

@@ -74,6 +74,14 @@ def _error_message(body: bytes, fallback: str) -> str:
         return body.decode(errors="replace") or fallback
 
 
+def _retried_status(status: int, answer: Any) -> str:
+    """A 502-504 answer as the last reason a call is retried for, with the server's message when it sent one (a
+    lake replica says why the lake cannot be reached)."""
+    body = answer.content if isinstance(answer, httpx.Response) else answer if isinstance(answer, bytes) else b""
+    message = _error_message(body, "")
+    return f"HTTP {status}: {message}" if message else f"HTTP {status}"
+
+
 class _KeptAliveConnections:
     """http.client connections to one server, reused across requests; one per concurrent caller."""
 
@@ -177,7 +185,7 @@ class _RetryRule:
 
     def unavailable(self, what: str, last: Exception | str) -> StoreUnavailable:
         return StoreUnavailable(f"store at {self.base_url} unreachable after {self.retries + 1} attempts ({what}): "
-                                f"{last!r}")
+                                f"{last if isinstance(last, str) else repr(last)}")
 
 
 def _rollout_params(filters: dict[str, Any], cursor: str | None, limit: int) -> dict[str, Any]:
@@ -216,7 +224,7 @@ class StoreClient:
                 continue
             if status not in RETRY_STATUSES:
                 return status, answer
-            last = f"HTTP {status}"
+            last = _retried_status(status, answer)
         raise self._retry.unavailable(what, last)
 
     def _request(self, method: str, path: str, **kwargs) -> httpx.Response:
@@ -326,7 +334,7 @@ class AsyncStoreClient:
                 last = exc
                 continue
             if response.status_code in RETRY_STATUSES:
-                last = f"HTTP {response.status_code}"
+                last = _retried_status(response.status_code, response)
                 continue
             if response.status_code >= 400:
                 raise _error(response)

@@ -11,6 +11,8 @@ each own one job, all on the state of `Catalog`:
 - `queries.py`: what the API asks (lookups, filtered rollout pages, stats) and reading the chosen rows;
 - `compaction.py`: merging small shards and deleting retired ones;
 - `manifest.py`: the live files for outside readers, rewritten whenever the set changes.
+
+`store_backend` picks the store behind the API and the CLI: this index, or a lake replica (`replica.py`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 from services.store_api.compaction import IndexCompaction
 from services.store_api.ingest import IndexIngest
 from services.store_api.queries import IndexQueries
+from services.store_api.settings import StoreSettings
 
 
 class StoreIndex(IndexIngest, IndexQueries, IndexCompaction):
@@ -40,3 +43,13 @@ class StoreIndex(IndexIngest, IndexQueries, IndexCompaction):
             self.ingest_new()
             self.write_manifest()
             return len(self.mirror)
+
+
+def store_backend(settings: StoreSettings) -> StoreIndex:
+    """The store the API and the CLI work on: the local index of `settings.root`, or (backend 'lake') a replica
+    of a lake, which is the same index over a cache that follows the lake (`replica.py`)."""
+    if settings.backend == "lake":
+        from services.store_api.replica import LakeReplica
+
+        return LakeReplica(settings)
+    return StoreIndex(settings)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -13,7 +14,20 @@ class StoreSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="GRAFT_STORE_", extra="forbid")
 
-    root: Path = Field(default=Path("stores/local"), description="store root: rollouts/, prompts/, quarantine/, index.duckdb")
+    root: Path = Field(default=Path("stores/local"), description="store root: rollouts/, prompts/, quarantine/, index.duckdb "
+                                                                "(backend lake: the replica's lookup cache)")
+    backend: Literal["local", "lake"] = Field(default="local", description="local: shards under root, indexed by this "
+                                              "process; lake: a replica of a DuckLake (lake_catalog), cached under root")
+    lake_catalog: str | None = Field(default=None, description="backend lake: 'ducklake:postgres:<libpq string>' or "
+                                     "'ducklake:sqlite:<path>'; S3 endpoint and keys from AWS_* or GRAFT_LAKE_S3_*")
+    lake_data_path: str | None = Field(default=None, description="backend lake: where a new lake puts its data files "
+                                       "(s3://bucket/prefix/ or a shared directory); an existing lake knows its own")
+    lake_retry_unreadable_s: float = Field(default=60.0, gt=0, description="backend lake: how often a replica reads "
+                                           "again a snapshot whose data files it could not read (corrupt, missing)")
+    lake_snapshot_retention_s: float = Field(default=86400.0, gt=0, description="graft-store compact on a lake: expire "
+                                             "snapshots older than this (time travel and slow followers need them)")
+    lake_file_grace_s: float = Field(default=3600.0, ge=0, description="graft-store compact on a lake: delete merged-away "
+                                     "and orphaned data files older than this (in-flight reads may still use them)")
     host: str = Field(default="127.0.0.1", description="interface to bind; loopback unless told otherwise")
     port: int = Field(default=8600, ge=1, le=65535, description="TCP port")
     token: str | None = Field(default=None, description="bearer token required for writes (POST /v1/groups); none: open")
@@ -28,8 +42,28 @@ class StoreSettings(BaseSettings):
     max_body_mb: float = Field(default=256.0, gt=0, description="largest request body for POST /v1/groups, MB")
     max_request_kb: float = Field(default=1024.0, gt=0, description="largest request body for any other request, KB")
     max_scan_groups: int = Field(default=4096, ge=1, description="groups GET /v1/rollouts reads at most per page")
-    duckdb_memory_limit: str = Field(default="256MB", description="DuckDB memory limit of the index")
+    duckdb_memory_limit: str = Field(default="256MB", description="DuckDB memory limit of the index (and of a "
+                                     "lake replica's connection to the lake)")
     tokenizers: list[Path] = Field(default_factory=list, description="model paths (HF or tokenizer directories, GGUF) "
                                    "whose tokenizers the browser decodes token ids with, matched by fingerprint to "
                                    "each row's tokenizer_id")
     log_level: str = Field(default="info", description="debug, info, warning or error")
+
+    @model_validator(mode="after")
+    def _backend_settings(self) -> StoreSettings:
+        if self.backend == "lake" and not self.lake_catalog:
+            raise ValueError("backend 'lake' needs lake_catalog (GRAFT_STORE_LAKE_CATALOG or --lake-catalog), e.g. "
+                             "'ducklake:postgres:dbname=graft host=... user=...'")
+        if self.backend == "local" and (self.lake_catalog or self.lake_data_path):
+            raise ValueError("lake_catalog / lake_data_path are set but backend is 'local', which would ignore them: "
+                             "set backend 'lake' (GRAFT_STORE_BACKEND=lake or --backend lake), or unset them")
+        return self
+
+    def lake_config(self):
+        """The LakeConfig of backend 'lake' (S3 endpoint and credentials from the environment)."""
+        from services.store_api.lake import LakeConfig
+
+        # a replica's lake connection reads a window at a time (each data file once: no file cache); the index's
+        # memory limit bounds it too
+        return LakeConfig(catalog=self.lake_catalog, memory_limit=self.duckdb_memory_limit, file_cache=False,
+                          **({"data_path": self.lake_data_path} if self.lake_data_path else {}))

@@ -56,7 +56,7 @@ def test_quick_demo_end_to_end(tmp_path):
 
     text = (report / "REPORT.md").read_text()
     assert "| run | seeds |" in text and "GRAFT co-training" in text and "peer negatives x0" in text and "The ceiling" in text
-    assert "(not the spec's defaults: `graft.token_is=luffy graft.peer_negative_scale=0 graft.peer_loss_scale=4`)" in text
+    assert "(not the spec's defaults: `graft.token_is=luffy graft.kappa=0 graft.peer_negative_scale=0 graft.peer_loss_scale=4`)" in text
     assert "The same target with this method" in text
     assert "GRAFT changed, peer rows x1 minus GRPO" in text and "minus GRAFT changed: LUFFY shaping" in text
     for png in ("accuracy_vs_step.png", "all_fail_vs_step.png"):

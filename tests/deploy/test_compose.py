@@ -32,7 +32,13 @@ def _app(entry_point: str):
     return getattr(module, attr)
 
 
-@pytest.mark.parametrize("service", sorted(COMPOSE["services"]))
+# services of other projects' images: the lake profile's PostgreSQL catalog, MinIO and its one-shot bucket maker
+INFRASTRUCTURE = {name for name, service in COMPOSE["services"].items() if not service["image"].startswith("graft:")}
+GRAFT_SERVICES = sorted(set(COMPOSE["services"]) - INFRASTRUCTURE)
+CPU_SERVICES = {name for name in GRAFT_SERVICES if COMPOSE["services"][name]["image"] == "graft:cpu"}
+
+
+@pytest.mark.parametrize("service", GRAFT_SERVICES)
 def test_service_command_is_a_valid_entry_point(service: str) -> None:
     command = COMPOSE["services"][service]["command"]
     assert command[0] in SCRIPTS, f"{service}: {command[0]} is not a console script of pyproject.toml"
@@ -41,9 +47,15 @@ def test_service_command_is_a_valid_entry_point(service: str) -> None:
         assert args[0] == "serve"
         from services.store_api.settings import StoreSettings
 
-        pairs = dict(zip(args[1::2], args[2::2]))
-        settings = StoreSettings(root=pairs["--root"], host=pairs["--host"], port=int(pairs["--port"]))
+        pairs = {flag.removeprefix("--").replace("-", "_"): value for flag, value in zip(args[1::2], args[2::2])}
+        settings = StoreSettings(**pairs)  # every flag is a StoreSettings field, and their values validate
         assert settings.port == 8600 and settings.host == "0.0.0.0"
+        if settings.backend == "lake":
+            from services.store_api.lake import LakeConfig
+
+            environment = COMPOSE["services"][service]["environment"]
+            assert {"AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "PGPASSWORD"} <= set(environment)
+            assert LakeConfig(catalog=settings.lake_catalog).kind == "postgres"
         return
     result = CliRunner().invoke(_app(command[0]), [*args, "--dry-run"])
     assert result.exit_code == 0, f"{service}: {' '.join(command)} fails validation:\n{result.output}"
@@ -60,8 +72,9 @@ def test_every_grafting_trainer_has_its_peers_tokenizer() -> None:
     tokenizer of every model it takes groups from (the generator's or its co-trainer's `--model`), at a path
     inside a volume mounted into its container."""
     services = COMPOSE["services"]
-    samplers = {name: _option(s["command"], "--model") for name, s in services.items() if _option(s["command"], "--model")}
-    trainers = [name for name, s in services.items() if s["command"][0] == "graft-train"]
+    samplers = {name: _option(services[name]["command"], "--model") for name in GRAFT_SERVICES
+                if _option(services[name]["command"], "--model")}
+    trainers = [name for name in GRAFT_SERVICES if services[name]["command"][0] == "graft-train"]
     assert trainers
     for name in trainers:
         service = services[name]
@@ -84,15 +97,30 @@ def test_every_grafting_trainer_has_its_peers_tokenizer() -> None:
                 f"{name}: peer tokenizer {path} is not inside a mounted volume ({mounts})")
 
 
-def test_gpu_services_reserve_a_gpu_and_store_has_healthcheck() -> None:
+def test_gpu_services_reserve_a_gpu_and_stores_have_healthchecks() -> None:
     services = COMPOSE["services"]
-    assert "healthcheck" in services["store"]
-    for name, service in services.items():
-        if name == "store":
-            continue
+    for name in CPU_SERVICES:
+        assert "healthcheck" in services[name], name
+    for name in set(GRAFT_SERVICES) - CPU_SERVICES:
+        service = services[name]
         devices = service["deploy"]["resources"]["reservations"]["devices"]
         assert devices[0]["driver"] == "nvidia", name
-        assert service["depends_on"]["store"]["condition"] == "service_healthy", name
+        waits_for = service["depends_on"]
+        assert any(dependency in CPU_SERVICES | {"lake-catalog"} for dependency in waits_for), name
+        assert all(condition["condition"] in ("service_healthy", "service_completed_successfully")
+                   for condition in waits_for.values()), name
+
+
+def test_lake_profile_services() -> None:
+    services = COMPOSE["services"]
+    lake = {name for name, service in services.items() if "lake" in service.get("profiles", [])}
+    assert INFRASTRUCTURE <= lake and {"lake-replica-1", "lake-replica-2", "lake-generator", "lake-trainer"} <= lake
+    assert services["lake-catalog"]["image"].startswith("postgres:") and "healthcheck" in services["lake-catalog"]
+    assert services["lake-s3"]["image"].startswith("minio/minio") and "healthcheck" in services["lake-s3"]
+    generator = services["lake-generator"]["command"]
+    assert generator[generator.index("--store") + 1].startswith("ducklake:postgres:")
+    assert services["lake-trainer"]["command"][services["lake-trainer"]["command"].index("--store-url") + 1] == \
+        "http://lake-replica-1:8600"
 
 
 @pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose client not installed (CI installs it)")

@@ -148,6 +148,28 @@ def test_push_to_a_store_server_and_resume_through_its_api(tiny_model_dir, tmp_p
         assert second.groups == 0 and second.skipped_already_stored == 6
 
 
+def test_commit_to_a_lake_and_resume_from_it(tiny_model_dir, tmp_path, monkeypatch):
+    """A lake target (SQLite catalog, data on a local path): one transaction per batch, resumable from the lake."""
+    from services.store_api.lake import Lake, LakeConfig
+
+    dataset = write_toy_dataset(tmp_path / "toy.jsonl", 6)
+    catalog = f"ducklake:sqlite:{tmp_path / 'catalog.sqlite'}"
+    monkeypatch.setenv("GRAFT_LAKE_DATA_PATH", f"{tmp_path / 'lake'}/")
+    config = GeneratorConfig(model=str(tiny_model_dir), model_id="tiny", dataset=str(dataset), template="raw",
+                             group_size=4, max_tokens=12, store=catalog, score_workers=1, progress=False,
+                             prompts_per_batch=4)
+    first = run_generator(config)
+    assert first.groups == 6 and first.batches == 2
+    with Lake(LakeConfig(catalog=catalog), create=False) as lake:
+        snapshot = lake.snapshot().id
+        rows = lake.rollouts_between(-1, snapshot)
+        assert rows.num_rows == 6 * 4 and len(set(rows.column("group_id").to_pylist())) == 6
+        assert len(set(rows.column("snapshot_id").to_pylist())) == 2  # one snapshot per batch
+        assert lake.problems_between(-1, snapshot).num_rows == 6
+    second = run_generator(config)
+    assert second.groups == 0 and second.skipped_already_stored == 6
+
+
 def test_bad_input_gets_a_clear_error(tiny_model_dir, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     missing = subprocess.run(generator_command(tiny_model_dir, tmp_path / "nope.jsonl", str(tmp_path / "s")),

@@ -1,8 +1,9 @@
-"""Real rollout groups for the store tests, built through the schemas' pydantic models."""
+"""Real rollout groups for the store tests, built through the schemas' pydantic models; and polling."""
 
 from __future__ import annotations
 
 import random
+import time
 import uuid
 from datetime import datetime, timedelta, timezone
 
@@ -56,3 +57,14 @@ def make_group(
             group_size=size,
         ))
     return RolloutGroup(rollouts=rollouts)
+
+
+def wait_for(predicate, timeout_s: float = 20.0, what: str = "condition"):
+    """Poll `predicate()` until it returns something true (returned), or fail after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
-from store_factory import make_group
+from store_factory import make_group, wait_for
 from typer.testing import CliRunner
 
 from schemas import PeerLookupRequest, table_to_groups
@@ -39,15 +39,6 @@ def closed_shards(done_log: Path) -> dict[str, list[str]]:
 def all_rollout_ids(client: StoreClient) -> list[str]:
     return [r for t in client.iter_rollouts(limit=1000) for r in t.column("rollout_id").to_pylist()]
 
-
-def wait_for(predicate, timeout_s: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_concurrent_writers_each_group_indexed_once(tmp_path):

@@ -1,0 +1,625 @@
+"""The store's DuckLake: rollouts and problems as DuckLake tables, DuckDB's extensions from PyPI wheels.
+
+A lake is a SQL catalog (PostgreSQL for many hosts, SQLite for one) plus Parquet data files (S3-compatible
+object storage or a shared path). `rollouts` and `problems` have the columns of ROLLOUT_ARROW_SCHEMA and
+PROBLEM_ARROW_SCHEMA; `rollouts` is partitioned by model_id, like the local store's directories. Plain DuckDB
+reads it with `ATTACH 'ducklake:<catalog>' AS lake` (README, "The store on a lake").
+
+Writers commit whole groups in one transaction: a DuckLake transaction is one snapshot, and its data files
+are only referenced by the catalog once the commit lands, so a writer killed mid-commit leaves nothing
+visible (at most an unreferenced file, which `maintain()` deletes). DuckLake settles concurrent appends to
+the same table itself (retried against the new snapshot, no data rewritten). It has no unique constraints:
+a commit skips the groups the lake already holds at its snapshot (a retried commit adds nothing), and two
+writers racing with the same group id both land. Readers keep the copy with the lowest `rowid` (DuckLake
+assigns row ids at commit, in commit order, and keeps them through compaction), so every reader agrees.
+
+Readers follow the lake by snapshot: `rollouts_between(after, upto)` returns the rows committed in
+snapshots after..upto (DuckLake's `snapshot_id` virtual column, which prunes data files by the snapshot
+that added them and survives merges and snapshot expiry).
+
+No extension is downloaded at run time: DuckDB is pinned to the version whose extensions are published as
+PyPI wheels (the `lake` extra), `duckdb_extensions.import_extension` installs each from its wheel, then it
+is loaded by name, with DuckDB's auto-install and auto-load off.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import itertools
+import logging
+import random
+import re
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Literal
+
+import duckdb
+import pyarrow as pa
+import pyarrow.compute as pc
+from pydantic import AliasChoices, Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA, Problem
+
+log = logging.getLogger("graft.store.lake")
+
+PINNED_DUCKDB = "1.5.5"
+# module name of duckdb_extensions' wheel -> the name the extension loads as
+EXTENSIONS = {"ducklake": "ducklake", "httpfs": "httpfs", "postgres": "postgres_scanner", "sqlite": "sqlite_scanner"}
+ALIAS = "lake"  # the lake's name inside each DuckDB connection
+LAKE_PREFIX = "ducklake:"
+LAYOUT_COMMENT = "graft rollouts, layout 1"
+NO_PROGRESS_BAR = "SET enable_progress_bar = false"  # long reads would draw one on a server's stdout
+COMMIT_ATTEMPTS = 40  # a commit that keeps losing to other writers' (see Lake.commit) gives up after these  # on the rollouts table: a lake this store made, in this layout
+# DuckDB types of the Arrow types in the stored schemas (DDL keeps NOT NULL, which CREATE TABLE AS would drop)
+_DUCK_TYPES = {
+    pa.string(): "VARCHAR", pa.int64(): "BIGINT", pa.int32(): "INTEGER", pa.float32(): "FLOAT", pa.float64(): "DOUBLE",
+    pa.bool_(): "BOOLEAN", pa.timestamp("us", tz="UTC"): "TIMESTAMPTZ", pa.list_(pa.int32()): "INTEGER[]",
+    pa.list_(pa.float32()): "FLOAT[]",
+}
+
+
+class LakeError(RuntimeError):
+    """A lake operation failed; the message says what and what to do."""
+
+
+class LakeUnavailable(LakeError):
+    """The catalog or the data files cannot be reached (down, wrong address, wrong credentials)."""
+
+
+class ExtensionMissing(LakeError):
+    """DuckDB or one of its lake extensions is missing or of another version than the pinned one."""
+
+
+# ---------------------------------------------------------------------------------------------- configuration
+
+
+class LakeConfig(BaseSettings):
+    """Where a lake lives and how to reach it: GRAFT_LAKE_<FIELD>, and the usual AWS_* variables for S3."""
+
+    model_config = SettingsConfigDict(env_prefix="GRAFT_LAKE_", extra="forbid", populate_by_name=True)
+
+    catalog: str = Field(repr=False, description="DuckLake catalog: 'ducklake:postgres:dbname=... host=... user=...' "
+                                                 "(many hosts) or 'ducklake:sqlite:/path/catalog.sqlite' (one host)")
+    data_path: str | None = Field(default=None, description="where a new lake puts its Parquet files: s3://bucket/prefix/ "
+                                                            "or a shared directory (an existing lake remembers its own)")
+    s3_endpoint: str | None = Field(default=None, validation_alias=AliasChoices(
+        "s3_endpoint", "GRAFT_LAKE_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"),
+        description="S3-compatible endpoint, e.g. http://127.0.0.1:9000 (default: AWS)")
+    s3_region: str = Field(default="us-east-1", validation_alias=AliasChoices(
+        "s3_region", "GRAFT_LAKE_S3_REGION", "AWS_REGION", "AWS_DEFAULT_REGION"), description="S3 region")
+    s3_key_id: str | None = Field(default=None, validation_alias=AliasChoices(
+        "s3_key_id", "GRAFT_LAKE_S3_KEY_ID", "AWS_ACCESS_KEY_ID"), description="S3 access key id")
+    s3_secret: str | None = Field(default=None, repr=False, validation_alias=AliasChoices(
+        "s3_secret", "GRAFT_LAKE_S3_SECRET", "AWS_SECRET_ACCESS_KEY"), description="S3 secret access key")
+    s3_session_token: str | None = Field(default=None, repr=False, validation_alias=AliasChoices(
+        "s3_session_token", "GRAFT_LAKE_S3_SESSION_TOKEN", "AWS_SESSION_TOKEN"), description="S3 session token")
+    s3_url_style: Literal["path", "vhost"] | None = Field(default=None, description="S3 addressing; default: path "
+                                                                                   "with an endpoint, else vhost")
+    memory_limit: str = Field(default="512MB", description="DuckDB memory limit of a lake connection")
+    # one thread: a commit of 8192 rollouts (Parquet encoding and upload) cost 27 us of CPU per rollout on one
+    # thread and 55 on two; writers scale by running more processes
+    threads: int = Field(default=1, ge=1, description="DuckDB threads of a lake connection")
+    file_cache: bool = Field(default=True, description="keep data files' blocks in DuckDB's memory (writers re-read the "
+                                                       "group ids of every commit; a replica reads each file once)")
+
+    @field_validator("catalog")
+    @classmethod
+    def _catalog_kind(cls, value: str) -> str:
+        value = value.strip()
+        if not value.startswith(LAKE_PREFIX):
+            value = LAKE_PREFIX + value
+        kind = value[len(LAKE_PREFIX):].split(":", 1)[0]
+        if kind not in ("postgres", "sqlite"):
+            raise ValueError(f"lake catalog {redact(value)!r}: use 'ducklake:postgres:<libpq connection string>' "
+                             "(many hosts) or 'ducklake:sqlite:<path>' (one host); a DuckDB-file catalog admits one "
+                             "process only")
+        return value
+
+    @property
+    def kind(self) -> str:
+        return self.catalog[len(LAKE_PREFIX):].split(":", 1)[0]
+
+    def env(self) -> dict[str, str]:
+        """This config as GRAFT_LAKE_* variables, for another process (`LakeConfig()` there reads them back)."""
+        return {f"GRAFT_LAKE_{name.upper()}": str(value) for name, value in self.model_dump().items() if value is not None}
+
+    def describe(self) -> str:
+        """The catalog with any password hidden, and the data path: for messages and logs."""
+        return f"{redact(self.catalog)} (data {self.data_path or 'as the catalog says'})"
+
+
+def redact(text: str) -> str:
+    """Hide passwords in libpq connection strings and URLs."""
+    text = re.sub(r"(password\s*=\s*)('[^']*'|\S+)", r"\1***", text, flags=re.IGNORECASE)
+    return re.sub(r"(://[^:/@\s]+:)[^@\s]+@", r"\1***@", text)
+
+
+def is_lake_target(target: str | None) -> bool:
+    """Whether a store target (graft-generate --store, graft-store migrate) names a lake."""
+    return bool(target) and str(target).startswith(LAKE_PREFIX)
+
+
+# ---------------------------------------------------------------------------------------------- extensions
+
+
+def check_duckdb_version() -> None:
+    if duckdb.__version__ != PINNED_DUCKDB:
+        raise ExtensionMissing(
+            f"duckdb {duckdb.__version__} is installed; the lake needs duckdb=={PINNED_DUCKDB}, the version whose "
+            f"extensions are published as PyPI wheels: pip install 'duckdb=={PINNED_DUCKDB}' (or `pip install -e .[lake]`)")
+
+
+def load_extensions(con: duckdb.DuckDBPyConnection) -> None:
+    """Install the lake's extensions from their PyPI wheels into `con`'s database, then load them.
+
+    Raises ExtensionMissing naming the package to install when a wheel is missing or of another version.
+    """
+    check_duckdb_version()
+    try:
+        from duckdb_extensions import import_extension
+    except ImportError as exc:
+        raise ExtensionMissing(f"the lake needs duckdb-extensions=={PINNED_DUCKDB} and its extension wheels: "
+                               "pip install -e '.[lake]'") from exc
+    for module, load_name in EXTENSIONS.items():
+        package = f"duckdb-extension-{module}"
+        try:
+            installed = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            raise ExtensionMissing(f"DuckDB extension {module!r} is not installed: pip install '{package}=={PINNED_DUCKDB}' "
+                                   "(or pip install -e '.[lake]'); extensions are never downloaded at run time") from None
+        if installed != PINNED_DUCKDB:
+            raise ExtensionMissing(f"{package} {installed} is installed, DuckDB is {PINNED_DUCKDB}: "
+                                   f"pip install '{package}=={PINNED_DUCKDB}'")
+        try:
+            import_extension(module, con=con)  # INSTALL from the wheel's file; does not load
+            con.execute(f"LOAD {load_name}")
+        except (duckdb.Error, OSError, ModuleNotFoundError) as exc:
+            raise ExtensionMissing(f"cannot load DuckDB extension {module!r} from {package}: {exc}; reinstall it: "
+                                   f"pip install --force-reinstall '{package}=={PINNED_DUCKDB}'") from exc
+
+
+def lake_connection(config: LakeConfig) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB connection with the lake's extensions loaded and S3 credentials set (not attached)."""
+    con = duckdb.connect(config={
+        "autoinstall_known_extensions": False, "autoload_known_extensions": False,
+        "memory_limit": config.memory_limit, "threads": config.threads,
+    })
+    try:
+        con.execute(NO_PROGRESS_BAR)
+        load_extensions(con)
+        con.execute("SET ducklake_max_retry_count = 100")  # many writers: a lost race is retried, not an error
+        # hand freed memory back after each read: a replica reading 8192-rollout commits peaked at 950 MB with the
+        # defaults (128/512 MB) and 710 MB with these
+        con.execute("SET allocator_flush_threshold = '16MB'")
+        con.execute("SET allocator_bulk_deallocation_flush_threshold = '16MB'")
+        con.execute(f"SET enable_external_file_cache = {str(config.file_cache).lower()}")
+        con.execute("SET TimeZone = 'UTC'")
+        if config.s3_endpoint or config.s3_key_id:
+            con.execute(s3_secret_sql(config))
+    except BaseException:
+        con.close()
+        raise
+    return con
+
+
+def s3_secret_sql(config: LakeConfig) -> str:
+    """CREATE SECRET for the data files on S3 (DuckDB's httpfs), from the config's endpoint and credentials."""
+    def quote(value: str) -> str:
+        return "'" + value.replace("'", "''") + "'"
+
+    parts = ["TYPE s3", f"REGION {quote(config.s3_region)}"]
+    if config.s3_key_id:
+        parts += [f"KEY_ID {quote(config.s3_key_id)}", f"SECRET {quote(config.s3_secret or '')}"]
+        if config.s3_session_token:
+            parts.append(f"SESSION_TOKEN {quote(config.s3_session_token)}")
+    url_style = config.s3_url_style
+    if config.s3_endpoint:
+        endpoint = config.s3_endpoint.rstrip("/")
+        use_ssl = not endpoint.startswith("http://")
+        endpoint = re.sub(r"^https?://", "", endpoint)
+        parts += [f"ENDPOINT {quote(endpoint)}", f"USE_SSL {'true' if use_ssl else 'false'}"]
+        url_style = url_style or "path"
+    if url_style:
+        parts.append(f"URL_STYLE {quote(url_style)}")
+    return f"CREATE OR REPLACE SECRET graft_lake_s3 ({', '.join(parts)})"
+
+
+# ---------------------------------------------------------------------------------------------- the lake
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A committed DuckLake snapshot."""
+
+    id: int
+    time_us: int  # microseconds since the epoch (UTC)
+
+    @property
+    def time(self) -> datetime:
+        return datetime.fromtimestamp(self.time_us / 1e6, tz=timezone.utc)
+
+
+@dataclass(frozen=True)
+class LakeCommit:
+    """What a commit did: groups added, group ids the lake already held (not added again), problems added."""
+
+    accepted_groups: int
+    duplicate_groups: list[str]
+    problems_added: int
+    rollouts: int
+
+
+def column_ddl(schema: pa.Schema) -> str:
+    return ", ".join(f"{f.name} {_DUCK_TYPES[f.type]}{'' if f.nullable else ' NOT NULL'}" for f in schema)
+
+
+def _rollback_quietly(con: duckdb.DuckDBPyConnection) -> None:
+    """End a failed transaction; a failed COMMIT has ended it already."""
+    try:
+        con.execute("ROLLBACK")
+    except duckdb.Error:
+        pass
+
+
+def _retryable(exc: LakeError) -> bool:
+    text = str(exc).lower()
+    return "database is locked" in text or "exceeded the maximum retry count" in text
+
+
+def _unavailable_markers(message: str) -> bool:
+    text = message.lower()
+    return any(marker in text for marker in (
+        "unable to connect", "connection refused", "could not connect", "could not establish", "connection reset",
+        "timeout", "timed out", "server closed the connection", "password authentication failed", "http 403",
+        "http 401", "forbidden", "accessdenied", "invalidaccesskeyid", "signaturedoesnotmatch", "nosuchbucket",
+        "no such host", "name or service not known", "failed to resolve", "unable to open database",
+        "http error", "http get error", "http put error", "http head error", "connection error",
+    ))
+
+
+class Lake:
+    """One process's handle on a lake: attach, commit groups, follow snapshots, maintain. Thread-safe.
+
+    Reads and writes go through a DuckDB cursor per thread (cursors share the attached lake and each has its
+    own transaction). After an error that says the catalog or the storage cannot be reached, the next call
+    attaches afresh.
+    """
+
+    def __init__(self, config: LakeConfig, create: bool = True):
+        self.config = config
+        self.create = create
+        self._con: duckdb.DuckDBPyConnection | None = None
+        self.data_path: str | None = config.data_path  # the lake's own once attached
+        self._last_snapshot: Snapshot | None = None
+        self._local = threading.local()
+        self._generation = 0  # bumped on every (re)attach: thread cursors of an older attach are dropped
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ attaching
+
+    def open(self) -> Lake:
+        """Attach the lake (creating its tables when `create` and it has none); LakeUnavailable/LakeError else."""
+        with self._lock:
+            if self._con is None:
+                self._attach()
+        return self
+
+    def _attach(self) -> None:
+        con = lake_connection(self.config)
+        options = ["DATA_INLINING_ROW_LIMIT 0"]  # every commit writes Parquet to the data path, none into the catalog
+        if self.config.data_path:
+            options.append(f"DATA_PATH '{self.config.data_path.replace(chr(39), chr(39) * 2)}'")
+        catalog = self.config.catalog.replace("'", "''")
+        for attempt in itertools.count():
+            try:
+                con.execute(f"ATTACH '{catalog}' AS {ALIAS} ({', '.join(options)})")
+                break
+            except duckdb.Error as exc:
+                # processes attaching a new lake at once race to create DuckLake's own catalog tables: the losers
+                # find them made on the next try
+                racing = "failed to initialize ducklake" in str(exc).lower() and not _unavailable_markers(str(exc))
+                if attempt < 5 and racing:
+                    time.sleep(random.uniform(0.05, 0.2))
+                    continue
+                con.close()
+                raise self._error("attach", exc) from None  # the cause's text may hold a password: said, redacted
+        try:
+            self._ensure_tables(con)
+            self.data_path = con.execute(
+                f"SELECT value FROM {ALIAS}.options() WHERE option_name = 'data_path'").fetchall()[0][0]
+        except BaseException:
+            con.close()
+            raise
+        self._con = con
+        self._generation += 1
+
+    def _ensure_tables(self, con: duckdb.DuckDBPyConnection) -> None:
+        tables = {row[0] for row in con.execute(
+            "SELECT table_name FROM duckdb_tables() WHERE database_name = ?", [ALIAS]).fetchall()}
+        if "rollouts" not in tables:
+            if not self.create:
+                raise LakeError(f"lake {self.config.describe()} has no rollouts table: create it with a writer or "
+                                "`graft-store migrate`, or check the catalog")
+            try:
+                con.execute("BEGIN")
+                con.execute(f"CREATE TABLE IF NOT EXISTS {ALIAS}.rollouts ({column_ddl(ROLLOUT_ARROW_SCHEMA)})")
+                con.execute(f"ALTER TABLE {ALIAS}.rollouts SET PARTITIONED BY (model_id)")
+                con.execute(f"COMMENT ON TABLE {ALIAS}.rollouts IS '{LAYOUT_COMMENT}'")
+                con.execute(f"CREATE TABLE IF NOT EXISTS {ALIAS}.problems ({column_ddl(PROBLEM_ARROW_SCHEMA)})")
+                # zstd for the bulk columns (tokens, logprobs, text); row groups bound a writer's and a merge's memory
+                con.execute(f"CALL {ALIAS}.set_option('parquet_compression', 'zstd')")
+                con.execute(f"CALL {ALIAS}.set_option('parquet_compression_level', 1)")
+                con.execute(f"CALL {ALIAS}.set_option('parquet_row_group_size', 16384)")
+                con.execute("COMMIT")
+                log.info("created the rollouts and problems tables in lake %s", self.config.describe())
+            except duckdb.Error as exc:
+                _rollback_quietly(con)
+                # another process created them at the same time (a DuckLake conflict): use theirs
+                tables = {row[0] for row in con.execute(
+                    "SELECT table_name FROM duckdb_tables() WHERE database_name = ?", [ALIAS]).fetchall()}
+                if "rollouts" not in tables:
+                    raise self._error("create the tables of", exc) from None
+        comment = con.execute("SELECT comment FROM duckdb_tables() WHERE database_name = ? AND table_name = 'rollouts'",
+                              [ALIAS]).fetchall()
+        columns = con.execute("SELECT column_name, data_type FROM duckdb_columns() WHERE database_name = ? AND "
+                              "table_name = 'rollouts' ORDER BY column_index", [ALIAS]).fetchall()
+        expected = [(f.name, _DUCK_TYPES[f.type]) for f in ROLLOUT_ARROW_SCHEMA]
+        actual = [(name, "TIMESTAMPTZ" if kind == "TIMESTAMP WITH TIME ZONE" else kind) for name, kind in columns]
+        if actual != expected or not comment or comment[0][0] != LAYOUT_COMMENT:
+            raise LakeError(f"lake {self.config.describe()}: its rollouts table is not one this store wrote "
+                            f"({LAYOUT_COMMENT!r}, the columns of ROLLOUT_ARROW_SCHEMA); found comment "
+                            f"{comment[0][0] if comment else None!r} and columns {actual[:4]}...")
+
+    def _cursor(self) -> duckdb.DuckDBPyConnection:
+        if self._con is None:
+            self.open()
+        if getattr(self._local, "generation", None) != self._generation:
+            with self._lock:
+                self._local.cursor = self._con.cursor()
+                self._local.cursor.execute(NO_PROGRESS_BAR)  # a connection's own setting: each cursor needs it
+                self._local.generation = self._generation
+        return self._local.cursor
+
+    def _error(self, action: str, exc: BaseException) -> LakeError:
+        message = " ".join(line.strip() for line in str(exc).strip().splitlines() if line.strip()) or type(exc).__name__
+        if _unavailable_markers(str(exc)):
+            return LakeUnavailable(f"cannot {action} lake {self.config.describe()}: {redact(message)}. Check that the "
+                                   "catalog and the storage are up and the credentials are right; nothing was changed")
+        return LakeError(f"cannot {action} lake {self.config.describe()}: {redact(message)}")
+
+    def _run(self, action: str, work):
+        """Run `work(cursor)`; on a lake that cannot be reached, drop the attach (the next call re-attaches)."""
+        try:
+            return work(self._cursor())
+        except duckdb.Error as exc:
+            error = self._error(action, exc)
+            if isinstance(error, LakeUnavailable):
+                self.reset()
+            raise error from None  # its message has the cause's text, passwords hidden
+
+    def reset(self) -> None:
+        """Detach: the next call attaches afresh (after the catalog or the storage came back)."""
+        with self._lock:
+            if self._con is not None:
+                try:
+                    self._con.close()
+                except duckdb.Error:
+                    pass
+                self._con = None
+                self._generation += 1
+
+    def close(self) -> None:
+        self.reset()
+
+    def __enter__(self) -> Lake:
+        return self.open()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ writing
+
+    def commit(self, table: pa.Table | None, problems: list[Problem] | tuple = ()) -> LakeCommit:
+        """Commit a validated table of whole groups (None: problems only) and their problems in one transaction.
+
+        Groups the lake already holds are skipped (returned as duplicates): a retried commit adds nothing.
+        Raises LakeUnavailable / LakeError; then nothing of this commit is visible.
+        """
+        table = ROLLOUT_ARROW_SCHEMA.empty_table() if table is None else table
+        group_ids = pc.unique(table.column("group_id"))
+        models = pc.unique(table.column("model_id"))
+        incoming_ids = pa.table({"group_id": group_ids})
+        incoming_models = pa.table({"model_id": models})
+        problem_rows = pa.Table.from_pylist([p.model_dump() for p in problems], schema=PROBLEM_ARROW_SCHEMA)
+
+        def work(con: duckdb.DuckDBPyConnection) -> LakeCommit:
+            con.execute("BEGIN")
+            try:
+                con.register("incoming_ids", incoming_ids)
+                con.register("incoming_models", incoming_models)
+                # the partition on model_id prunes the scan to the batch's models' files
+                held = con.execute(f"""
+                    SELECT DISTINCT group_id FROM {ALIAS}.rollouts
+                    WHERE model_id IN (SELECT model_id FROM incoming_models)
+                      AND group_id IN (SELECT group_id FROM incoming_ids)""").arrow().read_all().column("group_id")
+                fresh = table
+                if len(held):
+                    fresh = table.filter(pc.invert(pc.is_in(table.column("group_id"), held.combine_chunks())))
+                if fresh.num_rows:
+                    con.register("incoming", fresh)
+                    con.execute(f"INSERT INTO {ALIAS}.rollouts BY NAME SELECT * FROM incoming")
+                added = 0
+                if problem_rows.num_rows:
+                    con.register("incoming_problems", problem_rows)
+                    added = con.execute(f"""
+                        INSERT INTO {ALIAS}.problems BY NAME
+                        SELECT DISTINCT ON (dataset, prompt_id) * FROM incoming_problems p
+                        WHERE NOT EXISTS (SELECT 1 FROM {ALIAS}.problems q
+                                          WHERE q.dataset = p.dataset AND q.prompt_id = p.prompt_id)""").fetchall()[0][0]
+                con.execute("COMMIT")
+            except BaseException:
+                _rollback_quietly(con)
+                raise
+            finally:
+                for name in ("incoming_ids", "incoming_models", "incoming", "incoming_problems"):
+                    try:
+                        con.unregister(name)
+                    except duckdb.Error:
+                        pass
+            duplicates = held.to_pylist()
+            return LakeCommit(accepted_groups=len(group_ids) - len(duplicates), duplicate_groups=sorted(duplicates),
+                              problems_added=int(added), rollouts=fresh.num_rows)
+
+        # DuckLake retries a commit that lost the race for the next snapshot by itself; a SQLite catalog can also
+        # answer "database is locked" while another process commits: then the whole transaction runs again (its
+        # duplicate check included, so nothing lands twice)
+        for attempt in itertools.count():
+            try:
+                return self._run("commit to", work)
+            except LakeError as exc:
+                if attempt >= COMMIT_ATTEMPTS - 1 or not _retryable(exc):
+                    raise
+                time.sleep(random.uniform(0.5, 1.5) * min(2.0, 0.02 * 1.5 ** attempt))
+        raise AssertionError("unreachable")
+
+    # ------------------------------------------------------------------ reading
+
+    def snapshot(self) -> Snapshot:
+        """The newest committed snapshot (a replica asks every poll: one catalog query when nothing changed)."""
+        def work(con):
+            snapshot_id = int(con.execute(f"SELECT id FROM {ALIAS}.current_snapshot()").fetchall()[0][0])
+            last = self._last_snapshot
+            if last is not None and last.id == snapshot_id:
+                return last
+            # the catalog's snapshot table (DuckLake's spec), filtered in the catalog database
+            rows = con.execute(f"SELECT epoch_us(CAST(snapshot_time AS TIMESTAMPTZ)) "  # (SQLite keeps text)
+                               f"FROM __ducklake_metadata_{ALIAS}.ducklake_snapshot WHERE snapshot_id = ?",
+                               [snapshot_id]).fetchall()
+            self._last_snapshot = Snapshot(snapshot_id, int(rows[0][0]) if rows else 0)
+            return self._last_snapshot
+
+        return self._run("read the snapshot of", work)
+
+    def rollouts_between(self, after: int, upto: int) -> pa.Table:
+        """Rows committed in snapshots after+1..upto, in commit order (snapshot id, then row id), in
+        ROLLOUT_ARROW_SCHEMA, with the `rowid` and `snapshot_id` columns first. Groups are contiguous (each was
+        inserted in one statement)."""
+        return self._changes("rollouts", ROLLOUT_ARROW_SCHEMA.names, after, upto, ["rowid", "snapshot_id"])
+
+    def problems_between(self, after: int, upto: int) -> pa.Table:
+        """Problems committed in snapshots after+1..upto, in PROBLEM_ARROW_SCHEMA."""
+        return self._changes("problems", PROBLEM_ARROW_SCHEMA.names, after, upto, [])
+
+    def _changes(self, table: str, columns: list[str], after: int, upto: int, extra: list[str]) -> pa.Table:
+        """Rows a table gained in snapshots after+1..upto, in commit order (snapshot id, then row id).
+
+        DuckLake's change feed (`table_changes`) opens only the data files those snapshots added, so a poll costs
+        what is new and a damaged file spoils only the snapshots it holds. The feed starts at a snapshot the
+        catalog still has: after expiry, at the newest one not after after+1 (rows keep the id of the snapshot
+        that added them, so filtering on it gives the same rows); if none is left, at the table itself, filtered
+        on that id (which opens every data file's footer).
+        """
+        select = ", ".join([*extra, *columns])
+
+        def changes(con, start: int) -> pa.Table:
+            return con.execute(f"""
+                SELECT {select} FROM {ALIAS}.table_changes('{table}', ?, ?)
+                WHERE change_type = 'insert' AND snapshot_id > ? ORDER BY snapshot_id, rowid""",
+                               [start, upto, after]).arrow().read_all()
+
+        def work(con):
+            try:
+                return changes(con, after + 1)
+            except duckdb.CatalogException as exc:  # the table was created after `upto`: nothing to read
+                if "does not exist at version" not in str(exc):
+                    raise
+                return con.execute(f"SELECT {select} FROM {ALIAS}.{table} LIMIT 0").arrow().read_all()
+            except duckdb.InvalidInputException as exc:
+                if "no snapshot found" not in str(exc).lower():
+                    raise
+            start = con.execute(f"SELECT max(snapshot_id) FROM {ALIAS}.snapshots() WHERE snapshot_id <= ?",
+                                [after + 1]).fetchall()[0][0]
+            if start is not None:
+                try:
+                    return changes(con, start)
+                except duckdb.InvalidInputException as exc:
+                    if "no snapshot found" not in str(exc).lower():
+                        raise
+            return con.execute(f"""
+                SELECT {select} FROM {ALIAS}.{table} WHERE snapshot_id > ? AND snapshot_id <= ?
+                ORDER BY snapshot_id, rowid""",
+                               [after, upto]).arrow().read_all()
+
+        return self._run(f"read {table} from", work)
+
+    def iter_rollouts(self, after: int, upto: int, max_rows: int = 32768) -> Iterator[tuple[int, pa.Table]]:
+        """The rows of snapshots after+1..upto as (last snapshot id covered, rows of `rollouts_between`) windows
+        of about `max_rows` rows: the window's width in snapshot ids adapts to the rows the previous one held (a
+        row's snapshot id is the one that added it, kept when that snapshot is expired or its file merged)."""
+        width = 1
+        while after < upto:
+            end = min(upto, after + width)
+            rows = self.rollouts_between(after, end)
+            yield end, rows
+            after = end
+            width = next_window(width, rows.num_rows, max_rows)
+
+    def group_ids(self, model_id: str, model_revision: str | None = None, policy_step: int | None = None) -> set[str]:
+        """Ids of the model's stored groups (optionally of one revision and policy step)."""
+        def work(con):
+            rows = con.execute(f"""
+                SELECT DISTINCT group_id FROM {ALIAS}.rollouts WHERE model_id = ?
+                  AND (? IS NULL OR model_revision = ?) AND (? IS NULL OR policy_step = ?)""",
+                               [model_id, model_revision, model_revision, policy_step, policy_step]).arrow().read_all()
+            return set(rows.column("group_id").to_pylist())
+
+        return self._run("read group ids from", work)
+
+    def counts(self) -> dict[str, int]:
+        """Rows, distinct groups and data files of the rollouts table at the newest snapshot."""
+        def work(con):
+            rows, groups = con.execute(
+                f"SELECT count(*), count(DISTINCT group_id) FROM {ALIAS}.rollouts").fetchall()[0]
+            files = con.execute(f"SELECT count(*) FROM ducklake_list_files('{ALIAS}', 'rollouts')").fetchall()[0][0]
+            return {"rollouts": int(rows), "groups": int(groups), "files": int(files)}
+
+        return self._run("count", work)
+
+    # ------------------------------------------------------------------ maintenance
+
+    def maintain(self, expire_older_than_s: float, cleanup_older_than_s: float) -> dict[str, int]:
+        """DuckLake's maintenance: merge adjacent small files (row ids and snapshot ids kept, so followers see
+        nothing new), expire snapshots older than `expire_older_than_s`, delete files scheduled for deletion
+        and orphaned files (left by writers killed mid-commit) older than `cleanup_older_than_s`."""
+        def work(con):
+            before = con.execute(f"SELECT count(*) FROM ducklake_list_files('{ALIAS}', 'rollouts')").fetchall()[0][0]
+            con.execute(f"CALL ducklake_merge_adjacent_files('{ALIAS}')")
+            after = con.execute(f"SELECT count(*) FROM ducklake_list_files('{ALIAS}', 'rollouts')").fetchall()[0][0]
+            expire_before = _interval_ago(expire_older_than_s)
+            expired = con.execute(f"SELECT count(*) FROM ducklake_expire_snapshots('{ALIAS}', "
+                                  f"older_than => {expire_before})").fetchall()[0][0]
+            cleanup_before = _interval_ago(cleanup_older_than_s)
+            deleted = con.execute(f"SELECT count(*) FROM ducklake_cleanup_old_files('{ALIAS}', "
+                                  f"older_than => {cleanup_before})").fetchall()[0][0]
+            orphans = con.execute(
+                f"SELECT count(*) FROM ducklake_delete_orphaned_files('{ALIAS}', older_than => {cleanup_before})"
+            ).fetchall()[0][0]
+            return {"files_before": int(before), "files_after": int(after), "snapshots_expired": int(expired),
+                    "files_deleted": int(deleted), "orphans_deleted": int(orphans)}
+
+        return self._run("maintain", work)
+
+
+def next_window(width: int, rows: int, max_rows: int) -> int:
+    """The width in snapshot ids of the next window read from a lake, after one of `width` held `rows` rows."""
+    if rows > max_rows:
+        return max(1, width // 2)
+    return width * 2 if rows < max_rows // 4 else width
+
+
+def _interval_ago(seconds: float) -> str:
+    return f"now() - INTERVAL '{max(0.0, float(seconds)):.6f} seconds'"

@@ -1,0 +1,290 @@
+"""A store replica of a lake (`graft-store serve --backend lake`): the local index over a cache of the lake.
+
+The replica's root is a local store (shards, lookup files, index.duckdb) that only the replica writes: its
+ingest loop follows the lake instead of scanning for shards. Each time, it reads the groups committed in the
+snapshots after the one its cache holds (in commit order, so every replica keeps the same copy of a group
+committed twice and indexes groups in the same order), writes them as cache shards of one snapshot and model
+each, indexes them, and records the snapshot in the index. Lookups are then answered exactly as on the
+local backend, at the same cost, and two replicas that have read the same snapshot answer the same lookup
+identically. A new replica, or one whose cache was deleted, reads the whole lake; `graft-store rebuild
+--backend lake` starts the cache afresh.
+
+Pushes (POST /v1/groups) commit to the lake in one transaction and are read back at once. When the lake
+cannot be reached the replica keeps serving its cache, says why in /v1/stats and tries again on the next
+poll. A snapshot whose data cannot be read or does not validate (a corrupt data file) is set aside with the
+reason, listed in /v1/stats, retried every lake_retry_unreadable_s, and does not stop the snapshots after it.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from schemas import PROBLEM_ARROW_SCHEMA, LakeStats, Problem, StatsResponse
+from services.store_api.index import StoreIndex
+from services.store_api.lake import Lake, LakeError, LakeUnavailable, Snapshot, next_window, redact
+from services.store_api.lookup import ShardReader
+from services.store_api.mirror import now_us
+from services.store_api.queries import us_to_datetime
+from services.store_api.settings import StoreSettings
+from services.store_api.shards import model_dir, row_group_plan, write_problems, write_rollout_table
+from services.store_api.tables import ShardValidationError, group_runs, validate_table
+
+log = logging.getLogger("graft.store.replica")
+
+WINDOW_ROWS = 16384  # about this many rollouts read from the lake at a time (bounds the replica's memory)
+CACHE_SHARD_ROWS = 8192  # rollouts per cache shard, whole groups
+ERROR_LOG_INTERVAL_S = 60.0  # the same follow error is logged again after this long, not every poll
+
+
+class LakeReplica(StoreIndex):
+    """The local index of `settings.root` (the cache), fed from the lake of `settings.lake_catalog`."""
+
+    def __init__(self, settings: StoreSettings):
+        super().__init__(settings)
+        self.lake = Lake(settings.lake_config())
+        self.followed = -1  # the newest snapshot whose groups the cache holds (-1: none read)
+        self.followed_time_us: int | None = None
+        self.newest: Snapshot | None = None  # the lake's newest snapshot when last looked
+        self.checked_us: int | None = None
+        self.error: str | None = None
+        self.unreadable: dict[int, str] = {}  # snapshot id -> why its data could not be read
+        self._unreadable_tried = 0.0
+        self._logged: tuple[str, float] | None = None
+        self._follow_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ opening
+
+    def open(self) -> LakeReplica:
+        """Open the cache's index, then catch up with the lake. A lake that cannot be reached is an error when
+        the cache is empty (nothing to serve), else the replica serves its cache and keeps trying."""
+        self._connect()
+        self._reconcile()
+        self._load_mirror()
+        self._load_follow_state()
+        try:
+            self.lake.open()
+        except LakeUnavailable as exc:
+            if not len(self.mirror):
+                raise
+            self._failed(exc)
+        else:
+            self.follow()
+            if self.error and not len(self.mirror) and self.followed < 0:
+                raise LakeError(self.error)
+        self.write_manifest()  # the cache's live files, as a local store's (manifest.py)
+        self.delete_orphan_lookup_files()
+        return self
+
+    def _load_follow_state(self) -> None:
+        meta = dict(self._con.execute("SELECT key, value FROM meta WHERE key LIKE 'lake_%'").fetchall())
+        identity = self.lake.config.describe()
+        if meta.get("lake_identity") not in (None, identity):
+            log.warning("cache %s held lake %s, this replica follows %s: starting the cache afresh", self.root,
+                        meta["lake_identity"], identity)
+            self._clear_cache()
+            meta = {}
+        self._set_meta("lake_identity", identity)
+        self.followed = int(meta.get("lake_snapshot", -1))
+        self.followed_time_us = int(meta["lake_snapshot_time_us"]) if meta.get("lake_snapshot_time_us") else None
+        self.unreadable = {int(s): "not read yet since the restart" for s in
+                           (meta.get("lake_unreadable") or "").split(",") if s}
+
+    def _set_meta(self, key: str, value: str) -> None:
+        with self._write_lock:
+            self._con.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", [key, value])
+
+    def _clear_cache(self) -> None:
+        """An empty cache: no shards, lookup files, problems or index entries (the lake holds them all)."""
+        with self._write_lock:
+            self.reader = ShardReader(self.root, self.settings.max_open_files)  # drops the open lookup files
+            for sub in ("rollouts", "prompts", "lookup"):
+                shutil.rmtree(self.root / sub, ignore_errors=True)
+            self.recreate()
+            for sub in ("rollouts", "prompts", "quarantine"):
+                (self.root / sub).mkdir(parents=True, exist_ok=True)
+            self.followed, self.followed_time_us, self.unreadable = -1, None, {}
+
+    def rebuild(self) -> int:
+        """Start the cache afresh and read the whole lake into it (stop the server first); groups cached."""
+        with self._write_lock:
+            if self._con is None:
+                self._connect()  # takes the index's file lock, or raises IndexLocked
+            self._clear_cache()
+            self._set_meta("lake_identity", self.lake.config.describe())
+        self.lake.open()
+        self.follow()
+        if self.error:
+            raise LakeError(self.error)
+        return len(self.mirror)
+
+    def close(self) -> None:
+        super().close()
+        self.lake.close()
+
+    # ------------------------------------------------------------------ following the lake
+
+    def ingest_new(self) -> int:
+        """The ingest loop's call: follow the lake (the cache has no other writer to scan for)."""
+        return self.follow()
+
+    def follow(self) -> int:
+        """Read the snapshots newer than the cache's into the cache; return the groups added."""
+        with self._follow_lock:
+            added = 0
+            try:
+                newest = self.lake.snapshot()
+                self.newest, self.checked_us = newest, now_us()
+                if newest.id > self.followed:
+                    added += self._read(self.followed, newest.id)
+                    self.followed_time_us = newest.time_us
+                    self._set_meta("lake_snapshot_time_us", str(newest.time_us))
+                retry_due = time.monotonic() - self._unreadable_tried >= self.settings.lake_retry_unreadable_s
+                if self.unreadable and retry_due:
+                    added += self._retry_unreadable()
+            except LakeError as exc:  # unreachable, or failing as a whole: serve the cache, try again next poll
+                self._failed(exc)
+                return added
+            finally:
+                if added:
+                    self.write_manifest()
+            self.error = None
+            return added
+
+    def _read(self, after: int, upto: int) -> int:
+        """Snapshots after+1..upto in windows of about WINDOW_ROWS rollouts; a window that fails to read is read
+        again one snapshot at a time, and a snapshot that still fails is set aside."""
+        added, width = 0, 1  # grows while windows are small: a backlog of big commits never comes at once
+        while after < upto:
+            end = min(upto, after + width)
+            try:
+                rows = self.lake.rollouts_between(after, end)
+                added += self._ingest(rows, self.lake.problems_between(after, end))
+            except LakeUnavailable:
+                raise
+            except (LakeError, ShardValidationError, pa.ArrowException) as exc:
+                if end - after > 1:
+                    width = 1
+                    continue
+                self._set_aside(end, exc)
+                rows = None
+            self._advance(end)
+            after = end
+            if rows is not None:
+                width = next_window(width, rows.num_rows, WINDOW_ROWS)
+        return added
+
+    def _retry_unreadable(self) -> int:
+        self._unreadable_tried = time.monotonic()
+        self.lake.reset()  # a fresh DuckDB instance: nothing of the damaged files stays in its caches
+        added = 0
+        for snapshot in sorted(self.unreadable):
+            try:
+                added += self._ingest(self.lake.rollouts_between(snapshot - 1, snapshot),
+                                      self.lake.problems_between(snapshot - 1, snapshot))
+            except LakeUnavailable:
+                raise
+            except (LakeError, ShardValidationError, pa.ArrowException) as exc:
+                self.unreadable[snapshot] = _reason(exc)
+                continue
+            log.info("lake snapshot %d is readable again: %d groups cached", snapshot, added)
+            del self.unreadable[snapshot]
+        self._set_meta("lake_unreadable", ",".join(map(str, sorted(self.unreadable))))
+        return added
+
+    def _set_aside(self, snapshot: int, exc: BaseException) -> None:
+        self.unreadable[snapshot] = _reason(exc)
+        self._set_meta("lake_unreadable", ",".join(map(str, sorted(self.unreadable))))
+        log.error("lake snapshot %d cannot be read into the cache (its groups are missing here until it can; "
+                  "retried every %.0f s): %s", snapshot, self.settings.lake_retry_unreadable_s,
+                  self.unreadable[snapshot])
+
+    def _advance(self, snapshot: int) -> None:
+        self.followed = snapshot
+        self._set_meta("lake_snapshot", str(snapshot))
+
+    def _failed(self, exc: BaseException) -> None:
+        self.error = _reason(exc)
+        now = time.monotonic()
+        if self._logged is None or self._logged[0] != self.error or now - self._logged[1] >= ERROR_LOG_INTERVAL_S:
+            log.error("cannot follow the lake (serving the cache, snapshot %d; trying again every poll): %s",
+                      self.followed, self.error)
+            self._logged = (self.error, now)
+
+    def _ingest(self, rows: pa.Table, problems: pa.Table) -> int:
+        """Cache the groups of lake rows (commit order) not cached yet, the first copy of each; and problems.
+
+        Cache shards hold one snapshot's groups of one model, indexed in commit order: the order groups are
+        indexed in (which GET /v1/rollouts pages by) is then the lake's, whatever windows a replica read.
+        """
+        fresh_problems = [Problem(**p) for p in problems.cast(PROBLEM_ARROW_SCHEMA).to_pylist()
+                          if (p["dataset"], p["prompt_id"]) not in self._known_problems]
+        if fresh_problems:
+            with self._write_lock:
+                for path in write_problems(self.root, fresh_problems):
+                    self.ingest_problem_file(path)
+        if not rows.num_rows:
+            return 0
+        group_ids = rows.column("group_id")
+        # a group committed twice (writers racing with one group id): keep the copy of the earliest snapshot
+        first = rows.select(["group_id", "snapshot_id"]).group_by("group_id", use_threads=False).aggregate(
+            [("snapshot_id", "min")])
+        first_snapshot = first.column("snapshot_id_min").take(pc.index_in(group_ids, first.column("group_id")))
+        keep = pc.equal(rows.column("snapshot_id"), first_snapshot)
+        if not pc.all(keep).as_py():
+            log.warning("%d groups were committed to the lake more than once; the cache keeps the first copy",
+                        len(pc.unique(rows.filter(pc.invert(keep)).column("group_id"))))
+        cached = pa.array([g in self.mirror for g in group_ids.to_pylist()], pa.bool_())
+        rows = rows.filter(pc.and_(keep, pc.invert(cached)))
+        if not rows.num_rows:
+            return 0
+        snapshot_ids = rows.column("snapshot_id").to_numpy()  # (rows,) ascending
+        table = validate_table(rows.drop_columns(["rowid", "snapshot_id"]))
+        bounds = [0, *(np.flatnonzero(np.diff(snapshot_ids)) + 1).tolist(), table.num_rows]
+        added = 0
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            snapshot = table.slice(start, end - start)
+            models = pc.unique(snapshot.column("model_id")).to_pylist()
+            for model in models:
+                of_model = snapshot if len(models) == 1 else snapshot.filter(
+                    pc.equal(snapshot.column("model_id"), model))
+                _, lengths = group_runs(of_model.column("group_id"))
+                offset = 0
+                for rows_in_shard in row_group_plan(lengths, CACHE_SHARD_ROWS):
+                    path = write_rollout_table(model_dir(self.root, model), of_model.slice(offset, rows_in_shard))
+                    added += self.ingest_file(path)
+                    offset += rows_in_shard
+        self.last_ingest_us = now_us()
+        return added
+
+    # ------------------------------------------------------------------ writes and stats
+
+    def push(self, table: pa.Table, problems: list[Problem]) -> tuple[int, list[str], str | None]:
+        """Commit validated groups to the lake in one transaction, then read them into the cache at once."""
+        result = self.lake.commit(table, problems)
+        self.follow()
+        return result.accepted_groups, result.duplicate_groups, None
+
+    def stats(self) -> StatsResponse:
+        stats = super().stats()
+        age = None if self.followed_time_us is None else round((now_us() - self.followed_time_us) / 1e6, 3)
+        stats.backend = "lake"
+        stats.lake = LakeStats(
+            catalog=redact(self.lake.config.catalog), data_path=self.lake.data_path,
+            snapshot_id=None if self.followed < 0 else self.followed,
+            snapshot_at=us_to_datetime(self.followed_time_us), snapshot_age_s=age,
+            newest_snapshot_id=None if self.newest is None else self.newest.id,
+            checked_at=us_to_datetime(self.checked_us), error=self.error, unreadable_snapshots=sorted(self.unreadable),
+        )
+        return stats
+
+
+def _reason(exc: BaseException) -> str:
+    return redact(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+

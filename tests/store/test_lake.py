@@ -1,0 +1,327 @@
+"""The lake itself (services.store_api.lake): writers' transactions against a real PostgreSQL catalog with data on
+moto's S3 server, and a SQLite catalog with data on a local path."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+from store_factory import make_group, make_problem, wait_for
+from typer.testing import CliRunner
+
+from benchmarks.lake_services import free_port
+from schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA
+from services.store_api import lake as lake_module
+from services.store_api.cli import app as cli_app
+from services.store_api.lake import ExtensionMissing, Lake, LakeConfig, LakeError, LakeUnavailable
+from services.store_api.shards import write_groups
+from services.store_api.tables import conform_table, groups_table, validate_table
+
+WRITER = Path(__file__).resolve().parent / "lake_writer_proc.py"
+
+
+def table_of(groups) -> pa.Table:
+    return validate_table(groups_table(groups))
+
+
+def lake_rows(lake: Lake) -> pa.Table:
+    """Every row of the lake, in commit order, in ROLLOUT_ARROW_SCHEMA."""
+    rows = lake.rollouts_between(-1, lake.snapshot().id)
+    return conform_table(rows.drop_columns(["rowid", "snapshot_id"]))
+
+
+def start_writer(config: LakeConfig, model: str, batches: int, per_batch: int, log: Path, offset: int = 0):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GRAFT_LAKE_", "AWS_"))} | config.env()
+    return subprocess.Popen([sys.executable, str(WRITER), model, str(batches), str(per_batch), str(log), str(offset)],
+                            env=env, stderr=subprocess.PIPE, text=True)
+
+
+def log_lines(log: Path) -> list[list[str]]:
+    return [line.split() for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def done_batches(log: Path) -> dict[int, list[str]]:
+    return {int(words[1]): words[2:] for words in log_lines(log) if words[0] == "done"}
+
+
+
+def test_commit_reads_back_identical_rows_and_problems(any_lake):
+    groups = [make_group(i, "model-a", step=2) for i in range(6)] + [make_group(i, "model-b") for i in range(3)]
+    problems = [make_problem(i) for i in range(6)]
+    with Lake(any_lake) as lake:
+        first = lake.commit(table_of(groups[:6]), problems)
+        second = lake.commit(table_of(groups[6:]), problems[:3])
+        assert (first.accepted_groups, first.problems_added, second.accepted_groups, second.problems_added) == (6, 6, 3, 0)
+        rows = lake_rows(lake)
+        assert rows.schema == ROLLOUT_ARROW_SCHEMA
+        assert rows.equals(table_of(groups))  # every column, in commit order, unchanged
+        stored = lake.problems_between(-1, lake.snapshot().id)
+        assert sorted(stored.cast(PROBLEM_ARROW_SCHEMA).to_pylist(), key=str) == sorted(
+            [p.model_dump() for p in problems], key=str)
+        assert lake.group_ids("model-a", "rev1", 2) == {g.group_id for g in groups[:6]}
+        assert lake.group_ids("model-b") == {g.group_id for g in groups[6:]}
+    # plain DuckDB reads it with no project code but the extensions
+    con = lake_module.lake_connection(any_lake)
+    con.execute(f"ATTACH '{any_lake.catalog}' AS plain (READ_ONLY)")
+    assert con.execute("SELECT model_id, count(*) FROM plain.rollouts GROUP BY 1 ORDER BY 1").fetchall() == [
+        ("model-a", 24), ("model-b", 12)]
+
+
+def test_retried_commit_adds_nothing(any_lake):
+    groups = [make_group(i, "model-a") for i in range(5)]
+    with Lake(any_lake) as lake:
+        lake.commit(table_of(groups[:3]))
+        snapshot = lake.snapshot().id
+        again = lake.commit(table_of(groups))  # a retry holding 3 committed groups and 2 new ones
+        assert again.accepted_groups == 2 and again.duplicate_groups == sorted(g.group_id for g in groups[:3])
+        assert lake.commit(table_of(groups)).accepted_groups == 0
+        assert lake.snapshot().id == snapshot + 1  # a commit that adds nothing makes no snapshot
+        rows = lake_rows(lake)
+        assert rows.num_rows == 5 * 4 and pc.count_distinct(rows.column("rollout_id")).as_py() == 20
+
+
+@pytest.mark.parametrize("setup", ["postgres+s3", "sqlite+path"])
+def test_concurrent_writer_processes_commit_exactly_4n_groups(setup, request, tmp_path):
+    config = request.getfixturevalue("pg_s3_lake" if setup == "postgres+s3" else "sqlite_lake")
+    Lake(config).open().close()  # the tables exist before the writers race (their creation is tested below)
+    batches, per_batch = 4, 6
+    logs = [tmp_path / f"writer-{w}.log" for w in range(4)]
+    writers = [start_writer(config, f"model-{w % 2}", batches, per_batch, log, offset=1000 * w)
+               for w, log in enumerate(logs)]
+    for writer in writers:
+        _, stderr = writer.communicate(timeout=300)
+        assert writer.returncode == 0, stderr
+    expected = {g for log in logs for ids in done_batches(log).values() for g in ids}
+    assert len(expected) == 4 * batches * per_batch
+    with Lake(config) as lake:
+        rows = lake_rows(lake)
+    group_ids = rows.column("group_id").to_pylist()
+    assert set(group_ids) == expected and len(group_ids) == 8 * len(expected)  # 4N groups, no duplicate rows
+    assert pc.count_distinct(rows.column("rollout_id")).as_py() == rows.num_rows
+
+
+def test_writers_racing_to_create_the_tables(pg_s3_lake, tmp_path):
+    logs = [tmp_path / f"writer-{w}.log" for w in range(3)]
+    writers = [start_writer(pg_s3_lake, "model-a", 1, 2, log, offset=10 * w) for w, log in enumerate(logs)]
+    for writer in writers:
+        _, stderr = writer.communicate(timeout=300)
+        assert writer.returncode == 0, stderr
+    with Lake(pg_s3_lake, create=False) as lake:
+        assert lake.counts()["groups"] == 6
+
+
+def test_writer_killed_mid_commit_leaves_no_partial_group(pg_s3_lake, moto_s3, tmp_path):
+    Lake(pg_s3_lake).open().close()
+    per_batch = 150  # ~1 MB of Parquet per commit: the kill lands while data files upload or the catalog commits
+    acknowledged: set[str] = set()
+    for round_index, delay_s in enumerate((0.0, 0.05, 0.15, 0.4)):
+        log = tmp_path / f"round-{round_index}.log"
+        writer = start_writer(pg_s3_lake, "model-k", 50, per_batch, log, offset=100_000 * round_index)
+        wait_for(lambda: sum(words[0] == "begin" for words in log_lines(log)) >= 2, 120, "a second commit starting")
+        time.sleep(delay_s)  # where the kill lands varies; what must hold does not depend on it
+        writer.send_signal(signal.SIGKILL)
+        writer.communicate()
+        acknowledged |= {g for ids in done_batches(log).values() for g in ids}
+    with Lake(pg_s3_lake) as lake:
+        rows = lake_rows(lake)
+        counts = pc.value_counts(rows.column("group_id"))
+        assert set(counts.field("counts").to_pylist()) == {8}  # every visible group is whole
+        visible = set(counts.field("values").to_pylist())
+        assert acknowledged <= visible  # nothing acknowledged is lost
+        assert len(visible - acknowledged) <= 4 * per_batch  # at most the batch each kill caught after its commit
+        assert len(visible) % per_batch == 0  # whole batches only: one transaction each
+        prefix = pg_s3_lake.data_path.removeprefix(f"s3://{moto_s3.bucket}/")
+
+        def data_files() -> set[str]:  # both tables': a killed commit may have uploaded its problems too
+            return {p for table in ("rollouts", "problems") for (p,) in lake._cursor().execute(
+                f"SELECT data_file FROM ducklake_list_files('lake', '{table}')").fetchall()}
+
+        def stored() -> set[str]:
+            return {f"s3://{moto_s3.bucket}/{key}" for key in moto_s3.objects(prefix)}
+
+        orphans = stored() - data_files()  # uploaded by a commit that was killed before the catalog took it
+        assert data_files() <= stored()
+        report = lake.maintain(expire_older_than_s=3600, cleanup_older_than_s=0)
+        assert report["orphans_deleted"] == len(orphans)
+        assert stored() == data_files()  # orphans and merged-away files deleted
+        assert lake_rows(lake).equals(rows)
+
+
+def test_missing_or_mismatched_extension_names_the_package(monkeypatch):
+    real_version = lake_module.importlib.metadata.version
+
+    def version(package):
+        if package == "duckdb-extension-httpfs":
+            raise lake_module.importlib.metadata.PackageNotFoundError(package)
+        if package == "duckdb-extension-postgres":
+            return "1.4.3"
+        return real_version(package)
+
+    monkeypatch.setattr(lake_module.importlib.metadata, "version", version)
+    con = duckdb.connect(config={"autoinstall_known_extensions": False})
+    with pytest.raises(ExtensionMissing, match=r"pip install 'duckdb-extension-httpfs==1\.5\.5'"):
+        lake_module.load_extensions(con)
+    monkeypatch.setattr(lake_module, "EXTENSIONS", {"postgres": "postgres_scanner"})
+    with pytest.raises(ExtensionMissing, match=r"duckdb-extension-postgres 1\.4\.3 is installed, DuckDB is 1\.5\.5"):
+        lake_module.load_extensions(con)
+    monkeypatch.setattr(lake_module.duckdb, "__version__", "2.0.1")
+    with pytest.raises(ExtensionMissing, match=r"needs duckdb==1\.5\.5"):
+        lake_module.load_extensions(con)
+
+
+def test_lake_catalog_must_admit_many_processes():
+    with pytest.raises(ValueError, match="ducklake:postgres:.*ducklake:sqlite:"):
+        LakeConfig(catalog="ducklake:metadata.ducklake")
+    assert LakeConfig(catalog="sqlite:/x/c.sqlite").catalog == "ducklake:sqlite:/x/c.sqlite"
+
+
+def test_unreachable_catalog_and_wrong_password_are_clear_errors(postgres, moto_s3):
+    dead = LakeConfig(catalog=f"ducklake:postgres:dbname=x host=127.0.0.1 port={free_port()} user=graft password=s3cret",
+                      data_path=f"s3://{moto_s3.bucket}/dead/")
+    with pytest.raises(LakeUnavailable, match="cannot attach lake .*(refused|connect)") as error:
+        Lake(dead).open()
+    assert "s3cret" not in str(error.value) and "password=***" in str(error.value)
+    postgres.create_database("wrong_password")
+    wrong = LakeConfig(catalog=f"ducklake:postgres:{postgres.dsn('wrong_password', password='not-it')}")
+    with pytest.raises(LakeUnavailable, match="password authentication failed") as error:
+        Lake(wrong).open()
+    assert "not-it" not in str(error.value)
+
+
+def test_unreachable_bucket_fails_the_commit_and_nothing_lands(pg_s3_lake, moto_s3):
+    groups = [make_group(i, "model-a") for i in range(4)]
+    with Lake(pg_s3_lake) as lake:
+        lake.commit(table_of(groups[:2]))
+        before = lake.snapshot().id
+        moto_s3.stop()
+        try:
+            with pytest.raises(LakeUnavailable, match="cannot commit to lake"):
+                lake.commit(table_of(groups[2:]))
+        finally:
+            moto_s3.start()
+        assert lake.snapshot().id == before  # the catalog holds nothing of the failed commit
+        retry = lake.commit(table_of(groups))  # the writer retries the whole batch once the bucket is back
+        assert retry.accepted_groups == 2 and len(retry.duplicate_groups) == 2
+        assert lake_rows(lake).equals(table_of(groups))
+
+
+def test_wrong_s3_credentials_fail_clearly(postgres, tmp_path):
+    """moto with IAM authentication on (its own process: the setting is process-wide in moto)."""
+    from benchmarks.lake_services import MotoS3
+
+    with MotoS3(bucket="auth-lake", in_process=False) as s3:
+        iam = __import__("boto3").client("iam", endpoint_url=s3.endpoint, aws_access_key_id="x",
+                                         aws_secret_access_key="x", region_name="us-east-1")
+        iam.create_user(UserName="writer")
+        iam.put_user_policy(UserName="writer", PolicyName="s3", PolicyDocument=json.dumps({
+            "Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}))
+        key = iam.create_access_key(UserName="writer")["AccessKey"]
+        __import__("httpx").post(f"{s3.endpoint}/moto-api/reset-auth", content=b"0").raise_for_status()
+        catalog = f"ducklake:postgres:{postgres.create_database('wrong_s3_key')}"
+        good = LakeConfig(catalog=catalog, data_path="s3://auth-lake/x/", s3_endpoint=s3.endpoint,
+                          s3_key_id=key["AccessKeyId"], s3_secret=key["SecretAccessKey"])
+        with Lake(good) as lake:
+            lake.commit(table_of([make_group(1)]))
+            snapshot = lake.snapshot().id
+        bad = good.model_copy(update={"s3_secret": "wrong-secret"})
+        with Lake(bad) as lake:
+            with pytest.raises(LakeUnavailable, match="(?i)(403|forbidden|signature)"):
+                lake.commit(table_of([make_group(2)]))
+            assert lake.snapshot().id == snapshot
+
+
+def test_a_lake_of_another_layout_is_refused(sqlite_lake):
+    con = lake_module.lake_connection(sqlite_lake)
+    con.execute(f"ATTACH '{sqlite_lake.catalog}' AS other (DATA_PATH '{sqlite_lake.data_path}')")
+    con.execute("CREATE TABLE other.rollouts (rollout_id VARCHAR)")
+    con.close()
+    with pytest.raises(LakeError, match="not one this store wrote"):
+        Lake(sqlite_lake).open()
+
+
+def local_rows(root: Path) -> pa.Table:
+    """A local store's rows as its index serves them: the first copy of each group, by rollout id."""
+    from services.store_api.migrate import local_shards
+
+    seen, pieces = set(), []
+    for shard in local_shards(root):
+        table = validate_table(pq.read_table(shard))
+        fresh = [g for g in pc.unique(table.column("group_id")).to_pylist() if g not in seen]
+        seen.update(fresh)
+        pieces.append(table.filter(pc.is_in(table.column("group_id"), pa.array(fresh, pa.string()))))
+    rows = pa.concat_tables(pieces)
+    return rows.take(pc.sort_indices(rows, [("rollout_id", "ascending")]))
+
+
+def test_migrate_root_to_lake_and_back_is_identical(any_lake, tmp_path):
+    root, back = tmp_path / "store", tmp_path / "back"
+    for shard in range(3):
+        write_groups(root, [make_group(10 * shard + i, "model-a", step=shard) for i in range(5)],
+                     [make_problem(10 * shard + i) for i in range(5)])
+        write_groups(root, [make_group(10 * shard + i, "model-b", step=shard, rewards=[1.0, None, 0.0])
+                            for i in range(4)])
+    repeated = pq.read_table(local_shards_of(root, "model-a")[0]).slice(0, 4)  # one group written again, later
+    write_groups(root, repeated)
+    runner = CliRunner()
+    env = {k: v for k, v in any_lake.env().items() if k != "GRAFT_LAKE_CATALOG"}
+    to_lake = runner.invoke(cli_app, ["migrate", "--from", str(root), "--to", any_lake.catalog, "--no-progress"], env=env)
+    assert to_lake.exit_code == 0, to_lake.output
+    report = json.loads(to_lake.output.strip().splitlines()[-1])
+    assert report == {"shards": 7, "groups": 27, "rollouts": 3 * (5 * 4 + 4 * 3), "duplicate_groups": 1, "problems": 15,
+                      "skipped_shards": 0}
+    again = runner.invoke(cli_app, ["migrate", "--from", str(root), "--to", any_lake.catalog, "--no-progress"], env=env)
+    assert json.loads(again.output.strip().splitlines()[-1])["groups"] == 0  # idempotent
+    to_root = runner.invoke(cli_app, ["migrate", "--from", any_lake.catalog, "--to", str(back), "--no-progress"], env=env)
+    assert to_root.exit_code == 0, to_root.output
+    assert json.loads(to_root.output.strip().splitlines()[-1])["groups"] == 27
+    assert local_rows(back).equals(local_rows(root))
+    from services.store_api.migrate import local_problems
+
+    assert sorted(local_problems(back), key=str) == sorted(local_problems(root), key=str)
+    with Lake(any_lake) as lake:  # the lake holds exactly the root's rows, in the root's order
+        rows = lake_rows(lake)
+        assert rows.take(pc.sort_indices(rows, [("rollout_id", "ascending")])).equals(local_rows(root))
+    back_again = runner.invoke(cli_app, ["migrate", "--from", any_lake.catalog, "--to", str(back), "--no-progress"],
+                               env=env)
+    assert json.loads(back_again.output.strip().splitlines()[-1])["groups"] == 0
+    bad = runner.invoke(cli_app, ["migrate", "--from", str(root), "--to", str(back)])
+    assert bad.exit_code == 2 and "one of each" in bad.output
+
+
+def local_shards_of(root: Path, model: str) -> list[Path]:
+    return sorted((root / "rollouts" / f"model={model}").glob("part-*.parquet"))
+
+
+def test_readme_plain_duckdb_lines_read_the_lake(pg_s3_lake, moto_s3):
+    """The README's SQL, run as written (only addresses and keys swapped for the test servers') in a bare
+    DuckDB with the extensions installed from their wheels: no project code reads the lake."""
+    from duckdb_extensions import import_extension
+
+    from benchmarks.lake_services import S3_KEY_ID, S3_SECRET
+
+    with Lake(pg_s3_lake) as lake:
+        lake.commit(table_of([make_group(i, "model-a") for i in range(3)] + [make_group(i, "model-b") for i in range(2)]))
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    sql = readme.split("Plain DuckDB reads the lake", 1)[1].split("```sql\n", 1)[1].split("```", 1)[0]
+    sql = (sql.replace("KEY_ID 'graft'", f"KEY_ID '{S3_KEY_ID}'").replace("'graft-lake-secret'", f"'{S3_SECRET}'")
+           .replace("'127.0.0.1:9000'", f"'{moto_s3.endpoint.removeprefix('http://')}'")
+           .replace("dbname=graft_lake host=127.0.0.1 user=graft password=graft-lake",
+                    pg_s3_lake.catalog.removeprefix("ducklake:postgres:")))
+    con = duckdb.connect(config={"autoinstall_known_extensions": False, "autoload_known_extensions": False})
+    for extension in ("ducklake", "httpfs", "postgres"):
+        import_extension(extension, con=con)
+    statements = [statement.strip() for statement in sql.split(";") if statement.strip()]
+    for statement in statements[:-2]:
+        con.execute(statement)
+    assert sorted((m, g) for m, g, _ in con.execute(statements[-2]).fetchall()) == [("model-a", 3), ("model-b", 2)]
+    assert con.execute(statements[-1]).arrow().read_all().num_rows == 3  # (Python needs pytz for fetchall here)
