@@ -1,4 +1,4 @@
-"""Problems from the shared data folder (by benchmark name) or from any JSONL / Parquet file."""
+"""Problems from the repository's data folder (by benchmark name) or from any JSONL / Parquet file."""
 
 from __future__ import annotations
 
@@ -27,8 +27,12 @@ BENCHMARKS = ["math500", "aime24", "amc23", "minerva_math", "olympiadbench"]  # 
 
 
 def data_dir() -> Path:
-    """The shared data folder: env GRAFT_DATA_DIR, default `<repo root>/../shared/data`."""
-    return Path(os.environ.get("GRAFT_DATA_DIR", REPO_ROOT.parent / "shared" / "data"))
+    """The data folder: env GRAFT_DATA_DIR when set, else the repository's `data/` (sources in data/SOURCES.md).
+
+    An installed copy of the package (not editable) has no `data/` beside it: set GRAFT_DATA_DIR there,
+    as docker-compose does."""
+    override = os.environ.get("GRAFT_DATA_DIR")
+    return Path(override) if override else REPO_ROOT / "data"
 
 
 def load_problems(path_or_benchmark_name: str, limit: int | None = None) -> list[Problem]:
@@ -41,7 +45,9 @@ def load_problems(path_or_benchmark_name: str, limit: int | None = None) -> list
         relative, answer_field = KNOWN_DATASETS[path_or_benchmark_name]
         path, dataset = data_dir() / relative, path_or_benchmark_name
         if not path.exists():
-            raise FileNotFoundError(f"{path} not found: set GRAFT_DATA_DIR to the folder holding {relative}")
+            raise FileNotFoundError(
+                f"{path} not found: set GRAFT_DATA_DIR to a folder holding {relative} (default: the repository's data/)"
+            )
     else:
         path, answer_field = Path(path_or_benchmark_name), "answer"
         if not path.exists() and not path.is_absolute() and (data_dir() / path).exists():

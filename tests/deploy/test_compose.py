@@ -126,3 +126,23 @@ def test_lake_profile_services() -> None:
 @pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose client not installed (CI installs it)")
 def test_docker_compose_config_is_valid() -> None:
     subprocess.run(["docker-compose", "-f", str(ROOT / "docker-compose.yml"), "config", "-q"], check=True, cwd=ROOT)
+
+
+def test_datasets_mount_is_the_repositorys_data_and_holds_what_the_services_read(monkeypatch) -> None:
+    """The CUDA services read data sets from /datasets (GRAFT_DATA_DIR); by default that is ./data of this
+    checkout, and every data set their configs name is in it."""
+    image = COMPOSE["x-cuda-image"]
+    mount = next(v for v in image["volumes"] if v.endswith(":/datasets:ro"))
+    source = mount.removesuffix(":/datasets:ro")
+    default = source.split(":-", 1)[1].rstrip("}") if source.startswith("${") else source
+    assert default == "./data" and image["environment"]["GRAFT_DATA_DIR"] == "/datasets"
+    monkeypatch.setenv("GRAFT_DATA_DIR", str(ROOT / default))
+    from services.generator.datasets import load_problems
+
+    for service in COMPOSE["services"].values():
+        configs = [ROOT / a.replace("/configs/", "configs/") for a in service["command"] if a.startswith("/configs/")]
+        for config in configs:
+            cfg = yaml.safe_load(config.read_text())
+            names = [cfg["dataset"]] if "dataset" in cfg else [cfg["data"]["dataset"], *cfg.get("eval", {}).get("benchmarks", {}).values()]
+            for name in names:
+                assert load_problems(name, limit=1), f"{config.name} names {name!r}, absent from {default}"
