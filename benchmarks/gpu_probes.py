@@ -1,0 +1,110 @@
+"""The two parts of `make gpu-check` (benchmarks/gpu_check.py) that touch CUDA from Python directly, each run
+as its own process so that the check's driver never holds the GPU:
+
+    python -m benchmarks.gpu_probes cuda OUT_JSON
+        torch and vLLM versions, the GPU's name and memory, bf16 support.
+    python -m benchmarks.gpu_probes sync MODEL_DIR OUT_JSON --dtype bfloat16 --device cuda
+        the trainer's in-process vLLM engine (trainer.vllm_sync) samples; the policy's weights are changed;
+        sync_weights copies them into the engine; its logprobs must then follow the changed policy (a
+        teacher-forced float32 forward pass), where before the sync they followed the old one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+SYNC_PROBLEMS = [
+    "What is 12 + 7?",
+    "Tom has 3 apples and buys 5 more. How many apples does he have?",
+    "A box holds 6 eggs. How many eggs are in 4 boxes?",
+    "What is 45 minus 18?",
+]
+
+
+def probe_cuda() -> dict:
+    info: dict = {"torch": torch.__version__, "torch_cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available()}
+    if info["cuda_available"]:
+        props = torch.cuda.get_device_properties(0)
+        info.update(devices=torch.cuda.device_count(), name=props.name, memory_gib=round(props.total_memory / 2**30, 1),
+                    bf16=torch.cuda.is_bf16_supported())
+    try:
+        import vllm
+
+        info["vllm"] = vllm.__version__
+    except ImportError as error:  # reported, not raised: the check says which package is missing
+        info["vllm_error"] = f"{type(error).__name__}: {error}"
+    return info
+
+
+def probe_sync(model_dir: str, dtype: str, device: str) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from services.generator.hf_backend import teacher_forced_logprobs
+    from services.generator.models import load_tokenizer
+    from services.generator.prompts import build_prompt
+    from services.generator.sampling import SamplingParams
+    from trainer.vllm_sync import start_vllm_backend, sync_weights
+
+    tokenizer = load_tokenizer(model_dir)
+    # The policy as the trainer keeps it: float32 master weights on the device.
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    backend = start_vllm_backend(model_dir, "sync-probe", "sync-probe", seed=0, max_model_len=2048,
+                                 gpu_memory_utilization=0.2, dtype=dtype)
+    prompts = [build_prompt(tokenizer, problem, "auto") for problem in SYNC_PROBLEMS]
+    prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=48, seed=0)
+
+    @torch.no_grad()
+    def mean_gap(groups) -> float:
+        """Mean |engine logprob - policy logprob| over every sampled token."""
+        gaps = []
+        for ids, group in zip(prompt_ids, groups, strict=True):
+            for sample in group:
+                reference = teacher_forced_logprobs(policy, ids, sample.token_ids, params)
+                gaps += [abs(a - b) for a, b in zip(reference, sample.token_logprobs, strict=True)]
+        return sum(gaps) / max(len(gaps), 1)
+
+    before = backend.generate(prompts, params)
+    gap_before = mean_gap(before)
+    generator = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():  # a large "update" of every matrix, 20% of its own spread: the policy changes visibly
+        for parameter in policy.parameters():
+            if parameter.dim() == 2:
+                noise = torch.randn(parameter.shape, generator=generator, device=device)
+                parameter.add_(noise * 0.2 * parameter.std())
+    stale_gap = mean_gap(before)  # the engine's old logprobs against the changed policy
+    sync_weights(backend, policy)
+    after = backend.generate(prompts, params)
+    result = {
+        "gap_before_sync": gap_before,
+        "stale_gap": stale_gap,
+        "gap_after_sync": mean_gap(after),
+        "samples_changed": [[s.token_ids for s in g] for g in before] != [[s.token_ids for s in g] for g in after],
+        "tokens": sum(len(s.token_ids) for g in after for s in g),
+        "dtype": dtype,
+    }
+    backend.close()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="probe", required=True)
+    cuda = sub.add_parser("cuda")
+    cuda.add_argument("out", type=Path)
+    sync = sub.add_parser("sync")
+    sync.add_argument("model_dir")
+    sync.add_argument("out", type=Path)
+    sync.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    sync.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    result = probe_cuda() if args.probe == "cuda" else probe_sync(args.model_dir, args.dtype, args.device)
+    args.out.write_text(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()
