@@ -71,6 +71,7 @@ STAGES = {
     "eval": "graft-eval, vLLM: five benchmarks + GSM8K",
 }
 DEVICE_STAGES = ("generate", "grpo", "graft", "resume", "sync", "eval")
+RUN_OUTPUTS = ("logs", "store", "grpo", "graft", "eval", "sync.json", "gpu_check.md", "gpu_check.json")  # under --run-dir
 
 
 @dataclass(frozen=True)
@@ -550,6 +551,9 @@ def main() -> int:
 
     # 1. the environment: built here under any Python, then the driver runs itself again inside it
     if not args.in_env:
+        for name in RUN_OUTPUTS:  # a previous run's store, checkpoints and logs would change what this one does
+            path = run_dir / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
         extra: list[str] = []
         if args.python is None and not args.dry_run:
             python, seconds, detail = build_env(args.wheels, env_log)
