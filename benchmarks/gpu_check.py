@@ -422,7 +422,7 @@ def run_check(args: argparse.Namespace, stages: dict[str, Stage]) -> None:
             run_logged([python, "-m", "benchmarks.gpu_probes", "sync", str(model_dir), str(out), "--dtype", sizes.dtype,
                         "--device", sizes.device], logs / "sync.log", timeout_s)
             probe = json.loads(out.read_text())
-            gaps = (f"mean |logprob gap| to the float32 policy: {probe['gap_before_sync']:.4f} at start, "
+            gaps = (f"mean absolute logprob gap to the float32 policy: {probe['gap_before_sync']:.4f} at start, "
                     f"{probe['stale_gap']:.3f} once the policy changed, {probe['gap_after_sync']:.4f} after sync_weights")
             # bf16 sampling against a float32 forward pass differs by a few hundredths per token; a missed
             # sync leaves the gap at the changed policy's (whole nats: 4.2 in the CPU rehearsal).
