@@ -166,7 +166,7 @@ def build_env(wheels: Path | None, log_path: Path) -> tuple[Path, float, str]:
             log.write(f"$ {' '.join(command)}\n")
             log.flush()
             if subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=pip_env(wheels)).returncode != 0:
-                raise SystemExit(f"gpu-check: building {ENV_DIR} failed at `{' '.join(command)}`; see {log_path}")
+                raise StageFailed(f"`{' '.join(command)}` failed after {time.perf_counter() - started:.0f} s; see {log_path}")
     for old in ENV_DIR.glob(".installed-*"):
         old.unlink()
     stamp.touch()
@@ -572,7 +572,13 @@ def main() -> int:
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
         extra: list[str] = []
         if args.python is None and not args.dry_run:
-            python, seconds, detail = build_env(args.wheels, env_log)
+            try:
+                python, seconds, detail = build_env(args.wheels, env_log)
+            except StageFailed as error:  # nothing else can run: the table says so (printed only: no project yet)
+                stages = {name: Stage(name, detail="needs env") for name in STAGES}
+                stages["env"].failed(str(error))
+                print("\n" + table(stages, "gpu-check: the environment could not be built"))
+                return 1
             args.python = str(python)
             extra = ["--env-seconds", f"{seconds:.1f}", "--env-detail", detail]
         python = shutil.which(args.python) if args.python else sys.executable
