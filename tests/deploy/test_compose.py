@@ -140,7 +140,7 @@ def test_datasets_mount_is_the_repositorys_data_and_holds_what_the_services_read
     from services.generator.datasets import load_problems
 
     for service in COMPOSE["services"].values():
-        configs = [ROOT / a.replace("/configs/", "configs/") for a in service["command"] if a.startswith("/configs/")]
+        configs = [ROOT / a.replace("/configs/", "configs/") for a in service.get("command", []) if a.startswith("/configs/")]
         for config in configs:
             cfg = yaml.safe_load(config.read_text())
             names = [cfg["dataset"]] if "dataset" in cfg else [cfg["data"]["dataset"], *cfg.get("eval", {}).get("benchmarks", {}).values()]
