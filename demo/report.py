@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 
 from demo.config import DemoConfig
-from demo.files import write_text_atomic
+from rollouts.files import write_text_atomic
 
 MODE_ORDER = ["grpo", "graft", "graft_cotrain", "graft_fix", "graft_no_peer_neg", "graft_no_seq_weight", "graft_no_token_is",
               "graft_fix_with_b", "graft_fix_with_neg", "graft_fix_x1"]

@@ -31,9 +31,9 @@ import orjson
 import yaml
 
 from demo.config import DemoConfig, config_hash, load_demo_config
-from demo.files import write_text_atomic
 from demo.jobs import Job, child_env, python_module, run_jobs
 from demo.task import completion_text, dataset_name, family_splits, write_problems_jsonl
+from rollouts.files import write_text_atomic
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TRAIN_BASE = REPO_ROOT / "configs" / "demo_train.yaml"

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-from demo.files import write_text_atomic
+from rollouts.files import write_text_atomic
 
 
 class SFTConfig(BaseModel):

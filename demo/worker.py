@@ -20,11 +20,11 @@ import torch
 
 from demo.config import DemoConfig
 from demo.evaluation import family_accuracy, load_eval_sets
-from demo.files import write_text_atomic
 from demo.sft import train_sft, write_progress
 from demo.task import alphabet, completion_text, family_splits
 from demo.toy_models import build_learner, build_peer, count_parameters
 from demo.toy_tokenizers import build_bpe_tokenizer, build_char_tokenizer
+from rollouts.files import write_text_atomic
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
@@ -51,7 +51,7 @@ def build(job: dict) -> dict:
     sft_s = time.perf_counter() - started
     checkpoint = saved[spec.sft.stop_at or spec.sft.steps]
 
-    from services.generator.scoring import Scorer
+    from rollouts.scoring import Scorer
 
     eval_sets = load_eval_sets({f: Path(p) for f, p in job["eval_sets"].items()})
     with Scorer(num_workers=1, timeout_s=5.0) as scorer:
@@ -74,7 +74,7 @@ def build(job: dict) -> dict:
 
 def train(job: dict) -> dict:
     """One RL run through the project's trainer, then greedy held-out accuracy of every saved checkpoint."""
-    from services.generator.scoring import Scorer
+    from rollouts.scoring import Scorer
     from trainer.checkpoint import checkpoints_dir
     from trainer.config import TrainConfig
     from trainer.loop import train as run_training
@@ -114,9 +114,9 @@ def imitate(job: dict) -> dict:
 
     import orjson
 
-    from services.generator.prompts import build_prompt
-    from services.generator.models import load_model_and_tokenizer
-    from services.generator.scoring import Scorer
+    from rollouts.models import load_model_and_tokenizer
+    from rollouts.prompts import build_prompt
+    from rollouts.scoring import Scorer
     from services.store_api.client import StoreClient
     from trainer.batch import TrainSample, collate, response_logprobs
 

@@ -30,10 +30,9 @@ import orjson
 import torch
 import yaml
 
-from schemas import Problem, RolloutGroup, group_advantages
-from services.generator.datasets import load_problems
-from services.generator.groups import assemble_group, make_group_id
-from services.generator.models import (
+from rollouts.datasets import load_problems
+from rollouts.groups import assemble_group, make_group_id
+from rollouts.models import (
     default_model_id,
     eos_token_ids,
     load_model_and_tokenizer,
@@ -42,9 +41,10 @@ from services.generator.models import (
     resolve_model_dir,
     tokenizer_fingerprint,
 )
-from services.generator.prompts import build_prompt
-from services.generator.sampling import SamplingParams
-from services.generator.scoring import Scorer
+from rollouts.prompts import build_prompt
+from rollouts.sampling import SamplingParams
+from rollouts.scoring import Scorer
+from schemas import Problem, RolloutGroup, group_advantages
 from trainer.batch import TokenBatch, TrainSample, collate, response_logprobs
 from trainer.checkpoint import latest_checkpoint, load_trainer_state, restore_rng_state, save_checkpoint
 from trainer.config import TrainConfig
@@ -526,7 +526,7 @@ def _make_backend(cfg: TrainConfig, learner: Learner, weights_path: str | Path) 
         from trainer.vllm_sync import make_vllm_backend
 
         return make_vllm_backend(cfg, learner, weights_path), True
-    from services.generator.hf_backend import HFBackend
+    from rollouts.hf_backend import HFBackend
 
     backend = HFBackend(learner.model, learner.tokenizer, learner.model_id, tokenizer_id=learner.tokenizer_id,
                         batch_size=cfg.rollout.generation_batch_size)
@@ -965,7 +965,7 @@ def _truncate_metrics(path: Path, step: int) -> None:
 
 def _evaluate(cfg: TrainConfig, backend, scorer, run_dir: Path, step: int) -> dict:
     """Accuracy on the configured benchmarks through graft-eval's code; appended to eval.jsonl."""
-    from services.generator.eval import evaluate
+    from rollouts.evaluation import evaluate
 
     problems_by_benchmark = {
         name: load_problems(source, limit=cfg.eval.limit) for name, source in cfg.eval.benchmarks.items()

@@ -223,11 +223,11 @@ def build_toy_world(
     The learner gets partial skill on its own family and none on the peer's; the peer gets partial
     skill on its family, so its stored groups there are mostly informative while the learner's
     groups there are all-fail: exactly where GRAFT grafts."""
-    from services.generator.groups import assemble_group, make_group_id
-    from services.generator.hf_backend import HFBackend
-    from services.generator.models import model_fingerprint, tokenizer_fingerprint
-    from services.generator.sampling import SamplingParams
-    from services.generator.scoring import Scorer
+    from rollouts.groups import assemble_group, make_group_id
+    from rollouts.hf_backend import HFBackend
+    from rollouts.models import model_fingerprint, tokenizer_fingerprint
+    from rollouts.sampling import SamplingParams
+    from rollouts.scoring import Scorer
     from services.store_api.shards import write_groups
 
     problems = toy_problems(2 * problems_per_family, seed=seed)

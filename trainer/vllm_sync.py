@@ -34,7 +34,7 @@ def start_vllm_backend(
 ):
     """A VLLMBackend over `model_path` whose engine lives in this process (weights can be synced)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from services.generator.vllm_backend import VLLMBackend
+    from rollouts.vllm_backend import VLLMBackend
 
     engine_kwargs: dict[str, Any] = {"distributed_executor_backend": "uni", "tensor_parallel_size": 1}
     if gpu_memory_utilization is not None and torch.cuda.is_available():

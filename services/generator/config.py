@@ -9,7 +9,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from services.generator.prompts import MAX_FEW_SHOT, PromptTemplate, check_few_shot
+from rollouts.prompts import MAX_FEW_SHOT, PromptTemplate, check_few_shot
 
 
 class GeneratorConfig(BaseModel):

@@ -53,11 +53,12 @@ def evaluate_model(
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
 
-    from services.generator.datasets import load_problems
-    from services.generator.eval import evaluate, markdown_table
-    from services.generator.models import default_model_id
-    from services.generator.sampling import SamplingParams, load_backend
-    from services.generator.scoring import Scorer
+    from rollouts.backends import load_backend
+    from rollouts.datasets import load_problems
+    from rollouts.evaluation import evaluate, markdown_table
+    from rollouts.models import default_model_id
+    from rollouts.sampling import SamplingParams
+    from rollouts.scoring import Scorer
 
     greedy = cfg.k == 1
     temperature_ = cfg.temperature if cfg.temperature is not None else (0.0 if greedy else 0.6)

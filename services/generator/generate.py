@@ -22,14 +22,15 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
+from rollouts.backends import load_backend
+from rollouts.datasets import load_problems
+from rollouts.groups import assemble_group, make_group_id
+from rollouts.models import default_model_id, default_model_revision
+from rollouts.prompts import build_prompt
+from rollouts.sampling import Backend, SamplingParams
+from rollouts.scoring import Scorer
 from schemas import Problem, RolloutGroup
 from services.generator.config import GeneratorConfig
-from services.generator.datasets import load_problems
-from services.generator.groups import assemble_group, make_group_id
-from services.generator.models import default_model_id, default_model_revision
-from services.generator.prompts import build_prompt
-from services.generator.sampling import Backend, SamplingParams, load_backend
-from services.generator.scoring import Scorer
 
 CHECKPOINT_DIR = re.compile(r"^step_(\d+)$")  # the trainer's layout: <run>/checkpoints/step_000010/
 

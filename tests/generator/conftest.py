@@ -23,7 +23,7 @@ def tiny_model_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_backend(tiny_model_dir):
-    from services.generator.hf_backend import HFBackend
+    from rollouts.hf_backend import HFBackend
 
     return HFBackend.from_path(tiny_model_dir)
 

@@ -6,12 +6,12 @@ import json
 
 from typer.testing import CliRunner
 
+from rollouts.evaluation import evaluate, markdown_table
+from rollouts.prompts import build_prompt
+from rollouts.sampling import SamplingParams
+from rollouts.scoring import Scorer
 from schemas import Problem
-from services.generator.eval import evaluate, markdown_table
 from services.generator.eval_cli import app
-from services.generator.prompts import build_prompt
-from services.generator.sampling import SamplingParams
-from services.generator.scoring import Scorer
 from tiny_generator_model import toy_problems
 
 

@@ -18,12 +18,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from rollouts.datasets import load_problems
+from rollouts.groups import make_group_id
+from rollouts.models import default_model_revision
 from schemas import ROLLOUT_ARROW_SCHEMA, table_to_groups
 from services.generator.config import GeneratorConfig
 from services.generator.generate import StopFlag, run_generator
-from services.generator.datasets import load_problems
-from services.generator.groups import make_group_id
-from services.generator.models import default_model_revision
 from tiny_generator_model import write_toy_dataset
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

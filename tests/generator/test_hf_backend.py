@@ -10,12 +10,12 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
+from rollouts.groups import assemble_group, make_group_id
+from rollouts.hf_backend import HFBackend, processed_logprobs, teacher_forced_logprobs
+from rollouts.prompts import build_prompt
+from rollouts.sampling import SamplingParams
+from rollouts.scoring import Scorer
 from schemas import RolloutGroup, groups_to_table, table_to_groups
-from services.generator.groups import assemble_group, make_group_id
-from services.generator.hf_backend import HFBackend, processed_logprobs, teacher_forced_logprobs
-from services.generator.prompts import build_prompt
-from services.generator.sampling import SamplingParams
-from services.generator.scoring import Scorer
 from tiny_generator_model import toy_problems
 
 from schemas import Problem
@@ -187,8 +187,8 @@ def test_prompt_templates(tiny_backend):
 
 
 def test_few_shot_prompts(tiny_backend):
+    from rollouts.prompts import FEW_SHOT_EXAMPLES, INSTRUCTION, MAX_FEW_SHOT
     from services.generator.config import GeneratorConfig
-    from services.generator.prompts import FEW_SHOT_EXAMPLES, INSTRUCTION, MAX_FEW_SHOT
 
     tok = tiny_backend.tokenizer
     assert build_prompt(tok, "1+1=", "chat", few_shot=0) == build_prompt(tok, "1+1=", "chat")  # the default is zero-shot

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from services.generator.scoring import Scorer, extract_last_boxed
+from rollouts.scoring import Scorer, extract_last_boxed
 
 
 @pytest.mark.parametrize(

@@ -23,15 +23,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from rollouts.datasets import data_dir, load_problems
+from rollouts.hf_backend import teacher_forced_logprobs
+from rollouts.models import load_model_and_tokenizer
+from rollouts.prompts import build_prompt
+from rollouts.sampling import SamplingParams
+from rollouts.scoring import extract_last_boxed
 from schemas import ROLLOUT_ARROW_SCHEMA, table_to_groups
 from services.generator.config import GeneratorConfig
-from services.generator.datasets import data_dir, load_problems
 from services.generator.generate import run_generator
-from services.generator.hf_backend import teacher_forced_logprobs
-from services.generator.models import load_model_and_tokenizer
-from services.generator.prompts import build_prompt
-from services.generator.sampling import SamplingParams
-from services.generator.scoring import extract_last_boxed
 
 GSM8K_PROBLEMS = 16
 GSM8K_SAMPLES = 12
@@ -68,9 +68,9 @@ def small_number_gsm8k(count: int) -> list[dict]:
 
 
 def test_smollm2_generates_groups_and_finds_correct_gsm8k_answers(tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="services.generator.models"):
+    with caplog.at_level(logging.WARNING, logger="rollouts.models"):
         model, tokenizer = load_model_and_tokenizer(GGUF)
-    assert not [r for r in caplog.records if r.name == "services.generator.models"], \
+    assert not [r for r in caplog.records if r.name == "rollouts.models"], \
         "SmolLM2's tokenizer should load as saved, without the tokenizer.json fallback"
     assert model.config.model_type == "llama" and next(model.parameters()).dtype.is_floating_point
     assert 130e6 < sum(p.numel() for p in model.parameters()) < 140e6

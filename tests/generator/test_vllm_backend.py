@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from rollouts.groups import assemble_group, make_group_id
+from rollouts.hf_backend import teacher_forced_logprobs
+from rollouts.sampling import Sample, SamplingParams
+from rollouts.scoring import Scorer
 from schemas import Problem, groups_to_table, table_to_groups
-from services.generator.groups import assemble_group, make_group_id
-from services.generator.hf_backend import teacher_forced_logprobs
-from services.generator.sampling import Sample, SamplingParams
-from services.generator.scoring import Scorer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"

@@ -92,7 +92,7 @@ def build_tiny_model(out_dir: Path, train_steps: int = 150, seed: int = 0) -> Pa
 def cached_tiny_model() -> Path:
     """The tiny model, built once per machine into the cache folder (keyed by this file's contents, so a
     change to the recipe builds a new one). Building takes ~10 s on an idle machine, minutes on a busy one."""
-    from services.generator.models import cache_dir
+    from rollouts.models import cache_dir
 
     key = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
     target = cache_dir() / "test-models" / f"tiny-llama-{key}"

@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
+from rollouts.hf_backend import HFBackend
+from rollouts.sampling import SamplingParams
 from schemas import Problem, RolloutGroup
-from services.generator.hf_backend import HFBackend
-from services.generator.sampling import SamplingParams
 from trainer.batch import TrainSample, collate, response_logprobs
 from trainer.config import TrainConfig
 from trainer.gate import GateDecision

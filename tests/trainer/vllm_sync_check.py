@@ -25,7 +25,7 @@ def teacher_forced(model, tokenizer, prompt: str, completion: list[int]) -> list
 def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from services.generator.sampling import SamplingParams
+    from rollouts.sampling import SamplingParams
     from trainer.vllm_sync import start_vllm_backend, sync_weights
 
     model_dir, out_path = sys.argv[1], sys.argv[2]

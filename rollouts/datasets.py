@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 
 from schemas import Problem
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # name -> (file under the data dir, field holding the gold answer)
 KNOWN_DATASETS: dict[str, tuple[str, str]] = {

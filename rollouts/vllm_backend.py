@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from services.generator.models import default_model_id, load_tokenizer, resolve_model_dir, tokenizer_fingerprint
-from services.generator.sampling import Sample, SamplingParams
+from rollouts.models import default_model_id, load_tokenizer, resolve_model_dir, tokenizer_fingerprint
+from rollouts.sampling import Sample, SamplingParams
 
 CPU_KV_CACHE_BYTES = 2 << 30  # on CPU the KV cache is ordinary RAM: reserve a fixed amount, not a fraction
 

@@ -8,11 +8,11 @@ import time
 
 from tqdm import tqdm
 
+from rollouts.datasets import BENCHMARKS
+from rollouts.prompts import PromptTemplate, build_prompt
+from rollouts.sampling import Backend, SamplingParams
+from rollouts.scoring import Scorer
 from schemas import Problem
-from services.generator.datasets import BENCHMARKS
-from services.generator.prompts import PromptTemplate, build_prompt
-from services.generator.sampling import Backend, SamplingParams
-from services.generator.scoring import Scorer
 
 
 def evaluate(
