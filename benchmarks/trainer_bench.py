@@ -48,7 +48,7 @@ def run_once(world, store_url: str, method: str, steps: int, run_dir: Path, prom
 
 def _existing_world(root: Path):
     """Reuse a toy world built by an earlier run with the same --workdir."""
-    from trainer.testing import ToyWorld
+    from toy.world import ToyWorld
 
     return ToyWorld(root / "learner", root / "peer", root / "train.jsonl", root / "anchor.jsonl", root / "store", [], [])
 
@@ -67,7 +67,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from services.store_api.server import StoreServer
-    from trainer.testing import build_toy_world
+    from toy.world import build_toy_world
 
     torch.set_num_threads(1)
     load_before = os.getloadavg()[0]

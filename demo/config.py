@@ -14,7 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-from demo.sft import SFTConfig
+from toy.sft import SFTConfig
 from trainer.config import apply_overrides
 
 

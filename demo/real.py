@@ -32,6 +32,8 @@ from pathlib import Path
 import orjson
 import torch
 
+from rollouts.files import write_jsonl_atomic
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LEARNER_ID = "smollm2-135m-instruct"
 PEER_ID = "tiny-qwen2-bpe-peer"
@@ -61,38 +63,15 @@ def pick_problems(n_train_gsm8k: int, n_train_math: int, n_heldout: int) -> dict
     return {"train": train, "heldout_gsm8k": gsm8k[:n_heldout], "heldout_math500": math500[:n_heldout]}
 
 
-def write_jsonl(rows: list[dict], path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        for row in rows:
-            f.write(orjson.dumps(row) + b"\n")
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
-    return path
-
-
 def build_peer(train_problems: list, out: Path, steps: int) -> dict:
     """The tiny peer: byte-level BPE on the problem texts, a Qwen2-style model, a short warm start."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-
-    from demo.sft import SFTConfig, train_sft
+    from toy.models import build_tiny_model, count_parameters
+    from toy.sft import SFTConfig, train_sft
+    from toy.tokenization import build_bpe_tokenizer
 
     texts = [p.problem for p in train_problems] + ["\\boxed{" + p.answer + "}" for p in train_problems]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainer=trainers.BpeTrainer(vocab_size=1024, special_tokens=["<|pad|>", "<|endoftext|>"],
-                                                               initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|endoftext|>")
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
-    ))
+    tokenizer = build_bpe_tokenizer(texts, 1024, all_bytes=True, split_words=True)
+    model = build_tiny_model(tokenizer, "qwen2", hidden=128, layers=2, seed=0, heads=4, intermediate=512, max_positions=1024)
     # Right answers 3 times in 5, nearby wrong ones otherwise: sampled at T=1 the peer mixes right and
     # wrong answers, so its groups are informative (all-pass groups carry no advantage).
     pairs = []
@@ -104,7 +83,7 @@ def build_peer(train_problems: list, out: Path, steps: int) -> dict:
     saved = train_sft(model, tokenizer, {"train": pairs}, cfg, out / "sft", desc="peer warm start")
     final = saved[steps]
     return {"path": str(final), "steps": steps, "seconds": round(time.perf_counter() - started, 1),
-            "parameters": sum(p.numel() for p in model.parameters()), "vocab": len(tokenizer)}
+            "parameters": count_parameters(model), "vocab": len(tokenizer)}
 
 
 def heldout_accuracy(model_path: str, heldout: dict[str, list], max_tokens: int) -> dict[str, float]:
@@ -150,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
 
     n_train = args.steps * args.prompts_per_step
     problems = pick_problems(n_train - n_train // 2, n_train // 2, args.heldout)
-    train_path = write_jsonl([p.model_dump() for p in problems["train"]], out / "train.jsonl")
+    train_path = write_jsonl_atomic(out / "train.jsonl", [p.model_dump() for p in problems["train"]])
     heldout = {k.removeprefix("heldout_"): v for k, v in problems.items() if k.startswith("heldout_")}
 
     peer = build_peer(problems["train"], out, args.peer_steps)

@@ -1,6 +1,6 @@
 """`make demo`: the whole GRAFT system on a laptop CPU, from nothing to a report, in one command.
 
-1. data: two addition families with fixed splits (demo/task.py)
+1. data: two addition families with fixed splits (toy/task.py)
 2. two heterogeneous models built from scratch and warm-started with complementary skills:
    a Llama-style learner with a character-level tokenizer (strong on add2, weak on add3) and a
    Qwen2-style peer with a byte-level BPE (mostly add3), in parallel processes
@@ -32,8 +32,8 @@ import yaml
 
 from demo.config import DemoConfig, config_hash, load_demo_config
 from demo.jobs import Job, child_env, python_module, run_jobs
-from demo.task import completion_text, dataset_name, family_splits, write_problems_jsonl
-from rollouts.files import write_text_atomic
+from rollouts.files import write_jsonl_atomic, write_text_atomic
+from toy.task import completion_text, dataset_name, family_splits, write_problems_jsonl
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TRAIN_BASE = REPO_ROOT / "configs" / "demo_train.yaml"
@@ -120,19 +120,9 @@ def prepare_data(cfg: DemoConfig, data_dir: Path) -> dict[str, Path]:
     write_problems_jsonl(rl, paths["rl"])
     # The anchor: reference answers of the strong family's RL split (never its held-out problems).
     anchor_rows = [{"problem": p.problem, "completion": completion_text(p.answer)} for p in splits[cfg.task.strong_family]["rl"]]
-    _write_jsonl(anchor_rows, paths["anchor"])
+    write_jsonl_atomic(paths["anchor"], anchor_rows)
     marker.write_text(json.dumps({k: str(v) for k, v in paths.items()}))
     return paths
-
-
-def _write_jsonl(rows: list[dict], path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        for row in rows:
-            f.write(orjson.dumps(row) + b"\n")
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
 
 
 # ---- 2. models -----------------------------------------------------------------------------------

@@ -20,11 +20,11 @@ import torch
 
 from demo.config import DemoConfig
 from demo.evaluation import family_accuracy, load_eval_sets
-from demo.sft import train_sft, write_progress
-from demo.task import alphabet, completion_text, family_splits
-from demo.toy_models import build_learner, build_peer, count_parameters
-from demo.toy_tokenizers import build_bpe_tokenizer, build_char_tokenizer
 from rollouts.files import write_text_atomic
+from toy.models import build_learner, build_peer, count_parameters
+from toy.sft import train_sft, write_progress
+from toy.task import alphabet, completion_text, family_splits
+from toy.tokenization import build_bpe_tokenizer, build_char_tokenizer
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
@@ -45,7 +45,7 @@ def build(job: dict) -> dict:
     else:
         # The peer's tokenizer sees SFT text only, and only characters the learner's tokenizer has.
         corpus = [text for f in pools for pair in pools[f][:4000] for text in pair]
-        tokenizer = build_bpe_tokenizer(corpus, alphabet(), cfg.bpe_vocab_size)
+        tokenizer = build_bpe_tokenizer(corpus, cfg.bpe_vocab_size, allowed_chars=alphabet())
         model = build_peer(tokenizer, spec.seed, spec.hidden, spec.layers)
     saved = train_sft(model, tokenizer, pools, spec.sft, out / "sft", desc=f"sft {role}", progress_path=out / "progress")
     sft_s = time.perf_counter() - started

@@ -12,11 +12,11 @@ import json
 import logging
 import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
+
+from rollouts.files import staged_directory
 
 log = logging.getLogger(__name__)
 
@@ -69,23 +69,10 @@ def _dequantise_gguf(gguf: Path, target: Path) -> None:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.hf_quantizer = None
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build in a temporary folder beside the target and rename it: a crash never leaves half a model.
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
+    # Built beside the target and renamed: a crash never leaves half a model; a process that loses the race keeps the winner's.
+    with staged_directory(target, replace=False) as staging:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        for f in staging.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        os.rename(staging, target)
-    except OSError:
-        shutil.rmtree(staging, ignore_errors=True)
-        if not (target / "config.json").exists():  # another process may have won the rename
-            raise
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
 
 
 def load_model_and_tokenizer(path: str | Path, dtype: torch.dtype = torch.float32):

@@ -2,7 +2,10 @@
 
 Prompt and completion are tokenised separately and concatenated (a byte-level BPE merges `=\\`
 across the boundary otherwise, and the model would then never see the boundary it meets at
-sampling time). AdamW with linear warmup and cosine decay; checkpoints saved with save_pretrained.
+sampling time). Two schedules over the same batches (`collate`): the demo's `train_sft` (AdamW with
+linear warmup and cosine decay, clipping, checkpoints saved with save_pretrained) and the tests' short
+`train_quick` (constant learning rate, AdamW's defaults). They stay two because each world is tuned on
+its own: the demo's reported numbers on the first, the trainer tests' learning margins on the second.
 """
 
 from __future__ import annotations
@@ -80,13 +83,14 @@ def train_sft(
     tokenizer: PreTrainedTokenizerFast,
     pools: dict[str, list[tuple[str, str]]],
     cfg: SFTConfig,
-    out_dir: Path,
+    out_dir: Path | None,
     desc: str = "sft",
     progress_path: Path | None = None,
 ) -> dict[int, Path]:
     """Train on (prompt, completion) pairs drawn from `pools` by `cfg.family_weights`; returns {step: checkpoint dir}.
 
-    The run ends at `cfg.stop_at` (default: the end of the schedule), which is always saved."""
+    The run ends at `cfg.stop_at` (default: the end of the schedule), which is always saved into `out_dir`
+    (None: nothing is saved, the caller keeps the model in memory)."""
     missing = set(cfg.family_weights) - set(pools)
     if missing:
         raise ValueError(f"family_weights names {sorted(missing)} but pools only has {sorted(pools)}")
@@ -116,10 +120,31 @@ def train_sft(
             bar.set_postfix(loss=f"{loss.item():.3f}")
             if progress_path is not None:
                 write_progress(progress_path, step, last)
-        if step in save_steps:
+        if out_dir is not None and step in save_steps:
             path = out_dir / f"step-{step}"
             model.save_pretrained(path)
             tokenizer.save_pretrained(path)
             saved[step] = path
     model.eval()
     return saved
+
+
+def train_quick(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, pairs: list[tuple[str, str]], steps: int,
+    lr: float = 3e-3, batch_size: int = 32, seed: int = 0,
+) -> PreTrainedModel:
+    """A few steps on (prompt, completion) pairs drawn uniformly with replacement: constant learning rate,
+    AdamW's defaults, no clipping, transformers' own loss on the completion and EOS. The tests' warm start."""
+    rng = random.Random(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    for _ in range(steps):
+        chosen = [pairs[rng.randrange(len(pairs))] for _ in range(batch_size)]
+        input_ids, attention_mask, loss_mask = collate(tokenizer, [p for p, _ in chosen], [c for _, c in chosen])
+        labels = input_ids.masked_fill(loss_mask == 0, -100)  # (B, T): -100 (ignored) outside completion + EOS
+        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    return model

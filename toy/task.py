@@ -1,21 +1,22 @@
-"""The toy task: addition problems in two families, with fixed splits that every process agrees on.
+"""The toy task: `a+b=` -> `\\boxed{a+b}`, in families of operand sizes.
 
-Both families are the same operation with different operand sizes (TOY_STUDY: families that share
-structure transfer; different operations did not). The learner is warm-started mostly on `add2`
-(strong) and barely on `add3` (weak); the peer mostly on `add3`.
+The demo's two families are the same operation with different operand sizes (TOY_STUDY: families that
+share structure transfer; different operations did not). The learner is warm-started mostly on `add2`
+(strong) and barely on `add3` (weak); the peer mostly on `add3`. The tests draw from `SMALL`
+(`sample_problems`).
 
-Splits are fixed by a stable hash of the problem text (sha256, never Python's per-process `hash()`),
-so SFT, the generator, RL and evaluation see the same held-out problems in every process.
+The demo's splits are fixed by a stable hash of the problem text (sha256, never Python's per-process
+`hash()`), so SFT, the generator, RL and evaluation see the same held-out problems in every process.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import os
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from rollouts.files import write_jsonl_atomic
 from schemas.rollout import Problem
 
 
@@ -34,6 +35,8 @@ class Family:
 ADD2 = Family("add2", (10, 99), (10, 99))  # 8,100 problems: the learner's strong family
 ADD3 = Family("add3", (100, 999), (10, 99))  # 81,000 problems: the learner's weak family, the peer's strong one
 FAMILIES: dict[str, Family] = {f.name: f for f in (ADD2, ADD3)}
+SMALL = Family("small", (0, 49), (0, 49))  # 2,500 problems: the tests' worlds
+SMALL_DATASET = "toy_add"
 SPLITS = ("eval", "rl", "sft")
 
 
@@ -72,17 +75,21 @@ def family_splits(family: str, n_eval: int, n_rl: int) -> dict[str, list[Problem
     return {"eval": problems[:n_eval], "rl": problems[n_eval : n_eval + n_rl], "sft": problems[n_eval + n_rl :]}
 
 
-def write_problems_jsonl(problems: list[Problem], path: Path) -> Path:
-    """Problems as JSON Lines (prompt_id, dataset, problem, answer), written atomically."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        for p in problems:
-            f.write(json.dumps(p.model_dump()) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
+def sample_problems(count: int, seed: int = 0, family: Family = SMALL, dataset: str = SMALL_DATASET) -> list[Problem]:
+    """`count` distinct problems of `family` in a seeded order (the tests' worlds; the demo uses `family_splits`)."""
+    pairs = family.problems()
+    random.Random(seed).shuffle(pairs)
+    if count > len(pairs):
+        raise ValueError(f"family {family.name} has {len(pairs)} distinct problems; asked for {count}")
+    return [Problem.from_text(problem_text(a, b), answer_text(a, b), dataset) for a, b in pairs[:count]]
+
+
+def write_problems_jsonl(problems: list[Problem], path: Path, with_completion: bool = False) -> Path:
+    """Problems as JSON Lines (prompt_id, dataset, problem, answer[, the reference completion]), written atomically.
+
+    with_completion: rows the trainer's supervised anchor reads (`problem` and `completion`)."""
+    rows = [p.model_dump() | ({"completion": completion_text(p.answer)} if with_completion else {}) for p in problems]
+    return write_jsonl_atomic(path, rows)
 
 
 def alphabet() -> str:

@@ -56,6 +56,7 @@ def evaluate_model(
     from rollouts.backends import load_backend
     from rollouts.datasets import load_problems
     from rollouts.evaluation import evaluate, markdown_table
+    from rollouts.files import write_text_atomic
     from rollouts.models import default_model_id
     from rollouts.sampling import SamplingParams
     from rollouts.scoring import Scorer
@@ -81,23 +82,11 @@ def evaluate_model(
     result["model_id"] = model_id_
     table = markdown_table(result, model_id_)
     if cfg.output_json:
-        _write_atomic(Path(cfg.output_json), json.dumps(result, indent=2) + "\n")
+        write_text_atomic(Path(cfg.output_json), json.dumps(result, indent=2) + "\n")
     if cfg.output_md:
-        _write_atomic(Path(cfg.output_md), table)
+        write_text_atomic(Path(cfg.output_md), table)
     sys.stdout.write(table)
     sys.stdout.write(json.dumps(result) + "\n")
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    import os
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

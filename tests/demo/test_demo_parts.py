@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from demo.config import DemoConfig, config_hash, load_demo_config, quick
-from demo.sft import SFTConfig, collate, train_sft
-from demo.task import ADD2, ADD3, alphabet, completion_text, family_splits
-from demo.toy_models import build_learner, build_peer, count_parameters
-from demo.toy_tokenizers import build_bpe_tokenizer, build_char_tokenizer
+from toy.models import build_learner, build_peer, count_parameters
+from toy.sft import SFTConfig, collate, train_sft
+from toy.task import ADD2, ADD3, alphabet, completion_text, family_splits
+from toy.tokenization import build_bpe_tokenizer, build_char_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,7 +24,7 @@ def test_splits_are_disjoint_complete_and_the_same_in_another_process():
     assert [len(splits[s]) for s in ("eval", "rl", "sft")] == [200, 800, len(ADD2.problems()) - 1000]
     assert not (texts["eval"] & texts["rl"]) and not (texts["eval"] & texts["sft"]) and not (texts["rl"] & texts["sft"])
     # Python's hash() differs per process; the splits must not.
-    code = "from demo.task import family_splits; print(','.join(p.problem for p in family_splits('add2', 200, 800)['eval'][:20]))"
+    code = "from toy.task import family_splits; print(','.join(p.problem for p in family_splits('add2', 200, 800)['eval'][:20]))"
     other = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
                            env={"PYTHONHASHSEED": "12345", "PATH": ""}).stdout.strip()
     assert other == ",".join(p.problem for p in splits["eval"][:20])
@@ -50,7 +50,7 @@ def test_char_tokenizer_round_trips_and_fuses():
 
 def test_bpe_splits_digits_and_refuses_foreign_characters(tmp_path):
     corpus = [p.problem for p in family_splits("add3", 10, 10)["sft"][:500]] + [completion_text(str(n)) for n in range(200, 700)]
-    tok = build_bpe_tokenizer(corpus, alphabet(), 64)
+    tok = build_bpe_tokenizer(corpus, 64, allowed_chars=alphabet())
     tokens = tok.convert_ids_to_tokens(tok("\\boxed{1046}", add_special_tokens=False)["input_ids"])
     assert tokens[-5:] == ["1", "0", "4", "6", "}"] and len(tokens) < len("\\boxed{1046}")  # merged prefix, digits alone
     assert tok.decode(tok("512+34=", add_special_tokens=False)["input_ids"]) == "512+34="
@@ -60,11 +60,11 @@ def test_bpe_splits_digits_and_refuses_foreign_characters(tmp_path):
     again = AutoTokenizer.from_pretrained(tmp_path)
     assert again("\\boxed{99}")["input_ids"] == tok("\\boxed{99}")["input_ids"] and again.eos_token == "<|endoftext|>"
     with pytest.raises(ValueError, match="lacks"):
-        build_bpe_tokenizer(["12 + 3"], alphabet(), 64)
+        build_bpe_tokenizer(["12 + 3"], 64, allowed_chars=alphabet())
 
 
 def test_models_have_the_planned_architectures_and_sizes():
-    char, bpe = build_char_tokenizer(alphabet()), build_bpe_tokenizer(["1+2=", "\\boxed{3}"], alphabet(), 64)
+    char, bpe = build_char_tokenizer(alphabet()), build_bpe_tokenizer(["1+2=", "\\boxed{3}"], 64, allowed_chars=alphabet())
     learner, peer = build_learner(char, seed=0), build_peer(bpe, seed=0)
     assert type(learner).__name__ == "LlamaForCausalLM" and type(peer).__name__ == "Qwen2ForCausalLM"
     assert 0.9e6 < count_parameters(learner) < 1.2e6 and 0.3e6 < count_parameters(peer) < 0.6e6

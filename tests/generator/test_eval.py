@@ -12,11 +12,11 @@ from rollouts.sampling import SamplingParams
 from rollouts.scoring import Scorer
 from schemas import Problem
 from services.generator.eval_cli import app
-from tiny_generator_model import toy_problems
+from toy.task import sample_problems, write_problems_jsonl
 
 
 def toy(count: int, seed: int, name: str) -> list[Problem]:
-    return [Problem.from_text(p["problem"], p["answer"], name) for p in toy_problems(count, seed)]
+    return sample_problems(count, seed, dataset=name)
 
 
 def test_greedy_evaluation_matches_scoring_by_hand(tiny_backend):
@@ -49,8 +49,7 @@ def test_sampled_evaluation_pass_at_k_bounds(tiny_backend):
 
 
 def test_eval_cli_writes_json_and_markdown(tiny_model_dir, tmp_path):
-    data = tmp_path / "toy.jsonl"
-    data.write_text("".join(json.dumps(p) + "\n" for p in toy_problems(6, 5)))
+    data = write_problems_jsonl(sample_problems(6, 5), tmp_path / "toy.jsonl")
     out_json, out_md = tmp_path / "eval.json", tmp_path / "eval.md"
     result = CliRunner().invoke(app, [
         "--model", str(tiny_model_dir), "-b", str(data), "--k", "2", "--max-tokens", "12", "--template", "raw",

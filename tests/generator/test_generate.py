@@ -24,7 +24,7 @@ from rollouts.models import default_model_revision
 from schemas import ROLLOUT_ARROW_SCHEMA, table_to_groups
 from services.generator.config import GeneratorConfig
 from services.generator.generate import StopFlag, run_generator
-from tiny_generator_model import write_toy_dataset
+from toy.task import sample_problems, write_problems_jsonl
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -63,7 +63,7 @@ def wait_for(condition, timeout: float, proc: subprocess.Popen | None = None, wh
 
 
 def test_sigterm_then_sigkill_then_restart_stores_exactly_the_groups_asked_for(tiny_model_dir, tmp_path):
-    dataset = write_toy_dataset(tmp_path / "toy.jsonl", 24)
+    dataset = write_problems_jsonl(sample_problems(24, seed=7), tmp_path / "toy.jsonl")
     root = tmp_path / "store"
     shards_dir = root / "rollouts" / "model=tiny"
     shard_count = lambda: len(list(shards_dir.glob("part-*.parquet")))  # noqa: E731
@@ -103,7 +103,7 @@ def test_sigterm_then_sigkill_then_restart_stores_exactly_the_groups_asked_for(t
 
 
 def test_continuous_mode_reloads_a_newer_checkpoint(tiny_model_dir, tmp_path):
-    dataset = write_toy_dataset(tmp_path / "toy.jsonl", 8)
+    dataset = write_problems_jsonl(sample_problems(8, seed=7), tmp_path / "toy.jsonl")
     root, watch = tmp_path / "store", tmp_path / "checkpoints"
     shutil.copytree(tiny_model_dir, watch / "step_000001")
     config = GeneratorConfig(model=str(tiny_model_dir), model_id="tiny", dataset=str(dataset), template="raw", group_size=4,
@@ -134,7 +134,7 @@ def test_push_to_a_store_server_and_resume_through_its_api(tiny_model_dir, tmp_p
     from services.store_api.client import StoreClient
     from services.store_api.server import StoreServer
 
-    dataset = write_toy_dataset(tmp_path / "toy.jsonl", 6)
+    dataset = write_problems_jsonl(sample_problems(6, seed=7), tmp_path / "toy.jsonl")
     with StoreServer(tmp_path / "store", token="secret") as server:
         config = GeneratorConfig(model=str(tiny_model_dir), model_id="tiny", dataset=str(dataset), template="raw",
                                  group_size=4, max_tokens=12, store=server.url, store_token="secret", score_workers=1,

@@ -16,9 +16,8 @@ from rollouts.prompts import build_prompt
 from rollouts.sampling import SamplingParams
 from rollouts.scoring import Scorer
 from schemas import RolloutGroup, groups_to_table, table_to_groups
-from tiny_generator_model import toy_problems
+from toy.task import sample_problems
 
-from schemas import Problem
 
 PROMPTS = ["12+7=", "3+40=", "1+1=", "44+44="]  # different lengths: rows are left-padded together
 
@@ -133,7 +132,7 @@ def test_model_generation_config_and_training_mode_do_not_leak(tiny_model_dir):
 
 
 def test_rows_are_valid_groups(tiny_backend, tmp_path):
-    problems = [Problem.from_text(p["problem"], p["answer"], "toy") for p in toy_problems(6, seed=3)]
+    problems = sample_problems(6, seed=3, dataset="toy")
     params = SamplingParams(n=4, max_tokens=12, seed=4)
     prompts = [build_prompt(tiny_backend.tokenizer, p.problem, "raw") for p in problems]
     samples = tiny_backend.generate(prompts, params)

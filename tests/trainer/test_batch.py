@@ -8,14 +8,14 @@ import random
 import pytest
 import torch
 
-from rollouts.hf_backend import HFBackend
+from rollouts.hf_backend import HFBackend, teacher_forced_logprobs
 from rollouts.sampling import SamplingParams
 from schemas import Problem, RolloutGroup
+from toy.world import build_group
 from trainer.batch import TrainSample, collate, response_logprobs
 from trainer.config import TrainConfig
 from trainer.gate import GateDecision
 from trainer.loop import Learner, _attach_old_logprobs_and_weights, _build_rows
-from trainer.testing import build_group, teacher_forced_logprobs
 
 PROBLEMS = [Problem.from_text("12+7=", "19", "toy_add"), Problem.from_text("3+4=", "7", "toy_add")]
 
@@ -23,6 +23,12 @@ PROBLEMS = [Problem.from_text("12+7=", "19", "toy_add"), Problem.from_text("3+4=
 def learner_of(model, tokenizer, tokenizer_id="tok-char"):
     return Learner(model=model, tokenizer=tokenizer, model_id="learner", tokenizer_id=tokenizer_id, revision="r",
                    eos_ids={tokenizer.eos_token_id}, device=torch.device("cpu"))
+
+
+def forced(model, tokenizer, prompt: str, completion_ids: list[int]) -> list[float]:
+    """The model's own (temperature 1) logprobs of `completion_ids` after `prompt`, from one forward pass."""
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    return teacher_forced_logprobs(model, prompt_ids, completion_ids, SamplingParams(n=1))
 
 
 def config(**graft):
@@ -43,7 +49,7 @@ def test_response_logprobs_align_with_teacher_forcing_and_the_sampler(char_model
         logprobs = response_logprobs(char_model, batch)  # (B, T)
     for b, (row, sample) in enumerate(rows):
         n = len(sample.token_ids)
-        expected = teacher_forced_logprobs(char_model, char_tokenizer, PROBLEMS[b // 3].problem, sample.token_ids)
+        expected = forced(char_model, char_tokenizer, PROBLEMS[b // 3].problem, sample.token_ids)
         assert logprobs[b, :n].tolist() == pytest.approx(expected, abs=1e-4)
         # pi_old on the learner's own rollouts is the sampler's behaviour distribution (T = 1, no top-p/k)
         assert logprobs[b, :n].tolist() == pytest.approx(sample.token_logprobs, abs=1e-4)
@@ -79,7 +85,7 @@ def test_grafted_rows_weights_by_hand(char_model, char_tokenizer, bpe_model, bpe
     assert [r.advantage for r in rows] == pytest.approx([a, -0.5 * a, a, -0.5 * a], rel=1e-4)
     rows, stats = _attach_old_logprobs_and_weights(cfg, learner, None, rows, drops)
     for row, rollout in zip(rows, peer.rollouts):
-        old = teacher_forced_logprobs(char_model, char_tokenizer, problem.problem, row.completion_ids)
+        old = forced(char_model, char_tokenizer, problem.problem, row.completion_ids)
         assert row.old_logprobs.tolist() == pytest.approx(old, abs=1e-4)
         l_old = sum(old[: row.num_content_tokens])  # EOS excluded
         log_rho = max(-10.0, min(10.0, (l_old - rollout.logprob_sum) / len(rollout.completion_text.encode())))

@@ -10,9 +10,9 @@ import orjson
 import pytest
 
 from services.store_api.server import StoreServer
+from toy.task import write_problems_jsonl
 from trainer.config import TrainConfig
 from trainer.loop import train
-from trainer.testing import write_problems_jsonl
 
 pytestmark = pytest.mark.slow
 STEPS = 150

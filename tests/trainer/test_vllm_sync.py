@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.testing import build_char_tokenizer, build_tiny_model, save_model
+from toy.models import build_tiny_model, save_model
+from toy.world import learner_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
@@ -25,7 +26,7 @@ pytestmark = [
 
 
 def test_sync_weights_makes_the_engine_sample_from_the_new_policy(tmp_path):
-    tokenizer = build_char_tokenizer()
+    tokenizer = learner_tokenizer()
     model_dir = save_model(build_tiny_model(tokenizer, "llama", hidden=64, heads=2, seed=3), tokenizer, tmp_path / "tiny")
     out = tmp_path / "result.json"
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), HF_HUB_OFFLINE="1")
