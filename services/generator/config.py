@@ -58,10 +58,6 @@ class GeneratorConfig(BaseModel):
         check_few_shot(self.template, self.few_shot)
         return self
 
-    @property
-    def store_is_url(self) -> bool:
-        return self.store.startswith(("http://", "https://"))
-
 
 class EvalConfig(BaseModel):
     """`graft-eval`: avg@k and pass@k on the benchmarks."""
