@@ -25,8 +25,9 @@ from trainer.distributed import (
     row_span,
     split_for_rank,
 )
+from toy.models import build_tiny_model
+from toy.world import TEST_CHARS, learner_tokenizer
 from trainer.loss import LossBatch, LossConfig, agg_denominator, graft_loss
-from trainer.testing import TOY_CHARS, build_char_tokenizer, build_tiny_model
 
 SEED = 5
 GROUPS_PER_STEP = 7  # prompts of the global batch; 2 ranks get 4 and 3
@@ -37,7 +38,7 @@ LR = 1e-3
 
 def tiny_policy():
     """The toy world's learner shape (char tokenizer, Llama), small: the same weights on every rank."""
-    tokenizer = build_char_tokenizer()
+    tokenizer = learner_tokenizer()
     return build_tiny_model(tokenizer, "llama", hidden=32, layers=2, seed=SEED), tokenizer
 
 
@@ -52,7 +53,7 @@ def global_groups(tokenizer, reference: torch.nn.Module) -> list[list[TrainSampl
     """The step's groups (one per prompt), drawn from torch's global RNG: sizes 0 (a skipped group),
     2, 3 or 5 rows; every third group grafted, with token weights c; pi_old = `reference`'s logprobs
     plus noise, so ratios spread around 1 and some tokens clip."""
-    vocab = [tokenizer.convert_tokens_to_ids(c) for c in TOY_CHARS]
+    vocab = [tokenizer.convert_tokens_to_ids(c) for c in TEST_CHARS]
     groups = []
     for g in range(GROUPS_PER_STEP):
         size = [0, 2, 3, 5][int(torch.randint(0, 4, ()))]
