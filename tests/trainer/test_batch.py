@@ -164,11 +164,12 @@ def test_a_chat_learner_ends_grafted_and_anchor_rows_with_its_end_of_turn(tmp_pa
                                                                          bpe_tokenizer):
     """A learner whose chat turns end with <|im_end|> (one of the tokens its sampling stops on) stops its own
     rollouts there; grafted rows and anchor completions must end the same way, not with eos_token_id."""
-    from services.generator.models import tokenizer_fingerprint
+    from rollouts.models import tokenizer_fingerprint
+    from toy.models import build_tiny_model, save_model
+    from toy.world import learner_tokenizer
     from trainer.loop import _anchor_rows, _load_learner
-    from trainer.testing import build_char_tokenizer, build_tiny_model, save_model
 
-    tokenizer = build_char_tokenizer()
+    tokenizer = learner_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_end|>"]})
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}"
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")

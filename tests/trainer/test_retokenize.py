@@ -126,9 +126,9 @@ def test_peer_ids_that_do_not_decode_with_the_mapped_tokenizer_are_dropped(make_
 
 def test_learner_stop_token_is_the_chat_turns_end_when_sampling_stops_there(char_tokenizer):
     """A chat learner ends its turns with the template's end-of-turn token (Qwen's <|im_end|>), not eos_token_id."""
-    from trainer.testing import build_char_tokenizer
+    from toy.world import learner_tokenizer
 
-    tokenizer = build_char_tokenizer()  # a fresh one: the session's fixture stays as it is
+    tokenizer = learner_tokenizer()  # a fresh one: the session's fixture stays as it is
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_end|>"]})
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}"
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")

@@ -184,7 +184,7 @@ def test_peer_groups_without_their_tokenizer_are_refused_with_one_warning(toy_wo
     """No tokenizer for the peer's tokenizer_id: its groups are refused at the gate (counted), with one warning
     naming the id and the setting, never grafted with a made-up mu~. The map {id: dir} finds it; the uniform
     projection grafts only when opted in."""
-    from services.generator.models import load_tokenizer, tokenizer_fingerprint
+    from rollouts.models import load_tokenizer, tokenizer_fingerprint
 
     run_dir = train(make_config(toy_world, tmp_path / "none", store.url, steps=3, **{"graft.peer_tokenizers": []}))
     metrics = read_metrics(run_dir)
