@@ -1,8 +1,9 @@
-"""Request and response models of the store API (v1). Data only."""
+"""Request and response models of the store API (v1): data, and the rule of which peer group a lookup accepts."""
 
 from __future__ import annotations
 
-from datetime import datetime
+import time
+from datetime import datetime, timedelta, timezone
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
@@ -14,10 +15,15 @@ MAX_PAGE_SIZE = 1000
 MAX_PUSH_GROUPS = 512
 
 PromptId = Annotated[str, Field(pattern=r"^[0-9a-f]{16}$", description="prompt_id(problem text)")]
+EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 
 class PeerLookupRequest(BaseModel):
-    """The trainer's call: informative peer groups for many prompts at once (strict: `false` is no integer)."""
+    """The trainer's call: informative peer groups for many prompts at once (strict: `false` is no integer).
+
+    `accepts` is the one rule of which peer group may be grafted: the store's lookup answers with the groups it
+    accepts, and the trainer's gate and co-training wait test the groups they hold with it, so the three cannot
+    drift apart."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -32,6 +38,40 @@ class PeerLookupRequest(BaseModel):
     min_policy_step: int | None = Field(default=None, ge=0, le=INT64_MAX, description="only groups from peer policy step >= this")
     max_age_s: float | None = Field(default=None, gt=0, description="only groups created at most this many seconds ago")
     groups_per_prompt: int = Field(default=1, ge=1, le=16, description="most recent first: highest policy step, then newest")
+
+    def admits_source(self, model_id: str, policy_step: int, created_us: int, now_us: int) -> bool:
+        """Who sampled the group and when: another model (one of peer_models when given), from a recent enough
+        policy step, created recently enough (times in microseconds since the epoch)."""
+        return (
+            model_id != self.learner_model
+            and (self.peer_models is None or model_id in self.peer_models)
+            and (self.min_policy_step is None or policy_step >= self.min_policy_step)
+            and (self.max_age_s is None or created_us >= now_us - self.max_age_s * 1e6)
+        )
+
+    def admits_outcome(self, successes: int, group_size: int) -> bool:
+        """What the group scored: informative (0 < successes < group size) when asked, and enough successes."""
+        return (not self.informative_only or 0 < successes < group_size) and successes >= self.min_successes
+
+    def accepts(self, model_id: str, policy_step: int, successes: int, group_size: int, created_us: int, now_us: int) -> bool:
+        """Whether a stored group with these properties answers this request (`admits_source` and `admits_outcome`)."""
+        return self.admits_source(model_id, policy_step, created_us, now_us) and self.admits_outcome(successes, group_size)
+
+    def accepts_group(self, group: RolloutGroup, now_us: int) -> bool:
+        """`accepts` for a group in hand."""
+        return self.accepts(group.model_id, group.policy_step, group.successes, len(group.rollouts),
+                            group_created_us(group), now_us)
+
+
+def now_us() -> int:
+    """Now, in the store index's unit: microseconds since the epoch."""
+    return time.time_ns() // 1000
+
+
+def group_created_us(group: RolloutGroup) -> int:
+    """When the group was created, as the store index has it: its newest row's created_at, in microseconds since
+    the epoch."""
+    return (max(r.created_at for r in group.rollouts) - EPOCH) // timedelta(microseconds=1)
 
 
 class PeerLookupResponse(BaseModel):

@@ -1,4 +1,10 @@
-"""From per-sequence training samples to padded tensors, and the policy's logprobs on them.
+"""A step's batch: its rows (the learner's own rollouts and re-tokenised peer rollouts), pi_old and the weights
+of grafted rows on them, padded tensors, and the policy's logprobs.
+
+- `build_rows`: one TrainSample per learner or peer rollout, as the gate decided (GRAFT_SPEC sections 2, 3).
+- `old_logprobs_and_weights`: pi_old (and pi_ref) on every row with signal; on grafted rows the sequence
+  weight w and the token correction b, so that c = w * b (sections 4, 5).
+- `collate` and `response_logprobs`: rows to padded tensors, and log pi of each completion token.
 
 Prompt and completion are tokenised separately and concatenated (a BPE can merge across the
 boundary otherwise, and then the completion's tokens would not be the ones that were sampled).
@@ -6,10 +12,29 @@ boundary otherwise, and then the completion's tokens would not be the ones that 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+
+from rollouts.prompts import build_prompt
+from schemas import Problem, RolloutGroup, group_advantages
+from trainer.config import TrainConfig
+from trainer.gate import (
+    GateDecision,
+    behaviour_ratio,
+    compat_weights,
+    effective_sample_size,
+    group_normalize,
+    peer_group_advantages,
+)
+from trainer.retokenize import retokenize_peer_rollout
+
+if TYPE_CHECKING:
+    from trainer.learner import Learner
+
+NAN = float("nan")
 
 
 @dataclass
@@ -90,3 +115,218 @@ def response_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: fl
     picked = picked.float() / temperature
     token_logprobs = torch.gather(picked.log_softmax(dim=-1), 2, batch.response_ids[:, :, None]).squeeze(-1)  # (B, T)
     return torch.where(batch.mask, token_logprobs, torch.zeros_like(token_logprobs))
+
+
+# ---- the rows ------------------------------------------------------------------------------------
+
+@dataclass
+class StepRows:
+    """The rows of a step, as `build_rows` made them, and what happened to the peer rollouts on the way."""
+
+    rows: list[TrainSample]  # learner rows (every group, skipped ones with zero advantage) and grafted peer rows
+    peer_groups_used: list[RolloutGroup]  # the peer groups grafted, in the order of the learner's groups
+    drops: dict[str, int]  # peer rollouts dropped, by reason (retokenize.DropReason), every reason present
+    projections: dict[str, int]  # peer rollouts kept, by projection (exact, spans, uniform)
+    peer_advantage_mismatch: int  # grafted groups whose stored advantages are not their rewards' group advantages
+    same_tokenizer_id_mismatch: int  # same-tokenizer rows whose text does not re-tokenise to the stored ids
+
+
+def build_rows(
+    cfg: TrainConfig, learner: Learner, decisions: list[GateDecision], groups: list[RolloutGroup],
+    problem_of: dict[str, Problem], peer_tokenizers: dict[str, Any],
+) -> StepRows:
+    """TrainSamples for the step: learner rows (on-policy, skipped with zero advantage) and peer rows.
+
+    Skipped all-fail groups stay in the batch with zero advantage, exactly as GRPO has them: they
+    add no gradient but count in the token-mean denominator, so GRAFT without peers is GRPO."""
+    std_normalize = cfg.ppo.advantage == "grpo"
+    prompt_ids_of: dict[str, list[int]] = {}
+    out = StepRows([], [], dict.fromkeys(("round_trip", "overlength", "non_finite", "peer_decode"), 0),
+                   dict.fromkeys(("exact", "spans", "uniform"), 0), 0, 0)
+
+    def prompt_tokens(prompt_id: str) -> list[int]:
+        if prompt_id not in prompt_ids_of:
+            text = build_prompt(learner.tokenizer, problem_of[prompt_id].problem, cfg.data.prompt_template)
+            # The template already holds any BOS: no special tokens added here (as the backends do).
+            prompt_ids_of[prompt_id] = list(learner.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return prompt_ids_of[prompt_id]
+
+    def learner_row(rollout, advantage: float, group_index: int) -> TrainSample:
+        ids = list(rollout.completion_token_ids)
+        finished_with_eos = rollout.finish_reason == "stop" and bool(ids) and ids[-1] in learner.eos_ids
+        return TrainSample(prompt_id=rollout.prompt_id, group=group_index, prompt_ids=prompt_tokens(rollout.prompt_id),
+                           completion_ids=ids, num_content_tokens=len(ids) - int(finished_with_eos),
+                           advantage=advantage, grafted=False, num_bytes=rollout.num_bytes)
+
+    for group_index, (decision, own) in enumerate(zip(decisions, groups, strict=True)):
+        if not decision.grafts:
+            advantages = group_advantages([r.reward for r in own.rollouts], std_normalize=std_normalize)
+            out.rows.extend(learner_row(r, a, group_index) for r, a in zip(own.rollouts, advantages))
+            continue
+        peer = decision.peer_group
+        out.peer_groups_used.append(peer)
+        if decision.action == "graft":
+            peer_rollouts = list(peer.rollouts)
+            peer_advantages, agrees = peer_group_advantages(peer, std_normalize=std_normalize)
+            out.peer_advantage_mismatch += int(not agrees)
+        else:  # union: the learner's failures and the peer's successes form one group
+            peer_rollouts = [r for r in peer.rollouts if r.correct]
+            union_rewards = [r.reward for r in own.rollouts] + [r.reward for r in peer_rollouts]
+            union = group_advantages(union_rewards, std_normalize=std_normalize)
+            out.rows.extend(learner_row(r, a, group_index) for r, a in zip(own.rollouts, union[: len(own.rollouts)]))
+            peer_advantages = union[len(own.rollouts):]
+        for rollout, advantage in zip(peer_rollouts, peer_advantages):
+            tokens = retokenize_peer_rollout(
+                rollout, learner.tokenizer, learner.tokenizer_id, cfg.rollout.max_response_tokens,
+                peer_tokenizers.get(rollout.tokenizer_id), stop_token_id=learner.stop_token_id,
+                uniform_projection=cfg.graft.uniform_projection,
+            )
+            if isinstance(tokens, str):
+                out.drops[tokens] += 1
+                continue
+            out.projections[tokens.projection] += 1
+            out.same_tokenizer_id_mismatch += int(not tokens.canonical)
+            if advantage < 0:
+                advantage *= cfg.graft.peer_negative_scale
+            out.rows.append(TrainSample(
+                prompt_id=decision.prompt_id, group=group_index, prompt_ids=prompt_tokens(decision.prompt_id),
+                completion_ids=tokens.token_ids, num_content_tokens=tokens.num_content_tokens, advantage=advantage,
+                grafted=True, num_bytes=len(rollout.completion_text.encode("utf-8")),
+                behaviour_logprobs=tokens.behaviour_logprobs, peer_logprob_sum=float(rollout.logprob_sum),
+            ))
+    return out
+
+
+def needs_forward(row: TrainSample, cfg: TrainConfig) -> bool:
+    """Rows with zero advantage add nothing to the loss (unless a KL is on); with
+    optim.skip_zero_advantage they get no forward pass (they still count in the normaliser).
+    Grafted rows under graft.group_normalized_weight always get one: their w is part of their
+    group's mean, which must not depend on that speed switch."""
+    return (not cfg.optim.skip_zero_advantage or row.advantage != 0.0 or cfg.ppo.kl_beta > 0
+            or (row.grafted and cfg.graft.group_normalized_weight))
+
+
+# ---- pi_old and the weights of grafted rows ------------------------------------------------------
+
+@dataclass
+class FirstPass:
+    """The update's own forward pass, taken before pi_old is needed (`trainer.update.single_pass_forward`)."""
+
+    rows: list[TrainSample]  # the rows with signal, in the order of `logprobs`
+    tokens: TokenBatch
+    logprobs: Tensor  # (b, T) float32, with grad
+
+    def select(self, chunk: list[TrainSample]) -> tuple[Tensor, Tensor]:
+        """(logprobs with grad, mask) of `chunk`'s rows, in its order."""
+        position = {id(row): i for i, row in enumerate(self.rows)}
+        index = torch.tensor([position[id(row)] for row in chunk], device=self.logprobs.device)
+        return self.logprobs.index_select(0, index), self.tokens.mask.index_select(0, index)
+
+
+@dataclass
+class WeightStats:
+    """The grafted rows' weights in a step (NaN when none was grafted): w's mean and effective sample size, the
+    per-byte log rho's quantiles, and b = min(pi_old / mu~, C) over grafted tokens and, on each positive grafted
+    row, at the token the learner finds least likely (where the peer's answer differs from the learner's habit):
+    how much of the peer's signal the token-level correction lets through where it matters."""
+
+    compat_weight_mean: float = NAN
+    compat_weight_ess: float = NAN
+    log_rho_p10: float = NAN
+    log_rho_p50: float = NAN
+    log_rho_p90: float = NAN
+    behaviour_ratio_p50: float = NAN
+    behaviour_ratio_hardest_p50: float = NAN
+
+
+@dataclass
+class WeightedRows:
+    """The rows the update trains on, with pi_old, pi_ref and the token weights c filled in."""
+
+    rows: list[TrainSample]  # grafted rows with non-finite pi_old or w are dropped
+    dropped_non_finite: int
+    stats: WeightStats = field(default_factory=WeightStats)
+
+
+@torch.no_grad()
+def forward_logprobs(
+    model: torch.nn.Module, rows: list[TrainSample], learner: Learner, micro: int, temperature: float
+) -> list[Tensor]:
+    """Per row (n_i,) float32 logprobs of its completion tokens, computed in micro-batches."""
+    out: list[Tensor] = []
+    for begin in range(0, len(rows), micro):
+        chunk = rows[begin : begin + micro]
+        batch = collate(chunk, learner.tokenizer.pad_token_id).to(learner.device)
+        with learner.autocast():
+            logprobs = response_logprobs(model, batch, temperature).cpu()  # (b, T)
+        out.extend(logprobs[i, : len(row.completion_ids)] for i, row in enumerate(chunk))
+    return out
+
+
+def old_logprobs_and_weights(
+    cfg: TrainConfig, learner: Learner, reference: torch.nn.Module | None, rows: list[TrainSample],
+    first_pass: FirstPass | None = None,
+) -> WeightedRows:
+    """pi_old (and pi_ref) for every row with signal; token weights c = w * b on grafted rows.
+
+    pi_old comes from `first_pass` when the update took its forward already (its rows are the ones with
+    signal), else from a no-grad pass. Grafted rows whose pi_old or w is not finite are dropped (counted)."""
+    if first_pass is not None:
+        active = first_pass.rows
+        detached = first_pass.logprobs.detach().cpu()  # (b, T)
+        old = [detached[i, : len(row.completion_ids)] for i, row in enumerate(active)]
+    else:
+        active = [row for row in rows if needs_forward(row, cfg)]
+        old = forward_logprobs(learner.model, active, learner, cfg.optim.micro_batch_size, cfg.rollout.temperature)
+    refs: list[Tensor | None] = [None] * len(active)
+    if reference is not None:
+        # at the rollout temperature, as the policy's: the KL compares the two distributions the loss sees
+        refs = forward_logprobs(reference, active, learner, cfg.optim.micro_batch_size, cfg.rollout.temperature)
+    for row, old_lp, ref_lp in zip(active, old, refs):
+        row.old_logprobs, row.ref_logprobs = old_lp, ref_lp
+        row.token_weight = torch.ones_like(old_lp)
+
+    grafted = [row for row in active if row.grafted]
+    stats = _weigh_grafted_rows(cfg, grafted) if grafted else WeightStats()
+    kept = [row for row in rows if not (row.grafted and not row.finite)]
+    return WeightedRows(kept, len(rows) - len(kept), stats)
+
+
+def _weigh_grafted_rows(cfg: TrainConfig, grafted: list[TrainSample]) -> WeightStats:
+    """Set w, finiteness and c = peer_loss_scale * w * b on the grafted rows (pi_old filled in); their statistics."""
+    # l_old: the learner's log-likelihood of the text, EOS excluded
+    learner_sums = torch.stack([r.old_logprobs[: r.num_content_tokens].double().sum() for r in grafted])  # (g,)
+    peer_sums = torch.tensor([row.peer_logprob_sum for row in grafted], dtype=torch.float64)  # (g,)
+    num_bytes = torch.tensor([row.num_bytes for row in grafted])  # (g,)
+    weights, log_rho = compat_weights(learner_sums, peer_sums, num_bytes, cfg.graft.kappa, cfg.graft.log_rho_min)
+    if cfg.graft.group_normalized_weight:
+        weights = group_normalize(weights, torch.tensor([row.group for row in grafted]))
+    finite = torch.isfinite(learner_sums) & torch.isfinite(weights)
+    ratios: list[Tensor] = []
+    hardest: list[float] = []
+    for row, w, ok in zip(grafted, weights.tolist(), finite.tolist()):
+        row.compat_weight = w
+        row.finite = bool(ok) and bool(torch.isfinite(row.old_logprobs).all())
+        # b, the token-level correction, exists under tis only (luffy's shaping replaces the PPO ratio and needs
+        # no peer probabilities); the sequence weight w applies under every token_is, as kappa etc. say.
+        b = torch.ones_like(row.old_logprobs)  # (n,)
+        if cfg.graft.token_is == "tis":
+            behaviour = torch.tensor(row.behaviour_logprobs, dtype=torch.float32)  # (n,) log mu~
+            b = behaviour_ratio(row.old_logprobs, behaviour, cfg.graft.is_cap)
+            if row.finite:
+                ratios.append(b)
+                if row.advantage > 0 and row.num_content_tokens > 0:
+                    hardest.append(float(b[int(torch.argmin(row.old_logprobs[: row.num_content_tokens]))]))
+        row.token_weight = cfg.graft.peer_loss_scale * w * b  # (n,)
+    kept_weights = weights[finite]
+    if not kept_weights.numel():
+        return WeightStats()
+    levels = torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)
+    quantiles = torch.quantile(log_rho[finite].double(), levels).tolist()
+    return WeightStats(
+        compat_weight_mean=float(kept_weights.mean()),
+        compat_weight_ess=effective_sample_size(kept_weights),
+        log_rho_p10=quantiles[0], log_rho_p50=quantiles[1], log_rho_p90=quantiles[2],
+        behaviour_ratio_p50=float(torch.cat(ratios).median()) if ratios else NAN,
+        behaviour_ratio_hardest_p50=float(torch.tensor(hardest).median()) if hardest else NAN,
+    )

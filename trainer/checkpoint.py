@@ -128,6 +128,16 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return checkpoints[-1] if checkpoints else None
 
 
+def restore_training_state(checkpoint: Path, optimizer: torch.optim.Optimizer, scheduler: Any) -> dict[str, Any]:
+    """Put the optimizer, the schedule and the RNGs back as they were at `checkpoint`; returns the loop's state."""
+    saved = load_trainer_state(checkpoint)
+    optimizer.load_state_dict(saved["optimizer"])
+    scheduler.load_state_dict(saved["scheduler"])
+    restore_rng_state(saved["rng"])
+    log.info("resumed from %s at step %d", checkpoint, saved["loop"]["step"])
+    return saved["loop"]
+
+
 def load_trainer_state(checkpoint: Path) -> dict[str, Any]:
     """The optimizer/scheduler/RNG/loop state saved beside the model (weights_only=False: our own file)."""
     path = Path(checkpoint) / STATE_FILE

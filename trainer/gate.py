@@ -1,6 +1,9 @@
 """The gate (GRAFT_SPEC section 1), peer advantages (section 2) and the compatibility weights (sections 4, 5).
 
-Pure functions over groups and tensors; the loop calls them once per step.
+Pure functions over groups and tensors; the loop calls them once per step. Which peer group may be grafted
+is the step's lookup request's rule (`PeerLookupRequest.accepts`, which the store's lookup applies too); the
+gate adds what only the trainer knows: the tokenizers it can weigh, the preference for informative groups
+and the most recent one, and the cap on grafted groups.
 """
 
 from __future__ import annotations
@@ -13,13 +16,15 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from schemas import RolloutGroup, group_advantages
+from schemas import PeerLookupRequest, RolloutGroup, group_advantages
+from schemas.api import group_created_us, now_us
 from schemas.rollout import ADVANTAGE_TOLERANCE
 
 GroupKind = Literal["all_fail", "all_success", "mixed"]
 Action = Literal[
     "onpolicy", "graft", "graft_union", "skip_no_peer", "skip_uninformative", "skip_no_peer_tokenizer", "skip_capped"
 ]
+GRAFT_ACTIONS = ("graft", "graft_union")
 LOG_RHO_CLAMP = 10.0
 
 
@@ -43,82 +48,73 @@ class GateDecision:
     # the chosen peer group (graft, graft_union, capped), or the one refused for want of its tokenizer
     peer_group: RolloutGroup | None = None
 
+    @property
+    def grafts(self) -> bool:
+        """Whether the step trains on the peer group instead of the learner's own."""
+        return self.action in GRAFT_ACTIONS
+
 
 def choose_peer_group(
     candidates: list[RolloutGroup],
-    learner_model: str,
-    peer_models: list[str] | None,
-    min_policy_step: int | None,
-    union_all_success: bool,
+    rule: PeerLookupRequest,
     usable_tokenizers: set[str] | None = None,
+    now: int | None = None,
 ) -> tuple[RolloutGroup | None, Action]:
-    """The most recent informative peer group (highest policy step, then newest), else why none.
+    """The most recent peer group that `rule` accepts, informative ones first (highest policy step, then newest),
+    else why none: no group from an admitted peer ("skip_no_peer"), none with an admitted outcome
+    ("skip_uninformative").
 
-    With union_all_success, an all-success peer group is the fallback ("graft_union").
-    usable_tokenizers: the tokenizer ids whose text the learner can weigh (its own and the peers' it
-    has); a group in another one is refused, and when that leaves nothing, the most recent refused
-    group comes back with "skip_no_peer_tokenizer". None: any tokenizer."""
-    eligible = [
-        g for g in candidates
-        if g.model_id != learner_model
-        and (peer_models is None or g.model_id in peer_models)
-        and (min_policy_step is None or g.policy_step >= min_policy_step)
-    ]
+    An all-success group is accepted when the rule asks for no informative groups only (graft.union_all_success)
+    and is grafted as "graft_union". usable_tokenizers: the tokenizer ids whose text the learner can weigh (its
+    own and the peers' it has); a group in another one is refused, and when that leaves nothing, the most recent
+    refused group comes back with "skip_no_peer_tokenizer". None: any tokenizer. now: microseconds since the
+    epoch, for the rule's max_age_s (default: now)."""
+    now = now_us() if now is None else now
+    eligible = [g for g in candidates if rule.admits_source(g.model_id, g.policy_step, group_created_us(g), now)]
     if not eligible:
         return None, "skip_no_peer"
-
-    def recency(g: RolloutGroup) -> tuple:
-        return g.policy_step, g.rollouts[0].created_at
-
-    def useful(groups: list[RolloutGroup]) -> list[RolloutGroup]:
-        informative = [g for g in groups if g.informative]
-        if informative or not union_all_success:
-            return informative
-        return [g for g in groups if g.successes == len(g.rollouts)]
-
-    candidates_useful = useful(eligible)
-    if not candidates_useful:
+    useful = [g for g in eligible if rule.admits_outcome(g.successes, len(g.rollouts))]
+    if not useful:
         return None, "skip_uninformative"
-    usable = [g for g in eligible if usable_tokenizers is None or g.rollouts[0].tokenizer_id in usable_tokenizers]
-    chosen = useful(usable)
-    if not chosen:
-        return max(candidates_useful, key=recency), "skip_no_peer_tokenizer"
-    best = max(chosen, key=recency)
+    usable = [g for g in useful if usable_tokenizers is None or g.rollouts[0].tokenizer_id in usable_tokenizers]
+    if not usable:
+        return _most_recent(useful), "skip_no_peer_tokenizer"
+    best = _most_recent(usable)
     return best, "graft" if best.informative else "graft_union"
+
+
+def _most_recent(groups: list[RolloutGroup]) -> RolloutGroup:
+    """The most recent informative group (highest policy step, then newest), else the most recent of all."""
+    preferred = [g for g in groups if g.informative] or groups
+    return max(preferred, key=lambda g: (g.policy_step, g.rollouts[0].created_at))
 
 
 def gate_groups(
     learner_rewards: list[tuple[str, list[float | None]]],
     peer_candidates: dict[str, list[RolloutGroup]],
+    rule: PeerLookupRequest | None,
     *,
-    enabled: bool,
-    learner_model: str,
-    peer_models: list[str] | None,
-    min_policy_step: int | None,
-    union_all_success: bool,
     max_grafted_fraction: float,
     rng: random.Random,
     usable_tokenizers: set[str] | None = None,
 ) -> list[GateDecision]:
     """One decision per learner group, in order; `learner_rewards` holds (prompt id, rewards) per group.
 
-    Mixed and all-success groups train on-policy; all-fail groups are grafted when an acceptable
-    peer group arrived (in a tokenizer of `usable_tokenizers`, see `choose_peer_group`), else skipped.
-    At most floor(max_grafted_fraction * groups) are grafted; the rest of the candidates (chosen at
-    random) are skipped as 'skip_capped'."""
+    Mixed and all-success groups train on-policy; all-fail groups are grafted when an acceptable peer group
+    arrived (`choose_peer_group` under `rule`; None: the gate is off, GRPO and DAPO), else skipped. At most
+    floor(max_grafted_fraction * groups) are grafted; the rest of the candidates (chosen at random) are
+    skipped as 'skip_capped'."""
+    now = now_us()
     decisions: list[GateDecision] = []
     for prompt_id, rewards in learner_rewards:
         kind = classify_group(rewards)
-        if kind != "all_fail" or not enabled:
+        if kind != "all_fail" or rule is None:
             decisions.append(GateDecision(prompt_id, kind, "onpolicy"))
             continue
-        peer_group, action = choose_peer_group(
-            peer_candidates.get(prompt_id, []), learner_model, peer_models, min_policy_step, union_all_success,
-            usable_tokenizers,
-        )
+        peer_group, action = choose_peer_group(peer_candidates.get(prompt_id, []), rule, usable_tokenizers, now)
         decisions.append(GateDecision(prompt_id, kind, action, peer_group))
 
-    grafted = [d for d in decisions if d.action in ("graft", "graft_union")]
+    grafted = [d for d in decisions if d.grafts]
     cap = math.floor(max_grafted_fraction * len(decisions) + 1e-9)
     if len(grafted) > cap:
         for decision in rng.sample(grafted, len(grafted) - cap):

@@ -8,45 +8,29 @@ whether the KL applies.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from trainer.config import TrainConfig
+from trainer.config import GraftConfig, PPOConfig, RolloutConfig, TrainConfig
 
-LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KL_CLAMP = 10.0  # per-token k3 KL bound (verl's low_var_kl)
 
 
 @dataclass(frozen=True)
 class LossConfig:
-    """The knobs of `graft_loss` (built from a TrainConfig with `from_train`; defaults = GRAFT_SPEC)."""
+    """The knobs of `graft_loss`, read from the trainer config's sections (one definition, one default each):
+    ppo's clip (eps_low, eps_high, dual_clip_c), loss_agg and kl_beta; graft's token_is, luffy_gamma and
+    kl_on_peer; and the Dr. GRPO normaliser of seq-mean-token-sum-norm (rollout.max_response_tokens)."""
 
-    eps_low: float = 0.2  # ratio clipped below at 1 - eps_low
-    eps_high: float = 0.28  # ratio clipped above at 1 + eps_high
-    dual_clip_c: float | None = 3.0  # for A < 0 the token loss is capped at -A * c
-    loss_agg: LossAgg = "token-mean"
-    token_sum_norm: float = 4096.0  # Dr. GRPO's constant normaliser (max response tokens) for seq-mean-token-sum-norm
-    kl_beta: float = 0.0  # weight of the k3 KL to the reference policy
-    kl_on_peer: bool = False  # KL on grafted tokens too
-    token_is: Literal["tis", "none", "luffy"] = "tis"  # luffy: grafted tokens use p/(p+gamma) instead of the PPO ratio
-    luffy_gamma: float = 0.1
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    graft: GraftConfig = field(default_factory=GraftConfig)
+    token_sum_norm: float = float(RolloutConfig.model_fields["max_response_tokens"].default)
 
     @classmethod
     def from_train(cls, cfg: TrainConfig) -> LossConfig:
-        return cls(
-            eps_low=cfg.ppo.eps_low,
-            eps_high=cfg.ppo.eps_high,
-            dual_clip_c=cfg.ppo.dual_clip_c,
-            loss_agg=cfg.ppo.loss_agg,
-            token_sum_norm=float(cfg.rollout.max_response_tokens),
-            kl_beta=cfg.ppo.kl_beta,
-            kl_on_peer=cfg.graft.kl_on_peer,
-            token_is=cfg.graft.token_is,
-            luffy_gamma=cfg.graft.luffy_gamma,
-        )
+        return cls(cfg.ppo, cfg.graft, float(cfg.rollout.max_response_tokens))
 
 
 @dataclass
@@ -80,10 +64,10 @@ def agg_denominator(mask: Tensor, cfg: LossConfig) -> float:
     """What `graft_loss` divides the summed token losses by, for a batch with this mask (B, T).
 
     The loop uses it to weight micro-batches so that their sum equals the loss of the whole mini-batch."""
-    if cfg.loss_agg == "token-mean":
+    if cfg.ppo.loss_agg == "token-mean":
         return float(mask.sum())
     rows_with_tokens = float((mask.sum(dim=1) > 0).sum())
-    if cfg.loss_agg == "seq-mean-token-mean":
+    if cfg.ppo.loss_agg == "seq-mean-token-mean":
         return rows_with_tokens
     return rows_with_tokens * cfg.token_sum_norm
 
@@ -95,11 +79,11 @@ def aggregate(values: Tensor, mask: Tensor, cfg: LossConfig) -> Tensor:
     would undo the down-weighting of peer tokens). Both sequence means count only rows with at least
     one valid token: an empty completion is no sequence to average over, under either rule."""
     maskf = mask.to(values.dtype)
-    if cfg.loss_agg == "token-mean":
+    if cfg.ppo.loss_agg == "token-mean":
         return (values * maskf).sum() / maskf.sum().clamp(min=1.0)
     tokens_per_seq = maskf.sum(dim=1)  # (B,)
     rows_with_tokens = (tokens_per_seq > 0).to(values.dtype).sum().clamp(min=1.0)  # scalar
-    if cfg.loss_agg == "seq-mean-token-mean":
+    if cfg.ppo.loss_agg == "seq-mean-token-mean":
         seq_means = (values * maskf).sum(dim=1) / tokens_per_seq.clamp(min=1.0)  # (B,), 0 on empty rows
         return seq_means.sum() / rows_with_tokens
     return (values * maskf).sum() / (rows_with_tokens * cfg.token_sum_norm)
@@ -118,19 +102,19 @@ def graft_loss(batch: LossBatch, cfg: LossConfig) -> tuple[Tensor, dict[str, flo
     ratio = torch.exp(log_ratio)  # (B, T)
 
     unclipped = -advantages * ratio  # (B, T)
-    clipped = -advantages * ratio.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high)  # (B, T)
+    clipped = -advantages * ratio.clamp(1.0 - cfg.ppo.eps_low, 1.0 + cfg.ppo.eps_high)  # (B, T)
     pg = torch.maximum(unclipped, clipped)  # (B, T)
     is_clipped = clipped > unclipped  # (B, T): the clipped branch is active (no gradient through it)
-    if cfg.dual_clip_c is not None:
-        dual_bound = -advantages * cfg.dual_clip_c  # (B, 1), positive where A < 0
+    if cfg.ppo.dual_clip_c is not None:
+        dual_bound = -advantages * cfg.ppo.dual_clip_c  # (B, 1), positive where A < 0
         dual_active = (advantages < 0) & (pg > dual_bound)  # (B, T)
         pg = torch.where(dual_active, dual_bound.expand_as(pg), pg)
         is_clipped = is_clipped | dual_active
 
     grafted_rows = batch.is_grafted[:, None].expand_as(mask)  # (B, T) bool
-    if cfg.token_is == "luffy":
+    if cfg.graft.token_is == "luffy":
         prob = torch.exp(logprobs)  # (B, T)
-        shaped = -advantages * prob / (prob + cfg.luffy_gamma)  # (B, T)
+        shaped = -advantages * prob / (prob + cfg.graft.luffy_gamma)  # (B, T)
         pg = torch.where(grafted_rows, shaped, pg)
         is_clipped = is_clipped & ~grafted_rows
 
@@ -139,17 +123,17 @@ def graft_loss(batch: LossBatch, cfg: LossConfig) -> tuple[Tensor, dict[str, flo
     loss = pg_loss
 
     kl_value = torch.zeros((), dtype=logprobs.dtype)
-    if cfg.kl_beta > 0:
+    if cfg.ppo.kl_beta > 0:
         if batch.ref_logprobs is None:
             raise ValueError("kl_beta > 0 but LossBatch.ref_logprobs is None; compute reference logprobs for the batch")
         log_ref_ratio = (batch.ref_logprobs - logprobs).clamp(-20.0, 20.0)  # (B, T)
         # k3 estimator (>= 0), clamped at 10 as verl's low_var_kl: one token the reference finds far likelier
         # (ref - logp ~ 12 gives e^12 ~ 1.6e5) would otherwise outweigh the whole policy term.
         kl = (torch.exp(log_ref_ratio) - log_ref_ratio - 1.0).clamp(-KL_CLAMP, KL_CLAMP)  # (B, T)
-        kl_mask = mask if cfg.kl_on_peer else mask & ~grafted_rows  # (B, T)
+        kl_mask = mask if cfg.graft.kl_on_peer else mask & ~grafted_rows  # (B, T)
         # Same denominator as the policy term (all valid tokens), so beta means the same with or without peers.
         kl_value = aggregate(torch.where(kl_mask, kl, torch.zeros_like(kl)), mask, cfg)
-        loss = loss + cfg.kl_beta * kl_value
+        loss = loss + cfg.ppo.kl_beta * kl_value
 
     with torch.no_grad():
         onpolicy_mask = mask & ~grafted_rows

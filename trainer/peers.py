@@ -1,7 +1,10 @@
 """Talking to the store without ever stopping training on it.
 
+- `request`: the step's `PeerLookupRequest`, whose `accepts` is the rule of which peer group may be
+  grafted; the store answers with the groups it accepts, the gate and the co-training wait apply it too.
 - `start_lookup`: as soon as a step's prompts are known, one batch lookup for all of them runs in a
-  background thread, so its latency hides behind generation; the gate takes whatever arrived.
+  background thread, so its latency hides behind generation; `peer_candidates` takes whatever arrived
+  (co-training: waits a bounded time for the co-trainer's groups of the step's all-fail prompts).
 - `publish`: in co-training mode every sampled group is pushed in the background; groups that
   could not be pushed wait in a bounded outbox and go with the next push.
 - A store that is down, slow or erroring, or a response that is malformed in any way: the call fails
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field
 from schemas import MAX_LOOKUP_PROMPTS, MAX_PUSH_GROUPS, PeerLookupRequest, Problem, RolloutGroup
 from services.store_api.client import StoreClient, StoreError
 from trainer.config import GraftConfig, StoreConfig
+from trainer.gate import GRAFT_ACTIONS, GateDecision, choose_peer_group, classify_group
 
 log = logging.getLogger(__name__)
 OUTBOX_LIMIT = 4096  # groups kept for publishing while the store is down; older ones are dropped (counted)
@@ -31,6 +35,7 @@ OUTBOX_LIMIT = 4096  # groups kept for publishing while the store is down; older
 class LookupResult:
     groups: dict[str, list[RolloutGroup]] = field(default_factory=dict)  # prompt id -> peer groups, most recent first
     ok: bool = False  # False when the store could not be asked or failed
+    wait_s: float = 0.0  # how long the step waited for it (co-training's wait included)
 
 
 @dataclass
@@ -90,39 +95,42 @@ class PeerExchange:
                         self.store.url, what, type(error).__name__, error, pause, exc_info=unexpected)
 
     # ---- lookups ------------------------------------------------------------------------------
-    def lookup_request(self, prompt_ids: list[str], learner_step: int, any_group: bool = False) -> PeerLookupRequest:
-        """The lookup for `prompt_ids`: usable groups only, or (any_group) every peer group, so that a
-        co-training wait can stop as soon as the peer's group exists, informative or not."""
+    def request(self, prompt_ids: list[str], learner_step: int) -> PeerLookupRequest:
+        """The step's lookup for `prompt_ids`; its `accepts` is the rule the gate applies to what comes back.
+
+        A step may hold more prompts than one call takes: the request is validated on its first
+        MAX_LOOKUP_PROMPTS and sent in chunks (`_lookup`)."""
+        unique = list(dict.fromkeys(prompt_ids))
         lag = self.graft.max_peer_policy_lag
-        return PeerLookupRequest(
-            prompt_ids=prompt_ids,
+        request = PeerLookupRequest(
+            prompt_ids=unique[:MAX_LOOKUP_PROMPTS],
             learner_model=self.learner_model,
             peer_models=self.graft.peer_models,
             # With the union option, all-success peer groups are useful too (never all-fail ones).
-            informative_only=not (self.graft.union_all_success or any_group),
-            min_successes=0 if any_group else 1,
+            informative_only=not self.graft.union_all_success,
+            min_successes=1,
             min_policy_step=max(0, learner_step - lag) if lag is not None else None,
             max_age_s=self.graft.max_peer_age_s,
-            groups_per_prompt=max(self.store.groups_per_prompt, 4) if any_group else self.store.groups_per_prompt,
+            groups_per_prompt=self.store.groups_per_prompt,
         )
+        return request.model_copy(update={"prompt_ids": unique})
 
-    def start_lookup(self, prompt_ids: list[str], learner_step: int) -> Future | None:
-        """Ask for peer groups of all `prompt_ids` in the background; None while backing off."""
+    def start_lookup(self, request: PeerLookupRequest) -> Future | None:
+        """Ask for the request's peer groups in the background; None while backing off."""
         if not self.available:
             with self._lock:
                 self.counters.lookups_skipped_backoff += 1
             return None
-        unique = list(dict.fromkeys(prompt_ids))
-        return self._lookup_pool.submit(self._lookup, unique, learner_step)
+        return self._lookup_pool.submit(self._lookup, request)
 
-    def _lookup(self, prompt_ids: list[str], learner_step: int, any_group: bool = False) -> LookupResult:
+    def _lookup(self, request: PeerLookupRequest) -> LookupResult:
         result = LookupResult()
         with self._lock:
             self.counters.lookups += 1
         try:
-            for begin in range(0, len(prompt_ids), MAX_LOOKUP_PROMPTS):
-                request = self.lookup_request(prompt_ids[begin : begin + MAX_LOOKUP_PROMPTS], learner_step, any_group)
-                response = self._lookup_client.lookup_peer_groups(request, validate=False)
+            for begin in range(0, len(request.prompt_ids), MAX_LOOKUP_PROMPTS):
+                chunk = request.model_copy(update={"prompt_ids": request.prompt_ids[begin : begin + MAX_LOOKUP_PROMPTS]})
+                response = self._lookup_client.lookup_peer_groups(chunk, validate=False)
                 for group in response.groups:
                     result.groups.setdefault(group.prompt_id, []).append(group)
         except Exception as error:  # noqa: BLE001 - whatever went wrong, this step runs as GRPO (counted, logged)
@@ -147,18 +155,18 @@ class PeerExchange:
                 self.counters.lookups_late += 1
             return LookupResult()
 
-    def wait_for_peers(
-        self, prompt_ids: list[str], learner_step: int, deadline: float
-    ) -> dict[str, list[RolloutGroup]]:
-        """Co-training: look up `prompt_ids` repeatedly until each has a peer group (informative or
+    def wait_for_peers(self, request: PeerLookupRequest, deadline: float) -> dict[str, list[RolloutGroup]]:
+        """Co-training: look up the request's prompts repeatedly until each has a peer group (informative or
         not: the peer has sampled it) or `deadline` passes.
 
         Returns what was found (prompt id -> groups, the gate picks); never raises on store trouble."""
+        any_group = request.model_copy(update={
+            "informative_only": False, "min_successes": 0, "groups_per_prompt": max(request.groups_per_prompt, 4)})
         found: dict[str, list[RolloutGroup]] = {}
-        missing = list(dict.fromkeys(prompt_ids))
+        missing = list(dict.fromkeys(request.prompt_ids))
         while missing and time.monotonic() < deadline:
             if self.available:
-                pending = self._lookup_pool.submit(self._lookup, missing, learner_step, True)
+                pending = self._lookup_pool.submit(self._lookup, any_group.model_copy(update={"prompt_ids": missing}))
                 result = self.collect(pending, max(0.0, deadline - time.monotonic()))
                 found.update(result.groups)
                 missing = [p for p in missing if p not in found]
@@ -232,3 +240,51 @@ class PeerExchange:
             close = getattr(client, "close", None)
             if close is not None:
                 close()
+
+
+def peer_candidates(
+    peers: PeerExchange, pending: Future | None, request: PeerLookupRequest, groups: list[RolloutGroup],
+    usable_tokenizers: set[str] | None,
+) -> LookupResult:
+    """The peer groups the step's gate chooses from: the background lookup's answer (offline: only if already
+    back) and, in co-training, what arrives within store.cotrain_wait_s for the all-fail prompts that have no
+    group the gate would graft yet (the co-trainer may still be sampling them)."""
+    started = time.monotonic()
+    cotrain = peers.store.mode == "cotrain"
+    lookup = peers.collect(pending, wait_s=peers.store.cotrain_wait_s if cotrain else 0.0)
+    if cotrain:
+        all_fail = [g.prompt_id for g in groups if classify_group([r.reward for r in g.rollouts]) == "all_fail"]
+        missing = [p for p in all_fail
+                   if choose_peer_group(lookup.groups.get(p, []), request, usable_tokenizers)[1] not in GRAFT_ACTIONS]
+        if missing:
+            deadline = started + peers.store.cotrain_wait_s
+            lookup.groups.update(peers.wait_for_peers(request.model_copy(update={"prompt_ids": missing}), deadline))
+    lookup.wait_s = time.monotonic() - started
+    return lookup
+
+
+class RefusedTokenizers:
+    """One warning per tokenizer id whose peer groups the gate refused for want of the peer's tokenizer."""
+
+    def __init__(self, usable: set[str] | None):
+        self.usable = usable
+        self.warned: set[str] = set()
+
+    def warn(self, decisions: list[GateDecision], peer_candidates: dict[str, list[RolloutGroup]]) -> None:
+        if self.usable is None:
+            return
+        refused: dict[str, set[str]] = {}  # tokenizer id -> the models that sampled in it
+        for decision in decisions:
+            if decision.action == "skip_no_peer_tokenizer":
+                for group in peer_candidates.get(decision.prompt_id, []):
+                    refused.setdefault(group.rollouts[0].tokenizer_id, set()).add(group.model_id)
+        for tokenizer_id, models in sorted(refused.items()):
+            if tokenizer_id in self.usable or tokenizer_id in self.warned:
+                continue
+            self.warned.add(tokenizer_id)
+            log.warning(
+                "peer groups of %s are in tokenizer %r, for which this trainer has no tokenizer: they are refused "
+                "(counted as groups_no_peer_tokenizer). Map that id to the peer's tokenizer or model directory: "
+                "graft.peer_tokenizers: {%s: /path/to/peer} (or opt in to graft.uniform_projection, which spreads the "
+                "peer's logprobs evenly over characters)", ", ".join(sorted(models)), tokenizer_id, tokenizer_id,
+            )

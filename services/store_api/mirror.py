@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import bisect
 import threading
-import time
 from collections.abc import Iterable
 from typing import NamedTuple
 
 from schemas import PeerLookupRequest
+from schemas.api import now_us
 
-
-def now_us() -> int:
-    """Now, in the index's unit: microseconds since the epoch."""
-    return time.time_ns() // 1000
+__all__ = ["GroupMirror", "GroupRef", "now_us"]
 
 
 class GroupRef(NamedTuple):
@@ -109,23 +106,15 @@ class GroupMirror:
 
     def peer_groups(self, req: PeerLookupRequest) -> tuple[list[GroupRef], list[str]]:
         """The groups a peer lookup returns (by prompt in request order, most recent first) and the misses."""
-        peers = set(req.peer_models) if req.peer_models else None
-        oldest_us = None if req.max_age_s is None else now_us() - req.max_age_s * 1e6  # float: max_age_s may be huge
+        now = now_us()
         chosen: list[GroupRef] = []
         misses: list[str] = []
         with self._lock:
             for prompt in dict.fromkeys(req.prompt_ids):
                 found = 0
                 for ref in self._by_prompt.get(prompt, ()):
-                    if ref.model_id == req.learner_model or (peers is not None and ref.model_id not in peers):
-                        continue
-                    if req.informative_only and not 0 < ref.successes < ref.group_size:
-                        continue
-                    if ref.successes < req.min_successes:
-                        continue
-                    if req.min_policy_step is not None and ref.policy_step < req.min_policy_step:
-                        continue
-                    if oldest_us is not None and ref.created_us < oldest_us:
+                    # the one rule of which peer group may be grafted (the trainer's gate applies the same)
+                    if not req.accepts(ref.model_id, ref.policy_step, ref.successes, ref.group_size, ref.created_us, now):
                         continue
                     chosen.append(ref)
                     found += 1

@@ -37,6 +37,7 @@ from trainer.distributed import (
     reduce_metrics,
     wrap_model,
 )
+from trainer.config import PPOConfig
 from trainer.loss import LossConfig
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -66,7 +67,7 @@ def step(ctx, wrapped, optimizer, scheduler, reference, tokenizer, loss_cfg, ind
 def equivalence(ctx: DistContext) -> dict:
     out = {}
     for aggregation in AGGREGATIONS:
-        loss_cfg = LossConfig(loss_agg=aggregation, token_sum_norm=16.0)
+        loss_cfg = LossConfig(PPOConfig(loss_agg=aggregation), token_sum_norm=16.0)
         wrapped, optimizer, scheduler, reference, tokenizer = fresh(ctx)
         first_grads: dict[str, torch.Tensor] = {}
 

@@ -12,10 +12,10 @@ from rollouts.hf_backend import HFBackend, teacher_forced_logprobs
 from rollouts.sampling import SamplingParams
 from schemas import Problem, RolloutGroup
 from toy.world import build_group
-from trainer.batch import TrainSample, collate, response_logprobs
+from trainer.batch import TrainSample, build_rows, collate, old_logprobs_and_weights, response_logprobs
 from trainer.config import TrainConfig
 from trainer.gate import GateDecision
-from trainer.loop import Learner, _attach_old_logprobs_and_weights, _build_rows
+from trainer.learner import Learner
 
 PROBLEMS = [Problem.from_text("12+7=", "19", "toy_add"), Problem.from_text("3+4=", "7", "toy_add")]
 
@@ -58,7 +58,7 @@ def test_response_logprobs_align_with_teacher_forcing_and_the_sampler(char_model
 
 def grafting(char_model, char_tokenizer, bpe_model, bpe_tokenizer):
     """A BPE peer's informative group for the char learner's all-fail one: (problem, peer group, learner, build),
-    where build(cfg, counts) runs `_build_rows` on the grafting decision."""
+    where build(cfg) runs `build_rows` on the grafting decision."""
     problem = PROBLEMS[0]
     texts = ["\\boxed{19}", "\\boxed{18}", "\\boxed{19}", "\\boxed{1"]
     peer = build_group(problem, texts, [1.0, 0.0, 1.0, 0.0], bpe_tokenizer, bpe_model, model_id="peer", tokenizer_id="tok-bpe")
@@ -66,9 +66,9 @@ def grafting(char_model, char_tokenizer, bpe_model, bpe_tokenizer):
                       tokenizer_id="tok-char")
     learner = learner_of(char_model, char_tokenizer)
 
-    def build(cfg, counts):
-        return _build_rows(cfg, learner, [GateDecision(problem.prompt_id, "all_fail", "graft", peer)], [own],
-                           {problem.prompt_id: problem}, {"tok-bpe": bpe_tokenizer}, counts)
+    def build(cfg):
+        return build_rows(cfg, learner, [GateDecision(problem.prompt_id, "all_fail", "graft", peer)], [own],
+                          {problem.prompt_id: problem}, {"tok-bpe": bpe_tokenizer})
 
     return problem, peer, learner, build
 
@@ -76,14 +76,16 @@ def grafting(char_model, char_tokenizer, bpe_model, bpe_tokenizer):
 def test_grafted_rows_weights_by_hand(char_model, char_tokenizer, bpe_model, bpe_tokenizer):
     problem, peer, learner, build = grafting(char_model, char_tokenizer, bpe_model, bpe_tokenizer)
     cfg = config(peer_negative_scale=0.5)
-    counts = {}
-    rows, used, drops = build(cfg, counts)
-    assert used == [peer] and sum(drops.values()) == 0
-    assert [r.grafted for r in rows] == [True] * 4 and counts["projection_spans"] == 4
+    step_rows = build(cfg)
+    rows = step_rows.rows
+    assert step_rows.peer_groups_used == [peer] and sum(step_rows.drops.values()) == 0
+    assert [r.grafted for r in rows] == [True] * 4 and step_rows.projections["spans"] == 4
     # peer-computed advantages: rewards [1, 0, 1, 0] -> +-0.866; negatives scaled by 0.5
     a = 0.5 / math.sqrt(1 / 3)
     assert [r.advantage for r in rows] == pytest.approx([a, -0.5 * a, a, -0.5 * a], rel=1e-4)
-    rows, stats = _attach_old_logprobs_and_weights(cfg, learner, None, rows, drops)
+    weighted = old_logprobs_and_weights(cfg, learner, None, rows)
+    rows = weighted.rows
+    assert weighted.dropped_non_finite == 0
     for row, rollout in zip(rows, peer.rollouts):
         old = forced(char_model, char_tokenizer, problem.problem, row.completion_ids)
         assert row.old_logprobs.tolist() == pytest.approx(old, abs=1e-4)
@@ -93,25 +95,25 @@ def test_grafted_rows_weights_by_hand(char_model, char_tokenizer, bpe_model, bpe
         assert row.compat_weight == pytest.approx(w, rel=1e-4)
         b = [min(math.exp(o - mu), 2.0) for o, mu in zip(old, row.behaviour_logprobs)]
         assert row.token_weight.tolist() == pytest.approx([w * x for x in b], rel=1e-4)
-    assert stats["compat_weight_mean"] == pytest.approx(sum(r.compat_weight for r in rows) / 4, rel=1e-5)
+    assert weighted.stats.compat_weight_mean == pytest.approx(sum(r.compat_weight for r in rows) / 4, rel=1e-5)
 
 
 def test_token_is_none_and_luffy_keep_the_sequence_weight(char_model, char_tokenizer, bpe_model, bpe_tokenizer):
     _, _, learner, build = grafting(char_model, char_tokenizer, bpe_model, bpe_tokenizer)
-    drops = {"non_finite": 0}
-    _, stats = _attach_old_logprobs_and_weights(config(), learner, None, build(config(), {})[0], dict(drops))
+    stats = old_logprobs_and_weights(config(), learner, None, build(config()).rows).stats
     # token_is = none and luffy: b = 1, c = w (the sequence weight stays: kappa and log_rho_min mean the same under
     # every token_is, and its logged statistics are the ones applied); peer_loss_scale multiplies c (outside the spec)
     for token_is, scale in (("none", 1.0), ("luffy", 1.0), ("none", 3.0), ("luffy", 3.0)):
         cfg = config(token_is=token_is, peer_loss_scale=scale)
-        rows, luffy_stats = _attach_old_logprobs_and_weights(cfg, learner, None, build(cfg, {})[0], dict(drops))
+        weighted = old_logprobs_and_weights(cfg, learner, None, build(cfg).rows)
+        rows = weighted.rows
         assert any(row.compat_weight < 0.9 for row in rows)  # so that c = w and c = 1 differ
         for row in rows:
             assert row.token_weight.tolist() == pytest.approx([scale * row.compat_weight] * len(row.completion_ids))
-        assert luffy_stats["compat_weight_mean"] == pytest.approx(stats["compat_weight_mean"], rel=1e-6)
+        assert weighted.stats.compat_weight_mean == pytest.approx(stats.compat_weight_mean, rel=1e-6)
     # kappa = 0 gives w = 1: the way to train without the sequence weight, under any token_is
     cfg = config(token_is="luffy", kappa=0.0)
-    rows, _ = _attach_old_logprobs_and_weights(cfg, learner, None, build(cfg, {})[0], dict(drops))
+    rows = old_logprobs_and_weights(cfg, learner, None, build(cfg).rows).rows
     assert all(row.token_weight.tolist() == [1.0] * len(row.completion_ids) for row in rows)
 
 
@@ -121,18 +123,18 @@ def test_union_all_success_and_skipped_groups(char_model, char_tokenizer, bpe_mo
     own = build_group(problem, ["1", "2"], [0.0, 0.0], char_tokenizer, char_model, model_id="learner", tokenizer_id="tok-char")
     learner = learner_of(char_model, char_tokenizer)
     cfg = config(union_all_success=True)
-    rows, _, _ = _build_rows(cfg, learner, [GateDecision(problem.prompt_id, "all_fail", "graft_union", peer)], [own],
-                             {problem.prompt_id: problem}, {"tok-bpe": bpe_tokenizer}, {})
+    rows = build_rows(cfg, learner, [GateDecision(problem.prompt_id, "all_fail", "graft_union", peer)], [own],
+                      {problem.prompt_id: problem}, {"tok-bpe": bpe_tokenizer}).rows
     # union rewards [0, 0, 1, 1]: advantages -+0.866 over learner failures (on-policy) and peer successes (grafted)
     a = 0.5 / math.sqrt(1 / 3)
     assert [(r.grafted, round(r.advantage, 4)) for r in rows] == [(False, round(-a, 4))] * 2 + [(True, round(a, 4))] * 2
     # a skipped all-fail group stays in the batch with zero advantage (as under GRPO); with
     # optim.skip_zero_advantage its rows need no forward pass
     cfg = cfg.model_copy(update={"optim": cfg.optim.model_copy(update={"skip_zero_advantage": True})})
-    rows, _, _ = _build_rows(cfg, learner, [GateDecision(problem.prompt_id, "all_fail", "skip_no_peer")], [own],
-                             {problem.prompt_id: problem}, {}, {})
+    rows = build_rows(cfg, learner, [GateDecision(problem.prompt_id, "all_fail", "skip_no_peer")], [own],
+                      {problem.prompt_id: problem}, {}).rows
     assert [(r.grafted, r.advantage) for r in rows] == [(False, 0.0), (False, 0.0)]
-    rows, _ = _attach_old_logprobs_and_weights(cfg, learner, None, rows, {"non_finite": 0})
+    rows = old_logprobs_and_weights(cfg, learner, None, rows).rows
     assert all(r.old_logprobs is None for r in rows)
 
 
@@ -151,11 +153,11 @@ def test_same_tokenizer_peer_rows_keep_the_sampled_split_and_count_the_mismatch(
     peer = RolloutGroup(rollouts=[resampled, peer.rollouts[1]])
     own = build_group(problem, ["1", "2"], [0.0, 0.0], bpe_tokenizer, bpe_model, model_id="learner", tokenizer_id="tok-bpe")
     learner = learner_of(bpe_model, bpe_tokenizer, tokenizer_id="tok-bpe")
-    counts = {}
-    rows, _, drops = _build_rows(config(), learner, [GateDecision(problem.prompt_id, "all_fail", "graft", peer)], [own],
-                                 {problem.prompt_id: problem}, {}, counts)
-    assert sum(drops.values()) == 0 and counts["projection_exact"] == 2
-    assert counts["same_tokenizer_id_mismatch"] == 1
+    step_rows = build_rows(config(), learner, [GateDecision(problem.prompt_id, "all_fail", "graft", peer)], [own],
+                           {problem.prompt_id: problem}, {})
+    rows = step_rows.rows
+    assert sum(step_rows.drops.values()) == 0 and step_rows.projections["exact"] == 2
+    assert step_rows.same_tokenizer_id_mismatch == 1
     assert rows[0].completion_ids == ids and rows[0].behaviour_logprobs == [-0.25] * len(ids)
     assert rows[1].completion_ids == list(peer.rollouts[1].completion_token_ids)
 
@@ -167,7 +169,8 @@ def test_a_chat_learner_ends_grafted_and_anchor_rows_with_its_end_of_turn(tmp_pa
     from rollouts.models import tokenizer_fingerprint
     from toy.models import build_tiny_model, save_model
     from toy.world import learner_tokenizer
-    from trainer.loop import _anchor_rows, _load_learner
+    from trainer.learner import load_learner
+    from trainer.update import anchor_batch
 
     tokenizer = learner_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_end|>"]})
@@ -178,7 +181,7 @@ def test_a_chat_learner_ends_grafted_and_anchor_rows_with_its_end_of_turn(tmp_pa
     path = save_model(model, tokenizer, tmp_path / "chat-learner")
     cfg = TrainConfig(model={"path": str(path), "device": "cpu"}, data={"dataset": "unused", "prompt_template": "auto"},
                       store={"url": "http://x"}, rollout={"max_response_tokens": 32})
-    learner = _load_learner(cfg, None)
+    learner = load_learner(cfg, None)
     assert learner.stop_token_id == im_end != learner.tokenizer.eos_token_id
 
     problem = PROBLEMS[0]
@@ -186,8 +189,8 @@ def test_a_chat_learner_ends_grafted_and_anchor_rows_with_its_end_of_turn(tmp_pa
                        tokenizer_id="tok-bpe")
     own = build_group(problem, ["1", "2"], [0.0, 0.0], learner.tokenizer, learner.model, model_id="learner",
                       tokenizer_id=tokenizer_fingerprint(learner.tokenizer))
-    rows, _, _ = _build_rows(cfg, learner, [GateDecision(problem.prompt_id, "all_fail", "graft", peer)], [own],
-                             {problem.prompt_id: problem}, {"tok-bpe": bpe_tokenizer}, {})
+    rows = build_rows(cfg, learner, [GateDecision(problem.prompt_id, "all_fail", "graft", peer)], [own],
+                      {problem.prompt_id: problem}, {"tok-bpe": bpe_tokenizer}).rows
     assert [row.completion_ids[-1] for row in rows] == [im_end, im_end]
-    anchor = _anchor_rows(cfg, learner, [("12+7=", "\\boxed{19}")], random.Random(0))
+    anchor = anchor_batch(cfg, learner, [("12+7=", "\\boxed{19}")], random.Random(0))
     assert anchor[0].completion_ids[-1] == im_end

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from schemas import Problem, Rollout, RolloutGroup
+from schemas import PeerLookupRequest, Problem, Rollout, RolloutGroup
 from trainer.gate import (
     behaviour_ratio,
     choose_peer_group,
@@ -38,6 +38,12 @@ def group(problem, rewards, model_id="peer", policy_step=0, std_normalize=True, 
     return RolloutGroup.model_construct(rollouts=rows) if advantages is not None else RolloutGroup(rollouts=rows)
 
 
+def rule(peer_models=None, min_policy_step=None, union=False, learner_model="learner"):
+    """The lookup request a trainer with these settings sends (its `accepts` is the gate's rule)."""
+    return PeerLookupRequest(prompt_ids=[PROBLEMS[0].prompt_id], learner_model=learner_model, peer_models=peer_models,
+                             informative_only=not union, min_successes=1, min_policy_step=min_policy_step)
+
+
 def test_classify():
     assert classify_group([0.0, 0.0, None]) == "all_fail"
     assert classify_group([1.0, 1.0]) == "all_success"
@@ -52,17 +58,17 @@ def test_choose_most_recent_informative_peer_group_and_filters():
     uninformative = group(p, [0.0, 0.0], policy_step=9)
     own = group(p, [1.0, 0.0], model_id="learner", policy_step=10)
     other = group(p, [1.0, 0.0, 1.0], model_id="other", policy_step=8)
-    chosen, action = choose_peer_group([old, new, uninformative, own], "learner", None, None, False)
+    chosen, action = choose_peer_group([old, new, uninformative, own], rule())
     assert (chosen, action) == (new, "graft")
-    assert choose_peer_group([old, new, other], "learner", ["peer"], None, False) == (new, "graft")
-    assert choose_peer_group([old, new, other], "learner", None, None, False) == (other, "graft")
-    assert choose_peer_group([old, new], "learner", None, 8, False) == (None, "skip_no_peer")
-    assert choose_peer_group([uninformative], "learner", None, None, False) == (None, "skip_uninformative")
-    assert choose_peer_group([own], "learner", None, None, False) == (None, "skip_no_peer")
+    assert choose_peer_group([old, new, other], rule(["peer"])) == (new, "graft")
+    assert choose_peer_group([old, new, other], rule()) == (other, "graft")
+    assert choose_peer_group([old, new], rule(min_policy_step=8)) == (None, "skip_no_peer")
+    assert choose_peer_group([uninformative], rule()) == (None, "skip_uninformative")
+    assert choose_peer_group([own], rule()) == (None, "skip_no_peer")
     all_success = group(p, [1.0, 1.0])
-    assert choose_peer_group([all_success], "learner", None, None, False) == (None, "skip_uninformative")
-    assert choose_peer_group([all_success], "learner", None, None, True) == (all_success, "graft_union")
-    assert choose_peer_group([all_success, old], "learner", None, None, True) == (old, "graft")
+    assert choose_peer_group([all_success], rule()) == (None, "skip_uninformative")
+    assert choose_peer_group([all_success], rule(union=True)) == (all_success, "graft_union")
+    assert choose_peer_group([all_success, old], rule(union=True)) == (old, "graft")
 
 
 def test_peer_groups_in_a_tokenizer_the_learner_lacks_are_refused():
@@ -71,18 +77,17 @@ def test_peer_groups_in_a_tokenizer_the_learner_lacks_are_refused():
     unknown_newer = group(p, [0.0, 1.0], policy_step=5, model_id="other", tokenizer_id="tok-other")
     usable = {"tok-learner", "tok-peer"}
     # the newest usable group wins over a newer one the learner cannot weigh
-    assert choose_peer_group([known, unknown_newer], "learner", None, None, False, usable) == (known, "graft")
-    assert choose_peer_group([unknown_newer], "learner", None, None, False, usable) == (unknown_newer, "skip_no_peer_tokenizer")
-    assert choose_peer_group([unknown_newer], "learner", None, None, False, None) == (unknown_newer, "graft")
+    assert choose_peer_group([known, unknown_newer], rule(), usable) == (known, "graft")
+    assert choose_peer_group([unknown_newer], rule(), usable) == (unknown_newer, "skip_no_peer_tokenizer")
+    assert choose_peer_group([unknown_newer], rule(), None) == (unknown_newer, "graft")
     # the learner's own tokenizer needs no entry
     same = group(p, [1.0, 0.0], tokenizer_id="tok-learner")
-    assert choose_peer_group([same], "learner", None, None, False, {"tok-learner"}) == (same, "graft")
+    assert choose_peer_group([same], rule(), {"tok-learner"}) == (same, "graft")
     # an uninformative group stays "uninformative" whatever its tokenizer
-    assert choose_peer_group([group(p, [0.0, 0.0], tokenizer_id="tok-other")], "learner", None, None, False, usable)[1] == (
+    assert choose_peer_group([group(p, [0.0, 0.0], tokenizer_id="tok-other")], rule(), usable)[1] == (
         "skip_uninformative")
     rewards = [(p.prompt_id, [0.0, 0.0])]
-    decisions = gate_groups(rewards, {p.prompt_id: [unknown_newer]}, enabled=True, learner_model="learner", peer_models=None,
-                            min_policy_step=None, union_all_success=False, max_grafted_fraction=1.0, rng=random.Random(0),
+    decisions = gate_groups(rewards, {p.prompt_id: [unknown_newer]}, rule(), max_grafted_fraction=1.0, rng=random.Random(0),
                             usable_tokenizers=usable)
     assert [(d.action, d.peer_group) for d in decisions] == [("skip_no_peer_tokenizer", unknown_newer)]
 
@@ -102,13 +107,12 @@ def test_gate_groups_and_the_grafted_fraction_cap():
         PROBLEMS[3].prompt_id: [group(PROBLEMS[3], [1.0, 0.0])],
         PROBLEMS[5].prompt_id: [group(PROBLEMS[5], [0.0, 0.0])],
     }
-    kwargs = dict(learner_model="learner", peer_models=None, min_policy_step=None, union_all_success=False, rng=random.Random(0))
-    decisions = gate_groups(list(rewards.items()), peers, enabled=True, max_grafted_fraction=0.5, **kwargs)
+    decisions = gate_groups(list(rewards.items()), peers, rule(), max_grafted_fraction=0.5, rng=random.Random(0))
     assert [d.action for d in decisions] == ["graft", "graft", "skip_no_peer", "onpolicy", "onpolicy", "skip_uninformative"]
     assert [d.kind for d in decisions] == ["all_fail", "all_fail", "all_fail", "mixed", "all_success", "all_fail"]
-    capped = gate_groups(list(rewards.items()), peers, enabled=True, max_grafted_fraction=0.2, **kwargs)  # floor(0.2 * 6) = 1
+    capped = gate_groups(list(rewards.items()), peers, rule(), max_grafted_fraction=0.2, rng=random.Random(0))  # floor(0.2 * 6) = 1
     assert sorted(d.action for d in capped[:2]) == ["graft", "skip_capped"]
-    off = gate_groups(list(rewards.items()), peers, enabled=False, max_grafted_fraction=0.5, **kwargs)
+    off = gate_groups(list(rewards.items()), peers, None, max_grafted_fraction=0.5, rng=random.Random(0))
     assert all(d.action == "onpolicy" for d in off)
 
 

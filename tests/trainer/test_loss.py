@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from schemas import group_advantages
+from trainer.config import GraftConfig, PPOConfig
 from trainer.loss import LossBatch, LossConfig, agg_denominator, graft_loss
 
 CFG = LossConfig()
@@ -86,7 +87,7 @@ def test_ppo_clip_and_dual_clip_by_hand():
     assert grad[:, 0].tolist() == pytest.approx([0.0, 0.0, 0.0, 2.0 / 5, -1.1 / 5], abs=1e-6)
     assert metrics["clip_frac_onpolicy"] == pytest.approx(3 / 5)
 
-    no_dual = LossConfig(dual_clip_c=None)
+    no_dual = LossConfig(PPOConfig(dual_clip_c=None))
     batch, logprobs = make_batch([1] * 5, advantages, log_ratio=log_r)
     loss, grad, _ = loss_and_grad(batch, logprobs, no_dual)
     assert loss == pytest.approx((-1.28 + 0.8 + 5.0 + 2.0 - 1.1) / 5, rel=1e-5)
@@ -122,14 +123,14 @@ def test_grafted_group_with_unit_weights_equals_grpo_on_same_tokens():
 def test_seq_mean_token_mean_and_dr_grpo_normalisers_by_hand():
     lengths, advantages = [1, 3], [1.0, -1.0]
     batch, logprobs = make_batch(lengths, advantages)
-    loss, grad, _ = loss_and_grad(batch, logprobs, LossConfig(loss_agg="seq-mean-token-mean"))
+    loss, grad, _ = loss_and_grad(batch, logprobs, LossConfig(PPOConfig(loss_agg="seq-mean-token-mean")))
     # per-sequence means: -1 and +1 -> mean 0; grads -A / (n_b * B)
     assert loss == pytest.approx(0.0, abs=1e-7)
     assert grad[0, 0] == pytest.approx(-1.0 / 2)
     assert grad[1, :3].tolist() == pytest.approx([1.0 / 6] * 3)
 
     batch, logprobs = make_batch(lengths, advantages)
-    loss, grad, _ = loss_and_grad(batch, logprobs, LossConfig(loss_agg="seq-mean-token-sum-norm", token_sum_norm=10.0))
+    loss, grad, _ = loss_and_grad(batch, logprobs, LossConfig(PPOConfig(loss_agg="seq-mean-token-sum-norm"), token_sum_norm=10.0))
     assert loss == pytest.approx((-1.0 + 3.0) / (2 * 10.0))
     assert grad[1, 0] == pytest.approx(1.0 / 20)
 
@@ -138,7 +139,7 @@ def test_both_sequence_means_leave_empty_rows_out():
     """An empty completion (no valid token) is no sequence under either rule: adding one changes neither
     loss nor denominator (a batch of one 3-token row with A = -1: token sum 3)."""
     for agg, expected in (("seq-mean-token-mean", 1.0), ("seq-mean-token-sum-norm", 3.0 / 10.0)):
-        cfg = LossConfig(loss_agg=agg, token_sum_norm=10.0)
+        cfg = LossConfig(PPOConfig(loss_agg=agg), token_sum_norm=10.0)
         alone, _ = make_batch([3], [-1.0])
         with_empty, _ = make_batch([3, 0], [-1.0, 0.5])
         assert float(graft_loss(alone, cfg)[0].detach()) == pytest.approx(expected, rel=1e-6), agg
@@ -148,7 +149,7 @@ def test_both_sequence_means_leave_empty_rows_out():
 
 def test_k3_kl_is_clamped_at_10_per_token_as_verls_low_var_kl():
     # ref - logprob = 12 on one token: k3 = e^12 - 13 ~ 1.6e5 unclamped; 10 after the clamp (and no gradient through it)
-    cfg = LossConfig(kl_beta=1.0)
+    cfg = LossConfig(PPOConfig(kl_beta=1.0))
     batch, logprobs = make_batch([2], [0.0], ref_delta=[[12.0, math.log(2.0)]])
     loss, grad, metrics = loss_and_grad(batch, logprobs, cfg)
     k3 = 2.0 - math.log(2.0) - 1.0
@@ -160,18 +161,18 @@ def test_kl_applies_to_onpolicy_tokens_unless_kl_on_peer():
     # ref - logprob = log 2 on every token: k3 = 2 - log 2 - 1
     delta = [[math.log(2.0)] * 2, [math.log(2.0)] * 2]
     k3 = 2.0 - math.log(2.0) - 1.0
-    cfg = LossConfig(kl_beta=0.5)
+    cfg = LossConfig(PPOConfig(kl_beta=0.5))
     batch, logprobs = make_batch([2, 2], [0.0, 0.0], grafted=[False, True], ref_delta=delta)
     loss, _, metrics = loss_and_grad(batch, logprobs, cfg)
     assert metrics["kl"] == pytest.approx(k3 * 2 / 4, rel=1e-5)  # on-policy tokens only, over all 4 tokens
     assert loss == pytest.approx(0.5 * k3 * 2 / 4, rel=1e-5)
     batch, logprobs = make_batch([2, 2], [0.0, 0.0], grafted=[False, True], ref_delta=delta)
-    loss, _, _ = loss_and_grad(batch, logprobs, LossConfig(kl_beta=0.5, kl_on_peer=True))
+    loss, _, _ = loss_and_grad(batch, logprobs, LossConfig(PPOConfig(kl_beta=0.5), GraftConfig(kl_on_peer=True)))
     assert loss == pytest.approx(0.5 * k3, rel=1e-5)
 
 
 def test_luffy_shapes_grafted_tokens_only():
-    cfg = LossConfig(token_is="luffy", luffy_gamma=0.1)
+    cfg = LossConfig(graft=GraftConfig(token_is="luffy", luffy_gamma=0.1))
     batch, logprobs = make_batch([1, 1], [1.0, 1.0], grafted=[False, True])
     loss, grad, _ = loss_and_grad(batch, logprobs, cfg)
     p = math.exp(-1.0)
@@ -187,7 +188,7 @@ def test_micro_batches_weighted_by_denominator_sum_to_the_full_loss():
     lengths, advantages = [3, 1, 4, 2], [0.7, -1.2, 0.3, -0.4]
     log_r = (torch.randn(4, 4) * 0.2).tolist()
     for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
-        cfg = LossConfig(loss_agg=agg, token_sum_norm=8.0)
+        cfg = LossConfig(PPOConfig(loss_agg=agg), token_sum_norm=8.0)
         full, _ = make_batch(lengths, advantages, log_ratio=log_r)
         full_loss, _ = graft_loss(full, cfg)
         total = 0.0

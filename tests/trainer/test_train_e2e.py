@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 from services.store_api.client import StoreClient
 from services.store_api.server import StoreServer
 from trainer.config import TrainConfig
-from trainer.loop import METRIC_KEYS, train
+from trainer.loop import train
+from trainer.metrics import METRIC_KEYS
 
 pytestmark = pytest.mark.slow
 DETERMINISTIC_KEYS = [

@@ -1,0 +1,78 @@
+"""The rule of which peer group may be grafted is written once (`PeerLookupRequest.accepts`): the store's lookup
+(a real index over real shards) and the trainer's gate agree with it, and so with each other, on a grid of
+groups (who sampled them, at which step, how they scored, how old they are) and requests."""
+
+from __future__ import annotations
+
+import itertools
+from datetime import datetime, timedelta, timezone
+
+from store_factory import make_group, problem_text
+
+from schemas import PeerLookupRequest, prompt_id
+from schemas.api import now_us
+from services.store_api.index import StoreIndex
+from services.store_api.shards import write_groups
+from trainer.gate import GRAFT_ACTIONS, choose_peer_group
+
+MODELS = ("learner", "peer-a", "peer-b")
+STEPS = (0, 5)
+OUTCOMES = {"all_fail": [0.0] * 4, "mixed": [1.0, 0.0, 1.0, 0.0], "all_success": [1.0] * 4}
+AGES_H = (0, 2)
+
+
+def grid_groups():
+    """One group per cell of the grid, each on a prompt of its own."""
+    now = datetime.now(timezone.utc)
+    cells = itertools.product(MODELS, STEPS, OUTCOMES, AGES_H)
+    return [make_group(i, model, step=step, rewards=OUTCOMES[outcome], created_at=now - timedelta(hours=age))
+            for i, (model, step, outcome, age) in enumerate(cells)]
+
+
+def requests(prompt_ids):
+    for peer_models, informative_only, min_successes, min_policy_step, max_age_s in itertools.product(
+        (None, ["peer-a"], ["peer-a", "peer-b"], []), (True, False), (0, 1, 3), (None, 3), (None, 3600.0)
+    ):
+        yield PeerLookupRequest(prompt_ids=prompt_ids, learner_model="learner", peer_models=peer_models,
+                                informative_only=informative_only, min_successes=min_successes,
+                                min_policy_step=min_policy_step, max_age_s=max_age_s)
+
+
+def test_store_lookup_and_gate_apply_the_same_rule(settings):
+    groups = grid_groups()
+    for model in MODELS:  # a shard holds one model's groups
+        write_groups(settings.root, [g for g in groups if g.model_id == model])
+    ids = [prompt_id(problem_text(i)) for i in range(len(groups))]
+    with_store = StoreIndex(settings).open()
+    try:
+        checked = 0
+        for request in requests(ids):
+            now = now_us()
+            accepted = {g.group_id for g in groups if request.accepts_group(g, now)}
+            refs, misses = with_store.select_peer_groups(request)
+            assert {ref.group_id for ref in refs} == accepted, request
+            assert len(misses) == len(groups) - len(accepted)
+            if request.min_successes == 1:  # what a trainer asks for: the gate grafts exactly what the store returns
+                grafted = {g.group_id for g in groups if choose_peer_group([g], request, None, now)[1] in GRAFT_ACTIONS}
+                assert grafted == accepted, request
+            checked += 1
+    finally:
+        with_store.close()
+    assert checked == 96
+
+
+def test_the_rule_by_hand():
+    groups = grid_groups()
+    now = now_us()
+    accepted = [g for g in groups if PeerLookupRequest(prompt_ids=["x"], learner_model="learner").accepts_group(g, now)]
+    # the defaults: informative groups of any other model, any step, any age
+    assert len(accepted) == 2 * 2 * 2 and {g.model_id for g in accepted} == {"peer-a", "peer-b"}
+    assert all(g.informative for g in accepted)
+    union = PeerLookupRequest(prompt_ids=["x"], learner_model="learner", informative_only=False, min_policy_step=3,
+                              max_age_s=3600.0, peer_models=["peer-b"])
+    accepted = [g for g in groups if union.accepts_group(g, now)]
+    # graft.union_all_success's request: mixed and all-success groups of peer-b at step 5, made within the hour
+    assert sorted(g.successes for g in accepted) == [2, 4] and {g.policy_step for g in accepted} == {5}
+    nobody = PeerLookupRequest(prompt_ids=["x"], learner_model="learner", peer_models=[], min_successes=0,
+                               informative_only=False)
+    assert not any(nobody.accepts_group(g, now) for g in groups)  # an empty list of peers admits none

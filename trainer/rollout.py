@@ -1,0 +1,98 @@
+"""The learner's own rollouts of a step: G samples per prompt from the current policy, scored with math-verify
+and assembled into stored-format groups (the generator's code), and DAPO's refills."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rollouts.groups import assemble_group, make_group_id
+from rollouts.prompts import build_prompt
+from rollouts.sampling import SamplingParams
+from rollouts.scoring import Scorer
+from schemas import Problem, RolloutGroup
+from trainer.config import TrainConfig
+from trainer.data import PromptStream
+from trainer.learner import Learner
+
+
+@dataclass
+class SampledStep:
+    """What the learner sampled in one step."""
+
+    groups: list[RolloutGroup]  # the groups the step trains on, one per prompt (dapo: the informative ones)
+    generated: list[RolloutGroup]  # every group sampled (the rollout budget; dapo: refills and dropped groups too)
+    problems: list[Problem]  # the step's problems, refills included
+    dapo_rounds: int | None = None  # generation rounds (dapo only)
+
+    @property
+    def problem_of(self) -> dict[str, Problem]:
+        return {p.prompt_id: p for p in self.problems}
+
+    @property
+    def rewards(self) -> list[tuple[str, list[float | None]]]:
+        """(prompt id, rewards) of each group the step trains on: what the gate decides on."""
+        return [(g.prompt_id, [r.reward for r in g.rollouts]) for g in self.groups]
+
+
+def sample_step(
+    cfg: TrainConfig, sampler, scorer: Scorer, learner: Learner, prompts: PromptStream, problems: list[Problem],
+    policy_step: int,
+) -> SampledStep:
+    """One group per problem; dapo keeps only informative groups and refills from the stream (`dapo_refill`)."""
+    groups = generate_groups(cfg, sampler, scorer, learner, problems, policy_step, round_index=0)
+    if cfg.method == "dapo":
+        return dapo_refill(cfg, sampler, scorer, learner, prompts, SampledStep(groups, groups, problems), policy_step)
+    return SampledStep(groups, list(groups), problems)
+
+
+def dapo_refill(
+    cfg: TrainConfig, sampler, scorer: Scorer, learner: Learner, prompts: PromptStream, first: SampledStep,
+    policy_step: int,
+) -> SampledStep:
+    """DAPO's dynamic sampling: drop groups whose rewards are all equal (no advantage) and sample new prompts in
+    further rounds until prompts_per_step groups are kept or dapo.max_generation_rounds is reached."""
+    kept = [g for g in first.groups if g.informative]
+    generated, problems = list(first.generated), list(first.problems)
+    rounds = 1
+    while len(kept) < cfg.rollout.prompts_per_step and rounds < cfg.dapo.max_generation_rounds:
+        refill = prompts.take(cfg.rollout.prompts_per_step - len(kept))
+        problems += refill
+        more = generate_groups(cfg, sampler, scorer, learner, refill, policy_step, round_index=rounds)
+        generated += more
+        kept += [g for g in more if g.informative]
+        rounds += 1
+    return SampledStep(kept, generated, problems, dapo_rounds=rounds)
+
+
+def sampling_params(cfg: TrainConfig, policy_step: int, round_index: int) -> SamplingParams:
+    # A seed per (run seed, step, round): a resumed run samples exactly what the uninterrupted one did.
+    seed = (cfg.seed * 1_000_003 + policy_step * 101 + round_index) % 2**31
+    return SamplingParams(n=cfg.rollout.group_size, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                          top_k=cfg.rollout.top_k, max_tokens=cfg.rollout.max_response_tokens, seed=seed)
+
+
+def generate_groups(
+    cfg: TrainConfig, sampler, scorer: Scorer, learner: Learner, problems: list[Problem], policy_step: int,
+    round_index: int,
+) -> list[RolloutGroup]:
+    """G rollouts per problem from the current policy, scored and assembled into stored-format groups."""
+    params = sampling_params(cfg, policy_step, round_index)
+    prompts = [build_prompt(learner.tokenizer, p.problem, cfg.data.prompt_template) for p in problems]
+    with learner.autocast():
+        samples = sampler.generate(prompts, params)  # one list of G samples per prompt
+    completions = [s.text for per_prompt in samples for s in per_prompt]
+    golds = [p.answer for p, per_prompt in zip(problems, samples) for _ in per_prompt]
+    scores = scorer.score(completions, golds)
+    groups, offset = [], 0
+    for index, (problem, per_prompt) in enumerate(zip(problems, samples)):
+        group_scores = scores[offset : offset + len(per_prompt)]
+        offset += len(per_prompt)
+        # The seed is part of the key: two runs of one checkpoint with different seeds publish different groups.
+        group_id = make_group_id(learner.model_id, f"{learner.revision}/seed={cfg.seed}", policy_step,
+                                 problem.prompt_id, round_index * 1_000_000 + index)
+        groups.append(assemble_group(
+            problem, per_prompt, group_scores, model_id=learner.model_id, model_revision=learner.revision,
+            tokenizer_id=learner.tokenizer_id, policy_step=policy_step, generator_id=f"graft-train:{cfg.run_dir.name}",
+            params=params, eos_token_ids=learner.eos_ids, group_id=group_id, std_normalize=cfg.ppo.advantage == "grpo",
+        ))
+    return groups
