@@ -53,6 +53,17 @@ class PeerLookupRequest(BaseModel):
         """What the group scored: informative (0 < successes < group size) when asked, and enough successes."""
         return (not self.informative_only or 0 < successes < group_size) and successes >= self.min_successes
 
+    @staticmethod
+    def informative_sql(successes: str = "successes", group_size: str = "group_size") -> str:
+        """0 < successes < group size as a SQL condition on a table's columns (the store index counts and filters
+        informative groups with it)."""
+        return f"{successes} > 0 AND {successes} < {group_size}"
+
+    def outcome_sql(self, successes: str = "successes", group_size: str = "group_size") -> str:
+        """`admits_outcome` as a SQL condition on a table's columns."""
+        informative = [self.informative_sql(successes, group_size)] if self.informative_only else []
+        return " AND ".join([*informative, f"{successes} >= {int(self.min_successes)}"])
+
     def accepts(self, model_id: str, policy_step: int, successes: int, group_size: int, created_us: int, now_us: int) -> bool:
         """Whether a stored group with these properties answers this request (`admits_source` and `admits_outcome`)."""
         return self.admits_source(model_id, policy_step, created_us, now_us) and self.admits_outcome(successes, group_size)

@@ -41,7 +41,7 @@ from services.store_api.queries import decode_cursor, encode_cursor, us_to_datet
 from services.store_api.tokens import TokenizerShelf, token_pieces
 
 NO_CURSOR = 2**62  # above every seq: the first page
-INFORMATIVE = "successes > 0 AND successes < group_size"  # the lookup's informative_only, per group row
+INFORMATIVE = PeerLookupRequest.informative_sql()  # the lookup's informative_only, per group row
 
 
 class ProblemTexts:

@@ -155,10 +155,10 @@ class IndexQueries(Catalog):
 
     def stats(self) -> StatsResponse:
         cursor = self._cursor()
-        rows = cursor.execute("""
+        rows = cursor.execute(f"""
             SELECT model_id, count(*), sum(num_rows), count(DISTINCT prompt_id),
                    sum(reward_sum) / nullif(sum(scored), 0),
-                   count(*) FILTER (WHERE successes > 0 AND successes < group_size),
+                   count(*) FILTER (WHERE {PeerLookupRequest.informative_sql()}),
                    max(policy_step), max(created_us)
             FROM groups GROUP BY model_id ORDER BY model_id""").fetchall()
         models = [

@@ -9,13 +9,13 @@ from pathlib import Path
 
 from store_factory import make_group, make_problem
 
+from rollouts.groups import assemble_group, make_group_id
+from rollouts.hf_backend import HFBackend
+from rollouts.sampling import SamplingParams
+from rollouts.scoring import Scorer
 from schemas import Problem, RolloutGroup
-from services.generator.groups import assemble_group, make_group_id
-from services.generator.hf_backend import HFBackend
-from services.generator.sampling import SamplingParams
-from services.generator.scoring import Scorer
 from services.store_api.shards import write_groups
-from trainer.testing import build_toy_world
+from toy.world import build_toy_world
 
 LEARNER = "toy-learner"
 PEER = "toy-peer"  # build_toy_world's peer model id

