@@ -49,8 +49,9 @@ from schemas import (
     StatsResponse,
 )
 from schemas.rollout import INT64_MAX
+from services.store_api.backend import store_backend
 from services.store_api.browser import add_browser
-from services.store_api.index import StoreIndex, store_backend
+from services.store_api.index import StoreIndex
 from services.store_api.ingest import GroupConflict
 from services.store_api.lake import LakeError, LakeUnavailable
 from services.store_api.lookup import arrow_stream, read_stream

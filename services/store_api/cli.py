@@ -50,9 +50,9 @@ def load_settings(config: Path | None = None, **overrides) -> StoreSettings:
 
 
 def open_store(settings: StoreSettings, what: str = ""):
-    """The settings' store (services.store_api.index.store_backend), opened; a clear error and exit 1 if it cannot."""
+    """The settings' store (services.store_api.backend.store_backend), opened; a clear error and exit 1 if it cannot."""
+    from services.store_api.backend import store_backend
     from services.store_api.catalog import IndexLocked
-    from services.store_api.index import store_backend
     from services.store_api.lake import LakeError
 
     try:
@@ -91,8 +91,8 @@ def serve(
 
 
 def _rebuild(settings: StoreSettings) -> dict:
+    from services.store_api.backend import store_backend
     from services.store_api.catalog import IndexLocked
-    from services.store_api.index import store_backend
     from services.store_api.lake import LakeError
 
     index = store_backend(settings)

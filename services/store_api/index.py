@@ -12,7 +12,7 @@ each own one job, all on the state of `Catalog`:
 - `compaction.py`: merging small shards and deleting retired ones;
 - `manifest.py`: the live files for outside readers, rewritten whenever the set changes.
 
-`store_backend` picks the store behind the API and the CLI: this index, or a lake replica (`replica.py`).
+`backend.store_backend` picks the store behind the API and the CLI: this index, or a lake replica (`replica.py`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 from services.store_api.compaction import IndexCompaction
 from services.store_api.ingest import IndexIngest
 from services.store_api.queries import IndexQueries
-from services.store_api.settings import StoreSettings
 
 
 class StoreIndex(IndexIngest, IndexQueries, IndexCompaction):
@@ -44,12 +43,3 @@ class StoreIndex(IndexIngest, IndexQueries, IndexCompaction):
             self.write_manifest()
             return len(self.mirror)
 
-
-def store_backend(settings: StoreSettings) -> StoreIndex:
-    """The store the API and the CLI work on: the local index of `settings.root`, or (backend 'lake') a replica
-    of a lake, which is the same index over a cache that follows the lake (`replica.py`)."""
-    if settings.backend == "lake":
-        from services.store_api.replica import LakeReplica
-
-        return LakeReplica(settings)
-    return StoreIndex(settings)
