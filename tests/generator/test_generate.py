@@ -152,7 +152,7 @@ def test_commit_to_a_lake_and_resume_from_it(tiny_model_dir, tmp_path, monkeypat
     """A lake target (SQLite catalog, data on a local path): one transaction per batch, resumable from the lake."""
     from services.store_api.lake import Lake, LakeConfig
 
-    dataset = write_toy_dataset(tmp_path / "toy.jsonl", 6)
+    dataset = write_problems_jsonl(sample_problems(6, seed=7), tmp_path / "toy.jsonl")
     catalog = f"ducklake:sqlite:{tmp_path / 'catalog.sqlite'}"
     monkeypatch.setenv("GRAFT_LAKE_DATA_PATH", f"{tmp_path / 'lake'}/")
     config = GeneratorConfig(model=str(tiny_model_dir), model_id="tiny", dataset=str(dataset), template="raw",
