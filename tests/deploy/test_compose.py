@@ -137,7 +137,7 @@ def test_datasets_mount_is_the_repositorys_data_and_holds_what_the_services_read
     default = source.split(":-", 1)[1].rstrip("}") if source.startswith("${") else source
     assert default == "./data" and image["environment"]["GRAFT_DATA_DIR"] == "/datasets"
     monkeypatch.setenv("GRAFT_DATA_DIR", str(ROOT / default))
-    from services.generator.datasets import load_problems
+    from rollouts.datasets import load_problems
 
     for service in COMPOSE["services"].values():
         configs = [ROOT / a.replace("/configs/", "configs/") for a in service.get("command", []) if a.startswith("/configs/")]

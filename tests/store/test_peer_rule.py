@@ -8,6 +8,8 @@ import itertools
 from datetime import datetime, timedelta, timezone
 
 import duckdb
+import pytest
+from pydantic import ValidationError
 from store_factory import make_group, problem_text
 
 from schemas import PeerLookupRequest, prompt_id
@@ -17,8 +19,10 @@ from services.store_api.shards import write_groups
 from trainer.gate import GRAFT_ACTIONS, choose_peer_group
 
 MODELS = ("learner", "peer-a", "peer-b")
-STEPS = (0, 5)
-OUTCOMES = {"all_fail": [0.0] * 4, "mixed": [1.0, 0.0, 1.0, 0.0], "all_success": [1.0] * 4}
+STEPS = (0, 3, 5)  # 3: the requests' min_policy_step, so that the boundary is tested
+# successes 0 to 4 of 4: the requests' min_successes (0, 1, 3) meet each at its boundary
+OUTCOMES = {"all_fail": [0.0] * 4, "one": [1.0, 0.0, 0.0, 0.0], "mixed": [1.0, 0.0, 1.0, 0.0],
+            "three": [1.0, 1.0, 1.0, 0.0], "all_success": [1.0] * 4}
 AGES_H = (0, 2)
 
 
@@ -32,7 +36,7 @@ def grid_groups():
 
 def requests(prompt_ids):
     for peer_models, informative_only, min_successes, min_policy_step, max_age_s in itertools.product(
-        (None, ["peer-a"], ["peer-a", "peer-b"], []), (True, False), (0, 1, 3), (None, 3), (None, 3600.0)
+        (None, ["peer-a"], ["peer-a", "peer-b"]), (True, False), (0, 1, 3), (None, 3), (None, 3600.0)
     ):
         yield PeerLookupRequest(prompt_ids=prompt_ids, learner_model="learner", peer_models=peer_models,
                                 informative_only=informative_only, min_successes=min_successes,
@@ -59,24 +63,24 @@ def test_store_lookup_and_gate_apply_the_same_rule(settings):
             checked += 1
     finally:
         with_store.close()
-    assert checked == 96
+    assert checked == 72
 
 
 def test_the_rule_by_hand():
     groups = grid_groups()
     now = now_us()
-    accepted = [g for g in groups if PeerLookupRequest(prompt_ids=["x"], learner_model="learner").accepts_group(g, now)]
-    # the defaults: informative groups of any other model, any step, any age
-    assert len(accepted) == 2 * 2 * 2 and {g.model_id for g in accepted} == {"peer-a", "peer-b"}
+    any_prompt = [prompt_id(problem_text(0))]
+    accepted = [g for g in groups if PeerLookupRequest(prompt_ids=any_prompt, learner_model="learner").accepts_group(g, now)]
+    # the defaults: informative groups (1, 2 or 3 successes of 4) of any other model, any step, any age
+    assert len(accepted) == 2 * 3 * 3 * 2 and {g.model_id for g in accepted} == {"peer-a", "peer-b"}
     assert all(g.informative for g in accepted)
-    union = PeerLookupRequest(prompt_ids=["x"], learner_model="learner", informative_only=False, min_policy_step=3,
+    union = PeerLookupRequest(prompt_ids=any_prompt, learner_model="learner", informative_only=False, min_policy_step=3,
                               max_age_s=3600.0, peer_models=["peer-b"])
     accepted = [g for g in groups if union.accepts_group(g, now)]
-    # graft.union_all_success's request: mixed and all-success groups of peer-b at step 5, made within the hour
-    assert sorted(g.successes for g in accepted) == [2, 4] and {g.policy_step for g in accepted} == {5}
-    nobody = PeerLookupRequest(prompt_ids=["x"], learner_model="learner", peer_models=[], min_successes=0,
-                               informative_only=False)
-    assert not any(nobody.accepts_group(g, now) for g in groups)  # an empty list of peers admits none
+    # graft.union_all_success's request: groups of peer-b with a success, from step 3 on, made within the hour
+    assert sorted(g.successes for g in accepted) == [1, 1, 2, 2, 3, 3, 4, 4] and {g.policy_step for g in accepted} == {3, 5}
+    with pytest.raises(ValidationError, match="peer_models"):  # an empty list of peers would admit none: refused
+        PeerLookupRequest(prompt_ids=any_prompt, learner_model="learner", peer_models=[])
 
 
 def test_the_sql_form_of_the_outcome_rule_agrees_with_python():
@@ -85,7 +89,7 @@ def test_the_sql_form_of_the_outcome_rule_agrees_with_python():
     cells = [(successes, size) for size in (1, 2, 4, 8) for successes in range(size + 1)]
     table = duckdb.sql("SELECT * FROM (VALUES " + ", ".join(f"({s}, {g})" for s, g in cells) + ") t(successes, group_size)")
     for informative_only, min_successes in itertools.product((True, False), (0, 1, 3)):
-        request = PeerLookupRequest(prompt_ids=["x"], learner_model="learner", informative_only=informative_only,
+        request = PeerLookupRequest(prompt_ids=[prompt_id(problem_text(0))], learner_model="learner", informative_only=informative_only,
                                     min_successes=min_successes)
         in_sql = set(table.filter(request.outcome_sql()).fetchall())
         assert in_sql == {cell for cell in cells if request.admits_outcome(*cell)}, request
@@ -103,4 +107,4 @@ def test_store_stats_count_the_informative_groups_the_lookup_accepts(settings):
     finally:
         index.close()
     assert counted == {model: sum(g.informative for g in groups if g.model_id == model) for model in MODELS} == {
-        model: 2 * 2 for model in MODELS}
+        model: 3 * 3 * 2 for model in MODELS}

@@ -49,6 +49,8 @@ def test_bad_input_gets_a_clear_error(tmp_path):
         TrainConfig(model={"path": "m"}, data={"dataset": "d"}, method="grpo", graft={"peer_negative_scael": 0})
     with pytest.raises(ValidationError, match="mini_batch_prompts"):
         TrainConfig(model={"path": "m"}, data={"dataset": "d"}, method="grpo", optim={"mini_batch_prompts": 256})
+    with pytest.raises(ValidationError, match="peer_models"):  # would accept no peer (the store refuses it too)
+        TrainConfig(model={"path": "m"}, data={"dataset": "d"}, method="grpo", graft={"peer_models": []})
     with pytest.raises(ValueError, match="section.field=value"):
         apply_overrides({}, ["graft.peer_negative_scale"])
     with pytest.raises(FileNotFoundError, match="does not exist"):
