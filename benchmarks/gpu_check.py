@@ -616,15 +616,15 @@ def main() -> int:
         if stage.status == "not run":
             stage.detail = stage.detail or "an earlier stage failed"
 
-    from services.generator.eval_cli import _write_atomic as write_atomic  # graft-eval's: temp name, fsync, rename
+    from rollouts.files import write_text_atomic  # temp name, fsync, rename
 
     within = "within" if total <= BUDGET_S else "OVER"
     header = (f"gpu-check{' --dry-run' if args.dry_run else ''} ({args.device}), {time.strftime('%Y-%m-%d %H:%M')}: "
               f"stages took {total:.0f} s ({within} the {BUDGET_S} s budget)"
               + (f", environment {env.seconds:.0f} s before that" if env.seconds else ""))
     text = table(stages, header)
-    write_atomic(run_dir / "gpu_check.md", text)
-    write_atomic(run_dir / "gpu_check.json", json.dumps(
+    write_text_atomic(run_dir / "gpu_check.md", text)
+    write_text_atomic(run_dir / "gpu_check.json", json.dumps(
         {"dry_run": args.dry_run, "device": args.device, "total_s": total, "stages": [asdict(s) for s in stages.values()]},
         indent=2) + "\n")
     print("\n" + text + f"\n(also {run_dir / 'gpu_check.md'}; logs in {run_dir / 'logs'})")
