@@ -4,6 +4,9 @@ Bulk data travels as Arrow IPC both ways. Errors raise StoreError (status code a
 a store that cannot be reached after the retries raises StoreUnavailable. The sync client's peer lookup,
 the trainer's hot call, goes over kept-alive `http.client` connections instead of httpx: ~0.25 ms of
 client CPU per request on the 2-core VM against ~1 ms through httpx (whose HTTP parsing, h11, is Python).
+
+Over 400 lines because it holds two clients with the same methods (sync for the trainer, async for the
+generator's writer); they share the retry rule, the push encoding and the response decoding above them.
 """
 
 from __future__ import annotations

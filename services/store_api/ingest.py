@@ -7,6 +7,9 @@ file, or a folder named as the API would refuse, is quarantined with the reason.
 duplicate, one under another model or prompt a conflict; both are counted in `duplicates` and skipped, and
 the file is rewritten without them, so the files the manifest lists hold exactly the indexed groups. A push
 with a conflicting group is refused (`GroupConflict`).
+
+Just over 400 lines: the folder scan, the push and the problem files share one path into the index
+(`ingest_file`: validate, drop duplicates, write the lookup file, add to the mirror), kept in one place.
 """
 
 from __future__ import annotations
