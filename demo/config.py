@@ -25,6 +25,7 @@ class _Section(BaseModel):
 class TaskConfig(_Section):
     n_eval: dict[str, int] = Field(default={"add2": 200, "add3": 400}, description="held-out problems per family")
     n_rl: int = Field(default=800, ge=1, description="RL prompts per family split off before SFT (never seen in SFT)")
+    n_dev: int = Field(default=200, ge=0, description="supervised problems per family held out of SFT to decide when a warm start stops (SFTConfig.stop_when)")
     rl_prompts: dict[str, int] = Field(default={"add3": 800, "add2": 267}, description="RL prompts each family contributes (3:1 weak:strong, about 12 + 4 per step of 16)")
     strong_family: str = Field(default="add2", description="the learner's strong family (the peer's weak one)")
     weak_family: str = Field(default="add3", description="the learner's weak family (the peer's strong one)")
@@ -102,7 +103,10 @@ class DemoConfig(_Section):
             # look"): with 30% add3 it learns the operand alignment between steps 400 and 600 (add3 greedy 6% at
             # 400, 13% at 450, 28% at 500, 95% at 600), so the peer's answers have much to teach (supervised on
             # them: 13 -> 49 in 100 updates). With 3% it never gets there (7.5% at 700, 10% at 1000).
-            sft=SFTConfig(steps=1000, stop_at=450, batch_size=128, lr=2e-3, family_weights={"add2": 0.7, "add3": 0.3}),
+            # It stops once add3 reaches 13% greedy on held-out SFT problems (step 450 on an AVX2 CPU; the step moves
+            # with the CPU's kernels, the level does not), at the latest at step 700.
+            sft=SFTConfig(steps=1000, stop_at=700, batch_size=128, lr=2e-3, family_weights={"add2": 0.7, "add3": 0.3},
+                          stop_when={"add2": 0.9, "add3": 0.13}),
         )
     )
     peer: ModelBuildConfig = Field(
@@ -110,7 +114,8 @@ class DemoConfig(_Section):
             hidden=96, layers=3,
             # Only the learner's weak family, stopped while still learning it: a peer that solves every
             # problem gives all-pass groups, which carry no advantage (TOY_STUDY).
-            sft=SFTConfig(steps=500, stop_at=320, batch_size=128, lr=2e-3, family_weights={"add3": 1.0}),
+            # It stops at 60% greedy on held-out add3 problems (step 320 on an AVX2 CPU), at the latest at step 500.
+            sft=SFTConfig(steps=500, batch_size=128, lr=2e-3, family_weights={"add3": 1.0}, stop_when={"add3": 0.6}),
         )
     )
     bpe_vocab_size: int = Field(default=64, ge=16, description="target vocabulary of the peer's BPE (it stops early: digits are never merged)")
@@ -119,13 +124,19 @@ class DemoConfig(_Section):
     mode: Literal["full", "quick"] = Field(default="full", description="quick: the test's shrunken pipeline")
 
 
+def warm_start_checkpoint(job_dir: Path) -> Path:
+    """Where a build job (demo.worker build) leaves its warm-started model, whatever step it stopped at."""
+    return Path(job_dir) / "sft" / "final"
+
+
 def quick(cfg: DemoConfig) -> DemoConfig:
     """The whole pipeline, small: for the structural test (not the accuracy target)."""
     data = cfg.model_dump()
     data["mode"] = "quick"
     data["task"].update(n_eval={"add2": 16, "add3": 16}, rl_prompts={"add3": 12, "add2": 4})
-    data["learner"]["sft"].update(steps=40, stop_at=None, batch_size=32)
-    data["peer"]["sft"].update(steps=40, stop_at=None, batch_size=32)
+    data["task"].update(n_dev=16)
+    data["learner"]["sft"].update(steps=40, stop_at=None, batch_size=32, stop_when={})
+    data["peer"]["sft"].update(steps=40, stop_at=None, batch_size=32, stop_when={})
     data["peer_groups"].update(prompts_per_batch=8)
     data["rl"].update(steps=3, prompts_per_step=4, eval_every=2, seeds=[0], ablation_seeds=[0], anchor_prompts_per_step=2,
                       cotrain_wait_s=0.5, imitation_examples_per_step=4)

@@ -30,7 +30,7 @@ from pathlib import Path
 import orjson
 import yaml
 
-from demo.config import DemoConfig, config_hash, load_demo_config
+from demo.config import DemoConfig, config_hash, load_demo_config, warm_start_checkpoint
 from demo.jobs import Job, child_env, python_module, run_jobs
 from rollouts.files import write_jsonl_atomic, write_text_atomic
 from toy.task import completion_text, dataset_name, family_splits, write_problems_jsonl
@@ -142,7 +142,7 @@ def model_jobs(cfg: DemoConfig, data: dict[str, Path], out: Path) -> tuple[list[
                                         "threads": threads}))
         if (job_dir / "done.json").exists():
             print_model(role, json.loads((job_dir / "done.json").read_text()))
-        models[role] = {"dir": str(job_dir), "checkpoint": str(job_dir / "sft" / f"step-{spec.sft.stop_at or spec.sft.steps}"), "checkpoint_hash": job_dir.name}
+        models[role] = {"dir": str(job_dir), "checkpoint": str(warm_start_checkpoint(job_dir)), "checkpoint_hash": job_dir.name}
         jobs.append(Job(
             name=f"sft {role}", commands=[python_module("demo.worker", "build", str(job_file))], logs=[job_dir / "log.txt"],
             done=[job_dir / "done.json"], progress=_progress_file(job_dir / "progress"), total=spec.sft.stop_at or spec.sft.steps,

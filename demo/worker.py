@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import json
 import resource
+import shutil
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from demo.config import DemoConfig
+from demo.config import DemoConfig, warm_start_checkpoint
 from demo.evaluation import family_accuracy, load_eval_sets
 from rollouts.files import write_text_atomic
 from toy.models import build_learner, build_peer, count_parameters
@@ -37,7 +38,9 @@ def build(job: dict) -> dict:
     role, out = job["role"], Path(job["out"])
     spec = cfg.learner if role == "learner" else cfg.peer
     splits = {f: family_splits(f, cfg.task.n_eval[f], cfg.task.n_rl) for f in cfg.task.n_eval}
-    pools = {f: [(p.problem, completion_text(p.answer)) for p in s["sft"]] for f, s in splits.items()}
+    # the first n_dev supervised problems of each family decide when the warm start stops (SFTConfig.stop_when)
+    dev = {f: [(p.problem, completion_text(p.answer)) for p in s["sft"][: cfg.task.n_dev]] for f, s in splits.items()}
+    pools = {f: [(p.problem, completion_text(p.answer)) for p in s["sft"][cfg.task.n_dev :]] for f, s in splits.items()}
     started = time.perf_counter()
     if role == "learner":
         tokenizer = build_char_tokenizer(alphabet())
@@ -47,9 +50,13 @@ def build(job: dict) -> dict:
         corpus = [text for f in pools for pair in pools[f][:4000] for text in pair]
         tokenizer = build_bpe_tokenizer(corpus, cfg.bpe_vocab_size, allowed_chars=alphabet())
         model = build_peer(tokenizer, spec.seed, spec.hidden, spec.layers)
-    saved = train_sft(model, tokenizer, pools, spec.sft, out / "sft", desc=f"sft {role}", progress_path=out / "progress")
+    saved = train_sft(model, tokenizer, pools, spec.sft, out / "sft", desc=f"sft {role}", progress_path=out / "progress", dev=dev)
     sft_s = time.perf_counter() - started
-    checkpoint = saved[spec.sft.stop_at or spec.sft.steps]
+    sft_steps = max(saved)
+    checkpoint = warm_start_checkpoint(out)  # one name whatever step it stopped at: the later jobs' configs name it
+    if checkpoint.exists():  # left by a run that died before done.json
+        shutil.rmtree(checkpoint)
+    saved[sft_steps].rename(checkpoint)
 
     from rollouts.scoring import Scorer
 
@@ -64,7 +71,7 @@ def build(job: dict) -> dict:
         "parameters": count_parameters(model),
         "vocab_size": len(tokenizer),
         "tokenizer_tokens_of_example": tokenizer.convert_ids_to_tokens(tokenizer("\\boxed{1046}", add_special_tokens=False)["input_ids"]),
-        "sft_steps": spec.sft.stop_at or spec.sft.steps,
+        "sft_steps": sft_steps,
         "sft_s": round(sft_s, 1),
         "acc_greedy": greedy,
         "acc_sampled": sampled,

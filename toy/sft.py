@@ -38,6 +38,14 @@ class SFTConfig(BaseModel):
     family_weights: dict[str, float] = Field(description="probability of drawing each family's example, e.g. {add2: 0.97, add3: 0.03}")
     seed: int = Field(default=0, description="seed of the data order")
     save_steps: list[int] = Field(default_factory=list, description="extra steps to save a checkpoint at (the last step is always saved)")
+    stop_when: dict[str, float] = Field(
+        default_factory=dict,
+        description="stop at the first check where each named family's greedy exact-match accuracy on its held-out "
+                    "dev problems reaches the value, e.g. {add3: 0.6}; stop_at (or steps) is then the latest step. A "
+                    "skill emerges steeply, and the step where it does moves with the CPU's arithmetic (AVX2 vs AVX-512 "
+                    "kernels): a fixed step gives a different model on another machine, a measured level does not",
+    )
+    check_every: int = Field(default=10, gt=0, description="steps between two checks of stop_when")
 
 
 def write_progress(path: Path, done: int, total: int) -> None:
@@ -86,14 +94,19 @@ def train_sft(
     out_dir: Path | None,
     desc: str = "sft",
     progress_path: Path | None = None,
+    dev: dict[str, list[tuple[str, str]]] | None = None,
 ) -> dict[int, Path]:
     """Train on (prompt, completion) pairs drawn from `pools` by `cfg.family_weights`; returns {step: checkpoint dir}.
 
-    The run ends at `cfg.stop_at` (default: the end of the schedule), which is always saved into `out_dir`
-    (None: nothing is saved, the caller keeps the model in memory)."""
+    The run ends at the first check where `cfg.stop_when` holds on the `dev` pairs (held out from `pools`), else
+    at `cfg.stop_at` (default: the end of the schedule); that step is always saved into `out_dir` (None: nothing
+    is saved, the caller keeps the model in memory) and is the largest key of the result."""
     missing = set(cfg.family_weights) - set(pools)
     if missing:
         raise ValueError(f"family_weights names {sorted(missing)} but pools only has {sorted(pools)}")
+    unchecked = set(cfg.stop_when) - set(dev or {})
+    if unchecked:
+        raise ValueError(f"stop_when names {sorted(unchecked)} but no dev pairs were given for them")
     rng = random.Random(cfg.seed)
     families = list(cfg.family_weights)
     weights = [cfg.family_weights[f] for f in families]
@@ -120,13 +133,45 @@ def train_sft(
             bar.set_postfix(loss=f"{loss.item():.3f}")
             if progress_path is not None:
                 write_progress(progress_path, step, last)
-        if out_dir is not None and step in save_steps:
+        reached = False
+        if cfg.stop_when and (step % cfg.check_every == 0 or step == last):
+            accuracy = {f: greedy_exact_match(model, tokenizer, dev[f]) for f in cfg.stop_when}
+            reached = all(accuracy[f] >= level for f, level in cfg.stop_when.items())
+            if reached or step == last:
+                tqdm.write(f"{desc}: step {step}, dev greedy accuracy "
+                           + ", ".join(f"{f} {100 * a:.1f}% (stop at {100 * cfg.stop_when[f]:.0f}%)" for f, a in accuracy.items())
+                           + ("" if reached else f": not reached by the last step, {last}; the warm start ends there"))
+        if out_dir is not None and (step in save_steps or reached):
             path = out_dir / f"step-{step}"
             model.save_pretrained(path)
             tokenizer.save_pretrained(path)
             saved[step] = path
+        if reached:
+            break
     model.eval()
     return saved
+
+
+@torch.no_grad()
+def greedy_exact_match(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, pairs: list[tuple[str, str]],
+                       max_new_tokens: int = 16) -> float:
+    """Share of `pairs` whose greedy completion is exactly the reference completion followed by EOS."""
+    prompt_ids = tokenizer([p for p, _ in pairs], add_special_tokens=False)["input_ids"]
+    wanted = [ids + [tokenizer.eos_token_id] for ids in tokenizer([c for _, c in pairs], add_special_tokens=False)["input_ids"]]
+    by_length: dict[int, list[int]] = {}
+    for i, ids in enumerate(prompt_ids):  # prompts of one length in one batch: no padding to get wrong
+        by_length.setdefault(len(ids), []).append(i)
+    was_training = model.training
+    model.eval()
+    hits = 0
+    for length, rows in by_length.items():
+        input_ids = torch.tensor([prompt_ids[i] for i in rows])  # (B, P)
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        for i, completion in zip(rows, out[:, length:].tolist(), strict=True):  # (B, <= max_new_tokens)
+            hits += completion[: len(wanted[i])] == wanted[i]
+    model.train(was_training)
+    return hits / len(pairs)
 
 
 def train_quick(

@@ -11,7 +11,7 @@ import torch
 
 from demo.config import DemoConfig, config_hash, load_demo_config, quick
 from toy.models import build_learner, build_peer, count_parameters
-from toy.sft import SFTConfig, collate, train_sft
+from toy.sft import SFTConfig, collate, greedy_exact_match, train_sft
 from toy.task import ADD2, ADD3, alphabet, completion_text, family_splits
 from toy.tokenization import build_bpe_tokenizer, build_char_tokenizer
 
@@ -85,6 +85,28 @@ def test_sft_masks_the_prompt_and_learns(tmp_path):
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
     with pytest.raises(ValueError, match="pools only has"):
         train_sft(model, tok, pools, SFTConfig(steps=1, family_weights={"add3": 1.0}), tmp_path)
+
+
+def test_sft_stops_when_the_dev_accuracy_reaches_its_level(tmp_path):
+    tok = build_char_tokenizer(alphabet())
+    pair = ("12+3=", "\\boxed{15}")
+    pools, dev = {"add2": [pair] * 4}, {"add2": [pair, ("1+2=", "\\boxed{3}")]}
+    model = build_learner(tok, seed=0, hidden=32, layers=1)
+    assert greedy_exact_match(model, tok, dev["add2"]) == 0.0  # untrained
+    # one memorised pair: half the dev pairs right once it is learnt, the other never
+    cfg = SFTConfig(steps=200, batch_size=8, lr=1e-2, warmup_steps=1, family_weights={"add2": 1.0},
+                    stop_when={"add2": 0.5}, check_every=5)
+    saved = train_sft(model, tok, pools, cfg, tmp_path / "a", dev=dev)
+    stop = max(saved)
+    assert stop < 200 and stop % 5 == 0 and sorted(saved) == [stop]
+    assert greedy_exact_match(model, tok, dev["add2"]) == 0.5
+    # a level never reached: the run goes to its last step and saves it
+    model = build_learner(tok, seed=0, hidden=32, layers=1)
+    cfg = SFTConfig(steps=12, batch_size=8, lr=1e-2, warmup_steps=1, family_weights={"add2": 1.0},
+                    stop_when={"add2": 1.0}, check_every=5)
+    assert sorted(train_sft(model, tok, pools, cfg, tmp_path / "b", dev=dev)) == [12]
+    with pytest.raises(ValueError, match="no dev pairs"):
+        train_sft(model, tok, pools, cfg, tmp_path / "c")
 
 
 def test_config_quick_overrides_and_hash(tmp_path):
