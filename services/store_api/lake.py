@@ -314,7 +314,7 @@ class Lake:
         self._lock = threading.Lock()
         self._encrypted = False
         self._rollouts_path = ""  # where the rollouts table's data files go (DuckLake's table path), once attached
-        self._s3 = None  # boto3 S3 client of the data files, made on the first upload
+        self._s3 = None  # boto3 S3 client of the data files (S3 data paths), made when attaching
 
     # ------------------------------------------------------------------ attaching
 
@@ -548,12 +548,12 @@ class Lake:
                 raise LakeUnavailable(f"cannot commit to lake {self.config.describe()}: writing data file {path} "
                                       f"failed: {exc}; nothing was committed") from None
             return
+        from botocore.exceptions import BotoCoreError, ClientError  # boto3 is there: _attach made its client
+
         bucket, key = path.removeprefix("s3://").split("/", 1)
         try:
             self._s3_client().put_object(Bucket=bucket, Key=key, Body=pa.BufferReader(body))
-        except Exception as exc:  # botocore's errors (ClientError, BotoCoreError): the message says which
-            if type(exc).__module__.split(".")[0] not in ("botocore", "boto3", "urllib3"):
-                raise
+        except (BotoCoreError, ClientError) as exc:  # refused (403, no such bucket) or not reached
             message = redact(" ".join(str(exc).split()))
             kind = LakeUnavailable if _unavailable_markers(message) else LakeError
             raise kind(f"cannot commit to lake {self.config.describe()}: uploading data file {path} failed: {message}. "

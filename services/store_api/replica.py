@@ -185,7 +185,7 @@ class LakeReplica(StoreIndex):
 
     def _read_window(self, after: int, upto: int) -> tuple[pa.Table, pa.Table]:
         """The rollouts and problems committed in snapshots after+1..upto; a table those snapshots did not insert
-        into is not read (writers commit problems once per dataset, and compaction makes snapshots too)."""
+        into is not read (a commit need not carry problems, and compaction makes snapshots too)."""
         inserted = self.lake.tables_inserted_into(after, upto)
         rows = (self.lake.rollouts_between(after, upto) if inserted is None or "rollouts" in inserted
                 else _NO_ROWS)
