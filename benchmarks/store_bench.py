@@ -181,9 +181,10 @@ def measure_lookups(client: StoreClient, store_process: psutil.Process, rng: ran
                     args: argparse.Namespace, phase) -> dict:
     """Single-prompt and 64-prompt peer lookups over HTTP (Arrow IPC, as the trainer's client does)."""
     result: dict = {}
+    prompt_ids = bench_prompt_ids(prompts).tolist()
 
     def random_request(n_prompts: int) -> PeerLookupRequest:
-        return PeerLookupRequest(prompt_ids=[prompt_hex(rng.randrange(prompts)) for _ in range(n_prompts)],
+        return PeerLookupRequest(prompt_ids=[prompt_ids[rng.randrange(prompts)] for _ in range(n_prompts)],
                                  learner_model=rng.choice(MODELS))
 
     def timed(name: str, n_prompts: int, calls: int) -> None:
@@ -353,6 +354,7 @@ def measure_lake(args: argparse.Namespace, phase) -> dict:
 
         # ---- lookups at a replica, as for the local store
         rng = random.Random(args.seed + 1)
+        prompt_ids = bench_prompt_ids(prompts).tolist()
         replica_result = measure_lookups(clients[0], psutil.Process(replicas[0].pid), rng, prompts, args,
                                          lambda name: phase("replica_" + name))
         result |= {"replica_" + key: value for key, value in replica_result.items()}
@@ -361,7 +363,7 @@ def measure_lake(args: argparse.Namespace, phase) -> dict:
         while min(c.stats().lake.snapshot_id for c in clients) < newest:
             time.sleep(0.05)
         for _ in range(50):
-            req = PeerLookupRequest(prompt_ids=[prompt_hex(rng.randrange(prompts)) for _ in range(16)],
+            req = PeerLookupRequest(prompt_ids=[prompt_ids[rng.randrange(prompts)] for _ in range(16)],
                                     learner_model=rng.choice(MODELS))
             answers = [c.lookup_peer_table(req)[0] for c in clients]
             if not all(a.equals(answers[0]) for a in answers[1:]):
@@ -495,6 +497,7 @@ def main() -> None:
         # ---- the naive way: DuckDB read_parquet over the shard glob with a WHERE (in-process, no HTTP)
         con = duckdb.connect()
         glob = str(root / "rollouts" / "model=*" / "part-*.parquet")
+        prompt_ids = bench_prompt_ids(prompts).tolist()
         naive_lookup(con, glob, prompt_ids[0], MODELS[0])
         phase("naive")
         naive = []

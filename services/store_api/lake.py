@@ -7,7 +7,11 @@ reads it with `ATTACH 'ducklake:<catalog>' AS lake` (README, "The store on a lak
 
 Writers commit whole groups in one transaction: a DuckLake transaction is one snapshot, and its data files
 are only referenced by the catalog once the commit lands, so a writer killed mid-commit leaves nothing
-visible (at most an unreferenced file, which `maintain()` deletes). DuckLake settles concurrent appends to
+visible (at most an unreferenced file, which `maintain()` deletes). A writer encodes each model's rows as one
+Parquet file itself (pyarrow, the local store's codecs: half the CPU of DuckDB's writer), puts it under the
+table's path in DuckLake's partition layout (`model_id=<model>/`), and registers it in the transaction with
+DuckLake's `ducklake_add_data_files`, which reads its footer for the catalog's statistics and hands the file to
+DuckLake (merges and cleanup treat it as their own). DuckLake settles concurrent appends to
 the same table itself (retried against the new snapshot, no data rewritten). It has no unique constraints:
 a commit skips the groups the lake already holds at its snapshot (a retried commit adds nothing), and two
 writers racing with the same group id both land. Readers keep the copy with the lowest `rowid` (DuckLake
@@ -27,22 +31,29 @@ from __future__ import annotations
 import importlib.metadata
 import itertools
 import logging
+import os
 import random
 import re
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Literal
 
 import duckdb
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA, Problem
+from services.store_api.durable import fsync_directory
+from services.store_api.shards import COMPRESSION
+from services.store_api.tables import SMALL_COLUMNS_SCHEMA
 
 log = logging.getLogger("graft.store.lake")
 
@@ -51,9 +62,12 @@ PINNED_DUCKDB = "1.5.5"
 EXTENSIONS = {"ducklake": "ducklake", "httpfs": "httpfs", "postgres": "postgres_scanner", "sqlite": "sqlite_scanner"}
 ALIAS = "lake"  # the lake's name inside each DuckDB connection
 LAKE_PREFIX = "ducklake:"
-LAYOUT_COMMENT = "graft rollouts, layout 1"
+LAYOUT_COMMENT = "graft rollouts, layout 1"  # on the rollouts table: a lake this store made, in this layout
 NO_PROGRESS_BAR = "SET enable_progress_bar = false"  # long reads would draw one on a server's stdout
-COMMIT_ATTEMPTS = 40  # a commit that keeps losing to other writers' (see Lake.commit) gives up after these  # on the rollouts table: a lake this store made, in this layout
+COMMIT_ATTEMPTS = 40  # a commit that keeps losing to other writers' (see Lake.commit) gives up after these
+# rows per row group of the data files writers add (DuckLake's own parquet_row_group_size, set at creation): a
+# commit's file is one row group, which a replica reads in a few requests
+ROW_GROUP_ROWS = 16384
 # DuckDB types of the Arrow types in the stored schemas (DDL keeps NOT NULL, which CREATE TABLE AS would drop)
 _DUCK_TYPES = {
     pa.string(): "VARCHAR", pa.int64(): "BIGINT", pa.int32(): "INTEGER", pa.float32(): "FLOAT", pa.float64(): "DOUBLE",
@@ -298,6 +312,9 @@ class Lake:
         self._local = threading.local()
         self._generation = 0  # bumped on every (re)attach: thread cursors of an older attach are dropped
         self._lock = threading.Lock()
+        self._encrypted = False
+        self._rollouts_path = ""  # where the rollouts table's data files go (DuckLake's table path), once attached
+        self._s3 = None  # boto3 S3 client of the data files (S3 data paths), made when attaching
 
     # ------------------------------------------------------------------ attaching
 
@@ -329,8 +346,12 @@ class Lake:
                 raise self._error("attach", exc) from None  # the cause's text may hold a password: said, redacted
         try:
             self._ensure_tables(con)
-            self.data_path = con.execute(
-                f"SELECT value FROM {ALIAS}.options() WHERE option_name = 'data_path'").fetchall()[0][0]
+            options = dict(con.execute(f"SELECT option_name, value FROM {ALIAS}.options()").fetchall())
+            self.data_path = options["data_path"]
+            self._encrypted = options.get("encrypted", "false").lower() == "true"
+            self._rollouts_path = _rollouts_path(con, self.data_path)
+            if self._rollouts_path.startswith("s3://"):
+                self._s3_client()  # importing boto3 and making its client takes ~0.6 s: at start, not in a commit
         except BaseException:
             con.close()
             raise
@@ -353,7 +374,7 @@ class Lake:
                 # zstd for the bulk columns (tokens, logprobs, text); row groups bound a writer's and a merge's memory
                 con.execute(f"CALL {ALIAS}.set_option('parquet_compression', 'zstd')")
                 con.execute(f"CALL {ALIAS}.set_option('parquet_compression_level', 1)")
-                con.execute(f"CALL {ALIAS}.set_option('parquet_row_group_size', 16384)")
+                con.execute(f"CALL {ALIAS}.set_option('parquet_row_group_size', {ROW_GROUP_ROWS})")
                 con.execute("COMMIT")
                 log.info("created the rollouts and problems tables in lake %s", self.config.describe())
             except duckdb.Error as exc:
@@ -449,9 +470,8 @@ class Lake:
                 fresh = table
                 if len(held):
                     fresh = table.filter(pc.invert(pc.is_in(table.column("group_id"), held.combine_chunks())))
-                if fresh.num_rows:
-                    con.register("incoming", fresh)
-                    con.execute(f"INSERT INTO {ALIAS}.rollouts BY NAME SELECT * FROM incoming")
+                for path in self._write_data_files(fresh):  # none is referenced until the COMMIT below lands
+                    con.execute(f"CALL ducklake_add_data_files('{ALIAS}', 'rollouts', {_quote(path)})")
                 added = 0
                 if problem_rows.num_rows:
                     con.register("incoming_problems", problem_rows)
@@ -465,7 +485,7 @@ class Lake:
                 _rollback_quietly(con)
                 raise
             finally:
-                for name in ("incoming_ids", "incoming_models", "incoming", "incoming_problems"):
+                for name in ("incoming_ids", "incoming_models", "incoming_problems"):
                     try:
                         con.unregister(name)
                     except duckdb.Error:
@@ -485,6 +505,82 @@ class Lake:
                     raise
                 time.sleep(random.uniform(0.5, 1.5) * min(2.0, 0.02 * 1.5 ** attempt))
         raise AssertionError("unreachable")
+
+    def _write_data_files(self, rows: pa.Table) -> Iterator[str]:
+        """Write validated rows as one Parquet data file per model under the rollouts table's path, in DuckLake's
+        partition layout (`model_id=<model>/`, which `ducklake_add_data_files` reads the partition value from);
+        yield each file's path once it is whole in the storage (S3: one PUT; a directory: temporary name, fsync,
+        rename). Until a commit references them they are orphans, which `maintain()` deletes."""
+        if not rows.num_rows:
+            return
+        if self._encrypted:
+            raise LakeError(f"lake {self.config.describe()} encrypts its data files (DuckLake's 'encrypted' option); "
+                            "graft's writers write their own Parquet files and do not encrypt them: write to a lake "
+                            "made without encryption")
+        models = pc.unique(rows.column("model_id")).to_pylist()
+        for model in models:
+            of_model = rows if len(models) == 1 else rows.filter(pc.equal(rows.column("model_id"), model))
+            sink = pa.BufferOutputStream()
+            # the local store's shard codecs: zstd level 1 on the bulk columns only, no dictionaries; statistics on
+            # the small columns (DuckLake prunes files by them, e.g. a commit's duplicate check on group_id)
+            pq.write_table(of_model, sink, row_group_size=ROW_GROUP_ROWS, compression=COMPRESSION,
+                           use_dictionary=False, write_statistics=SMALL_COLUMNS_SCHEMA.names, write_page_checksum=True)
+            path = f"{self._rollouts_path}model_id={model}/ducklake-{uuid.uuid4()}.parquet"
+            self._put(path, sink.getvalue())
+            yield path
+
+    def _put(self, path: str, body: pa.Buffer) -> None:
+        """Store a whole file at `path` (s3://bucket/key or a local path); LakeUnavailable when the storage cannot
+        be reached or refuses it."""
+        if not path.startswith("s3://"):
+            tmp = f"{os.path.dirname(path)}/.tmp-{os.path.basename(path)}"
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(body)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.rename(tmp, path)
+                fsync_directory(os.path.dirname(path))
+            except OSError as exc:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+                raise LakeUnavailable(f"cannot commit to lake {self.config.describe()}: writing data file {path} "
+                                      f"failed: {exc}; nothing was committed") from None
+            return
+        from botocore.exceptions import BotoCoreError, ClientError  # boto3 is there: _attach made its client
+
+        bucket, key = path.removeprefix("s3://").split("/", 1)
+        try:
+            self._s3_client().put_object(Bucket=bucket, Key=key, Body=pa.BufferReader(body))
+        except (BotoCoreError, ClientError) as exc:  # refused (403, no such bucket) or not reached
+            message = redact(" ".join(str(exc).split()))
+            kind = LakeUnavailable if _unavailable_markers(message) else LakeError
+            raise kind(f"cannot commit to lake {self.config.describe()}: uploading data file {path} failed: {message}. "
+                       "Check that the storage is up and the credentials are right; nothing was committed") from None
+
+    def _s3_client(self):
+        """boto3's S3 client for the data files (made once per Lake; boto3 clients are thread-safe), from the
+        config's endpoint, region, credentials and addressing (the ones DuckDB's secret gets, see s3_secret_sql);
+        without a key id, unsigned requests, as DuckDB's."""
+        if self._s3 is None:
+            try:
+                import boto3
+                from botocore import UNSIGNED
+                from botocore.config import Config
+            except ImportError as exc:
+                raise ExtensionMissing("the lake's writers upload data files with boto3: pip install -e '.[lake]'") from exc
+            url_style = self.config.s3_url_style or ("path" if self.config.s3_endpoint else "virtual")
+            config = Config(
+                s3={"addressing_style": "virtual" if url_style == "vhost" else url_style,
+                    "payload_signing_enabled": False},  # no SHA-256 of the body (~2 us/rollout): a CRC32 checks it
+                retries={"mode": "standard", "max_attempts": 3}, connect_timeout=10, read_timeout=120,
+                **({} if self.config.s3_key_id else {"signature_version": UNSIGNED}))
+            self._s3 = boto3.session.Session().client(
+                "s3", endpoint_url=self.config.s3_endpoint, region_name=self.config.s3_region,
+                aws_access_key_id=self.config.s3_key_id, aws_secret_access_key=self.config.s3_secret,
+                aws_session_token=self.config.s3_session_token, config=config)
+        return self._s3
 
     # ------------------------------------------------------------------ reading
 
@@ -508,14 +604,39 @@ class Lake:
         """Rows committed in snapshots after+1..upto, in commit order (snapshot id, then row id), in
         ROLLOUT_ARROW_SCHEMA, with the `rowid` and `snapshot_id` columns first. Groups are contiguous (each was
         inserted in one statement)."""
-        return self._changes("rollouts", ROLLOUT_ARROW_SCHEMA.names, after, upto, ["rowid", "snapshot_id"])
+        return _in_commit_order(self._changes("rollouts", ROLLOUT_ARROW_SCHEMA.names, after, upto,
+                                              ["rowid", "snapshot_id"]))
 
     def problems_between(self, after: int, upto: int) -> pa.Table:
         """Problems committed in snapshots after+1..upto, in PROBLEM_ARROW_SCHEMA."""
         return self._changes("problems", PROBLEM_ARROW_SCHEMA.names, after, upto, [])
 
+    def tables_inserted_into(self, after: int, upto: int) -> set[str] | None:
+        """Names of the tables that snapshots after+1..upto inserted rows into, from the catalog's own record of
+        each snapshot's changes (one small catalog query; a change-feed query costs ~15-35 ms of CPU even when it
+        finds nothing). None when the catalog no longer has every one of those snapshots (expired) or records a
+        change this cannot read: then the caller reads every table."""
+        def work(con):
+            rows = con.execute(f"""
+                SELECT c.snapshot_id, c.changes_made FROM __ducklake_metadata_{ALIAS}.ducklake_snapshot_changes c
+                WHERE c.snapshot_id > ? AND c.snapshot_id <= ?""", [after, upto]).fetchall()
+            if len(rows) != upto - after:  # snapshot ids are consecutive: one is missing (expired)
+                return None
+            ids = dict(con.execute(f"""
+                SELECT CAST(table_id AS VARCHAR), table_name FROM __ducklake_metadata_{ALIAS}.ducklake_table
+                WHERE table_name IN ('rollouts', 'problems')""").fetchall())
+            inserted = set()
+            for _, changes in rows:
+                for change in re.findall(r"inserted_into_table:([^,]*)", changes or ""):
+                    if change not in ids:
+                        return None  # a table named, not numbered (made in the same snapshot), or unknown
+                    inserted.add(ids[change])
+            return inserted
+
+        return self._run("read the snapshots of", work)
+
     def _changes(self, table: str, columns: list[str], after: int, upto: int, extra: list[str]) -> pa.Table:
-        """Rows a table gained in snapshots after+1..upto, in commit order (snapshot id, then row id).
+        """Rows a table gained in snapshots after+1..upto (in no particular order).
 
         DuckLake's change feed (`table_changes`) opens only the data files those snapshots added, so a poll costs
         what is new and a damaged file spoils only the snapshots it holds. The feed starts at a snapshot the
@@ -528,7 +649,7 @@ class Lake:
         def changes(con, start: int) -> pa.Table:
             return con.execute(f"""
                 SELECT {select} FROM {ALIAS}.table_changes('{table}', ?, ?)
-                WHERE change_type = 'insert' AND snapshot_id > ? ORDER BY snapshot_id, rowid""",
+                WHERE change_type = 'insert' AND snapshot_id > ?""",
                                [start, upto, after]).arrow().read_all()
 
         def work(con):
@@ -550,8 +671,7 @@ class Lake:
                     if "no snapshot found" not in str(exc).lower():
                         raise
             return con.execute(f"""
-                SELECT {select} FROM {ALIAS}.{table} WHERE snapshot_id > ? AND snapshot_id <= ?
-                ORDER BY snapshot_id, rowid""",
+                SELECT {select} FROM {ALIAS}.{table} WHERE snapshot_id > ? AND snapshot_id <= ?""",
                                [after, upto]).arrow().read_all()
 
         return self._run(f"read {table} from", work)
@@ -612,6 +732,38 @@ class Lake:
                     "files_deleted": int(deleted), "orphans_deleted": int(orphans)}
 
         return self._run("maintain", work)
+
+
+def _quote(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def _rollouts_path(con: duckdb.DuckDBPyConnection, data_path: str) -> str:
+    """The rollouts table's own path, where DuckLake puts its data files: the table's path under its schema's
+    under the data path, each either relative to the one above or absolute (DuckLake's catalog tables)."""
+    meta = f"__ducklake_metadata_{ALIAS}"
+    row = con.execute(f"""
+        SELECT s.path, s.path_is_relative, t.path, t.path_is_relative
+        FROM {meta}.ducklake_table t JOIN {meta}.ducklake_schema s USING (schema_id)
+        WHERE t.table_name = 'rollouts' AND t.end_snapshot IS NULL AND s.end_snapshot IS NULL""").fetchall()
+    path = data_path if data_path.endswith("/") else data_path + "/"
+    for part, relative in ((row[0][0], row[0][1]), (row[0][2], row[0][3])) if row else ():
+        if part:
+            path = path + part if relative else part
+    return path if path.endswith("/") else path + "/"
+
+
+def _in_commit_order(rows: pa.Table) -> pa.Table:
+    """Rows sorted by (snapshot_id, rowid). DuckDB's ORDER BY moves every column of these wide rows (~10% of a
+    read's CPU); the change feed mostly returns them in this order already, which costs one pass to check."""
+    if rows.num_rows < 2:
+        return rows
+    snapshots = rows.column("snapshot_id").to_numpy()  # (rows,) int64
+    row_ids = rows.column("rowid").to_numpy()  # (rows,) int64
+    steps = np.diff(snapshots)  # (rows - 1,)
+    if ((steps > 0) | ((steps == 0) & (np.diff(row_ids) > 0))).all():
+        return rows
+    return rows.take(pc.sort_indices(rows, [("snapshot_id", "ascending"), ("rowid", "ascending")]))
 
 
 def next_window(width: int, rows: int, max_rows: int) -> int:

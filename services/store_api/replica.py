@@ -26,8 +26,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from schemas import PROBLEM_ARROW_SCHEMA, LakeStats, Problem, StatsResponse
+from schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA, LakeStats, Problem, StatsResponse
 from services.store_api.index import StoreIndex
+from services.store_api.ingest import summarise_groups
 from services.store_api.lake import Lake, LakeError, LakeUnavailable, Snapshot, next_window, redact
 from services.store_api.lookup import ShardReader
 from services.store_api.mirror import now_us
@@ -41,6 +42,8 @@ log = logging.getLogger("graft.store.replica")
 WINDOW_ROWS = 16384  # about this many rollouts read from the lake at a time (bounds the replica's memory)
 CACHE_SHARD_ROWS = 8192  # rollouts per cache shard, whole groups
 ERROR_LOG_INTERVAL_S = 60.0  # the same follow error is logged again after this long, not every poll
+_NO_ROWS = pa.schema([pa.field("rowid", pa.int64()), pa.field("snapshot_id", pa.int64()),
+                     *ROLLOUT_ARROW_SCHEMA]).empty_table()  # rollouts_between's columns, no rows
 
 
 class LakeReplica(StoreIndex):
@@ -164,8 +167,8 @@ class LakeReplica(StoreIndex):
         while after < upto:
             end = min(upto, after + width)
             try:
-                rows = self.lake.rollouts_between(after, end)
-                added += self._ingest(rows, self.lake.problems_between(after, end))
+                rows, problems = self._read_window(after, end)
+                added += self._ingest(rows, problems)
             except LakeUnavailable:
                 raise
             except (LakeError, ShardValidationError, pa.ArrowException) as exc:
@@ -180,14 +183,23 @@ class LakeReplica(StoreIndex):
                 width = next_window(width, rows.num_rows, WINDOW_ROWS)
         return added
 
+    def _read_window(self, after: int, upto: int) -> tuple[pa.Table, pa.Table]:
+        """The rollouts and problems committed in snapshots after+1..upto; a table those snapshots did not insert
+        into is not read (a commit need not carry problems, and compaction makes snapshots too)."""
+        inserted = self.lake.tables_inserted_into(after, upto)
+        rows = (self.lake.rollouts_between(after, upto) if inserted is None or "rollouts" in inserted
+                else _NO_ROWS)
+        problems = (self.lake.problems_between(after, upto) if inserted is None or "problems" in inserted
+                    else PROBLEM_ARROW_SCHEMA.empty_table())
+        return rows, problems
+
     def _retry_unreadable(self) -> int:
         self._unreadable_tried = time.monotonic()
         self.lake.reset()  # a fresh DuckDB instance: nothing of the damaged files stays in its caches
         added = 0
         for snapshot in sorted(self.unreadable):
             try:
-                added += self._ingest(self.lake.rollouts_between(snapshot - 1, snapshot),
-                                      self.lake.problems_between(snapshot - 1, snapshot))
+                added += self._ingest(*self._read_window(snapshot - 1, snapshot))
             except LakeUnavailable:
                 raise
             except (LakeError, ShardValidationError, pa.ArrowException) as exc:
@@ -231,19 +243,31 @@ class LakeReplica(StoreIndex):
                     self.ingest_problem_file(path)
         if not rows.num_rows:
             return 0
-        group_ids = rows.column("group_id")
-        # a group committed twice (writers racing with one group id): keep the copy of the earliest snapshot
-        first = rows.select(["group_id", "snapshot_id"]).group_by("group_id", use_threads=False).aggregate(
-            [("snapshot_id", "min")])
-        first_snapshot = first.column("snapshot_id_min").take(pc.index_in(group_ids, first.column("group_id")))
-        keep = pc.equal(rows.column("snapshot_id"), first_snapshot)
-        if not pc.all(keep).as_py():
+        # runs of one group id in one snapshot (a group's rows are contiguous: each was inserted in one statement);
+        # a group committed twice (writers racing with one group id) has a run in each snapshot: keep the copy of the
+        # earliest, and skip a group the cache holds already. Decided per run; the wide rows are copied only if
+        # some are dropped
+        ids = rows.column("group_id").combine_chunks()
+        snapshot_ids = rows.column("snapshot_id").to_numpy()  # (rows,) ascending
+        n = rows.num_rows
+        new_run = np.ones(n, bool)  # (rows,) row i starts a run
+        new_run[1:] = pc.not_equal(ids.slice(1), ids.slice(0, n - 1)).to_numpy(zero_copy_only=False)
+        new_run[1:] |= snapshot_ids[1:] != snapshot_ids[:-1]
+        starts = np.flatnonzero(new_run)  # (runs,)
+        lengths = np.diff(np.append(starts, n))  # (runs,)
+        runs = list(zip(ids.take(pa.array(starts)).to_pylist(), snapshot_ids[starts].tolist()))  # (group, snapshot)
+        first: dict[str, int] = {}
+        for gid, snapshot in runs:
+            first.setdefault(gid, snapshot)
+        keep = np.fromiter((first[g] == s and g not in self.mirror for g, s in runs), bool, len(runs))  # (runs,)
+        twice = {g for g, s in runs if first[g] != s}
+        if twice:
             log.warning("%d groups were committed to the lake more than once; the cache keeps the first copy",
-                        len(pc.unique(rows.filter(pc.invert(keep)).column("group_id"))))
-        cached = pa.array([g in self.mirror for g in group_ids.to_pylist()], pa.bool_())
-        rows = rows.filter(pc.and_(keep, pc.invert(cached)))
-        if not rows.num_rows:
+                        len(twice))
+        if not keep.any():
             return 0
+        if not keep.all():
+            rows = rows.filter(pa.array(np.repeat(keep, lengths)))
         snapshot_ids = rows.column("snapshot_id").to_numpy()  # (rows,) ascending
         table = validate_table(rows.drop_columns(["rowid", "snapshot_id"]))
         bounds = [0, *(np.flatnonzero(np.diff(snapshot_ids)) + 1).tolist(), table.num_rows]
@@ -254,11 +278,16 @@ class LakeReplica(StoreIndex):
             for model in models:
                 of_model = snapshot if len(models) == 1 else snapshot.filter(
                     pc.equal(snapshot.column("model_id"), model))
-                _, lengths = group_runs(of_model.column("group_id"))
+                group_starts, group_lengths = group_runs(of_model.column("group_id"))
                 offset = 0
-                for rows_in_shard in row_group_plan(lengths, CACHE_SHARD_ROWS):
-                    path = write_rollout_table(model_dir(self.root, model), of_model.slice(offset, rows_in_shard))
-                    added += self.ingest_file(path)
+                for rows_in_shard in row_group_plan(group_lengths, CACHE_SHARD_ROWS):
+                    shard = of_model.slice(offset, rows_in_shard)
+                    in_shard = (group_starts >= offset) & (group_starts < offset + rows_in_shard)
+                    path = write_rollout_table(model_dir(self.root, model), shard)
+                    # the rows were validated just above: the index takes their summary instead of decoding the
+                    # shard's small columns again (what a push does)
+                    summary = summarise_groups(shard, group_starts[in_shard] - offset, group_lengths[in_shard])
+                    added += self.ingest_file(path, summary)
                     offset += rows_in_shard
         self.last_ingest_us = now_us()
         return added

@@ -50,7 +50,7 @@ from services.store_api.tables import (
 ROW_GROUP_ROWS = 1024
 STATISTICS_COLUMNS = ["prompt_id", "policy_step"]  # min/max per row group: prunes scans of prompt-sorted files
 # per-column codecs are keyed by Parquet leaf path: a list column's leaf is "<name>.list.element"
-_COMPRESSION = {
+COMPRESSION = {
     (f"{f.name}.list.element" if pa.types.is_list(f.type) else f.name): ("zstd" if f.name in BULK_COLUMNS else "none")
     for f in ROLLOUT_ARROW_SCHEMA
 }
@@ -102,7 +102,7 @@ def write_rollout_table(
 
     def write(f) -> None:
         with pq.ParquetWriter(
-            f, ROLLOUT_ARROW_SCHEMA, compression=_COMPRESSION, use_dictionary=False,
+            f, ROLLOUT_ARROW_SCHEMA, compression=COMPRESSION, use_dictionary=False,
             write_statistics=STATISTICS_COLUMNS, write_page_checksum=True,
         ) as writer:
             fd = os.open(f, os.O_RDONLY)

@@ -325,3 +325,60 @@ def test_readme_plain_duckdb_lines_read_the_lake(pg_s3_lake, moto_s3):
         con.execute(statement)
     assert sorted((m, g) for m, g, _ in con.execute(statements[-2]).fetchall()) == [("model-a", 3), ("model-b", 2)]
     assert con.execute(statements[-1]).arrow().read_all().num_rows == 3  # (Python needs pytz for fetchall here)
+
+
+def test_snapshots_say_which_tables_they_inserted_into(sqlite_lake):
+    """What a replica asks before reading a window of snapshots: a table none of them inserted into is not read."""
+    with Lake(sqlite_lake) as lake:
+        start = lake.snapshot().id
+        lake.commit(table_of([make_group(1)]), [make_problem(1)])
+        with_problems = lake.snapshot().id
+        lake.commit(table_of([make_group(2)]))
+        rollouts_only = lake.snapshot().id
+        assert lake.tables_inserted_into(start, with_problems) == {"rollouts", "problems"}
+        assert lake.tables_inserted_into(with_problems, rollouts_only) == {"rollouts"}
+        assert lake.tables_inserted_into(start, rollouts_only) == {"rollouts", "problems"}
+        lake.maintain(expire_older_than_s=0, cleanup_older_than_s=3600)  # merges, then expires all but the newest
+        assert lake.tables_inserted_into(rollouts_only, lake.snapshot().id) == set()  # a merge inserts nothing new
+        assert lake.tables_inserted_into(start, rollouts_only) is None  # expired: unknown, so every table is read
+
+
+def test_change_feed_rows_are_put_in_commit_order():
+    rows = pa.table({"rowid": [5, 1, 2, 7, 3], "snapshot_id": [3, 2, 2, 3, 2], "row": list("abcde")})
+    assert lake_module._in_commit_order(rows).column("row").to_pylist() == ["b", "c", "e", "a", "d"]
+    ordered = rows.take([1, 2, 4, 0, 3])
+    assert lake_module._in_commit_order(ordered) is ordered  # already in order: no copy
+
+
+def test_writers_add_their_own_parquet_files_in_the_partition_layout(any_lake):
+    """Writers encode the data files themselves and register them (ducklake_add_data_files): one file per model
+    under the table's path in DuckLake's partition layout, so partition pruning and plain DuckDB reads work."""
+    groups = [make_group(i, model) for i in range(3) for model in ("model-a", "model-b")]
+    with Lake(any_lake) as lake:
+        lake.commit(table_of(groups))
+        con = lake._cursor()
+        files = [path for (path,) in con.execute("SELECT data_file FROM ducklake_list_files('lake', 'rollouts')").fetchall()]
+        assert sorted(path.split("/")[-2] for path in files) == ["model_id=model-a", "model_id=model-b"]
+        assert all(path.startswith(any_lake.data_path.rstrip("/") + "/main/rollouts/") for path in files)
+        pruned = con.execute("EXPLAIN ANALYZE SELECT count(*) FROM lake.rollouts WHERE model_id = 'model-b'").fetchall()
+        assert "Total Files Read: 1" in pruned[0][1]
+        assert con.execute("SELECT count(*) FROM lake.rollouts WHERE model_id = 'model-b'").fetchall()[0][0] == 12
+    plain = duckdb.connect()
+    lake_module.load_extensions(plain)
+    if any_lake.s3_endpoint:
+        plain.execute(lake_module.s3_secret_sql(any_lake))
+    plain.execute(f"ATTACH '{any_lake.catalog}' AS plain (READ_ONLY)")
+    rows = plain.execute("SELECT * FROM plain.rollouts ORDER BY rollout_id").arrow().read_all()
+    expected = table_of(groups)
+    assert conform_table(rows).equals(expected.take(pc.sort_indices(expected, [("rollout_id", "ascending")])))
+
+
+def test_an_encrypted_lake_is_refused_to_writers(tmp_path):
+    config = LakeConfig(catalog=f"ducklake:sqlite:{tmp_path / 'catalog.sqlite'}", data_path=str(tmp_path / "data") + "/")
+    con = lake_module.lake_connection(config)
+    con.execute(f"ATTACH '{config.catalog}' AS made (DATA_PATH '{config.data_path}', ENCRYPTED)")
+    con.close()
+    with Lake(config) as lake:
+        with pytest.raises(LakeError, match="encrypts its data files"):
+            lake.commit(table_of([make_group(1)]))
+        assert lake.counts()["groups"] == 0

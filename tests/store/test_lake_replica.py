@@ -275,3 +275,34 @@ def test_replica_that_cannot_reach_the_lake_at_start_says_why(postgres, tmp_path
     dead = LakeConfig(catalog="ducklake:postgres:dbname=x host=127.0.0.1 port=9 user=graft")
     with pytest.raises(RuntimeError, match="cannot attach lake"):
         replica(tmp_path / "b", dead, log_level="warning").start()
+
+
+def insert_plainly(lake: Lake, groups) -> None:
+    """Commit groups without the duplicate check, as a writer racing another with the same group ids lands."""
+    con = lake._cursor()
+    con.register("racing", validate_table(groups_table(groups)))
+    con.execute("INSERT INTO lake.rollouts BY NAME SELECT * FROM racing")
+    con.unregister("racing")
+
+
+def test_a_group_committed_twice_is_served_as_its_first_copy(sqlite_lake, tmp_path):
+    """DuckLake has no unique keys: two writers racing with one group id both land. A replica keeps the copy
+    committed first, whether the later copy comes in the same read of the lake (catching up) or a later poll."""
+    first = make_group(1, rewards=[1.0, 0.0, 0.0, 0.0], seed=1)
+    group_id = first.group_id
+    with Lake(sqlite_lake) as lake:
+        commit(lake, 10, 1)
+        lake.commit(validate_table(groups_table([first, make_group(2)])))
+        # the snapshot right after the first copy's: a new replica reads both in one window (widths 1, 2, 4, ...)
+        # and drops the later copy there
+        insert_plainly(lake, [make_group(1, rewards=[0.0, 1.0, 1.0, 1.0], seed=2, group_id=group_id), make_group(3)])
+        fresh = [make_group(4)]
+        lake.commit(validate_table(groups_table(fresh)))
+        with replica(tmp_path / "a", sqlite_lake) as a, StoreClient(a.url) as client:
+            wait_for(lambda: caught_up(client, lake.snapshot().id), 120, "the replica caught up")
+            assert client.get_group(group_id) == first
+            assert client.stats().total_groups == 5  # 10, 1 (once), 2, 3, 4
+            insert_plainly(lake, [make_group(1, seed=3, group_id=group_id), make_group(5)])  # while it follows
+            wait_for(lambda: caught_up(client, lake.snapshot().id), 120, "the replica read the later copy")
+            assert client.get_group(group_id) == first
+            assert client.stats().total_groups == 6
