@@ -197,7 +197,10 @@ class HFBackend:
         row_prompt = [distinct.setdefault(tuple(ids), len(distinct)) for ids in prompt_ids]  # (B,) index into distinct
         if self.share_prompt_prefill and width > 1:
             extra["past_key_values"] = self._shared_prefill(input_ids, attention_mask, row_prompt, shared, params.max_tokens)
-        out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config, **extra)
+        # synced_gpus=False: transformers would otherwise turn it on for an FSDP-sharded model in a process group and
+        # all-reduce a flag every step; each process samples on its own here (a trainer rank gathers the weights first).
+        out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
+                                  synced_gpus=False, **extra)
         completions = out.sequences[:, width:]  # (B, L): pad after a row's EOS
         step_logprobs = [
             processed_logprobs(step_logits, params).gather(-1, completions[:, t : t + 1])[:, 0]  # (B,)

@@ -298,12 +298,13 @@ def forward_logprobs(
     runs as many passes as the rank with the most (trainer.distributed.collective_passes), the rest padding."""
     out: list[Tensor] = []
     chunks = [rows[begin : begin + micro] for begin in range(0, len(rows), micro)]
+    passes = collective_passes(learner.dist, len(chunks))  # agreed before any pass: each is a collective under fsdp
     for chunk in chunks:
         batch = collate(chunk, learner.tokenizer.pad_token_id).to(learner.device)
         with learner.autocast():
             logprobs = response_logprobs(model, batch, temperature).cpu()  # (b, T)
         out.extend(logprobs[i, : len(row.completion_ids)] for i, row in enumerate(chunk))
-    for _ in range(collective_passes(learner.dist, len(chunks)) - len(chunks)):
+    for _ in range(passes - len(chunks)):
         with learner.autocast():
             padding_pass(model, learner.device, backward=False)
     return out

@@ -119,6 +119,8 @@ def _train(cfg: TrainConfig, dist: DistContext, resume: bool, on_step: Callable[
                     sync_sampler(sampler, learner)
 
             outcome = StepOutcome(sampled, found, decisions, rows, weighted, result)
+            log.info("step %d: %d groups, %d grafted, %d rows trained on", state.step + 1, len(decisions),
+                     len(outcome.grafted), len(weighted.rows))  # this rank's (train.rank<r>.log under torchrun)
             metrics = metrics_log.write(step_metrics(cfg, state, outcome, clock, scheduler.get_last_lr()[0],
                                                      metrics_log.store_counts(), dist))  # the job's line, on every rank
             state.advance(metrics["rollouts_generated"], metrics["peer_rollouts_consumed"],
