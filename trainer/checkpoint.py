@@ -248,6 +248,12 @@ def export_hf(model: torch.nn.Module, tokenizer: Any, directory: Path, ctx: Dist
     calls it (the gather is a collective)."""
     weights = full_state_dict(model, ctx)
     if ctx.is_main:
+        # A tied parameter (lm_head = embed_tokens) comes back from the gather once per name, as copies that
+        # save_pretrained cannot see are one: keep its first name, so the files are the unsharded model's own.
+        first_name: dict[int, str] = {}
+        for name, tensor in unwrap(model).state_dict(keep_vars=True).items():
+            first_name.setdefault(id(tensor), name)
+        weights = {name: tensor for name, tensor in weights.items() if name in set(first_name.values())}
         # transformers names the architecture after the class, less FSDP2's "FSDP" prefix
         unwrap(model).save_pretrained(directory, state_dict=weights)
         tokenizer.save_pretrained(directory)
