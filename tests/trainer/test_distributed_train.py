@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 from services.store_api.server import StoreServer
 from torchrun import torchrun
+from train_configs import make_config
 from trainer.config import TrainConfig
 from trainer.loop import train
 
@@ -40,25 +41,11 @@ def store(toy_world):
 
 
 def config(world, run_dir: Path, store_url: str | None, **overrides) -> TrainConfig:
-    data = {
-        "run_dir": str(run_dir), "seed": 0, "steps": 3, "method": "graft", "torch_threads": 1,
-        "model": {"path": str(world.learner_dir), "device": "cpu"},
-        "data": {"dataset": str(world.problems_path), "prompt_template": "raw"},
-        "rollout": {"backend": "hf", "group_size": 4, "prompts_per_step": 8, "max_response_tokens": 16,
-                    "scorer_workers": 1, "seed_per_sample": True},
-        "optim": {"lr": 2e-3, "mini_batch_prompts": 4, "micro_batch_size": 8},
-        "graft": {"peer_tokenizers": [str(world.peer_dir)], "max_grafted_fraction": 0.75},
-        "store": {"url": store_url, "timeout_s": 2.0, "retries": 0, "backoff_initial_s": 0.05, "backoff_max_s": 0.1},
-        "checkpoint": {"every_steps": 2, "keep_last": None},
-        "logging": {"progress": False},
-    }
-    for key, value in overrides.items():
-        node = data
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return TrainConfig.model_validate(data)
+    """The end-to-end tests' run (8 prompts x 4 rollouts), in 2 mini-batches of 2 micro-batches, sampling with seeds
+    per rollout, a checkpoint every 2 steps."""
+    return make_config(world, run_dir, store_url, **{
+        "rollout.seed_per_sample": True, "optim.mini_batch_prompts": 4, "optim.micro_batch_size": 8,
+        "checkpoint.every_steps": 2, **overrides})
 
 
 def two_ranks(cfg: TrainConfig, strategy: str, *extra: str) -> Path:
