@@ -144,6 +144,8 @@ def _train(cfg: TrainConfig, dist: DistContext, resume: bool, on_step: Callable[
             peers.close()
         metrics_log.close()
         scorer.close()
+        if uses_vllm:  # before the process group ends (under torchrun the engine's groups live in it)
+            sampler.close()
     return run_dir
 
 

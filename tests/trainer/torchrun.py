@@ -14,12 +14,13 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def torchrun(target: list[str], timeout_s: float = 300.0, nproc: int = 2, env: dict[str, str] | None = None) -> str:
-    """`torchrun --standalone --nproc-per-node N TARGET...` (TARGET: a script and its arguments, or -m MODULE ...);
-    returns the ranks' output. Fails the test when a rank fails or the job outlives `timeout_s`."""
+def torchrun(target: list[str], timeout_s: float = 300.0, nproc: int = 2, python: str | Path = sys.executable) -> str:
+    """`torchrun --standalone --nproc-per-node N TARGET...` (TARGET: a script and its arguments, or -m MODULE ...)
+    with `python` (another environment's: .venv-vllm); returns the ranks' output. Fails the test when a rank fails
+    or the job outlives `timeout_s`."""
     environment = dict(os.environ, PYTHONPATH=f"{REPO_ROOT}:{Path(__file__).parent}", HF_HUB_OFFLINE="1",
-                       OMP_NUM_THREADS="1", **(env or {}))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *target]
+                       OMP_NUM_THREADS="1")
+    command = [str(python), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *target]
     proc = subprocess.Popen(command, cwd=REPO_ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
