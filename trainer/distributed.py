@@ -20,7 +20,17 @@ What a training step does with these parts so that N ranks equal one process:
 - Every rank runs the same number of forward/backward passes and optimizer steps: the plan holds
   the most micro-batches any rank needs, and a rank that has fewer runs `padding_pass` (zero loss
   over one token) so that FSDP's all-gathers and reduce-scatters and DDP's all-reduce meet.
+- No-grad passes under fsdp are collectives too: `collective_passes` agrees on their number first, the
+  rest are padding. Sampling with transformers' generate() runs inside `gathered_weights` (the full
+  weights on every rank, no collective per forward); each rollout is seeded by its place in the global
+  batch (rollouts.sampling.SamplingParams.seed_per_sample), so the ranks draw what one process draws.
+- Counts the step decides on globally come from `spans` / `sum_over_ranks` (the graft cap, DAPO's refill,
+  the single pass); lists are joined in rank order with `gather_lists` (grafted prompts, the grafted
+  rows' weights for their statistics).
 - Metrics: `reduce_metrics` (sums, count-weighted means, maxima; NaN-aware); rank 0 writes them.
+
+Over 400 lines because every collective of the step lives here (the loop's stages call these named parts), so
+that the rules that keep the ranks in step (agree on counts first, pad, gather the same order) are written once.
 """
 
 from __future__ import annotations
