@@ -13,7 +13,7 @@ import contextlib
 from pathlib import Path
 
 import torch
-from transformers import AttentionInterface, GenerationConfig
+from transformers import AttentionInterface, GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -152,12 +152,15 @@ class HFBackend:
                 torch.manual_seed(params.seed)
             for start in range(0, len(order), per_call):
                 batch_rows = order[start : start + per_call]
-                batch_samples = self._generate_batch([prompt_ids[rows[r]] for r in batch_rows], params)
+                # row r is sample r % n of prompt r // n
+                seeds = [params.sample_seed(r // params.n, r % params.n) for r in batch_rows] if params.seed_per_sample else None
+                batch_samples = self._generate_batch([prompt_ids[rows[r]] for r in batch_rows], params, seeds)
                 samples_by_row.update(zip(batch_rows, batch_samples, strict=True))
         return [[samples_by_row[i * params.n + j] for j in range(params.n)] for i in range(len(prompts))]
 
     @torch.inference_mode()
-    def _generate_batch(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[Sample]:
+    def _generate_batch(self, prompt_ids: list[list[int]], params: SamplingParams, seeds: list[int] | None = None) -> list[Sample]:
+        """seeds: one per row (params.seed_per_sample): each row draws from its own generator (`SeededDraw`)."""
         device = self.model.device
         width = max(len(ids) for ids in prompt_ids)
         # The tokens every prompt of the batch starts with (a system prompt, few-shot examples), at most all but
@@ -172,8 +175,10 @@ class HFBackend:
         attention_mask = torch.tensor(
             [[1] * shared + [0] * (width - len(ids)) + [1] * (len(ids) - shared) for ids in prompt_ids], device=device
         )  # (B, P)
+        extra = {}  # what generate() gets besides the inputs: the prefilled KV cache, our own draws
+        own_draws = seeds is not None and not params.greedy  # SeededDraw leaves one token per row for greedy search
         config = GenerationConfig(
-            do_sample=not params.greedy,
+            do_sample=not params.greedy and not own_draws,
             max_new_tokens=params.max_tokens,
             eos_token_id=sorted(self.eos_token_ids),
             pad_token_id=self.pad_token_id,
@@ -182,16 +187,20 @@ class HFBackend:
             repetition_penalty=1.0,
             min_new_tokens=0,
             # Explicit values: transformers fills unset ones from global defaults (top_k=50 among them).
-            **({} if params.greedy else {
+            **({} if params.greedy or own_draws else {
                 "temperature": params.temperature, "top_k": params.effective_top_k or 0, "top_p": params.top_p, "typical_p": 1.0,
             }),
         )
+        if own_draws:
+            extra["logits_processor"] = LogitsProcessorList([SeededDraw(seeds, params, device)])
         distinct: dict[tuple[int, ...], int] = {}
         row_prompt = [distinct.setdefault(tuple(ids), len(distinct)) for ids in prompt_ids]  # (B,) index into distinct
-        cache = {}
         if self.share_prompt_prefill and width > 1:
-            cache["past_key_values"] = self._shared_prefill(input_ids, attention_mask, row_prompt, shared, params.max_tokens)
-        out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config, **cache)
+            extra["past_key_values"] = self._shared_prefill(input_ids, attention_mask, row_prompt, shared, params.max_tokens)
+        # synced_gpus=False: transformers would otherwise turn it on for an FSDP-sharded model in a process group and
+        # all-reduce a flag every step; each process samples on its own here (a trainer rank gathers the weights first).
+        out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
+                                  synced_gpus=False, **extra)
         completions = out.sequences[:, width:]  # (B, L): pad after a row's EOS
         step_logprobs = [
             processed_logprobs(step_logits, params).gather(-1, completions[:, t : t + 1])[:, 0]  # (B,)
@@ -266,6 +275,25 @@ class HFBackend:
             return False
         bytes_per_token = sum(layer.keys[0, :, :1].nbytes + layer.values[0, :, :1].nbytes for layer in cache.layers)  # one row
         return rows * (width + max_tokens) * bytes_per_token <= self.static_cache_budget_bytes
+
+
+class SeededDraw(LogitsProcessor):
+    """Each row's next token drawn from the processed distribution with the row's own generator (Gumbel-max: the
+    argmax of log p + Gumbel noise is a draw from p), so that a row's samples do not depend on the batch it is in.
+    Returns scores that leave only the drawn token, for generate()'s greedy search to pick."""
+
+    def __init__(self, seeds: list[int], params: SamplingParams, device: torch.device):
+        self.params = params
+        self.generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        logprobs = processed_logprobs(scores, self.params)  # (B, V), -inf outside the top-k/top-p support
+        uniform = torch.stack([
+            torch.rand(scores.shape[-1], generator=generator, device=scores.device) for generator in self.generators
+        ])  # (B, V): row b's t-th draw comes from its own generator whatever the other rows are
+        drawn = (logprobs - torch.log(-torch.log(uniform))).argmax(dim=-1)  # (B,)
+        only_drawn = torch.full_like(scores, float("-inf"))  # (B, V)
+        return only_drawn.scatter_(1, drawn[:, None], 0.0)
 
 
 def _common_prefix_length(prompt_ids: list[list[int]]) -> int:

@@ -22,6 +22,11 @@ class SamplingParams:
     top_k: int | None = None
     max_tokens: int = 1024
     seed: int | None = None  # seeds the whole call; None draws fresh randomness
+    # True: sample j of the call's prompt i draws from its own seed, seed + (prompt_offset + i) * n + j (vLLM seeds its
+    # requests so, always), so a prompt's samples do not depend on the other prompts of the call: a batch split into
+    # blocks (one per data-parallel rank) draws what the whole batch draws. False: the hf backend seeds the call once.
+    seed_per_sample: bool = False
+    prompt_offset: int = 0  # index of the call's first prompt in the batch it is a block of (0: the whole batch)
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -34,6 +39,14 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_k = {self.top_k}: must be None, 0 (both: no cut) or positive")
         if self.max_tokens < 1:
             raise ValueError(f"SamplingParams.max_tokens = {self.max_tokens}: must be >= 1")
+        if self.seed_per_sample and self.seed is None:
+            raise ValueError("SamplingParams.seed_per_sample needs a seed to derive the samples' seeds from")
+        if self.prompt_offset < 0:
+            raise ValueError(f"SamplingParams.prompt_offset = {self.prompt_offset}: must be >= 0")
+
+    def sample_seed(self, prompt: int, sample: int) -> int:
+        """The seed of sample `sample` of the call's prompt `prompt` (seed_per_sample; vLLM's request seeds)."""
+        return self.seed + (self.prompt_offset + prompt) * self.n + sample
 
     @property
     def greedy(self) -> bool:

@@ -80,6 +80,8 @@ class VLLMBackend:
     def generate(self, prompts: list[str], params: SamplingParams) -> list[list[Sample]]:
         from vllm import SamplingParams as VLLMSamplingParams
 
+        if not prompts:  # a data-parallel rank whose block of the step is empty
+            return []
         # Token ids, not text: vLLM would add special tokens to a text prompt; the chat template holds them already.
         requests = []
         for i, prompt in enumerate(prompts):
@@ -95,7 +97,7 @@ class VLLMBackend:
                 top_k=params.effective_top_k or 0,  # 0: no top-k cut
                 max_tokens=params.max_tokens,
                 # vLLM seeds the n samples of a request with seed, seed + 1, ...: keep requests apart.
-                seed=None if params.seed is None else params.seed + i * params.n,
+                seed=None if params.seed is None else params.sample_seed(i, 0),
                 logprobs=0,  # only the sampled token's logprob
                 stop_token_ids=sorted(self.eos_token_ids),
                 # The text is decoded below with our tokenizer (load_tokenizer), as the hf backend does: vLLM's

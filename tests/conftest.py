@@ -33,6 +33,12 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
+def vllm_python() -> Path:
+    """The python of .venv-vllm (tests marked vllm only)."""
+    return VLLM_PYTHON
+
+
+@pytest.fixture(scope="session")
 def run_in_vllm_env():
     """`run(script, *args, out=path)`: run a check script with .venv-vllm's python, this repository importable,
     and return the JSON it wrote to `out` (its last argument)."""

@@ -21,6 +21,7 @@ from torch import Tensor
 from rollouts.prompts import build_prompt
 from schemas import Problem, RolloutGroup, group_advantages
 from trainer.config import TrainConfig
+from trainer.distributed import collective_passes, padding_pass
 from trainer.gate import (
     GateDecision,
     behaviour_ratio,
@@ -212,9 +213,9 @@ def needs_forward(row: TrainSample, cfg: TrainConfig) -> bool:
 class FirstPass:
     """The update's own forward pass, taken before pi_old is needed (`trainer.update.single_pass_forward`)."""
 
-    rows: list[TrainSample]  # the rows with signal, in the order of `logprobs`
-    tokens: TokenBatch
-    logprobs: Tensor  # (b, T) float32, with grad
+    rows: list[TrainSample]  # the rows with signal, in the order of `logprobs` (none: a data-parallel rank's padding)
+    tokens: TokenBatch | None
+    logprobs: Tensor  # (b, T) float32, with grad (a padding forward's (1, 1, V) logits when there are no rows)
 
     def select(self, chunk: list[TrainSample]) -> tuple[Tensor, Tensor]:
         """(logprobs with grad, mask) of `chunk`'s rows, in its order."""
@@ -238,6 +239,42 @@ class WeightStats:
     behaviour_ratio_p50: float = NAN
     behaviour_ratio_hardest_p50: float = NAN
 
+    @classmethod
+    def of(cls, parts: list[GraftedWeights]) -> WeightStats:
+        """The statistics over the grafted rows of `parts` (one per data-parallel rank, in rank order: one process's
+        rows laid end to end), as one process computes them over its rows."""
+        weights = _joined([part.weights for part in parts])  # (g,) float64, the finite rows' w
+        if not weights.numel():
+            return cls()
+        levels = torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)
+        quantiles = torch.quantile(_joined([part.log_rho for part in parts]), levels).tolist()
+        ratios = [b for part in parts for b in part.ratios]
+        hardest = [b for part in parts for b in part.hardest]
+        return cls(
+            compat_weight_mean=float(weights.mean()),
+            compat_weight_ess=effective_sample_size(weights),
+            log_rho_p10=quantiles[0], log_rho_p50=quantiles[1], log_rho_p90=quantiles[2],
+            behaviour_ratio_p50=float(torch.cat(ratios).median()) if ratios else NAN,
+            behaviour_ratio_hardest_p50=float(torch.tensor(hardest).median()) if hardest else NAN,
+        )
+
+
+@dataclass
+class GraftedWeights:
+    """What the step's WeightStats are computed from, per finite grafted row of this rank (data parallel: gathered
+    from every rank first, trainer.metrics)."""
+
+    weights: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))  # (g,) w
+    log_rho: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))  # (g,) per-byte log rho
+    ratios: list[Tensor] = field(default_factory=list)  # b of every token (tis), one (n,) tensor per row
+    hardest: list[float] = field(default_factory=list)  # b at the least likely token of each positive row (tis)
+
+
+def _joined(tensors: list[Tensor]) -> Tensor:
+    """One tensor of the pieces laid end to end (one piece: itself, so one process computes on what it always did)."""
+    pieces = [t for t in tensors if t.numel()]
+    return pieces[0] if len(pieces) == 1 else torch.cat(tensors)
+
 
 @dataclass
 class WeightedRows:
@@ -245,21 +282,31 @@ class WeightedRows:
 
     rows: list[TrainSample]  # grafted rows with non-finite pi_old or w are dropped
     dropped_non_finite: int
-    stats: WeightStats = field(default_factory=WeightStats)
+    grafted: GraftedWeights = field(default_factory=GraftedWeights)
+
+    @property
+    def stats(self) -> WeightStats:
+        """The weight statistics of this rank's grafted rows."""
+        return WeightStats.of([self.grafted])
 
 
 @torch.no_grad()
 def forward_logprobs(
     model: torch.nn.Module, rows: list[TrainSample], learner: Learner, micro: int, temperature: float
 ) -> list[Tensor]:
-    """Per row (n_i,) float32 logprobs of its completion tokens, computed in micro-batches."""
+    """Per row (n_i,) float32 logprobs of its completion tokens, computed in micro-batches. Under fsdp every rank
+    runs as many passes as the rank with the most (trainer.distributed.collective_passes), the rest padding."""
     out: list[Tensor] = []
-    for begin in range(0, len(rows), micro):
-        chunk = rows[begin : begin + micro]
+    chunks = [rows[begin : begin + micro] for begin in range(0, len(rows), micro)]
+    passes = collective_passes(learner.dist, len(chunks))  # agreed before any pass: each is a collective under fsdp
+    for chunk in chunks:
         batch = collate(chunk, learner.tokenizer.pad_token_id).to(learner.device)
         with learner.autocast():
             logprobs = response_logprobs(model, batch, temperature).cpu()  # (b, T)
         out.extend(logprobs[i, : len(row.completion_ids)] for i, row in enumerate(chunk))
+    for _ in range(passes - len(chunks)):
+        with learner.autocast():
+            padding_pass(model, learner.device, backward=False)
     return out
 
 
@@ -287,13 +334,14 @@ def old_logprobs_and_weights(
         row.token_weight = torch.ones_like(old_lp)
 
     grafted = [row for row in active if row.grafted]
-    stats = _weigh_grafted_rows(cfg, grafted) if grafted else WeightStats()
+    values = _weigh_grafted_rows(cfg, grafted) if grafted else GraftedWeights()
     kept = [row for row in rows if not (row.grafted and not row.finite)]
-    return WeightedRows(kept, len(rows) - len(kept), stats)
+    return WeightedRows(kept, len(rows) - len(kept), values)
 
 
-def _weigh_grafted_rows(cfg: TrainConfig, grafted: list[TrainSample]) -> WeightStats:
-    """Set w, finiteness and c = peer_loss_scale * w * b on the grafted rows (pi_old filled in); their statistics."""
+def _weigh_grafted_rows(cfg: TrainConfig, grafted: list[TrainSample]) -> GraftedWeights:
+    """Set w, finiteness and c = peer_loss_scale * w * b on the grafted rows (pi_old filled in); what their
+    statistics are computed from."""
     # l_old: the learner's log-likelihood of the text, EOS excluded
     learner_sums = torch.stack([r.old_logprobs[: r.num_content_tokens].double().sum() for r in grafted])  # (g,)
     peer_sums = torch.tensor([row.peer_logprob_sum for row in grafted], dtype=torch.float64)  # (g,)
@@ -318,15 +366,4 @@ def _weigh_grafted_rows(cfg: TrainConfig, grafted: list[TrainSample]) -> WeightS
                 if row.advantage > 0 and row.num_content_tokens > 0:
                     hardest.append(float(b[int(torch.argmin(row.old_logprobs[: row.num_content_tokens]))]))
         row.token_weight = cfg.graft.peer_loss_scale * w * b  # (n,)
-    kept_weights = weights[finite]
-    if not kept_weights.numel():
-        return WeightStats()
-    levels = torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)
-    quantiles = torch.quantile(log_rho[finite].double(), levels).tolist()
-    return WeightStats(
-        compat_weight_mean=float(kept_weights.mean()),
-        compat_weight_ess=effective_sample_size(kept_weights),
-        log_rho_p10=quantiles[0], log_rho_p50=quantiles[1], log_rho_p90=quantiles[2],
-        behaviour_ratio_p50=float(torch.cat(ratios).median()) if ratios else NAN,
-        behaviour_ratio_hardest_p50=float(torch.tensor(hardest).median()) if hardest else NAN,
-    )
+    return GraftedWeights(weights[finite], log_rho[finite].double(), ratios, hardest)

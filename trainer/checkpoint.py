@@ -128,14 +128,41 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return checkpoints[-1] if checkpoints else None
 
 
-def restore_training_state(checkpoint: Path, optimizer: torch.optim.Optimizer, scheduler: Any) -> dict[str, Any]:
-    """Put the optimizer, the schedule and the RNGs back as they were at `checkpoint`; returns the loop's state."""
-    saved = load_trainer_state(checkpoint)
-    optimizer.load_state_dict(saved["optimizer"])
-    scheduler.load_state_dict(saved["scheduler"])
-    restore_rng_state(saved["rng"])
-    log.info("resumed from %s at step %d", checkpoint, saved["loop"]["step"])
-    return saved["loop"]
+def restore_training_state(
+    checkpoint: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, ctx: DistContext | None = None,
+) -> dict[str, Any]:
+    """Put the optimizer, the schedule and the RNGs back as they were at `checkpoint`; returns the loop's state.
+
+    A data-parallel run's checkpoint (dcp/) loads at any world size, into one process too, its weights and
+    optimizer resharded onto this job (`model`, wrapped, and its optimizer built already); a one-process
+    checkpoint loads into data-parallel ranks too (its weights are the HF files the policy was loaded from)."""
+    ctx = ctx or DistContext("none", torch.device("cpu"))
+    if is_sharded_checkpoint(checkpoint):
+        loop = load_sharded_checkpoint(checkpoint, model, optimizer, scheduler, ctx)["loop"]
+    else:
+        saved = load_trainer_state(checkpoint)
+        if ctx.strategy == "fsdp":
+            _load_full_optimizer_state(model, optimizer, saved["optimizer"])
+        else:
+            optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
+        restore_rng_state(saved["rng"])
+        loop = saved["loop"]
+    log.info("resumed from %s at step %d", checkpoint, loop["step"])
+    return loop
+
+
+def _load_full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    """A one-process optimizer state (parameters by position) into an FSDP-sharded optimizer: named by the
+    trainable parameters in the order the optimizer took them (make_optimizer), then sharded by torch."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    names = [name for name, param in unwrap(model).named_parameters() if param.requires_grad]
+    named = {
+        "state": {names[index]: value for index, value in saved["state"].items()},
+        "param_groups": [{**group, "params": [names[index] for index in group["params"]]} for group in saved["param_groups"]],
+    }
+    set_optimizer_state_dict(model, optimizer, named, options=StateDictOptions(full_state_dict=True))
 
 
 def load_trainer_state(checkpoint: Path) -> dict[str, Any]:
@@ -221,6 +248,12 @@ def export_hf(model: torch.nn.Module, tokenizer: Any, directory: Path, ctx: Dist
     calls it (the gather is a collective)."""
     weights = full_state_dict(model, ctx)
     if ctx.is_main:
+        # A tied parameter (lm_head = embed_tokens) comes back from the gather once per name, as copies that
+        # save_pretrained cannot see are one: keep its first name, so the files are the unsharded model's own.
+        first_name: dict[int, str] = {}
+        for name, tensor in unwrap(model).state_dict(keep_vars=True).items():
+            first_name.setdefault(id(tensor), name)
+        weights = {name: tensor for name, tensor in weights.items() if name in set(first_name.values())}
         # transformers names the architecture after the class, less FSDP2's "FSDP" prefix
         unwrap(model).save_pretrained(directory, state_dict=weights)
         tokenizer.save_pretrained(directory)

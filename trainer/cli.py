@@ -80,11 +80,10 @@ def train(
         typer.echo(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
         return
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if cfg.parallel.strategy != "none" or world_size > 1:
-        # trainer/distributed.py holds the parts; until the loop calls them a second rank would train alone
+    if world_size > 1 and cfg.parallel.strategy == "none":  # each rank would train a model of its own on the same data
         raise typer.BadParameter(
-            f"parallel.strategy {cfg.parallel.strategy!r} with WORLD_SIZE={world_size}: the training loop does not run "
-            "data parallel yet (issue 15); train in one process with parallel.strategy none"
+            f"torchrun started {world_size} ranks (WORLD_SIZE={world_size}) but parallel.strategy is 'none': set "
+            "--set parallel.strategy=fsdp (or ddp), or start one process"
         )
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the trainer's own messages

@@ -52,6 +52,17 @@ class RolloutConfig(_Section):
     vllm_gpu_memory_utilization: float = Field(default=0.4, gt=0.0, lt=1.0, description="share of GPU memory the vLLM engine may take (the policy and optimizer need the rest)")
     scorer_workers: int = Field(default=2, ge=1, description="math-verify worker processes")
     scorer_timeout_s: float = Field(default=10.0, gt=0.0, description="time limit for scoring one completion")
+    seed_per_sample: bool | None = Field(
+        default=None,
+        description="seed every rollout by its place in the step's global prompt batch (as vLLM seeds requests), so that a "
+                    "prompt's rollouts do not depend on which rank samples it: N data-parallel ranks then draw what one process "
+                    "with this on draws. None: on under parallel.strategy ddp/fsdp, off with none (the hf backend seeds each "
+                    "generate call once, as before; vLLM seeds per request either way)",
+    )
+
+    def seeds_per_sample(self, strategy: str) -> bool:
+        """seed_per_sample as it applies under parallel.strategy `strategy`."""
+        return strategy != "none" if self.seed_per_sample is None else self.seed_per_sample
 
 
 class OptimConfig(_Section):
@@ -187,6 +198,11 @@ class TrainConfig(_Section):
             raise ValueError("method 'graft' needs store.url (the store to take peer groups from); set it, or use method 'grpo'")
         if self.store.mode == "cotrain" and not self.store.url:
             raise ValueError("store.mode 'cotrain' needs store.url")
+        if self.parallel.strategy != "none" and self.rollout.seed_per_sample is False:
+            raise ValueError(
+                f"rollout.seed_per_sample false with parallel.strategy {self.parallel.strategy!r}: each rank would seed its "
+                "generate call alike, and N ranks would not draw what one process draws; leave it unset (or true)"
+            )
         if self.parallel.strategy != "none" and self.model.device not in ("auto", "cpu", "cuda"):
             raise ValueError(
                 f"model.device {self.model.device!r} with parallel.strategy {self.parallel.strategy!r}: each rank takes the "

@@ -16,6 +16,7 @@ from rollouts.datasets import load_problems
 from rollouts.models import load_tokenizer_of, tokenizer_fingerprint
 from schemas import Problem
 from trainer.config import TrainConfig
+from trainer.distributed import DistContext, rank_block
 
 log = logging.getLogger("trainer")
 
@@ -37,6 +38,14 @@ class LoopState:
         self.rollouts_generated_total += rollouts_generated
         self.peer_rollouts_consumed_total += peer_rollouts_consumed
         self.grafted_prompts = sorted(set(self.grafted_prompts) | set(grafted_prompts))
+
+
+@dataclass
+class PromptBlock:
+    """This rank's contiguous block of prompts the whole job took from the stream (one process: all of them)."""
+
+    problems: list[Problem]
+    offset: int = 0  # index of its first prompt among the job's (seeds and group ids count from it)
 
 
 class PromptStream:
@@ -62,6 +71,13 @@ class PromptStream:
             taken.append(self.problems[self._order[self.state.cursor]])
             self.state.cursor += 1
         return taken
+
+    def take_block(self, count: int, ctx: DistContext) -> PromptBlock:
+        """The next `count` prompts of the job, every rank taking them alike (the streams stay in step); this
+        rank's block of them (trainer.distributed.split_for_rank)."""
+        taken = self.take(count)
+        begin, end = rank_block(len(taken), ctx.rank, ctx.world_size)
+        return PromptBlock(taken[begin:end], begin)
 
 
 def training_prompts(cfg: TrainConfig, state: LoopState) -> PromptStream:

@@ -20,7 +20,17 @@ What a training step does with these parts so that N ranks equal one process:
 - Every rank runs the same number of forward/backward passes and optimizer steps: the plan holds
   the most micro-batches any rank needs, and a rank that has fewer runs `padding_pass` (zero loss
   over one token) so that FSDP's all-gathers and reduce-scatters and DDP's all-reduce meet.
+- No-grad passes under fsdp are collectives too: `collective_passes` agrees on their number first, the
+  rest are padding. Sampling with transformers' generate() runs inside `gathered_weights` (the full
+  weights on every rank, no collective per forward); each rollout is seeded by its place in the global
+  batch (rollouts.sampling.SamplingParams.seed_per_sample), so the ranks draw what one process draws.
+- Counts the step decides on globally come from `spans` / `sum_over_ranks` (the graft cap, DAPO's refill,
+  the single pass); lists are joined in rank order with `gather_lists` (grafted prompts, the grafted
+  rows' weights for their statistics).
 - Metrics: `reduce_metrics` (sums, count-weighted means, maxima; NaN-aware); rank 0 writes them.
+
+Over 400 lines because every collective of the step lives here (the loop's stages call these named parts), so
+that the rules that keep the ranks in step (agree on counts first, pad, gather the same order) are written once.
 """
 
 from __future__ import annotations
@@ -165,13 +175,51 @@ def wrap_model(model: nn.Module, ctx: DistContext, compute_dtype: torch.dtype = 
         # forward would make even sampling a collective.
         return DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
                                        broadcast_buffers=False)
+    _shard(model, fsdp_mixed_precision(ctx.device, compute_dtype))
+    return model
+
+
+def wrap_reference(model: nn.Module, ctx: DistContext) -> nn.Module:
+    """The frozen reference policy (the KL term) on the rank's device: sharded like the policy under fsdp (its
+    forwards are collectives then, padded like the policy's), a plain local copy otherwise (no gradient to reduce)."""
+    model.to(ctx.device)
+    if ctx.strategy == "fsdp":
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        _shard(model, MixedPrecisionPolicy())  # kept in the dtype it was loaded in (the compute dtype)
+    return model
+
+
+def _shard(model: nn.Module, policy) -> None:
+    """fully_shard per decoder layer, then the root (embeddings, final norm, lm_head). The layers reshard after
+    their forward (memory); the root keeps its parameters for the backward, as FSDP2 does for a root by default."""
     from torch.distributed.fsdp import fully_shard
 
-    policy = fsdp_mixed_precision(ctx.device, compute_dtype)
     for layer in decoder_layers(model):
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
-    return model
+        fully_shard(layer, mp_policy=policy, reshard_after_forward=True)
+    fully_shard(model, mp_policy=policy, reshard_after_forward=False)
+
+
+@contextlib.contextmanager
+def gathered_weights(model: nn.Module) -> Iterator[None]:
+    """Under fsdp, the full parameters on every rank for the duration (one all-gather per FSDP unit on entry, a
+    collective every rank takes at the same point), with no collective inside: each rank's forwards are then its
+    own, whatever their number and shapes. What sampling with transformers' generate() needs (its number of
+    forwards depends on the rank's prompts); the memory of one full copy of the weights in the compute dtype
+    while it lasts, as a vLLM engine holds. Not under fsdp: nothing happens."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]  # the root first, the same order on every rank
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+    for unit in units:
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+            unit.set_reshard_after_forward(unit is not model, recurse=False)  # as _shard set them
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -202,11 +250,26 @@ def padding_pass(model: nn.Module, device: torch.device, backward: bool = True) 
     (and, with backward, the backward of zero times its logits). Its gradient is exactly zero, but it
     takes part in every collective the real pass does (FSDP's all-gathers and reduce-scatters, DDP's
     all-reduce), so no rank waits forever."""
-    input_ids = torch.zeros((1, 1), dtype=torch.long, device=device)  # (1, 1), token 0 exists in every vocabulary
     with contextlib.nullcontext() if backward else torch.no_grad():
-        logits = model(input_ids=input_ids).logits  # (1, 1, V)
+        logits = padding_forward(model, device)  # (1, 1, V)
     if backward:
-        (logits.float().sum() * 0.0).backward()
+        zero_backward(logits)
+
+
+def padding_forward(model: nn.Module, device: torch.device) -> Tensor:
+    """The forward half of padding_pass: (1, 1, V) logits of one token (token 0 exists in every vocabulary)."""
+    return model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device)).logits
+
+
+def zero_backward(output: Tensor) -> None:
+    """The backward half of padding_pass: a gradient of exactly zero, through every collective of a real one."""
+    (output.float().sum() * 0.0).backward()
+
+
+def collective_passes(ctx: DistContext, local_passes: int) -> int:
+    """How many no-grad forward passes of the sharded model this rank runs: under fsdp each is a collective, so
+    every rank runs the most any rank needs (the rest padded with padding_pass(backward=False)); otherwise its own."""
+    return max_over_ranks(ctx, local_passes) if ctx.strategy == "fsdp" else local_passes
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float | None) -> float:
@@ -253,9 +316,15 @@ def full_state_dict(model: nn.Module, ctx: DistContext) -> dict[str, Tensor]:
 def split_for_rank(items: Sequence[T], rank: int, world_size: int) -> list[T]:
     """Rank `rank`'s contiguous block of the global list: sizes differ by at most one (the first ranks
     take the extra items), and the blocks in rank order are the list itself."""
-    base, extra = divmod(len(items), world_size)
+    begin, end = rank_block(len(items), rank, world_size)
+    return list(items[begin:end])
+
+
+def rank_block(total: int, rank: int, world_size: int) -> tuple[int, int]:
+    """[begin, end) of rank `rank`'s block of `total` items (split_for_rank)."""
+    base, extra = divmod(total, world_size)
     begin = rank * base + min(rank, extra)
-    return list(items[begin : begin + base + (1 if rank < extra else 0)])
+    return begin, begin + base + (1 if rank < extra else 0)
 
 
 @dataclass(frozen=True)
@@ -269,8 +338,27 @@ class RowSpan:
 
 def row_span(ctx: DistContext, local_rows: int) -> RowSpan:
     """This rank's place in the step's global batch (one all_gather of the row counts)."""
-    counts = [int(c) for c in _gather(ctx, [float(local_rows)])[:, 0].tolist()]  # (W,)
-    return RowSpan(offset=sum(counts[: ctx.rank]), count=local_rows, total=sum(counts))
+    return spans(ctx, [local_rows])[0]
+
+
+def spans(ctx: DistContext, local_counts: Sequence[int]) -> list[RowSpan]:
+    """For each of several per-rank counts (rows, groups, grafted groups), this rank's span in the ranks' items laid
+    end to end in rank order; one all_gather for all of them."""
+    gathered = _gather(ctx, [float(c) for c in local_counts])  # (W, n)
+    out = []
+    for column, local in enumerate(local_counts):
+        counts = [int(c) for c in gathered[:, column].tolist()]  # (W,)
+        out.append(RowSpan(offset=sum(counts[: ctx.rank]), count=int(local), total=sum(counts)))
+    return out
+
+
+def gather_lists(ctx: DistContext, items: list[T]) -> list[T]:
+    """Every rank's `items`, laid end to end in rank order, on every rank (all_gather_object; one process: items)."""
+    if not ctx.distributed:
+        return items
+    gathered: list[list[T] | None] = [None] * ctx.world_size
+    dist.all_gather_object(gathered, items)
+    return [item for part in gathered for item in part]
 
 
 def mini_batch_rows(span: RowSpan, num_mini: int, generator: torch.Generator) -> list[list[int]]:
@@ -318,6 +406,11 @@ def plan_mini_batches(
     denominators = gathered[:, :num_mini].sum(dim=0).tolist()  # (num_mini,)
     micro_batches = gathered[:, num_mini:].max(dim=0).values.tolist() if num_mini else []  # (num_mini,)
     return [MiniBatchPlan(d, int(m), ctx.world_size) for d, m in zip(denominators, micro_batches)]
+
+
+def sum_over_ranks(ctx: DistContext, value: int) -> int:
+    """The job's total of a per-rank count (DAPO's kept groups, the step's rows with signal)."""
+    return int(_gather(ctx, [float(value)]).sum())
 
 
 def max_over_ranks(ctx: DistContext, value: int) -> int:

@@ -21,8 +21,9 @@ def due(cfg: TrainConfig, step: int) -> bool:
     return bool(cfg.eval.every_steps and cfg.eval.benchmarks and (step % cfg.eval.every_steps == 0 or step == cfg.steps))
 
 
-def evaluate_policy(cfg: TrainConfig, sampler, scorer, run_dir: Path, step: int) -> dict:
-    """avg@k and pass@k per benchmark (GRAFT_SPEC section 10: greedy for k = 1, else T = 0.6, top_p = 0.95)."""
+def evaluate_policy(cfg: TrainConfig, sampler, scorer, run_dir: Path, step: int, write: bool = True) -> dict:
+    """avg@k and pass@k per benchmark (GRAFT_SPEC section 10: greedy for k = 1, else T = 0.6, top_p = 0.95), appended
+    to eval.jsonl when `write` (data parallel: every rank evaluates the same problems, rank 0 writes)."""
     problems_by_benchmark = {
         name: load_problems(source, limit=cfg.eval.limit) for name, source in cfg.eval.benchmarks.items()
     }
@@ -32,6 +33,8 @@ def evaluate_policy(cfg: TrainConfig, sampler, scorer, run_dir: Path, step: int)
         max_tokens=cfg.eval.max_tokens or cfg.rollout.max_response_tokens, seed=cfg.seed,
     )
     result = evaluate(sampler, problems_by_benchmark, cfg.eval.k, params, scorer, template=cfg.data.prompt_template)
+    if not write:
+        return result
     with open(run_dir / "eval.jsonl", "ab") as f:
         options = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
         f.write(orjson.dumps({"step": step, **result}, option=options) + b"\n")

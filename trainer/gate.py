@@ -1,6 +1,7 @@
 """The gate (GRAFT_SPEC section 1), peer advantages (section 2) and the compatibility weights (sections 4, 5).
 
-Pure functions over groups and tensors; the loop calls them once per step. Which peer group may be grafted
+Pure functions over groups and tensors (but for gate_groups' cap, which counts the groups of all data-parallel
+ranks: one collective); the loop calls them once per step. Which peer group may be grafted
 is the step's lookup request's rule (`PeerLookupRequest.accepts`, which the store's lookup applies too); the
 gate adds what only the trainer knows: the tokenizers it can weigh, the preference for informative groups
 and the most recent one, and the cap on grafted groups.
@@ -19,6 +20,7 @@ from torch import Tensor
 from schemas import PeerLookupRequest, RolloutGroup, group_advantages
 from schemas.api import group_created_us, now_us
 from schemas.rollout import ADVANTAGE_TOLERANCE
+from trainer.distributed import DistContext, spans
 
 GroupKind = Literal["all_fail", "all_success", "mixed"]
 Action = Literal[
@@ -97,13 +99,15 @@ def gate_groups(
     max_grafted_fraction: float,
     rng: random.Random,
     usable_tokenizers: set[str] | None = None,
+    ranks: DistContext | None = None,
 ) -> list[GateDecision]:
     """One decision per learner group, in order; `learner_rewards` holds (prompt id, rewards) per group.
 
     Mixed and all-success groups train on-policy; all-fail groups are grafted when an acceptable peer group
     arrived (`choose_peer_group` under `rule`; None: the gate is off, GRPO and DAPO), else skipped. At most
     floor(max_grafted_fraction * groups) are grafted; the rest of the candidates (chosen at random) are
-    skipped as 'skip_capped'."""
+    skipped as 'skip_capped'. ranks: data parallel, the step's groups are all ranks' (every rank calls this
+    together, with the same rng); None: one process."""
     now = now_us()
     decisions: list[GateDecision] = []
     for prompt_id, rewards in learner_rewards:
@@ -114,11 +118,15 @@ def gate_groups(
         peer_group, action = choose_peer_group(peer_candidates.get(prompt_id, []), rule, usable_tokenizers, now)
         decisions.append(GateDecision(prompt_id, kind, action, peer_group))
 
+    # The cap is the job's: this rank's grafts are its block of all ranks' grafts laid end to end (one process's
+    # order), and every rank draws the same indices to skip from the same rng, as one process would.
     grafted = [d for d in decisions if d.grafts]
-    cap = math.floor(max_grafted_fraction * len(decisions) + 1e-9)
-    if len(grafted) > cap:
-        for decision in rng.sample(grafted, len(grafted) - cap):
-            decision.action = "skip_capped"
+    grafts, groups = spans(ranks or DistContext("none", torch.device("cpu")), [len(grafted), len(decisions)])
+    cap = math.floor(max_grafted_fraction * groups.total + 1e-9)
+    if grafts.total > cap:
+        for index in rng.sample(range(grafts.total), grafts.total - cap):
+            if grafts.offset <= index < grafts.offset + grafts.count:
+                grafted[index - grafts.offset].action = "skip_capped"
     return decisions
 
 

@@ -1,6 +1,8 @@
 """The policy being trained: its weights, tokenizer and identities, the frozen reference, and the sampler
 that draws its rollouts (transformers on the policy object itself, or a vLLM engine fed the new weights
-after every update)."""
+after every update). Data parallel (trainer.distributed): the policy is wrapped for the strategy (DDP,
+or FSDP2-sharded) on the rank's device; under fsdp the transformers sampler gathers the full weights for
+each generate call."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from rollouts.models import (
     tokenizer_fingerprint,
 )
 from trainer.config import TrainConfig
+from trainer.distributed import DistContext, gathered_weights, wrap_model, wrap_reference
 from trainer.retokenize import learner_stop_token
 
 
@@ -29,7 +32,7 @@ from trainer.retokenize import learner_stop_token
 class Learner:
     """The policy being trained and the identities its groups carry."""
 
-    model: torch.nn.Module
+    model: torch.nn.Module  # the transformers model (under fsdp sharded in place): sampling, no-grad passes, saving
     tokenizer: Any
     model_id: str
     tokenizer_id: str
@@ -40,6 +43,16 @@ class Learner:
     # the token its own rollouts end with (retokenize.learner_stop_token), which grafted and anchor rows end with
     # too; None: the tokenizer's EOS
     stop_token_id: int | None = None
+    dist: DistContext | None = None  # this process's place in the job (None: one process, on `device`)
+    # what the update's forward passes with gradient call: the DDP wrapper (its backward all-reduces the
+    # gradients) or, under fsdp and in one process, the model itself
+    wrapped: torch.nn.Module | None = None
+
+    def __post_init__(self) -> None:
+        if self.dist is None:
+            self.dist = DistContext("none", self.device)
+        if self.wrapped is None:
+            self.wrapped = self.model
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """Mixed precision for forward passes (sampling, pi_old, the update's forward and loss); backward runs outside."""
@@ -53,16 +66,20 @@ class Learner:
         return self.tokenizer.eos_token_id if self.stop_token_id is None else self.stop_token_id
 
 
-def load_learner(cfg: TrainConfig, checkpoint: Path | None) -> Learner:
-    """The policy from `checkpoint` (a resumed run) or cfg.model.path, in eval mode on its device."""
+def load_learner(cfg: TrainConfig, checkpoint: Path | None, dist: DistContext | None = None) -> Learner:
+    """The policy from `checkpoint` (a resumed run) or cfg.model.path, in eval mode on its device; data parallel:
+    wrapped for dist.strategy (every rank loads the same weights). Build the optimizer after this (FSDP replaces
+    the parameters by their shards)."""
     # float32 master weights whatever the compute dtype (mixed precision through Learner.autocast)
     model, tokenizer = load_model_and_tokenizer(checkpoint or cfg.model.path, dtype=torch.float32)
-    device = _resolve_device(cfg.model.device)
+    dist = dist or DistContext("none", _resolve_device(cfg.model.device))
+    compute_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
     # Dropout off: the policy that samples must be the one whose logprobs are trained on.
-    model.to(device).eval()
+    model.eval()
     if tokenizer.eos_token_id is None:
         raise ValueError(f"the tokenizer of {cfg.model.path} has no eos_token; set one in its tokenizer_config.json")
     eos_ids = eos_token_ids(model, tokenizer)
+    wrapped = wrap_model(model, dist, compute_dtype)  # one process: the model, moved to its device
     return Learner(
         model=model,
         tokenizer=tokenizer,
@@ -70,18 +87,22 @@ def load_learner(cfg: TrainConfig, checkpoint: Path | None) -> Learner:
         tokenizer_id=cfg.model.tokenizer_id or tokenizer_fingerprint(tokenizer),
         revision=cfg.model.revision or model_fingerprint(resolve_model_dir(cfg.model.path)),
         eos_ids=eos_ids,
-        device=device,
-        compute_dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype],
+        device=dist.device,
+        compute_dtype=compute_dtype,
         stop_token_id=learner_stop_token(tokenizer, eos_ids, cfg.data.prompt_template),
+        dist=dist,
+        wrapped=wrapped,
     )
 
 
 def load_reference(cfg: TrainConfig, learner: Learner) -> torch.nn.Module | None:
     """The initial policy, frozen, for the KL term (None when ppo.kl_beta is 0). Loaded from the start checkpoint,
-    also on resume; frozen, it needs no float32 master copy and is kept in the compute dtype."""
+    also on resume; frozen, it needs no float32 master copy and is kept in the compute dtype (under fsdp sharded like
+    the policy)."""
     if cfg.ppo.kl_beta <= 0:
         return None
-    return load_learner(cfg, None).model.requires_grad_(False).to(learner.compute_dtype)
+    model, _ = load_model_and_tokenizer(cfg.model.path, dtype=torch.float32)
+    return wrap_reference(model.eval().requires_grad_(False).to(learner.compute_dtype), learner.dist)
 
 
 def make_sampler(cfg: TrainConfig, learner: Learner, weights_path: str | Path) -> tuple[Any, bool]:
@@ -96,7 +117,23 @@ def make_sampler(cfg: TrainConfig, learner: Learner, weights_path: str | Path) -
         return make_vllm_backend(cfg, learner, weights_path), True
     backend = HFBackend(learner.model, learner.tokenizer, learner.model_id, tokenizer_id=learner.tokenizer_id,
                         batch_size=cfg.rollout.generation_batch_size)
-    return backend, False
+    return (GatheredSampler(backend) if learner.dist.strategy == "fsdp" else backend), False
+
+
+class GatheredSampler:
+    """The transformers sampler over an FSDP2-sharded policy: each generate call runs with the full weights
+    gathered on every rank (trainer.distributed.gathered_weights), so that its forwards, whose number depends on
+    the rank's prompts, need no collective. Every rank calls generate together, with no prompts too."""
+
+    def __init__(self, backend: HFBackend):
+        self.backend = backend
+
+    def generate(self, prompts, params):
+        with gathered_weights(self.backend.model):
+            return self.backend.generate(prompts, params)
+
+    def __getattr__(self, name: str) -> Any:  # tokenizer, model_id, eos_token_ids, ...: the backend's
+        return getattr(self.backend, name)
 
 
 def sync_sampler(sampler: Any, learner: Learner) -> None:

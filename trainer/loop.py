@@ -12,7 +12,9 @@ One step:
      only one), compatibility weights w and token ratios b on grafted rows                  trainer/batch.py
   8. PPO epoch(s) over mini-batches (micro-batched), plus the optional supervised anchor      trainer/update.py
   9. vLLM weight sync, metrics line, checkpoint, evaluation                                  trainer/metrics.py
-`train(cfg)` runs it in-process and returns the run directory.
+`train(cfg)` runs it in-process and returns the run directory. Under torchrun (parallel.strategy ddp or fsdp)
+every rank runs it on its block of the step's prompts; the stages' collectives (trainer/distributed.py) make
+N ranks take the update one process takes on the same global batch, and the metrics line the job's.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from trainer.batch import build_rows, old_logprobs_and_weights
 from trainer.checkpoint import latest_checkpoint, restore_training_state, save_checkpoint
 from trainer.config import TrainConfig
 from trainer.data import LoopState, load_anchor, load_peer_tokenizers, training_prompts
+from trainer.distributed import DistContext, close_distributed, gather_lists, init_distributed
 from trainer.evaluation import due, evaluate_policy
 from trainer.gate import gate_groups
 from trainer.learner import load_learner, load_reference, make_sampler, sync_sampler
@@ -49,23 +52,34 @@ def train(cfg: TrainConfig, resume: bool = False, on_step: Callable[[dict[str, A
     """Run training as configured; returns the run directory (metrics.jsonl, checkpoints/, eval.jsonl).
 
     resume: continue from the newest checkpoint in cfg.run_dir. on_step: called with each step's
-    metrics line after it is written (progress reporting in the demo, fault injection in tests)."""
+    metrics line after it is written (progress reporting in the demo, fault injection in tests).
+    Under torchrun every rank calls this (parallel.strategy ddp or fsdp; trainer.distributed)."""
+    dist = init_distributed(cfg.parallel, cfg.model.device)
+    try:
+        return _train(cfg, dist, resume, on_step)
+    finally:
+        close_distributed(dist)
+
+
+def _train(cfg: TrainConfig, dist: DistContext, resume: bool, on_step: Callable[[dict[str, Any]], None] | None) -> Path:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    _setup_logging(run_dir, cfg)
+    _setup_logging(run_dir, cfg, dist)
     checkpoint = latest_checkpoint(run_dir) if resume else None
     if resume and checkpoint is None:
         log.warning("--resume: no checkpoint in %s, starting from the beginning", run_dir)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    if dist.is_main:
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     random.seed(cfg.seed)
     np.random.seed(cfg.seed % 2**32)
     torch.manual_seed(cfg.seed)
 
-    learner = load_learner(cfg, checkpoint)
+    learner = load_learner(cfg, checkpoint, dist)  # wrapped for parallel.strategy; the optimizer comes after
     optimizer, scheduler = make_optimizer(cfg, learner.model)
     update = UpdateContext(cfg, LossConfig.from_train(cfg), learner, optimizer, scheduler, load_reference(cfg, learner),
                            load_anchor(cfg))
-    state = LoopState(**restore_training_state(checkpoint, optimizer, scheduler)) if checkpoint else LoopState()
+    state = LoopState(**restore_training_state(checkpoint, learner.wrapped, optimizer, scheduler, dist)) if checkpoint \
+        else LoopState()
     prompts = training_prompts(cfg, state)
     peer_tokenizers = load_peer_tokenizers(cfg)
     # Peer groups whose text the learner can weigh: its own tokenizer's and those of the configured peer tokenizers
@@ -75,23 +89,25 @@ def train(cfg: TrainConfig, resume: bool = False, on_step: Callable[[dict[str, A
     scorer = Scorer(num_workers=cfg.rollout.scorer_workers, timeout_s=cfg.rollout.scorer_timeout_s)
     graft = cfg.method == "graft"
     peers = PeerExchange(cfg.store, cfg.graft, learner.model_id) if graft or cfg.publishes else None
-    metrics_log = MetricsLog(cfg, run_dir, state.step, peers)
-    progress = tqdm(total=cfg.steps, initial=state.step, disable=not cfg.logging.progress, desc=cfg.method, unit="step")
+    metrics_log = MetricsLog(cfg, run_dir, state.step, peers, writes=dist.is_main)
+    progress = tqdm(total=cfg.steps, initial=state.step, disable=not (cfg.logging.progress and dist.is_main),
+                    desc=cfg.method, unit="step")
     try:
         for policy_step in range(state.step, cfg.steps):
             clock = StepClock()
-            problems = prompts.take(cfg.rollout.prompts_per_step)
-            request = peers.request([p.prompt_id for p in problems], policy_step) if graft else None
+            block = prompts.take_block(cfg.rollout.prompts_per_step, dist)  # this rank's share of the step's prompts
+            request = peers.request([p.prompt_id for p in block.problems], policy_step) if graft else None
             pending = peers.start_lookup(request) if graft else None  # runs while the learner samples
             with clock("generation_s"):
-                sampled = sample_step(cfg, sampler, scorer, learner, prompts, problems, policy_step)
+                sampled = sample_step(cfg, sampler, scorer, learner, prompts, block, policy_step)
             if cfg.publishes:
                 peers.publish(sampled.generated, [sampled.problem_of[g.prompt_id] for g in sampled.generated])
             with clock("gate_s"):
                 found = peer_candidates(peers, pending, request, sampled.groups, refused.usable) if graft else None
                 candidates = found.groups if found else {}
                 decisions = gate_groups(sampled.rewards, candidates, request, max_grafted_fraction=cfg.graft.max_grafted_fraction,
-                                        rng=random.Random(cfg.seed * 7_919 + policy_step), usable_tokenizers=refused.usable)
+                                        rng=random.Random(cfg.seed * 7_919 + policy_step), usable_tokenizers=refused.usable,
+                                        ranks=dist)
                 refused.warn(decisions, candidates)
                 rows = build_rows(cfg, learner, decisions, sampled.groups, sampled.problem_of, peer_tokenizers)
             with clock("update_s"):
@@ -103,19 +119,23 @@ def train(cfg: TrainConfig, resume: bool = False, on_step: Callable[[dict[str, A
                     sync_sampler(sampler, learner)
 
             outcome = StepOutcome(sampled, found, decisions, rows, weighted, result)
-            metrics = metrics_log.write(step_metrics(cfg, state, outcome, clock, scheduler.get_last_lr()[0]))
-            state.advance(outcome.rollouts_generated, outcome.peer_rollouts_consumed, [d.prompt_id for d in outcome.grafted])
+            log.info("step %d: %d groups, %d grafted, %d rows trained on", state.step + 1, len(decisions),
+                     len(outcome.grafted), len(weighted.rows))  # this rank's (train.rank<r>.log under torchrun)
+            metrics = metrics_log.write(step_metrics(cfg, state, outcome, clock, scheduler.get_last_lr()[0],
+                                                     metrics_log.store_counts(), dist))  # the job's line, on every rank
+            state.advance(metrics["rollouts_generated"], metrics["peer_rollouts_consumed"],
+                          gather_lists(dist, [d.prompt_id for d in outcome.grafted]))
             progress.update(1)
             if on_step is not None:
                 on_step(metrics)
             progress.set_postfix(reward=f"{metrics['reward_mean']:.3f}", grafted=f"{metrics['frac_grafted']:.2f}",
                                  loss=f"{metrics['loss']:.4f}")
             if (cfg.checkpoint.every_steps and state.step % cfg.checkpoint.every_steps == 0) or state.step == cfg.steps:
-                save_checkpoint(run_dir, state.step, learner.model, learner.tokenizer, optimizer, scheduler,
-                                asdict(state), cfg.checkpoint.keep_last)
-            if due(cfg, state.step):
+                save_checkpoint(run_dir, state.step, learner.wrapped, learner.tokenizer, optimizer, scheduler,
+                                asdict(state), cfg.checkpoint.keep_last, dist)
+            if due(cfg, state.step):  # every rank evaluates (the fsdp sampler's gathers are collectives); rank 0 writes
                 with learner.autocast():
-                    evaluate_policy(cfg, sampler, scorer, run_dir, state.step)
+                    evaluate_policy(cfg, sampler, scorer, run_dir, state.step, write=dist.is_main)
     finally:
         progress.close()
         if peers is not None:
@@ -124,12 +144,15 @@ def train(cfg: TrainConfig, resume: bool = False, on_step: Callable[[dict[str, A
             peers.close()
         metrics_log.close()
         scorer.close()
+        if uses_vllm:  # before the process group ends (under torchrun the engine's groups live in it)
+            sampler.close()
     return run_dir
 
 
-def _setup_logging(run_dir: Path, cfg: TrainConfig) -> None:
-    """The trainer's log lines into <run_dir>/train.log; threads as configured; transformers' bars off with ours."""
-    handler = logging.FileHandler(run_dir / "train.log")
+def _setup_logging(run_dir: Path, cfg: TrainConfig, dist: DistContext) -> None:
+    """The trainer's log lines into <run_dir>/train.log (data parallel: rank r > 0 into train.rank<r>.log); threads as
+    configured; transformers' bars off with ours."""
+    handler = logging.FileHandler(run_dir / ("train.log" if dist.is_main else f"train.rank{dist.rank}.log"))
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     trainer_log = logging.getLogger("trainer")  # its children (trainer.peers, ...) propagate to it: one handler
     trainer_log.setLevel(logging.INFO)

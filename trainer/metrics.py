@@ -1,9 +1,9 @@
 """A step's metrics line (`<run_dir>/metrics.jsonl`, TensorBoard): what was sampled, what the gate did, what the
 grafted rows weighed, what the update did, where the time went.
 
-`step_metrics` is a pure function of the step's outcome; `MetricsLog` writes the lines and adds the store
-client's counters. Every count it derives from comes from the outcome as a count (groups, rollouts, rows), so
-that data parallelism can sum them over ranks (`trainer.distributed.reduce_metrics`) before the fractions.
+`step_metrics` is a function of the step's outcome (and, data parallel, of the other ranks'); `MetricsLog` writes
+the lines and counts the store client's calls. Every fraction and mean is derived from counts and sums (groups,
+rollouts, rows), which data parallelism adds over the ranks (`trainer.distributed.reduce_metrics`) first.
 """
 
 from __future__ import annotations
@@ -17,10 +17,13 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import orjson
 
+import torch
+
 from rollouts.files import write_text_atomic
-from trainer.batch import StepRows, WeightedRows
+from trainer.batch import StepRows, WeightedRows, WeightStats
 from trainer.config import TrainConfig
 from trainer.data import LoopState
+from trainer.distributed import DistContext, gather_lists, reduce_metrics
 from trainer.gate import GateDecision, classify_group
 from trainer.rollout import SampledStep
 from trainer.update import UpdateResult
@@ -79,85 +82,154 @@ class StepClock:
             self.laps[name] = self.laps.get(name, 0.0) + time.perf_counter() - begin
 
 
-def step_metrics(cfg: TrainConfig, state: LoopState, outcome: StepOutcome, clock: StepClock, lr: float) -> dict[str, Any]:
+def step_metrics(
+    cfg: TrainConfig, state: LoopState, outcome: StepOutcome, clock: StepClock, lr: float,
+    store: dict[str, float] | None = None, ranks: DistContext | None = None,
+) -> dict[str, Any]:
     """The metrics line of the step `state` is at (state before it advances), in the order of METRIC_KEYS and then
-    the rest."""
+    the rest; `store`: the store client's counts of this step (MetricsLog.store_counts).
+
+    Data parallel (`ranks`): every count and sum below is added over the ranks first (the times are the slowest
+    rank's, CPU seconds the job's), and the grafted rows' weights are gathered, so that the line is the job's as
+    one process would write it; every rank calls this together and gets the line."""
+    ranks = ranks or DistContext("none", torch.device("cpu"))
+    sums, slowest = _rank_tally(cfg, state, outcome, clock, store or {})
+    job = reduce_metrics(ranks, sums=sums, maxima=slowest)
+    count = {name: int(value) for name, value in job.items() if name in sums and name.startswith(COUNTED)}
+    stats = WeightStats.of(gather_lists(ranks, [outcome.weighted.grafted]))
+    groups = max(job["decisions"], 1)
+    rollouts_generated, peer_rollouts_consumed = count["rollouts_generated"], count["peer_rollouts_consumed"]
+    metrics: dict[str, Any] = {
+        "step": state.step + 1,
+        "loss": _ratio(job, "update_loss", default=0.0),
+        "reward_mean": _ratio(job, "reward"),
+        "frac_all_fail": job["groups_all_fail"] / max(job["groups_sampled"], 1),
+        "frac_all_success": job["groups_all_success"] / max(job["groups_sampled"], 1),
+        "frac_mixed": job["groups_mixed"] / max(job["groups_sampled"], 1),
+        "peer_hit_rate": job["peer_hits"] / job["all_fail"] if job["all_fail"] and cfg.method == "graft" else NAN,
+        "frac_grafted": job["grafted"] / groups,
+        "frac_skipped_no_signal": job["skipped"] / groups,
+        "frac_dropped_retokenize": sum(job[f"dropped_{reason}"] for reason in outcome.rows.drops) / max(job["peer_samples"], 1),
+        **asdict(stats),
+        "clip_frac_onpolicy": _ratio(job, "update_clip_frac_onpolicy"),
+        "clip_frac_grafted": _ratio(job, "update_clip_frac_grafted"),
+        "peer_group_age_steps": _ratio(job, "peer_group_age_steps"),
+        "peer_group_age_s": _ratio(job, "peer_group_age_s"),
+        "rollouts_generated": rollouts_generated,
+        "peer_rollouts_consumed": peer_rollouts_consumed,
+        "store_wait_s": job["store_wait_s"],
+        "step_time_s": job["step_time_s"],
+        "step_cpu_s": job["step_cpu_s"],  # the ranks' processes, all threads (not the scorers')
+        "generation_s": job["generation_s"],
+        "gate_s": job["gate_s"],
+        "update_s": job["update_s"],
+        "reward_previously_grafted": _ratio(job, "reward_previously_grafted"),
+        "groups_capped": count["groups_capped"],
+        "groups_no_peer": count["groups_no_peer"],
+        "groups_peer_uninformative": count["groups_peer_uninformative"],
+        "groups_no_peer_tokenizer": count["groups_no_peer_tokenizer"],
+        **{f"dropped_{reason}": count[f"dropped_{reason}"] for reason in outcome.rows.drops},
+        "rollouts_generated_total": state.rollouts_generated_total + rollouts_generated,
+        "peer_rollouts_consumed_total": state.peer_rollouts_consumed_total + peer_rollouts_consumed,
+        "lr": lr,
+        **{name: _ratio(job, f"update_{name}") for name in outcome.update.totals
+           if name != "loss" and not name.startswith("clip_frac")},
+        "grad_norm": outcome.update.grad_norm,
+        "optimizer_updates": outcome.update.optimizer_updates,
+        "updates_skipped_no_signal": outcome.update.updates_skipped_no_signal,
+    }
+    if outcome.sampled.dapo_rounds is not None:
+        metrics.update(dapo_rounds=outcome.sampled.dapo_rounds, dapo_groups_kept=count["dapo_groups_kept"])
+    if outcome.peers is not None:
+        metrics["peer_lookup_ok"] = job["peer_lookup_ok"] / ranks.world_size  # the share of ranks whose lookup answered
+    metrics.update({f"projection_{kind}": count[f"projection_{kind}"] for kind in outcome.rows.projections})
+    metrics["peer_advantage_mismatch"] = count["peer_advantage_mismatch"]
+    metrics["same_tokenizer_id_mismatch"] = count["same_tokenizer_id_mismatch"]
+    if "weight_sync_s" in clock.laps:
+        metrics["weight_sync_s"] = job["weight_sync_s"]
+    for name in store or {}:
+        metrics[name] = job[name] / ranks.world_size if name == "store_available" else count[name]
+    metrics["world_size"] = ranks.world_size
+    return metrics
+
+
+# Tally names that are counts (written as integers); the others are sums of floats.
+COUNTED = ("rollouts_generated", "peer_rollouts_consumed", "groups_", "dropped_", "dapo_groups_kept", "projection_",
+           "peer_advantage_mismatch", "same_tokenizer_id_mismatch", "store_")
+
+
+def _rank_tally(
+    cfg: TrainConfig, state: LoopState, outcome: StepOutcome, clock: StepClock, store: dict[str, float]
+) -> tuple[dict[str, float], dict[str, float]]:
+    """This rank's part of the step's metrics: counts and sums (added over ranks; a mean is a `<name>` sum with a
+    `<name>_n` weight) and times (the slowest rank's)."""
     sampled, decisions, rows, update = outcome.sampled, outcome.decisions, outcome.rows, outcome.update
-    policy_step, groups = state.step, max(len(decisions), 1)
     rewards = [r.reward or 0.0 for g in sampled.generated for r in g.rollouts]
     # Kinds over every group sampled this step (dapo: before dropping zero-variance ones).
     kinds = [classify_group([r.reward for r in g.rollouts]) for g in sampled.generated]
     all_fail = [d for d in decisions if d.kind == "all_fail"]
-    hits = [d for d in all_fail if d.peer_group is not None and d.peer_group.informative]
     grafted = outcome.grafted
     grafted_before = set(state.grafted_prompts)
     previously = [r.reward or 0.0 for g in sampled.generated if g.prompt_id in grafted_before for r in g.rollouts]
     drops = dict(rows.drops)
     drops["non_finite"] += outcome.weighted.dropped_non_finite
-    peer_samples_considered = sum(len(g.rollouts) for g in rows.peer_groups_used)
     actions = [d.action for d in decisions]
-    metrics: dict[str, Any] = {
-        "step": policy_step + 1,
-        "loss": update.loss,
-        "reward_mean": _mean(rewards),
-        "frac_all_fail": kinds.count("all_fail") / max(len(kinds), 1),
-        "frac_all_success": kinds.count("all_success") / max(len(kinds), 1),
-        "frac_mixed": kinds.count("mixed") / max(len(kinds), 1),
-        "peer_hit_rate": len(hits) / len(all_fail) if all_fail and cfg.method == "graft" else NAN,
-        "frac_grafted": len(grafted) / groups,
-        "frac_skipped_no_signal": sum(a.startswith("skip_") for a in actions) / groups,
-        "frac_dropped_retokenize": sum(drops.values()) / max(peer_samples_considered, 1),
-        **asdict(outcome.weighted.stats),
-        "clip_frac_onpolicy": update.mean("clip_frac_onpolicy"),
-        "clip_frac_grafted": update.mean("clip_frac_grafted"),
-        "peer_group_age_steps": _mean([policy_step - d.peer_group.policy_step for d in grafted]),
-        "peer_group_age_s": _mean([time.time() - d.peer_group.rollouts[0].created_at.timestamp() for d in grafted]),
-        "rollouts_generated": outcome.rollouts_generated,
-        "peer_rollouts_consumed": outcome.peer_rollouts_consumed,
-        "store_wait_s": outcome.peers.wait_s if outcome.peers is not None else 0.0,
-        "step_time_s": time.perf_counter() - clock.started,
-        "step_cpu_s": time.process_time() - clock.cpu_started,  # this process, all threads (not the scorer's)
-        "generation_s": clock.laps["generation_s"],
-        "gate_s": clock.laps["gate_s"],
-        "update_s": clock.laps["update_s"],
-        "reward_previously_grafted": _mean(previously),
-        "groups_capped": actions.count("skip_capped"),
-        "groups_no_peer": actions.count("skip_no_peer"),
+    sums: dict[str, float] = {
+        "reward": sum(rewards), "reward_n": len(rewards),
+        "groups_sampled": len(kinds), "groups_all_fail": kinds.count("all_fail"),
+        "groups_all_success": kinds.count("all_success"), "groups_mixed": kinds.count("mixed"),
+        "decisions": len(decisions), "all_fail": len(all_fail),
+        "peer_hits": sum(1 for d in all_fail if d.peer_group is not None and d.peer_group.informative),
+        "grafted": len(grafted), "skipped": sum(a.startswith("skip_") for a in actions),
+        "peer_samples": sum(len(g.rollouts) for g in rows.peer_groups_used),
+        "peer_group_age_steps": sum(state.step - d.peer_group.policy_step for d in grafted),
+        "peer_group_age_steps_n": len(grafted),
+        "peer_group_age_s": sum(time.time() - d.peer_group.rollouts[0].created_at.timestamp() for d in grafted),
+        "peer_group_age_s_n": len(grafted),
+        "rollouts_generated": outcome.rollouts_generated, "peer_rollouts_consumed": outcome.peer_rollouts_consumed,
+        "step_cpu_s": time.process_time() - clock.cpu_started,
+        "reward_previously_grafted": sum(previously), "reward_previously_grafted_n": len(previously),
+        "groups_capped": actions.count("skip_capped"), "groups_no_peer": actions.count("skip_no_peer"),
         "groups_peer_uninformative": actions.count("skip_uninformative"),
         "groups_no_peer_tokenizer": actions.count("skip_no_peer_tokenizer"),
         **{f"dropped_{reason}": count for reason, count in drops.items()},
-        "rollouts_generated_total": state.rollouts_generated_total + outcome.rollouts_generated,
-        "peer_rollouts_consumed_total": state.peer_rollouts_consumed_total + outcome.peer_rollouts_consumed,
-        "lr": lr,
-        **{name: mean for name, (mean, _) in update.means.items() if not name.startswith("clip_frac")},
-        "grad_norm": update.grad_norm,
-        "optimizer_updates": update.optimizer_updates,
-        "updates_skipped_no_signal": update.updates_skipped_no_signal,
+        **{f"projection_{kind}": count for kind, count in rows.projections.items()},
+        "peer_advantage_mismatch": rows.peer_advantage_mismatch,
+        "same_tokenizer_id_mismatch": rows.same_tokenizer_id_mismatch,
+        **{name: value for name, value in store.items()},
     }
+    for name, (total, weight) in update.totals.items():
+        sums[f"update_{name}"], sums[f"update_{name}_n"] = total, weight
     if sampled.dapo_rounds is not None:
-        metrics.update(dapo_rounds=sampled.dapo_rounds, dapo_groups_kept=len(sampled.groups))
+        sums["dapo_groups_kept"] = len(sampled.groups)
     if outcome.peers is not None:
-        metrics["peer_lookup_ok"] = float(outcome.peers.ok)
-    metrics.update({f"projection_{k}": v for k, v in rows.projections.items()})
-    metrics["peer_advantage_mismatch"] = rows.peer_advantage_mismatch
-    metrics["same_tokenizer_id_mismatch"] = rows.same_tokenizer_id_mismatch
-    if "weight_sync_s" in clock.laps:
-        metrics["weight_sync_s"] = clock.laps["weight_sync_s"]
-    return metrics
+        sums["peer_lookup_ok"] = float(outcome.peers.ok)
+    slowest = {"store_wait_s": outcome.peers.wait_s if outcome.peers is not None else 0.0,
+               "step_time_s": time.perf_counter() - clock.started, **clock.laps}
+    return sums, slowest
+
+
+def _ratio(job: dict[str, float], name: str, default: float = NAN) -> float:
+    """The mean of a tallied sum over its weight `<name>_n` (default when the weight is 0)."""
+    weight = job[f"{name}_n"]
+    return float(job[name] / weight) if weight else default
 
 
 class MetricsLog:
     """metrics.jsonl (and TensorBoard) of a run. On resume, lines of steps after the checkpoint (metrics and
     evaluations) are forgotten: those steps run again."""
 
-    def __init__(self, cfg: TrainConfig, run_dir: Path, resumed_step: int, peers: PeerExchange | None):
+    def __init__(self, cfg: TrainConfig, run_dir: Path, resumed_step: int, peers: PeerExchange | None,
+                 writes: bool = True):
         self.path = run_dir / "metrics.jsonl"
-        truncate_lines(self.path, resumed_step)
-        truncate_lines(run_dir / "eval.jsonl", resumed_step)
+        self.writes = writes  # data parallel: rank 0 writes, the others only count their store calls
+        if writes:
+            truncate_lines(self.path, resumed_step)
+            truncate_lines(run_dir / "eval.jsonl", resumed_step)
         self.peers = peers
         self._previous_counters = asdict(peers.counters) if peers is not None else {}
         self.tensorboard = None
-        if cfg.logging.tensorboard:
+        if cfg.logging.tensorboard and writes:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as error:
@@ -166,16 +238,23 @@ class MetricsLog:
                 ) from error
             self.tensorboard = SummaryWriter(str(run_dir / "tb"))
 
+    def store_counts(self) -> dict[str, float]:
+        """The store client's counts since the last call (store_*) when the run talks to a store, for step_metrics."""
+        if self.peers is None:
+            return {}
+        now = asdict(self.peers.counters)
+        counts: dict[str, float] = {f"store_{k}": v - self._previous_counters.get(k, 0) for k, v in now.items()}
+        counts["store_available"] = float(self.peers.available)
+        self._previous_counters = now
+        return counts
+
     def write(self, metrics: dict[str, Any]) -> dict[str, Any]:
-        """Append the line, with the store client's counts of this step (store_*) when the run talks to a store."""
-        if self.peers is not None:
-            now = asdict(self.peers.counters)
-            metrics.update({f"store_{k}": v - self._previous_counters.get(k, 0) for k, v in now.items()})
-            metrics["store_available"] = float(self.peers.available)
-            self._previous_counters = now
+        """Append the line (data parallel: rank 0 only; every rank gets it back)."""
         missing = [k for k in METRIC_KEYS if k not in metrics]
         if missing:
             raise RuntimeError(f"metrics line lacks {missing}")  # a bug in this module, not bad input
+        if not self.writes:
+            return metrics
         with open(self.path, "ab") as f:
             f.write(orjson.dumps(metrics, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
             f.flush()
@@ -197,7 +276,3 @@ def truncate_lines(path: Path, step: int) -> None:
     lines = [line for line in path.read_bytes().splitlines() if line.strip()]
     kept = [line for line in lines if orjson.loads(line).get("step", 0) <= step]
     write_text_atomic(path, "".join(line.decode() + "\n" for line in kept))
-
-
-def _mean(values: list[float]) -> float:
-    return float(sum(values) / len(values)) if values else NAN

@@ -95,11 +95,14 @@ class PeerExchange:
                         self.store.url, what, type(error).__name__, error, pause, exc_info=unexpected)
 
     # ---- lookups ------------------------------------------------------------------------------
-    def request(self, prompt_ids: list[str], learner_step: int) -> PeerLookupRequest:
+    def request(self, prompt_ids: list[str], learner_step: int) -> PeerLookupRequest | None:
         """The step's lookup for `prompt_ids`; its `accepts` is the rule the gate applies to what comes back.
+        None without prompts (a data-parallel rank whose block of the step is empty): nothing to ask.
 
         A step may hold more prompts than one call takes: the request is validated on its first
         MAX_LOOKUP_PROMPTS and sent in chunks (`_lookup`)."""
+        if not prompt_ids:
+            return None
         unique = list(dict.fromkeys(prompt_ids))
         lag = self.graft.max_peer_policy_lag
         request = PeerLookupRequest(
@@ -115,8 +118,10 @@ class PeerExchange:
         )
         return request.model_copy(update={"prompt_ids": unique})
 
-    def start_lookup(self, request: PeerLookupRequest) -> Future | None:
-        """Ask for the request's peer groups in the background; None while backing off."""
+    def start_lookup(self, request: PeerLookupRequest | None) -> Future | None:
+        """Ask for the request's peer groups in the background; None while backing off (or with no request)."""
+        if request is None:
+            return None
         if not self.available:
             with self._lock:
                 self.counters.lookups_skipped_backoff += 1
@@ -243,12 +248,15 @@ class PeerExchange:
 
 
 def peer_candidates(
-    peers: PeerExchange, pending: Future | None, request: PeerLookupRequest, groups: list[RolloutGroup],
+    peers: PeerExchange, pending: Future | None, request: PeerLookupRequest | None, groups: list[RolloutGroup],
     usable_tokenizers: set[str] | None,
 ) -> LookupResult:
     """The peer groups the step's gate chooses from: the background lookup's answer (offline: only if already
     back) and, in co-training, what arrives within store.cotrain_wait_s for the all-fail prompts that have no
-    group the gate would graft yet (the co-trainer may still be sampling them)."""
+    group the gate would graft yet (the co-trainer may still be sampling them). No request (no prompts): nothing
+    asked, nothing failed."""
+    if request is None:
+        return LookupResult(ok=True)
     started = time.monotonic()
     cotrain = peers.store.mode == "cotrain"
     lookup = peers.collect(pending, wait_s=peers.store.cotrain_wait_s if cotrain else 0.0)

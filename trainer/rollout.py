@@ -11,7 +11,8 @@ from rollouts.sampling import SamplingParams
 from rollouts.scoring import Scorer
 from schemas import Problem, RolloutGroup
 from trainer.config import TrainConfig
-from trainer.data import PromptStream
+from trainer.data import PromptBlock, PromptStream
+from trainer.distributed import sum_over_ranks
 from trainer.learner import Learner
 
 
@@ -35,14 +36,14 @@ class SampledStep:
 
 
 def sample_step(
-    cfg: TrainConfig, sampler, scorer: Scorer, learner: Learner, prompts: PromptStream, problems: list[Problem],
+    cfg: TrainConfig, sampler, scorer: Scorer, learner: Learner, prompts: PromptStream, block: PromptBlock,
     policy_step: int,
 ) -> SampledStep:
-    """One group per problem; dapo keeps only informative groups and refills from the stream (`dapo_refill`)."""
-    groups = generate_groups(cfg, sampler, scorer, learner, problems, policy_step, round_index=0)
-    if cfg.method == "dapo":
-        return dapo_refill(cfg, sampler, scorer, learner, prompts, SampledStep(groups, groups, problems), policy_step)
-    return SampledStep(groups, list(groups), problems)
+    """One group per problem of this rank's block; dapo keeps only informative groups and refills from the stream
+    (`dapo_refill`)."""
+    groups = generate_groups(cfg, sampler, scorer, learner, block, policy_step, round_index=0)
+    first = SampledStep(groups, list(groups), list(block.problems))
+    return dapo_refill(cfg, sampler, scorer, learner, prompts, first, policy_step) if cfg.method == "dapo" else first
 
 
 def dapo_refill(
@@ -50,13 +51,19 @@ def dapo_refill(
     policy_step: int,
 ) -> SampledStep:
     """DAPO's dynamic sampling: drop groups whose rewards are all equal (no advantage) and sample new prompts in
-    further rounds until prompts_per_step groups are kept or dapo.max_generation_rounds is reached."""
+    further rounds until prompts_per_step groups are kept or dapo.max_generation_rounds is reached.
+
+    Data parallel: the count is the job's (every rank takes the same refill from its stream, which stays in step
+    with the others', and samples its block of it), so every rank runs the same rounds."""
     kept = [g for g in first.groups if g.informative]
     generated, problems = list(first.generated), list(first.problems)
     rounds = 1
-    while len(kept) < cfg.rollout.prompts_per_step and rounds < cfg.dapo.max_generation_rounds:
-        refill = prompts.take(cfg.rollout.prompts_per_step - len(kept))
-        problems += refill
+    while rounds < cfg.dapo.max_generation_rounds:
+        missing = cfg.rollout.prompts_per_step - sum_over_ranks(learner.dist, len(kept))
+        if missing <= 0:
+            break
+        refill = prompts.take_block(missing, learner.dist)
+        problems += refill.problems
         more = generate_groups(cfg, sampler, scorer, learner, refill, policy_step, round_index=rounds)
         generated += more
         kept += [g for g in more if g.informative]
@@ -64,19 +71,23 @@ def dapo_refill(
     return SampledStep(kept, generated, problems, dapo_rounds=rounds)
 
 
-def sampling_params(cfg: TrainConfig, policy_step: int, round_index: int) -> SamplingParams:
+def sampling_params(cfg: TrainConfig, policy_step: int, round_index: int, prompt_offset: int = 0) -> SamplingParams:
     # A seed per (run seed, step, round): a resumed run samples exactly what the uninterrupted one did.
     seed = (cfg.seed * 1_000_003 + policy_step * 101 + round_index) % 2**31
     return SamplingParams(n=cfg.rollout.group_size, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                          top_k=cfg.rollout.top_k, max_tokens=cfg.rollout.max_response_tokens, seed=seed)
+                          top_k=cfg.rollout.top_k, max_tokens=cfg.rollout.max_response_tokens, seed=seed,
+                          seed_per_sample=cfg.rollout.seeds_per_sample(cfg.parallel.strategy), prompt_offset=prompt_offset)
 
 
 def generate_groups(
-    cfg: TrainConfig, sampler, scorer: Scorer, learner: Learner, problems: list[Problem], policy_step: int,
+    cfg: TrainConfig, sampler, scorer: Scorer, learner: Learner, block: PromptBlock, policy_step: int,
     round_index: int,
 ) -> list[RolloutGroup]:
-    """G rollouts per problem from the current policy, scored and assembled into stored-format groups."""
-    params = sampling_params(cfg, policy_step, round_index)
+    """G rollouts per problem from the current policy, scored and assembled into stored-format groups.
+
+    Every rank calls it in every round, with an empty block too (the fsdp sampler gathers the weights, a collective)."""
+    problems = block.problems
+    params = sampling_params(cfg, policy_step, round_index, block.offset)
     prompts = [build_prompt(learner.tokenizer, p.problem, cfg.data.prompt_template) for p in problems]
     with learner.autocast():
         samples = sampler.generate(prompts, params)  # one list of G samples per prompt
@@ -89,7 +100,7 @@ def generate_groups(
         offset += len(per_prompt)
         # The seed is part of the key: two runs of one checkpoint with different seeds publish different groups.
         group_id = make_group_id(learner.model_id, f"{learner.revision}/seed={cfg.seed}", policy_step,
-                                 problem.prompt_id, round_index * 1_000_000 + index)
+                                 problem.prompt_id, round_index * 1_000_000 + block.offset + index)
         groups.append(assemble_group(
             problem, per_prompt, group_scores, model_id=learner.model_id, model_revision=learner.revision,
             tokenizer_id=learner.tokenizer_id, policy_step=policy_step, generator_id=f"graft-train:{cfg.run_dir.name}",

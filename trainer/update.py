@@ -1,11 +1,12 @@
 """The policy update of a step: PPO epoch(s) over mini-batches of the step's rows, micro-batched, each mini-batch
 one optimizer step, plus the optional supervised anchor (GRAFT_SPEC section 6).
 
-The update is written on `trainer.distributed`'s parts with a one-process context (`DistContext` strategy
-"none", where they run no collective): the mini-batches are `mini_batch_rows` of the step's rows, the loss
-normaliser is `plan_mini_batches`' global one, the gradient norm is `clip_grad_norm`'s. Data parallelism
-adds the ranks' row span (`row_span`), padding passes for a rank that runs out of rows, `gradient_sync`
-around each backward and `reduce_metrics` over `UpdateResult.means`.
+The update is written on `trainer.distributed`'s parts, so that N data-parallel ranks take the update one
+process takes on their rows laid end to end (in one process they run no collective): this rank's place in
+the step's rows (`row_span`), the mini-batches (`mini_batch_rows` of one permutation of all ranks' rows),
+the global loss normaliser and micro-batch count (`plan_mini_batches`), a padding pass for a rank that has
+run out of rows, `gradient_sync` around each backward, and the gradient norm over all ranks
+(`clip_grad_norm`). `UpdateResult.totals` are sums the metrics add over ranks.
 """
 
 from __future__ import annotations
@@ -20,7 +21,16 @@ import torch
 from rollouts.prompts import build_prompt
 from trainer.batch import FirstPass, TrainSample, collate, needs_forward, response_logprobs
 from trainer.config import TrainConfig
-from trainer.distributed import DistContext, RowSpan, clip_grad_norm, mini_batch_rows, plan_mini_batches
+from trainer.distributed import (
+    clip_grad_norm,
+    gradient_sync,
+    mini_batch_rows,
+    padding_forward,
+    plan_mini_batches,
+    row_span,
+    sum_over_ranks,
+    zero_backward,
+)
 from trainer.learner import Learner
 from trainer.loss import LossBatch, LossConfig, agg_denominator, graft_loss
 
@@ -38,11 +48,6 @@ class UpdateContext:
     scheduler: Any  # a torch LR scheduler, stepped with the optimizer
     reference: torch.nn.Module | None = None  # the frozen initial policy when the KL is on
     anchors: list[tuple[str, str]] = field(default_factory=list)  # (problem, reference completion) of the anchor
-    dist: DistContext | None = None  # None: one process
-
-    def __post_init__(self) -> None:
-        if self.dist is None:
-            self.dist = DistContext("none", self.learner.device)
 
 
 def make_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> tuple[torch.optim.Optimizer, Any]:
@@ -72,29 +77,41 @@ def single_pass_forward(ctx: UpdateContext, rows: list[TrainSample]) -> FirstPas
     """With one PPO epoch of one mini-batch that fits one micro-batch, the update's forward pass runs on
     exactly the weights that pi_old is defined by (ratio 1): one forward with grad serves both, as verl
     does, and the separate no-grad pass is skipped. None otherwise (several updates per step need pi_old
-    frozen before the first)."""
+    frozen before the first).
+
+    Data parallel: decided on the job's rows (every rank alike); a rank without rows then runs a padding
+    forward, whose backward the update takes with the others' (its FirstPass holds no rows)."""
     cfg, learner = ctx.cfg, ctx.learner
-    active = [row for row in rows if needs_forward(row, cfg)]
-    if cfg.optim.ppo_epochs != 1 or num_mini_batches(cfg) != 1 or not active or len(active) > cfg.optim.micro_batch_size:
+    if cfg.optim.ppo_epochs != 1 or num_mini_batches(cfg) != 1:
         return None
+    active = [row for row in rows if needs_forward(row, cfg)]
+    total = sum_over_ranks(learner.dist, len(active))
+    if not total or total > cfg.optim.micro_batch_size:
+        return None
+    if not active:
+        with learner.autocast():
+            return FirstPass([], None, padding_forward(learner.wrapped, learner.device))
     tokens = collate(active, learner.tokenizer.pad_token_id).to(learner.device)
     with learner.autocast():
-        logprobs = response_logprobs(learner.model, tokens, cfg.rollout.temperature)  # (b, T) float32, with grad
+        logprobs = response_logprobs(learner.wrapped, tokens, cfg.rollout.temperature)  # (b, T) float32, with grad
     return FirstPass(active, tokens, logprobs)
 
 
 @dataclass
 class UpdateResult:
-    """What a step's update did; `means` are (mean, weight) pairs, the weight being what the mean is over."""
+    """What a step's update did. `totals` are (weighted sum, weight) pairs of this rank, the mean being their
+    ratio once summed over ranks: loss (this rank's share of each mini-batch's loss, weight 1 per optimizer step),
+    clip_frac_onpolicy, clip_frac_grafted, ratio_mean, kl[, anchor_nll]."""
 
-    loss: float  # mean over optimizer steps of each mini-batch's loss (0 when none ran)
-    means: dict[str, tuple[float, float]]  # clip_frac_onpolicy, clip_frac_grafted, ratio_mean, kl[, anchor_nll]
-    grad_norm: float  # mean over optimizer steps of the gradient norm before clipping
+    totals: dict[str, tuple[float, float]]
+    grad_norm: float  # mean over optimizer steps of the gradient norm before clipping (the job's, every rank alike)
     optimizer_updates: int
     updates_skipped_no_signal: int  # mini-batches without a row to train on (and no anchor)
 
-    def mean(self, name: str) -> float:
-        return self.means[name][0]
+    def mean(self, name: str, default: float = NAN) -> float:
+        """One process: the mean of a total (`default` when nothing was added)."""
+        total, weight = self.totals[name]
+        return total / weight if weight else default
 
 
 def update_policy(
@@ -102,31 +119,36 @@ def update_policy(
 ) -> UpdateResult:
     """PPO epoch(s) over mini-batches of the step's rows. With `first_pass` (one epoch, one mini-batch, one
     micro-batch) its logprobs are the update's: no second forward."""
-    cfg, learner, loss_cfg = ctx.cfg, ctx.learner, ctx.loss_cfg
-    generator = torch.Generator().manual_seed(cfg.seed * 31_337 + policy_step)
+    cfg, learner, loss_cfg, dist = ctx.cfg, ctx.learner, ctx.loss_cfg, ctx.learner.dist
+    generator = torch.Generator().manual_seed(cfg.seed * 31_337 + policy_step)  # the same permutation on every rank
     num_mini, micro = num_mini_batches(cfg), cfg.optim.micro_batch_size
+    # the same anchor rows on every rank: DDP and FSDP average their identical gradients into one anchor term
     anchor_rows = anchor_batch(cfg, learner, ctx.anchors, random.Random(cfg.seed * 65_537 + policy_step))
     means = _WeightedMeans()
     grad_norms: list[float] = []
     skipped = 0
-    span = RowSpan(offset=0, count=len(rows), total=len(rows))  # data parallel: trainer.distributed.row_span
+    span = row_span(dist, len(rows))
     for _ in range(cfg.optim.ppo_epochs):
         minis = [[rows[i] for i in indices] for indices in mini_batch_rows(span, num_mini, generator)]
         actives = [[row for row in mini if needs_forward(row, cfg)] for mini in minis]
-        plans = plan_mini_batches(ctx.dist, [agg_denominator(_length_mask(mini), loss_cfg) if mini else 0.0
-                                             for mini in minis], [math.ceil(len(active) / micro) for active in actives])
+        plans = plan_mini_batches(dist, [agg_denominator(_length_mask(mini), loss_cfg) if mini else 0.0
+                                         for mini in minis], [math.ceil(len(active) / micro) for active in actives])
         for active, plan in zip(actives, plans):
             if plan.micro_batches == 0 and not anchor_rows:
                 skipped += 1
                 continue
             ctx.optimizer.zero_grad(set_to_none=True)
-            mini_loss = 0.0
-            for begin in range(0, len(active), micro):
-                chunk = active[begin : begin + micro]
-                loss, metrics, micro_denominator = _micro_batch_loss(ctx, chunk, first_pass)
-                # the micro-batches' losses add up to the mini-batch's (a mini-batch without a token has none)
-                scale = plan.loss_scale(micro_denominator) if plan.denominator else 0.0
-                (loss * scale).backward()
+            mini_loss = 0.0  # this rank's micro-batch losses as scaled for their backward: the ranks' mean is the loss
+            for k in range(plan.micro_batches):
+                chunk = active[k * micro : (k + 1) * micro]
+                with gradient_sync(learner.wrapped, last_micro_batch=k == plan.micro_batches - 1 and not anchor_rows):
+                    if not chunk:  # this rank has run out of rows: it takes part in the others' collectives
+                        _padding(learner, first_pass)
+                        continue
+                    loss, metrics, micro_denominator = _micro_batch_loss(ctx, chunk, first_pass)
+                    # the micro-batches' losses add up to the mini-batch's (a mini-batch without a token has none)
+                    scale = plan.loss_scale(micro_denominator) if plan.denominator else 0.0
+                    (loss * scale).backward()
                 mini_loss += float(loss.detach()) * scale
                 means.add("clip_frac_onpolicy", metrics["clip_frac_onpolicy"], metrics["tokens_onpolicy"])
                 means.add("clip_frac_grafted", metrics["clip_frac_grafted"], metrics["tokens_grafted"])
@@ -135,19 +157,30 @@ def update_policy(
             if anchor_rows:
                 nll = anchor_nll(learner, anchor_rows)
                 (cfg.anchor.weight * nll).backward()
-                means.add("anchor_nll", float(nll.detach()), 1.0)
+                means.add("anchor_nll", float(nll.detach()), 1.0 / dist.world_size)  # every rank holds the same term
                 mini_loss += cfg.anchor.weight * float(nll.detach())
-            grad_norms.append(clip_grad_norm(learner.model, cfg.optim.grad_clip))
+            grad_norms.append(clip_grad_norm(learner.wrapped, cfg.optim.grad_clip))
             ctx.optimizer.step()
             ctx.scheduler.step()
-            means.add("loss", mini_loss, 1.0)
+            means.add("loss", mini_loss, 1.0 / dist.world_size)  # the weights of one optimizer step add up to 1
     ctx.optimizer.zero_grad(set_to_none=True)
-    names = ("clip_frac_onpolicy", "clip_frac_grafted", "ratio_mean", "kl") + (("anchor_nll",) if anchor_rows else ())
+    names = ("loss", "clip_frac_onpolicy", "clip_frac_grafted", "ratio_mean", "kl") + (("anchor_nll",) if anchor_rows else ())
     return UpdateResult(
-        loss=means.get("loss", 0.0)[0], means={name: means.get(name, NAN) for name in names},
+        totals={name: means.total(name) for name in names},
         grad_norm=sum(grad_norms) / len(grad_norms) if grad_norms else NAN, optimizer_updates=len(grad_norms),
         updates_skipped_no_signal=skipped,
     )
+
+
+def _padding(learner: Learner, first_pass: FirstPass | None) -> None:
+    """A rank without rows in this micro-batch: the zero backward of its single-pass padding forward, or a whole
+    padding pass (trainer.distributed.padding_pass)."""
+    if first_pass is not None and not first_pass.rows:
+        zero_backward(first_pass.logprobs)
+        return
+    with learner.autocast():
+        logits = padding_forward(learner.wrapped, learner.device)  # (1, 1, V)
+    zero_backward(logits)
 
 
 def _micro_batch_loss(
@@ -160,7 +193,7 @@ def _micro_batch_loss(
     else:
         tokens = collate(chunk, learner.tokenizer.pad_token_id).to(learner.device)
         with learner.autocast():
-            logprobs = response_logprobs(learner.model, tokens, ctx.cfg.rollout.temperature)  # (b, T)
+            logprobs = response_logprobs(learner.wrapped, tokens, ctx.cfg.rollout.temperature)  # (b, T)
         mask = tokens.mask
     width = logprobs.shape[1]
     batch = LossBatch(
@@ -198,7 +231,7 @@ def anchor_nll(learner: Learner, rows: list[TrainSample]) -> torch.Tensor:
     """Token-mean negative log-likelihood of the reference completions (temperature 1)."""
     tokens = collate(rows, learner.tokenizer.pad_token_id).to(learner.device)
     with learner.autocast():
-        logprobs = response_logprobs(learner.model, tokens, 1.0)  # (b, T)
+        logprobs = response_logprobs(learner.wrapped, tokens, 1.0)  # (b, T)
     return -(logprobs * tokens.mask).sum() / tokens.mask.sum().clamp(min=1)
 
 
@@ -214,11 +247,9 @@ class _WeightedMeans:
             self.totals[name] = self.totals.get(name, 0.0) + value * weight
             self.weights[name] = self.weights.get(name, 0.0) + weight
 
-    def get(self, name: str, default: float) -> tuple[float, float]:
-        """(mean, weight), or (default, 0) when nothing was added."""
-        if name not in self.totals:
-            return default, 0.0
-        return self.totals[name] / self.weights[name], self.weights[name]
+    def total(self, name: str) -> tuple[float, float]:
+        """(weighted sum, weight); (0, 0) when nothing was added."""
+        return self.totals.get(name, 0.0), self.weights.get(name, 0.0)
 
 
 def _pad(values: list[torch.Tensor], width: int, fill: float = 0.0) -> torch.Tensor:

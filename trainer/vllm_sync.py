@@ -37,6 +37,12 @@ def start_vllm_backend(
     from rollouts.vllm_backend import VLLMBackend
 
     engine_kwargs: dict[str, Any] = {"distributed_executor_backend": "uni", "tensor_parallel_size": 1}
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        # A data-parallel rank under torchrun: vLLM joins the job's process group ("external_launcher") and lays its
+        # ranks out as external data parallelism (tensor and data parallel size 1 per engine), so each rank's engine
+        # samples its own prompts with no collective. Every rank starts its engine at the same point of the run
+        # (vLLM creates its groups with collectives).
+        engine_kwargs["distributed_executor_backend"] = "external_launcher"
     if gpu_memory_utilization is not None and torch.cuda.is_available():
         engine_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
     backend = VLLMBackend.from_path(model_path, model_id=model_id, dtype=dtype, max_model_len=max_model_len, seed=seed,

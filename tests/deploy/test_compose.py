@@ -21,9 +21,21 @@ COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
 
 
+def _entry_point(command: list[str]) -> list[str]:
+    """The console script a service runs and its arguments, as the container would resolve them: a compose variable
+    takes its default (`${GRAFT_TRAINER_GPUS:-1}` -> 1), and `torchrun ... -m trainer.cli ARGS` is graft-train ARGS on
+    each rank."""
+    command = [re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", arg) for arg in command]
+    if command[0] == "torchrun":
+        module = command.index("-m")
+        assert command[module + 1] == "trainer.cli", command
+        return ["graft-train", *command[module + 2 :]]
+    return command
+
+
 def _local_args(command: list[str]) -> list[str]:
     """Container paths of the mounted configs -> this checkout's configs/."""
-    return [arg.replace("/configs/", str(ROOT / "configs") + "/") for arg in command[1:]]
+    return [arg.replace("/configs/", str(ROOT / "configs") + "/") for arg in _entry_point(command)[1:]]
 
 
 def _app(entry_point: str):
@@ -40,7 +52,7 @@ CPU_SERVICES = {name for name in GRAFT_SERVICES if COMPOSE["services"][name]["im
 
 @pytest.mark.parametrize("service", GRAFT_SERVICES)
 def test_service_command_is_a_valid_entry_point(service: str) -> None:
-    command = COMPOSE["services"][service]["command"]
+    command = _entry_point(COMPOSE["services"][service]["command"])
     assert command[0] in SCRIPTS, f"{service}: {command[0]} is not a console script of pyproject.toml"
     args = _local_args(command)
     if command[0] == "graft-store":
@@ -74,7 +86,7 @@ def test_every_grafting_trainer_has_its_peers_tokenizer() -> None:
     services = COMPOSE["services"]
     samplers = {name: _option(services[name]["command"], "--model") for name in GRAFT_SERVICES
                 if _option(services[name]["command"], "--model")}
-    trainers = [name for name in GRAFT_SERVICES if services[name]["command"][0] == "graft-train"]
+    trainers = [name for name in GRAFT_SERVICES if _entry_point(services[name]["command"])[0] == "graft-train"]
     assert trainers
     for name in trainers:
         service = services[name]
@@ -109,6 +121,21 @@ def test_gpu_services_reserve_a_gpu_and_stores_have_healthchecks() -> None:
         assert any(dependency in CPU_SERVICES | {"lake-catalog"} for dependency in waits_for), name
         assert all(condition["condition"] in ("service_healthy", "service_completed_successfully")
                    for condition in waits_for.values()), name
+
+
+def test_trainers_run_one_rank_per_reserved_gpu() -> None:
+    """Every trainer is `torchrun --nproc-per-node ${GRAFT_TRAINER_GPUS:-1} -m trainer.cli train ...` on as many reserved
+    GPUs, data parallel (a strategy other than none: ranks launched with none are refused)."""
+    services = COMPOSE["services"]
+    trainers = [name for name in GRAFT_SERVICES if _entry_point(services[name]["command"])[0] == "graft-train"]
+    assert {"trainer", "cotrain-learner", "cotrain-peer", "lake-trainer"} <= set(trainers)
+    for name in trainers:
+        command = services[name]["command"]
+        assert command[0] == "torchrun" and _option(command, "--nproc-per-node") == "${GRAFT_TRAINER_GPUS:-1}", name
+        devices = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["count"] == "${GRAFT_TRAINER_GPUS:-1}", name
+        result = CliRunner().invoke(_app("graft-train"), [*_local_args(command), "--dry-run"])
+        assert yaml.safe_load(result.output)["parallel"]["strategy"] in ("ddp", "fsdp"), name
 
 
 def test_lake_profile_services() -> None:

@@ -3,6 +3,7 @@ policy's (they match a teacher-forced forward pass of the same model)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -87,6 +88,40 @@ def test_seed_reproduces_and_batch_size_does_not_matter(tiny_model_dir, tiny_bac
     greedy = SamplingParams(n=1, temperature=0.0, max_tokens=10)
     assert [[s.token_ids for s in g] for g in small.generate(PROMPTS, greedy)] == \
         [[s.token_ids for s in g] for g in tiny_backend.generate(PROMPTS, greedy)]
+
+
+def test_seeds_per_sample_make_a_prompts_samples_independent_of_its_batch(tiny_backend):
+    """seed_per_sample: each sample draws from its own seed (seed + (prompt_offset + i) * n + j, vLLM's request seeds),
+    so a batch split into blocks (data-parallel ranks) samples what the whole batch samples, in any batch size; the
+    logprobs are still the behaviour policy's. The per-call seeding draws otherwise (the switch does something)."""
+    params = SamplingParams(n=3, temperature=0.8, top_k=20, top_p=0.9, max_tokens=12, seed=9, seed_per_sample=True)
+    whole = tiny_backend.generate(PROMPTS, params)
+    small = HFBackend(tiny_backend.model, tiny_backend.tokenizer, "tiny", batch_size=2)
+    blocks = small.generate(PROMPTS[:1], params) + small.generate(PROMPTS[1:], dataclasses.replace(params, prompt_offset=1))
+    ids = [[s.token_ids for s in g] for g in whole]
+    assert ids == [[s.token_ids for s in g] for g in blocks]
+    assert len({tuple(t) for g in ids for t in g}) > 6  # the samples of a prompt differ from each other
+    assert ids != [[s.token_ids for s in g] for g in tiny_backend.generate(PROMPTS, dataclasses.replace(params, seed_per_sample=False))]
+    assert_teacher_forced_match(tiny_backend, PROMPTS, whole, params, tol=1e-4)
+    with pytest.raises(ValueError, match="seed_per_sample"):
+        SamplingParams(n=2, seed_per_sample=True)
+
+
+def test_seeds_per_sample_draw_from_the_processed_distribution(tiny_backend):
+    """The first token of 3000 samples (one seed each) against the processed distribution (T, top-k, top-p): a total
+    variation within 3x what sampling noise gives on average."""
+    params = SamplingParams(n=3000, temperature=3.0, top_k=12, top_p=0.95, max_tokens=1, seed=2, seed_per_sample=True)
+    prompt = "3+"  # at T = 3 about ten tokens above 1% (the tiny model is sure of most answers)
+    (samples,) = tiny_backend.generate([prompt], params)
+    prompt_ids = torch.tensor([tiny_backend.tokenizer(prompt, add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        probs = processed_logprobs(tiny_backend.model(input_ids=prompt_ids).logits[0, -1:], params).exp()[0]  # (V,)
+    counts = torch.bincount(torch.tensor([s.token_ids[0] for s in samples]), minlength=probs.numel()).double()
+    empirical = counts / counts.sum()
+    assert float(empirical[probs == 0].sum()) == 0.0  # nothing outside the support
+    tv = 0.5 * float((empirical - probs.double()).abs().sum())
+    noise = 0.5 * float((probs.double() * (1 - probs.double()) / len(samples)).sqrt().sum())  # E|p^ - p| ~ sqrt(p(1-p)/N)
+    assert int((probs > 0.01).sum()) >= 3 and tv <= 3 * noise, (tv, noise)
 
 
 @pytest.mark.parametrize("cache", ["preallocated", "growing"])

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 from dist_step import global_groups, make_optimizer, tiny_policy, update
+from torchrun import REPO_ROOT, torchrun
 from trainer.checkpoint import is_sharded_checkpoint, list_checkpoints, load_sharded_checkpoint, restore_rng_state, rng_state
 from trainer.config import ParallelConfig, TrainConfig
 from trainer.distributed import (
@@ -34,26 +34,14 @@ from trainer.distributed import (
 )
 from trainer.loss import LossConfig
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("dist_worker.py")
 ONE_PROCESS = DistContext("none", torch.device("cpu"))
 ATOL = 1e-5
 
 
 def run_ranks(strategy: str, out_dir: Path, timeout_s: float = 600.0) -> list[dict]:
-    """torchrun 2 ranks of dist_worker.py; kill the whole process group if they outlive the timeout (a hang)."""
-    env = dict(os.environ, PYTHONPATH=f"{REPO_ROOT}:{WORKER.parent}", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER),
-               strategy, str(out_dir)]
-    proc = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"2 {strategy} ranks did not finish in {timeout_s:.0f} s (a collective hangs?):\n{output[-4000:]}")
-    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{output[-6000:]}"
+    """torchrun 2 ranks of dist_worker.py (tests/trainer/torchrun.py: a hang fails the test)."""
+    torchrun([str(WORKER), strategy, str(out_dir)], timeout_s=timeout_s)
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
@@ -282,8 +270,10 @@ def test_parallel_config_is_validated():
         TrainConfig(**{**base, "model": {"path": "m", "device": "cuda:1"}}, parallel={"strategy": "ddp"})
 
 
-def test_the_cli_runs_as_a_module_and_refuses_data_parallel_until_the_loop_uses_it(tmp_path, monkeypatch):
-    """torchrun starts `python -m trainer.cli`; until the loop is wired, a second rank must not train alone."""
+def test_the_cli_runs_as_a_module_and_refuses_ranks_without_a_strategy(tmp_path, monkeypatch):
+    """torchrun starts `python -m trainer.cli`; ranks launched with parallel.strategy none would each train a model
+    of its own on the same data: refused, saying what to set. A strategy and rollout.seed_per_sample false are refused
+    by the config (N ranks would not draw what one process draws)."""
     from typer.testing import CliRunner
 
     from trainer.cli import app
@@ -293,8 +283,11 @@ def test_the_cli_runs_as_a_module_and_refuses_data_parallel_until_the_loop_uses_
     assert proc.returncode == 0 and "parallel.strategy" in proc.stdout
     config = tmp_path / "c.yaml"
     config.write_text(f"model: {{path: m}}\ndata: {{dataset: d}}\nmethod: grpo\nrun_dir: {tmp_path / 'run'}\n")
-    refused = CliRunner().invoke(app, ["train", str(config), "--set", "parallel.strategy=fsdp"])
-    assert refused.exit_code != 0 and "does not run data parallel yet" in refused.output
     monkeypatch.setenv("WORLD_SIZE", "2")
     refused = CliRunner().invoke(app, ["train", str(config)])
-    assert refused.exit_code != 0 and "WORLD_SIZE=2" in refused.output
+    assert refused.exit_code != 0 and "WORLD_SIZE=2" in refused.output and "parallel.strategy=fsdp" in refused.output
+    refused = CliRunner().invoke(app, ["train", str(config), "--set", "parallel.strategy=ddp",
+                                       "--set", "rollout.seed_per_sample=false", "--dry-run"])
+    assert refused.exit_code != 0 and "seed_per_sample" in refused.output
+    accepted = CliRunner().invoke(app, ["train", str(config), "--set", "parallel.strategy=fsdp", "--dry-run"])
+    assert accepted.exit_code == 0 and "strategy: fsdp" in accepted.output
