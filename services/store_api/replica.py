@@ -26,10 +26,19 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA, LakeStats, Problem, StatsResponse
+from schemas import PROBLEM_ARROW_SCHEMA, LakeStats, Problem, StatsResponse
 from services.store_api.index import StoreIndex
 from services.store_api.ingest import summarise_groups
-from services.store_api.lake import Lake, LakeError, LakeUnavailable, Snapshot, next_window, redact
+from services.store_api.lake import (
+    ROLLOUT_ROWS_SCHEMA,
+    AddedRows,
+    Lake,
+    LakeError,
+    LakeUnavailable,
+    Snapshot,
+    next_window,
+    redact,
+)
 from services.store_api.lookup import ShardReader
 from services.store_api.mirror import now_us
 from services.store_api.queries import us_to_datetime
@@ -42,8 +51,6 @@ log = logging.getLogger("graft.store.replica")
 WINDOW_ROWS = 16384  # about this many rollouts read from the lake at a time (bounds the replica's memory)
 CACHE_SHARD_ROWS = 8192  # rollouts per cache shard, whole groups
 ERROR_LOG_INTERVAL_S = 60.0  # the same follow error is logged again after this long, not every poll
-_NO_ROWS = pa.schema([pa.field("rowid", pa.int64()), pa.field("snapshot_id", pa.int64()),
-                     *ROLLOUT_ARROW_SCHEMA]).empty_table()  # rollouts_between's columns, no rows
 
 
 class LakeReplica(StoreIndex):
@@ -168,7 +175,7 @@ class LakeReplica(StoreIndex):
             end = min(upto, after + width)
             try:
                 rows, problems = self._read_window(after, end)
-                added += self._ingest(rows, problems)
+                added += self._ingest(rows.rows, problems, rows.bodies)
             except LakeUnavailable:
                 raise
             except (LakeError, ShardValidationError, pa.ArrowException) as exc:
@@ -180,15 +187,15 @@ class LakeReplica(StoreIndex):
             self._advance(end)
             after = end
             if rows is not None:
-                width = next_window(width, rows.num_rows, WINDOW_ROWS)
+                width = next_window(width, rows.rows.num_rows, WINDOW_ROWS)
         return added
 
-    def _read_window(self, after: int, upto: int) -> tuple[pa.Table, pa.Table]:
+    def _read_window(self, after: int, upto: int) -> tuple[AddedRows, pa.Table]:
         """The rollouts and problems committed in snapshots after+1..upto; a table those snapshots did not insert
         into is not read (a commit need not carry problems, and compaction makes snapshots too)."""
         inserted = self.lake.tables_inserted_into(after, upto)
-        rows = (self.lake.rollouts_between(after, upto) if inserted is None or "rollouts" in inserted
-                else _NO_ROWS)
+        rows = (self.lake.rollouts_added(after, upto) if inserted is None or "rollouts" in inserted
+                else AddedRows(ROLLOUT_ROWS_SCHEMA.empty_table(), {}))
         problems = (self.lake.problems_between(after, upto) if inserted is None or "problems" in inserted
                     else PROBLEM_ARROW_SCHEMA.empty_table())
         return rows, problems
@@ -199,7 +206,8 @@ class LakeReplica(StoreIndex):
         added = 0
         for snapshot in sorted(self.unreadable):
             try:
-                added += self._ingest(*self._read_window(snapshot - 1, snapshot))
+                rows, problems = self._read_window(snapshot - 1, snapshot)
+                added += self._ingest(rows.rows, problems, rows.bodies)
             except LakeUnavailable:
                 raise
             except (LakeError, ShardValidationError, pa.ArrowException) as exc:
@@ -229,11 +237,13 @@ class LakeReplica(StoreIndex):
                       self.followed, self.error)
             self._logged = (self.error, now)
 
-    def _ingest(self, rows: pa.Table, problems: pa.Table) -> int:
+    def _ingest(self, rows: pa.Table, problems: pa.Table, bodies: dict[int, tuple[int, bytes]] | None = None) -> int:
         """Cache the groups of lake rows (commit order) not cached yet, the first copy of each; and problems.
 
         Cache shards hold one snapshot's groups of one model, indexed in commit order: the order groups are
-        indexed in (which GET /v1/rollouts pages by) is then the lake's, whatever windows a replica read.
+        indexed in (which GET /v1/rollouts pages by) is then the lake's, whatever windows a replica read. Where
+        those rows are exactly one data file of `bodies` (`AddedRows`: a commit of graft's writers holds one
+        file per model), the file's bytes are the shard (encoding the rows again cost ~8 us per rollout).
         """
         fresh_problems = [Problem(**p) for p in problems.cast(PROBLEM_ARROW_SCHEMA).to_pylist()
                           if (p["dataset"], p["prompt_id"]) not in self._known_problems]
@@ -269,6 +279,7 @@ class LakeReplica(StoreIndex):
         if not keep.all():
             rows = rows.filter(pa.array(np.repeat(keep, lengths)))
         snapshot_ids = rows.column("snapshot_id").to_numpy()  # (rows,) ascending
+        row_ids = rows.column("rowid").to_numpy()  # (rows,) ascending within a snapshot
         table = validate_table(rows.drop_columns(["rowid", "snapshot_id"]))
         bounds = [0, *(np.flatnonzero(np.diff(snapshot_ids)) + 1).tolist(), table.num_rows]
         added = 0
@@ -276,9 +287,17 @@ class LakeReplica(StoreIndex):
             snapshot = table.slice(start, end - start)
             models = pc.unique(snapshot.column("model_id")).to_pylist()
             for model in models:
-                of_model = snapshot if len(models) == 1 else snapshot.filter(
-                    pc.equal(snapshot.column("model_id"), model))
+                of_model, row_ids_of_model = snapshot, row_ids[start:end]
+                if len(models) > 1:
+                    is_model = pc.equal(snapshot.column("model_id"), model)
+                    of_model = snapshot.filter(is_model)
+                    row_ids_of_model = row_ids_of_model[is_model.to_numpy(zero_copy_only=False)]
                 group_starts, group_lengths = group_runs(of_model.column("group_id"))
+                encoded = _whole_file(bodies or {}, row_ids_of_model)
+                if encoded is not None:
+                    path = write_rollout_table(model_dir(self.root, model), of_model, encoded=encoded)
+                    added += self.ingest_file(path, summarise_groups(of_model, group_starts, group_lengths))
+                    continue
                 offset = 0
                 for rows_in_shard in row_group_plan(group_lengths, CACHE_SHARD_ROWS):
                     shard = of_model.slice(offset, rows_in_shard)
@@ -312,6 +331,14 @@ class LakeReplica(StoreIndex):
             checked_at=us_to_datetime(self.checked_us), error=self.error, unreadable_snapshots=sorted(self.unreadable),
         )
         return stats
+
+
+def _whole_file(bodies: dict[int, tuple[int, bytes]], row_ids: np.ndarray) -> bytes | None:
+    """The bytes of the data file whose rows are exactly those of `row_ids` (ascending, unique), if there is one."""
+    if not len(row_ids):
+        return None
+    rows, body = bodies.get(int(row_ids[0]), (0, None))
+    return body if rows == len(row_ids) and int(row_ids[-1] - row_ids[0]) == rows - 1 else None
 
 
 def _reason(exc: BaseException) -> str:

@@ -87,12 +87,14 @@ def discard(shard: Path | Pending) -> None:
 
 
 def write_rollout_table(
-    directory: Path, table: pa.Table, row_group_rows: int = ROW_GROUP_ROWS, publish_now: bool = True
+    directory: Path, table: pa.Table, row_group_rows: int = ROW_GROUP_ROWS, publish_now: bool = True,
+    encoded: bytes | None = None,
 ) -> Path | Pending:
     """Write an already validated table of whole groups as one shard in `directory`, and its lookup file.
 
-    Returns the final path, or with `publish_now=False` the Pending file, for `publish` later (the store renames
-    only once it holds the index's write lock).
+    `encoded`: the same rows already encoded as Parquet in ROLLOUT_ARROW_SCHEMA (a lake data file graft's writers
+    wrote, which a replica caches), stored as they are. Returns the final path, or with `publish_now=False` the
+    Pending file, for `publish` later (the store renames only once it holds the index's write lock).
     """
     starts, lengths = group_runs(table.column("group_id"))
     name = shard_name()
@@ -101,6 +103,10 @@ def write_rollout_table(
     lookup = write_lookup_file(lookup_path(directory / name), table_groups(table, starts, lengths), UNBOUND)
 
     def write(f) -> None:
+        if encoded is not None:
+            with open(f, "wb") as out:
+                out.write(encoded)
+            return
         with pq.ParquetWriter(
             f, ROLLOUT_ARROW_SCHEMA, compression=COMPRESSION, use_dictionary=False,
             write_statistics=STATISTICS_COLUMNS, write_page_checksum=True,

@@ -382,3 +382,72 @@ def test_an_encrypted_lake_is_refused_to_writers(tmp_path):
         with pytest.raises(LakeError, match="encrypts its data files"):
             lake.commit(table_of([make_group(1)]))
         assert lake.counts()["groups"] == 0
+
+
+def insert_with_duckdb(config: LakeConfig, groups, inlining_rows: int = 0) -> None:
+    """Insert groups as a plain DuckDB client does (DuckDB writes the data file; with `inlining_rows`, up to that
+    many rows go into the catalog instead, DuckLake's data inlining)."""
+    con = lake_module.lake_connection(config)
+    if config.s3_endpoint:
+        con.execute(lake_module.s3_secret_sql(config))
+    con.execute(f"ATTACH '{config.catalog}' AS plain (DATA_INLINING_ROW_LIMIT {inlining_rows})")
+    con.register("incoming", table_of(groups))
+    con.execute("INSERT INTO plain.rollouts BY NAME SELECT * FROM incoming")
+    con.close()
+
+
+def test_data_files_read_as_added_give_the_change_feeds_rows(any_lake):
+    """Windows of snapshots that only added data files are read file by file (one GET, pyarrow), not through
+    DuckLake's change feed: the same rows, row ids and snapshot ids in the same order, whatever the window.
+    A window with a merge, or whose files were merged since, goes through the change feed."""
+    with Lake(any_lake) as lake:
+        start = lake.snapshot().id
+        lake.commit(table_of([make_group(i, model) for i in range(3) for model in ("model-a", "model-b")]),
+                    [make_problem(1)])
+        lake.commit(table_of([make_group(i, "model-a") for i in range(3, 5)]))
+        insert_with_duckdb(any_lake, [make_group(5, "model-b"), make_group(6, "model-c")])
+        lake.commit(None, [make_problem(2)])  # problems only
+        lake.commit(table_of([make_group(7, "model-c")]))
+        upto = lake.snapshot().id
+        assert [f.snapshot_id - start for f in lake.files_added(start, upto)] == [1, 1, 2, 3, 3, 5]
+        for after in range(start, upto):
+            for end in range(after + 1, upto + 1):
+                added = lake.rollouts_added(after, end)
+                assert added.rows.equals(lake.rollouts_between(after, end, change_feed=True)), (after, end)
+                # the writers' own files can be kept as they are (the local shards' schema and codecs)
+                writers = {f.row_id_start for f in lake.files_added(after, end) if f.snapshot_id - start != 3}
+                assert writers <= set(added.bodies)
+        everything = lake.rollouts_between(start, upto)
+        assert everything.num_rows == 11 * 4 and everything.column("rowid").to_pylist() == list(range(44))
+        lake.maintain(expire_older_than_s=3600, cleanup_older_than_s=3600)  # merges; expires nothing
+        merged = lake.snapshot().id
+        assert merged > upto and lake.files_added(start, upto) is None  # its files were merged since
+        assert lake.files_added(upto, merged) == []  # the merge snapshot: no rows added
+        assert lake.rollouts_between(start, upto).equals(everything)  # the change feed: same rows, same ids
+        lake.commit(table_of([make_group(8)]))
+        assert len(lake.files_added(merged, lake.snapshot().id)) == 1
+
+
+def test_rows_inlined_into_the_catalog_are_read(sqlite_lake):
+    """A plain DuckDB client's small insert can land in the catalog itself (DuckLake's data inlining), with no
+    data file: the snapshot still says rollouts were inserted, and its rows are read (through the change feed)."""
+    with Lake(sqlite_lake) as lake:
+        lake.commit(table_of([make_group(1)]))
+        start = lake.snapshot().id
+        small = [make_group(2)]
+        insert_with_duckdb(sqlite_lake, small, inlining_rows=1000)
+        upto = lake.snapshot().id
+        assert lake.tables_inserted_into(start, upto) == {"rollouts"}
+        assert lake.files_added(start, upto) is None
+        rows = lake.rollouts_between(start, upto)
+        assert conform_table(rows.drop_columns(["rowid", "snapshot_id"])).equals(table_of(small))
+
+
+def test_a_data_file_holding_other_rows_than_its_catalog_says_is_an_error(sqlite_lake):
+    with Lake(sqlite_lake) as lake:
+        start = lake.snapshot().id
+        lake.commit(table_of([make_group(i) for i in range(3)]))
+        (file,) = lake.files_added(start, lake.snapshot().id)
+        pq.write_table(table_of([make_group(1)]), file.path)  # a valid Parquet file of 4 rows, not 12
+        with pytest.raises(LakeError, match=r"holds 4 rows, its catalog 12"):
+            lake.rollouts_between(start, lake.snapshot().id)

@@ -4,6 +4,7 @@ corrupt data file)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -105,6 +106,10 @@ def test_two_replicas_follow_writers_and_pushes_and_answer_identically(pg_s3_lak
             assert stats.lake.data_path == pg_s3_lake.data_path and "password=***" in stats.lake.catalog
 
 
+def file_digests(directory: Path) -> set[str]:
+    return {hashlib.sha256(path.read_bytes()).hexdigest() for path in directory.rglob("*.parquet")}
+
+
 def test_replica_rebuilt_from_the_lake_answers_as_before(sqlite_lake, tmp_path):
     with Lake(sqlite_lake) as lake:
         for batch in range(6):
@@ -112,6 +117,12 @@ def test_replica_rebuilt_from_the_lake_answers_as_before(sqlite_lake, tmp_path):
     prompts = lake_prompts(sqlite_lake)
     with replica(tmp_path / "a", sqlite_lake) as a, StoreClient(a.url) as client:
         before = answers(client, prompts)
+    # it read the writers' data files and cached each as it is (no change feed, no encoding)
+    lake_files = file_digests(Path(sqlite_lake.data_path) / "main" / "rollouts")
+    assert file_digests(tmp_path / "a" / "rollouts") == lake_files and len(lake_files) == 6
+    with Lake(sqlite_lake) as lake:  # merged and expired: the rebuilt replica reads DuckLake's change feed instead
+        lake.maintain(expire_older_than_s=0, cleanup_older_than_s=3600)
+        assert lake.files_added(-1, lake.snapshot().id) is None
     shutil.rmtree(tmp_path / "a")  # a lost cache: the replica builds itself from the lake
     with replica(tmp_path / "a", sqlite_lake) as a, StoreClient(a.url) as client:
         assert answers(client, prompts) == before
