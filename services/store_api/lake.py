@@ -18,8 +18,11 @@ writers racing with the same group id both land. Readers keep the copy with the 
 assigns row ids at commit, in commit order, and keeps them through compaction), so every reader agrees.
 
 Readers follow the lake by snapshot: `rollouts_between(after, upto)` returns the rows committed in
-snapshots after..upto (DuckLake's `snapshot_id` virtual column, which prunes data files by the snapshot
-that added them and survives merges and snapshot expiry).
+snapshots after..upto. When the catalog says those snapshots only added data files that are still as they
+were added (`files_added`: the usual case, writers' commits), the files are fetched and decoded as they are,
+row ids from the catalog (DuckLake's spec: a file's rows are numbered from its `row_id_start`); otherwise
+(merges, deletes, inlined rows, expired snapshots) DuckLake's change feed reads them (the `snapshot_id`
+virtual column, which prunes data files by the snapshot that added them and survives merges and expiry).
 
 No extension is downloaded at run time: DuckDB is pinned to the version whose extensions are published as
 PyPI wheels (the `lake` extra), `duckdb_extensions.import_extension` installs each from its wheel, then it

@@ -4,7 +4,8 @@ The replica's root is a local store (shards, lookup files, index.duckdb) that on
 ingest loop follows the lake instead of scanning for shards. Each time, it reads the groups committed in the
 snapshots after the one its cache holds (in commit order, so every replica keeps the same copy of a group
 committed twice and indexes groups in the same order), writes them as cache shards of one snapshot and model
-each, indexes them, and records the snapshot in the index. Lookups are then answered exactly as on the
+each (a writer's data file, which holds exactly that, is kept as it is), indexes them, and records the
+snapshot in the index. Lookups are then answered exactly as on the
 local backend, at the same cost, and two replicas that have read the same snapshot answer the same lookup
 identically. A new replica, or one whose cache was deleted, reads the whole lake; `graft-store rebuild
 --backend lake` starts the cache afresh.
