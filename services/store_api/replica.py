@@ -175,8 +175,8 @@ class LakeReplica(StoreIndex):
         while after < upto:
             end = min(upto, after + width)
             try:
-                rows, problems = self._read_window(after, end)
-                added += self._ingest(rows.rows, problems, rows.bodies)
+                added_rows, problems = self._read_window(after, end)
+                added += self._ingest(added_rows.rows, problems, added_rows.bodies)
             except LakeUnavailable:
                 raise
             except (LakeError, ShardValidationError, pa.ArrowException) as exc:
@@ -184,22 +184,22 @@ class LakeReplica(StoreIndex):
                     width = 1
                     continue
                 self._set_aside(end, exc)
-                rows = None
+                added_rows = None
             self._advance(end)
             after = end
-            if rows is not None:
-                width = next_window(width, rows.rows.num_rows, WINDOW_ROWS)
+            if added_rows is not None:
+                width = next_window(width, added_rows.rows.num_rows, WINDOW_ROWS)
         return added
 
     def _read_window(self, after: int, upto: int) -> tuple[AddedRows, pa.Table]:
         """The rollouts and problems committed in snapshots after+1..upto; a table those snapshots did not insert
         into is not read (a commit need not carry problems, and compaction makes snapshots too)."""
         inserted = self.lake.tables_inserted_into(after, upto)
-        rows = (self.lake.rollouts_added(after, upto) if inserted is None or "rollouts" in inserted
-                else AddedRows(ROLLOUT_ROWS_SCHEMA.empty_table(), {}))
+        added_rows = (self.lake.rollouts_added(after, upto) if inserted is None or "rollouts" in inserted
+                      else AddedRows(ROLLOUT_ROWS_SCHEMA.empty_table(), {}))
         problems = (self.lake.problems_between(after, upto) if inserted is None or "problems" in inserted
                     else PROBLEM_ARROW_SCHEMA.empty_table())
-        return rows, problems
+        return added_rows, problems
 
     def _retry_unreadable(self) -> int:
         self._unreadable_tried = time.monotonic()
@@ -207,8 +207,8 @@ class LakeReplica(StoreIndex):
         added = 0
         for snapshot in sorted(self.unreadable):
             try:
-                rows, problems = self._read_window(snapshot - 1, snapshot)
-                added += self._ingest(rows.rows, problems, rows.bodies)
+                added_rows, problems = self._read_window(snapshot - 1, snapshot)
+                added += self._ingest(added_rows.rows, problems, added_rows.bodies)
             except LakeUnavailable:
                 raise
             except (LakeError, ShardValidationError, pa.ArrowException) as exc:
