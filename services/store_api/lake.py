@@ -710,8 +710,12 @@ class Lake:
                 ORDER BY begin_snapshot, row_id_start""", [tables["rollouts"], upto, after]).fetchall()
             if not all(as_added for *_, as_added in rows) or {row[0] for row in rows} != inserting:
                 return None
-            return [DataFile(int(snapshot), path if not relative else self._rollouts_path + path, int(count),
-                             int(row_id_start)) for snapshot, path, relative, count, row_id_start, _ in rows]
+            files = [DataFile(int(snapshot), path if not relative else self._rollouts_path + path, int(count),
+                              int(row_id_start)) for snapshot, path, relative, count, row_id_start, _ in rows]
+            # fetched here from S3 or a path; data on other storage DuckDB reaches (gs://, az://, https://) is its
+            if any(re.match(r"[a-z][a-z0-9+.-]*://", f.path) and not f.path.startswith("s3://") for f in files):
+                return None
+            return files
 
         return self._run("read the data files of", work)
 

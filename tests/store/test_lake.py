@@ -451,3 +451,15 @@ def test_a_data_file_holding_other_rows_than_its_catalog_says_is_an_error(sqlite
         pq.write_table(table_of([make_group(1)]), file.path)  # a valid Parquet file of 4 rows, not 12
         with pytest.raises(LakeError, match=r"holds 4 rows, its catalog 12"):
             lake.rollouts_between(start, lake.snapshot().id)
+
+
+def test_data_files_on_storage_only_duckdb_reaches_go_through_the_change_feed(sqlite_lake):
+    """Files are fetched directly only from S3 or a path; a file DuckDB reaches some other way (gs://, az://,
+    https://, a lake made by other tools) is left to DuckLake's change feed."""
+    with Lake(sqlite_lake) as lake:
+        start = lake.snapshot().id
+        lake.commit(table_of([make_group(1)]))
+        assert len(lake.files_added(start, lake.snapshot().id)) == 1
+        lake._cursor().execute(f"UPDATE __ducklake_metadata_{lake_module.ALIAS}.ducklake_data_file "
+                               "SET path = 'gs://elsewhere/rollouts.parquet', path_is_relative = false")
+        assert lake.files_added(start, lake.snapshot().id) is None
