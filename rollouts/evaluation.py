@@ -1,10 +1,11 @@
 """Benchmark evaluation (GRAFT_SPEC section 10): avg@k and pass@k per benchmark and the mean over the
-five, with the same backends, prompts and scorer as the generator. `graft-eval` and the trainer's
-periodic evaluation both call `evaluate`."""
+five, with the same backends, prompts and scorer as the generator. `graft-eval` calls `evaluate`; the trainer's
+periodic evaluation scores each rank's block of every benchmark (`score_problems`) and summarises them all."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field, replace
 
 from tqdm import tqdm
 
@@ -13,6 +14,90 @@ from rollouts.prompts import PromptTemplate, build_prompt
 from rollouts.sampling import Backend, SamplingParams
 from rollouts.scoring import Scorer
 from schemas import Problem
+
+
+@dataclass
+class ProblemScores:
+    """One benchmark's problems, scored, in order: per problem, its correct samples, whether a sample was unscored
+    (the gold does not parse), its completion tokens and its samples that finished (EOS). Blocks of one
+    benchmark's problems scored apart (one per data-parallel rank) concatenate to the whole's (`extend`)."""
+
+    correct: list[int] = field(default_factory=list)
+    unscored: list[bool] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    finished: list[int] = field(default_factory=list)
+
+    def extend(self, other: ProblemScores) -> ProblemScores:
+        for name in ("correct", "unscored", "tokens", "finished"):
+            getattr(self, name).extend(getattr(other, name))
+        return self
+
+
+def score_problems(
+    backend: Backend,
+    problems: list[Problem],
+    k: int,
+    params: SamplingParams,
+    scorer: Scorer,
+    *,
+    template: PromptTemplate = "auto",
+    few_shot: int = 0,
+    prompts_per_batch: int = 64,
+    bar: tqdm | None = None,
+    name: str = "",
+) -> ProblemScores:
+    """Sample k completions per problem and score them. With params.seed_per_sample, problem i draws its samples
+    from its own seeds (params.prompt_offset + i), whatever the batches: a block of a benchmark scores its
+    problems as the whole benchmark does."""
+    if params.n != k:
+        raise ValueError(f"evaluate(k={k}) but params.n = {params.n}: they must agree")
+    scores = ProblemScores()
+    for start in range(0, len(problems), prompts_per_batch):
+        batch = problems[start : start + prompts_per_batch]
+        prompts = [build_prompt(backend.tokenizer, p.problem, template, few_shot) for p in batch]
+        batch_params = replace(params, prompt_offset=params.prompt_offset + start) if params.seed_per_sample else params
+        samples = backend.generate(prompts, batch_params)  # (prompts, k)
+        texts = [s.text for group in samples for s in group]
+        golds = [p.answer for p in batch for _ in range(k)]
+        flat = scorer.score(texts, golds)
+        for i, group in enumerate(samples):
+            group_scores = flat[i * k : (i + 1) * k]
+            scores.correct.append(sum(s.correct for s in group_scores))
+            scores.unscored.append(any(s.reward is None for s in group_scores))
+            scores.tokens.append(sum(len(s.token_ids) for s in group))
+            scores.finished.append(sum(s.finish_reason == "stop" for s in group))
+        if bar is not None:
+            bar.update(len(batch))
+            bar.set_postfix({name: f"{sum(scores.correct) / (k * len(scores.correct)):.1%}"}, refresh=False)
+    return scores
+
+
+def summarise(scores: dict[str, ProblemScores], k: int, params: SamplingParams, wall_s: float) -> dict:
+    """`evaluate`'s result from each benchmark's scored problems."""
+    results: dict[str, dict] = {}
+    for name, s in scores.items():
+        n = len(s.correct)
+        results[name] = {
+            "problems": n,
+            "samples": n * k,
+            "avg_at_k": sum(s.correct) / (n * k) if n else None,
+            "pass_at_k": sum(c > 0 for c in s.correct) / n if n else None,
+            "unscored": sum(s.unscored),
+            "mean_completion_tokens": sum(s.tokens) / (n * k) if n else None,
+            "finished_share": sum(s.finished) / (n * k) if n else None,
+        }
+    mean_over = [b for b in BENCHMARKS if b in results and results[b]["problems"]]
+    return {
+        "k": k,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "max_tokens": params.max_tokens,
+        "benchmarks": results,
+        "mean_avg_at_k": sum(results[b]["avg_at_k"] for b in mean_over) / len(mean_over) if mean_over else None,
+        "mean_pass_at_k": sum(results[b]["pass_at_k"] for b in mean_over) / len(mean_over) if mean_over else None,
+        "mean_over": mean_over,
+        "wall_s": wall_s,
+    }
 
 
 def evaluate(
@@ -36,55 +121,16 @@ def evaluate(
     the share of problems with at least one correct sample. A problem whose gold does not parse
     (reward null) counts as wrong and is counted in "unscored".
     """
-    if params.n != k:
-        raise ValueError(f"evaluate(k={k}) but params.n = {params.n}: they must agree")
     started = time.perf_counter()
     total = sum(len(p) for p in problems_by_benchmark.values())
     bar = tqdm(total=total, disable=not progress, unit="problem", dynamic_ncols=True)
-    results: dict[str, dict] = {}
     try:
-        for name, problems in problems_by_benchmark.items():
-            correct_per_problem: list[int] = []
-            unscored = tokens = finished = 0
-            for start in range(0, len(problems), prompts_per_batch):
-                batch = problems[start : start + prompts_per_batch]
-                prompts = [build_prompt(backend.tokenizer, p.problem, template, few_shot) for p in batch]
-                samples = backend.generate(prompts, params)  # (prompts, k)
-                texts = [s.text for group in samples for s in group]
-                golds = [p.answer for p in batch for _ in range(k)]
-                scores = scorer.score(texts, golds)
-                for i in range(len(batch)):
-                    group_scores = scores[i * k : (i + 1) * k]
-                    correct_per_problem.append(sum(s.correct for s in group_scores))
-                    unscored += any(s.reward is None for s in group_scores)
-                tokens += sum(len(s.token_ids) for group in samples for s in group)
-                finished += sum(s.finish_reason == "stop" for group in samples for s in group)
-                bar.update(len(batch))
-                bar.set_postfix({name: f"{sum(correct_per_problem) / (k * len(correct_per_problem)):.1%}"}, refresh=False)
-            n = len(problems)
-            results[name] = {
-                "problems": n,
-                "samples": n * k,
-                "avg_at_k": sum(correct_per_problem) / (n * k) if n else None,
-                "pass_at_k": sum(c > 0 for c in correct_per_problem) / n if n else None,
-                "unscored": unscored,
-                "mean_completion_tokens": tokens / (n * k) if n else None,
-                "finished_share": finished / (n * k) if n else None,
-            }
+        scores = {name: score_problems(backend, problems, k, params, scorer, template=template, few_shot=few_shot,
+                                       prompts_per_batch=prompts_per_batch, bar=bar, name=name)
+                  for name, problems in problems_by_benchmark.items()}
     finally:
         bar.close()
-    mean_over = [b for b in BENCHMARKS if b in results and results[b]["problems"]]
-    return {
-        "k": k,
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "max_tokens": params.max_tokens,
-        "benchmarks": results,
-        "mean_avg_at_k": sum(results[b]["avg_at_k"] for b in mean_over) / len(mean_over) if mean_over else None,
-        "mean_pass_at_k": sum(results[b]["pass_at_k"] for b in mean_over) / len(mean_over) if mean_over else None,
-        "mean_over": mean_over,
-        "wall_s": time.perf_counter() - started,
-    }
+    return summarise(scores, k, params, time.perf_counter() - started)
 
 
 def markdown_table(result: dict, model_id: str) -> str:

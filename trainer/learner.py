@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -134,6 +135,17 @@ class GatheredSampler:
 
     def __getattr__(self, name: str) -> Any:  # tokenizer, model_id, eos_token_ids, ...: the backend's
         return getattr(self.backend, name)
+
+
+@contextlib.contextmanager
+def whole_weights(sampler: Any) -> Iterator[Any]:
+    """A sampler whose generate calls need no collective for the duration: under fsdp, the transformers backend
+    with the full weights gathered once on entry (every rank enters together); any other sampler as it is."""
+    if not isinstance(sampler, GatheredSampler):
+        yield sampler
+        return
+    with gathered_weights(sampler.backend.model):
+        yield sampler.backend
 
 
 def sync_sampler(sampler: Any, learner: Learner) -> None:

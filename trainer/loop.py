@@ -133,9 +133,9 @@ def _train(cfg: TrainConfig, dist: DistContext, resume: bool, on_step: Callable[
             if (cfg.checkpoint.every_steps and state.step % cfg.checkpoint.every_steps == 0) or state.step == cfg.steps:
                 save_checkpoint(run_dir, state.step, learner.wrapped, learner.tokenizer, optimizer, scheduler,
                                 asdict(state), cfg.checkpoint.keep_last, dist)
-            if due(cfg, state.step):  # every rank evaluates (the fsdp sampler's gathers are collectives); rank 0 writes
+            if due(cfg, state.step):  # each rank scores its block of the problems; rank 0 writes
                 with learner.autocast():
-                    evaluate_policy(cfg, sampler, scorer, run_dir, state.step, write=dist.is_main)
+                    evaluate_policy(cfg, sampler, scorer, run_dir, state.step, dist)
     finally:
         progress.close()
         if peers is not None:

@@ -94,26 +94,45 @@ def assert_close_weights(got: dict[str, torch.Tensor], expected: dict[str, torch
 
 # ---- 2 ranks against one process: GRPO and GRAFT, ddp and fsdp -----------------------------------
 
+EVAL_PROBLEMS = 129  # 65 + 64 on 2 ranks: 2 generate calls of 64 prompts on rank 0, 1 on rank 1
+
+
 @pytest.fixture(scope="module")
-def one_process(toy_world, store, tmp_path_factory):
-    """The one-process runs (3 steps each): GRPO and GRAFT."""
+def evaluated(toy_world, tmp_path_factory):
+    """Overrides that evaluate at the end (step 3): 2 samples per problem (seeded per problem) on EVAL_PROBLEMS
+    additions of two 2-digit numbers (the toy world's learner family)."""
+    path = tmp_path_factory.mktemp("eval") / "eval.jsonl"
+    sums = [(10 + i % 90, 10 + i // 90) for i in range(EVAL_PROBLEMS)]  # distinct pairs
+    path.write_bytes(b"".join(orjson.dumps({"problem": f"{a}+{b}=", "answer": str(a + b)}) + b"\n" for a, b in sums))
+    return {"eval.every_steps": 3, "eval.benchmarks": {"toy": str(path)}, "eval.k": 2}
+
+
+@pytest.fixture(scope="module")
+def one_process(toy_world, store, evaluated, tmp_path_factory):
+    """The one-process runs (3 steps each, evaluated at the end): GRPO and GRAFT."""
     root = tmp_path_factory.mktemp("one")
-    return {method: train(config(toy_world, root / method, store.url, method=method)) for method in ("grpo", "graft")}
+    return {method: train(config(toy_world, root / method, store.url, method=method, **evaluated))
+            for method in ("grpo", "graft")}
 
 
 @pytest.fixture(scope="module")
-def ranked(toy_world, store, tmp_path_factory):
-    """2-rank runs, made on first use: (method, strategy) -> run directory."""
+def ranked(toy_world, store, evaluated, tmp_path_factory):
+    """2-rank runs (evaluated at the end), made on first use: (method, strategy) -> run directory."""
     root = tmp_path_factory.mktemp("ranks")
     runs: dict[tuple[str, str], Path] = {}
 
     def run(method: str, strategy: str) -> Path:
         if (method, strategy) not in runs:
-            runs[method, strategy] = two_ranks(config(toy_world, root / f"{method}-{strategy}", store.url, method=method),
-                                               strategy)
+            cfg = config(toy_world, root / f"{method}-{strategy}", store.url, method=method, **evaluated)
+            runs[method, strategy] = two_ranks(cfg, strategy)
         return runs[method, strategy]
 
     return run
+
+
+def evaluations(run_dir: Path) -> list[dict]:
+    return [{k: v for k, v in orjson.loads(line).items() if k != "wall_s"}
+            for line in (run_dir / "eval.jsonl").read_bytes().splitlines()]
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -131,6 +150,15 @@ def test_two_ranks_train_as_one_process_on_the_same_global_batch(toy_world, one_
     assert max(float((final[k] - start[k]).abs().max()) for k in start) > 1e-3  # the runs trained
     per_rank = [rank_steps(run_dir, rank) for rank in (0, 1)]
     assert [[s["groups"] for s in steps] for steps in per_rank] == [[4, 4, 4], [4, 4, 4]]  # 8 prompts, 4 per rank
+    # the evaluation: each rank scored its block (under fsdp with the weights gathered once, rank 0 making 2
+    # generate calls and rank 1 one), and together they found what one process finds
+    (evaluation,) = evaluations(run_dir)
+    assert evaluation == evaluations(one_process[method])[0]
+    assert evaluation["benchmarks"]["toy"]["samples"] == 2 * EVAL_PROBLEMS
+    assert 0 < evaluation["benchmarks"]["toy"]["avg_at_k"] < 1
+    for rank, share in ((0, 65), (1, 64)):
+        log = (run_dir / ("train.log" if rank == 0 else f"train.rank{rank}.log")).read_text()
+        assert f"this rank scored {share} of the {EVAL_PROBLEMS} problems" in log
     if method == "graft":
         assert all(m["frac_grafted"] > 0 for m in got)
         assert all(any(s["grafted"] for s in steps) for steps in per_rank)  # grafted groups landed on both ranks
