@@ -12,7 +12,8 @@ What a training step does with these parts so that N ranks equal one process:
   and keeps its `split_for_rank` block (contiguous, in order: the ranks' rows laid end to end are
   one process's rows).
 - A mini-batch is global: `row_span` (one collective per step) places this rank's rows in the
-  global batch, and `mini_batch_rows` picks them out of the permutation one process would draw.
+  global batch (`row_places`: in one process's order, DAPO's refills too), and `mini_batch_rows` picks them out
+  of the permutation one process would draw.
 - The loss normaliser is global: `plan_mini_batches` sums the ranks' `agg_denominator`s (one
   collective per epoch, before any backward) and each micro-batch's loss is multiplied by
   `MiniBatchPlan.loss_scale` before its backward. The factor world_size in it undoes the mean over
@@ -361,15 +362,48 @@ def gather_lists(ctx: DistContext, items: list[T]) -> list[T]:
     return [item for part in gathered for item in part]
 
 
-def mini_batch_rows(span: RowSpan, num_mini: int, generator: torch.Generator) -> list[list[int]]:
+@dataclass(frozen=True)
+class RowPlaces:
+    """Where this rank's rows of a step sit among the job's rows laid in one process's order."""
+
+    index: list[int]  # (local rows,) each row's index among the job's rows
+    total: int  # the job's rows
+
+    @classmethod
+    def of_span(cls, span: RowSpan) -> RowPlaces:
+        """A rank whose rows are one contiguous run of the job's."""
+        return cls(list(range(span.offset, span.offset + span.count)), span.total)
+
+
+def row_places(ctx: DistContext, positions: Sequence[int]) -> RowPlaces:
+    """This rank's rows among the job's in one process's order, from each row's `position`: its prompt's place
+    among the job's prompts of the step (trainer.rollout.SampledStep.positions). A prompt's rows are on one rank,
+    together and in order. Without refills the ranks' rows laid end to end in rank order are that order already;
+    DAPO's refill rounds put a rank's block of round 2 after its block of round 1, so the order is rebuilt from
+    every rank's (position, rows) pairs (one all_gather_object)."""
+    counts: dict[int, int] = {}
+    for position in positions:
+        counts[position] = counts.get(position, 0) + 1
+    first_row, total = {}, 0  # position -> index of its first row among the job's
+    for position, rows in sorted(gather_lists(ctx, sorted(counts.items()))):
+        first_row[position], total = total, total + rows
+    seen: dict[int, int] = {}
+    index = []
+    for position in positions:
+        index.append(first_row[position] + seen.get(position, 0))
+        seen[position] = seen.get(position, 0) + 1
+    return RowPlaces(index, total)
+
+
+def mini_batch_rows(places: RowPlaces, num_mini: int, generator: torch.Generator) -> list[list[int]]:
     """For each of the epoch's `num_mini` global mini-batches, the local indices of this rank's rows in it.
 
-    One process (span = the whole batch) gets `order[m::num_mini]` of one random permutation of its
-    rows; with ranks, every rank draws the same permutation of the global rows (the same generator
-    state on every rank) and keeps its own, so the ranks' mini-batches together are one process's."""
-    order = torch.randperm(span.total, generator=generator).tolist() if span.total else []
-    end = span.offset + span.count
-    return [[i - span.offset for i in order[m::num_mini] if span.offset <= i < end] for m in range(num_mini)]
+    One process gets `order[m::num_mini]` of one random permutation of its rows; with ranks, every rank draws the
+    same permutation of the job's rows (the same generator state on every rank) and keeps its own, so the ranks'
+    mini-batches together are one process's."""
+    order = torch.randperm(places.total, generator=generator).tolist() if places.total else []
+    local = {row: i for i, row in enumerate(places.index)}  # job's row index -> this rank's
+    return [[local[row] for row in order[m::num_mini] if row in local] for m in range(num_mini)]
 
 
 @dataclass(frozen=True)

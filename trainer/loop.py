@@ -113,7 +113,7 @@ def _train(cfg: TrainConfig, dist: DistContext, resume: bool, on_step: Callable[
             with clock("update_s"):
                 first_pass = single_pass_forward(update, rows.rows)
                 weighted = old_logprobs_and_weights(cfg, learner, update.reference, rows.rows, first_pass)
-                result = update_policy(update, weighted.rows, policy_step, first_pass)
+                result = update_policy(update, weighted.rows, sampled.positions, policy_step, first_pass)
             if uses_vllm:  # the engine samples the next step with the new weights
                 with clock("weight_sync_s"):
                     sync_sampler(sampler, learner)

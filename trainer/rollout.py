@@ -23,6 +23,9 @@ class SampledStep:
     groups: list[RolloutGroup]  # the groups the step trains on, one per prompt (dapo: the informative ones)
     generated: list[RolloutGroup]  # every group sampled (the rollout budget; dapo: refills and dropped groups too)
     problems: list[Problem]  # the step's problems, refills included
+    # each group's place among the job's prompts of the step as one process takes them (round after round, each
+    # round's prompts in stream order): the order the update draws mini-batches in (trainer.distributed.row_places)
+    positions: list[int]
     dapo_rounds: int | None = None  # generation rounds (dapo only)
 
     @property
@@ -42,7 +45,7 @@ def sample_step(
     """One group per problem of this rank's block; dapo keeps only informative groups and refills from the stream
     (`dapo_refill`)."""
     groups = generate_groups(cfg, sampler, scorer, learner, block, policy_step, round_index=0)
-    first = SampledStep(groups, list(groups), list(block.problems))
+    first = SampledStep(groups, list(groups), list(block.problems), [block.offset + i for i in range(len(groups))])
     return dapo_refill(cfg, sampler, scorer, learner, prompts, first, policy_step) if cfg.method == "dapo" else first
 
 
@@ -54,10 +57,11 @@ def dapo_refill(
     further rounds until prompts_per_step groups are kept or dapo.max_generation_rounds is reached.
 
     Data parallel: the count is the job's (every rank takes the same refill from its stream, which stays in step
-    with the others', and samples its block of it), so every rank runs the same rounds."""
-    kept = [g for g in first.groups if g.informative]
+    with the others', and samples its block of it), so every rank runs the same rounds. A refill's prompts come
+    after all of the rounds before (`positions`), as in one process."""
+    kept = [(g, p) for g, p in zip(first.groups, first.positions, strict=True) if g.informative]
     generated, problems = list(first.generated), list(first.problems)
-    rounds = 1
+    rounds, taken = 1, cfg.rollout.prompts_per_step  # the job's prompts so far (the loop took the first round's)
     while rounds < cfg.dapo.max_generation_rounds:
         missing = cfg.rollout.prompts_per_step - sum_over_ranks(learner.dist, len(kept))
         if missing <= 0:
@@ -66,9 +70,9 @@ def dapo_refill(
         problems += refill.problems
         more = generate_groups(cfg, sampler, scorer, learner, refill, policy_step, round_index=rounds)
         generated += more
-        kept += [g for g in more if g.informative]
-        rounds += 1
-    return SampledStep(kept, generated, problems, dapo_rounds=rounds)
+        kept += [(g, taken + refill.offset + i) for i, g in enumerate(more) if g.informative]
+        rounds, taken = rounds + 1, taken + missing
+    return SampledStep([g for g, _ in kept], generated, problems, [p for _, p in kept], dapo_rounds=rounds)
 
 
 def sampling_params(cfg: TrainConfig, policy_step: int, round_index: int, prompt_offset: int = 0) -> SamplingParams:

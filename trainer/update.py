@@ -2,10 +2,10 @@
 one optimizer step, plus the optional supervised anchor (GRAFT_SPEC section 6).
 
 The update is written on `trainer.distributed`'s parts, so that N data-parallel ranks take the update one
-process takes on their rows laid end to end (in one process they run no collective): this rank's place in
-the step's rows (`row_span`), the mini-batches (`mini_batch_rows` of one permutation of all ranks' rows),
-the global loss normaliser and micro-batch count (`plan_mini_batches`), a padding pass for a rank that has
-run out of rows, `gradient_sync` around each backward, and the gradient norm over all ranks
+process takes on the job's rows (in one process they run no collective): where this rank's rows sit among
+the job's in one process's order (`row_places`), the mini-batches (`mini_batch_rows` of one permutation of
+all ranks' rows), the global loss normaliser and micro-batch count (`plan_mini_batches`), a padding pass for
+a rank that has run out of rows, `gradient_sync` around each backward, and the gradient norm over all ranks
 (`clip_grad_norm`). `UpdateResult.totals` are sums the metrics add over ranks.
 """
 
@@ -27,7 +27,7 @@ from trainer.distributed import (
     mini_batch_rows,
     padding_forward,
     plan_mini_batches,
-    row_span,
+    row_places,
     sum_over_ranks,
     zero_backward,
 )
@@ -115,10 +115,13 @@ class UpdateResult:
 
 
 def update_policy(
-    ctx: UpdateContext, rows: list[TrainSample], policy_step: int, first_pass: FirstPass | None = None
+    ctx: UpdateContext, rows: list[TrainSample], positions: list[int], policy_step: int,
+    first_pass: FirstPass | None = None,
 ) -> UpdateResult:
-    """PPO epoch(s) over mini-batches of the step's rows. With `first_pass` (one epoch, one mini-batch, one
-    micro-batch) its logprobs are the update's: no second forward."""
+    """PPO epoch(s) over mini-batches of the step's rows. `positions`: each group's place among the job's prompts
+    (SampledStep.positions; rows point to their group), which fixes the job's row order the mini-batches are drawn
+    from. With `first_pass` (one epoch, one mini-batch, one micro-batch) its logprobs are the update's: no second
+    forward."""
     cfg, learner, loss_cfg, dist = ctx.cfg, ctx.learner, ctx.loss_cfg, ctx.learner.dist
     generator = torch.Generator().manual_seed(cfg.seed * 31_337 + policy_step)  # the same permutation on every rank
     num_mini, micro = num_mini_batches(cfg), cfg.optim.micro_batch_size
@@ -127,9 +130,9 @@ def update_policy(
     means = _WeightedMeans()
     grad_norms: list[float] = []
     skipped = 0
-    span = row_span(dist, len(rows))
+    places = row_places(dist, [positions[row.group] for row in rows])
     for _ in range(cfg.optim.ppo_epochs):
-        minis = [[rows[i] for i in indices] for indices in mini_batch_rows(span, num_mini, generator)]
+        minis = [[rows[i] for i in indices] for indices in mini_batch_rows(places, num_mini, generator)]
         actives = [[row for row in mini if needs_forward(row, cfg)] for mini in minis]
         plans = plan_mini_batches(dist, [agg_denominator(_length_mask(mini), loss_cfg) if mini else 0.0
                                          for mini in minis], [math.ceil(len(active) / micro) for active in actives])

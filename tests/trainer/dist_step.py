@@ -19,6 +19,7 @@ from trainer.distributed import (
     DistContext,
     clip_grad_norm,
     gradient_sync,
+    RowPlaces,
     mini_batch_rows,
     padding_pass,
     plan_mini_batches,
@@ -124,7 +125,7 @@ def update(
     runs after mini-batch m's last backward, before clipping (the tests read the gradients there)."""
     generator = torch.Generator().manual_seed(SEED * 31_337 + step)  # the same permutation on every rank
     span = row_span(ctx, len(rows))
-    minis = mini_batch_rows(span, NUM_MINI, generator)
+    minis = mini_batch_rows(RowPlaces.of_span(span), NUM_MINI, generator)
     plans = plan_mini_batches(
         ctx,
         [agg_denominator(_length_mask([rows[i] for i in mini]), loss_cfg) if mini else 0.0 for mini in minis],

@@ -22,6 +22,7 @@ from trainer.config import ParallelConfig, TrainConfig
 from trainer.distributed import (
     DistContext,
     MiniBatchPlan,
+    RowPlaces,
     RowSpan,
     close_distributed,
     decoder_layers,
@@ -30,6 +31,7 @@ from trainer.distributed import (
     mini_batch_rows,
     plan_mini_batches,
     reduce_metrics,
+    row_places,
     split_for_rank,
 )
 from trainer.loss import LossConfig
@@ -185,14 +187,25 @@ def test_split_for_rank_is_contiguous_balanced_and_in_order():
 
 def test_mini_batches_of_the_ranks_together_are_one_process_mini_batches():
     total, num_mini = 11, 3
-    one = mini_batch_rows(RowSpan(0, total, total), num_mini, torch.Generator().manual_seed(4))
+    one = mini_batch_rows(RowPlaces.of_span(RowSpan(0, total, total)), num_mini, torch.Generator().manual_seed(4))
     order = torch.randperm(total, generator=torch.Generator().manual_seed(4)).tolist()
     assert one == [order[m::num_mini] for m in range(num_mini)]  # what _update_policy draws today
     spans = [RowSpan(0, 6, total), RowSpan(6, 5, total)]
-    per_rank = [mini_batch_rows(s, num_mini, torch.Generator().manual_seed(4)) for s in spans]
+    per_rank = [mini_batch_rows(RowPlaces.of_span(s), num_mini, torch.Generator().manual_seed(4)) for s in spans]
     for m in range(num_mini):
         together = per_rank[0][m] + [i + 6 for i in per_rank[1][m]]
         assert sorted(together) == sorted(one[m])
+    # rows that are not one contiguous run of the job's (a rank's DAPO refill rows after its first round's)
+    places = RowPlaces([0, 1, 2, 7, 8, 9], total)
+    picked = mini_batch_rows(places, num_mini, torch.Generator().manual_seed(4))
+    assert [[places.index[i] for i in mini] for mini in picked] == [[r for r in o if r in places.index] for o in one]
+
+
+def test_row_places_rebuild_one_process_order_from_prompt_positions():
+    """A prompt's rows together, prompts in the order of their positions, whatever order the rows came in."""
+    places = row_places(ONE_PROCESS, [4, 4, 0, 0, 0, 9])
+    assert places == RowPlaces([3, 4, 0, 1, 2, 5], 6)
+    assert row_places(ONE_PROCESS, [0, 0, 1, 1]) == RowPlaces([0, 1, 2, 3], 4)
 
 
 def test_plan_and_loss_scale():
