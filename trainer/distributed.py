@@ -11,9 +11,9 @@ What a training step does with these parts so that N ranks equal one process:
 - The step's prompts are global: every rank draws the same `prompts_per_step` from the same stream
   and keeps its `split_for_rank` block (contiguous, in order: the ranks' rows laid end to end are
   one process's rows).
-- A mini-batch is global: `row_span` (one collective per step) places this rank's rows in the
-  global batch (`row_places`: in one process's order, DAPO's refills too), and `mini_batch_rows` picks them out
-  of the permutation one process would draw.
+- A mini-batch is global: `row_places` (one collective per step) places this rank's rows among the job's
+  in one process's order (DAPO's refills too), and `mini_batch_rows` picks them out of the permutation one
+  process would draw.
 - The loss normaliser is global: `plan_mini_batches` sums the ranks' `agg_denominator`s (one
   collective per epoch, before any backward) and each micro-batch's loss is multiplied by
   `MiniBatchPlan.loss_scale` before its backward. The factor world_size in it undoes the mean over
@@ -337,11 +337,6 @@ class RowSpan:
     total: int  # rows on all ranks
 
 
-def row_span(ctx: DistContext, local_rows: int) -> RowSpan:
-    """This rank's place in the step's global batch (one all_gather of the row counts)."""
-    return spans(ctx, [local_rows])[0]
-
-
 def spans(ctx: DistContext, local_counts: Sequence[int]) -> list[RowSpan]:
     """For each of several per-rank counts (rows, groups, grafted groups), this rank's span in the ranks' items laid
     end to end in rank order; one all_gather for all of them."""
@@ -368,11 +363,6 @@ class RowPlaces:
 
     index: list[int]  # (local rows,) each row's index among the job's rows
     total: int  # the job's rows
-
-    @classmethod
-    def of_span(cls, span: RowSpan) -> RowPlaces:
-        """A rank whose rows are one contiguous run of the job's."""
-        return cls(list(range(span.offset, span.offset + span.count)), span.total)
 
 
 def row_places(ctx: DistContext, positions: Sequence[int]) -> RowPlaces:

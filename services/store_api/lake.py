@@ -712,7 +712,8 @@ class Lake:
                 return None
             files = [DataFile(int(snapshot), path if not relative else self._rollouts_path + path, int(count),
                               int(row_id_start)) for snapshot, path, relative, count, row_id_start, _ in rows]
-            # fetched here from S3 or a path; data on other storage DuckDB reaches (gs://, az://, https://) is its
+            # only S3 and paths are fetched here: a file on other storage DuckDB reaches (gs://, az://, https://) is
+            # read through the change feed
             if any(re.match(r"[a-z][a-z0-9+.-]*://", f.path) and not f.path.startswith("s3://") for f in files):
                 return None
             return files
@@ -730,11 +731,11 @@ class Lake:
             rows = pq.read_table(pa.BufferReader(body))
             if rows.schema.names != ROLLOUT_ARROW_SCHEMA.names:
                 return None
-            if rows.schema.equals(ROLLOUT_ARROW_SCHEMA):  # types and nullability; metadata aside
-                bodies[file.row_id_start] = (file.rows, body)
             if rows.num_rows != file.rows:
                 raise LakeError(f"lake {self.config.describe()}: data file {file.path} of snapshot {file.snapshot_id} "
                                 f"holds {rows.num_rows} rows, its catalog {file.rows}")
+            if rows.schema.equals(ROLLOUT_ARROW_SCHEMA):  # types and nullability; metadata aside
+                bodies[file.row_id_start] = (file.rows, body)
             row_ids = np.arange(file.row_id_start, file.row_id_start + file.rows, dtype=np.int64)  # (rows,)
             parts.append(pa.Table.from_arrays(
                 [pa.array(row_ids), pa.array(np.full(file.rows, file.snapshot_id, np.int64)),

@@ -19,11 +19,10 @@ from trainer.distributed import (
     DistContext,
     clip_grad_norm,
     gradient_sync,
-    RowPlaces,
     mini_batch_rows,
     padding_pass,
     plan_mini_batches,
-    row_span,
+    row_places,
     split_for_rank,
 )
 from toy.models import build_tiny_model
@@ -124,8 +123,7 @@ def update(
     """One PPO epoch over NUM_MINI global mini-batches of the step's rows, micro-batched. `on_gradients(m)`
     runs after mini-batch m's last backward, before clipping (the tests read the gradients there)."""
     generator = torch.Generator().manual_seed(SEED * 31_337 + step)  # the same permutation on every rank
-    span = row_span(ctx, len(rows))
-    minis = mini_batch_rows(RowPlaces.of_span(span), NUM_MINI, generator)
+    minis = mini_batch_rows(row_places(ctx, [row.group for row in rows]), NUM_MINI, generator)  # groups: global
     plans = plan_mini_batches(
         ctx,
         [agg_denominator(_length_mask([rows[i] for i in mini]), loss_cfg) if mini else 0.0 for mini in minis],

@@ -23,7 +23,6 @@ from trainer.distributed import (
     DistContext,
     MiniBatchPlan,
     RowPlaces,
-    RowSpan,
     close_distributed,
     decoder_layers,
     fsdp_mixed_precision,
@@ -187,11 +186,11 @@ def test_split_for_rank_is_contiguous_balanced_and_in_order():
 
 def test_mini_batches_of_the_ranks_together_are_one_process_mini_batches():
     total, num_mini = 11, 3
-    one = mini_batch_rows(RowPlaces.of_span(RowSpan(0, total, total)), num_mini, torch.Generator().manual_seed(4))
+    one = mini_batch_rows(RowPlaces(list(range(total)), total), num_mini, torch.Generator().manual_seed(4))
     order = torch.randperm(total, generator=torch.Generator().manual_seed(4)).tolist()
     assert one == [order[m::num_mini] for m in range(num_mini)]  # what _update_policy draws today
-    spans = [RowSpan(0, 6, total), RowSpan(6, 5, total)]
-    per_rank = [mini_batch_rows(RowPlaces.of_span(s), num_mini, torch.Generator().manual_seed(4)) for s in spans]
+    ranks = [RowPlaces(list(range(6)), total), RowPlaces(list(range(6, 11)), total)]
+    per_rank = [mini_batch_rows(places, num_mini, torch.Generator().manual_seed(4)) for places in ranks]
     for m in range(num_mini):
         together = per_rank[0][m] + [i + 6 for i in per_rank[1][m]]
         assert sorted(together) == sorted(one[m])
