@@ -75,17 +75,24 @@ def _dequantise_gguf(gguf: Path, target: Path) -> None:
         tokenizer.save_pretrained(staging)
 
 
-def load_model_and_tokenizer(path: str | Path, dtype: torch.dtype = torch.float32):
+def load_model_and_tokenizer(path: str | Path, dtype: torch.dtype = torch.float32, meta: bool = False):
     """(model, tokenizer) from an HF directory, a .gguf file, or a directory holding one .gguf.
 
     The model is in eval mode. A tokenizer without a pad token gets its EOS as pad (generation
-    pads on the left; padded positions are masked out).
+    pads on the left; padded positions are masked out). `meta`: the model built from its config on the meta
+    device, no weight read (an FSDP rank that receives its shards from rank 0), with the saved generation config.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     model_dir = resolve_model_dir(path)
     tokenizer = load_tokenizer(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    if meta:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype)
+        if (Path(model_dir) / "generation_config.json").exists():
+            model.generation_config = GenerationConfig.from_pretrained(model_dir)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     model.eval()
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -165,7 +165,10 @@ def wrap_model(model: nn.Module, ctx: DistContext, compute_dtype: torch.dtype = 
     each decoder layer, then on the whole model (embeddings, final norm and a tied lm_head shard in the
     root group); in place, so the returned model is still the transformers class. Every rank must hold
     the same weights when this is called (loaded from the same checkpoint): FSDP keeps each rank's
-    own slice of what it holds."""
+    own slice of what it holds; under fsdp only rank 0 must (`shard_from_rank0`: the others may have built the
+    model on the meta device)."""
+    if ctx.strategy == "fsdp":
+        return shard_from_rank0(model, ctx, fsdp_mixed_precision(ctx.device, compute_dtype))
     model.to(ctx.device)
     if ctx.strategy == "none":
         return model
@@ -180,15 +183,40 @@ def wrap_model(model: nn.Module, ctx: DistContext, compute_dtype: torch.dtype = 
     return model
 
 
+def shard_from_rank0(model: nn.Module, ctx: DistContext, policy) -> nn.Module:
+    """FSDP2-shard a model whose weights only rank 0 holds: on the other ranks `model` was built on the meta device
+    (no memory), so N ranks never hold N full copies of the weights (host memory scales with 1, not N).
+
+    Every rank shards the model as `wrap_model` does, gives it empty storage on its device, then receives its
+    shards of rank 0's weights (torch.distributed.checkpoint's set_model_state_dict with broadcast_from_rank0);
+    buffers outside the state dict (rotary tables) are broadcast from rank 0 as they are."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if not ctx.is_main and any(p.is_meta for p in model.parameters()):
+        log.info("rank %d: %s built on the meta device, its shards received from rank 0 (no weight read here)",
+                 ctx.rank, type(model).__name__)
+    # rank 0 keeps references to its full tensors (sharding and to_empty give the module new ones): no copy
+    full = dict(model.state_dict()) if ctx.is_main else {}
+    buffers = dict(model.named_buffers()) if ctx.is_main else {}
+    _shard(model, policy)
+    model.to_empty(device=ctx.device)
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for name, buffer in model.named_buffers():
+        if ctx.is_main:
+            buffer.copy_(buffers[name])
+        dist.broadcast(buffer, src=0)
+    return model
+
+
 def wrap_reference(model: nn.Module, ctx: DistContext) -> nn.Module:
     """The frozen reference policy (the KL term) on the rank's device: sharded like the policy under fsdp (its
-    forwards are collectives then, padded like the policy's), a plain local copy otherwise (no gradient to reduce)."""
-    model.to(ctx.device)
+    forwards are collectives then, padded like the policy's; rank 0's weights, as for the policy), a plain local
+    copy otherwise (no gradient to reduce)."""
     if ctx.strategy == "fsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        _shard(model, MixedPrecisionPolicy())  # kept in the dtype it was loaded in (the compute dtype)
-    return model
+        return shard_from_rank0(model, ctx, MixedPrecisionPolicy())  # kept in the dtype it was loaded in
+    return model.to(ctx.device)
 
 
 def _shard(model: nn.Module, policy) -> None:

@@ -69,11 +69,14 @@ class Learner:
 
 def load_learner(cfg: TrainConfig, checkpoint: Path | None, dist: DistContext | None = None) -> Learner:
     """The policy from `checkpoint` (a resumed run) or cfg.model.path, in eval mode on its device; data parallel:
-    wrapped for dist.strategy (every rank loads the same weights). Build the optimizer after this (FSDP replaces
-    the parameters by their shards)."""
-    # float32 master weights whatever the compute dtype (mixed precision through Learner.autocast)
-    model, tokenizer = load_model_and_tokenizer(checkpoint or cfg.model.path, dtype=torch.float32)
+    wrapped for dist.strategy (ddp: every rank loads the same weights; fsdp: rank 0 loads them, the others build
+    the model on the meta device and receive their shards). Build the optimizer after this (FSDP replaces the
+    parameters by their shards)."""
     dist = dist or DistContext("none", _resolve_device(cfg.model.device))
+    # float32 master weights whatever the compute dtype (mixed precision through Learner.autocast); under fsdp only
+    # rank 0 reads them, the other ranks receive their shards (wrap_model)
+    model, tokenizer = load_model_and_tokenizer(checkpoint or cfg.model.path, dtype=torch.float32,
+                                                meta=dist.strategy == "fsdp" and not dist.is_main)
     compute_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
     # Dropout off: the policy that samples must be the one whose logprobs are trained on.
     model.eval()
@@ -102,8 +105,9 @@ def load_reference(cfg: TrainConfig, learner: Learner) -> torch.nn.Module | None
     the policy)."""
     if cfg.ppo.kl_beta <= 0:
         return None
-    model, _ = load_model_and_tokenizer(cfg.model.path, dtype=torch.float32)
-    return wrap_reference(model.eval().requires_grad_(False).to(learner.compute_dtype), learner.dist)
+    dist = learner.dist
+    model, _ = load_model_and_tokenizer(cfg.model.path, dtype=torch.float32, meta=dist.strategy == "fsdp" and not dist.is_main)
+    return wrap_reference(model.eval().requires_grad_(False).to(learner.compute_dtype), dist)
 
 
 def make_sampler(cfg: TrainConfig, learner: Learner, weights_path: str | Path) -> tuple[Any, bool]:

@@ -293,3 +293,21 @@ def test_dapo_refills_on_two_ranks_train_as_one_process(toy_world, store, tmp_pa
     # near-zero gradient by its own size): one process with micro-batches of 3 rows instead of 8 moves it by 1.8e-5
     assert_close_weights(weights(run_dir / "checkpoints" / "step_000003"), weights(tmp_path / "one" / "checkpoints" / "step_000003"),
                          f"dapo {strategy}", atol=5e-5)
+
+
+def test_fsdp_ranks_other_than_0_read_no_weights_and_the_kl_reference_is_sharded_alike(toy_world, store, tmp_path):
+    """Under fsdp only rank 0 reads the policy's and the KL reference's weights; rank 1 builds both on the meta
+    device and receives its shards (host memory for one full copy, not one per rank). Training, KL term included,
+    is one process's."""
+    overrides = {"method": "grpo", "steps": 2, "ppo.kl_beta": 0.1, "checkpoint.every_steps": 0}
+    reference = metrics(train(config(toy_world, tmp_path / "one", store.url, **overrides)))
+    run_dir = two_ranks(config(toy_world, tmp_path / "ranks", store.url, **overrides), "fsdp")
+    got = metrics(run_dir)
+    assert all(m["kl"] > 0 for m in got)
+    for line, expected in zip(got, reference, strict=True):
+        assert_same_line(line, expected)
+    assert_close_weights(weights(run_dir / "checkpoints" / "step_000002"), weights(tmp_path / "one" / "checkpoints" / "step_000002"),
+                         "fsdp with a KL reference")
+    built = (run_dir / "train.rank1.log").read_text().count("built on the meta device, its shards received from rank 0")
+    assert built == 2  # the policy and the reference
+    assert "built on the meta device" not in (run_dir / "train.log").read_text()
