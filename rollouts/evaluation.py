@@ -20,17 +20,12 @@ from schemas import Problem
 class ProblemScores:
     """One benchmark's problems, scored, in order: per problem, its correct samples, whether a sample was unscored
     (the gold does not parse), its completion tokens and its samples that finished (EOS). Blocks of one
-    benchmark's problems scored apart (one per data-parallel rank) concatenate to the whole's (`extend`)."""
+    benchmark's problems scored apart (one per data-parallel rank) laid end to end are the whole's."""
 
     correct: list[int] = field(default_factory=list)
     unscored: list[bool] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     finished: list[int] = field(default_factory=list)
-
-    def extend(self, other: ProblemScores) -> ProblemScores:
-        for name in ("correct", "unscored", "tokens", "finished"):
-            getattr(self, name).extend(getattr(other, name))
-        return self
 
 
 def score_problems(

@@ -54,7 +54,7 @@ def evaluate_policy(cfg: TrainConfig, sampler, scorer, run_dir: Path, step: int,
             begin, end = rank_block(len(problems), dist.rank, dist.world_size)
             local = score_problems(backend, problems[begin:end], cfg.eval.k, replace(params, prompt_offset=begin),
                                    scorer, template=cfg.data.prompt_template)
-            scores[name] = ProblemScores().extend(_gathered(dist, local))
+            scores[name] = _gathered(dist, local)
             scored_here += end - begin
     result = summarise(scores, cfg.eval.k, params, time.perf_counter() - started)
     if dist.distributed:

@@ -582,10 +582,8 @@ class Lake:
         try:
             self._s3_client().put_object(Bucket=bucket, Key=key, Body=pa.BufferReader(body))
         except (BotoCoreError, ClientError) as exc:  # refused (403, no such bucket) or not reached
-            message = redact(" ".join(str(exc).split()))
-            kind = LakeUnavailable if _unavailable_markers(message) else LakeError
-            raise kind(f"cannot commit to lake {self.config.describe()}: uploading data file {path} failed: {message}. "
-                       "Check that the storage is up and the credentials are right; nothing was committed") from None
+            raise _storage_error(exc, f"cannot commit to lake {self.config.describe()}: uploading data file {path} "
+                                      "failed", "; nothing was committed") from None
 
     def _get(self, path: str) -> bytes:
         """A whole data file's bytes (s3://bucket/key or a local path); LakeUnavailable when the storage cannot be
@@ -603,10 +601,7 @@ class Lake:
         try:
             return self._s3_client().get_object(Bucket=bucket, Key=key)["Body"].read()
         except (BotoCoreError, ClientError) as exc:
-            message = redact(" ".join(str(exc).split()))
-            kind = LakeUnavailable if _unavailable_markers(message) else LakeError
-            raise kind(f"cannot read rollouts from lake {self.config.describe()}: data file {path}: {message}. "
-                       "Check that the storage is up and the credentials are right") from None
+            raise _storage_error(exc, f"cannot read rollouts from lake {self.config.describe()}: data file {path}") from None
 
     def _s3_client(self):
         """boto3's S3 client for the data files (made once per Lake; boto3 clients are thread-safe), from the
@@ -680,26 +675,18 @@ class Lake:
         files shows in those files. None otherwise: the caller reads DuckLake's change feed."""
         def work(con):
             meta = f"__ducklake_metadata_{ALIAS}"
-            changes = con.execute(f"""
-                SELECT snapshot_id, changes_made FROM {meta}.ducklake_snapshot_changes
-                WHERE snapshot_id > ? AND snapshot_id <= ?""", [after, upto]).fetchall()
-            if len(changes) != upto - after:  # snapshot ids are consecutive: one is missing (expired)
-                return None
-            tables = dict(con.execute(f"""
-                SELECT table_name, table_id FROM {meta}.ducklake_table
-                WHERE table_name IN ('rollouts', 'problems') AND end_snapshot IS NULL""").fetchall())
-            if "rollouts" not in tables:
+            window = _snapshot_changes(con, after, upto)
+            if window is None or "rollouts" not in window.tables.values():
                 return None
             inserting = set()  # snapshots that inserted into the rollouts table
-            for snapshot, made in changes:
-                for entry in (made or "").split(","):
-                    kind, _, table_id = entry.partition(":")
-                    if kind in _ADDS_NO_ROWS:
-                        continue
-                    if kind != "inserted_into_table" or table_id not in {str(t) for t in tables.values()}:
-                        return None  # deletes, inlined rows, a table named not numbered: the change feed's
-                    if table_id == str(tables["rollouts"]):
-                        inserting.add(snapshot)
+            for snapshot, kind, table in window.changes:
+                if kind in _ADDS_NO_ROWS:
+                    continue
+                if kind != "inserted_into_table" or table not in window.tables:
+                    return None  # deletes, inlined rows, a table named not numbered: the change feed's
+                if window.tables[table] == "rollouts":
+                    inserting.add(snapshot)
+            rollouts_id = next(t for t, name in window.tables.items() if name == "rollouts")
             # the files those snapshots added, and any merged file holding rows of theirs
             rows = con.execute(f"""
                 SELECT begin_snapshot, path, path_is_relative, record_count, row_id_start,
@@ -707,7 +694,7 @@ class Lake:
                          AND encryption_key IS NULL AND lower(file_format) = 'parquet' AS as_added
                 FROM {meta}.ducklake_data_file
                 WHERE table_id = ? AND begin_snapshot <= ? AND coalesce(partial_max, begin_snapshot) > ?
-                ORDER BY begin_snapshot, row_id_start""", [tables["rollouts"], upto, after]).fetchall()
+                ORDER BY begin_snapshot, row_id_start""", [int(rollouts_id), upto, after]).fetchall()
             if not all(as_added for *_, as_added in rows) or {row[0] for row in rows} != inserting:
                 return None
             files = [DataFile(int(snapshot), path if not relative else self._rollouts_path + path, int(count),
@@ -752,21 +739,16 @@ class Lake:
         finds nothing). None when the catalog no longer has every one of those snapshots (expired) or records a
         change this cannot read: then the caller reads every table."""
         def work(con):
-            rows = con.execute(f"""
-                SELECT c.snapshot_id, c.changes_made FROM __ducklake_metadata_{ALIAS}.ducklake_snapshot_changes c
-                WHERE c.snapshot_id > ? AND c.snapshot_id <= ?""", [after, upto]).fetchall()
-            if len(rows) != upto - after:  # snapshot ids are consecutive: one is missing (expired)
+            window = _snapshot_changes(con, after, upto)
+            if window is None:
                 return None
-            ids = dict(con.execute(f"""
-                SELECT CAST(table_id AS VARCHAR), table_name FROM __ducklake_metadata_{ALIAS}.ducklake_table
-                WHERE table_name IN ('rollouts', 'problems')""").fetchall())
             inserted = set()
-            for _, changes in rows:
+            for _, kind, table in window.changes:
                 # rows inserted as data files, or inlined into the catalog (a plain DuckDB client's small inserts)
-                for change in re.findall(r"(?:inserted_into_table|inlined_insert):([^,]*)", changes or ""):
-                    if change not in ids:
+                if kind in ("inserted_into_table", "inlined_insert"):
+                    if table not in window.tables:
                         return None  # a table named, not numbered (made in the same snapshot), or unknown
-                    inserted.add(ids[change])
+                    inserted.add(window.tables[table])
             return inserted
 
         return self._run("read the snapshots of", work)
@@ -868,6 +850,38 @@ class Lake:
                     "files_deleted": int(deleted), "orphans_deleted": int(orphans)}
 
         return self._run("maintain", work)
+
+
+@dataclass(frozen=True)
+class _WindowChanges:
+    """What the catalog records of snapshots after+1..upto (DuckLake's ducklake_snapshot_changes)."""
+
+    changes: list[tuple[int, str, str]]  # (snapshot, kind, target) of each change, e.g. (7, "inserted_into_table", "2")
+    tables: dict[str, str]  # table id (as the changes write it) -> name, of the live rollouts and problems tables
+
+
+def _snapshot_changes(con: duckdb.DuckDBPyConnection, after: int, upto: int) -> _WindowChanges | None:
+    """The changes snapshots after+1..upto made, or None when the catalog no longer has every one of them
+    (expired; snapshot ids are consecutive)."""
+    meta = f"__ducklake_metadata_{ALIAS}"
+    rows = con.execute(f"""
+        SELECT snapshot_id, changes_made FROM {meta}.ducklake_snapshot_changes
+        WHERE snapshot_id > ? AND snapshot_id <= ?""", [after, upto]).fetchall()
+    if len(rows) != upto - after:
+        return None
+    tables = dict(con.execute(f"""
+        SELECT CAST(table_id AS VARCHAR), table_name FROM {meta}.ducklake_table
+        WHERE table_name IN ('rollouts', 'problems') AND end_snapshot IS NULL""").fetchall())
+    changes = [(int(snapshot), *entry.partition(":")[::2]) for snapshot, made in rows for entry in (made or "").split(",")]
+    return _WindowChanges(changes, tables)
+
+
+def _storage_error(exc: Exception, head: str, tail: str = "") -> LakeError:
+    """A boto3 error on a data file as the lake's error, "<head>: <its message, redacted>. Check ...<tail>":
+    LakeUnavailable when the storage cannot be reached or refuses the credentials, LakeError else."""
+    message = redact(" ".join(str(exc).split()))
+    kind = LakeUnavailable if _unavailable_markers(message) else LakeError
+    return kind(f"{head}: {message}. Check that the storage is up and the credentials are right{tail}")
 
 
 def _quote(text: str) -> str:

@@ -176,7 +176,7 @@ class LakeReplica(StoreIndex):
             end = min(upto, after + width)
             try:
                 added_rows, problems = self._read_window(after, end)
-                added += self._ingest(added_rows.rows, problems, added_rows.bodies)
+                added += self._ingest(added_rows, problems)
             except LakeUnavailable:
                 raise
             except (LakeError, ShardValidationError, pa.ArrowException) as exc:
@@ -208,7 +208,7 @@ class LakeReplica(StoreIndex):
         for snapshot in sorted(self.unreadable):
             try:
                 added_rows, problems = self._read_window(snapshot - 1, snapshot)
-                added += self._ingest(added_rows.rows, problems, added_rows.bodies)
+                added += self._ingest(added_rows, problems)
             except LakeUnavailable:
                 raise
             except (LakeError, ShardValidationError, pa.ArrowException) as exc:
@@ -238,14 +238,15 @@ class LakeReplica(StoreIndex):
                       self.followed, self.error)
             self._logged = (self.error, now)
 
-    def _ingest(self, rows: pa.Table, problems: pa.Table, bodies: dict[int, tuple[int, bytes]] | None = None) -> int:
+    def _ingest(self, window: AddedRows, problems: pa.Table) -> int:
         """Cache the groups of lake rows (commit order) not cached yet, the first copy of each; and problems.
 
         Cache shards hold one snapshot's groups of one model, indexed in commit order: the order groups are
         indexed in (which GET /v1/rollouts pages by) is then the lake's, whatever windows a replica read. Where
-        those rows are exactly one data file of `bodies` (`AddedRows`: a commit of graft's writers holds one
-        file per model), the file's bytes are the shard (encoding the rows again cost ~8 us per rollout).
+        those rows are exactly one data file of `window.bodies` (a commit of graft's writers holds one file per
+        model), the file's bytes are the shard (encoding the rows again cost ~8 us per rollout).
         """
+        rows = window.rows
         fresh_problems = [Problem(**p) for p in problems.cast(PROBLEM_ARROW_SCHEMA).to_pylist()
                           if (p["dataset"], p["prompt_id"]) not in self._known_problems]
         if fresh_problems:
@@ -294,7 +295,7 @@ class LakeReplica(StoreIndex):
                     of_model = snapshot.filter(is_model)
                     row_ids_of_model = row_ids_of_model[is_model.to_numpy(zero_copy_only=False)]
                 group_starts, group_lengths = group_runs(of_model.column("group_id"))
-                encoded = _whole_file(bodies or {}, row_ids_of_model)
+                encoded = _whole_file(window.bodies, row_ids_of_model)
                 if encoded is not None:
                     path = write_rollout_table(model_dir(self.root, model), of_model, encoded=encoded)
                     added += self.ingest_file(path, summarise_groups(of_model, group_starts, group_lengths))
