@@ -373,7 +373,17 @@ class Lake:
                 con.close()
                 raise self._error("attach", exc) from None  # the cause's text may hold a password: said, redacted
         try:
-            self._ensure_tables(con)
+            for attempt in itertools.count():
+                try:
+                    self._ensure_tables(con)
+                    break
+                except (duckdb.Error, LakeError) as exc:
+                    # a SQLite catalog answers "database is locked" while another process commits (writers
+                    # starting together, one creating the tables): look again
+                    if attempt >= 10 or "database is locked" not in str(exc).lower():
+                        raise
+                    _rollback_quietly(con)
+                    time.sleep(random.uniform(0.05, 0.2) * (attempt + 1))
             options = dict(con.execute(f"SELECT option_name, value FROM {ALIAS}.options()").fetchall())
             self.data_path = options["data_path"]
             self._encrypted = options.get("encrypted", "false").lower() == "true"
