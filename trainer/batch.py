@@ -213,7 +213,9 @@ def needs_forward(row: TrainSample, cfg: TrainConfig) -> bool:
 class FirstPass:
     """The update's own forward pass, taken before pi_old is needed (`trainer.update.single_pass_forward`)."""
 
-    rows: list[TrainSample]  # the rows with signal, in the order of `logprobs` (none: a data-parallel rank's padding)
+    # the rows with signal when the pass ran, in the order of `logprobs` (none: a data-parallel rank's padding); the
+    # non-finite grafted rows dropped after it stay here, so rows the update trains on may be fewer
+    rows: list[TrainSample]
     tokens: TokenBatch | None
     logprobs: Tensor  # (b, T) float32, with grad (a padding forward's (1, 1, V) logits when there are no rows)
 
@@ -324,7 +326,7 @@ def old_logprobs_and_weights(
         old = [detached[i, : len(row.completion_ids)] for i, row in enumerate(active)]
     else:
         active = [row for row in rows if needs_forward(row, cfg)]
-        old = forward_logprobs(learner.model, active, learner, cfg.optim.micro_batch_size, cfg.rollout.temperature)
+        old = forward_logprobs(learner.hf_model, active, learner, cfg.optim.micro_batch_size, cfg.rollout.temperature)
     refs: list[Tensor | None] = [None] * len(active)
     if reference is not None:
         # at the rollout temperature, as the policy's: the KL compares the two distributions the loss sees

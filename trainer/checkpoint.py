@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer.distributed import DistContext, barrier, broadcast_object, full_state_dict, unwrap
+from trainer.distributed import DistContext, barrier, broadcast_object, full_state_dict, sum_over_ranks, unwrap
 
 log = logging.getLogger("trainer")
 
@@ -141,9 +141,9 @@ def restore_training_state(
         loop = load_sharded_checkpoint(checkpoint, model, optimizer, scheduler, ctx)["loop"]
     else:
         saved = load_trainer_state(checkpoint)
-        if ctx.strategy == "fsdp":
+        if ctx.strategy == "fsdp" and saved["optimizer"]["state"]:
             _load_full_optimizer_state(model, optimizer, saved["optimizer"])
-        else:
+        else:  # an optimizer that never stepped loads as the fresh one it is (torch's sharded load would step it)
             optimizer.load_state_dict(saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])
         restore_rng_state(saved["rng"])
@@ -188,21 +188,33 @@ def _write_sharded(
     staging: Path, model: torch.nn.Module, tokenizer: Any, optimizer: torch.optim.Optimizer,
     trainer_state: dict[str, Any], ctx: DistContext,
 ) -> None:
-    """Every rank: its shards of model and optimizer and its own RNG into staging/dcp/; rank 0 the HF export."""
+    """Every rank: its shards of model and optimizer and its own RNG into staging/dcp/; rank 0 the HF export. An
+    optimizer that never stepped is saved without state (no "optimizer" entry), as one process saves it."""
     from torch.distributed.checkpoint import save as dcp_save
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {
-        "model": model_state,
-        "optimizer": optimizer_state,
+        "model": get_model_state_dict(model),
         # One pickled blob: lists whose length varies (grafted prompts) do not fit DCP's fixed layout.
         "trainer": pickle.dumps({**trainer_state, "world_size": ctx.world_size}),
         _rng_key(ctx.rank): pickle.dumps(rng_state()),  # one key per rank: DCP keeps them all
     }
+    # torch gives an optimizer without state the state of one step (a step at lr 0 that sets Adam's step count to
+    # 1, so that the first real update would take another bias correction): only one that stepped is asked
+    if _optimizer_stepped(optimizer, ctx):
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
     dcp_save(state, checkpoint_id=staging / SHARDED_DIR)
     export_hf(model, tokenizer, staging, ctx)
     barrier(ctx)  # every rank's files are written before rank 0 renames the folder
+
+
+def _optimizer_stepped(optimizer: torch.optim.Optimizer, ctx: DistContext) -> bool:
+    """Whether the optimizer holds state (AdamW from its first step on). The ranks step together, so they agree;
+    one collective checks it (DCP's save plan must be the same on every rank)."""
+    stepped = sum_over_ranks(ctx, int(bool(optimizer.state)))
+    if stepped not in (0, ctx.world_size):
+        raise RuntimeError(f"the optimizers of {stepped} of {ctx.world_size} ranks have stepped: the ranks are out of step")
+    return stepped > 0
 
 
 def load_sharded_checkpoint(
@@ -211,24 +223,35 @@ def load_sharded_checkpoint(
     """Every rank calls it, at any world size and strategy (a 2-rank fsdp checkpoint loads into one
     plain process): model and optimizer are resharded onto this job, the scheduler and this rank's
     RNG are restored. Returns {"step", "loop", "world_size"} as saved. The model and optimizer must be
-    built (and wrapped) already."""
+    built (and wrapped) already; an optimizer saved without state (it had never stepped) is left without any."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint import load as dcp_load
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     directory = Path(checkpoint) / SHARDED_DIR
     if not (directory / ".metadata").exists():
         raise FileNotFoundError(f"{directory}/.metadata is missing: {checkpoint} is not a complete data-parallel checkpoint")
     saved_keys = FileSystemReader(directory).read_metadata().state_dict_metadata
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state, "trainer": b""}
+    state: dict[str, Any] = {"model": get_model_state_dict(model), "trainer": b""}
+    saved_optimizer = any(key.startswith("optimizer.") for key in saved_keys)
+    if saved_optimizer:  # torch steps a fresh optimizer once to lay out its state; the loaded values replace it
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
     has_rng = _rng_key(ctx.rank) in saved_keys
     if has_rng:
         state[_rng_key(ctx.rank)] = b""
     with warnings.catch_warnings():  # one process reading a sharded checkpoint is what we mean; DCP warns about it
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp_load(state, checkpoint_id=directory, no_dist=not ctx.distributed)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_model_state_dict(model, state["model"])
+    if saved_optimizer:
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    else:
+        optimizer.state.clear()  # as saved: no step taken
     trainer = pickle.loads(state["trainer"])  # our own file
     scheduler.load_state_dict(trainer["scheduler"])
     if has_rng:

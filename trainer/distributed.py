@@ -25,7 +25,7 @@ What a training step does with these parts so that N ranks equal one process:
   rest are padding. Sampling with transformers' generate() runs inside `gathered_weights` (the full
   weights on every rank, no collective per forward); each rollout is seeded by its place in the global
   batch (rollouts.sampling.SamplingParams.seed_per_sample), so the ranks draw what one process draws.
-- Counts the step decides on globally come from `spans` / `sum_over_ranks` (the graft cap, DAPO's refill,
+- Counts the step decides on globally come from `rank_spans` / `sum_over_ranks` (the graft cap, DAPO's refill,
   the single pass); lists are joined in rank order with `gather_lists` (grafted prompts, the grafted
   rows' weights for their statistics).
 - Metrics: `reduce_metrics` (sums, count-weighted means, maxima; NaN-aware); rank 0 writes them.
@@ -261,13 +261,13 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 @contextlib.contextmanager
-def gradient_sync(model: nn.Module, last_micro_batch: bool) -> Iterator[None]:
-    """Around each micro-batch's backward. ddp: gradients accumulate locally and are all-reduced once,
-    in the mini-batch's last backward. fsdp (and none): nothing changes; FSDP reduce-scatters on every
-    backward, so each rank only ever keeps its shard of the gradient."""
+def gradient_sync(model: nn.Module, last_backward: bool) -> Iterator[None]:
+    """Around each backward of a mini-batch. ddp: gradients accumulate locally and are all-reduced once, in the
+    mini-batch's last backward (`last_backward`: the caller says which one that is). fsdp (and none): nothing
+    changes; FSDP reduce-scatters on every backward, so each rank only ever keeps its shard of the gradient."""
     from torch.nn.parallel import DistributedDataParallel
 
-    if isinstance(model, DistributedDataParallel) and not last_micro_batch:
+    if isinstance(model, DistributedDataParallel) and not last_backward:
         with model.no_sync():
             yield
     else:
@@ -357,22 +357,23 @@ def rank_block(total: int, rank: int, world_size: int) -> tuple[int, int]:
 
 
 @dataclass(frozen=True)
-class RowSpan:
-    """Where this rank's rows sit in the global batch (the ranks' rows laid end to end in rank order)."""
+class RankSpan:
+    """Where this rank's items of one kind (the step's groups, its grafted groups) sit among all ranks' items of
+    that kind laid end to end in rank order."""
 
-    offset: int  # global index of this rank's first row
-    count: int  # rows on this rank
-    total: int  # rows on all ranks
+    offset: int  # index of this rank's first item among all ranks' items
+    count: int  # items on this rank
+    total: int  # items on all ranks
 
 
-def spans(ctx: DistContext, local_counts: Sequence[int]) -> list[RowSpan]:
-    """For each of several per-rank counts (rows, groups, grafted groups), this rank's span in the ranks' items laid
-    end to end in rank order; one all_gather for all of them."""
+def rank_spans(ctx: DistContext, local_counts: Sequence[int]) -> list[RankSpan]:
+    """For each of several per-rank counts (groups, grafted groups), this rank's span in the ranks' items laid end to
+    end in rank order; one all_gather for all of them (a collective: every rank calls it together)."""
     gathered = _gather(ctx, [float(c) for c in local_counts])  # (W, n)
     out = []
     for column, local in enumerate(local_counts):
         counts = [int(c) for c in gathered[:, column].tolist()]  # (W,)
-        out.append(RowSpan(offset=sum(counts[: ctx.rank]), count=int(local), total=sum(counts)))
+        out.append(RankSpan(offset=sum(counts[: ctx.rank]), count=int(local), total=sum(counts)))
     return out
 
 

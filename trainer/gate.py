@@ -1,10 +1,11 @@
 """The gate (GRAFT_SPEC section 1), peer advantages (section 2) and the compatibility weights (sections 4, 5).
 
-Pure functions over groups and tensors (but for gate_groups' cap, which counts the groups of all data-parallel
-ranks: one collective); the loop calls them once per step. Which peer group may be grafted
-is the step's lookup request's rule (`PeerLookupRequest.accepts`, which the store's lookup applies too); the
-gate adds what only the trainer knows: the tokenizers it can weigh, the preference for informative groups
-and the most recent one, and the cap on grafted groups.
+Functions over groups and tensors that keep no state; all are local but `gate_groups`, which is a collective
+under data parallel (its cap counts the groups of all ranks: every rank calls it together, with the same rng).
+The loop calls them once per step. Which peer group may be grafted is the step's lookup request's rule
+(`PeerLookupRequest.accepts`, which the store's lookup applies too); the gate adds what only the trainer knows:
+the tokenizers it can weigh, the preference for informative groups and the most recent one, and the cap on
+grafted groups.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch import Tensor
 from schemas import PeerLookupRequest, RolloutGroup, group_advantages
 from schemas.api import group_created_us, now_us
 from schemas.rollout import ADVANTAGE_TOLERANCE
-from trainer.distributed import DistContext, spans
+from trainer.distributed import DistContext, rank_spans
 
 GroupKind = Literal["all_fail", "all_success", "mixed"]
 Action = Literal[
@@ -106,8 +107,8 @@ def gate_groups(
     Mixed and all-success groups train on-policy; all-fail groups are grafted when an acceptable peer group
     arrived (`choose_peer_group` under `rule`; None: the gate is off, GRPO and DAPO), else skipped. At most
     floor(max_grafted_fraction * groups) are grafted; the rest of the candidates (chosen at random) are
-    skipped as 'skip_capped'. ranks: data parallel, the step's groups are all ranks' (every rank calls this
-    together, with the same rng); None: one process."""
+    skipped as 'skip_capped'. ranks: data parallel, the step's groups are all ranks', and this is a collective (one
+    all_gather for the cap: every rank calls it together, with the same rng); None: one process."""
     now = now_us()
     decisions: list[GateDecision] = []
     for prompt_id, rewards in learner_rewards:
@@ -121,7 +122,7 @@ def gate_groups(
     # The cap is the job's: this rank's grafts are its block of all ranks' grafts laid end to end (one process's
     # order), and every rank draws the same indices to skip from the same rng, as one process would.
     grafted = [d for d in decisions if d.grafts]
-    grafts, groups = spans(ranks or DistContext("none", torch.device("cpu")), [len(grafted), len(decisions)])
+    grafts, groups = rank_spans(ranks or DistContext("none", torch.device("cpu")), [len(grafted), len(decisions)])
     cap = math.floor(max_grafted_fraction * groups.total + 1e-9)
     if grafts.total > cap:
         for index in rng.sample(range(grafts.total), grafts.total - cap):

@@ -31,9 +31,15 @@ from trainer.retokenize import learner_stop_token
 
 @dataclass
 class Learner:
-    """The policy being trained and the identities its groups carry."""
+    """The policy being trained and the identities its groups carry.
 
-    model: torch.nn.Module  # the transformers model (under fsdp sharded in place): sampling, no-grad passes, saving
+    Two handles on the one policy: a forward whose output is backpropagated calls `grad_model` (under ddp the
+    wrapper, whose backward all-reduces the gradients: through `hf_model` the ranks would step apart); everything
+    else (sampling, no-grad passes, the vLLM sync, the optimizer's parameters) takes `hf_model`, the transformers
+    model itself, whose generate() and forwards need no DDP machinery. Under fsdp and in one process they are
+    the same object."""
+
+    hf_model: torch.nn.Module  # the transformers model (under fsdp sharded in place): sampling, no-grad passes
     tokenizer: Any
     model_id: str
     tokenizer_id: str
@@ -45,15 +51,15 @@ class Learner:
     # too; None: the tokenizer's EOS
     stop_token_id: int | None = None
     dist: DistContext | None = None  # this process's place in the job (None: one process, on `device`)
-    # what the update's forward passes with gradient call: the DDP wrapper (its backward all-reduces the
-    # gradients) or, under fsdp and in one process, the model itself
-    wrapped: torch.nn.Module | None = None
+    # what every forward that is backpropagated calls (the update's, the anchor's), and what checkpoints save: the
+    # DDP wrapper or, under fsdp and in one process, hf_model itself
+    grad_model: torch.nn.Module | None = None
 
     def __post_init__(self) -> None:
         if self.dist is None:
             self.dist = DistContext("none", self.device)
-        if self.wrapped is None:
-            self.wrapped = self.model
+        if self.grad_model is None:
+            self.grad_model = self.hf_model
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """Mixed precision for forward passes (sampling, pi_old, the update's forward and loss); backward runs outside."""
@@ -83,9 +89,9 @@ def load_learner(cfg: TrainConfig, checkpoint: Path | None, dist: DistContext | 
     if tokenizer.eos_token_id is None:
         raise ValueError(f"the tokenizer of {cfg.model.path} has no eos_token; set one in its tokenizer_config.json")
     eos_ids = eos_token_ids(model, tokenizer)
-    wrapped = wrap_model(model, dist, compute_dtype)  # one process: the model, moved to its device
+    grad_model = wrap_model(model, dist, compute_dtype)  # one process: the model, moved to its device
     return Learner(
-        model=model,
+        hf_model=model,
         tokenizer=tokenizer,
         model_id=cfg.model.model_id or default_model_id(cfg.model.path),
         tokenizer_id=cfg.model.tokenizer_id or tokenizer_fingerprint(tokenizer),
@@ -95,7 +101,7 @@ def load_learner(cfg: TrainConfig, checkpoint: Path | None, dist: DistContext | 
         compute_dtype=compute_dtype,
         stop_token_id=learner_stop_token(tokenizer, eos_ids, cfg.data.prompt_template),
         dist=dist,
-        wrapped=wrapped,
+        grad_model=grad_model,
     )
 
 
@@ -120,7 +126,7 @@ def make_sampler(cfg: TrainConfig, learner: Learner, weights_path: str | Path) -
         from trainer.vllm_sync import make_vllm_backend
 
         return make_vllm_backend(cfg, learner, weights_path), True
-    backend = HFBackend(learner.model, learner.tokenizer, learner.model_id, tokenizer_id=learner.tokenizer_id,
+    backend = HFBackend(learner.hf_model, learner.tokenizer, learner.model_id, tokenizer_id=learner.tokenizer_id,
                         batch_size=cfg.rollout.generation_batch_size)
     return (GatheredSampler(backend) if learner.dist.strategy == "fsdp" else backend), False
 
@@ -156,7 +162,7 @@ def sync_sampler(sampler: Any, learner: Learner) -> None:
     """Give a vLLM engine the updated weights, so that it samples the next step from the new policy."""
     from trainer.vllm_sync import sync_weights
 
-    sync_weights(sampler, learner.model)
+    sync_weights(sampler, learner.hf_model)
 
 
 def _resolve_device(spec: str) -> torch.device:

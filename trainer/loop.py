@@ -75,10 +75,10 @@ def _train(cfg: TrainConfig, dist: DistContext, resume: bool, on_step: Callable[
     torch.manual_seed(cfg.seed)
 
     learner = load_learner(cfg, checkpoint, dist)  # wrapped for parallel.strategy; the optimizer comes after
-    optimizer, scheduler = make_optimizer(cfg, learner.model)
+    optimizer, scheduler = make_optimizer(cfg, learner.hf_model)
     update = UpdateContext(cfg, LossConfig.from_train(cfg), learner, optimizer, scheduler, load_reference(cfg, learner),
                            load_anchor(cfg))
-    state = LoopState(**restore_training_state(checkpoint, learner.wrapped, optimizer, scheduler, dist)) if checkpoint \
+    state = LoopState(**restore_training_state(checkpoint, learner.grad_model, optimizer, scheduler, dist)) if checkpoint \
         else LoopState()
     prompts = training_prompts(cfg, state)
     peer_tokenizers = load_peer_tokenizers(cfg)
@@ -131,7 +131,7 @@ def _train(cfg: TrainConfig, dist: DistContext, resume: bool, on_step: Callable[
             progress.set_postfix(reward=f"{metrics['reward_mean']:.3f}", grafted=f"{metrics['frac_grafted']:.2f}",
                                  loss=f"{metrics['loss']:.4f}")
             if (cfg.checkpoint.every_steps and state.step % cfg.checkpoint.every_steps == 0) or state.step == cfg.steps:
-                save_checkpoint(run_dir, state.step, learner.wrapped, learner.tokenizer, optimizer, scheduler,
+                save_checkpoint(run_dir, state.step, learner.grad_model, learner.tokenizer, optimizer, scheduler,
                                 asdict(state), cfg.checkpoint.keep_last, dist)
             if due(cfg, state.step):  # each rank scores its block of the problems; rank 0 writes
                 with learner.autocast():

@@ -5,8 +5,9 @@ The update is written on `trainer.distributed`'s parts, so that N data-parallel 
 process takes on the job's rows (in one process they run no collective): where this rank's rows sit among
 the job's in one process's order (`row_places`), the mini-batches (`mini_batch_rows` of one permutation of
 all ranks' rows), the global loss normaliser and micro-batch count (`plan_mini_batches`), a padding pass for
-a rank that has run out of rows, `gradient_sync` around each backward, and the gradient norm over all ranks
-(`clip_grad_norm`). `UpdateResult.totals` are sums the metrics add over ranks.
+a rank that has run out of rows, `gradient_sync` around each backward (DDP all-reduces in the mini-batch's last
+one: the anchor's when there is an anchor term), and the gradient norm over all ranks (`clip_grad_norm`). Every
+forward here is backpropagated, so each calls `learner.grad_model` (trainer.learner.Learner). `UpdateResult.totals` are sums the metrics add over ranks.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ def single_pass_forward(ctx: UpdateContext, rows: list[TrainSample]) -> FirstPas
     frozen before the first).
 
     Data parallel: decided on the job's rows (every rank alike); a rank without rows then runs a padding
-    forward, whose backward the update takes with the others' (its FirstPass holds no rows)."""
+    forward. A rank whose micro-batch comes out empty (no rows, or every row dropped after this pass as non-finite)
+    backpropagates this pass with a zero gradient while the others take theirs (`_padding`)."""
     cfg, learner = ctx.cfg, ctx.learner
     if cfg.optim.ppo_epochs != 1 or num_mini_batches(cfg) != 1:
         return None
@@ -90,10 +92,10 @@ def single_pass_forward(ctx: UpdateContext, rows: list[TrainSample]) -> FirstPas
         return None
     if not active:
         with learner.autocast():
-            return FirstPass([], None, padding_forward(learner.wrapped, learner.device))
+            return FirstPass([], None, padding_forward(learner.grad_model, learner.device))
     tokens = collate(active, learner.tokenizer.pad_token_id).to(learner.device)
     with learner.autocast():
-        logprobs = response_logprobs(learner.wrapped, tokens, cfg.rollout.temperature)  # (b, T) float32, with grad
+        logprobs = response_logprobs(learner.grad_model, tokens, cfg.rollout.temperature)  # (b, T) float32, with grad
     return FirstPass(active, tokens, logprobs)
 
 
@@ -142,9 +144,13 @@ def update_policy(
                 continue
             ctx.optimizer.zero_grad(set_to_none=True)
             mini_loss = 0.0  # this rank's micro-batch losses as scaled for their backward: the ranks' mean is the loss
+            # DDP all-reduces in the mini-batch's last backward: the anchor's, which runs after the micro-batches, when
+            # the step has an anchor term; else the last micro-batch's
+            anchor_is_sync_point = bool(anchor_rows)
             for k in range(plan.micro_batches):
                 chunk = active[k * micro : (k + 1) * micro]
-                with gradient_sync(learner.wrapped, last_micro_batch=k == plan.micro_batches - 1 and not anchor_rows):
+                last_backward = k == plan.micro_batches - 1 and not anchor_is_sync_point
+                with gradient_sync(learner.grad_model, last_backward=last_backward):
                     if not chunk:  # this rank has run out of rows: it takes part in the others' collectives
                         _padding(learner, first_pass)
                         continue
@@ -158,11 +164,12 @@ def update_policy(
                 means.add("ratio_mean", metrics["ratio_mean"], metrics["tokens_onpolicy"] + metrics["tokens_grafted"])
                 means.add("kl", metrics["kl"], micro_denominator)
             if anchor_rows:
-                nll = anchor_nll(learner, anchor_rows)
-                (cfg.anchor.weight * nll).backward()
+                with gradient_sync(learner.grad_model, last_backward=anchor_is_sync_point):
+                    nll = anchor_nll(learner, anchor_rows)
+                    (cfg.anchor.weight * nll).backward()
                 means.add("anchor_nll", float(nll.detach()), 1.0 / dist.world_size)  # every rank holds the same term
                 mini_loss += cfg.anchor.weight * float(nll.detach())
-            grad_norms.append(clip_grad_norm(learner.wrapped, cfg.optim.grad_clip))
+            grad_norms.append(clip_grad_norm(learner.grad_model, cfg.optim.grad_clip))
             ctx.optimizer.step()
             ctx.scheduler.step()
             means.add("loss", mini_loss, 1.0 / dist.world_size)  # the weights of one optimizer step add up to 1
@@ -176,13 +183,14 @@ def update_policy(
 
 
 def _padding(learner: Learner, first_pass: FirstPass | None) -> None:
-    """A rank without rows in this micro-batch: the zero backward of its single-pass padding forward, or a whole
-    padding pass (trainer.distributed.padding_pass)."""
-    if first_pass is not None and not first_pass.rows:
+    """A rank without rows in this micro-batch: the zero backward of its first pass when there is one (its padding
+    forward's, or its rows' whose every row was dropped after it: another forward would be one more than the other
+    ranks run, which misaligns fsdp's all-gathers), else a whole padding pass (trainer.distributed.padding_pass)."""
+    if first_pass is not None:
         zero_backward(first_pass.logprobs)
         return
     with learner.autocast():
-        logits = padding_forward(learner.wrapped, learner.device)  # (1, 1, V)
+        logits = padding_forward(learner.grad_model, learner.device)  # (1, 1, V)
     zero_backward(logits)
 
 
@@ -196,7 +204,7 @@ def _micro_batch_loss(
     else:
         tokens = collate(chunk, learner.tokenizer.pad_token_id).to(learner.device)
         with learner.autocast():
-            logprobs = response_logprobs(learner.wrapped, tokens, ctx.cfg.rollout.temperature)  # (b, T)
+            logprobs = response_logprobs(learner.grad_model, tokens, ctx.cfg.rollout.temperature)  # (b, T)
         mask = tokens.mask
     width = logprobs.shape[1]
     batch = LossBatch(
@@ -234,7 +242,7 @@ def anchor_nll(learner: Learner, rows: list[TrainSample]) -> torch.Tensor:
     """Token-mean negative log-likelihood of the reference completions (temperature 1)."""
     tokens = collate(rows, learner.tokenizer.pad_token_id).to(learner.device)
     with learner.autocast():
-        logprobs = response_logprobs(learner.wrapped, tokens, 1.0)  # (b, T)
+        logprobs = response_logprobs(learner.grad_model, tokens, 1.0)  # (b, T)
     return -(logprobs * tokens.mask).sum() / tokens.mask.sum().clamp(min=1)
 
 

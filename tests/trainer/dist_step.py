@@ -136,7 +136,7 @@ def update(
         optimizer.zero_grad(set_to_none=True)
         for k in range(plan.micro_batches):
             chunk = [rows[i] for i in mini[k * MICRO_BATCH_SIZE : (k + 1) * MICRO_BATCH_SIZE]]
-            with gradient_sync(model, last_micro_batch=k == plan.micro_batches - 1):
+            with gradient_sync(model, last_backward=k == plan.micro_batches - 1):
                 if not chunk:
                     padding_pass(model, ctx.device)
                     result.padding_passes += 1

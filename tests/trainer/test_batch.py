@@ -21,7 +21,7 @@ PROBLEMS = [Problem.from_text("12+7=", "19", "toy_add"), Problem.from_text("3+4=
 
 
 def learner_of(model, tokenizer, tokenizer_id="tok-char"):
-    return Learner(model=model, tokenizer=tokenizer, model_id="learner", tokenizer_id=tokenizer_id, revision="r",
+    return Learner(hf_model=model, tokenizer=tokenizer, model_id="learner", tokenizer_id=tokenizer_id, revision="r",
                    eos_ids={tokenizer.eos_token_id}, device=torch.device("cpu"))
 
 
@@ -187,7 +187,7 @@ def test_a_chat_learner_ends_grafted_and_anchor_rows_with_its_end_of_turn(tmp_pa
     problem = PROBLEMS[0]
     peer = build_group(problem, ["\\boxed{19}", "\\boxed{18}"], [1.0, 0.0], bpe_tokenizer, bpe_model, model_id="peer",
                        tokenizer_id="tok-bpe")
-    own = build_group(problem, ["1", "2"], [0.0, 0.0], learner.tokenizer, learner.model, model_id="learner",
+    own = build_group(problem, ["1", "2"], [0.0, 0.0], learner.tokenizer, learner.hf_model, model_id="learner",
                       tokenizer_id=tokenizer_fingerprint(learner.tokenizer))
     rows = build_rows(cfg, learner, [GateDecision(problem.prompt_id, "all_fail", "graft", peer)], [own],
                       {problem.prompt_id: problem}, {"tok-bpe": bpe_tokenizer}).rows

@@ -19,7 +19,11 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+import trainer.batch
+from dist_train_worker import non_finite_grafts
+from schemas import Problem
 from services.store_api.server import StoreServer
+from toy.task import write_problems_jsonl
 from torchrun import torchrun
 from train_configs import make_config
 from trainer.config import TrainConfig
@@ -311,3 +315,69 @@ def test_fsdp_ranks_other_than_0_read_no_weights_and_the_kl_reference_is_sharded
     built = (run_dir / "train.rank1.log").read_text().count("built on the meta device, its shards received from rank 0")
     assert built == 2  # the policy and the reference
     assert "built on the meta device" not in (run_dir / "train.log").read_text()
+
+
+# ---- an optimizer that never stepped, a rank whose grafted rows are all dropped --------------------
+
+def test_a_checkpoint_before_the_first_update_leaves_adam_as_one_process_has_it(toy_world, tmp_path):
+    """Step 1 has no signal (its prompts cannot be answered in 16 tokens; optim.skip_zero_advantage: no row to train
+    on, no optimizer step), a checkpoint follows every step, and steps 2 and 3 train. Saving the optimizer that never
+    stepped (and restoring it) must not give it Adam's state of one step: its first real update would take another
+    bias correction than one process's. The 2 fsdp ranks, one process resumed from the ranks' step-1 checkpoint, and
+    one fsdp rank resumed from one process's step-1 checkpoint all end where one process ends."""
+    unanswerable = [Problem.from_text(f"{a}+987654321=", str(a + 987654321), "toy_add") for a in (123456789, 223456789)]
+    dataset = write_problems_jsonl(unanswerable + toy_world.learner_problems[:4], tmp_path / "problems.jsonl")
+    overrides = {"method": "grpo", "steps": 3, "data.dataset": str(dataset), "data.shuffle": False,
+                 "rollout.prompts_per_step": 2, "optim.mini_batch_prompts": 2, "optim.skip_zero_advantage": True,
+                 "checkpoint.every_steps": 1}
+    one = train(config(toy_world, tmp_path / "one", None, **overrides))
+    reference = metrics(one)
+    assert [m["optimizer_updates"] for m in reference][0] == 0 and reference[0]["updates_skipped_no_signal"] == 1
+    assert sum(m["optimizer_updates"] for m in reference[1:]) >= 1  # later steps trained
+    expected = weights(one / "checkpoints" / "step_000003")
+
+    ranks = two_ranks(config(toy_world, tmp_path / "ranks", None, **overrides), "fsdp")
+    for line, reference_line in zip(metrics(ranks), reference, strict=True):
+        assert_same_line(line, reference_line)
+    assert_close_weights(weights(ranks / "checkpoints" / "step_000003"), expected, "2 fsdp ranks")
+
+    resumed = resumable_copy(ranks, tmp_path / "resumed-one", 1)
+    train(config(toy_world, resumed, None, **overrides), resume=True)
+    assert_close_weights(weights(resumed / "checkpoints" / "step_000003"), expected, "the ranks' step 1 in one process")
+
+    sharded = resumable_copy(one, tmp_path / "resumed-fsdp", 1)
+    train(config(toy_world, sharded, None, **overrides, **{"parallel.strategy": "fsdp"}), resume=True)
+    assert_close_weights(weights(sharded / "checkpoints" / "step_000003"), expected, "one process's step 1 on 1 fsdp rank")
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_rank_whose_grafted_rows_are_all_dropped_backpropagates_its_first_pass(toy_world, store, tmp_path, monkeypatch,
+                                                                                 strategy):
+    """One prompt per rank and step, in one mini-batch of one micro-batch (the update's forward is the first pass):
+    rank 0's from the learner's family, rank 1's from the peer's, which the learner fails and grafts, the grafted rows
+    coming out non-finite (dist_train_worker.non_finite_grafts). Rank 1 drops every row it grafted while
+    rank 0 trains: it backpropagates its first pass with a zero gradient (one forward and one backward, as rank 0),
+    and the update is one process's."""
+    own, peer = toy_world.learner_problems[:3], toy_world.peer_problems[:3]
+    dataset = write_problems_jsonl([p for pair in zip(own, peer) for p in pair], tmp_path / "problems.jsonl")
+    overrides = {"data.dataset": str(dataset), "data.shuffle": False, "rollout.prompts_per_step": 2,
+                 "optim.mini_batch_prompts": 2, "optim.micro_batch_size": 16, "graft.max_grafted_fraction": 1.0,
+                 "checkpoint.every_steps": 0, "parallel.timeout_s": 120.0}  # a collective that hangs fails in 2 minutes
+    poisoned = ",".join(p.prompt_id for p in peer)
+    with monkeypatch.context() as patch:
+        patch.setattr(trainer.batch, "_weigh_grafted_rows", non_finite_grafts(set(poisoned.split(","))))
+        one = train(config(toy_world, tmp_path / "one", store.url, **overrides))
+    cfg = config(toy_world, tmp_path / "ranks", store.url, **overrides)
+    path = tmp_path / "ranks.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    torchrun([str(WORKER), str(path), strategy, "--non-finite-grafts", poisoned], timeout_s=240.0)
+    got, reference = metrics(cfg.run_dir), metrics(one)
+    # the case: a step where rank 1 grafted and dropped every row as non-finite (rank 0 grafts none of them) while
+    # rank 0 trained
+    steps = zip(rank_steps(cfg.run_dir, 0), rank_steps(cfg.run_dir, 1), got, strict=True)
+    assert any(b["grafted"] and b["rows"] == 0 and a["rows"] > 0 and m["dropped_non_finite"] > 0
+               and m["optimizer_updates"] == 1 for a, b, m in steps)
+    for line, expected in zip(got, reference, strict=True):
+        assert_same_line(line, expected)
+    assert_close_weights(weights(cfg.run_dir / "checkpoints" / "step_000003"), weights(one / "checkpoints" / "step_000003"),
+                         f"grafted rows dropped on rank 1, {strategy}")
