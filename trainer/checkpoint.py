@@ -213,7 +213,8 @@ def _optimizer_stepped(optimizer: torch.optim.Optimizer, ctx: DistContext) -> bo
     one collective checks it (DCP's save plan must be the same on every rank)."""
     stepped = sum_over_ranks(ctx, int(bool(optimizer.state)))
     if stepped not in (0, ctx.world_size):
-        raise RuntimeError(f"the optimizers of {stepped} of {ctx.world_size} ranks have stepped: the ranks are out of step")
+        raise RuntimeError(f"the optimizers of {stepped} of {ctx.world_size} ranks have stepped: the ranks are out of "
+                           "step (they must take every optimizer step together)")
     return stepped > 0
 
 

@@ -6,8 +6,9 @@ process takes on the job's rows (in one process they run no collective): where t
 the job's in one process's order (`row_places`), the mini-batches (`mini_batch_rows` of one permutation of
 all ranks' rows), the global loss normaliser and micro-batch count (`plan_mini_batches`), a padding pass for
 a rank that has run out of rows, `gradient_sync` around each backward (DDP all-reduces in the mini-batch's last
-one: the anchor's when there is an anchor term), and the gradient norm over all ranks (`clip_grad_norm`). Every
-forward here is backpropagated, so each calls `learner.grad_model` (trainer.learner.Learner). `UpdateResult.totals` are sums the metrics add over ranks.
+one: the anchor's when there is an anchor term), and the gradient norm over all ranks (`clip_grad_norm`).
+`UpdateResult.totals` are sums the metrics add over ranks. Every forward here is backpropagated: each calls
+`learner.grad_model` (trainer.learner.Learner says why).
 """
 
 from __future__ import annotations

@@ -46,7 +46,8 @@ def main() -> None:
     args = parser.parse_args()
     rank = os.environ["RANK"]
     overrides = [f"parallel.strategy={args.strategy}"]
-    overrides += [f"store.url={url}" for rank_url in args.store_urls for who, url in [rank_url.split("=", 1)] if who == rank]
+    overrides += [f"store.url={url}" for rank_url in args.store_urls
+                  for who, url in [rank_url.split("=", 1)] if who == rank]
     if args.non_finite_grafts:
         trainer.batch._weigh_grafted_rows = non_finite_grafts(set(args.non_finite_grafts.split(",")))
     train(load_config(args.config, overrides))

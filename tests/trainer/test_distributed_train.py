@@ -347,12 +347,14 @@ def test_a_checkpoint_before_the_first_update_leaves_adam_as_one_process_has_it(
 
     sharded = resumable_copy(one, tmp_path / "resumed-fsdp", 1)
     train(config(toy_world, sharded, None, **overrides, **{"parallel.strategy": "fsdp"}), resume=True)
-    assert_close_weights(weights(sharded / "checkpoints" / "step_000003"), expected, "one process's step 1 on 1 fsdp rank")
+    assert_close_weights(weights(sharded / "checkpoints" / "step_000003"), expected,
+                         "one process's step 1 on 1 fsdp rank")
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_a_rank_whose_grafted_rows_are_all_dropped_backpropagates_its_first_pass(toy_world, store, tmp_path, monkeypatch,
-                                                                                 strategy):
+def test_a_rank_whose_grafted_rows_are_all_dropped_backpropagates_its_first_pass(
+    toy_world, store, tmp_path, monkeypatch, strategy,
+):
     """One prompt per rank and step, in one mini-batch of one micro-batch (the update's forward is the first pass):
     rank 0's from the learner's family, rank 1's from the peer's, which the learner fails and grafts, the grafted rows
     coming out non-finite (dist_train_worker.non_finite_grafts). Rank 1 drops every row it grafted while
@@ -379,5 +381,5 @@ def test_a_rank_whose_grafted_rows_are_all_dropped_backpropagates_its_first_pass
                and m["optimizer_updates"] == 1 for a, b, m in steps)
     for line, expected in zip(got, reference, strict=True):
         assert_same_line(line, expected)
-    assert_close_weights(weights(cfg.run_dir / "checkpoints" / "step_000003"), weights(one / "checkpoints" / "step_000003"),
-                         f"grafted rows dropped on rank 1, {strategy}")
+    assert_close_weights(weights(cfg.run_dir / "checkpoints" / "step_000003"),
+                         weights(one / "checkpoints" / "step_000003"), f"grafted rows dropped on rank 1, {strategy}")
