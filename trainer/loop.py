@@ -59,7 +59,7 @@ def train(cfg: TrainConfig, resume: bool = False, on_step: Callable[[dict[str, A
 
     resume: continue from the newest checkpoint in cfg.run_dir (none there: start from the beginning). overwrite:
     delete the run cfg.run_dir holds and start afresh; without either, a run directory holding a run is refused
-    (FileExistsError). on_step: called with each step's metrics line after it is written (progress reporting in the
+    (RunDirInUse, a FileExistsError). on_step: called with each step's metrics line after it is written (progress reporting in the
     demo, fault injection in tests). Under torchrun every rank calls this (parallel.strategy ddp or fsdp;
     trainer.distributed)."""
     dist = init_distributed(cfg.parallel, cfg.model.device)
@@ -137,6 +137,9 @@ def _train(cfg: TrainConfig, dist: DistContext, resume: bool, overwrite: bool,
                            load_anchor(cfg))
     state = LoopState(**restore_training_state(checkpoint, learner.wrapped, optimizer, scheduler, dist)) if checkpoint \
         else LoopState()
+    if state.step >= cfg.steps:  # a finished run started again (a container restarted with --resume): say so
+        log.warning("the run in %s is at step %d of %d already: nothing to train (raise --steps to go on)", run_dir,
+                    state.step, cfg.steps)
     prompts = training_prompts(cfg, state)
     peer_tokenizers = load_peer_tokenizers(cfg)
     # Peer groups whose text the learner can weigh: its own tokenizer's and those of the configured peer tokenizers
@@ -194,8 +197,8 @@ def _train(cfg: TrainConfig, dist: DistContext, resume: bool, overwrite: bool,
                 save_checkpoint(run_dir, state.step, learner.wrapped, learner.tokenizer, optimizer, scheduler,
                                 asdict(state), cfg.checkpoint.keep_last, dist)
             if stopping:
-                log.warning("SIGTERM: stopped after step %d of %d, checkpoint written (evaluation skipped); continue "
-                            "with --resume", state.step, cfg.steps)
+                log.warning("SIGTERM: stopped after step %d of %d, checkpoint written%s; continue with --resume",
+                            state.step, cfg.steps, " (this step's evaluation skipped)" if due(cfg, state.step) else "")
                 break
             if due(cfg, state.step):  # each rank scores its block of the problems; rank 0 writes
                 with learner.autocast():

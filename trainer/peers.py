@@ -207,7 +207,7 @@ class PeerExchange:
             if missing and self.available:
                 # The co-trainer may be waiting for our groups as we wait for its: groups a failed push left queued go
                 # again now, not after this wait.
-                if self.outbox_size and self.available and (self._publishing is None or self._publishing.done()):
+                if self.outbox_size and (self._publishing is None or self._publishing.done()):
                     self._publishing = self._publish_pool.submit(self._flush)
                 time.sleep(min(self.store.cotrain_poll_s, max(0.0, deadline - time.monotonic())))
         return found
