@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             "store": {"url": server.url, "mode": "offline"},
             "checkpoint": {"keep_last": 1},
         })
-        train(cfg)
+        train(cfg, overwrite=True)  # a rerun of the demo starts its training over
     metrics = [orjson.loads(line) for line in (run_dir / "metrics.jsonl").read_bytes().splitlines() if line.strip()]
     print("\nGRAFT steps (learner SmolLM2-135M-Instruct, peer groups from the store):")
     keys = ["frac_all_fail", "peer_hit_rate", "frac_grafted", "peer_rollouts_consumed", "frac_dropped_retokenize",

@@ -88,7 +88,7 @@ def train(job: dict) -> dict:
 
     started = time.perf_counter()
     cfg = TrainConfig.model_validate(job["train"])
-    run_dir = run_training(cfg)
+    run_dir = run_training(cfg, overwrite=True)  # a job runs again only when it did not finish (no done.json): afresh
     train_s = time.perf_counter() - started
     eval_sets = load_eval_sets({f: Path(p) for f, p in job["eval_sets"].items()})
     checkpoints = sorted(checkpoints_dir(run_dir).glob("step_*"))

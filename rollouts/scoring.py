@@ -8,31 +8,37 @@ last `\\boxed{}` is extracted here and parsed the same way, and the gold goes fi
 Reward is null when the gold cannot be parsed, 0 on timeout or when there is no boxed answer.
 
 Results are cached in the parent by (extracted answer, gold): a cached item costs a dict look-up,
-no IPC. Short answers repeat a lot (the toy prototype saw 94% hits).
+no IPC. Short answers repeat a lot (the toy prototype saw 94% hits). The cache keeps the most
+recently used CACHE_SIZE items. A worker that dies or stops answering is replaced (its item scores 0).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-BOXED_COMMANDS = ("\\boxed", "\\fbox")
 TINY_MAGNITUDE = 1e-9  # below this, math-verify's absolute comparison cannot tell numbers apart
 TINY_RELATIVE_TOLERANCE = 1e-6
 WORKER_GRACE_S = 10.0  # beyond the per-item timeout, before the parent kills a silent worker
 WORKER_START_TIMEOUT_S = 120.0  # spawning a worker imports sympy: slow on a busy machine
 PARSE_CACHE_SIZE = 65_536  # parsed answers kept per worker
+CACHE_SIZE = 262_144  # (answer, gold) rewards kept in the parent, least recently used dropped first
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -42,29 +48,33 @@ class Score:
     extracted_answer: str | None  # content of the completion's last \boxed{}, None when there is none
 
 
+_BOXED_TOKENS = re.compile(r"\\boxed|\\fbox|[{}]")
+_BARE_ANSWER = re.compile(r"\s*([^\s$]+)")  # `\boxed 5`: the answer runs to the next whitespace or `$`
+
+
 def extract_last_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` (or `\\fbox{...}`, or `\\boxed 5`) in `text`, braces balanced; None if none."""
-    start = max(text.rfind(cmd) for cmd in BOXED_COMMANDS)
-    while start >= 0:
-        cmd = next(c for c in BOXED_COMMANDS if text.startswith(c, start))
-        pos = start + len(cmd)
-        if text.startswith("{", pos):
-            depth = 0
-            for end in range(pos, len(text)):
-                if text[end] == "{":
-                    depth += 1
-                elif text[end] == "}":
-                    depth -= 1
-                    if depth == 0:
-                        return text[pos + 1 : end].strip()
-            # Unbalanced (the completion was cut off inside the box): look for an earlier, complete one.
-        elif text.startswith(" ", pos):
-            # `\boxed 5`: the answer runs to the next space or `$`.
-            rest = text[pos:].lstrip(" ")
-            answer = rest.split("$")[0].split()[0] if rest.split("$")[0].split() else ""
-            if answer:
-                return answer
-        start = max(text.rfind(c, 0, start) for c in BOXED_COMMANDS)
+    """Content of the last `\\boxed{...}` (or `\\fbox{...}`, or `\\boxed 5`) in `text`, braces balanced; None if none.
+
+    One backward pass over the commands and braces: each `{` is matched to its `}` with a stack, so a
+    completion cut off inside many unclosed boxes costs one scan, not one scan per box."""
+    closing: list[int] = []  # positions of the `}` after the scan's position not matched yet, nearest last
+    opened_at, matched = -1, None  # the last `{` seen (the scan's leftmost) and its `}`
+    for token in reversed(list(_BOXED_TOKENS.finditer(text))):
+        kind, start = token.group(), token.start()
+        if kind == "}":
+            closing.append(start)
+        elif kind == "{":
+            opened_at, matched = start, (closing.pop() if closing else None)
+        else:
+            after = token.end()
+            if opened_at == after:
+                if matched is not None:
+                    return text[after + 1 : matched].strip()
+                # Unbalanced (the completion was cut off inside the box): look for an earlier, complete one.
+            elif text.startswith(" ", after):
+                bare = _BARE_ANSWER.match(text, after)
+                if bare:
+                    return bare.group(1)
     return None
 
 
@@ -176,9 +186,21 @@ class _Worker:
             return
         if not self.conn.poll(WORKER_START_TIMEOUT_S):
             raise RuntimeError(f"a scoring worker did not start within {WORKER_START_TIMEOUT_S} s (is math-verify installed?)")
-        if self.conn.recv() != "ready":
+        try:
+            first = self.conn.recv()
+        except (EOFError, OSError):
+            raise RuntimeError(f"a scoring worker exited at startup (exit code {self.process.wait()}): "
+                               "is math-verify installed? Its error is above") from None
+        if first != "ready":
             raise RuntimeError("a scoring worker sent an unexpected first message")
         self.ready = True
+
+    def send(self, items: list[tuple[int, str | None, str]], deadline_s: float) -> None:
+        """Hand the worker `items`; raises OSError (BrokenPipeError) when it has died."""
+        self.items = items
+        if items:
+            self.conn.send(items)
+            self.deadline = time.monotonic() + deadline_s
 
     def kill(self) -> None:
         self.process.kill()
@@ -202,18 +224,25 @@ class Scorer:
     """math-verify rewards from a pool of worker processes, cached by (extracted answer, gold).
 
     Safe to call from any thread (calls are serialised). Use as a context manager or call close().
+    A worker that stops answering or dies is replaced; the item it held scores 0 (counted in `timeouts`).
     """
 
-    def __init__(self, num_workers: int = 1, timeout_s: float = 5.0, grace_s: float = WORKER_GRACE_S):
+    def __init__(self, num_workers: int = 1, timeout_s: float = 5.0, grace_s: float = WORKER_GRACE_S,
+                 cache_size: int = CACHE_SIZE):
         if num_workers < 1:
             raise ValueError(f"Scorer(num_workers={num_workers}): need at least one worker")
         if timeout_s <= 0:
             raise ValueError(f"Scorer(timeout_s={timeout_s}): the per-item timeout must be positive")
+        if cache_size < 1:
+            raise ValueError(f"Scorer(cache_size={cache_size}): the cache must hold at least one item")
         self.timeout_s = timeout_s
         self.grace_s = grace_s  # beyond timeout_s, before a silent worker is killed and replaced
-        self.cache: dict[tuple[str | None, str], float | None] = {}
-        self.gold_parses: dict[str, bool] = {}
-        self.timeouts = 0  # items that hit the per-item timeout (reward 0), over this scorer's life
+        # Least recently used first: a continuous run meets new answers without end, so the cache is bounded.
+        self.cache: OrderedDict[tuple[str | None, str], float | None] = OrderedDict()
+        self.cache_size = cache_size
+        self.gold_parses: dict[str, bool] = {}  # one entry per gold: bounded by the data set
+        self.timeouts = 0  # items that hit the per-item timeout or whose worker stopped or died (reward 0)
+        self.workers_replaced = 0  # workers killed (stuck) or found dead, and started afresh
         self._lock = threading.Lock()
         self._workers = [_Worker(timeout_s) for _ in range(num_workers)]
 
@@ -222,65 +251,91 @@ class Scorer:
             raise ValueError(f"score() got {len(completions)} completions but {len(golds)} golds: pass one gold per completion")
         extracted = [extract_last_boxed(c) for c in completions]
         with self._lock:
+            known: dict[tuple[str | None, str], float | None] = {}
             missing = []
             for key in dict.fromkeys(zip(extracted, golds)):
                 if key in self.cache:
-                    continue
-                if key[0] is None and key[1] in self.gold_parses:
+                    self.cache.move_to_end(key)
+                    known[key] = self.cache[key]
+                elif key[0] is None and key[1] in self.gold_parses:
                     # No boxed answer: the reward only depends on whether the gold parses.
-                    self.cache[key] = 0.0 if self.gold_parses[key[1]] else None
-                    continue
-                missing.append(key)
+                    known[key] = 0.0 if self.gold_parses[key[1]] else None
+                    self._remember(key, known[key])
+                else:
+                    missing.append(key)
             if missing:
-                self._score_in_workers(missing)
-            rewards = [self.cache.get(key, 0.0) for key in zip(extracted, golds)]  # not cached: timed out, reward 0
+                scored = self._score_in_workers(missing)
+                for key, reward in scored.items():
+                    self._remember(key, reward)
+                known.update(scored)
+            rewards = [known.get(key, 0.0) for key in zip(extracted, golds)]  # not known: timed out, reward 0
         return [
             Score(reward=reward, correct=reward is not None and reward > 0, extracted_answer=answer)
             for reward, answer in zip(rewards, extracted)
         ]
 
-    def _score_in_workers(self, keys: list[tuple[str | None, str]]) -> None:
-        for worker in self._workers:
+    def _remember(self, key: tuple[str | None, str], reward: float | None) -> None:
+        self.cache[key] = reward
+        self.cache.move_to_end(key)
+        if len(self.cache) > self.cache_size:
+            self.cache.popitem(last=False)
+
+    def _score_in_workers(self, keys: list[tuple[str | None, str]]) -> dict[tuple[str | None, str], float | None]:
+        """Rewards of `keys` (those that timed out are left out: reward 0, not cached, the machine may just have been busy)."""
+        deadline_s = self.timeout_s + self.grace_s
+        for worker in list(self._workers):
+            if worker.process.poll() is not None:  # died since the last call, holding no item of this one
+                worker = self._replace(worker, "died between calls")
             worker.wait_ready()
         # Round-robin so that slow items spread over the workers.
         for w, worker in enumerate(self._workers):
-            worker.items = [(i, *keys[i]) for i in range(w, len(keys), len(self._workers))]
-            if worker.items:
-                worker.conn.send(worker.items)
-                worker.deadline = time.monotonic() + self.timeout_s + self.grace_s
+            items = [(i, *keys[i]) for i in range(w, len(keys), len(self._workers))]
+            try:
+                worker.send(items, deadline_s)
+            except OSError:  # it died after the check above, before taking anything
+                self._replace(worker, "died before taking its items").send(items, deadline_s)
+        scored: dict[tuple[str | None, str], float | None] = {}
         while any(worker.items for worker in self._workers):
             busy = [worker for worker in self._workers if worker.items]
             timeout = max(0.0, min(worker.deadline for worker in busy) - time.monotonic())
             ready = wait([worker.conn for worker in busy], timeout=timeout)
             for worker in busy:
                 if worker.conn in ready:
-                    index, reward, gold_ok, timed_out = worker.conn.recv()
+                    try:
+                        index, reward, gold_ok, timed_out = worker.conn.recv()
+                    except (EOFError, OSError):  # it died mid-item (killed, out of memory, a crash in sympy's C code)
+                        self._replace_holding(worker, "died")
+                        continue
                     assert index == worker.items[0][0], "scoring worker answered out of order"
                     worker.items.pop(0)
-                    worker.deadline = time.monotonic() + self.timeout_s + self.grace_s
+                    worker.deadline = time.monotonic() + deadline_s
                     key = keys[index]
                     if gold_ok is not None:
                         self.gold_parses[key[1]] = gold_ok
                     if timed_out:
                         self.timeouts += 1
-                        continue  # a timeout: reward 0, not cached (the machine may just have been busy)
-                    self.cache[key] = reward
+                        continue
+                    scored[key] = reward
                 elif time.monotonic() >= worker.deadline:
-                    self._replace_stuck_worker(worker)
+                    # Stuck outside Python, where the interval timer cannot interrupt it.
+                    self._replace_holding(worker, f"stopped answering for {deadline_s:.0f} s")
+        return scored
 
-    def _replace_stuck_worker(self, worker: _Worker) -> None:
-        """The worker stopped answering (stuck outside Python, where the timer cannot interrupt it):
-        its current item scores 0, the rest go to a fresh worker."""
+    def _replace_holding(self, worker: _Worker, what: str) -> None:
+        """A worker lost while holding items: its current item scores 0, the rest go to a fresh worker."""
         self.timeouts += 1
         remaining = worker.items[1:]
+        self._replace(worker, what + " holding an item, which scores 0").send(remaining, self.timeout_s + self.grace_s)
+
+    def _replace(self, worker: _Worker, what: str) -> _Worker:
         worker.kill()
+        log.warning("a scoring worker (pid %d, exit code %s) %s; starting a fresh one", worker.process.pid,
+                    worker.process.returncode, what)
+        self.workers_replaced += 1
         fresh = _Worker(self.timeout_s)
         fresh.wait_ready()
         self._workers[self._workers.index(worker)] = fresh
-        fresh.items = remaining
-        if remaining:
-            fresh.conn.send(remaining)
-            fresh.deadline = time.monotonic() + self.timeout_s + self.grace_s
+        return fresh
 
     def close(self) -> None:
         with self._lock:

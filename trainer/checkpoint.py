@@ -10,6 +10,10 @@ the same world size and loads at another one (a 2-rank checkpoint into 1 process
 A checkpoint is written into a temporary folder beside its final name and renamed when complete:
 a crash never leaves a half-written checkpoint under a final name. With several machines, run_dir
 must be a file system they all see (as torch.distributed.checkpoint requires).
+
+keep_last keeps the checkpoints written last (not the highest steps), and a fresh start in a run
+directory that holds a run is refused (`check_run_dir`): resume it or overwrite it, never erase it
+by accident.
 """
 
 from __future__ import annotations
@@ -107,6 +111,7 @@ def _move_into_place(staging: Path, final: Path, run_dir: Path, keep_last: int |
                 os.fsync(fh.fileno())
     if final.exists():  # a rerun of the same step (e.g. after resuming) replaces it
         shutil.rmtree(final)
+    os.utime(staging)  # the folder's mtime is its place in the write order (list_checkpoints); nothing writes in it after
     os.rename(staging, final)
     if keep_last is not None:
         for old in list_checkpoints(run_dir)[:-keep_last]:
@@ -114,18 +119,61 @@ def _move_into_place(staging: Path, final: Path, run_dir: Path, keep_last: int |
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first."""
+    """Complete checkpoints of a run in the order they were written, oldest first (by step within a run: the steps only
+    go up, except in a run started over with overwrite, whose earlier steps must not lose to the old run's later ones)."""
     root = checkpoints_dir(run_dir)
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir()
              if p.is_dir() and STEP_DIR.match(p.name) and ((p / STATE_FILE).exists() or is_sharded_checkpoint(p))]
-    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
+    return sorted(found, key=lambda p: (p.stat().st_mtime_ns, int(STEP_DIR.match(p.name).group(1))))
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint written last (what --resume continues from)."""
     checkpoints = list_checkpoints(run_dir)
     return checkpoints[-1] if checkpoints else None
+
+
+class RunDirInUse(FileExistsError):
+    """A fresh start was asked for in a run directory that holds a run."""
+
+
+RUN_FILES = ("metrics.jsonl", "eval.jsonl")  # a run's history beside its checkpoints (tb/ too, when logged)
+
+
+def previous_run(run_dir: Path) -> list[str]:
+    """What of an earlier run `run_dir` holds: its checkpoints and non-empty metrics files (empty: no run there)."""
+    found = [name for name in RUN_FILES if (Path(run_dir) / name).is_file() and (Path(run_dir) / name).stat().st_size]
+    checkpoints = list_checkpoints(run_dir)
+    if checkpoints:
+        found.append(f"{len(checkpoints)} checkpoint(s), the last {checkpoints[-1].name}")
+    return found
+
+
+def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> list[str]:
+    """Refuse a fresh start where a run is (it would erase that run's metrics and lose its checkpoints to pruning);
+    returns what is there, for an overwrite to remove (`clear_run`)."""
+    if resume and overwrite:
+        raise ValueError("resume and overwrite exclude each other: resume continues the run in the run directory, "
+                         "overwrite deletes it and starts afresh")
+    found = previous_run(run_dir)
+    if found and not resume and not overwrite:
+        raise RunDirInUse(
+            f"{run_dir} holds a run already ({'; '.join(found)}): continue it with --resume, start it over with "
+            "--overwrite (deletes its checkpoints and metrics), or give another --run-dir "
+            "(in Python: train(cfg, resume=True) or train(cfg, overwrite=True))"
+        )
+    return found if overwrite else []
+
+
+def clear_run(run_dir: Path) -> None:
+    """Delete a run's checkpoints, metrics, evaluations and TensorBoard scalars (overwrite); its logs and config stay."""
+    run_dir = Path(run_dir)
+    for name in RUN_FILES:
+        (run_dir / name).unlink(missing_ok=True)
+    for folder in (checkpoints_dir(run_dir), run_dir / "tb"):
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def restore_training_state(

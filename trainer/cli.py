@@ -2,7 +2,8 @@
 
     graft-train train configs/train_toy.yaml --model runs/toy/learner --store-url http://127.0.0.1:8600
     graft-train train configs/train_toy.yaml --method grpo --set graft.peer_negative_scale=0 --steps 50
-    graft-train train configs/train_toy.yaml --resume          # continue from the newest checkpoint
+    graft-train train configs/train_toy.yaml --resume          # continue from the newest checkpoint (none: start)
+    graft-train train configs/train_toy.yaml --overwrite       # delete the run in the run directory, start afresh
     graft-train show-config configs/train_toy.yaml             # every field, its value and its doc line
 
 Also runs as `python -m trainer.cli`, which is how torchrun starts ranks (`torchrun ... -m trainer.cli train CONFIG`).
@@ -66,11 +67,17 @@ def train(
     seed: Annotated[Optional[int], typer.Option("--seed", help="run seed")] = None,
     run_dir: Annotated[Optional[Path], typer.Option("--run-dir", help="output directory")] = None,
     sets: Annotated[list[str], typer.Option("--set", help="dotted override, e.g. --set graft.peer_negative_scale=0 (repeatable)")] = [],
-    resume: Annotated[bool, typer.Option("--resume", help="continue from the newest checkpoint in the run directory")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="continue from the newest checkpoint in the run directory (none there: a fresh run)")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="delete the run the run directory holds (checkpoints, metrics) and start afresh")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="log INFO messages to stderr")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="validate the configuration, print it as YAML and exit")] = False,
 ) -> None:
-    """Train; metrics go to <run_dir>/metrics.jsonl, checkpoints to <run_dir>/checkpoints/."""
+    """Train; metrics go to <run_dir>/metrics.jsonl, checkpoints to <run_dir>/checkpoints/.
+
+    A run directory that holds a run is refused unless --resume or --overwrite says what to do with it. SIGTERM
+    stops at the next step boundary (checkpoint written, groups pushed) and exits 0."""
+    if resume and overwrite:
+        raise typer.BadParameter("--resume continues the run in the run directory, --overwrite deletes it: give one")
     mode = None if cotrain is None else ("cotrain" if cotrain else "offline")
     cfg = _load(config, _overrides(model, peer_models, dataset, store_url, method, mode, steps, group_size,
                                    prompts_per_step, lr, seed, run_dir, sets))
@@ -87,9 +94,13 @@ def train(
         )
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the trainer's own messages
+    from trainer.checkpoint import RunDirInUse
     from trainer.loop import train as run_training
 
-    out = run_training(cfg, resume=resume)
+    try:
+        out = run_training(cfg, resume=resume, overwrite=overwrite)
+    except RunDirInUse as error:
+        raise typer.BadParameter(str(error)) from None
     typer.echo(f"run directory: {out}")
 
 

@@ -15,12 +15,15 @@ One step:
 `train(cfg)` runs it in-process and returns the run directory. Under torchrun (parallel.strategy ddp or fsdp)
 every rank runs it on its block of the step's prompts; the stages' collectives (trainer/distributed.py) make
 N ranks take the update one process takes on the same global batch, and the metrics line the job's.
+SIGTERM (`docker stop`) ends the run at the next step boundary: checkpoint, outbox flushed, a normal return.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+import signal
+import threading
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
@@ -32,10 +35,12 @@ from tqdm import tqdm
 
 from rollouts.scoring import Scorer
 from trainer.batch import build_rows, old_logprobs_and_weights
-from trainer.checkpoint import latest_checkpoint, restore_training_state, save_checkpoint
+from trainer.checkpoint import (RunDirInUse, check_run_dir, clear_run, latest_checkpoint, restore_training_state,
+                                save_checkpoint)
 from trainer.config import TrainConfig
 from trainer.data import LoopState, load_anchor, load_peer_tokenizers, training_prompts
-from trainer.distributed import DistContext, close_distributed, gather_lists, init_distributed
+from trainer.distributed import (DistContext, barrier, broadcast_object, close_distributed, gather_lists, init_distributed,
+                                 reduce_metrics)
 from trainer.evaluation import due, evaluate_policy
 from trainer.gate import gate_groups
 from trainer.learner import load_learner, load_reference, make_sampler, sync_sampler
@@ -48,26 +53,78 @@ from trainer.update import UpdateContext, make_optimizer, single_pass_forward, u
 log = logging.getLogger("trainer")
 
 
-def train(cfg: TrainConfig, resume: bool = False, on_step: Callable[[dict[str, Any]], None] | None = None) -> Path:
+def train(cfg: TrainConfig, resume: bool = False, on_step: Callable[[dict[str, Any]], None] | None = None,
+          overwrite: bool = False) -> Path:
     """Run training as configured; returns the run directory (metrics.jsonl, checkpoints/, eval.jsonl).
 
-    resume: continue from the newest checkpoint in cfg.run_dir. on_step: called with each step's
-    metrics line after it is written (progress reporting in the demo, fault injection in tests).
-    Under torchrun every rank calls this (parallel.strategy ddp or fsdp; trainer.distributed)."""
+    resume: continue from the newest checkpoint in cfg.run_dir (none there: start from the beginning). overwrite:
+    delete the run cfg.run_dir holds and start afresh; without either, a run directory holding a run is refused
+    (RunDirInUse, a FileExistsError). on_step: called with each step's metrics line after it is written (progress reporting in the
+    demo, fault injection in tests). Under torchrun every rank calls this (parallel.strategy ddp or fsdp;
+    trainer.distributed)."""
     dist = init_distributed(cfg.parallel, cfg.model.device)
+    stop = StopAtStepBoundary()
+    stop.install()
     try:
-        return _train(cfg, dist, resume, on_step)
+        return _train(cfg, dist, resume, overwrite, on_step, stop)
     finally:
+        stop.uninstall()
         close_distributed(dist)
 
 
-def _train(cfg: TrainConfig, dist: DistContext, resume: bool, on_step: Callable[[dict[str, Any]], None] | None) -> Path:
+class StopAtStepBoundary:
+    """SIGTERM asks the loop to stop after the step it is in (checkpoint, flush, return): `docker stop`, a scheduler's
+    preemption. Only the main thread can set signal handlers; elsewhere SIGTERM keeps its default."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def uninstall(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True  # only a flag: the handler may interrupt any code, logging's locks included
+
+    def agreed(self, dist: DistContext) -> bool:
+        """Whether any rank was asked to stop (every rank calls it at the same step: they stop together)."""
+        if not dist.distributed:
+            return self.requested
+        return reduce_metrics(dist, maxima={"stop": float(self.requested)})["stop"] > 0
+
+
+def _claim_run_dir(run_dir: Path, resume: bool, overwrite: bool, dist: DistContext) -> None:
+    """Refuse a fresh start where a run is (rank 0 decides, every rank raises); overwrite: clear the old run first."""
+    try:
+        found = check_run_dir(run_dir, resume, overwrite) if dist.is_main else []
+        refusal = None
+    except (RunDirInUse, ValueError) as error:
+        log.error("%s", error)
+        found, refusal = [], error
+    refusal = broadcast_object(dist, refusal)
+    if refusal is not None:
+        raise refusal
+    if found:
+        log.warning("overwrite: deleting the previous run in %s (%s)", run_dir, "; ".join(found))
+        clear_run(run_dir)
+    barrier(dist)
+
+
+def _train(cfg: TrainConfig, dist: DistContext, resume: bool, overwrite: bool,
+           on_step: Callable[[dict[str, Any]], None] | None, stop: StopAtStepBoundary) -> Path:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    _setup_logging(run_dir, cfg, dist)
+    _setup_logging(run_dir, cfg, dist)  # before the check: its refusal goes to train.log too
+    _claim_run_dir(run_dir, resume, overwrite, dist)
     checkpoint = latest_checkpoint(run_dir) if resume else None
     if resume and checkpoint is None:
-        log.warning("--resume: no checkpoint in %s, starting from the beginning", run_dir)
+        log.warning("--resume: no checkpoint in %s, starting a fresh run from step 0", run_dir)
     if dist.is_main:
         (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     random.seed(cfg.seed)
@@ -78,8 +135,11 @@ def _train(cfg: TrainConfig, dist: DistContext, resume: bool, on_step: Callable[
     optimizer, scheduler = make_optimizer(cfg, learner.hf_model)
     update = UpdateContext(cfg, LossConfig.from_train(cfg), learner, optimizer, scheduler, load_reference(cfg, learner),
                            load_anchor(cfg))
-    state = LoopState(**restore_training_state(checkpoint, learner.grad_model, optimizer, scheduler, dist)) if checkpoint \
-        else LoopState()
+    state = LoopState(**restore_training_state(checkpoint, learner.grad_model, optimizer, scheduler, dist)) \
+        if checkpoint else LoopState()
+    if state.step >= cfg.steps:  # a finished run started again (a container restarted with --resume): say so
+        log.warning("the run in %s is at step %d of %d already: nothing to train (raise --steps to go on)", run_dir,
+                    state.step, cfg.steps)
     prompts = training_prompts(cfg, state)
     peer_tokenizers = load_peer_tokenizers(cfg)
     # Peer groups whose text the learner can weigh: its own tokenizer's and those of the configured peer tokenizers
@@ -88,7 +148,8 @@ def _train(cfg: TrainConfig, dist: DistContext, resume: bool, on_step: Callable[
     sampler, uses_vllm = make_sampler(cfg, learner, checkpoint or cfg.model.path)
     scorer = Scorer(num_workers=cfg.rollout.scorer_workers, timeout_s=cfg.rollout.scorer_timeout_s)
     graft = cfg.method == "graft"
-    peers = PeerExchange(cfg.store, cfg.graft, learner.model_id) if graft or cfg.publishes else None
+    peers = PeerExchange(cfg.store, cfg.graft, learner.model_id, stopping=lambda: stop.requested) \
+        if graft or cfg.publishes else None
     metrics_log = MetricsLog(cfg, run_dir, state.step, peers, writes=dist.is_main)
     progress = tqdm(total=cfg.steps, initial=state.step, disable=not (cfg.logging.progress and dist.is_main),
                     desc=cfg.method, unit="step")
@@ -130,9 +191,15 @@ def _train(cfg: TrainConfig, dist: DistContext, resume: bool, on_step: Callable[
                 on_step(metrics)
             progress.set_postfix(reward=f"{metrics['reward_mean']:.3f}", grafted=f"{metrics['frac_grafted']:.2f}",
                                  loss=f"{metrics['loss']:.4f}")
-            if (cfg.checkpoint.every_steps and state.step % cfg.checkpoint.every_steps == 0) or state.step == cfg.steps:
+            stopping = stop.agreed(dist)
+            if stopping or (cfg.checkpoint.every_steps and state.step % cfg.checkpoint.every_steps == 0) \
+                    or state.step == cfg.steps:
                 save_checkpoint(run_dir, state.step, learner.grad_model, learner.tokenizer, optimizer, scheduler,
                                 asdict(state), cfg.checkpoint.keep_last, dist)
+            if stopping:
+                log.warning("SIGTERM: stopped after step %d of %d, checkpoint written%s; continue with --resume",
+                            state.step, cfg.steps, " (this step's evaluation skipped)" if due(cfg, state.step) else "")
+                break
             if due(cfg, state.step):  # each rank scores its block of the problems; rank 0 writes
                 with learner.autocast():
                     evaluate_policy(cfg, sampler, scorer, run_dir, state.step, dist)

@@ -142,6 +142,8 @@ def step_metrics(
         metrics.update(dapo_rounds=outcome.sampled.dapo_rounds, dapo_groups_kept=count["dapo_groups_kept"])
     if outcome.peers is not None:
         metrics["peer_lookup_ok"] = job["peer_lookup_ok"] / ranks.world_size  # the share of ranks whose lookup answered
+        if cfg.store.mode == "cotrain":  # steps in a row the co-trainer sent nothing (the most silent rank's count)
+            metrics["cotrain_peer_silent_steps"] = job["cotrain_peer_silent_steps"]
     metrics.update({f"projection_{kind}": count[f"projection_{kind}"] for kind in outcome.rows.projections})
     metrics["peer_advantage_mismatch"] = count["peer_advantage_mismatch"]
     metrics["same_tokenizer_id_mismatch"] = count["same_tokenizer_id_mismatch"]
@@ -206,6 +208,8 @@ def _rank_tally(
         sums["peer_lookup_ok"] = float(outcome.peers.ok)
     slowest = {"store_wait_s": outcome.peers.wait_s if outcome.peers is not None else 0.0,
                "step_time_s": time.perf_counter() - clock.started, **clock.laps}
+    if outcome.peers is not None:  # a count, not a time, but the job's is the largest too (NaN: unknown on this rank)
+        slowest["cotrain_peer_silent_steps"] = outcome.peers.peer_silent_steps
     return sums, slowest
 
 

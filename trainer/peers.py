@@ -7,6 +7,8 @@
   (co-training: waits a bounded time for the co-trainer's groups of the step's all-fail prompts).
 - `publish`: in co-training mode every sampled group is pushed in the background; groups that
   could not be pushed wait in a bounded outbox and go with the next push.
+- Co-training does not wait for the co-trainer while the store is known to be down, and counts
+  (metric `cotrain_peer_silent_steps`) and warns about steps whose wait ran out with nothing from it.
 - A store that is down, slow or erroring, or a response that is malformed in any way: the call fails
   in the background thread, the failure is counted and logged, further calls pause with exponential
   backoff, and the step goes on as GRPO.
@@ -21,6 +23,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
+from typing import Callable
 
 from schemas import MAX_LOOKUP_PROMPTS, MAX_PUSH_GROUPS, PeerLookupRequest, Problem, RolloutGroup
 from services.store_api.client import StoreClient, StoreError
@@ -29,6 +32,8 @@ from trainer.gate import GRAFT_ACTIONS, GateDecision, choose_peer_group, classif
 
 log = logging.getLogger(__name__)
 OUTBOX_LIMIT = 4096  # groups kept for publishing while the store is down; older ones are dropped (counted)
+PEER_SILENT_WARN_STEPS = 5  # co-training steps in a row without a group from the co-trainer before a warning
+NAN = float("nan")
 
 
 @dataclass
@@ -36,6 +41,9 @@ class LookupResult:
     groups: dict[str, list[RolloutGroup]] = field(default_factory=dict)  # prompt id -> peer groups, most recent first
     ok: bool = False  # False when the store could not be asked or failed
     wait_s: float = 0.0  # how long the step waited for it (co-training's wait included)
+    # Co-training: steps in a row (this one included) whose wait ran out with no group from the co-trainer; NaN when
+    # not co-training or before anything is known (the store down)
+    peer_silent_steps: float = NAN
 
 
 @dataclass
@@ -49,12 +57,23 @@ class StoreCounters:
     groups_published: int = 0
     publish_failures: int = 0
     groups_dropped_from_outbox: int = 0
+    cotrain_waits_skipped: int = 0  # co-training waits not started: the store was known to be down
+
+
+@dataclass
+class _Queued:
+    """A group waiting in the outbox; `seq` names it, so that a push in flight removes what it pushed, by name."""
+
+    seq: int
+    group: RolloutGroup
+    problem: Problem | None
 
 
 class PeerExchange:
     """Background peer lookups and group publishing for one trainer."""
 
-    def __init__(self, store: StoreConfig, graft: GraftConfig, learner_model: str):
+    def __init__(self, store: StoreConfig, graft: GraftConfig, learner_model: str,
+                 stopping: Callable[[], bool] = lambda: False):
         if not store.url:
             raise ValueError("PeerExchange needs store.url")
         self.store, self.graft, self.learner_model = store, graft, learner_model
@@ -67,9 +86,13 @@ class PeerExchange:
         self._lock = threading.Lock()
         self._consecutive_failures = 0
         self._down_until = 0.0
-        self._outbox: list[tuple[RolloutGroup, Problem | None]] = []
+        self._outbox: list[_Queued] = []  # oldest first
+        self._next_seq = 0
+        self._in_flight: set[int] = set()  # seqs of the outbox's groups a push is sending now
         self._publishing: Future | None = None
         self.counters = StoreCounters()
+        self.stopping = stopping  # True once the trainer is asked to stop: co-training's wait ends early
+        self.silent_steps = 0  # co-training: steps in a row whose wait ran out without a group from the co-trainer
 
     # ---- store health -------------------------------------------------------------------------
     @property
@@ -160,62 +183,103 @@ class PeerExchange:
                 self.counters.lookups_late += 1
             return LookupResult()
 
-    def wait_for_peers(self, request: PeerLookupRequest, deadline: float) -> dict[str, list[RolloutGroup]]:
+    def wait_for_peers(self, request: PeerLookupRequest, deadline: float) -> LookupResult:
         """Co-training: look up the request's prompts repeatedly until each has a peer group (informative or
-        not: the peer has sampled it) or `deadline` passes.
+        not: the peer has sampled it), `deadline` passes, the store fails (it backs off: waiting longer would
+        bring nothing) or the trainer is asked to stop.
 
-        Returns what was found (prompt id -> groups, the gate picks); never raises on store trouble."""
+        Returns what was found (prompt id -> groups, the gate picks; ok: some lookup answered); never raises on
+        store trouble."""
         any_group = request.model_copy(update={
             "informative_only": False, "min_successes": 0, "groups_per_prompt": max(request.groups_per_prompt, 4)})
-        found: dict[str, list[RolloutGroup]] = {}
+        found = LookupResult()
+        if not self.available:  # known to be down (backing off): waiting cannot bring the co-trainer's groups
+            with self._lock:
+                self.counters.cotrain_waits_skipped += 1
+            return found
         missing = list(dict.fromkeys(request.prompt_ids))
-        while missing and time.monotonic() < deadline:
-            if self.available:
-                pending = self._lookup_pool.submit(self._lookup, any_group.model_copy(update={"prompt_ids": missing}))
-                result = self.collect(pending, max(0.0, deadline - time.monotonic()))
-                found.update(result.groups)
-                missing = [p for p in missing if p not in found]
-            if missing:
+        while missing and time.monotonic() < deadline and self.available and not self.stopping():
+            pending = self._lookup_pool.submit(self._lookup, any_group.model_copy(update={"prompt_ids": missing}))
+            result = self.collect(pending, max(0.0, deadline - time.monotonic()))
+            found.ok |= result.ok
+            found.groups.update(result.groups)
+            missing = [p for p in missing if p not in found.groups]
+            if missing and self.available:
                 # The co-trainer may be waiting for our groups as we wait for its: groups a failed push left queued go
                 # again now, not after this wait.
-                if self.outbox_size and self.available and (self._publishing is None or self._publishing.done()):
+                if self.outbox_size and (self._publishing is None or self._publishing.done()):
                     self._publishing = self._publish_pool.submit(self._flush)
                 time.sleep(min(self.store.cotrain_poll_s, max(0.0, deadline - time.monotonic())))
         return found
+
+    def note_cotrain_wait(self, waited: LookupResult | None, delivered: bool) -> float:
+        """Count the step for the co-trainer's silence: `waited` is the wait's result (None: no wait was needed,
+        `delivered` says whether the co-trainer's groups were there already). Returns the count, NaN while unknown."""
+        if waited is None and not delivered:  # nothing asked of the co-trainer, or the store down: no word either way
+            return float(self.silent_steps) if self.silent_steps else NAN
+        if delivered or waited.groups:
+            if self.silent_steps >= PEER_SILENT_WARN_STEPS:
+                log.warning("co-training: the co-trainer's groups arrive again, after %d silent steps", self.silent_steps)
+            self.silent_steps = 0
+            return 0.0
+        if not waited.ok:  # the store failed during the wait
+            return float(self.silent_steps) if self.silent_steps else NAN
+        self.silent_steps += 1
+        if self.silent_steps == PEER_SILENT_WARN_STEPS or self.silent_steps % (5 * PEER_SILENT_WARN_STEPS) == 0:
+            log.warning(
+                "co-training: the co-trainer (peer models %s) has published no group of this trainer's all-fail prompts "
+                "for %d steps (each waited up to store.cotrain_wait_s = %g s) although the store %s answers: is it running, "
+                "and pushing to this store? Those prompts train as GRPO meanwhile (metric cotrain_peer_silent_steps)",
+                self.graft.peer_models or "any", self.silent_steps, self.store.cotrain_wait_s, self.store.url)
+        return float(self.silent_steps)
 
     # ---- publishing ---------------------------------------------------------------------------
     def publish(self, groups: list[RolloutGroup], problems: list[Problem | None]) -> None:
         """Queue groups for the store and push the queue in the background (never blocks)."""
         with self._lock:
-            self._outbox.extend(zip(groups, problems))
-            overflow = len(self._outbox) - OUTBOX_LIMIT
-            if overflow > 0:
-                del self._outbox[:overflow]
-                self.counters.groups_dropped_from_outbox += overflow
+            for group, problem in zip(groups, problems):
+                self._outbox.append(_Queued(self._next_seq, group, problem))
+                self._next_seq += 1
+            self._trim_outbox()
         if self.available:
             # Always queue a flush (the one worker runs them in order; one that finds the outbox empty returns at
             # once): skipping it while a push is in flight could strand these groups, since that push may have
             # read the outbox before they arrived, and a co-trainer waiting for them would wait for nothing.
             self._publishing = self._publish_pool.submit(self._flush)
 
+    def _trim_outbox(self) -> None:
+        """Drop the oldest groups beyond OUTBOX_LIMIT among those waiting (a push in flight keeps its own: they are
+        counted published or, if it fails, wait again); with the lock held."""
+        waiting = [entry.seq for entry in self._outbox if entry.seq not in self._in_flight]
+        overflow = len(waiting) - OUTBOX_LIMIT
+        if overflow > 0:
+            dropped = set(waiting[:overflow])
+            self._outbox = [entry for entry in self._outbox if entry.seq not in dropped]
+            self.counters.groups_dropped_from_outbox += overflow
+
     def _flush(self) -> None:
         while True:
             with self._lock:
                 batch = self._outbox[:MAX_PUSH_GROUPS]
+                self._in_flight = {entry.seq for entry in batch}
             if not batch:
                 return
-            groups = [g for g, _ in batch]
-            problems = list({p.prompt_id: p for _, p in batch if p is not None}.values())
+            groups = [entry.group for entry in batch]
+            problems = list({e.problem.prompt_id: e.problem for e in batch if e.problem is not None}.values())
             try:
                 self._publish_client.push_groups(groups, problems=problems or None)
             except Exception as error:  # noqa: BLE001 - as for lookups: counted, retried later, never fatal
                 with self._lock:
                     self.counters.publish_failures += 1
+                    self._in_flight = set()
+                    self._trim_outbox()
                 self._record_failure("publishing groups", error, unexpected=not isinstance(error, (StoreError, OSError)))
                 return
             self._record_success()
             with self._lock:
-                del self._outbox[: len(batch)]
+                # By name: publish() may have trimmed or added groups while this push was on its way.
+                self._outbox = [entry for entry in self._outbox if entry.seq not in self._in_flight]
+                self._in_flight = set()
                 self.counters.groups_published += len(batch)
 
     def flush(self, timeout_s: float) -> bool:
@@ -264,9 +328,12 @@ def peer_candidates(
         all_fail = [g.prompt_id for g in groups if classify_group([r.reward for r in g.rollouts]) == "all_fail"]
         missing = [p for p in all_fail
                    if choose_peer_group(lookup.groups.get(p, []), request, usable_tokenizers)[1] not in GRAFT_ACTIONS]
+        waited = None
         if missing:
             deadline = started + peers.store.cotrain_wait_s
-            lookup.groups.update(peers.wait_for_peers(request.model_copy(update={"prompt_ids": missing}), deadline))
+            waited = peers.wait_for_peers(request.model_copy(update={"prompt_ids": missing}), deadline)
+            lookup.groups.update(waited.groups)
+        lookup.peer_silent_steps = peers.note_cotrain_wait(waited, delivered=bool(all_fail) and not missing)
     lookup.wait_s = time.monotonic() - started
     return lookup
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Optional
@@ -58,7 +59,8 @@ def generate(
     """Sample groups for every prompt of a dataset, score them with math-verify, and store them.
 
     A restarted run skips the groups already stored for this model and revision. SIGTERM stops
-    it cleanly after the current batch is stored.
+    it cleanly after the current batch is stored. In continuous mode a store that is down is
+    tried again with a growing pause (up to a minute), the sampled batch kept meanwhile.
     """
     overrides = {k: v for k, v in locals().items() if k not in ("config", "dry_run")}
     try:
@@ -74,6 +76,7 @@ def generate(
 
     from services.generator.generate import run_generator
 
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     stats = run_generator(cfg)
     summary = {
         "groups": stats.groups,
@@ -81,6 +84,7 @@ def generate(
         "skipped_already_stored": stats.skipped_already_stored,
         "batches": stats.batches,
         "reloads": stats.reloads,
+        "store_retries": stats.store_retries,
         "success_rate": stats.correct / stats.scored if stats.scored else None,
         "completion_tokens": stats.completion_tokens,
         "tokens_per_s": stats.completion_tokens / stats.sampling_s if stats.sampling_s else None,

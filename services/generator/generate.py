@@ -5,11 +5,13 @@ reads what is already stored (the shards under `<root>/rollouts/model=<id>/`, or
 and samples only the rest: a crash and restart never duplicates or loses a group. A batch becomes
 one shard (or one push), written atomically, so a batch is stored whole or not at all.
 Continuous mode keeps sampling and, between batches, reloads the model when the watched folder
-holds a newer `step_<N>/` checkpoint, storing N as the rows' policy step.
+holds a newer `step_<N>/` checkpoint, storing N as the rows' policy step; a store (URL or lake) that
+is down keeps the batch in hand and is tried again with a growing pause, however long the outage.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -33,6 +35,10 @@ from schemas import Problem, RolloutGroup
 from services.generator.config import GeneratorConfig
 
 CHECKPOINT_DIR = re.compile(r"^step_(\d+)$")  # the trainer's layout: <run>/checkpoints/step_000010/
+RETRY_INITIAL_S = 1.0  # continuous mode, store down: first pause before the call is tried again; doubles per failure
+RETRY_MAX_S = 60.0  # the longest pause between tries (the outage itself may last any time)
+
+log = logging.getLogger("graft.generator")
 
 
 @dataclass
@@ -47,6 +53,8 @@ class RunStats:
     batches: int = 0
     skipped_already_stored: int = 0
     reloads: int = 0
+    store_retries: int = 0  # store calls tried again after an outage (continuous mode)
+    stored_ids_held: int = 0  # ids of stored groups the run still checked against at its end (one round's, at most)
     sampling_s: float = 0.0
     scoring_s: float = 0.0
     assembly_s: float = 0.0
@@ -95,14 +103,17 @@ class GroupSink:
         self.is_url = store.startswith(("http://", "https://"))
         self.is_lake = is_lake_target(store)
         self.store = store
+        self.outages: tuple[type[Exception], ...] = ()  # what a store that is down (for now) raises
         if self.is_url:
-            from services.store_api.client import StoreClient
+            from services.store_api.client import StoreClient, StoreUnavailable
 
             self.client = StoreClient(store, token=token)
+            self.outages = (StoreUnavailable,)
         elif self.is_lake:
-            from services.store_api.lake import Lake, LakeConfig
+            from services.store_api.lake import Lake, LakeConfig, LakeUnavailable
 
             self.lake = Lake(LakeConfig(catalog=store)).open()
+            self.outages = (LakeUnavailable,)
         else:
             Path(store).mkdir(parents=True, exist_ok=True)
 
@@ -178,6 +189,34 @@ def latest_checkpoint(watch_dir: Path) -> tuple[int, Path] | None:
     return max(found) if found else None
 
 
+def through_outages(sink: GroupSink, call, what: str, config: GeneratorConfig, stop: StopFlag, stats: RunStats):
+    """call() of the store; in continuous mode through an outage of any length: what the run holds (the sampled batch)
+    is kept and the call tried again after RETRY_INITIAL_S, doubling up to RETRY_MAX_S, each failure logged. A
+    one-shot run raises at once; a stop asked for during the outage gets one more try, then raises (the batch is not
+    stored: a restart samples it again, its group ids are deterministic)."""
+    pause, failures, began = RETRY_INITIAL_S, 0, time.monotonic()
+    while True:
+        try:
+            result = call()
+        except sink.outages as error:
+            if not config.continuous or stop.requested:
+                if failures:
+                    log.error("store %s still down after %d tries over %.0f s and a stop was asked for: %s failed",
+                              sink.store, failures + 1, time.monotonic() - began, what)
+                raise
+            failures += 1
+            stats.store_retries += 1
+            log.warning("store %s is down (%s); %s: kept, try %d in %.0f s", sink.store, error, what, failures + 1, pause)
+            resume_at = time.monotonic() + pause
+            while not stop.requested and time.monotonic() < resume_at:  # SIGTERM cuts the pause short
+                time.sleep(min(0.2, max(0.0, resume_at - time.monotonic())))
+            pause = min(2 * pause, RETRY_MAX_S)
+            continue
+        if failures:
+            log.warning("store %s is back after %.0f s: %s done", sink.store, time.monotonic() - began, what)
+        return result
+
+
 def run_generator(config: GeneratorConfig, stop: StopFlag | None = None) -> RunStats:
     """Sample, score and store groups as `config` says; returns what was done.
 
@@ -216,9 +255,11 @@ def _run(config: GeneratorConfig, stop: StopFlag) -> RunStats:
     scorer = Scorer(num_workers=config.score_workers, timeout_s=config.score_timeout_s)
     bar = tqdm(disable=not config.progress, unit="group", dynamic_ncols=True,
                total=None if config.continuous else len(problems) * config.rounds)
+    stored: set[str] = set()
     try:
         backend = _load(config, model_path, model_id)
-        stored = sink.stored_group_ids(model_id, revision, policy_step)
+        stored = through_outages(sink, lambda: sink.stored_group_ids(model_id, revision, policy_step),
+                                 "reading the stored group ids", config, stop, stats)
         problems_written = False
         round_index = 0
         with scorer:
@@ -238,7 +279,9 @@ def _run(config: GeneratorConfig, stop: StopFlag) -> RunStats:
                     groups = _sample_batch(backend, scorer, batch, group_ids, params, config, model_id, revision,
                                            policy_step, generator_id, stats)
                     t0 = time.perf_counter()
-                    stats.shards.append(sink.write(groups, None if problems_written else problems))
+                    stats.shards.append(through_outages(
+                        sink, lambda: sink.write(groups, None if problems_written else problems),
+                        f"the batch of {len(groups)} sampled groups", config, stop, stats))
                     stats.writing_s += time.perf_counter() - t0
                     problems_written = True
                     stored.update(group_ids)
@@ -262,14 +305,20 @@ def _run(config: GeneratorConfig, stop: StopFlag) -> RunStats:
                     if backend_close is not None:
                         backend_close()
                     backend = _load(config, model_path, model_id)
-                    stored = sink.stored_group_ids(model_id, revision, policy_step)
+                    stored = through_outages(sink, lambda: sink.stored_group_ids(model_id, revision, policy_step),
+                                             "reading the stored group ids", config, stop, stats)
                     stats.reloads += 1
                     round_index = 0
                     continue
                 if config.continuous and not pending:
                     time.sleep(config.idle_sleep_s)  # nothing was left in this round; never spin
+                # Rounds only go up until a reload reads the ids afresh: this round's are never asked again, and a
+                # continuous run that kept them all would grow without end.
+                stored.difference_update(make_group_id(model_id, revision, policy_step, p.prompt_id, round_index)
+                                         for p in problems)
                 round_index += 1
     finally:
+        stats.stored_ids_held = len(stored)
         scorer.close()
         bar.close()
         sink.close()

@@ -180,3 +180,65 @@ def test_bad_input_gets_a_clear_error(tiny_model_dir, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "services.generator.cli", "--config", str(config)],
                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "group_sizes" in bad.stderr
+
+
+def test_continuous_mode_keeps_its_batch_through_a_store_outage(tiny_model_dir, tmp_path, caplog):
+    """The store server stops mid-run (far longer than the client's own retries) and starts again on its port: the
+    continuous generator keeps the batch it sampled, retries with a growing pause, and no group is lost."""
+    import logging
+
+    from services.store_api.client import StoreClient
+    from services.store_api.server import StoreServer
+
+    caplog.set_level(logging.WARNING, logger="graft.generator")
+    dataset = write_problems_jsonl(sample_problems(8, seed=7), tmp_path / "toy.jsonl")
+    server = StoreServer(tmp_path / "store").start()
+
+    def stored_ids() -> set[str]:
+        with StoreClient(server.url) as client:
+            return {g for page in client.iter_rollouts(model="tiny") for g in page.column("group_id").to_pylist()}
+
+    config = GeneratorConfig(model=str(tiny_model_dir), model_id="tiny", dataset=str(dataset), template="raw", group_size=4,
+                             max_tokens=12, store=server.url, score_workers=1, progress=False, continuous=True,
+                             prompts_per_batch=2, idle_sleep_s=0.2)
+    stop, result, failure = StopFlag(), [], []
+
+    def generate():
+        try:
+            result.append(run_generator(config, stop))
+        except BaseException as error:  # noqa: BLE001 - reported by the assertion below
+            failure.append(error)
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    try:
+        wait_for(lambda: len(stored_ids()) >= 2 or failure, 300, what="the first batch in the store")
+        server.stop()
+        wait_for(lambda: failure or any("kept" in r.getMessage() for r in caplog.records), 300, what="a failed write")
+        time.sleep(3)  # well past the client's 3 retries at 0.2 s
+        assert not failure, f"the generator gave up during the outage: {failure[0]!r}"
+        server.start()
+        during = len(stored_ids())
+        wait_for(lambda: len(stored_ids()) >= during + 4 or failure, 300, what="batches after the outage")
+    finally:
+        stop.requested = True
+        thread.join(300)
+        ids = stored_ids() if server.process and server.process.poll() is None else set()
+        server.stop()
+    assert not failure, f"the generator gave up: {failure[0]!r}"
+    assert not thread.is_alive() and result, "the generator did not stop"
+    stats = result[0]
+    assert stats.store_retries >= 1
+    assert len(ids) == stats.groups == 2 * stats.batches  # every sampled batch stored, once
+
+
+def test_continuous_mode_forgets_the_group_ids_of_finished_rounds(tiny_model_dir, tmp_path):
+    """The ids of groups already stored are asked per round; a finished round's are never asked again, and a
+    continuous run must not keep them all."""
+    dataset = write_problems_jsonl(sample_problems(2, seed=7), tmp_path / "toy.jsonl")
+    config = GeneratorConfig(model=str(tiny_model_dir), model_id="tiny", dataset=str(dataset), template="raw", group_size=2,
+                             max_tokens=4, store=str(tmp_path / "store"), score_workers=1, progress=False, continuous=True,
+                             prompts_per_batch=2, max_batches=4, idle_sleep_s=0.2)
+    stats = run_generator(config)
+    assert stats.batches == 4 and len(stored_rows(tmp_path / "store")) == 4 * 2 * 2  # 4 rounds of 2 prompts
+    assert stats.stored_ids_held <= 2  # one round's ids at most, not all 8

@@ -329,5 +329,6 @@ def test_cotraining_two_processes_through_one_store(toy_world, tmp_path):
         assert sum(m["store_groups_published"] for m in run) <= 24
         assert all(m["store_publish_failures"] == 0 and m["store_lookup_failures"] == 0 for m in run)
         assert all(m["groups_no_peer_tokenizer"] == 0 for m in run)
+        assert all(m["cotrain_peer_silent_steps"] == 0 or math.isnan(m["cotrain_peer_silent_steps"]) for m in run)
     assert any(m["frac_grafted"] > 0 for m in learner)
     assert all(m["peer_group_age_steps"] == 0 for m in learner if m["frac_grafted"] > 0)  # the peer's group of the same step

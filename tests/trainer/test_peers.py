@@ -1,0 +1,118 @@
+"""The trainer's store exchange (trainer/peers.py) against a real store server: the outbox under a push in flight,
+co-training's wait while the store is down, a co-trainer that publishes nothing."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+
+import pytest
+
+import trainer.peers as peers_module
+from services.store_api.client import StoreClient
+from services.store_api.server import StoreServer, free_port
+from toy.task import sample_problems
+from trainer.config import GraftConfig, StoreConfig
+from trainer.peers import PeerExchange, peer_candidates
+
+LEARNER = "learner"
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    with StoreServer(tmp_path_factory.mktemp("store")) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def groups(char_tokenizer, char_model):
+    """12 all-fail groups of the learner, one per problem."""
+    from toy.world import build_group
+
+    return [build_group(p, ["1", "2"], [0.0, 0.0], char_tokenizer, char_model, model_id=LEARNER, tokenizer_id="char")
+            for p in sample_problems(12, seed=3)]
+
+
+class GatedClient(StoreClient):
+    """The real client, whose first push waits until the test lets it go (the race needs a push in flight)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pushing, self.release = threading.Event(), threading.Event()
+
+    def push_groups(self, groups, problems=None):
+        self.pushing.set()
+        assert self.release.wait(60), "the test never released the push"
+        return super().push_groups(groups, problems)
+
+
+def stored_ids(url: str, model: str) -> set[str]:
+    with StoreClient(url) as client:
+        return {gid for page in client.iter_rollouts(model=model) for gid in page.column("group_id").to_pylist()}
+
+
+def test_groups_published_while_a_push_is_in_flight_are_neither_lost_nor_miscounted(store, groups, monkeypatch):
+    """Outbox limit 8, 8 groups pushing, 4 published meanwhile: all 12 reach the store, 12 counted published."""
+    monkeypatch.setattr(peers_module, "OUTBOX_LIMIT", 8)
+    model = "race"
+    mine = [g.model_copy(update={"rollouts": [r.model_copy(update={"model_id": model}) for r in g.rollouts]}) for g in groups]
+    peers = PeerExchange(StoreConfig(url=store.url, mode="cotrain"), GraftConfig(), model)
+    gated = GatedClient(store.url)
+    peers._publish_client = gated
+    try:
+        peers.publish(mine[:8], [None] * 8)
+        assert gated.pushing.wait(60)
+        peers.publish(mine[8:], [None] * 4)  # the outbox is full while the first 8 are on their way
+        gated.release.set()
+        assert peers.flush(timeout_s=60)
+        assert stored_ids(store.url, model) == {g.group_id for g in mine}
+        assert peers.counters.groups_published == 12 and peers.counters.groups_dropped_from_outbox == 0
+    finally:
+        gated.release.set()
+        peers.close()
+
+
+def test_cotraining_does_not_wait_while_the_store_is_down(groups):
+    """A store known to be down cannot bring the co-trainer's groups: the step does not wait cotrain_wait_s for them."""
+    config = StoreConfig(url=f"http://127.0.0.1:{free_port()}", mode="cotrain", cotrain_wait_s=60, retries=0,
+                         timeout_s=2, backoff_initial_s=30)
+    peers = PeerExchange(config, GraftConfig(), LEARNER)
+    try:
+        request = peers.request([g.prompt_id for g in groups[:4]], 0)
+        found = peer_candidates(peers, peers.start_lookup(request), request, groups[:4], None)
+        assert not found.ok and found.groups == {}
+        assert found.wait_s < config.cotrain_wait_s / 2, f"waited {found.wait_s:.1f} s for a store that is down"
+        assert peers.counters.cotrain_waits_skipped == 1
+        assert math.isnan(found.peer_silent_steps) or found.peer_silent_steps == 0  # no word either way
+    finally:
+        peers.close()
+
+
+def test_a_silent_co_trainer_is_warned_about_and_counted(store, groups, caplog):
+    """The store answers but the co-trainer publishes nothing: every step's wait runs out; the count of such steps
+    is the step's metric, and a warning says so after PEER_SILENT_WARN_STEPS of them."""
+    config = StoreConfig(url=store.url, mode="cotrain", cotrain_wait_s=0.3, cotrain_poll_s=0.1)
+    peers = PeerExchange(config, GraftConfig(peer_models=["nobody"]), LEARNER)
+    caplog.set_level(logging.WARNING, logger="trainer.peers")
+    try:
+        silent = []
+        for step in range(peers_module.PEER_SILENT_WARN_STEPS):
+            request = peers.request([g.prompt_id for g in groups[:2]], step)
+            found = peer_candidates(peers, peers.start_lookup(request), request, groups[:2], None)
+            assert found.ok
+            silent.append(found.peer_silent_steps)
+        assert silent == list(range(1, peers_module.PEER_SILENT_WARN_STEPS + 1))
+        warnings = [r.getMessage() for r in caplog.records if "co-trainer" in r.getMessage()]
+        assert len(warnings) == 1 and f"{peers_module.PEER_SILENT_WARN_STEPS} steps" in warnings[0], warnings
+        # The co-trainer speaks: its group of a prompt this step failed ends the count.
+        theirs = groups[0].model_copy(update={"rollouts": [r.model_copy(update={"model_id": "nobody", "group_id": "n0",
+                                                                                  "rollout_id": f"n0-{i}"})
+                                                           for i, r in enumerate(groups[0].rollouts)]})
+        with StoreClient(store.url) as client:
+            client.push_groups([theirs])
+        request = peers.request([g.prompt_id for g in groups[:2]], 99)
+        found = peer_candidates(peers, peers.start_lookup(request), request, groups[:2], None)
+        assert found.peer_silent_steps == 0 and "n0" in {g.group_id for g in found.groups[groups[0].prompt_id]}
+    finally:
+        peers.close()
