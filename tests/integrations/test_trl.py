@@ -1,0 +1,212 @@
+"""GRAFT inside TRL (integrations/trl) on the toy world: TRL's real training loop, a real store server on loopback.
+
+The peer (byte-level BPE Qwen3) stored groups of 8 for every problem; on its family it is right often. A fresh,
+untrained learner (character-level Llama) fails every group: plain GRPO has no signal there, GRAFT has the peer's."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("trl", reason="the trl extra is not installed: pip install '.[trl]'")
+
+from transformers import AutoModelForCausalLM  # noqa: E402
+from trl import GRPOTrainer  # noqa: E402
+
+from schemas import Problem  # noqa: E402
+from services.store_api.server import StoreServer  # noqa: E402
+from toy.models import build_tiny_model, save_model  # noqa: E402
+from toy.world import learner_tokenizer  # noqa: E402
+from trainer.batch import build_rows  # noqa: E402
+from trainer.data import load_peer_tokenizers  # noqa: E402
+from trainer.learner import load_learner  # noqa: E402
+from trainer.loss import LossBatch, LossConfig, graft_loss  # noqa: E402
+from trl_run import accuracy, dataset, make_args, make_trainer  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))  # the trainer tests' torchrun launcher
+from torchrun import torchrun  # noqa: E402
+
+pytestmark = pytest.mark.slow
+DEAD_URL = "http://127.0.0.1:9"  # the discard port: nothing listens
+
+
+@pytest.fixture(scope="module")
+def store(toy_world, tmp_path_factory):
+    """A store server over a copy of the toy world's shards (other modules serve the original)."""
+    root = shutil.copytree(toy_world.store_root, tmp_path_factory.mktemp("trl") / "store",
+                           ignore=shutil.ignore_patterns("index.duckdb*", "logs"))
+    with StoreServer(root) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def fresh_learner(tmp_path_factory) -> Path:
+    """An untrained character-level Llama: it never writes \\boxed{answer}, so every group fails."""
+    tokenizer = learner_tokenizer()
+    return save_model(build_tiny_model(tokenizer, "llama", hidden=64, seed=5), tokenizer,
+                      tmp_path_factory.mktemp("trl") / "fresh_learner")
+
+
+def weights(model) -> dict[str, torch.Tensor]:
+    return {name: value.detach().clone() for name, value in model.state_dict().items()}
+
+
+def graft_lines(trainer) -> list[dict]:
+    return [line for line in trainer.state.log_history if "graft/frac_grafted" in line]
+
+
+def first_batch(trainer, problems: list[Problem]) -> list[dict]:
+    """The first generation batch as TRL's RepeatSampler lays it out: each prompt's row G times in a row."""
+    rows = dataset(problems[: trainer.args.generation_batch_size // trainer.num_generations])
+    return [dict(row) for row in rows for _ in range(trainer.num_generations)]
+
+
+def test_graft_trains_where_grpo_stays_put(toy_world, store, fresh_learner, tmp_path):
+    graft = make_trainer(fresh_learner, toy_world.peer_problems, make_args(tmp_path / "graft", store.url, toy_world.peer_dir))
+    start = weights(graft.model)
+    graft.train()
+    lines = graft_lines(graft)
+    assert len(lines) == 2
+    for line in lines:
+        assert line["reward"] == 0 and line["graft/frac_all_fail"] == 1  # the learner fails every group
+        assert line["graft/peer_hit_rate"] == 1 and line["graft/frac_grafted"] == 0.5  # capped at max_grafted_fraction
+        assert line["graft/groups_capped"] == 2 and line["graft/store_lookup_failures"] == 0
+        assert line["graft/peer_rollouts_consumed"] > 0 and line["graft/projection_spans"] > 0
+        assert 0 < line["graft/compat_weight_mean"] <= 1 and 0 < line["graft/behaviour_ratio_p50"] <= 2.0
+        assert line["grad_norm"] > 0
+    moved = weights(graft.model)
+    assert any(not torch.equal(start[k], moved[k]) for k in start)
+
+    grpo = make_trainer(fresh_learner, toy_world.peer_problems, make_args(tmp_path / "grpo", None, None))
+    grpo.train()
+    assert all(line["grad_norm"] == 0 for line in grpo.state.log_history if "grad_norm" in line)
+    assert all(torch.equal(start[k], v) for k, v in weights(grpo.model).items())  # no signal, no move
+
+
+def test_a_store_that_is_down_leaves_trl_training_as_plain_grpo(toy_world, tmp_path):
+    """The warm learner solves some of its family: GRPO moves it. With the store down, GRAFT's run is TRL's, bit for bit."""
+    problems = toy_world.learner_problems[:2] + toy_world.peer_problems[:2]
+    graft = make_trainer(toy_world.learner_dir, problems, make_args(tmp_path / "graft", DEAD_URL, toy_world.peer_dir,
+                                                                    graft_store_options={"timeout_s": 2.0, "retries": 0}))
+    graft.train()
+    lines = graft_lines(graft)
+    assert all(line["graft/frac_grafted"] == 0 for line in lines)
+    assert sum(line["graft/store_lookup_failures"] + line["graft/store_lookups_skipped_backoff"] for line in lines) >= 1
+    assert all(line["graft/frac_all_fail"] < 1 for line in lines)
+
+    model = AutoModelForCausalLM.from_pretrained(toy_world.learner_dir)
+    plain = GRPOTrainer(model=model, reward_funcs=accuracy, train_dataset=dataset(problems),
+                        processing_class=graft.processing_class,
+                        args=make_args(tmp_path / "plain", None, None))  # a GRPOConfig with the graft fields unset
+    start = weights(model)
+    plain.train()
+    after = weights(plain.model)
+    assert any(not torch.equal(start[k], after[k]) for k in start)  # GRPO had signal
+    assert all(torch.equal(after[k], v) for k, v in weights(graft.model).items())
+    assert [line["loss"] for line in plain.state.log_history if "loss" in line] == \
+           [line["loss"] for line in graft.state.log_history if "loss" in line]
+
+
+def test_the_loss_of_a_spliced_batch_is_graft_trains_loss(toy_world, store, tmp_path):
+    """TRL's dapo loss on a batch with grafted rows equals trainer/loss.py's token-mean graft_loss on the same rows
+    (advantages, c = w * b, clipping on both sides and the dual clip) within 1e-6."""
+    problems = toy_world.learner_problems[:2] + toy_world.peer_problems[:2]  # mixed groups and grafted ones
+    args = make_args(tmp_path / "loss", store.url, toy_world.peer_dir, epsilon=0.2, epsilon_high=0.28, delta=3.0,
+                     graft_options={"max_grafted_fraction": 1.0})
+    trainer = make_trainer(toy_world.learner_dir, problems, args)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by TRL's training loop, which this test stands in for
+    batch = trainer._generate_and_score_completions(first_batch(trainer, problems))
+    grafted = batch["graft_is_grafted"]
+    assert grafted.any() and (~grafted & (batch["graft_sequence_advantages"] != 0)).any()
+    assert batch["advantages"].shape == batch["completion_ids"].shape
+
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    with torch.no_grad():
+        logprobs, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, batch["completion_ids"].shape[1])
+    # a pi_old away from the current policy, so that the ratio clips low and high and the dual clip binds
+    noise = torch.randn(logprobs.shape, generator=torch.Generator().manual_seed(0))
+    batch["old_per_token_logps"] = logprobs + 1.5 * noise
+    trl_loss = trainer.compute_loss(trainer.model, batch)
+
+    loss_cfg = LossConfig.from_train(args.train_config(str(toy_world.learner_dir)))
+    assert loss_cfg.ppo.loss_agg == "token-mean" and loss_cfg.ppo.dual_clip_c == 3.0
+    ours, metrics = graft_loss(LossBatch(
+        logprobs=logprobs, old_logprobs=batch["old_per_token_logps"], advantages=batch["graft_sequence_advantages"],
+        mask=batch["completion_mask"].bool(), token_weight=batch["graft_token_weights"], is_grafted=grafted,
+    ), loss_cfg)
+    assert metrics["clip_frac_onpolicy"] > 0 and metrics["clip_frac_grafted"] > 0
+    assert metrics["tokens_grafted"] > 0 and metrics["token_weight_mean_grafted"] < 1
+    assert abs(float(trl_loss) - float(ours)) <= 1e-6, (float(trl_loss), float(ours))
+    assert int(batch["num_items_in_batch"]) == int(batch["completion_mask"].sum())
+
+
+def test_a_peer_with_another_tokenizer_is_retokenised_as_graft_train_does(toy_world, store, fresh_learner, tmp_path):
+    """The grafted rows TRL trains on are graft-train's rows of the same peer groups: the same learner tokens, the
+    same projected mu~, the same advantages."""
+    args = make_args(tmp_path / "retok", store.url, toy_world.peer_dir)
+    trainer = make_trainer(fresh_learner, toy_world.peer_problems, args)
+    plans = []
+    planned = trainer._plan
+    trainer._plan = lambda lookup: plans.append(planned(lookup)) or plans[-1]  # a spy on the real plan
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions(first_batch(trainer, toy_world.peer_problems))
+    (plan,) = plans
+    grafting = [d for d in plan.decisions if d.grafts]
+    assert grafting and all(d.peer_group.rollouts[0].tokenizer_id != trainer.graft.learner.tokenizer_id for d in grafting)
+
+    cfg = args.train_config(str(fresh_learner), dataset=str(toy_world.problems_path))
+    problem_of = {p.prompt_id: p for p in toy_world.peer_problems}
+    # graft-train's rows of these groups (build_rows reads a grafted group's own rollouts only under union)
+    expected = build_rows(cfg, load_learner(cfg, None), grafting, [d.peer_group for d in grafting], problem_of,
+                          load_peer_tokenizers(cfg))
+    spliced = [row for row in plan.slots.values() if row is not None]
+    assert len(spliced) == len(expected.rows) > 0 and expected.projections["spans"] == len(expected.rows)
+    for ours, theirs in zip(spliced, expected.rows):
+        assert ours.completion_ids == theirs.completion_ids
+        assert ours.behaviour_logprobs == theirs.behaviour_logprobs  # mu~, exactly
+        assert ours.advantage == theirs.advantage and ours.num_content_tokens == theirs.num_content_tokens
+    for k, row in plan.slots.items():  # and those rows are what the batch holds (one process: global row = local row)
+        n = len(row.completion_ids) if row is not None else 0
+        assert batch["completion_mask"][k].sum() == n
+        if row is not None:
+            assert batch["completion_ids"][k, :n].tolist() == row.completion_ids
+            assert batch["graft_token_weights"][k, :n].tolist() == row.token_weight.tolist()
+
+
+def test_two_processes_take_the_same_decisions_and_update_as_one(toy_world, store, fresh_learner, tmp_path):
+    """3 groups of 8 per step, 12 rows per process: the middle group is split over the two processes. Greedy
+    sampling makes both runs draw the same completions (TRL seeds every process differently)."""
+    common = {"max_steps": 2, "generation_kwargs": {"do_sample": False}, "graft_options": {"max_grafted_fraction": 1.0}}
+    results = {}
+    for nproc, per_device in ((1, 24), (2, 12)):
+        out = tmp_path / f"nproc{nproc}"
+        out.mkdir()
+        spec = {"out": str(out), "store_url": store.url, "peer_dir": str(toy_world.peer_dir),
+                "learner_dir": str(fresh_learner), "problems": [p.model_dump() for p in toy_world.peer_problems],
+                "args": common | {"per_device_train_batch_size": per_device}}
+        (out / "spec.json").write_text(json.dumps(spec))
+        torchrun([str(Path(__file__).parent / "trl_run.py"), str(out / "spec.json")], nproc=nproc, timeout_s=600)
+        lines = [line for line in json.loads((out / "log_history.json").read_text()) if "graft/frac_grafted" in line]
+        results[nproc] = (lines, torch.load(out / "weights.pt"))
+    (one, one_weights), (two, two_weights) = results[1], results[2]
+    assert len(one) == len(two) == 2
+    for a, b in zip(one, two):
+        assert a["graft/frac_grafted"] == b["graft/frac_grafted"] == 1.0
+        for key in ("graft/peer_rollouts_consumed", "graft/dropped_round_trip", "graft/dropped_overlength",
+                    "graft/projection_spans", "reward"):
+            assert a[key] == b[key], key
+        for key in ("loss", "grad_norm", "graft/compat_weight_mean", "graft/log_rho_p50", "graft/behaviour_ratio_p50"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    start = weights(AutoModelForCausalLM.from_pretrained(fresh_learner))
+    assert any(not torch.equal(start[k], one_weights[k]) for k in start)
+    worst = max(float((one_weights[k] - two_weights[k]).abs().max()) for k in one_weights)
+    assert worst <= 1e-5, worst
+    assert not math.isnan(worst)
