@@ -6,7 +6,6 @@ untrained learner (character-level Llama) fails every group: plain GRPO has no s
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import sys
 from pathlib import Path
@@ -183,14 +182,20 @@ def test_a_peer_with_another_tokenizer_is_retokenised_as_graft_train_does(toy_wo
 
 def test_two_processes_take_the_same_decisions_and_update_as_one(toy_world, store, fresh_learner, tmp_path):
     """3 groups of 8 per step, 12 rows per process: the middle group is split over the two processes. Greedy
-    sampling makes both runs draw the same completions (TRL seeds every process differently)."""
-    common = {"max_steps": 2, "generation_kwargs": {"do_sample": False}, "graft_options": {"max_grafted_fraction": 1.0}}
+    sampling makes both runs draw the same completions (TRL seeds every process differently), and prompts of one
+    length pad alike on one process and on two (TRL's logprobs of a left-padded row differ by ~1e-4 per token).
+    SGD: Adam would turn the 1e-7 differences of summing the gradient in another order into +-lr on weights whose
+    gradient is ~0."""
+    problems = [p for p in toy_world.peer_problems if len(p.problem) == 6]
+    assert len(problems) >= 6
+    common = {"max_steps": 2, "optim": "sgd", "learning_rate": 1.0, "generation_kwargs": {"do_sample": False},
+              "graft_options": {"max_grafted_fraction": 1.0}}
     results = {}
     for nproc, per_device in ((1, 24), (2, 12)):
         out = tmp_path / f"nproc{nproc}"
         out.mkdir()
         spec = {"out": str(out), "store_url": store.url, "peer_dir": str(toy_world.peer_dir),
-                "learner_dir": str(fresh_learner), "problems": [p.model_dump() for p in toy_world.peer_problems],
+                "learner_dir": str(fresh_learner), "problems": [p.model_dump() for p in problems],
                 "args": common | {"per_device_train_batch_size": per_device}}
         (out / "spec.json").write_text(json.dumps(spec))
         torchrun([str(Path(__file__).parent / "trl_run.py"), str(out / "spec.json")], nproc=nproc, timeout_s=600)
@@ -198,15 +203,16 @@ def test_two_processes_take_the_same_decisions_and_update_as_one(toy_world, stor
         results[nproc] = (lines, torch.load(out / "weights.pt"))
     (one, one_weights), (two, two_weights) = results[1], results[2]
     assert len(one) == len(two) == 2
-    for a, b in zip(one, two):
+    for step, (a, b) in enumerate(zip(one, two)):
         assert a["graft/frac_grafted"] == b["graft/frac_grafted"] == 1.0
         for key in ("graft/peer_rollouts_consumed", "graft/dropped_round_trip", "graft/dropped_overlength",
                     "graft/projection_spans", "reward"):
             assert a[key] == b[key], key
+        # float32 sums over 12 rows and over 24 differ by ~1e-6 relative; one update carries that into step 2
+        tolerance = 2e-5 if step == 0 else 1e-3
         for key in ("loss", "grad_norm", "graft/compat_weight_mean", "graft/log_rho_p50", "graft/behaviour_ratio_p50"):
-            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+            assert b[key] == pytest.approx(a[key], rel=tolerance, abs=1e-7), (step, key)
     start = weights(AutoModelForCausalLM.from_pretrained(fresh_learner))
-    assert any(not torch.equal(start[k], one_weights[k]) for k in start)
+    moved = max(float((one_weights[k] - start[k]).abs().max()) for k in start)
     worst = max(float((one_weights[k] - two_weights[k]).abs().max()) for k in one_weights)
-    assert worst <= 1e-5, worst
-    assert not math.isnan(worst)
+    assert moved > 5e-3 and worst <= 1e-4, (moved, worst)  # the update is ~100x the difference
