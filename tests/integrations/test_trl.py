@@ -15,9 +15,10 @@ import torch
 
 pytest.importorskip("trl", reason="the trl extra is not installed: pip install '.[trl]'")
 
-from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
 
+from integrations.trl import GraftGRPOTrainer  # noqa: E402
 from schemas import Problem  # noqa: E402
 from services.store_api.server import StoreServer  # noqa: E402
 from toy.models import build_tiny_model, save_model  # noqa: E402
@@ -216,3 +217,48 @@ def test_two_processes_take_the_same_decisions_and_update_as_one(toy_world, stor
     moved = max(float((one_weights[k] - start[k]).abs().max()) for k in start)
     worst = max(float((one_weights[k] - two_weights[k]).abs().max()) for k in one_weights)
     assert moved > 5e-3 and worst <= 1e-4, (moved, worst)  # the update is ~100x the difference
+
+
+class SampledLogprobsTrainer(GraftGRPOTrainer):
+    """vLLM's stand-in on the CPU (vLLM needs a GPU): transformers samples, and the sampling logprobs come back as
+    vLLM returns them, a little off the trainer's (a sampler's numerics), so that TRL's importance correction acts."""
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        self.use_vllm = False  # the parent's transformers path
+        try:
+            completion_ids, _ = super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations)
+        finally:
+            self.use_vllm = True
+        model = self.accelerator.unwrap_model(self.model)
+        logprobs = []
+        with torch.no_grad():
+            for prompt, completion in zip(prompt_ids, completion_ids):
+                ids = torch.tensor([list(prompt) + list(completion)])
+                scores = (model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / self.temperature).log_softmax(-1)
+                picked = scores.gather(1, torch.tensor(completion)[:, None]).squeeze(1)
+                logprobs.append((picked - 0.01).tolist())  # the sampler's numerics
+        return completion_ids, logprobs
+
+
+def test_under_vllm_grafted_rows_are_kept_out_of_trls_importance_correction(toy_world, store, fresh_learner, tmp_path):
+    """TRL multiplies the loss by exp(pi_old - sampling logps), masked outside its bounds: a peer's logprobs there
+    would mask grafted rows out. Grafted rows get ratio 1 and pi_old as their sampling logps; the learner's rows keep
+    TRL's ratio."""
+    args = make_args(tmp_path / "vllm", store.url, toy_world.peer_dir)
+    trainer = SampledLogprobsTrainer(model=AutoModelForCausalLM.from_pretrained(fresh_learner), reward_funcs=accuracy,
+                                     args=args, train_dataset=dataset(toy_world.peer_problems),
+                                     processing_class=AutoTokenizer.from_pretrained(fresh_learner))
+    trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions(first_batch(trainer, toy_world.peer_problems))
+    grafted = batch["graft_is_grafted"]
+    ratio = batch["importance_sampling_ratio"]  # (B, 1): sequence_mask, TRL's default
+    assert grafted.any() and (~grafted).any()
+    assert torch.equal(ratio[grafted], torch.ones_like(ratio[grafted]))
+    mask = batch["completion_mask"].bool()
+    learner_ratio = torch.exp(((batch["old_per_token_logps"] - batch["sampling_per_token_logps"]) * mask).sum(1))
+    kept = (learner_ratio[~grafted] <= trainer.args.vllm_importance_sampling_clip_max).float()
+    assert torch.allclose(ratio[~grafted].squeeze(1), learner_ratio[~grafted] * kept, rtol=1e-5)
+    assert not torch.allclose(ratio[~grafted], torch.ones_like(ratio[~grafted]))  # TRL's correction acts there
+    rows = grafted[:, None] & mask
+    assert torch.equal(batch["sampling_per_token_logps"][rows], batch["old_per_token_logps"][rows])
