@@ -68,6 +68,7 @@ class _Setup:
     refused: RefusedTokenizers
     peers: PeerExchange | None  # the store client, on the main process only
     counters_logged: dict[str, int] = field(default_factory=dict)  # the store counts at the last metrics
+    stop_tokens: dict[str, int] = field(default_factory=dict)  # prompt template -> the learner's stop token
     warned_unused: bool = False
 
 
@@ -76,6 +77,7 @@ class _Lookup:
     """The batch's peer lookup, started before generation."""
 
     prompt_ids: list[str]  # (N,) every process's rows' store prompt ids, in TRL's global row order
+    stop_token: int  # what the learner's completions of these prompts end with
     request: PeerLookupRequest | None = None  # main process only
     pending: Future | None = None
     started: float = field(default_factory=time.perf_counter)
@@ -155,7 +157,7 @@ class GraftGRPOTrainer(GRPOTrainer):
         if column not in inputs[0]:
             raise KeyError(f"GRAFT finds peer groups by each prompt's store id: the dataset has no column {column!r} "
                            "(add schemas.prompt_id(problem text) per row, or name the column in graft_prompt_id_column)")
-        lookup = _Lookup(gather_object([str(row[column]) for row in inputs]))
+        lookup = _Lookup(gather_object([str(row[column]) for row in inputs]), self._stop_token(inputs))
         if self.graft.peers is not None:
             lookup.request = self.graft.peers.request(lookup.prompt_ids, self.state.global_step)
             lookup.pending = self.graft.peers.start_lookup(lookup.request)
@@ -181,11 +183,10 @@ class GraftGRPOTrainer(GRPOTrainer):
         decisions, store = broadcast_object_list(payload, from_process=0)
 
         plan = _Plan(decisions, {}, dict.fromkeys(DROP_REASONS, 0), dict.fromkeys(PROJECTIONS, 0), store=store)
-        stop_token = self._stop_token()
         for group, decision in enumerate(decisions):
             if not decision.grafts:
                 continue
-            rows = self._peer_rows(decision, group, plan, stop_token)
+            rows = self._peer_rows(decision, group, plan, lookup.stop_token)
             plan.peer_rollouts_unused += max(0, len(rows) - G)
             for slot in range(G):
                 plan.slots[group * G + slot] = rows[slot] if slot < len(rows) else None
@@ -216,11 +217,12 @@ class GraftGRPOTrainer(GRPOTrainer):
             groups.append((prompt_ids[begin], values[begin : begin + G]))
         return groups
 
-    def _stop_token(self) -> int:
+    def _stop_token(self, inputs: list[dict[str, Any]]) -> int:
         """The token the learner's own completions end with, which a finished peer row ends with too."""
-        sample = self.train_dataset[0] if hasattr(self.train_dataset, "__getitem__") else {}
-        template = "chat" if is_conversational(sample) else "raw"
-        return learner_stop_token(self._tokenizer, set(self.eos_token_ids), template)
+        template = "chat" if is_conversational(inputs[0]) else "raw"
+        if template not in self.graft.stop_tokens:
+            self.graft.stop_tokens[template] = learner_stop_token(self._tokenizer, set(self.eos_token_ids), template)
+        return self.graft.stop_tokens[template]
 
     def _peer_rows(self, decision: GateDecision, group: int, plan: _Plan, stop_token: int) -> list[TrainSample]:
         """The peer group's rollouts as learner rows, as graft-train's build_rows makes them (advantages recomputed
