@@ -262,3 +262,31 @@ def test_under_vllm_grafted_rows_are_kept_out_of_trls_importance_correction(toy_
     assert not torch.allclose(ratio[~grafted], torch.ones_like(ratio[~grafted]))  # TRL's correction acts there
     rows = grafted[:, None] & mask
     assert torch.equal(batch["sampling_per_token_logps"][rows], batch["old_per_token_logps"][rows])
+
+
+@pytest.mark.parametrize("settings, named", [
+    ({"graft_options": {"union_all_success": True}}, "union_all_success"),
+    ({"graft_options": {"token_is": "luffy"}}, "luffy"),
+    ({"beta": 0.04}, "kl_on_peer"),
+    ({"scale_rewards": "batch"}, "scale_rewards"),
+    ({"graft_options": {"kapa": 1.0}}, "kapa"),  # graft-train's own validation: a typo fails
+    ({"graft_options": {"is_cap": -1.0}}, "is_cap"),
+    ({"graft_store_options": {"mode": "cotrain"}}, "offline"),
+    ({"graft_peer_tokenizers": ["tok-1=/a", "/b"]}, "ID=DIR"),
+])
+def test_graft_config_refuses_what_trl_cannot_do_as_graft_train_does(tmp_path, settings, named):
+    with pytest.raises(ValueError, match=named):
+        make_args(tmp_path, "http://127.0.0.1:8600", None, **settings)
+
+
+def test_graft_config_is_graft_trains_configuration_of_the_same_run(tmp_path):
+    args = make_args(tmp_path, "http://127.0.0.1:8600", None, epsilon_high=0.28, delta=3.0, loss_type="dr_grpo",
+                     graft_peer_tokenizers=["tok-1=/models/peer"], graft_options={"kappa": 0.5},
+                     graft_store_options={"timeout_s": 3.0})
+    cfg = args.train_config("/models/learner")
+    assert cfg.method == "graft" and cfg.store.url == "http://127.0.0.1:8600" and cfg.store.timeout_s == 3.0
+    assert cfg.graft.kappa == 0.5 and cfg.graft.is_cap == 2.0 and cfg.graft.peer_tokenizers == {"tok-1": "/models/peer"}
+    assert (cfg.ppo.eps_low, cfg.ppo.eps_high, cfg.ppo.dual_clip_c) == (0.2, 0.28, 3.0)
+    assert cfg.ppo.loss_agg == "seq-mean-token-sum-norm" and cfg.rollout.max_response_tokens == 16
+    assert (cfg.rollout.group_size, cfg.rollout.prompts_per_step) == (8, 4)
+    assert make_args(tmp_path, None, None).train_config("/models/learner").method == "grpo"
