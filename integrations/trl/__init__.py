@@ -1,0 +1,8 @@
+"""GRAFT inside TRL: `GraftGRPOTrainer` is TRL's GRPOTrainer that grafts peer groups from the store into its
+all-fail groups; `GraftConfig` is TRL's GRPOConfig with the store and graft-train's GRAFT options.
+Needs the `trl` extra (`pip install '.[trl]'`)."""
+
+from integrations.trl.config import GraftConfig
+from integrations.trl.trainer import GraftGRPOTrainer
+
+__all__ = ["GraftConfig", "GraftGRPOTrainer"]

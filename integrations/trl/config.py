@@ -1,0 +1,123 @@
+"""`GraftConfig`: TRL's GRPOConfig plus the store to graft from and graft-train's GRAFT options.
+
+The GRAFT options are graft-train's own sections (`trainer.config.GraftConfig` and `StoreConfig`), validated by
+them: the same defaults, the same errors. What TRL cannot do the way graft-train does is refused here, saying why;
+everything else about the loss stays TRL's (the per-token weight c = w * b rides in the advantages, and every TRL
+loss is linear in them).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from trl import GRPOConfig
+
+from trainer.config import GraftConfig as GraftOptions
+from trainer.config import StoreConfig, TrainConfig
+
+# TRL's loss aggregations and graft-train's names for the same rule (the loss equality tests compare them)
+LOSS_AGG = {"dapo": "token-mean", "bnpo": "token-mean", "grpo": "seq-mean-token-mean", "dr_grpo": "seq-mean-token-sum-norm"}
+
+
+@dataclass
+class GraftConfig(GRPOConfig):
+    """GRPOConfig with GRAFT: set `graft_store_url` (and usually `graft_peer_tokenizers`); None is plain GRPO."""
+
+    graft_store_url: str | None = field(
+        default=None, metadata={"help": "store base URL to take peer groups from, e.g. http://127.0.0.1:8600 (None: plain GRPO)"})
+    graft_model_id: str | None = field(
+        default=None, metadata={"help": "the learner's model id in the store (its own groups are never grafted); "
+                                        "default: the model's directory or hub name, as graft-train names it"})
+    graft_tokenizer_id: str | None = field(
+        default=None, metadata={"help": "the learner's tokenizer id; peers with the same id take the exact path; "
+                                        "default: its fingerprint (as the generator stores it)"})
+    graft_peer_tokenizers: list[str] | None = field(
+        default=None, metadata={"help": "the peers' tokenizers: model or tokenizer directories (their fingerprints are "
+                                        "their ids), or ID=DIR for a peer that stored another id"})
+    graft_prompt_id_column: str = field(
+        default="prompt_id", metadata={"help": "dataset column holding each prompt's store id (schemas.prompt_id of "
+                                               "the problem text, as the generator stored it)"})
+    graft_lookup_wait_s: float = field(
+        default=0.0, metadata={"help": "after generation, wait at most this long for the peer lookup (it runs while "
+                                       "TRL generates); 0: graft only what is already back (graft-train's offline mode)"})
+    graft_options: dict | str | None = field(
+        default=None, metadata={"help": "graft-train's graft section (JSON from the command line): kappa, is_cap, "
+                                        "token_is, max_grafted_fraction, peer_models, ... (graft-train show-config)"})
+    graft_store_options: dict | str | None = field(
+        default=None, metadata={"help": "graft-train's store section but url: token, timeout_s, retries, backoff_*, "
+                                        "groups_per_prompt"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("graft_options", "graft_store_options"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                setattr(self, name, json.loads(value))
+        if self.graft_lookup_wait_s < 0:
+            raise ValueError(f"graft_lookup_wait_s = {self.graft_lookup_wait_s}: a wait cannot be negative")
+        graft = self.graft_section()  # validates; the checks below are what TRL's loop cannot do as graft-train does
+        self.store_section()
+        if graft.union_all_success:
+            raise ValueError("graft_options.union_all_success: a union group has more rows than the G slots TRL's "
+                             "batch holds for the prompt; leave it off under TRL")
+        if graft.token_is == "luffy":
+            raise ValueError("graft_options.token_is 'luffy' replaces the PPO ratio inside the loss, which TRL computes; "
+                             "use 'tis' (the default) or 'none'")
+        if self.beta != 0.0 and not graft.kl_on_peer:
+            raise ValueError(f"beta = {self.beta}: TRL's KL term covers every token, grafted ones too; set "
+                             "graft_options.kl_on_peer true to accept that, or beta 0")
+        if self.scale_rewards == "batch" or self.multi_objective_aggregation != "sum_then_normalize":
+            raise ValueError("GRAFT computes a peer group's advantages within the group, as TRL's scale_rewards 'group' "
+                             "(or 'none', Dr. GRPO) does with multi_objective_aggregation 'sum_then_normalize'; "
+                             f"scale_rewards {self.scale_rewards!r} with {self.multi_objective_aggregation!r} would mix "
+                             "two conventions in one batch")
+
+    @property
+    def grafts(self) -> bool:
+        """Whether the trainer grafts (a store is configured)."""
+        return self.graft_store_url is not None
+
+    def graft_section(self) -> GraftOptions:
+        """graft-train's graft section: graft_options and graft_peer_tokenizers (validated)."""
+        entries = list(self.graft_peer_tokenizers or [])
+        pairs = [entry.split("=", 1) for entry in entries if "=" in entry]
+        if pairs and len(pairs) != len(entries):
+            raise ValueError(f"graft_peer_tokenizers {entries}: give every entry as ID=DIR or none (DIR alone)")
+        peer_tokenizers: dict[str, str] | list[str] = dict(pairs) if pairs else entries
+        return GraftOptions.model_validate({**(self.graft_options or {}), "peer_tokenizers": peer_tokenizers})
+
+    def store_section(self) -> StoreConfig:
+        """graft-train's store section (offline: TRL runs never publish nor wait for a co-trainer)."""
+        options = dict(self.graft_store_options or {})
+        if "url" in options or options.get("mode", "offline") != "offline" or options.get("publish"):
+            raise ValueError("graft_store_options: the URL is graft_store_url, and TRL runs only read the store "
+                             "(mode offline, publish off)")
+        return StoreConfig.model_validate({**options, "url": self.graft_store_url, "publish": False})
+
+    def train_config(self, model_path: str, dataset: str = "trl-dataset") -> TrainConfig:
+        """graft-train's configuration of the same run: what the shared functions (weights, peer tokenizers, the
+        store client) read, and what the loss equality tests and the side-by-side benchmark run graft-train with.
+
+        ppo takes TRL's clip (epsilon, epsilon_high, delta as the dual clip) and, for TRL's dapo, bnpo, grpo and
+        dr_grpo losses, graft-train's name of their aggregation; TRL's other losses keep graft-train's default (c
+        folds into them all the same). dataset names the problems' JSONL for graft-train (TRL feeds its own)."""
+        prompts_per_step = self.generation_batch_size // self.num_generations
+        return TrainConfig.model_validate({
+            "seed": self.seed, "steps": max(self.max_steps, 1), "method": "graft" if self.grafts else "grpo",
+            "model": {"path": model_path, "model_id": self.graft_model_id, "tokenizer_id": self.graft_tokenizer_id},
+            "data": {"dataset": dataset},
+            "rollout": {"group_size": self.num_generations, "prompts_per_step": prompts_per_step,
+                        "temperature": self.temperature, "top_p": self.top_p,
+                        "top_k": self.top_k if self.top_k and self.top_k > 0 else None,
+                        "max_response_tokens": self.max_completion_length},
+            "optim": {"lr": self.learning_rate, "weight_decay": self.weight_decay, "grad_clip": self.max_grad_norm or None,
+                      "ppo_epochs": self.num_iterations, "micro_batch_size": self.per_device_train_batch_size,
+                      "mini_batch_prompts": max(1, prompts_per_step // self.steps_per_generation)},
+            "ppo": {"eps_low": self.epsilon, "eps_high": self.epsilon_high if self.epsilon_high is not None else self.epsilon,
+                    "dual_clip_c": self.delta, "kl_beta": self.beta,
+                    "advantage": "dr_grpo" if self.scale_rewards == "none" else "grpo",
+                    **({"loss_agg": LOSS_AGG[self.loss_type]} if self.loss_type in LOSS_AGG else {})},
+            "graft": self.graft_section().model_dump(),
+            "store": self.store_section().model_dump() if self.grafts else {},
+        })
+
