@@ -9,7 +9,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("schemas", "rollouts", "services", "trainer", "demo", "toy", "benchmarks")
+PACKAGES = ("schemas", "rollouts", "services", "trainer", "demo", "toy", "benchmarks", "integrations")
 
 
 def _modules() -> dict[str, Path]:

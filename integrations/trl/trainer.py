@@ -118,7 +118,7 @@ class GraftGRPOTrainer(GRPOTrainer):
         tokenizer_id = cfg.model.tokenizer_id or tokenizer_fingerprint(self._tokenizer)
         model_id = cfg.model.model_id or default_model_id(name)
         revision = model_fingerprint(name) if Path(name).is_dir() else name
-        learner = Learner(model=model, tokenizer=self._tokenizer, model_id=model_id, tokenizer_id=tokenizer_id,
+        learner = Learner(hf_model=model, tokenizer=self._tokenizer, model_id=model_id, tokenizer_id=tokenizer_id,
                           revision=revision, eos_ids=set(self.eos_token_ids), device=self.accelerator.device)
         peer_tokenizers = load_peer_tokenizers(cfg)
         # None: any tokenizer (the uniform projection opted in); else the learner's and the configured peers'
