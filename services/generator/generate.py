@@ -216,6 +216,7 @@ def _run(config: GeneratorConfig, stop: StopFlag) -> RunStats:
     scorer = Scorer(num_workers=config.score_workers, timeout_s=config.score_timeout_s)
     bar = tqdm(disable=not config.progress, unit="group", dynamic_ncols=True,
                total=None if config.continuous else len(problems) * config.rounds)
+    backend = None
     try:
         backend = _load(config, model_path, model_id)
         stored = sink.stored_group_ids(model_id, revision, policy_step)
@@ -270,6 +271,9 @@ def _run(config: GeneratorConfig, stop: StopFlag) -> RunStats:
                     time.sleep(config.idle_sleep_s)  # nothing was left in this round; never spin
                 round_index += 1
     finally:
+        # the engine stops here, before the caller prints its summary (vLLM logs its shutdown to stdout)
+        if backend is not None and getattr(backend, "close", None) is not None:
+            backend.close()
         scorer.close()
         bar.close()
         sink.close()
