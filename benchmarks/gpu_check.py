@@ -46,7 +46,9 @@ The table (pass / fail / skipped, wall seconds, tokens per second, step times) i
 (model, data, store, configs), then stops before CUDA.
 
 This file's top level uses the standard library only: it runs under a bare Python, builds the environment,
-and then runs itself again inside it.
+and then runs itself again inside it. It is long for that reason (the stages, their verdicts and the table in
+one driver); the offline form's folder and environment are benchmarks/gpu_offline.py, the two probes that touch
+CUDA from Python benchmarks/gpu_probes.py.
 """
 
 from __future__ import annotations
