@@ -8,6 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
 .PHONY: install install-dev install-vllm system-deps test demo demo-real clean-venv demo-study gpu-check
+.PHONY: gpu-check-offline gpu-check-offline-folder gpu-check-rehearsal
 
 install: $(STAMP)
 
@@ -80,6 +81,31 @@ demo-real: install-dev
 # WHEELS=DIR: install from a wheel folder only (no index). DRY_RUN=1: in .venv on CPU, stopping before CUDA.
 gpu-check: $(if $(DRY_RUN),install-dev)
 	$(if $(DRY_RUN),$(BIN)/python,$(PY)) -m benchmarks.gpu_check $(if $(DRY_RUN),--dry-run) $(if $(WHEELS),--wheels $(WHEELS))
+
+# The offline form for a GPU machine without network or vLLM (python3 with torch, transformers, pyarrow, accelerate,
+# safetensors): `make gpu-check-offline-folder` here builds build/gpu-offline/ (the missing wheels for CPython 3.12
+# and a tiny toy-trained Llama, about 30 MB); send it with the repository, then run there
+# `python3 -m benchmarks.gpu_check --offline` (= make gpu-check-offline), which uses that python3's torch.
+gpu-check-offline-folder: install-dev
+	$(BIN)/python -m benchmarks.gpu_offline build
+
+gpu-check-offline:
+	$(PY) -m benchmarks.gpu_check --offline $(if $(DEVICE),--device $(DEVICE))
+
+# Its rehearsal on this CPU machine: a stand-in for the GPU machine's Python (.venv-gpu-machine: CPython 3.12,
+# torch 2.11.0 -- PyPI has only its CUDA 13 build, which runs on a CPU --, transformers 5.17.0, pyarrow, accelerate,
+# safetensors; not pydantic, which typer pulled in), then the same command on the CPU with no network at all
+# (a network namespace with loopback only; needs root).
+PY312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python) python3.12)
+GPU_MACHINE := .venv-gpu-machine
+$(GPU_MACHINE)/.built:
+	$(PY312) -m venv $(GPU_MACHINE)
+	$(GPU_MACHINE)/bin/pip install -q torch==2.11.0 transformers==5.17.0 pyarrow accelerate safetensors
+	$(GPU_MACHINE)/bin/pip uninstall -q -y pydantic pydantic_core typing-inspection annotated-types
+	touch $@
+
+gpu-check-rehearsal: $(GPU_MACHINE)/.built $(if $(wildcard build/gpu-offline/MANIFEST.json),,gpu-check-offline-folder)
+	unshare -n sh -c 'ip link set lo up && $(MAKE) gpu-check-offline PY=$(GPU_MACHINE)/bin/python DEVICE=cpu'
 
 clean-venv:
 	rm -rf $(VENV)

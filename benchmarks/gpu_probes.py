@@ -1,8 +1,8 @@
 """The two parts of `make gpu-check` (benchmarks/gpu_check.py) that touch CUDA from Python directly, each run
 as its own process so that the check's driver never holds the GPU:
 
-    python -m benchmarks.gpu_probes cuda OUT_JSON
-        torch and vLLM versions, the GPU's name and memory, bf16 support.
+    python -m benchmarks.gpu_probes cuda OUT_JSON [--no-vllm]
+        torch and vLLM versions, the NVIDIA driver's version, the GPU's name and memory, bf16 support.
     python -m benchmarks.gpu_probes sync MODEL_DIR OUT_JSON --dtype bfloat16 --device cuda
         the trainer's in-process vLLM engine (trainer.vllm_sync) samples; the policy's weights are changed;
         sync_weights copies them into the engine; its logprobs must then follow the changed policy (a
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 from pathlib import Path
 
 import torch
@@ -25,12 +26,31 @@ SYNC_PROBLEMS = [
 ]
 
 
-def probe_cuda() -> dict:
-    info: dict = {"torch": torch.__version__, "torch_cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available()}
+def driver_version() -> str | None:
+    """The NVIDIA driver's version (580.95.05, ...): from nvidia-smi, else the kernel module's own line."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.split()[0]
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    version_file = Path("/proc/driver/nvidia/version")  # "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.95.05 ..."
+    if version_file.exists():
+        words = version_file.read_text().split()
+        return next((w for w in words if w[:1].isdigit() and w.count(".") >= 1), None)
+    return None
+
+
+def probe_cuda(with_vllm: bool = True) -> dict:
+    info: dict = {"torch": torch.__version__, "torch_cuda": torch.version.cuda, "driver": driver_version(),
+                  "cuda_available": torch.cuda.is_available()}
     if info["cuda_available"]:
         props = torch.cuda.get_device_properties(0)
         info.update(devices=torch.cuda.device_count(), name=props.name, memory_gib=round(props.total_memory / 2**30, 1),
                     bf16=torch.cuda.is_bf16_supported())
+    if not with_vllm:
+        return info
     try:
         import vllm
 
@@ -96,13 +116,14 @@ def main() -> None:
     sub = parser.add_subparsers(dest="probe", required=True)
     cuda = sub.add_parser("cuda")
     cuda.add_argument("out", type=Path)
+    cuda.add_argument("--no-vllm", action="store_true", help="do not import vLLM (the offline form has none)")
     sync = sub.add_parser("sync")
     sync.add_argument("model_dir")
     sync.add_argument("out", type=Path)
     sync.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     sync.add_argument("--device", default="cuda")
     args = parser.parse_args()
-    result = probe_cuda() if args.probe == "cuda" else probe_sync(args.model_dir, args.dtype, args.device)
+    result = probe_cuda(not args.no_vllm) if args.probe == "cuda" else probe_sync(args.model_dir, args.dtype, args.device)
     args.out.write_text(json.dumps(result) + "\n")
 
 

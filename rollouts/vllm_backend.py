@@ -14,6 +14,8 @@ from rollouts.models import default_model_id, load_tokenizer, resolve_model_dir,
 from rollouts.sampling import Sample, SamplingParams
 
 CPU_KV_CACHE_BYTES = 2 << 30  # on CPU the KV cache is ordinary RAM: reserve a fixed amount, not a fraction
+# "1": engines start with enforce_eager (no CUDA graph capture): quicker starts, for checks that start many engines
+ENFORCE_EAGER_ENV = "GRAFT_VLLM_ENFORCE_EAGER"
 
 
 class VLLMBackend:
@@ -56,6 +58,8 @@ class VLLMBackend:
             # tens of seconds on a small machine.
             engine_kwargs.setdefault("distributed_executor_backend", "uni")
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        elif os.environ.get(ENFORCE_EAGER_ENV) == "1":
+            engine_kwargs.setdefault("enforce_eager", True)
         from vllm import LLM
 
         llm = LLM(
@@ -134,6 +138,12 @@ class VLLMBackend:
 
 
 def _cuda_available() -> bool:
+    """Whether a CUDA GPU is visible, asked through NVML: the CUDA driver stays uninitialised in this process.
+
+    On CUDA, vLLM forks its engine core when `torch.cuda.is_initialized()` is false; `torch.cuda.is_available()`
+    calls cudaGetDeviceCount, which initialises the driver without setting that flag, so the forked child would
+    fail with "CUDA error: initialization error". `device_count()` counts through NVML (it falls back to
+    cudaGetDeviceCount only where NVML cannot be loaded)."""
     import torch
 
-    return torch.cuda.is_available()
+    return torch.cuda.device_count() > 0

@@ -55,6 +55,8 @@ def generate(
     idle_sleep_s: Optional[float] = typer.Option(None, help=_help("idle_sleep_s")),
     progress: Optional[bool] = typer.Option(None, "--progress/--no-progress", help=_help("progress")),
     dry_run: bool = typer.Option(False, "--dry-run", help="validate the configuration, print it as YAML and exit"),
+    summary_json: Optional[Path] = typer.Option(
+        None, help="also write the run's JSON summary to this file (whole or not at all): stdout may carry an engine's logs"),
 ) -> None:
     """Sample groups for every prompt of a dataset, score them with math-verify, and store them.
 
@@ -62,7 +64,7 @@ def generate(
     it cleanly after the current batch is stored. In continuous mode a store that is down is
     tried again with a growing pause (up to a minute), the sampled batch kept meanwhile.
     """
-    overrides = {k: v for k, v in locals().items() if k not in ("config", "dry_run")}
+    overrides = {k: v for k, v in locals().items() if k not in ("config", "dry_run", "summary_json")}
     try:
         cfg = load_config(GeneratorConfig, config, overrides)
     except (ValueError, FileNotFoundError) as e:
@@ -92,6 +94,10 @@ def generate(
         "wall_s": round(stats.wall_s, 3),
     }
     sys.stdout.write(json.dumps(summary) + "\n")
+    if summary_json is not None:
+        from rollouts.files import write_text_atomic
+
+        write_text_atomic(summary_json, json.dumps(summary) + "\n")
 
 
 if __name__ == "__main__":

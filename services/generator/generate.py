@@ -256,6 +256,7 @@ def _run(config: GeneratorConfig, stop: StopFlag) -> RunStats:
     bar = tqdm(disable=not config.progress, unit="group", dynamic_ncols=True,
                total=None if config.continuous else len(problems) * config.rounds)
     stored: set[str] = set()
+    backend = None
     try:
         backend = _load(config, model_path, model_id)
         stored = through_outages(sink, lambda: sink.stored_group_ids(model_id, revision, policy_step),
@@ -304,6 +305,7 @@ def _run(config: GeneratorConfig, stop: StopFlag) -> RunStats:
                     backend_close = getattr(backend, "close", None)
                     if backend_close is not None:
                         backend_close()
+                    backend = None  # closed: a failed reload must not close it twice in `finally`
                     backend = _load(config, model_path, model_id)
                     stored = through_outages(sink, lambda: sink.stored_group_ids(model_id, revision, policy_step),
                                              "reading the stored group ids", config, stop, stats)
@@ -319,6 +321,9 @@ def _run(config: GeneratorConfig, stop: StopFlag) -> RunStats:
                 round_index += 1
     finally:
         stats.stored_ids_held = len(stored)
+        # the engine stops here, before the caller prints its summary (vLLM logs its shutdown to stdout)
+        if backend is not None and getattr(backend, "close", None) is not None:
+            backend.close()
         scorer.close()
         bar.close()
         sink.close()
