@@ -57,6 +57,8 @@ class Engine:
             time.sleep(0.5)
         if _alive(self.pid):
             os.kill(self.pid, signal.SIGKILL)
+        if self.log is not None:
+            shutil.rmtree(self.log.parent, ignore_errors=True)  # its socket, pid file, exec root and log
 
 
 def _alive(pid: int) -> bool:
