@@ -50,13 +50,17 @@ $(DEV_STAMP): $(STAMP)
 	touch $@
 
 # What the tests drive beyond Python, from Debian when missing: Chromium and its chromedriver (the browser
-# tests; never a browser download), PostgreSQL's server binaries (the lake tests start a real one) and the
-# docker-compose client (it validates docker-compose.yml; no engine needed). Needs root for apt-get.
+# tests; never a browser download), PostgreSQL's server binaries (the lake tests start a real one), and Docker:
+# the engine and Debian's client (docker.io), the docker-compose client and debootstrap (tests/deploy/ starts a
+# private engine when none answers, and builds its base image with debootstrap where Docker Hub cannot be
+# reached). Needs root for apt-get.
 system-deps:
 	@missing=""; \
 	{ command -v chromium >/dev/null && command -v chromedriver >/dev/null; } || missing="$$missing chromium chromium-driver"; \
 	ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing="$$missing postgresql"; \
+	{ command -v dockerd >/dev/null && test -x /usr/bin/docker; } || missing="$$missing docker.io"; \
 	command -v docker-compose >/dev/null || missing="$$missing docker-compose"; \
+	command -v debootstrap >/dev/null || missing="$$missing debootstrap"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing with apt-get:$$missing"; \
 	  { apt-get update -qq && apt-get install -y -qq $$missing >/dev/null; } \

@@ -2,7 +2,8 @@
 
 - `build_toy_world`: a learner (character-level Llama) and a peer (byte-level BPE Qwen3) warm-started on
   disjoint halves of `SMALL` problems, and a store root holding the peer's scored groups: the trainer's
-  end-to-end tests and benchmark.
+  end-to-end tests and benchmark. `build_toy_models`: the same models and problems without the groups
+  (docker-compose's CPU form, `python -m toy.setup_models`).
 - `cached_chat_model`: a Llama with a chat template and a BOS token, trained once per machine into the
   cache folder: the generator's and evaluation's tests (both backends, the prompt templates).
 - `build_group`: a stored-format group of given texts with a model's own teacher-forced logprobs.
@@ -100,6 +101,32 @@ class ToyWorld:
     peer_model_id: str = "toy-peer"
 
 
+def build_toy_models(
+    root: Path, problems_per_family: int = 16, learner_sft_steps: int = 70, peer_sft_steps: int = 70, seed: int = 0,
+) -> ToyWorld:
+    """The toy world without the peer's groups: learner/, peer/, train.jsonl and anchor.jsonl under `root`
+    (`store_root` is where `build_toy_world` would put the groups; nothing is written there)."""
+    return _build_models(root, problems_per_family, learner_sft_steps, peer_sft_steps, seed)[0]
+
+
+def _build_models(root: Path, problems_per_family: int, learner_sft_steps: int, peer_sft_steps: int,
+                  seed: int) -> tuple[ToyWorld, PreTrainedModel, PreTrainedTokenizerFast]:
+    """The world's models and files, and the peer with its tokenizer in memory (to sample its groups)."""
+    problems = sample_problems(2 * problems_per_family, seed=seed)
+    learner_problems, peer_problems = problems[:problems_per_family], problems[problems_per_family:]
+    char_tok, bpe_tok = learner_tokenizer(), peer_tokenizer(seed=seed)
+    learner = warm_start(build_tiny_model(char_tok, "llama", hidden=64, seed=seed + 1), char_tok, learner_problems,
+                         steps=learner_sft_steps, seed=seed)
+    peer = warm_start(build_tiny_model(bpe_tok, "qwen3", hidden=64, seed=seed + 2), bpe_tok, peer_problems,
+                      steps=peer_sft_steps, seed=seed)
+    learner_dir = save_model(learner, char_tok, root / "learner")
+    peer_dir = save_model(peer, bpe_tok, root / "peer")
+    problems_path = write_problems_jsonl(problems, root / "train.jsonl")
+    anchor_path = write_problems_jsonl(learner_problems, root / "anchor.jsonl", with_completion=True)
+    world = ToyWorld(learner_dir, peer_dir, problems_path, anchor_path, root / "store", learner_problems, peer_problems)
+    return world, peer, bpe_tok
+
+
 def build_toy_world(
     root: Path, problems_per_family: int = 16, learner_sft_steps: int = 70, peer_sft_steps: int = 70,
     peer_group_size: int = 8, seed: int = 0,
@@ -115,19 +142,8 @@ def build_toy_world(
     from rollouts.scoring import Scorer
     from services.store_api.shards import write_groups
 
-    problems = sample_problems(2 * problems_per_family, seed=seed)
-    learner_problems, peer_problems = problems[:problems_per_family], problems[problems_per_family:]
-    char_tok, bpe_tok = learner_tokenizer(), peer_tokenizer(seed=seed)
-    learner = warm_start(build_tiny_model(char_tok, "llama", hidden=64, seed=seed + 1), char_tok, learner_problems,
-                         steps=learner_sft_steps, seed=seed)
-    peer = warm_start(build_tiny_model(bpe_tok, "qwen3", hidden=64, seed=seed + 2), bpe_tok, peer_problems,
-                      steps=peer_sft_steps, seed=seed)
-    learner_dir = save_model(learner, char_tok, root / "learner")
-    peer_dir = save_model(peer, bpe_tok, root / "peer")
-    problems_path = write_problems_jsonl(problems, root / "train.jsonl")
-    anchor_path = write_problems_jsonl(learner_problems, root / "anchor.jsonl", with_completion=True)
-
-    world = ToyWorld(learner_dir, peer_dir, problems_path, anchor_path, root / "store", learner_problems, peer_problems)
+    world, peer, bpe_tok = _build_models(root, problems_per_family, learner_sft_steps, peer_sft_steps, seed)
+    problems, peer_dir = world.learner_problems + world.peer_problems, world.peer_dir
     backend = HFBackend(peer, bpe_tok, world.peer_model_id, batch_size=512)
     params = SamplingParams(n=peer_group_size, temperature=1.0, max_tokens=16, seed=seed)
     samples = backend.generate([p.problem for p in problems], params)
