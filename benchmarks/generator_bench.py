@@ -64,7 +64,7 @@ def measure(backend: str, model: Path, prompts: int, group_size: int, max_tokens
 def measure_vllm_elsewhere(args: argparse.Namespace) -> dict:
     """The vLLM measurement in .venv-vllm, whose result comes back as JSON."""
     if not VLLM_PYTHON.exists():
-        return {"skipped": f"{VLLM_PYTHON} is absent and this interpreter has no vllm"}
+        return {"failed": f"{VLLM_PYTHON} is absent and this interpreter has no vllm: build it with `make install-vllm`"}
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         command = [str(VLLM_PYTHON), "-m", "benchmarks.generator_bench", "--backends", "vllm", "--json", out.name,
                    "--model", str(args.model),
@@ -112,6 +112,9 @@ def main() -> None:
     if args.json:
         args.json.write_text(text + "\n")
     print(text)
+    failed = [backend for backend, run in runs.items() if "tokens_per_s" not in run]
+    if failed:  # a half that did not run is not a figure: say so in the exit status, not only as a null
+        raise SystemExit(f"no figure for {', '.join(failed)}: see runs.<backend>.failed above")
 
 
 if __name__ == "__main__":

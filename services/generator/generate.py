@@ -98,7 +98,7 @@ class GroupSink:
     one transaction per batch; data path and S3 settings from GRAFT_LAKE_* / AWS_*)."""
 
     def __init__(self, store: str, token: str | None):
-        from services.store_api.lake import is_lake_target
+        from services.store_api.targets import is_lake_target  # no DuckDB import unless the target is a lake
 
         self.is_url = store.startswith(("http://", "https://"))
         self.is_lake = is_lake_target(store)

@@ -184,7 +184,8 @@ def migrate(
     Idempotent: groups and problems the target holds are skipped, so an interrupted migration is run again.
     Stop a local store's server first, or migrate what its shards hold at the moment they are read.
     """
-    from services.store_api.lake import Lake, LakeConfig, LakeError, is_lake_target
+    from services.store_api.lake import Lake, LakeConfig, LakeError
+    from services.store_api.targets import is_lake_target
     from services.store_api.migrate import lake_to_local, local_to_lake
 
     configure_logging("info")

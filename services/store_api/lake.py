@@ -57,6 +57,7 @@ from schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA, Problem
 from services.store_api.durable import fsync_directory
 from services.store_api.shards import COMPRESSION
 from services.store_api.tables import SMALL_COLUMNS_SCHEMA
+from services.store_api.targets import LAKE_PREFIX
 
 log = logging.getLogger("graft.store.lake")
 
@@ -64,7 +65,6 @@ PINNED_DUCKDB = "1.5.5"
 # module name of duckdb_extensions' wheel -> the name the extension loads as
 EXTENSIONS = {"ducklake": "ducklake", "httpfs": "httpfs", "postgres": "postgres_scanner", "sqlite": "sqlite_scanner"}
 ALIAS = "lake"  # the lake's name inside each DuckDB connection
-LAKE_PREFIX = "ducklake:"
 LAYOUT_COMMENT = "graft rollouts, layout 1"  # on the rollouts table: a lake this store made, in this layout
 NO_PROGRESS_BAR = "SET enable_progress_bar = false"  # long reads would draw one on a server's stdout
 COMMIT_ATTEMPTS = 40  # a commit that keeps losing to other writers' (see Lake.commit) gives up after these
@@ -158,11 +158,6 @@ def redact(text: str) -> str:
     """Hide passwords in libpq connection strings and URLs."""
     text = re.sub(r"(password\s*=\s*)('[^']*'|\S+)", r"\1***", text, flags=re.IGNORECASE)
     return re.sub(r"(://[^:/@\s]+:)[^@\s]+@", r"\1***@", text)
-
-
-def is_lake_target(target: str | None) -> bool:
-    """Whether a store target (graft-generate --store, graft-store migrate) names a lake."""
-    return bool(target) and str(target).startswith(LAKE_PREFIX)
 
 
 # ---------------------------------------------------------------------------------------------- extensions

@@ -5,7 +5,9 @@ Any bytes are safe to hand over. An Arrow body is refused if any message is comp
 decompress to gigabytes, before anything could check them), then decoded and validated by Arrow itself
 (`Table.validate(full=True)`: offsets, lengths, UTF-8) before any other use: Arrow's kernels and `to_pylist`
 trust those and crashed the process on bit-flipped bodies. Whatever fails to decode answers 400 saying so;
-decoded rows then pass `tables.validate_table` like every stored row (422 naming the bad row).
+decoded columns are then cast to the schema's types before any kernel runs on them (400 naming a column whose
+type does not cast: Arrow's kernels each take only some types), and the rows pass `tables.validate_table` like
+every stored row (422 naming the bad row).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from schemas import MAX_PUSH_GROUPS, Problem, PushGroupsRequest
-from services.store_api.tables import groups_table, validate_table
+from services.store_api.tables import ColumnTypeError, conform_table, groups_table, validate_table
 
 PROBLEMS_METADATA_KEY = b"graft_problems"  # Arrow push: problems as JSON in the stream's schema metadata
 MAX_STREAM_MESSAGES = 65536  # record batches of one push (512 groups); each costs a Python step to check
@@ -60,10 +62,13 @@ def parse_arrow_push(body: bytes) -> tuple[pa.Table, list[Problem]]:
         except (orjson.JSONDecodeError, ValidationError, TypeError) as exc:
             raise PushRejected(422, f"schema metadata {PROBLEMS_METADATA_KEY.decode()} is not a JSON list of "
                                     f"Problem: {exc}") from exc
-    if "group_id" in table.column_names:
-        n_groups = pc.count_distinct(table.column("group_id")).as_py()
-        if n_groups > MAX_PUSH_GROUPS:
-            raise PushRejected(422, f"{n_groups} groups in one push; at most {MAX_PUSH_GROUPS}: split it")
+    try:
+        table = conform_table(table)  # first: count_distinct has no kernel for most types a client may send
+    except ColumnTypeError as exc:
+        raise PushRejected(400, f"{exc}; send the columns in ROLLOUT_ARROW_SCHEMA's types") from exc
+    n_groups = pc.count_distinct(table.column("group_id")).as_py()
+    if n_groups > MAX_PUSH_GROUPS:
+        raise PushRejected(422, f"{n_groups} groups in one push; at most {MAX_PUSH_GROUPS}: split it")
     return validate_table(table), problems
 
 
