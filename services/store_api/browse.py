@@ -55,16 +55,17 @@ class ProblemTexts:
         self._lock = threading.Lock()
         self._by_file: dict[int, pa.Table] = {}
         self._table: pa.Table = PROBLEM_ARROW_SCHEMA.empty_table()
-        self._by_prompt: dict[str, tuple[str, str]] | None = None  # made from _table when asked
+        # prompt id -> (dataset, problem, answer) of its first dataset by name, kept as files come
+        self._by_prompt: dict[str, tuple[str, str, str]] = {}
 
     def table(self) -> pa.Table:
         """Columns prompt_id, dataset, problem, answer; files indexed since the last call are read now."""
         live = self.index.problem_files()
         with self._lock:
-            changed = False
-            for gone in set(self._by_file) - set(live):  # quarantined meanwhile
-                del self._by_file[gone]
-                changed = True
+            new: list[pa.Table] = []
+            gone = set(self._by_file) - set(live)  # quarantined meanwhile
+            for file_id in gone:
+                del self._by_file[file_id]
             for file_id in sorted(set(live) - set(self._by_file)):
                 owned = self.index.problems_of_file(file_id)
                 try:
@@ -74,26 +75,27 @@ class ProblemTexts:
                 first_copy = [(d, p) in owned for d, p in zip(table.column("dataset").to_pylist(),
                                                                table.column("prompt_id").to_pylist())]
                 self._by_file[file_id] = table.filter(pa.array(first_copy, pa.bool_()))
-                changed = True
-            if changed:
+                new.append(self._by_file[file_id])
+            if gone or new:
                 tables = list(self._by_file.values())
                 self._table = pa.concat_tables(tables) if tables else PROBLEM_ARROW_SCHEMA.empty_table()
-                self._by_prompt = None
+                if gone:
+                    self._by_prompt, new = {}, tables
+                for table in new:
+                    self._add_texts(table)
             return self._table
 
-    def by_prompt(self) -> dict[str, tuple[str, str]]:
-        """prompt id -> (problem, answer) of its first dataset by name (a prompt id is the hash of the text, so
-        every dataset's copy has the same problem)."""
-        table = self.table()
-        with self._lock:
-            if self._by_prompt is None:
-                found: dict[str, tuple[str, str, str]] = {}
-                for prompt, dataset, problem, answer in zip(*(table.column(n).to_pylist() for n in (
-                        "prompt_id", "dataset", "problem", "answer"))):
-                    if prompt not in found or dataset < found[prompt][0]:
-                        found[prompt] = (dataset, problem, answer)
-                self._by_prompt = {prompt: (problem, answer) for prompt, (_, problem, answer) in found.items()}
-            return self._by_prompt
+    def _add_texts(self, table: pa.Table) -> None:
+        for prompt, dataset, problem, answer in zip(*(table.column(n).to_pylist() for n in (
+                "prompt_id", "dataset", "problem", "answer"))):
+            if prompt not in self._by_prompt or dataset < self._by_prompt[prompt][0]:
+                self._by_prompt[prompt] = (dataset, problem, answer)
+
+    def by_prompt(self) -> dict[str, tuple[str, str, str]]:
+        """prompt id -> (dataset, problem, answer) of its first dataset by name (a prompt id is the hash of the
+        text: every dataset's copy has the same problem), as the listing shows it."""
+        self.table()
+        return self._by_prompt
 
     def of(self, prompt_id: str) -> list[StoredProblem]:
         table = self.table()
@@ -169,24 +171,29 @@ class Browse:
         texts = self.texts.by_prompt()
         needle = q.strip().lower() if q else None
         budget = self.index.settings.max_scan_groups
-        span = min(budget, 4 * (limit + 1))
-        page: list[PageRow] = []
+        # unfiltered, a page's prompts are among its first few groups; filtered, the walk likely takes the budget
+        filtered = any(v is not None for v in (q, dataset, model, outcome, failed_by))
+        span = budget if filtered else min(budget, 4 * (limit + 1))
+        page: list[tuple[PageRow, list[GroupRef]]] = []
+        met: set[str] = set()  # prompts met in this walk: each is decided at its first (newest) group met
         walked = 0
         while before > 1 and walked < budget:
             span = min(span, budget - walked)
-            heads = self.index.groups_before(before, span)
+            heads = self.index.prompts_before(before, span)
             walked += span
             candidates: list[tuple[PageRow, list[GroupRef]]] = []
             for seq, prompt, newest_dataset in heads:
-                refs = self.index.prompt_refs(prompt)
-                if max((r.seq for r in refs), default=None) != seq:
-                    continue  # not its newest group: listed at that one (above the cursor, or earlier in this walk)
+                if prompt in met:
+                    continue
+                met.add(prompt)
+                # the cheap filters first; the prompt's groups are copied from the index's mirror only for the rest
                 if dataset is not None and dataset not in datasets.get(prompt, ()):
                     continue
-                problem, answer = texts.get(prompt, (None, None))
+                _, problem, answer = texts.get(prompt, (None, None, None))
                 if needle and not (prompt.startswith(needle) or (problem is not None and needle in problem.lower())):
                     continue
-                if not _passes(refs, model, outcome, failed_by, solved_by):
+                refs = self.index.prompt_refs(prompt)
+                if not _passes(refs, seq, model, outcome, failed_by, solved_by):
                     continue
                 row = PageRow(prompt, seq, newest_dataset, len(refs), sum(r.num_rows for r in refs),
                               sum(r.successes for r in refs), problem, answer)
@@ -269,23 +276,30 @@ class Browse:
                            rollouts=rollouts)
 
 
-def _passes(refs: list[GroupRef], model: str | None, outcome: Outcome | None, failed_by: str | None,
+def _passes(refs: list[GroupRef], newest: int, model: str | None, outcome: Outcome | None, failed_by: str | None,
             solved_by: str | None) -> bool:
-    """Whether a prompt with these groups passes the model, outcome and failed_by filters (the lookup decides the
-    rest of failed_by)."""
-    if model is not None or outcome is not None:
-        counted = [r for r in refs if model is None or r.model_id == model]
-        right, rollouts = sum(r.successes for r in counted), sum(r.num_rows for r in counted)
-        if not {None: bool(counted), "all_fail": bool(counted) and right == 0, "mixed": 0 < right < rollouts,
-                "all_correct": bool(counted) and right == rollouts, "solved": right > 0}[outcome]:
-            return False
-    if failed_by is not None:
-        # necessary for the lookup to graft: A failed everywhere, another model (B) has a group
-        learner = [r for r in refs if r.model_id == failed_by]
-        peers = [r for r in refs if r.model_id != failed_by and solved_by in (None, r.model_id)]
-        if not learner or any(r.successes for r in learner) or not peers:
-            return False
-    return True
+    """Whether a prompt with these groups has its newest at seq `newest` and passes the model, outcome and
+    failed_by filters (the lookup decides the rest of failed_by). One pass over the groups: a page walks up to
+    max_scan_groups prompts."""
+    counted = right = rollouts = learner = learner_right = peers = 0
+    for ref in refs:
+        if ref.seq > newest:
+            return False  # a newer group: the prompt is listed at that one (above the cursor)
+        if model is None or ref.model_id == model:
+            counted += 1
+            right += ref.successes
+            rollouts += ref.num_rows
+        if ref.model_id == failed_by:
+            learner += 1
+            learner_right += ref.successes
+        elif solved_by is None or ref.model_id == solved_by:
+            peers += 1
+    if (model is not None or outcome is not None) and not (counted and {
+            None: True, "all_fail": right == 0, "mixed": 0 < right < rollouts, "all_correct": right == rollouts,
+            "solved": right > 0}[outcome]):
+        return False  # every outcome needs a group of the model counted
+    # failed_by: necessary for the lookup to graft: A failed everywhere, another model (B) has a group
+    return failed_by is None or (learner > 0 and learner_right == 0 and peers > 0)
 
 
 def _model_summaries(refs: list[GroupRef]) -> list[PromptModelSummary]:

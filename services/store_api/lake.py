@@ -375,12 +375,12 @@ class Lake:
 
     def open(self) -> Lake:
         """Attach the lake (creating its tables when `create` and it has none); LakeUnavailable/LakeError else."""
-        with self._lock:
-            if self._attached is None:
-                self._attach()
+        self._release(self._acquire()[0])
         return self
 
-    def _attach(self) -> None:
+    def _attach(self) -> _Attached:
+        """A new attach of the lake. Runs without the lock: an attach takes seconds (more while the catalog is
+        down), and calls on the current one, or other threads' attaches, must not wait for it."""
         con = lake_connection(self.config)
         options = ["DATA_INLINING_ROW_LIMIT 0"]  # every commit writes Parquet to the data path, none into the catalog
         if self.config.data_path:
@@ -420,7 +420,7 @@ class Lake:
         except BaseException:
             con.close()
             raise
-        self._attached = _Attached(con)
+        return _Attached(con)
 
     def _ensure_tables(self, con: duckdb.DuckDBPyConnection) -> None:
         tables = {row[0] for row in con.execute(
@@ -462,12 +462,18 @@ class Lake:
     def _acquire(self) -> tuple[_Attached, duckdb.DuckDBPyConnection]:
         """The current attach (attaching if there is none), counted as used until `_release`, and this thread's
         cursor of it."""
-        with self._lock:
-            if self._attached is None:
-                self._attach()
-            attached = self._attached
-            attached.users += 1
-            return attached, attached.cursor()
+        while True:
+            with self._lock:
+                attached = self._attached
+                if attached is not None:
+                    attached.users += 1
+                    return attached, attached.cursor()
+            fresh: _Attached | None = self._attach()
+            with self._lock:
+                if self._attached is None:
+                    self._attached, fresh = fresh, None
+            if fresh is not None:  # another thread attached meanwhile: theirs is used
+                fresh.close()
 
     def _release(self, attached: _Attached) -> None:
         with self._lock:

@@ -157,13 +157,13 @@ class IndexQueries(Catalog):
         """Every group of a prompt, most recent first (from the mirror: no DuckDB query)."""
         return self.mirror.prompt_groups(prompt_id, None, INT64_MAX)
 
-    def groups_before(self, before: int, span: int) -> list[tuple[int, str, str]]:
-        """(seq, prompt_id, dataset) of the groups with before - span <= seq < before, newest first. Groups are
-        inserted in seq order, so DuckDB's zonemaps skip the row groups outside the range: the cost is the
-        span's, not the table's."""
+    def prompts_before(self, before: int, span: int) -> list[tuple[int, str, str]]:
+        """(newest seq, prompt_id, dataset of that group) of each prompt with groups in before - span <= seq <
+        before, newest first. Groups are inserted in seq order, so DuckDB's zonemaps skip the row groups outside
+        the range: the cost is the span's, not the table's."""
         return self._cursor().execute("""
-            SELECT seq, prompt_id, dataset FROM groups WHERE seq >= ? AND seq < ? ORDER BY seq DESC""",
-                                      [before - span, before]).fetchall()
+            SELECT max(seq) AS newest, prompt_id, arg_max(dataset, seq) FROM groups WHERE seq >= ? AND seq < ?
+            GROUP BY prompt_id ORDER BY newest DESC""", [before - span, before]).fetchall()
 
     def newest_seq(self) -> int:
         """The seq the next indexed group gets (every group's is below it)."""
