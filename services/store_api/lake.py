@@ -13,9 +13,11 @@ table's path in DuckLake's partition layout (`model_id=<model>/`), and registers
 DuckLake's `ducklake_add_data_files`, which reads its footer for the catalog's statistics and hands the file to
 DuckLake (merges and cleanup treat it as their own). DuckLake settles concurrent appends to
 the same table itself (retried against the new snapshot, no data rewritten). It has no unique constraints:
-a commit skips the groups the lake already holds at its snapshot (a retried commit adds nothing), and two
-writers racing with the same group id both land. Readers keep the copy with the lowest `rowid` (DuckLake
-assigns row ids at commit, in commit order, and keeps them through compaction), so every reader agrees.
+a commit skips the groups the lake already holds at its snapshot (a retried commit adds nothing), refuses a
+group id held under another model or prompt (`GroupConflict`, as the local store), and two writers racing
+with the same group id both land. Readers keep the copy with the lowest `rowid` (DuckLake assigns row ids at
+commit, in commit order, and keeps them through compaction), so every reader agrees (`first_copies`); a
+replica counts the others in its stats.
 
 Readers follow the lake by snapshot: `rollouts_between(after, upto)` returns the rows committed in
 snapshots after..upto. When the catalog says those snapshots only added data files that are still as they
@@ -40,7 +42,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Literal
@@ -55,8 +57,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA, Problem
 from services.store_api.durable import fsync_directory
+from services.store_api.ingest import GroupConflict
+from services.store_api.mirror import GroupRef
 from services.store_api.shards import COMPRESSION
-from services.store_api.tables import SMALL_COLUMNS_SCHEMA
+from services.store_api.tables import SMALL_COLUMNS_SCHEMA, group_runs
 from services.store_api.targets import LAKE_PREFIX
 
 log = logging.getLogger("graft.store.lake")
@@ -318,23 +322,46 @@ def _unavailable_markers(message: str) -> bool:
     ))
 
 
+class _Attached:
+    """One attach of the lake: its DuckDB connection, each thread's cursor of it, and how many calls use it now
+    (a detached one is closed when the last of them ends, never under a call)."""
+
+    def __init__(self, con: duckdb.DuckDBPyConnection):
+        self.con = con
+        self.cursors = threading.local()
+        self.users = 0
+        self.detached = False
+
+    def cursor(self) -> duckdb.DuckDBPyConnection:
+        """The calling thread's cursor (the caller holds the Lake's lock: making cursors is not thread-safe)."""
+        cursor = getattr(self.cursors, "cursor", None)
+        if cursor is None:
+            cursor = self.cursors.cursor = self.con.cursor()
+            cursor.execute(NO_PROGRESS_BAR)  # a connection's own setting: each cursor needs it
+        return cursor
+
+    def close(self) -> None:
+        try:
+            self.con.close()  # and its cursors
+        except duckdb.Error:
+            pass
+
+
 class Lake:
     """One process's handle on a lake: attach, commit groups, follow snapshots, maintain. Thread-safe.
 
     Reads and writes go through a DuckDB cursor per thread (cursors share the attached lake and each has its
-    own transaction). After an error that says the catalog or the storage cannot be reached, the next call
-    attaches afresh.
+    own transaction). After an error that says the catalog or the storage cannot be reached, or a `reset()`,
+    the next call attaches afresh; calls running meanwhile finish on the old attach, closed after the last.
     """
 
     def __init__(self, config: LakeConfig, create: bool = True):
         self.config = config
         self.create = create
-        self._con: duckdb.DuckDBPyConnection | None = None
+        self._attached: _Attached | None = None
         self.data_path: str | None = config.data_path  # the lake's own once attached
         self._last_snapshot: Snapshot | None = None
-        self._local = threading.local()
-        self._generation = 0  # bumped on every (re)attach: thread cursors of an older attach are dropped
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _attached, its users and the making of cursors
         self._encrypted = False
         self._rollouts_path = ""  # where the rollouts table's data files go (DuckLake's table path), once attached
         self._s3 = None  # boto3 S3 client of the data files (S3 data paths), made when attaching
@@ -343,12 +370,12 @@ class Lake:
 
     def open(self) -> Lake:
         """Attach the lake (creating its tables when `create` and it has none); LakeUnavailable/LakeError else."""
-        with self._lock:
-            if self._con is None:
-                self._attach()
+        self._release(self._acquire()[0])
         return self
 
-    def _attach(self) -> None:
+    def _attach(self) -> _Attached:
+        """A new attach of the lake. Runs without the lock: an attach takes seconds (more while the catalog is
+        down), and calls on the current one, or other threads' attaches, must not wait for it."""
         con = lake_connection(self.config)
         options = ["DATA_INLINING_ROW_LIMIT 0"]  # every commit writes Parquet to the data path, none into the catalog
         if self.config.data_path:
@@ -388,8 +415,7 @@ class Lake:
         except BaseException:
             con.close()
             raise
-        self._con = con
-        self._generation += 1
+        return _Attached(con)
 
     def _ensure_tables(self, con: duckdb.DuckDBPyConnection) -> None:
         tables = {row[0] for row in con.execute(
@@ -428,15 +454,34 @@ class Lake:
                             f"({LAYOUT_COMMENT!r}, the columns of ROLLOUT_ARROW_SCHEMA); found comment "
                             f"{comment[0][0] if comment else None!r} and columns {actual[:4]}...")
 
-    def _cursor(self) -> duckdb.DuckDBPyConnection:
-        if self._con is None:
-            self.open()
-        if getattr(self._local, "generation", None) != self._generation:
+    def _acquire(self) -> tuple[_Attached, duckdb.DuckDBPyConnection]:
+        """The current attach (attaching if there is none), counted as used until `_release`, and this thread's
+        cursor of it."""
+        while True:
             with self._lock:
-                self._local.cursor = self._con.cursor()
-                self._local.cursor.execute(NO_PROGRESS_BAR)  # a connection's own setting: each cursor needs it
-                self._local.generation = self._generation
-        return self._local.cursor
+                attached = self._attached
+                if attached is not None:
+                    attached.users += 1
+                    return attached, attached.cursor()
+            fresh: _Attached | None = self._attach()
+            with self._lock:
+                if self._attached is None:
+                    self._attached, fresh = fresh, None
+            if fresh is not None:  # another thread attached meanwhile: theirs is used
+                fresh.close()
+
+    def _release(self, attached: _Attached) -> None:
+        with self._lock:
+            attached.users -= 1
+            if attached.detached and not attached.users:
+                attached.close()
+
+    def _cursor(self) -> duckdb.DuckDBPyConnection:
+        """This thread's cursor of the current attach, for one-off statements (tests, plain SQL). Not counted as
+        used: a `reset()` meanwhile closes it; the lake's own calls go through `_run`."""
+        attached, cursor = self._acquire()
+        self._release(attached)
+        return cursor
 
     def _error(self, action: str, exc: BaseException) -> LakeError:
         message = " ".join(line.strip() for line in str(exc).strip().splitlines() if line.strip()) or type(exc).__name__
@@ -447,24 +492,26 @@ class Lake:
 
     def _run(self, action: str, work):
         """Run `work(cursor)`; on a lake that cannot be reached, drop the attach (the next call re-attaches)."""
+        attached, cursor = self._acquire()
         try:
-            return work(self._cursor())
+            return work(cursor)
         except duckdb.Error as exc:
             error = self._error(action, exc)
-            if isinstance(error, LakeUnavailable):
-                self.reset()
-            raise error from None  # its message has the cause's text, passwords hidden
+        finally:
+            self._release(attached)
+        if isinstance(error, LakeUnavailable):
+            self.reset()
+        raise error from None  # its message has the cause's text, passwords hidden
 
     def reset(self) -> None:
-        """Detach: the next call attaches afresh (after the catalog or the storage came back)."""
+        """Detach: the next call attaches afresh (after the catalog or the storage came back, or to drop DuckDB's
+        caches). Calls using the old attach finish on it; it is closed after the last of them."""
         with self._lock:
-            if self._con is not None:
-                try:
-                    self._con.close()
-                except duckdb.Error:
-                    pass
-                self._con = None
-                self._generation += 1
+            attached, self._attached = self._attached, None
+            if attached is not None:
+                attached.detached = True
+                if not attached.users:
+                    attached.close()
 
     def close(self) -> None:
         self.reset()
@@ -480,29 +527,29 @@ class Lake:
     def commit(self, table: pa.Table | None, problems: list[Problem] | tuple = ()) -> LakeCommit:
         """Commit a validated table of whole groups (None: problems only) and their problems in one transaction.
 
-        Groups the lake already holds are skipped (returned as duplicates): a retried commit adds nothing.
-        Raises LakeUnavailable / LakeError; then nothing of this commit is visible.
+        Groups the lake already holds (the same id, model and prompt) are skipped (returned as duplicates): a
+        retried commit adds nothing. A group id the lake holds under another model or prompt raises GroupConflict
+        and commits nothing, as the local store's push. Raises LakeUnavailable / LakeError; then nothing of this
+        commit is visible.
         """
         table = ROLLOUT_ARROW_SCHEMA.empty_table() if table is None else table
-        group_ids = pc.unique(table.column("group_id"))
-        models = pc.unique(table.column("model_id"))
-        incoming_ids = pa.table({"group_id": group_ids})
-        incoming_models = pa.table({"model_id": models})
+        starts, _ = group_runs(table.column("group_id"))
+        incoming = table.select(["group_id", "model_id", "prompt_id"]).take(pa.array(starts, pa.int64()))
         problem_rows = pa.Table.from_pylist([p.model_dump() for p in problems], schema=PROBLEM_ARROW_SCHEMA)
 
         def work(con: duckdb.DuckDBPyConnection) -> LakeCommit:
             con.execute("BEGIN")
             try:
-                con.register("incoming_ids", incoming_ids)
-                con.register("incoming_models", incoming_models)
-                # the partition on model_id prunes the scan to the batch's models' files
-                held = con.execute(f"""
-                    SELECT DISTINCT group_id FROM {ALIAS}.rollouts
-                    WHERE model_id IN (SELECT model_id FROM incoming_models)
-                      AND group_id IN (SELECT group_id FROM incoming_ids)""").arrow().read_all().column("group_id")
+                con.register("incoming_groups", incoming)
+                # every model's files: a group id is unique in the lake, as in the local store (the files' group_id
+                # statistics prune what they can)
+                duplicates, conflicts = _stored_already(con, incoming)
+                if conflicts:
+                    raise GroupConflict(conflicts)
                 fresh = table
-                if len(held):
-                    fresh = table.filter(pc.invert(pc.is_in(table.column("group_id"), held.combine_chunks())))
+                if duplicates:
+                    held = pa.array(duplicates, pa.string())
+                    fresh = table.filter(pc.invert(pc.is_in(table.column("group_id"), held)))
                 for path in self._write_data_files(fresh):  # none is referenced until the COMMIT below lands
                     con.execute(f"CALL ducklake_add_data_files('{ALIAS}', 'rollouts', {_quote(path)})")
                 added = 0
@@ -518,13 +565,12 @@ class Lake:
                 _rollback_quietly(con)
                 raise
             finally:
-                for name in ("incoming_ids", "incoming_models", "incoming_problems"):
+                for name in ("incoming_groups", "incoming_problems"):
                     try:
                         con.unregister(name)
                     except duckdb.Error:
                         pass
-            duplicates = held.to_pylist()
-            return LakeCommit(accepted_groups=len(group_ids) - len(duplicates), duplicate_groups=sorted(duplicates),
+            return LakeCommit(accepted_groups=incoming.num_rows - len(duplicates), duplicate_groups=sorted(duplicates),
                               problems_added=int(added), rollouts=fresh.num_rows)
 
         # DuckLake retries a commit that lost the race for the next snapshot by itself; a SQLite catalog can also
@@ -857,6 +903,27 @@ class Lake:
         return self._run("maintain", work)
 
 
+def _stored_already(con: duckdb.DuckDBPyConnection, incoming: pa.Table) -> tuple[list[str], dict[str, GroupRef]]:
+    """Of the groups in the registered `incoming_groups` (group_id, model_id, prompt_id), those the lake holds:
+    duplicates (the same model and prompt) and conflicts (another model or prompt, with the stored group's
+    GroupRef: its first copy by row id, `seq` its first row id, no local file)."""
+    rows = con.execute(f"""
+        SELECT group_id, arg_min(model_id, rowid), arg_min(prompt_id, rowid), arg_min(policy_step, rowid),
+               max(epoch_us(created_at)), count(*) FILTER (WHERE correct), arg_min(group_size, rowid), min(rowid),
+               count(*)
+        FROM {ALIAS}.rollouts WHERE group_id IN (SELECT group_id FROM incoming_groups) GROUP BY group_id""").fetchall()
+    if not rows:
+        return [], {}
+    wanted = {g: (m, p) for g, m, p in zip(*(incoming.column(n).to_pylist() for n in ("group_id", "model_id", "prompt_id")))}
+    duplicates, conflicts = [], {}
+    for gid, model, prompt, step, created, successes, size, first_row, count in rows:
+        if wanted[gid] == (model, prompt):
+            duplicates.append(gid)
+        else:  # successes and rows count every copy the lake holds: the message shows model and prompt only
+            conflicts[gid] = GroupRef(gid, prompt, model, step, created, successes, size, first_row, "", 0, count)
+    return duplicates, conflicts
+
+
 @dataclass(frozen=True)
 class _WindowChanges:
     """What the catalog records of snapshots after+1..upto (DuckLake's ducklake_snapshot_changes)."""
@@ -919,6 +986,36 @@ def _in_commit_order(rows: pa.Table) -> pa.Table:
     if ((steps > 0) | ((steps == 0) & (np.diff(row_ids) > 0))).all():
         return rows
     return rows.take(pc.sort_indices(rows, [("snapshot_id", "ascending"), ("rowid", "ascending")]))
+
+
+def first_copies(rows: pa.Table, held: Container[str]) -> tuple[pa.Table, pa.Table]:
+    """Lake rows (ROLLOUT_ROWS_SCHEMA, commit order) split into the first copy of each group not in `held`, and
+    the first row of each copy left out (a later copy: writers racing with one group id both land; or a group in
+    `held`), in ROLLOUT_ROWS_SCHEMA.
+
+    A group's rows are contiguous in a snapshot (each was inserted in one statement), so a copy is a run of one
+    group id in one snapshot; a group met twice keeps its earliest run. Decided per run: the wide rows are copied
+    only if some are left out.
+    """
+    n = rows.num_rows
+    if not n:
+        return rows, rows
+    ids = rows.column("group_id").combine_chunks()
+    snapshot_ids = rows.column("snapshot_id").to_numpy()  # (rows,) ascending
+    new_run = np.ones(n, bool)  # (rows,) row i starts a run
+    new_run[1:] = pc.not_equal(ids.slice(1), ids.slice(0, n - 1)).to_numpy(zero_copy_only=False)
+    new_run[1:] |= snapshot_ids[1:] != snapshot_ids[:-1]
+    starts = np.flatnonzero(new_run)  # (runs,)
+    lengths = np.diff(np.append(starts, n))  # (runs,)
+    run_ids = ids.take(pa.array(starts)).to_pylist()  # (runs,)
+    first: dict[str, int] = {}  # group id -> its earliest run
+    for run, gid in enumerate(run_ids):
+        if gid not in held:
+            first.setdefault(gid, run)
+    keep = np.fromiter((first.get(g) == run for run, g in enumerate(run_ids)), bool, len(starts))  # (runs,)
+    if keep.all():
+        return rows, rows.slice(0, 0)
+    return rows.filter(pa.array(np.repeat(keep, lengths))), rows.take(pa.array(starts[~keep]))
 
 
 def next_window(width: int, rows: int, max_rows: int) -> int:

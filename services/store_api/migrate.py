@@ -17,9 +17,9 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from schemas import PROBLEM_ARROW_SCHEMA, Problem
-from services.store_api.lake import Lake
+from services.store_api.lake import Lake, first_copies
 from services.store_api.shards import model_dir, row_group_plan, write_problems, write_rollout_table
-from services.store_api.tables import ShardValidationError, group_runs, validate_table
+from services.store_api.tables import ShardValidationError, group_runs, validate_problems, validate_table
 
 log = logging.getLogger("graft.store.migrate")
 
@@ -105,10 +105,13 @@ def lake_to_local(lake: Lake, root: Path, progress: bool = True) -> dict[str, in
         for upto, rows in lake.iter_rollouts(-1, snapshot.id):
             bar.n = upto
             bar.refresh()
+            # a group committed twice (writers racing) keeps its first copy, as a replica's cache
+            rows, left_out = first_copies(rows, seen)
+            report["duplicate_groups"] += left_out.num_rows
             if not rows.num_rows:
                 continue
-            table, dropped = _new_groups(validate_table(rows.drop_columns(["rowid", "snapshot_id"])), seen)
-            report["duplicate_groups"] += dropped
+            table = validate_table(rows.drop_columns(["rowid", "snapshot_id"]))
+            seen.update(pc.unique(table.column("group_id")).to_pylist())
             for model in pc.unique(table.column("model_id")).to_pylist():
                 of_model = table.filter(pc.equal(table.column("model_id"), model))
                 _, lengths = group_runs(of_model.column("group_id"))
@@ -122,8 +125,7 @@ def lake_to_local(lake: Lake, root: Path, progress: bool = True) -> dict[str, in
     problems = lake.problems_between(-1, snapshot.id)
     if problems.num_rows:
         known = {(p.dataset, p.prompt_id) for p in local_problems(root)}
-        fresh = [Problem(**row) for row in problems.cast(PROBLEM_ARROW_SCHEMA).to_pylist()
-                 if (row["dataset"], row["prompt_id"]) not in known]
+        fresh = [p for p in validate_problems(problems) if (p.dataset, p.prompt_id) not in known]
         if fresh:
             write_problems(root, fresh)
         report["problems"] = len(fresh)

@@ -151,6 +151,68 @@ class IndexQueries(Catalog):
             if scanned >= self.settings.max_scan_groups:
                 return _concat(pieces), encode_cursor(seq, 0)
 
+    # ------------------------------------------------------------------ the browser's reads (browse.py)
+
+    def prompt_refs(self, prompt_id: str) -> list[GroupRef]:
+        """Every group of a prompt, most recent first (from the mirror: no DuckDB query)."""
+        return self.mirror.prompt_groups(prompt_id, None, INT64_MAX)
+
+    def prompts_before(self, before: int, span: int) -> list[tuple[int, str, str]]:
+        """(newest seq, prompt_id, dataset of that group) of each prompt with groups in before - span <= seq <
+        before, newest first. Groups are inserted in seq order, so DuckDB's zonemaps skip the row groups outside
+        the range: the cost is the span's, not the table's."""
+        return self._cursor().execute("""
+            SELECT max(seq) AS newest, prompt_id, arg_max(dataset, seq) FROM groups WHERE seq >= ? AND seq < ?
+            GROUP BY prompt_id ORDER BY newest DESC""", [before - span, before]).fetchall()
+
+    def newest_seq(self) -> int:
+        """The seq the next indexed group gets (every group's is below it)."""
+        return self._next_seq
+
+    def groups_after(self, seq: int) -> tuple[list[tuple[int, str, str]], int]:
+        """(seq, prompt_id, dataset) of the groups with a seq above `seq`, oldest first, and the number of groups
+        indexed, read in one transaction (so a reader that adds the first to what it has can check the second)."""
+        cursor = self._cursor()
+        cursor.begin()
+        try:
+            rows = cursor.execute("SELECT seq, prompt_id, dataset FROM groups WHERE seq > ? ORDER BY seq",
+                                  [seq]).fetchall()
+            count = cursor.execute("SELECT count(*) FROM groups").fetchall()[0][0]
+        finally:
+            cursor.commit()
+        return rows, count
+
+    def problem_files(self) -> dict[int, str]:
+        """file id -> path (relative to the root) of every indexed problems file."""
+        return dict(self._cursor().execute("SELECT file_id, path FROM files WHERE kind = 'prompts'").fetchall())
+
+    def problems_of_file(self, file_id: int) -> set[tuple[str, str]]:
+        """The (dataset, prompt id) pairs whose first stored copy is in this problems file."""
+        return set(self._cursor().execute("SELECT dataset, prompt_id FROM problems WHERE file_id = ?",
+                                          [file_id]).fetchall())
+
+    def step_bins(self, bins: int) -> tuple[int, list[tuple]]:
+        """Policy steps in `bins` bins of equal width: (width, rows of (model, bin, min step, max step, groups,
+        rollouts, success rate, informative groups)), by model then bin. Aggregates every group (an overview)."""
+        cursor = self._cursor()
+        top = cursor.execute("SELECT coalesce(max(policy_step), 0) FROM groups").fetchall()[0][0]
+        width = max(1, -(-(top + 1) // bins))
+        rows = cursor.execute(f"""
+            SELECT model_id, policy_step // $width AS bin, min(policy_step), max(policy_step), count(*), sum(num_rows),
+                   sum(reward_sum) / nullif(sum(scored), 0),
+                   count(*) FILTER (WHERE {PeerLookupRequest.informative_sql()})
+            FROM groups GROUP BY model_id, bin ORDER BY model_id, bin""", {"width": width}).fetchall()
+        return width, rows
+
+    def dataset_counts(self) -> list[tuple[str, int, int, int, int]]:
+        """(dataset, prompts, groups, rollouts, problems) of every dataset with groups or problems."""
+        return self._cursor().execute("""
+            WITH g AS (SELECT dataset, count(DISTINCT prompt_id) AS prompts, count(*) AS groups, sum(num_rows) AS rollouts
+                       FROM groups GROUP BY dataset),
+                 p AS (SELECT dataset, count(*) AS problems FROM problems GROUP BY dataset)
+            SELECT dataset, coalesce(g.prompts, 0), coalesce(g.groups, 0), coalesce(g.rollouts, 0), coalesce(p.problems, 0)
+            FROM g FULL OUTER JOIN p USING (dataset) ORDER BY dataset""").fetchall()
+
     # ------------------------------------------------------------------ stats
 
     def stats(self) -> StatsResponse:

@@ -12,8 +12,11 @@ identically. A new replica, or one whose cache was deleted, reads the whole lake
 
 Pushes (POST /v1/groups) commit to the lake in one transaction and are read back at once. When the lake
 cannot be reached the replica keeps serving its cache, says why in /v1/stats and tries again on the next
-poll. A snapshot whose data cannot be read or does not validate (a corrupt data file) is set aside with the
-reason, listed in /v1/stats, retried every lake_retry_unreadable_s, and does not stop the snapshots after it.
+poll. A snapshot whose data cannot be read or does not validate (a corrupt data file, a problem row a plain
+writer made that the store's rules refuse) is set aside with the reason, listed in /v1/stats, retried every
+lake_retry_unreadable_s, and does not stop the snapshots after it; any other error of a poll is said in
+/v1/stats (lake.error) until a poll succeeds. A group the cache holds already, met again in a later commit,
+is counted in /v1/stats (duplicate_groups, or conflicting_groups under another model or prompt) and logged.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from services.store_api.lake import (
     LakeError,
     LakeUnavailable,
     Snapshot,
+    first_copies,
     next_window,
     redact,
 )
@@ -45,13 +49,16 @@ from services.store_api.mirror import now_us
 from services.store_api.queries import us_to_datetime
 from services.store_api.settings import StoreSettings
 from services.store_api.shards import model_dir, row_group_plan, write_problems, write_rollout_table
-from services.store_api.tables import ShardValidationError, group_runs, validate_table
+from services.store_api.tables import ShardValidationError, group_runs, validate_problems, validate_table
 
 log = logging.getLogger("graft.store.replica")
 
 WINDOW_ROWS = 16384  # about this many rollouts read from the lake at a time (bounds the replica's memory)
 CACHE_SHARD_ROWS = 8192  # rollouts per cache shard, whole groups
 ERROR_LOG_INTERVAL_S = 60.0  # the same follow error is logged again after this long, not every poll
+# what makes a snapshot's data unreadable (set aside and retried; the snapshots after it are read): a damaged
+# file, or rows the store's rules refuse (a plain DuckDB writer's)
+UNREADABLE = (LakeError, ShardValidationError, pa.ArrowException)
 
 
 class LakeReplica(StoreIndex):
@@ -159,7 +166,8 @@ class LakeReplica(StoreIndex):
                 retry_due = time.monotonic() - self._unreadable_tried >= self.settings.lake_retry_unreadable_s
                 if self.unreadable and retry_due:
                     added += self._retry_unreadable()
-            except LakeError as exc:  # unreachable, or failing as a whole: serve the cache, try again next poll
+            except Exception as exc:  # noqa: BLE001 - unreachable, failing as a whole, or the cache's own trouble
+                # (a full disk): serve the cache, say why in /v1/stats, try again next poll
                 self._failed(exc)
                 return added
             finally:
@@ -179,7 +187,7 @@ class LakeReplica(StoreIndex):
                 added += self._ingest(added_rows, problems)
             except LakeUnavailable:
                 raise
-            except (LakeError, ShardValidationError, pa.ArrowException) as exc:
+            except UNREADABLE as exc:
                 if end - after > 1:
                     width = 1
                     continue
@@ -211,7 +219,7 @@ class LakeReplica(StoreIndex):
                 added += self._ingest(added_rows, problems)
             except LakeUnavailable:
                 raise
-            except (LakeError, ShardValidationError, pa.ArrowException) as exc:
+            except UNREADABLE as exc:
                 self.unreadable[snapshot] = _reason(exc)
                 continue
             log.info("lake snapshot %d is readable again: %d groups cached", snapshot, added)
@@ -231,55 +239,34 @@ class LakeReplica(StoreIndex):
         self._set_meta("lake_snapshot", str(snapshot))
 
     def _failed(self, exc: BaseException) -> None:
-        self.error = _reason(exc)
+        self.error = _reason(exc) if isinstance(exc, LakeError) else f"{type(exc).__name__}: {_reason(exc)}"
         now = time.monotonic()
         if self._logged is None or self._logged[0] != self.error or now - self._logged[1] >= ERROR_LOG_INTERVAL_S:
+            # an error not the lake's (the cache's disk, a bug) is logged with where it came from
             log.error("cannot follow the lake (serving the cache, snapshot %d; trying again every poll): %s",
-                      self.followed, self.error)
+                      self.followed, self.error, exc_info=not isinstance(exc, LakeError))
             self._logged = (self.error, now)
 
     def _ingest(self, window: AddedRows, problems: pa.Table) -> int:
-        """Cache the groups of lake rows (commit order) not cached yet, the first copy of each; and problems.
+        """Cache the groups of lake rows (commit order) not cached yet, the first copy of each; and problems. Other
+        copies (writers racing with one group id, plain SQL inserts) are counted and logged (`_count_copies`).
 
         Cache shards hold one snapshot's groups of one model, indexed in commit order: the order groups are
         indexed in (which GET /v1/rollouts pages by) is then the lake's, whatever windows a replica read. Where
         those rows are exactly one data file of `window.bodies` (a commit of graft's writers holds one file per
         model), the file's bytes are the shard (encoding the rows again cost ~8 us per rollout).
         """
-        rows = window.rows
-        fresh_problems = [Problem(**p) for p in problems.cast(PROBLEM_ARROW_SCHEMA).to_pylist()
-                          if (p["dataset"], p["prompt_id"]) not in self._known_problems]
+        fresh_problems = [p for p in validate_problems(problems)  # a row a plain writer made may be refused
+                          if (p.dataset, p.prompt_id) not in self._known_problems]
         if fresh_problems:
             with self._write_lock:
                 for path in write_problems(self.root, fresh_problems):
                     self.ingest_problem_file(path)
+        rows, left_out = first_copies(window.rows, self.mirror)
+        if left_out.num_rows:
+            self._count_copies(left_out, rows)
         if not rows.num_rows:
             return 0
-        # runs of one group id in one snapshot (a group's rows are contiguous: each was inserted in one statement);
-        # a group committed twice (writers racing with one group id) has a run in each snapshot: keep the copy of the
-        # earliest, and skip a group the cache holds already. Decided per run; the wide rows are copied only if
-        # some are dropped
-        ids = rows.column("group_id").combine_chunks()
-        snapshot_ids = rows.column("snapshot_id").to_numpy()  # (rows,) ascending
-        n = rows.num_rows
-        new_run = np.ones(n, bool)  # (rows,) row i starts a run
-        new_run[1:] = pc.not_equal(ids.slice(1), ids.slice(0, n - 1)).to_numpy(zero_copy_only=False)
-        new_run[1:] |= snapshot_ids[1:] != snapshot_ids[:-1]
-        starts = np.flatnonzero(new_run)  # (runs,)
-        lengths = np.diff(np.append(starts, n))  # (runs,)
-        runs = list(zip(ids.take(pa.array(starts)).to_pylist(), snapshot_ids[starts].tolist()))  # (group, snapshot)
-        first: dict[str, int] = {}
-        for gid, snapshot in runs:
-            first.setdefault(gid, snapshot)
-        keep = np.fromiter((first[g] == s and g not in self.mirror for g, s in runs), bool, len(runs))  # (runs,)
-        twice = {g for g, s in runs if first[g] != s}
-        if twice:
-            log.warning("%d groups were committed to the lake more than once; the cache keeps the first copy",
-                        len(twice))
-        if not keep.any():
-            return 0
-        if not keep.all():
-            rows = rows.filter(pa.array(np.repeat(keep, lengths)))
         snapshot_ids = rows.column("snapshot_id").to_numpy()  # (rows,) ascending
         row_ids = rows.column("rowid").to_numpy()  # (rows,) ascending within a snapshot
         table = validate_table(rows.drop_columns(["rowid", "snapshot_id"]))
@@ -312,6 +299,34 @@ class LakeReplica(StoreIndex):
                     offset += rows_in_shard
         self.last_ingest_us = now_us()
         return added
+
+    def _count_copies(self, left_out: pa.Table, kept: pa.Table) -> None:
+        """Record the copies of groups held already (their first rows, `left_out`) as the local store records a
+        shard's: in the index's duplicates (a conflict when under another model or prompt), shown in /v1/stats,
+        and logged. Idempotent per (group, snapshot): a snapshot read again adds nothing."""
+        starts, _ = group_runs(kept.column("group_id"))
+        heads = kept.select(["group_id", "model_id", "prompt_id"]).take(pa.array(starts))
+        firsts = {g: (m, p) for g, m, p in zip(*(heads.column(n).to_pylist() for n in heads.column_names))}
+        seen = now_us()
+        copies = []
+        for gid, model, prompt, snapshot in zip(*(left_out.column(n).to_pylist() for n in (
+                "group_id", "model_id", "prompt_id", "snapshot_id"))):
+            ref = self.mirror.get(gid)
+            stored = (ref.model_id, ref.prompt_id) if ref is not None else firsts[gid]
+            copies.append((gid, f"lake snapshot {snapshot}", seen, stored != (model, prompt), stored))
+        with self._write_lock:
+            self._con.executemany("""
+                INSERT INTO duplicates SELECT $1, $2, $3, $4
+                WHERE NOT EXISTS (SELECT 1 FROM duplicates WHERE group_id = $1 AND path = $2)""",
+                                  [list(c[:4]) for c in copies])
+        for gid, where, _, conflict, (model, prompt) in copies:
+            if conflict:
+                log.error("%s holds group %s again under another model or prompt (stored for model %s, prompt %s): "
+                          "the cache keeps the first copy; give one of them a new id", where, gid, model, prompt)
+        duplicates = [c[0] for c in copies if not c[3]]
+        if duplicates:
+            log.warning("%d groups were committed to the lake more than once; the cache keeps the first copy "
+                        "(first few: %s)", len(duplicates), ", ".join(duplicates[:5]))
 
     # ------------------------------------------------------------------ writes and stats
 

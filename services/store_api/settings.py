@@ -9,6 +9,11 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
+# a writer uploads its data files, then commits; a commit that loses to others' retries for a minute or more
+# (lake.COMMIT_ATTEMPTS): an orphan younger than this may be one still being committed, not one left by a crash
+MIN_LAKE_FILE_GRACE_S = 600.0
+
+
 class StoreSettings(BaseSettings):
     """Settings of the trajectory store server (`graft-store serve`)."""
 
@@ -26,11 +31,15 @@ class StoreSettings(BaseSettings):
                                            "again a snapshot whose data files it could not read (corrupt, missing)")
     lake_snapshot_retention_s: float = Field(default=86400.0, gt=0, description="graft-store compact on a lake: expire "
                                              "snapshots older than this (time travel and slow followers need them)")
-    lake_file_grace_s: float = Field(default=3600.0, ge=0, description="graft-store compact on a lake: delete merged-away "
-                                     "and orphaned data files older than this (in-flight reads may still use them)")
+    lake_file_grace_s: float = Field(default=3600.0, ge=MIN_LAKE_FILE_GRACE_S, description="graft-store compact on a "
+                                     "lake: delete merged-away and orphaned data files older than this (in-flight "
+                                     "reads may still use them; a writer's file is an orphan until its commit lands)")
     host: str = Field(default="127.0.0.1", description="interface to bind; loopback unless told otherwise")
     port: int = Field(default=8600, ge=1, le=65535, description="TCP port")
-    token: str | None = Field(default=None, description="bearer token required for writes (POST /v1/groups); none: open")
+    # min_length: an empty GRAFT_STORE_TOKEN (compose's `${GRAFT_STORE_TOKEN:-}`) would require an empty token that
+    # no client sends, locking every writer out: refused at start, naming the variable, instead
+    token: str | None = Field(default=None, min_length=1, description="bearer token required for writes (POST "
+                              "/v1/groups); none: open. Leave GRAFT_STORE_TOKEN unset for an open store, never empty")
     ingest_interval_s: float = Field(default=0.2, gt=0, le=10, description="how often the ingest loop looks for new shards")
     compact_interval_s: float = Field(default=60.0, ge=0, description="how often to compact small shards; 0: never automatically")
     compact_small_rows: int = Field(default=4096, ge=1, description="a shard with fewer live rows than this is small")

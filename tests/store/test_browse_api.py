@@ -221,6 +221,29 @@ def test_pages_never_repeat_a_prompt_while_the_store_grows(server):
     assert set(newest) == {pid(0), pid(12)}  # both moved to the top of the first page
 
 
+def test_a_page_walks_at_most_max_scan_groups_groups(tmp_path):
+    """A page's work is bounded by max_scan_groups, not by the store's size: a filter that only the oldest prompt
+    passes gives short pages with a cursor until the walk reaches it (issue 23: every page aggregated the whole
+    groups table)."""
+    root = tmp_path / "store"
+    write_groups(root, [make_group(100, "learner", dataset="rare-set")], [make_problem(100, "rare-set")])
+    write_groups(root, [make_group(i, "learner") for i in range(20)], [make_problem(i) for i in range(20)])
+    with StoreServer(root, env={"GRAFT_STORE_MAX_SCAN_GROUPS": "6"}) as srv:
+        pages, cursor = [], None
+        for _ in range(100):
+            body = httpx.get(f"{srv.url}/v1/prompts", params={"dataset": "rare-set", "limit": 50,
+                                                              **({"cursor": cursor} if cursor else {})}).json()
+            pages.append(ids(body["prompts"]))
+            cursor = body["next_cursor"]
+            if cursor is None:
+                break
+        assert pages[0] == [] and len(pages) == 4  # 21 groups, 6 a page
+        assert [p for page in pages for p in page] == [pid(100)]
+        # the same bound with the lookup deciding, and for a prompt's newest group found late in the walk
+        first = httpx.get(f"{srv.url}/v1/prompts", params={"failed_by": "learner", "limit": 50}).json()
+        assert first["prompts"] == [] and first["next_cursor"] is not None
+
+
 # ---------------------------------------------------------------------------------------------- token text
 
 

@@ -463,3 +463,109 @@ def test_data_files_on_storage_only_duckdb_reaches_go_through_the_change_feed(sq
         lake._cursor().execute(f"UPDATE __ducklake_metadata_{lake_module.ALIAS}.ducklake_data_file "
                                "SET path = 'gs://elsewhere/rollouts.parquet', path_is_relative = false")
         assert lake.files_added(start, lake.snapshot().id) is None
+
+
+# ---------------------------------------------------------------------------------------------- issue 23
+
+
+def insert_plainly(lake: Lake, groups) -> None:
+    """Insert groups with plain DuckDB SQL, no duplicate check: what a plain writer, or a writer racing another
+    with the same group ids, lands."""
+    con = lake._cursor()
+    con.register("plain_rows", table_of(groups))
+    con.execute("INSERT INTO lake.rollouts BY NAME SELECT * FROM plain_rows")
+    con.unregister("plain_rows")
+
+
+def test_a_group_id_stored_under_another_model_or_prompt_is_refused(any_lake):
+    """As the local store: a group id is unique in the lake, whatever model or prompt the batch is of."""
+    from services.store_api.ingest import GroupConflict
+
+    stored = make_group(1, "model-a")
+    with Lake(any_lake) as lake:
+        lake.commit(table_of([stored, make_group(2, "model-a")]))
+        before = (lake.snapshot().id, lake.counts())
+        other_model = make_group(1, "model-b", group_id=stored.group_id)
+        other_prompt = make_group(3, "model-a", group_id=stored.group_id)
+        for clash in (other_model, other_prompt):
+            with pytest.raises(GroupConflict, match=f"{stored.group_id} \\(stored for model model-a") as refused:
+                lake.commit(table_of([make_group(4, "model-b"), clash]))  # the whole batch is refused
+            assert set(refused.value.conflicts) == {stored.group_id}
+        assert (lake.snapshot().id, lake.counts()) == before and lake.group_ids("model-b") == set()
+        again = lake.commit(table_of([stored, make_group(4, "model-b")]))  # the same group again: a duplicate
+        assert again.accepted_groups == 1 and again.duplicate_groups == [stored.group_id]
+
+
+def test_migrate_from_a_lake_keeps_the_first_copy_of_a_group_committed_twice(sqlite_lake, tmp_path):
+    """Writers racing with one group id both land (no unique keys); migrate keeps the first copy and counts
+    the rest, as a replica does."""
+    from services.store_api.index import StoreIndex
+    from services.store_api.settings import StoreSettings
+
+    first = make_group(1, rewards=[1.0, 0.0, 0.0, 0.0], seed=1)
+    with Lake(sqlite_lake) as lake:
+        lake.commit(table_of([first, make_group(2)]))
+        insert_plainly(lake, [make_group(1, rewards=[0.0, 1.0, 1.0, 1.0], seed=2, group_id=first.group_id)])
+        insert_plainly(lake, [make_group(1, "model-b", group_id=first.group_id), make_group(3)])
+    root = tmp_path / "back"
+    env = {k: v for k, v in sqlite_lake.env().items() if k != "GRAFT_LAKE_CATALOG"}
+    result = CliRunner().invoke(cli_app, ["migrate", "--from", sqlite_lake.catalog, "--to", str(root),
+                                          "--no-progress"], env=env)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output.strip().splitlines()[-1])
+    assert (report["groups"], report["duplicate_groups"]) == (3, 2)
+    index = StoreIndex(StoreSettings(root=root, compact_interval_s=0)).open()
+    try:
+        table, _ = index.read_selected(lambda: (index.select_group(first.group_id), None))
+        assert table.equals(table_of([first]))
+        assert index.stats().duplicate_groups == index.stats().conflicting_groups == 0  # the root holds one copy
+    finally:
+        index.close()
+
+
+def test_resets_while_other_threads_commit_fail_no_commit(pg_s3_lake):
+    """A replica resets its lake connection (retrying unreadable snapshots) while pushes commit on worker
+    threads: no commit may see its connection closed under it."""
+    import threading
+
+    writers, batches = 3, 8
+    errors: list[BaseException] = []
+    done = threading.Event()
+    with Lake(pg_s3_lake) as lake:
+        def write(w: int) -> None:
+            try:
+                for b in range(batches):
+                    lake.commit(table_of([make_group(1000 * w + 10 * b + i, f"model-{w}") for i in range(2)]))
+                    lake.snapshot()
+            except BaseException as exc:  # noqa: BLE001 - collected for the assertion below
+                errors.append(exc)
+
+        def reset() -> None:
+            while not done.is_set():
+                lake.reset()
+                time.sleep(0.001)
+
+        threads = [threading.Thread(target=write, args=(w,)) for w in range(writers)]
+        resetter = threading.Thread(target=reset)
+        resetter.start()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        done.set()
+        resetter.join(timeout=30)
+        assert errors == []
+        assert lake.counts()["groups"] == writers * batches * 2
+
+
+def test_lake_file_grace_has_a_floor_of_minutes():
+    """A grace of seconds lets `ducklake_delete_orphaned_files` delete a file a writer uploaded but has not
+    committed yet (a commit retries for a minute or more)."""
+    from pydantic import ValidationError
+
+    from services.store_api.settings import StoreSettings
+
+    for too_short in (0, 1, 299):
+        with pytest.raises(ValidationError, match="lake_file_grace_s"):
+            StoreSettings(lake_file_grace_s=too_short)
+    assert StoreSettings().lake_file_grace_s == 3600

@@ -192,12 +192,9 @@ def test_compaction_under_concurrent_lookups_never_shows_a_group_twice_or_loses_
                 thread.join(120)
         assert not violations, violations[:3]
         assert sorted(served_group_ids(client, prompts)) == sorted(committed)
-        # expire every older snapshot and delete merged-away files: a new replica reads the compacted lake
-        result = CliRunner().invoke(cli_app, ["compact", "--backend", "lake", "--lake-catalog", pg_s3_lake.catalog],
-                                    env=env | {"GRAFT_STORE_LAKE_SNAPSHOT_RETENTION_S": "0.001",
-                                               "GRAFT_STORE_LAKE_FILE_GRACE_S": "0"})
-        assert result.exit_code == 0, result.output
-        assert json.loads(result.output.strip().splitlines()[-1])["snapshots_expired"] > 0
+        # expire every older snapshot and delete merged-away files: a new replica reads the compacted lake (through
+        # Lake.maintain: `graft-store compact` keeps files for lake_file_grace_s, at least MIN_LAKE_FILE_GRACE_S)
+        assert lake.maintain(expire_older_than_s=0.001, cleanup_older_than_s=0)["snapshots_expired"] > 0
         with replica(tmp_path / "b", pg_s3_lake) as b, StoreClient(b.url) as client_b:
             assert answers(client_b, prompts) == answers(client, prompts)
     lake.close()
@@ -313,7 +310,73 @@ def test_a_group_committed_twice_is_served_as_its_first_copy(sqlite_lake, tmp_pa
             wait_for(lambda: caught_up(client, lake.snapshot().id), 120, "the replica caught up")
             assert client.get_group(group_id) == first
             assert client.stats().total_groups == 5  # 10, 1 (once), 2, 3, 4
+            assert client.stats().duplicate_groups == 1  # the later copy: counted, not dropped unseen
             insert_plainly(lake, [make_group(1, seed=3, group_id=group_id), make_group(5)])  # while it follows
             wait_for(lambda: caught_up(client, lake.snapshot().id), 120, "the replica read the later copy")
             assert client.get_group(group_id) == first
-            assert client.stats().total_groups == 6
+            assert client.stats().total_groups == 6 and client.stats().duplicate_groups == 2
+
+
+# ---------------------------------------------------------------------------------------------- issue 23
+
+
+def test_a_conflicting_push_is_409_and_a_conflicting_copy_that_lands_is_counted(sqlite_lake, tmp_path):
+    """A replica refuses a group id the lake holds under another model (as the local store: 409); a copy that
+    lands anyway (a plain DuckDB insert, two writers racing) is counted in /v1/stats and logged, not dropped
+    unseen."""
+    stored = make_group(1, "model-a")
+    with Lake(sqlite_lake) as lake:
+        lake.commit(validate_table(groups_table([stored])))
+        with replica(tmp_path / "a", sqlite_lake) as a, StoreClient(a.url) as client:
+            with pytest.raises(StoreError) as refused:
+                client.push_groups([make_group(1, "model-b", group_id=stored.group_id), make_group(2, "model-b")])
+            assert refused.value.status_code == 409 and stored.group_id in refused.value.message
+            assert lake.group_ids("model-b") == set()
+            insert_plainly(lake, [make_group(1, "model-b", group_id=stored.group_id), make_group(3, "model-b")])
+            insert_plainly(lake, [make_group(1, "model-a", seed=5, group_id=stored.group_id)])  # same model, prompt
+            wait_for(lambda: caught_up(client, lake.snapshot().id), 120, "the replica read the copies")
+            stats = client.stats()
+            assert (stats.conflicting_groups, stats.duplicate_groups, stats.total_groups) == (1, 1, 2)
+            assert client.get_group(stored.group_id) == stored
+            assert f"{stored.group_id}" in a.log_tail(20000)
+
+
+def test_a_problem_row_the_model_refuses_is_set_aside_and_later_snapshots_followed(sqlite_lake, tmp_path):
+    """A plain DuckDB client may insert a problem whose prompt_id is not the hash of its text: the replica sets
+    that snapshot aside, says so in /v1/stats, and follows the snapshots after it."""
+    with Lake(sqlite_lake) as lake:
+        first = commit(lake, 0, 2)
+        lake._cursor().execute("INSERT INTO lake.problems VALUES ('0123456789abcdef', 'toy-math', 'not its text', '1')")
+        bad = lake.snapshot().id
+        later = commit(lake, 2, 2)
+        with replica(tmp_path / "a", sqlite_lake) as a, StoreClient(a.url) as client:
+            wait_for(lambda: caught_up(client, lake.snapshot().id), 120, "the replica followed past the bad row")
+            stats = client.stats()
+            assert stats.lake.unreadable_snapshots == [bad] and stats.lake.error is None
+            assert set(served_group_ids(client, [make_group(i).prompt_id for i in range(4)])) == set(first + later)
+            assert f"lake snapshot {bad} cannot be read" in a.log_tail(20000)
+
+
+def test_any_error_in_the_follow_loop_shows_in_the_lake_stats(sqlite_lake, tmp_path):
+    """Not only the lake's own errors: a cache the replica cannot write (here a file where a model's folder
+    goes) is said in /v1/stats' lake.error, and the replica reads on once it can."""
+    from services.store_api.replica import LakeReplica
+    from services.store_api.settings import StoreSettings
+
+    settings = StoreSettings(root=tmp_path / "a", backend="lake", lake_catalog=sqlite_lake.catalog,
+                             lake_data_path=sqlite_lake.data_path, compact_interval_s=0)
+    with Lake(sqlite_lake) as lake:
+        first = commit(lake, 0, 2)
+        cache = LakeReplica(settings).open()
+        try:
+            blocker = tmp_path / "a" / "rollouts" / "model=model-b"
+            blocker.write_text("not a folder")
+            commit(lake, 2, 2, model="model-b")
+            assert cache.follow() == 0
+            error = cache.stats().lake.error
+            assert error is not None and "model=model-b" in error
+            blocker.unlink()
+            assert cache.follow() == 2 and cache.stats().lake.error is None
+            assert cache.stats().total_groups == len(first) + 2
+        finally:
+            cache.close()

@@ -228,3 +228,17 @@ def test_writes_need_the_token_when_one_is_set(tmp_path):
             assert c.get_group(group.group_id) == group  # reads stay open
         with StoreClient(srv.url) as c:
             assert c.stats().total_groups == 1
+
+
+def test_an_empty_token_is_refused_at_start(monkeypatch):
+    """GRAFT_STORE_TOKEN set but empty (compose's `${GRAFT_STORE_TOKEN:-}`) would require a token no client sends and
+    lock every writer out with 401s: refused when the settings are read, naming the field."""
+    from pydantic import ValidationError
+
+    from services.store_api.settings import StoreSettings
+
+    monkeypatch.setenv("GRAFT_STORE_TOKEN", "")
+    with pytest.raises(ValidationError, match="token"):
+        StoreSettings()
+    monkeypatch.setenv("GRAFT_STORE_TOKEN", "s3cret")
+    assert StoreSettings().token == "s3cret"
