@@ -52,9 +52,9 @@ from schemas.rollout import INT64_MAX
 from services.store_api.backend import store_backend
 from services.store_api.browser import add_browser
 from services.store_api.index import StoreIndex
-from services.store_api.ingest import GroupConflict
 from services.store_api.lake import LakeError, LakeUnavailable
 from services.store_api.lookup import arrow_stream, read_stream
+from services.store_api.mirror import GroupConflict
 from services.store_api.push import PushRejected, parse_arrow_push, parse_json_push
 from services.store_api.queries import BadCursor
 from services.store_api.settings import StoreSettings

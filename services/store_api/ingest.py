@@ -40,7 +40,7 @@ from services.store_api.lookup import (
     shard_footer,
     write_lookup_file,
 )
-from services.store_api.mirror import GroupRef, now_us
+from services.store_api.mirror import GroupConflict, GroupRef, now_us
 from services.store_api.shards import model_dir, write_problems, write_rollout_table
 from services.store_api.tables import (
     GROUP_SHARED_FIELDS,
@@ -55,17 +55,6 @@ from services.store_api.tables import (
 log = logging.getLogger("graft.store")
 
 PARTITIONS = (("rollouts", "model="), ("prompts", "dataset="))  # <root>/<kind>/<prefix><safe name>/
-
-
-class GroupConflict(ValueError):
-    """Group ids already stored under another model or prompt; `conflicts` maps each to the stored one."""
-
-    def __init__(self, conflicts: dict[str, GroupRef]):
-        shown = "; ".join(f"{gid} (stored for model {ref.model_id}, prompt {ref.prompt_id})"
-                          for gid, ref in list(conflicts.items())[:5])
-        super().__init__(f"{len(conflicts)} group id(s) already stored for another model or prompt: {shown}. "
-                         "Group ids are unique in the store: give these groups new ids")
-        self.conflicts = conflicts
 
 
 def summarise_groups(table: pa.Table, starts: np.ndarray, lengths: np.ndarray, first_row: int = 0) -> pa.Table:

@@ -57,8 +57,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA, Problem
 from services.store_api.durable import fsync_directory
-from services.store_api.ingest import GroupConflict
-from services.store_api.mirror import GroupRef
+from services.store_api.mirror import GroupConflict, GroupRef
 from services.store_api.shards import COMPRESSION
 from services.store_api.tables import SMALL_COLUMNS_SCHEMA, group_runs
 from services.store_api.targets import LAKE_PREFIX

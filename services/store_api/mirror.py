@@ -139,3 +139,14 @@ class GroupMirror:
         with self._lock:
             ref = self._by_group.get(group_id)
         return [] if ref is None else [ref]
+
+
+class GroupConflict(ValueError):
+    """Group ids already stored under another model or prompt; `conflicts` maps each to the stored one."""
+
+    def __init__(self, conflicts: dict[str, GroupRef]):
+        shown = "; ".join(f"{gid} (stored for model {ref.model_id}, prompt {ref.prompt_id})"
+                          for gid, ref in list(conflicts.items())[:5])
+        super().__init__(f"{len(conflicts)} group id(s) already stored for another model or prompt: {shown}. "
+                         "Group ids are unique in the store: give these groups new ids")
+        self.conflicts = conflicts

@@ -479,7 +479,7 @@ def insert_plainly(lake: Lake, groups) -> None:
 
 def test_a_group_id_stored_under_another_model_or_prompt_is_refused(any_lake):
     """As the local store: a group id is unique in the lake, whatever model or prompt the batch is of."""
-    from services.store_api.ingest import GroupConflict
+    from services.store_api.mirror import GroupConflict
 
     stored = make_group(1, "model-a")
     with Lake(any_lake) as lake:
