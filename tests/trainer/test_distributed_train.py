@@ -31,6 +31,11 @@ from trainer.loop import train
 
 pytestmark = pytest.mark.slow
 ATOL = 1e-5  # fp32: the ranks' micro-batches sum in another order than one process's
+# Weights after Adam steps: AdamW divides by sqrt(v), so a parameter whose gradient is near zero turns the ranks'
+# other summation order into an update of up to lr. Measured: 3.25e-5 on one v_proj entry after 3 steps at lr 2e-3
+# on an AMD EPYC host (an Intel host stayed under 1e-5); a real mismatch (a row trained twice or missed, another
+# bias correction) moves weights by 5e-4 and more (test_a_checkpoint_before_the_first_update_...: 5.15e-4).
+WEIGHT_ATOL = 1e-4
 DEAD_STORE = "http://127.0.0.1:9"  # discard port: nothing listens
 WORKER = Path(__file__).with_name("dist_train_worker.py")
 TIMES = {"step_time_s", "step_cpu_s", "generation_s", "gate_s", "update_s", "store_wait_s", "peer_group_age_s"}
@@ -91,7 +96,7 @@ def assert_same_line(got: dict, expected: dict, atol: float = ATOL) -> None:
 
 
 def assert_close_weights(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str,
-                         atol: float = ATOL) -> None:
+                         atol: float = WEIGHT_ATOL) -> None:
     assert set(got) == set(expected)
     worst = max((float((got[k] - expected[k]).abs().max()), k) for k in expected)
     assert worst[0] <= atol, f"{what}: {worst[1]} differs by {worst[0]:.2e}"
