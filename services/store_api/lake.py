@@ -3,7 +3,7 @@
 A lake is a SQL catalog (PostgreSQL for many hosts, SQLite for one) plus Parquet data files (S3-compatible
 object storage or a shared path). `rollouts` and `problems` have the columns of ROLLOUT_ARROW_SCHEMA and
 PROBLEM_ARROW_SCHEMA; `rollouts` is partitioned by model_id, like the local store's directories. Plain DuckDB
-reads it with `ATTACH 'ducklake:<catalog>' AS lake` (README, "The store on a lake").
+reads it with `ATTACH 'ducklake:<catalog>' AS lake` (docs/lake.md).
 
 Writers commit whole groups in one transaction: a DuckLake transaction is one snapshot, and its data files
 are only referenced by the catalog once the commit lands, so a writer killed mid-commit leaves nothing
