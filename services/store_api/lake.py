@@ -1,5 +1,11 @@
 """The store's DuckLake: rollouts and problems as DuckLake tables, DuckDB's extensions from PyPI wheels.
 
+One module of ~1000 lines because its parts share one connection discipline (`Lake._acquire`/`_release`: a
+reset never closes a connection another thread uses) and one error mapping (`LakeError`/`LakeUnavailable`):
+config and extensions (to `LakeConfig`, `lake_connection`), commit (`Lake.commit`, `_write_data_files`), the
+reading windows (`rollouts_added`, `files_added`, `_changes`) and maintenance (`maintain`). The split by those
+jobs into a `lake/` package is planned with the store's layout (issue 25).
+
 A lake is a SQL catalog (PostgreSQL for many hosts, SQLite for one) plus Parquet data files (S3-compatible
 object storage or a shared path). `rollouts` and `problems` have the columns of ROLLOUT_ARROW_SCHEMA and
 PROBLEM_ARROW_SCHEMA; `rollouts` is partitioned by model_id, like the local store's directories. Plain DuckDB
