@@ -176,26 +176,39 @@ def build_rows(
             union = group_advantages(union_rewards, std_normalize=std_normalize)
             out.rows.extend(learner_row(r, a, group_index) for r, a in zip(own.rollouts, union[: len(own.rollouts)]))
             peer_advantages = union[len(own.rollouts):]
-        for rollout, advantage in zip(peer_rollouts, peer_advantages):
-            tokens = retokenize_peer_rollout(
-                rollout, learner.tokenizer, learner.tokenizer_id, cfg.rollout.max_response_tokens,
-                peer_tokenizers.get(rollout.tokenizer_id), stop_token_id=learner.stop_token_id,
-                uniform_projection=cfg.graft.uniform_projection,
-            )
-            if isinstance(tokens, str):
-                out.drops[tokens] += 1
-                continue
-            out.projections[tokens.projection] += 1
-            out.same_tokenizer_id_mismatch += int(not tokens.canonical)
-            if advantage < 0:
-                advantage *= cfg.graft.peer_negative_scale
-            out.rows.append(TrainSample(
-                prompt_id=decision.prompt_id, group=group_index, prompt_ids=prompt_tokens(decision.prompt_id),
-                completion_ids=tokens.token_ids, num_content_tokens=tokens.num_content_tokens, advantage=advantage,
-                grafted=True, num_bytes=len(rollout.completion_text.encode("utf-8")),
-                behaviour_logprobs=tokens.behaviour_logprobs, peer_logprob_sum=float(rollout.logprob_sum),
-            ))
+        out.rows.extend(peer_rows(cfg, learner, peer_rollouts, peer_advantages, decision.prompt_id, group_index,
+                                  prompt_tokens(decision.prompt_id), peer_tokenizers, learner.stop_token_id, out))
     return out
+
+
+def peer_rows(
+    cfg: TrainConfig, learner: Learner, rollouts: list, advantages: list[float], prompt_id: str, group: int,
+    prompt_ids: list[int], peer_tokenizers: dict[str, Any], stop_token_id: int | None, counts: Any,
+) -> list[TrainSample]:
+    """A peer group's rollouts as learner rows: re-tokenised into the learner's tokens (ending with `stop_token_id`),
+    negative advantages scaled by peer_negative_scale. `counts` (StepRows, or the TRL trainer's plan) gets the
+    dropped rows by reason, the projections and the same-tokenizer mismatches."""
+    rows = []
+    for rollout, advantage in zip(rollouts, advantages):
+        tokens = retokenize_peer_rollout(
+            rollout, learner.tokenizer, learner.tokenizer_id, cfg.rollout.max_response_tokens,
+            peer_tokenizers.get(rollout.tokenizer_id), stop_token_id=stop_token_id,
+            uniform_projection=cfg.graft.uniform_projection,
+        )
+        if isinstance(tokens, str):
+            counts.drops[tokens] += 1
+            continue
+        counts.projections[tokens.projection] += 1
+        counts.same_tokenizer_id_mismatch += int(not tokens.canonical)
+        if advantage < 0:
+            advantage *= cfg.graft.peer_negative_scale
+        rows.append(TrainSample(
+            prompt_id=prompt_id, group=group, prompt_ids=prompt_ids, completion_ids=tokens.token_ids,
+            num_content_tokens=tokens.num_content_tokens, advantage=advantage, grafted=True,
+            num_bytes=len(rollout.completion_text.encode("utf-8")), behaviour_logprobs=tokens.behaviour_logprobs,
+            peer_logprob_sum=float(rollout.logprob_sum),
+        ))
+    return rows
 
 
 def needs_forward(row: TrainSample, cfg: TrainConfig) -> bool:

@@ -40,13 +40,13 @@ from trl.models.utils import disable_gradient_checkpointing
 
 from rollouts.models import default_model_id, model_fingerprint, tokenizer_fingerprint
 from schemas import PeerLookupRequest
-from trainer.batch import FirstPass, TrainSample, WeightedRows, WeightStats, old_logprobs_and_weights
+from trainer.batch import FirstPass, TrainSample, WeightedRows, WeightStats, old_logprobs_and_weights, peer_rows
 from trainer.config import TrainConfig
 from trainer.data import load_peer_tokenizers
 from trainer.gate import GateDecision, gate_groups, peer_group_advantages
 from trainer.learner import Learner
 from trainer.peers import LookupResult, PeerExchange, RefusedTokenizers
-from trainer.retokenize import learner_stop_token, retokenize_peer_rollout
+from trainer.retokenize import learner_stop_token
 
 from integrations.trl.config import GraftConfig
 
@@ -232,27 +232,8 @@ class GraftGRPOTrainer(GRPOTrainer):
         advantages, agrees = peer_group_advantages(peer, std_normalize=cfg.ppo.advantage == "grpo")
         plan.peer_samples += len(peer.rollouts)
         plan.peer_advantage_mismatch += int(not agrees)
-        rows = []
-        for rollout, advantage in zip(peer.rollouts, advantages):
-            tokens = retokenize_peer_rollout(
-                rollout, learner.tokenizer, learner.tokenizer_id, cfg.rollout.max_response_tokens,
-                self.graft.peer_tokenizers.get(rollout.tokenizer_id), stop_token_id=stop_token,
-                uniform_projection=cfg.graft.uniform_projection,
-            )
-            if isinstance(tokens, str):
-                plan.drops[tokens] += 1
-                continue
-            plan.projections[tokens.projection] += 1
-            plan.same_tokenizer_id_mismatch += int(not tokens.canonical)
-            if advantage < 0:
-                advantage *= cfg.graft.peer_negative_scale
-            rows.append(TrainSample(
-                prompt_id=decision.prompt_id, group=group, prompt_ids=[], completion_ids=tokens.token_ids,
-                num_content_tokens=tokens.num_content_tokens, advantage=advantage, grafted=True,
-                num_bytes=len(rollout.completion_text.encode("utf-8")), behaviour_logprobs=tokens.behaviour_logprobs,
-                peer_logprob_sum=float(rollout.logprob_sum),
-            ))
-        return rows
+        return peer_rows(cfg, learner, list(peer.rollouts), advantages, decision.prompt_id, group, [],
+                         self.graft.peer_tokenizers, stop_token, plan)
 
     # ---- 5, 6. pi_old, the weights and the splice -------------------------------------------------------------
     def _splice(self, output: dict[str, Any], plan: _Plan) -> tuple[dict[str, Any], WeightedRows | None, int]:
