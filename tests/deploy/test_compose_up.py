@@ -289,8 +289,15 @@ def test_cotrain_topology(engine, images) -> None:
         url = f"http://127.0.0.1:{port}"
 
         def generator_rows_of_a_newer_step():
-            page = http_json(f"{url}/v1/rollouts?model=peer&min_policy_step=1&limit=500")
-            return [r for r in page["rollouts"] if not r["generator_id"].startswith("graft-train:")]
+            # every page: cotrain-peer's own published rows (generator graft-train:...) come first in ingest order
+            # and can fill a page, so the generator's rows are looked for past it
+            rows, cursor = [], ""
+            while cursor is not None:
+                page = http_json(f"{url}/v1/rollouts?model=peer&min_policy_step=1&limit=500"
+                                 + (f"&cursor={cursor}" if cursor else ""))
+                rows += [r for r in page["rollouts"] if not r["generator_id"].startswith("graft-train:")]
+                cursor = page["next_cursor"]
+            return rows
         rows = wait_for("the generator's rows of a newer peer checkpoint", generator_rows_of_a_newer_step, 900,
                         interval_s=5, on_timeout=lambda: project.logs("cotrain-generator")[-3000:])
         assert max(r["policy_step"] for r in rows) >= 1

@@ -302,8 +302,8 @@ def local_shards_of(root: Path, model: str) -> list[Path]:
     return sorted((root / "rollouts" / f"model={model}").glob("part-*.parquet"))
 
 
-def test_readme_plain_duckdb_lines_read_the_lake(pg_s3_lake, moto_s3):
-    """The README's SQL, run as written (only addresses and keys swapped for the test servers') in a bare
+def test_lake_page_plain_duckdb_lines_read_the_lake(pg_s3_lake, moto_s3):
+    """docs/lake.md's SQL, run as written (only addresses and keys swapped for the test servers') in a bare
     DuckDB with the extensions installed from their wheels: no project code reads the lake."""
     from duckdb_extensions import import_extension
 
@@ -311,8 +311,8 @@ def test_readme_plain_duckdb_lines_read_the_lake(pg_s3_lake, moto_s3):
 
     with Lake(pg_s3_lake) as lake:
         lake.commit(table_of([make_group(i, "model-a") for i in range(3)] + [make_group(i, "model-b") for i in range(2)]))
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    sql = readme.split("Plain DuckDB reads the lake", 1)[1].split("```sql\n", 1)[1].split("```", 1)[0]
+    page = (Path(__file__).resolve().parents[2] / "docs" / "lake.md").read_text()
+    sql = page.split("Plain DuckDB reads the lake", 1)[1].split("```sql\n", 1)[1].split("```", 1)[0]
     sql = (sql.replace("KEY_ID 'graft'", f"KEY_ID '{S3_KEY_ID}'").replace("'graft-lake-secret'", f"'{S3_SECRET}'")
            .replace("'127.0.0.1:9000'", f"'{moto_s3.endpoint.removeprefix('http://')}'")
            .replace("dbname=graft_lake host=127.0.0.1 user=graft password=graft-lake",
