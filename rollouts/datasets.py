@@ -35,12 +35,9 @@ def data_dir() -> Path:
     return Path(override) if override else REPO_ROOT / "data"
 
 
-def load_problems(path_or_benchmark_name: str, limit: int | None = None) -> list[Problem]:
-    """Problems of a known dataset name (see KNOWN_DATASETS) or of a JSONL / Parquet file with `problem` and `answer`.
-
-    The dataset name stored with each problem is the benchmark name, or the file's stem.
-    Duplicate problem texts (same prompt_id) are kept once, first occurrence wins.
-    """
+def resolve_dataset(path_or_benchmark_name: str) -> tuple[Path, str, str]:
+    """(file, gold-answer field, dataset name) of a known dataset name or a JSONL / Parquet path (here or under the
+    data dir); FileNotFoundError naming what was looked for when there is none."""
     if path_or_benchmark_name in KNOWN_DATASETS:
         relative, answer_field = KNOWN_DATASETS[path_or_benchmark_name]
         path, dataset = data_dir() / relative, path_or_benchmark_name
@@ -58,6 +55,16 @@ def load_problems(path_or_benchmark_name: str, limit: int | None = None) -> list
                 f"{path} is neither a file (here or under {data_dir()}) nor a known dataset name "
                 f"({', '.join(KNOWN_DATASETS)})"
             )
+    return path, answer_field, dataset
+
+
+def load_problems(path_or_benchmark_name: str, limit: int | None = None) -> list[Problem]:
+    """Problems of a known dataset name (see KNOWN_DATASETS) or of a JSONL / Parquet file with `problem` and `answer`.
+
+    The dataset name stored with each problem is the benchmark name, or the file's stem.
+    Duplicate problem texts (same prompt_id) are kept once, first occurrence wins.
+    """
+    path, answer_field, dataset = resolve_dataset(path_or_benchmark_name)
     rows = _read_rows(path)
     problems: dict[str, Problem] = {}
     for i, row in enumerate(rows):

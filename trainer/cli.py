@@ -1,6 +1,6 @@
 """`graft-train`: GRPO / GRAFT / DAPO training from a YAML config with command-line overrides.
 
-    graft-train train configs/train_toy.yaml --model runs/toy/learner --store-url http://127.0.0.1:8600
+    graft-train train configs/train_toy.yaml --model demo_out/models/learner-<hash>/sft/final   # after make demo
     graft-train train configs/train_toy.yaml --method grpo --set graft.peer_negative_scale=0 --steps 50
     graft-train train configs/train_toy.yaml --resume          # continue from the newest checkpoint (none: start)
     graft-train train configs/train_toy.yaml --overwrite       # delete the run in the run directory, start afresh
@@ -19,7 +19,7 @@ from typing import Annotated, Optional
 import typer
 from pydantic import ValidationError
 
-from trainer.config import TrainConfig, describe_fields, load_config
+from trainer.config import TrainConfig, describe_fields, load_config, missing_inputs
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train a policy with GRPO, GRAFT or DAPO (see GRAFT_SPEC.md).")
 
@@ -51,6 +51,12 @@ def _load(config: Path | None, overrides: list[str]) -> TrainConfig:
         raise typer.BadParameter(str(error)) from None
 
 
+def _check_inputs(cfg: TrainConfig, skip: bool) -> None:
+    missing = [] if skip else missing_inputs(cfg)
+    if missing:
+        raise typer.BadParameter("the configuration names inputs that are not there:\n" + "\n".join(f"  {m}" for m in missing))
+
+
 @app.command()
 def train(
     config: Annotated[Optional[Path], typer.Argument(help="YAML config (see configs/train*.yaml)")] = None,
@@ -70,7 +76,8 @@ def train(
     resume: Annotated[bool, typer.Option("--resume", help="continue from the newest checkpoint in the run directory (none there: a fresh run)")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="delete the run the run directory holds (checkpoints, metrics) and start afresh")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="log INFO messages to stderr")] = False,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="validate the configuration, print it as YAML and exit")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="validate the configuration and its input paths, print it as YAML and exit")] = False,
+    skip_path_check: Annotated[bool, typer.Option("--skip-path-check", help="do not check that the model and data paths exist (they are another machine's, e.g. a container's mounts)")] = False,
 ) -> None:
     """Train; metrics go to <run_dir>/metrics.jsonl, checkpoints to <run_dir>/checkpoints/.
 
@@ -84,6 +91,7 @@ def train(
     if dry_run:
         import yaml
 
+        _check_inputs(cfg, skip_path_check)
         typer.echo(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
         return
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -92,6 +100,7 @@ def train(
             f"torchrun started {world_size} ranks (WORLD_SIZE={world_size}) but parallel.strategy is 'none': set "
             "--set parallel.strategy=fsdp (or ddp), or start one process"
         )
+    _check_inputs(cfg, skip_path_check)
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the trainer's own messages
     from trainer.checkpoint import RunDirInUse

@@ -211,7 +211,8 @@ class TrainConfig(_Section):
         if self.optim.mini_batch_prompts > self.rollout.prompts_per_step:
             raise ValueError(
                 f"optim.mini_batch_prompts = {self.optim.mini_batch_prompts} exceeds rollout.prompts_per_step = "
-                f"{self.rollout.prompts_per_step}; a mini-batch cannot be larger than the step's batch"
+                f"{self.rollout.prompts_per_step}; a mini-batch cannot be larger than the step's batch: change "
+                f"them together, e.g. --set optim.mini_batch_prompts={self.rollout.prompts_per_step} (one update per epoch)"
             )
         return self
 
@@ -221,6 +222,29 @@ class TrainConfig(_Section):
         if self.store.publish is not None:
             return self.store.publish and self.store.url is not None
         return self.store.mode == "cotrain"
+
+
+def missing_inputs(cfg: TrainConfig) -> list[str]:
+    """Each input path the config names that is not there, as `field: path (what was looked for)`: a run would fail
+    on it only after loading the model, and a dry run that passed would have said nothing."""
+    from rollouts.datasets import resolve_dataset
+
+    missing = []
+    if not Path(cfg.model.path).expanduser().exists():
+        missing.append(f"model.path: {cfg.model.path} does not exist (an HF model directory or a .gguf file)")
+    datasets = {"data.dataset": cfg.data.dataset, **{f"eval.benchmarks.{k}": v for k, v in cfg.eval.benchmarks.items()}}
+    for field, name in datasets.items():
+        try:
+            resolve_dataset(name)
+        except FileNotFoundError as error:
+            missing.append(f"{field}: {error}")
+    if cfg.anchor.dataset is not None and not Path(cfg.anchor.dataset).is_file():
+        missing.append(f"anchor.dataset: {cfg.anchor.dataset} does not exist (a JSONL of problem + completion)")
+    tokenizers = cfg.graft.peer_tokenizers
+    for where, path in (tokenizers.items() if isinstance(tokenizers, dict) else enumerate(tokenizers)):
+        if not Path(path).expanduser().exists():
+            missing.append(f"graft.peer_tokenizers[{where}]: {path} does not exist")
+    return missing
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

@@ -71,3 +71,38 @@ def test_cli_show_config_and_validation_errors():
     assert "graft.peer_negative_scale" in result.output and "token_is: none" in result.output
     result = runner.invoke(app, ["train", str(CONFIGS / "train_toy.yaml"), "--set", "graft.token_is=bogus"])
     assert result.exit_code != 0 and "graft.token_is" in result.output
+
+
+def _toy_dry_run(*args: str):
+    return CliRunner().invoke(app, ["train", str(CONFIGS / "train_toy.yaml"), *args, "--dry-run"])
+
+
+def test_dry_run_fails_naming_each_input_path_that_is_not_there(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # train_toy.yaml's paths are relative: nothing of the demo's is here
+    result = _toy_dry_run("--model", str(tmp_path / "no-model"))
+    assert result.exit_code != 0
+    for field in ("model.path", "data.dataset", "anchor.dataset"):
+        assert field in result.output, result.output
+    assert "no-model" in result.output
+
+
+def test_train_toy_names_the_files_make_demo_writes(tmp_path, monkeypatch):
+    """configs/train_toy.yaml after `make demo`: its data and anchor are the demo's own files, and the --model its
+    header shows (the learner's warm start, in a folder named by its config's hash) is where the demo puts it."""
+    from demo.config import DemoConfig, warm_start_checkpoint
+    from demo.run import prepare_data
+
+    monkeypatch.chdir(tmp_path)
+    prepare_data(DemoConfig(), Path("demo_out/data"))
+    learner = warm_start_checkpoint(Path("demo_out/models/learner-0123abcd"))
+    header = (CONFIGS / "train_toy.yaml").read_text()
+    assert 'ls -d demo_out/models/learner-*/sft/final' in header and learner.match("demo_out/models/learner-*/sft/final")
+    learner.mkdir(parents=True)
+    result = _toy_dry_run("--model", str(learner))
+    assert result.exit_code == 0, result.output
+    assert "dataset: demo_out/data/toy-rl.jsonl" in result.output
+
+
+def test_a_smaller_prompt_batch_names_the_setting_to_change_with_it():
+    result = _toy_dry_run("--prompts-per-step", "4")
+    assert result.exit_code != 0 and "--set optim.mini_batch_prompts=4" in result.output, result.output

@@ -294,7 +294,9 @@ def test_the_cli_runs_as_a_module_and_refuses_ranks_without_a_strategy(tmp_path,
                           text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
     assert proc.returncode == 0 and "parallel.strategy" in proc.stdout
     config = tmp_path / "c.yaml"
-    config.write_text(f"model: {{path: m}}\ndata: {{dataset: d}}\nmethod: grpo\nrun_dir: {tmp_path / 'run'}\n")
+    (tmp_path / "m").mkdir()
+    (tmp_path / "d.jsonl").write_text("")
+    config.write_text(f"model: {{path: {tmp_path / 'm'}}}\ndata: {{dataset: {tmp_path / 'd.jsonl'}}}\nmethod: grpo\nrun_dir: {tmp_path / 'run'}\n")
     monkeypatch.setenv("WORLD_SIZE", "2")
     refused = CliRunner().invoke(app, ["train", str(config)])
     assert refused.exit_code != 0 and "WORLD_SIZE=2" in refused.output and "parallel.strategy=fsdp" in refused.output
