@@ -1,7 +1,7 @@
 """Screenshots of the store's trajectory browser in the system's Chromium (selenium; no browser download).
 
-    python -m demo.browser_shots --store demo_out/store-<key> --out docs/img \\
-        --tokenizer demo_out/<learner job>/sft/step-N --tokenizer demo_out/<peer job>/sft/step-N
+    python -m demo.browser_shots --store demo_out/store-<hash> --out /tmp/graft-shots \\
+        --tokenizer demo_out/models/learner-<hash>/sft/final --tokenizer demo_out/models/peer-<hash>/sft/final
 
 starts `graft-store serve` over the store on a free loopback port, opens each view (overview, the prompts one
 model failed and its peer solved, one of those prompts, a peer rollout's tokens) and writes a PNG per view.
@@ -86,12 +86,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m demo.browser_shots", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--store", type=Path, required=True, help="store root (the demo's: demo_out/store-<key>)")
-    parser.add_argument("--out", type=Path, default=Path("docs/img"), help="where the PNGs go")
+    parser.add_argument("--out", type=Path, required=True, help="where the PNGs go")
+    parser.add_argument("--overwrite", action="store_true", help="replace screenshots already there (docs/img's are committed)")
     parser.add_argument("--tokenizer", type=Path, action="append", default=[], help="a model directory (repeat)")
     parser.add_argument("--learner", default="toy-learner-llama",
                         help="the model whose failures the peer solves (the first model id starting so)")
     parser.add_argument("--peer", default="toy-peer-qwen2", help="the peer model (the first model id starting so)")
     args = parser.parse_args(argv)
+    taken = sorted(p.name for p in args.out.glob("browser-*.png")) if args.out.is_dir() else []
+    if taken and not args.overwrite:
+        raise SystemExit(f"{args.out} already holds {', '.join(taken)}: pass --overwrite to replace them, or another --out")
 
     from services.store_api.server import StoreServer
 

@@ -1,7 +1,7 @@
 """The demo's one config: the task, the two warm starts, the peer's stored groups, and the RL runs.
 
 Defaults are the full demo (`make demo`); `quick()` shrinks it for the test. Readable from YAML
-(`--config configs/demo.yaml`) and settable from the command line (`--set rl.steps=50`).
+(`--config configs/demo_study.yaml`, a YAML of DemoConfig fields) and settable from the command line (`--set rl.steps=50`).
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def load_demo_config(path: Path | None, overrides: list[str], use_quick: bool) -
     data: dict[str, Any] = {}
     if path is not None:
         if not path.is_file():
-            raise FileNotFoundError(f"demo config {path} does not exist (try configs/demo.yaml)")
+            raise FileNotFoundError(f"demo config {path} does not exist (configs/demo_study.yaml is one: a YAML of DemoConfig fields)")
         data = yaml.safe_load(path.read_text()) or {}
     cfg = DemoConfig.model_validate(data)
     if use_quick:

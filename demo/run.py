@@ -13,7 +13,7 @@
 7. report/: summary.json, REPORT.md, plots; the server is stopped; how to serve the store again
 
 Every stage is cached in demo_out/ under a hash of its config: a rerun skips what is finished.
-    python -m demo.run [--quick] [--config configs/demo.yaml] [--set rl.steps=50 ...]
+    python -m demo.run [--quick] [--config configs/demo_study.yaml] [--set rl.steps=50 ...]
 """
 
 from __future__ import annotations

@@ -287,9 +287,9 @@ def test_each_generator_follows_the_trainer_of_its_model(form: str) -> None:
 
 
 def test_documented_profile_commands_start_every_service_of_the_profile() -> None:
-    """The README's and the compose files' `--profile P up ... SERVICES` commands name every graft service of P (the
+    """docs/compose.md's and the compose files' `--profile P up ... SERVICES` commands name every graft service of P (the
     infrastructure comes with them through depends_on)."""
-    texts = [(ROOT / "README.md").read_text(), *((ROOT / name).read_text() for name in FILES.values())]
+    texts = [(ROOT / "docs" / "compose.md").read_text(), *((ROOT / name).read_text() for name in FILES.values())]
     for form, compose in COMPOSE.items():
         for profile in ("cotrain", "lake"):
             wanted = {n for n in _graft(compose) if _profile(compose["services"][n]) == profile}

@@ -1,4 +1,4 @@
-"""The README's outside-reader queries (DuckDB from Python and from SQL, polars), run as written against a store
+"""docs/stored-row.md's outside-reader queries (DuckDB from Python and from SQL, pyarrow), run as written against a store
 SIGKILLed while pushing and while a writer wrote, and against one that just compacted: they count exactly what
 the API counts, and no glob of the folder meets a partial file."""
 
@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import duckdb
-import polars
 import pyarrow.parquet as pq
 from store_factory import make_group
 
@@ -22,22 +21,25 @@ from services.store_api.client import StoreClient, StoreError
 from services.store_api.server import StoreServer
 from services.store_api.shards import write_groups
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+REPOSITORY = Path(__file__).resolve().parents[2]
+README = REPOSITORY / "README.md"
+STORED_ROW = REPOSITORY / "docs" / "stored-row.md"
 WRITER = Path(__file__).with_name("store_writer_proc.py")
 
 
 def readme_blocks(language: str) -> list[str]:
-    return re.findall(rf"```{language}\n(.*?)```", README.read_text(), flags=re.S)
+    return re.findall(rf"```{language}\n(.*?)```", STORED_ROW.read_text(), flags=re.S)
 
 
 def readme_counts(root: Path) -> dict[str, dict[str, int]]:
-    """Rollouts per model by each of the README's outside readers, run as written on `root`."""
+    """Rollouts per model by each of docs/stored-row.md's outside readers, run as written on `root`."""
     (python,) = [b for b in readme_blocks("python") if "manifest.json" in b]
     (sql,) = [b for b in readme_blocks("sql") if "manifest.json" in b]
     namespace: dict = {}
     exec(python.replace("stores/local", str(root)), namespace)
     counts = {"duckdb": {m: n for m, n, _ in namespace["per_model"]},
-              "polars": dict(namespace["frame"].group_by("model_id").len().iter_rows())}
+              "pyarrow": {row["model_id"]: row["model_id_count"]
+                          for row in namespace["table"].group_by("model_id").aggregate([("model_id", "count")]).to_pylist()}}
     connection = duckdb.connect()
     statements = [s for s in sql.replace("stores/local", str(root)).split(";") if s.strip().strip("-").strip()]
     for statement in statements[:-1]:
@@ -103,11 +105,11 @@ def test_readme_readers_count_what_the_api_counts_after_sigkills_and_compaction(
         pusher.join(60)
         writer.wait(60)
         assert writing(root, "written") or writing(root, "pushed"), "no partial file left: the kills came between writes"
-        # the store is down: the folder holds only whole files, and the README's readers run
+        # the store is down: the folder holds only whole files, and the page's readers run
         assert all(p.name.startswith("part-") for p in (root / "rollouts").glob("*/*"))
         assert glob_rows(root) >= 8 * len(acknowledged)
         before_restart = readme_counts(root)
-        assert before_restart["duckdb"] == before_restart["polars"] == before_restart["duckdb sql"]
+        assert before_restart["duckdb"] == before_restart["pyarrow"] == before_restart["duckdb sql"]
         assert before_restart["duckdb"]["pushed"] >= 8 * len(acknowledged)
 
         server.start()
@@ -115,7 +117,7 @@ def test_readme_readers_count_what_the_api_counts_after_sigkills_and_compaction(
             assert all(client.get_group(g) is not None for g in acknowledged)  # nothing acknowledged was lost
             wait_for(lambda: client.stats().total_rollouts == glob_rows(root), what="every whole file indexed")
             counts = readme_counts(root)
-            assert counts["duckdb"] == counts["polars"] == counts["duckdb sql"] == api_counts(client)
+            assert counts["duckdb"] == counts["pyarrow"] == counts["duckdb sql"] == api_counts(client)
         server.stop()
 
         # compaction keeps the replaced shards 30 s for in-flight reads: a glob counts them twice, the manifest not
@@ -130,7 +132,7 @@ def test_readme_readers_count_what_the_api_counts_after_sigkills_and_compaction(
             api = api_counts(client)
             assert glob_rows(root) > sum(api.values())  # the replaced shards are still in the folder
             counts = readme_counts(root)
-            assert counts["duckdb"] == counts["polars"] == counts["duckdb sql"] == api
+            assert counts["duckdb"] == counts["pyarrow"] == counts["duckdb sql"] == api
             assert sum(pq.ParquetFile(f).metadata.num_rows for f in root.glob("rollouts/*/part-*")) > sum(api.values())
     finally:
         stop.set()
@@ -140,11 +142,20 @@ def test_readme_readers_count_what_the_api_counts_after_sigkills_and_compaction(
         server.stop()
 
 
-def test_the_readmes_links_and_doc_mentions_point_into_the_repository():
-    text = README.read_text()
-    repository = README.parent
-    targets = [t for t in re.findall(r"\]\(([^)#\s]+)\)", text) if "://" not in t]
-    mentioned = re.findall(r"((?:[\w.-]+/)*ARCHITECTURE\.md)", text)
-    assert "docs/ARCHITECTURE.md" in targets
-    missing = [t for t in targets + mentioned if not (repository / t).exists()]
-    assert not missing, f"the README points to files the repository does not have: {missing}"
+def test_the_readmes_and_docs_links_and_doc_mentions_point_into_the_repository():
+    pages = [README, *sorted((REPOSITORY / "docs").glob("*.md"))]
+    assert "docs/ARCHITECTURE.md" in re.findall(r"\]\(([^)#\s]+)\)", README.read_text())
+    missing = []
+    for page in pages:
+        text = page.read_text()
+        targets = [t for t in re.findall(r"\]\(([^)#\s]+)\)", text) if "://" not in t]
+        mentioned = re.findall(r"((?:[\w.-]+/)*ARCHITECTURE\.md)", text) if page == README else []
+        missing += [f"{page.name}: {t}" for t in targets + mentioned if not (page.parent / t).exists()]
+    assert not missing, f"pages point to files the repository does not have: {missing}"
+
+
+def test_docs_img_holds_only_images_a_page_shows():
+    shown = {Path(t).name for page in [README, *(REPOSITORY / "docs").glob("*.md")]
+             for t in re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", page.read_text()) if "img/" in t}
+    held = sorted(p.name for p in (REPOSITORY / "docs" / "img").iterdir()) if (REPOSITORY / "docs" / "img").exists() else []
+    assert set(held) <= shown, f"docs/img holds images no page shows: {sorted(set(held) - shown)}"
