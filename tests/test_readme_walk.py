@@ -25,11 +25,9 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -127,18 +125,14 @@ class _Server:
         self.block, self.port, self.log = block, port, log
         self.proc = subprocess.Popen(["bash", "-e", "-c", code], cwd=cwd, env=env, stdout=log.open("wb"),
                                      stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + BLOCK_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"{block}: the server exited with {self.proc.returncode}:\n{log.read_text()}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/v1/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise AssertionError(f"{block}: no answer on port {port} within {BLOCK_TIMEOUT_S} s:\n{log.read_text()}")
+        # curl, as the pages use it, retries until the server answers (or the limit passes)
+        ready = subprocess.run(["curl", "-sf", "--retry", str(BLOCK_TIMEOUT_S), "--retry-connrefused", "--retry-delay", "1",
+                                "--retry-max-time", str(BLOCK_TIMEOUT_S), f"http://127.0.0.1:{port}/v1/health"],
+                               capture_output=True, timeout=BLOCK_TIMEOUT_S + 30)
+        if ready.returncode != 0:
+            exited = self.proc.poll()
+            self.stop()
+            raise AssertionError(f"{block}: no answer on port {port} (server exit status {exited}):\n{log.read_text()}")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
