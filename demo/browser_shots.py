@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer", default="toy-peer-qwen2", help="the peer model (the first model id starting so)")
     args = parser.parse_args(argv)
 
-    from services.store_api.server import StoreServer
+    from services.store_api.http.server import StoreServer
 
     with StoreServer(args.store, env={"GRAFT_STORE_TOKENIZERS": json.dumps([str(p) for p in args.tokenizer])}) as server:
         api = httpx.Client(base_url=server.url, timeout=120)

@@ -18,9 +18,9 @@ import polars
 import pyarrow.parquet as pq
 from store_factory import make_group
 
-from services.store_api.client import StoreClient, StoreError
-from services.store_api.server import StoreServer
-from services.store_api.shards import write_groups
+from services.store_api.http.client import StoreClient, StoreError
+from services.store_api.http.server import StoreServer
+from services.store_api.local.shards import write_groups
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 WRITER = Path(__file__).with_name("store_writer_proc.py")
