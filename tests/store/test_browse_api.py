@@ -10,11 +10,11 @@ import pytest
 from store_factory import make_group, make_problem, problem_text
 
 from schemas import prompt_id
+from services.store_api.browser.tokens import token_pieces
 from services.store_api.http.app import create_app
 from services.store_api.http.server import StoreServer
-from services.store_api.settings import StoreSettings
 from services.store_api.local.shards import write_groups
-from services.store_api.browser.tokens import token_pieces
+from services.store_api.settings import StoreSettings
 
 FAIL, ONE, HALF, ALL = [0.0] * 4, [1.0, 0.0, 0.0, 0.0], [1.0, 0.0, 1.0, 0.0], [1.0] * 4
 # prompt -> {model: [rewards of each group]}: every case the filters tell apart

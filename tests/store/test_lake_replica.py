@@ -21,9 +21,9 @@ from typer.testing import CliRunner
 from schemas import PeerLookupRequest
 from services.store_api.http.cli import app as cli_app
 from services.store_api.http.client import StoreClient, StoreError
+from services.store_api.http.server import REPO_ROOT, StoreServer
 from services.store_api.lake.config import LakeConfig, LakeUnavailable, lake_connection
 from services.store_api.lake.lake import Lake
-from services.store_api.http.server import REPO_ROOT, StoreServer
 from services.store_api.tables import groups_table, validate_table
 
 WRITER = Path(__file__).resolve().parent / "lake_writer_proc.py"

@@ -18,8 +18,8 @@ from typer.testing import CliRunner
 from schemas import PeerLookupRequest, table_to_groups
 from services.store_api.http.cli import app as cli_app
 from services.store_api.http.client import StoreClient
-from services.store_api.local.durable import TMP_DIR
 from services.store_api.http.server import StoreServer, free_port
+from services.store_api.local.durable import TMP_DIR
 from services.store_api.local.shards import write_groups
 
 WRITER = Path(__file__).with_name("store_writer_proc.py")

@@ -49,12 +49,12 @@ from schemas import (
     StatsResponse,
 )
 from schemas.rollout import INT64_MAX
-from services.store_api.http.backend import Store, store_backend
 from services.store_api.browser.routes import add_browser
+from services.store_api.http.backend import Store, store_backend
+from services.store_api.http.push import PushRejected, parse_arrow_push, parse_json_push
 from services.store_api.lake.config import LakeError, LakeUnavailable
 from services.store_api.local.lookup import arrow_stream, read_stream
 from services.store_api.local.mirror import GroupConflict
-from services.store_api.http.push import PushRejected, parse_arrow_push, parse_json_push
 from services.store_api.local.queries import BadCursor
 from services.store_api.settings import StoreSettings
 from services.store_api.tables import ShardValidationError

@@ -52,8 +52,8 @@ def load_settings(config: Path | None = None, **overrides) -> StoreSettings:
 def open_store(settings: StoreSettings, what: str = ""):
     """The settings' store (services.store_api.http.backend.store_backend), opened; a clear error and exit 1 if it cannot."""
     from services.store_api.http.backend import store_backend
-    from services.store_api.local.catalog import IndexLocked
     from services.store_api.lake.config import LakeError
+    from services.store_api.local.catalog import IndexLocked
 
     try:
         return store_backend(settings).open()
@@ -98,8 +98,8 @@ def serve(
 
 def _rebuild(settings: StoreSettings) -> dict:
     from services.store_api.http.backend import store_backend
-    from services.store_api.local.catalog import IndexLocked
     from services.store_api.lake.config import LakeError
+    from services.store_api.local.catalog import IndexLocked
 
     store = store_backend(settings)
     try:
@@ -203,8 +203,8 @@ def migrate(
     """
     from services.store_api.lake.config import LakeConfig, LakeError
     from services.store_api.lake.lake import Lake
-    from services.store_api.targets import is_lake_target
     from services.store_api.lake.migrate import lake_to_local, local_to_lake
+    from services.store_api.targets import is_lake_target
 
     configure_logging("info")
     if is_lake_target(source) == is_lake_target(target):
