@@ -25,8 +25,8 @@ from tqdm import tqdm
 
 from benchmarks.store_bench import MODELS, ShardMaker, bench_problem, bench_prompt_ids, percentile, plan_shards
 from schemas import Problem
-from services.store_api.server import StoreServer
-from services.store_api.shards import write_groups, write_problems
+from services.store_api.http.server import StoreServer
+from services.store_api.local.shards import write_groups, write_problems
 
 
 def write_store(root: Path, n_rollouts: int, seed: int) -> int:

@@ -348,7 +348,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
 def learner_tokens(store_url: str, model_id: str, expected_rollouts: int, timeout_s: float = 60.0) -> dict[int, int]:
     """Completion tokens the learner published per policy step, read back from the store once all its
     rollouts are there (the trainer pushes them in the background and flushes at exit)."""
-    from services.store_api.client import StoreClient
+    from services.store_api.http.client import StoreClient
 
     deadline = time.monotonic() + timeout_s
     with StoreClient(store_url) as store:

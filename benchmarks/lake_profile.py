@@ -26,8 +26,9 @@ import psutil
 
 from benchmarks.lake_services import S3_KEY_ID, S3_SECRET, MotoS3, PostgresServer
 from benchmarks.store_bench import GROUP, ShardMaker, cpu_seconds, plan_shards
-from services.store_api.lake import Lake, LakeConfig
-from services.store_api.replica import LakeReplica
+from services.store_api.lake.config import LakeConfig
+from services.store_api.lake.lake import Lake
+from services.store_api.lake.replica import LakeReplica
 from services.store_api.settings import StoreSettings
 from services.store_api.tables import validate_table
 
@@ -78,8 +79,8 @@ def main() -> None:
                                             compact_interval_s=0))
         result["replica_catch_up"] = timed(replica.open, rollouts, s3_process,
                                            args.profile and args.profile / "replica.prof")
-        if len(replica.mirror) * GROUP != rollouts:
-            raise AssertionError(f"the replica cached {len(replica.mirror) * GROUP} of {rollouts} rollouts")
+        if len(replica.index.mirror) * GROUP != rollouts:
+            raise AssertionError(f"the replica cached {len(replica.index.mirror) * GROUP} of {rollouts} rollouts")
         replica.close()
     finally:
         s3.stop()

@@ -43,9 +43,9 @@ import pyarrow as pa
 from tqdm import tqdm
 
 from schemas import ROLLOUT_ARROW_SCHEMA, PeerLookupRequest, prompt_id
-from services.store_api.client import StoreClient
-from services.store_api.server import StoreServer
-from services.store_api.shards import write_groups
+from services.store_api.http.client import StoreClient
+from services.store_api.http.server import StoreServer
+from services.store_api.local.shards import write_groups
 
 MODELS = ("model-a", "model-b", "model-c", "model-d")
 SUCCESS_RATE = {"model-a": 0.3, "model-b": 0.45, "model-c": 0.6, "model-d": 0.75}
@@ -237,7 +237,8 @@ def _lake_writer(lake_env: dict, shards: list[tuple[str, int, int]], prompts: in
                  done, go) -> None:
     """A writer process committing each synthetic shard to the lake in one transaction (validated first, as
     graft-generate and write_groups do)."""
-    from services.store_api.lake import Lake, LakeConfig
+    from services.store_api.lake.config import LakeConfig
+    from services.store_api.lake.lake import Lake
     from services.store_api.tables import validate_table
 
     os.environ.update(lake_env)
@@ -258,7 +259,8 @@ def measure_lake(args: argparse.Namespace, phase) -> dict:
     """The lake backend on the same synthetic data: commit rate of `--lake-writers` processes, commit-to-servable
     time at a replica, lookups at a replica (the local figures' method), replica RSS."""
     from benchmarks.lake_services import S3_KEY_ID, S3_SECRET, MotoS3, PostgresServer
-    from services.store_api.lake import Lake, LakeConfig
+    from services.store_api.lake.config import LakeConfig
+    from services.store_api.lake.lake import Lake
     from services.store_api.tables import validate_table
 
     result: dict = {}

@@ -140,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"held-out greedy accuracy before ({args.heldout} GSM8K + {args.heldout} MATH-500 problems, max {args.max_tokens} tokens):", flush=True)
     before = heldout_accuracy(str(learner_dir), heldout, args.max_tokens)
 
-    from services.store_api.client import StoreClient
-    from services.store_api.server import StoreServer
+    from services.store_api.http.client import StoreClient
+    from services.store_api.http.server import StoreServer
     from trainer.config import TrainConfig
     from trainer.loop import train
 

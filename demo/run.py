@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     data = prepare_data(cfg, out / "data")
     build_jobs, models = model_jobs(cfg, data, out)
 
-    from services.store_api.server import StoreServer
+    from services.store_api.http.server import StoreServer
 
     store_key = config_hash(cfg.task, cfg.peer_groups, models["peer"]["checkpoint_hash"], models["learner"]["checkpoint_hash"])
     store_root = out / f"store-{store_key}"
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         # One schedule for everything: while the learner warms up, the other process warms up the
         # peer and fills the store with its groups.
         timings = run_jobs(build_jobs + jobs, cfg.workers, desc="SFT, peer groups, RL runs", env=env)
-        from services.store_api.client import StoreClient
+        from services.store_api.http.client import StoreClient
 
         with StoreClient(server.url) as client:
             store_stats = client.stats().model_dump(mode="json")
@@ -298,7 +298,7 @@ def _generator_job(cfg: DemoConfig, data: dict[str, Path], models: dict[str, dic
 
     def after() -> None:
         # The generator wrote shards; wait until the store's ingest loop has indexed every group.
-        from services.store_api.client import StoreClient
+        from services.store_api.http.client import StoreClient
 
         summary = json.loads(log.read_text().strip().splitlines()[-1])
         deadline = time.monotonic() + 60
@@ -325,7 +325,7 @@ def print_serve_instructions(store_root: Path, runs: list[dict], data: dict[str,
     # the models' directories: the browser decodes their token ids with their tokenizers
     tokenizers = " ".join(f"--tokenizer {os.path.relpath(models[role]['checkpoint'], Path.cwd())}" for role in ("learner", "peer"))
     script = Path(sys.executable).parent / "graft-store"
-    graft_store = os.path.relpath(script) if script.exists() else (shutil.which("graft-store") or f"{sys.executable} -m services.store_api.cli")
+    graft_store = os.path.relpath(script) if script.exists() else (shutil.which("graft-store") or f"{sys.executable} -m services.store_api.http.cli")
     print(f"""
 The demo's store is kept in {rel}. Serve it again with
   {graft_store} serve --root {rel} --port 8600 {tokenizers}

@@ -124,7 +124,7 @@ def imitate(job: dict) -> dict:
     from rollouts.models import load_model_and_tokenizer
     from rollouts.prompts import build_prompt
     from rollouts.scoring import Scorer
-    from services.store_api.client import StoreClient
+    from services.store_api.http.client import StoreClient
     from trainer.batch import TrainSample, collate, response_logprobs
 
     started = time.perf_counter()

@@ -6,6 +6,7 @@ inside functions included), so a lazy import cannot hide a circle."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,3 +106,81 @@ def test_the_installed_packages_ship_no_test_fixtures():
         leaks = sorted((m, i) for m, imports in graph.items() if m.startswith(package) for i in imports
                        if i.startswith(("toy", "demo", "tests")))
         assert leaks == [], f"{package} imports the toy world or the demo: {leaks}"
+
+
+STORE = "services.store_api"
+
+
+def _store_parts(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The store's import graph with each sub-package drawn as one node (its modules' imports together); the
+    modules at the store's top (shared validation and settings) stay nodes of their own."""
+    def part(module: str) -> str:
+        inside = module.removeprefix(STORE + ".").split(".")
+        return f"{STORE}.{inside[0]}"
+
+    parts: dict[str, set[str]] = {}
+    for module, imports in graph.items():
+        if module.startswith(STORE + "."):
+            node = part(module)
+            parts.setdefault(node, set()).update(part(i) for i in imports if i.startswith(STORE + ".") and part(i) != node)
+    return parts
+
+
+def test_the_store_parts_import_each_other_in_no_circle():
+    parts = _store_parts(_import_graph())
+    assert {f"{STORE}.{p}" for p in ("local", "lake", "http", "browser", "tables")} <= set(parts)
+    assert _cycles(parts) == []
+
+
+def test_the_store_parts_depend_downwards():
+    """The local store knows nothing of the lake, the HTTP face or the browser; the lake and the browser know no
+    HTTP face; the shared validation imports no part."""
+    parts = _store_parts(_import_graph())
+    assert not parts[f"{STORE}.local"] & {f"{STORE}.lake", f"{STORE}.http", f"{STORE}.browser"}
+    assert f"{STORE}.http" not in parts[f"{STORE}.lake"] | parts[f"{STORE}.browser"]
+    assert parts[f"{STORE}.tables"] == set()
+
+
+def test_part_graph_finds_a_circle_between_sub_packages():
+    graph = {f"{STORE}.local.a": {f"{STORE}.lake.b"}, f"{STORE}.lake.b": {f"{STORE}.local.c"}, f"{STORE}.local.c": set()}
+    assert _cycles(_store_parts(graph)) == [[f"{STORE}.lake", f"{STORE}.local"]]
+
+
+def _private_reads(path: Path) -> list[str]:
+    """`other._name` in a file: a private attribute read on anything but self or cls (dunders aside)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno} .{node.attr}")
+    return found
+
+
+def test_the_browser_and_the_replica_read_the_index_through_its_public_functions():
+    files = [*(ROOT / "services/store_api/browser").rglob("*.py"), ROOT / "services/store_api/lake/replica.py"]
+    assert [read for path in files for read in _private_reads(path)] == []
+
+
+def test_the_lake_replica_uses_an_index_rather_than_being_one(tmp_path):
+    """Composition: the replica follows the lake into a StoreIndex of its cache; it is no StoreIndex whose
+    `ingest_new` means something else."""
+    from services.store_api.lake.replica import LakeReplica
+    from services.store_api.local.index import StoreIndex
+    from services.store_api.settings import StoreSettings
+
+    settings = StoreSettings(root=tmp_path / "cache", backend="lake", lake_catalog=f"ducklake:sqlite:{tmp_path}/c.sqlite")
+    replica = LakeReplica(settings)
+    assert not isinstance(replica, StoreIndex) and isinstance(replica.index, StoreIndex)
+    assert not hasattr(replica, "ingest_new")
+    assert list(tmp_path.iterdir()) == []  # making one opens nothing
+
+
+def test_a_long_store_module_says_why_it_is_one():
+    """STYLE.md: a module over ~400 lines says why in its docstring (as app.py does), or is split by job."""
+    long = []
+    for path in (ROOT / "services/store_api").rglob("*.py"):
+        text = path.read_text()
+        docstring = ast.get_docstring(ast.parse(text)) or ""
+        if text.count("\n") > 420 and not re.search(r"\b(over|~)\s*\d+ lines\b", docstring, re.IGNORECASE):
+            long.append(f"{path.relative_to(ROOT)}: {text.count(chr(10))} lines")
+    assert long == []

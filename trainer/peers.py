@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from schemas import MAX_LOOKUP_PROMPTS, MAX_PUSH_GROUPS, PeerLookupRequest, Problem, RolloutGroup
-from services.store_api.client import StoreClient, StoreError
+from services.store_api.http.client import StoreClient, StoreError
 from trainer.config import GraftConfig, StoreConfig
 from trainer.gate import GRAFT_ACTIONS, GateDecision, choose_peer_group, classify_group
 

@@ -105,12 +105,13 @@ class GroupSink:
         self.store = store
         self.outages: tuple[type[Exception], ...] = ()  # what a store that is down (for now) raises
         if self.is_url:
-            from services.store_api.client import StoreClient, StoreUnavailable
+            from services.store_api.http.client import StoreClient, StoreUnavailable
 
             self.client = StoreClient(store, token=token)
             self.outages = (StoreUnavailable,)
         elif self.is_lake:
-            from services.store_api.lake import Lake, LakeConfig, LakeUnavailable
+            from services.store_api.lake.config import LakeConfig, LakeUnavailable
+            from services.store_api.lake.lake import Lake
 
             self.lake = Lake(LakeConfig(catalog=store)).open()
             self.outages = (LakeUnavailable,)
@@ -139,7 +140,7 @@ class GroupSink:
 
             result = self.lake.commit(validate_table(groups_table(groups)), problems or [])
             return f"lake: {result.accepted_groups} groups committed"
-        from services.store_api.shards import write_groups
+        from services.store_api.local.shards import write_groups
 
         return str(write_groups(self.store, groups, problems))
 

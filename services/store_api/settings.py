@@ -10,7 +10,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 # a writer uploads its data files, then commits; a commit that loses to others' retries for a minute or more
-# (lake.COMMIT_ATTEMPTS): an orphan younger than this may be one still being committed, not one left by a crash
+# (lake/commit.py, COMMIT_ATTEMPTS): an orphan younger than this may be one still being committed, not one left by a crash
 MIN_LAKE_FILE_GRACE_S = 600.0
 
 
@@ -67,12 +67,3 @@ class StoreSettings(BaseSettings):
             raise ValueError("lake_catalog / lake_data_path are set but backend is 'local', which would ignore them: "
                              "set backend 'lake' (GRAFT_STORE_BACKEND=lake or --backend lake), or unset them")
         return self
-
-    def lake_config(self):
-        """The LakeConfig of backend 'lake' (S3 endpoint and credentials from the environment)."""
-        from services.store_api.lake import LakeConfig
-
-        # a replica's lake connection reads a window at a time (each data file once: no file cache); the index's
-        # memory limit bounds it too
-        return LakeConfig(catalog=self.lake_catalog, memory_limit=self.duckdb_memory_limit, file_cache=False,
-                          **({"data_path": self.lake_data_path} if self.lake_data_path else {}))

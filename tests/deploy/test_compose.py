@@ -140,7 +140,7 @@ def test_service_command_is_a_valid_entry_point(form: str, service: str) -> None
         settings = StoreSettings(**pairs)  # every flag is a StoreSettings field, and their values validate
         assert settings.port == 8600 and settings.host == "0.0.0.0"
         if settings.backend == "lake":
-            from services.store_api.lake import LakeConfig
+            from services.store_api.lake.config import LakeConfig
 
             environment = spec["environment"]
             assert {"AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "PGPASSWORD"} <= set(environment)

@@ -131,8 +131,8 @@ def test_continuous_mode_reloads_a_newer_checkpoint(tiny_model_dir, tmp_path):
 
 
 def test_push_to_a_store_server_and_resume_through_its_api(tiny_model_dir, tmp_path):
-    from services.store_api.client import StoreClient
-    from services.store_api.server import StoreServer
+    from services.store_api.http.client import StoreClient
+    from services.store_api.http.server import StoreServer
 
     dataset = write_problems_jsonl(sample_problems(6, seed=7), tmp_path / "toy.jsonl")
     with StoreServer(tmp_path / "store", token="secret") as server:
@@ -150,7 +150,8 @@ def test_push_to_a_store_server_and_resume_through_its_api(tiny_model_dir, tmp_p
 
 def test_commit_to_a_lake_and_resume_from_it(tiny_model_dir, tmp_path, monkeypatch):
     """A lake target (SQLite catalog, data on a local path): one transaction per batch, resumable from the lake."""
-    from services.store_api.lake import Lake, LakeConfig
+    from services.store_api.lake.config import LakeConfig
+    from services.store_api.lake.lake import Lake
 
     dataset = write_problems_jsonl(sample_problems(6, seed=7), tmp_path / "toy.jsonl")
     catalog = f"ducklake:sqlite:{tmp_path / 'catalog.sqlite'}"
@@ -187,8 +188,8 @@ def test_continuous_mode_keeps_its_batch_through_a_store_outage(tiny_model_dir, 
     continuous generator keeps the batch it sampled, retries with a growing pause, and no group is lost."""
     import logging
 
-    from services.store_api.client import StoreClient
-    from services.store_api.server import StoreServer
+    from services.store_api.http.client import StoreClient
+    from services.store_api.http.server import StoreServer
 
     caplog.set_level(logging.WARNING, logger="graft.generator")
     dataset = write_problems_jsonl(sample_problems(8, seed=7), tmp_path / "toy.jsonl")

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from schemas import table_to_groups
-from services.store_api.index import StoreIndex
+from services.store_api.local.index import StoreIndex
 from services.store_api.settings import StoreSettings
 from toy.task import sample_problems, write_problems_jsonl
 

@@ -14,7 +14,7 @@ from rollouts.hf_backend import HFBackend
 from rollouts.sampling import SamplingParams
 from rollouts.scoring import Scorer
 from schemas import Problem, RolloutGroup
-from services.store_api.shards import write_groups
+from services.store_api.local.shards import write_groups
 from toy.world import build_toy_world
 
 LEARNER = "toy-learner"

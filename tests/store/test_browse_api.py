@@ -10,11 +10,11 @@ import pytest
 from store_factory import make_group, make_problem, problem_text
 
 from schemas import prompt_id
-from services.store_api.app import create_app
-from services.store_api.server import StoreServer
+from services.store_api.browser.tokens import token_pieces
+from services.store_api.http.app import create_app
+from services.store_api.http.server import StoreServer
+from services.store_api.local.shards import write_groups
 from services.store_api.settings import StoreSettings
-from services.store_api.shards import write_groups
-from services.store_api.tokens import token_pieces
 
 FAIL, ONE, HALF, ALL = [0.0] * 4, [1.0, 0.0, 0.0, 0.0], [1.0, 0.0, 1.0, 0.0], [1.0] * 4
 # prompt -> {model: [rewards of each group]}: every case the filters tell apart
@@ -195,7 +195,7 @@ def test_the_page_is_served_read_only_beside_the_api(server):
     assert page.status_code == 200 and 'src="/ui/static/app.js"' in page.text
     for asset in ("app.js", "app.css"):
         assert httpx.get(f"{server.url}/ui/static/{asset}").status_code == 200
-    for escape in ("/ui/static/..%2F..%2Fbrowse.py", "/ui/static/%2e%2e/browse.py", "/ui/static/../browse.py"):
+    for escape in ("/ui/static/..%2F..%2Ftables.py", "/ui/static/%2e%2e/views.py", "/ui/static/../views.py"):
         answer = httpx.get(server.url + escape)  # the page or a 404, never a file outside ui/
         assert answer.status_code == 404 or answer.text == page.text, escape
     assert httpx.get(server.url + "/", follow_redirects=False).headers["location"] == "/ui/"

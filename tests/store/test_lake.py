@@ -1,4 +1,4 @@
-"""The lake itself (services.store_api.lake): writers' transactions against a real PostgreSQL catalog with data on
+"""The lake itself (services.store_api.lake.lake): writers' transactions against a real PostgreSQL catalog with data on
 moto's S3 server, and a SQLite catalog with data on a local path."""
 
 from __future__ import annotations
@@ -21,10 +21,13 @@ from typer.testing import CliRunner
 
 from benchmarks.lake_services import free_port
 from schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA
-from services.store_api import lake as lake_module
-from services.store_api.cli import app as cli_app
-from services.store_api.lake import ExtensionMissing, Lake, LakeConfig, LakeError, LakeUnavailable
-from services.store_api.shards import write_groups
+from services.store_api.http.cli import app as cli_app
+from services.store_api.lake import config as lake_module
+from services.store_api.lake import windows as lake_windows
+from services.store_api.lake.attach import ALIAS
+from services.store_api.lake.config import ExtensionMissing, LakeConfig, LakeError, LakeUnavailable
+from services.store_api.lake.lake import Lake
+from services.store_api.local.shards import write_groups
 from services.store_api.tables import conform_table, groups_table, validate_table
 
 WRITER = Path(__file__).resolve().parent / "lake_writer_proc.py"
@@ -251,7 +254,7 @@ def test_a_lake_of_another_layout_is_refused(sqlite_lake):
 
 def local_rows(root: Path) -> pa.Table:
     """A local store's rows as its index serves them: the first copy of each group, by rollout id."""
-    from services.store_api.migrate import local_shards
+    from services.store_api.lake.migrate import local_shards
 
     seen, pieces = set(), []
     for shard in local_shards(root):
@@ -285,7 +288,7 @@ def test_migrate_root_to_lake_and_back_is_identical(any_lake, tmp_path):
     assert to_root.exit_code == 0, to_root.output
     assert json.loads(to_root.output.strip().splitlines()[-1])["groups"] == 27
     assert local_rows(back).equals(local_rows(root))
-    from services.store_api.migrate import local_problems
+    from services.store_api.lake.migrate import local_problems
 
     assert sorted(local_problems(back), key=str) == sorted(local_problems(root), key=str)
     with Lake(any_lake) as lake:  # the lake holds exactly the root's rows, in the root's order
@@ -345,9 +348,9 @@ def test_snapshots_say_which_tables_they_inserted_into(sqlite_lake):
 
 def test_change_feed_rows_are_put_in_commit_order():
     rows = pa.table({"rowid": [5, 1, 2, 7, 3], "snapshot_id": [3, 2, 2, 3, 2], "row": list("abcde")})
-    assert lake_module._in_commit_order(rows).column("row").to_pylist() == ["b", "c", "e", "a", "d"]
+    assert lake_windows._in_commit_order(rows).column("row").to_pylist() == ["b", "c", "e", "a", "d"]
     ordered = rows.take([1, 2, 4, 0, 3])
-    assert lake_module._in_commit_order(ordered) is ordered  # already in order: no copy
+    assert lake_windows._in_commit_order(ordered) is ordered  # already in order: no copy
 
 
 def test_writers_add_their_own_parquet_files_in_the_partition_layout(any_lake):
@@ -460,7 +463,7 @@ def test_data_files_on_storage_only_duckdb_reaches_go_through_the_change_feed(sq
         start = lake.snapshot().id
         lake.commit(table_of([make_group(1)]))
         assert len(lake.files_added(start, lake.snapshot().id)) == 1
-        lake._cursor().execute(f"UPDATE __ducklake_metadata_{lake_module.ALIAS}.ducklake_data_file "
+        lake._cursor().execute(f"UPDATE __ducklake_metadata_{ALIAS}.ducklake_data_file "
                                "SET path = 'gs://elsewhere/rollouts.parquet', path_is_relative = false")
         assert lake.files_added(start, lake.snapshot().id) is None
 
@@ -479,7 +482,7 @@ def insert_plainly(lake: Lake, groups) -> None:
 
 def test_a_group_id_stored_under_another_model_or_prompt_is_refused(any_lake):
     """As the local store: a group id is unique in the lake, whatever model or prompt the batch is of."""
-    from services.store_api.mirror import GroupConflict
+    from services.store_api.local.mirror import GroupConflict
 
     stored = make_group(1, "model-a")
     with Lake(any_lake) as lake:
@@ -499,7 +502,7 @@ def test_a_group_id_stored_under_another_model_or_prompt_is_refused(any_lake):
 def test_migrate_from_a_lake_keeps_the_first_copy_of_a_group_committed_twice(sqlite_lake, tmp_path):
     """Writers racing with one group id both land (no unique keys); migrate keeps the first copy and counts
     the rest, as a replica does."""
-    from services.store_api.index import StoreIndex
+    from services.store_api.local.index import StoreIndex
     from services.store_api.settings import StoreSettings
 
     first = make_group(1, rewards=[1.0, 0.0, 0.0, 0.0], seed=1)

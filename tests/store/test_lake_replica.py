@@ -19,10 +19,11 @@ from store_factory import make_group, make_problem, wait_for
 from typer.testing import CliRunner
 
 from schemas import PeerLookupRequest
-from services.store_api.cli import app as cli_app
-from services.store_api.client import StoreClient, StoreError
-from services.store_api.lake import Lake, LakeConfig, LakeUnavailable, lake_connection
-from services.store_api.server import REPO_ROOT, StoreServer
+from services.store_api.http.cli import app as cli_app
+from services.store_api.http.client import StoreClient, StoreError
+from services.store_api.http.server import REPO_ROOT, StoreServer
+from services.store_api.lake.config import LakeConfig, LakeUnavailable, lake_connection
+from services.store_api.lake.lake import Lake
 from services.store_api.tables import groups_table, validate_table
 
 WRITER = Path(__file__).resolve().parent / "lake_writer_proc.py"
@@ -360,7 +361,7 @@ def test_a_problem_row_the_model_refuses_is_set_aside_and_later_snapshots_follow
 def test_any_error_in_the_follow_loop_shows_in_the_lake_stats(sqlite_lake, tmp_path):
     """Not only the lake's own errors: a cache the replica cannot write (here a file where a model's folder
     goes) is said in /v1/stats' lake.error, and the replica reads on once it can."""
-    from services.store_api.replica import LakeReplica
+    from services.store_api.lake.replica import LakeReplica
     from services.store_api.settings import StoreSettings
 
     settings = StoreSettings(root=tmp_path / "a", backend="lake", lake_catalog=sqlite_lake.catalog,

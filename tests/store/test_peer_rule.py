@@ -14,8 +14,8 @@ from store_factory import make_group, problem_text
 
 from schemas import PeerLookupRequest, prompt_id
 from schemas.api import now_us
-from services.store_api.index import StoreIndex
-from services.store_api.shards import write_groups
+from services.store_api.local.index import StoreIndex
+from services.store_api.local.shards import write_groups
 from trainer.gate import GRAFT_ACTIONS, choose_peer_group
 
 MODELS = ("learner", "peer-a", "peer-b")

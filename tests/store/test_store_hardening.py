@@ -18,10 +18,10 @@ import pytest
 from store_factory import make_group, make_problem
 
 from schemas import ROLLOUT_ARROW_SCHEMA, RolloutGroup, groups_to_table
-from services.store_api.index import StoreIndex
-from services.store_api.lookup import lookup_path
-from services.store_api.server import StoreServer
-from services.store_api.shards import write_groups
+from services.store_api.http.server import StoreServer
+from services.store_api.local.index import StoreIndex
+from services.store_api.local.lookup import lookup_path
+from services.store_api.local.shards import write_groups
 
 ARROW = "application/vnd.apache.arrow.stream"
 

@@ -13,12 +13,12 @@ import pytest
 from store_factory import make_group, problem_text
 
 from schemas import PeerLookupRequest, prompt_id, table_to_groups
-from services.store_api.durable import TMP_PREFIX
-from services.store_api.index import StoreIndex
-from services.store_api.lookup import lookup_path
-from services.store_api.manifest import live_files
-from services.store_api.queries import BadCursor
-from services.store_api.shards import write_groups
+from services.store_api.local.durable import TMP_PREFIX
+from services.store_api.local.index import StoreIndex
+from services.store_api.local.lookup import lookup_path
+from services.store_api.local.manifest import live_files
+from services.store_api.local.queries import BadCursor
+from services.store_api.local.shards import write_groups
 
 
 def pid(i: int) -> str:

@@ -16,11 +16,11 @@ from store_factory import make_group, wait_for
 from typer.testing import CliRunner
 
 from schemas import PeerLookupRequest, table_to_groups
-from services.store_api.cli import app as cli_app
-from services.store_api.client import StoreClient
-from services.store_api.durable import TMP_DIR
-from services.store_api.server import StoreServer
-from services.store_api.shards import write_groups
+from services.store_api.http.cli import app as cli_app
+from services.store_api.http.client import StoreClient
+from services.store_api.http.server import StoreServer, free_port
+from services.store_api.local.durable import TMP_DIR
+from services.store_api.local.shards import write_groups
 
 WRITER = Path(__file__).with_name("store_writer_proc.py")
 
@@ -170,8 +170,26 @@ def test_command_line_rebuild_compact_stats(tmp_path):
     stats = json.loads(result.output.strip().splitlines()[-1])
     assert stats["total_groups"] == 15 and stats["files"] == 1
     with StoreServer(root) as server:
-        out = subprocess.run([sys.executable, "-m", "services.store_api.cli", "stats", "--port", str(server.port)],
+        out = subprocess.run([sys.executable, "-m", "services.store_api.http.cli", "stats", "--port", str(server.port)],
                              capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[2])
         assert out.returncode == 0 and json.loads(out.stdout)["total_rollouts"] == 60
         locked = runner.invoke(cli_app, ["rebuild", "--root", str(root)])
         assert locked.exit_code == 1 and "held by another process" in locked.output
+
+
+def test_command_line_reads_create_no_store(tmp_path, monkeypatch):
+    """`graft-store stats` with no server answering and no store at the root (the default stores/local, or a
+    mistyped --root) says that none answers and exits 1, creating nothing; `compact` of a root that holds no
+    store says so, creating nothing."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("GRAFT_STORE_ROOT", raising=False)
+    port = str(free_port())  # nothing listens there
+    runner = CliRunner()
+    result = runner.invoke(cli_app, ["stats", "--port", port])
+    assert result.exit_code == 1, result.output
+    assert f"no store answers on http://127.0.0.1:{port}" in result.output
+    result = runner.invoke(cli_app, ["stats", "--port", port, "--root", str(tmp_path / "typo")])
+    assert result.exit_code == 1 and "holds no store" in result.output, result.output
+    result = runner.invoke(cli_app, ["compact", "--root", str(tmp_path / "typo")])
+    assert result.exit_code == 1 and "holds no store" in result.output, result.output
+    assert list(tmp_path.iterdir()) == []

@@ -17,9 +17,9 @@ import duckdb
 import pyarrow.parquet as pq
 from store_factory import make_group
 
-from services.store_api.client import StoreClient, StoreError
-from services.store_api.server import StoreServer
-from services.store_api.shards import write_groups
+from services.store_api.http.client import StoreClient, StoreError
+from services.store_api.http.server import StoreServer
+from services.store_api.local.shards import write_groups
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 README = REPOSITORY / "README.md"

@@ -13,10 +13,10 @@ from pydantic import ValidationError
 from store_factory import make_group, make_problem
 
 from schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA, Rollout, RolloutGroup, groups_to_table, table_to_groups
-from services.store_api import lookup as lookup_files
-from services.store_api.durable import TMP_PREFIX
-from services.store_api.lookup import ShardReader, ShardReadError, lookup_path, read_stream
-from services.store_api.shards import BULK_COLUMNS, ROW_GROUP_ROWS, write_groups
+from services.store_api.local import lookup as lookup_files
+from services.store_api.local.durable import TMP_PREFIX
+from services.store_api.local.lookup import ShardReader, ShardReadError, lookup_path, read_stream
+from services.store_api.local.shards import BULK_COLUMNS, ROW_GROUP_ROWS, write_groups
 from services.store_api.tables import ShardValidationError, groups_table, validate_table
 
 

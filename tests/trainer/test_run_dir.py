@@ -17,8 +17,8 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
-from services.store_api.client import StoreClient
-from services.store_api.server import StoreServer
+from services.store_api.http.client import StoreClient
+from services.store_api.http.server import StoreServer
 from train_configs import make_config
 from trainer.checkpoint import latest_checkpoint, list_checkpoints, save_checkpoint
 from trainer.cli import app

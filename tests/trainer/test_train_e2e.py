@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from services.store_api.client import StoreClient
-from services.store_api.server import StoreServer
+from services.store_api.http.client import StoreClient
+from services.store_api.http.server import StoreServer
 from train_configs import make_config
 from trainer.loop import train
 from trainer.metrics import METRIC_KEYS

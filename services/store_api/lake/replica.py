@@ -1,7 +1,8 @@
-"""A store replica of a lake (`graft-store serve --backend lake`): the local index over a cache of the lake.
+"""A store replica of a lake (`graft-store serve --backend lake`): it uses a local index over a cache of the lake.
 
-The replica's root is a local store (shards, lookup files, index.duckdb) that only the replica writes: its
-ingest loop follows the lake instead of scanning for shards. Each time, it reads the groups committed in the
+The replica's root is a local store (shards, lookup files, index.duckdb) that only the replica writes, through
+its `StoreIndex` (`replica.index`, which answers lookups and pages): the ingest loop's `poll` follows the lake
+instead of scanning for shards. Each time, it reads the groups committed in the
 snapshots after the one its cache holds (in commit order, so every replica keeps the same copy of a group
 committed twice and indexes groups in the same order), writes them as cache shards of one snapshot and model
 each (a writer's data file, which holds exactly that, is kept as it is), indexes them, and records the
@@ -22,7 +23,6 @@ is counted in /v1/stats (duplicate_groups, or conflicting_groups under another m
 from __future__ import annotations
 
 import logging
-import shutil
 import threading
 import time
 
@@ -31,24 +31,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from schemas import PROBLEM_ARROW_SCHEMA, LakeStats, Problem, StatsResponse
-from services.store_api.index import StoreIndex
-from services.store_api.ingest import summarise_groups
-from services.store_api.lake import (
-    ROLLOUT_ROWS_SCHEMA,
-    AddedRows,
-    Lake,
-    LakeError,
-    LakeUnavailable,
-    Snapshot,
-    first_copies,
-    next_window,
-    redact,
-)
-from services.store_api.lookup import ShardReader
-from services.store_api.mirror import now_us
-from services.store_api.queries import us_to_datetime
+from services.store_api.lake.config import LakeConfig, LakeError, LakeUnavailable, redact
+from services.store_api.lake.lake import Lake
+from services.store_api.lake.windows import ROLLOUT_ROWS_SCHEMA, AddedRows, Snapshot, first_copies, next_window
+from services.store_api.local.index import StoreIndex
+from services.store_api.local.ingest import summarise_groups
+from services.store_api.local.mirror import now_us
+from services.store_api.local.queries import us_to_datetime
+from services.store_api.local.shards import model_dir, row_group_plan, write_rollout_table
 from services.store_api.settings import StoreSettings
-from services.store_api.shards import model_dir, row_group_plan, write_problems, write_rollout_table
 from services.store_api.tables import ShardValidationError, group_runs, validate_problems, validate_table
 
 log = logging.getLogger("graft.store.replica")
@@ -61,12 +52,13 @@ ERROR_LOG_INTERVAL_S = 60.0  # the same follow error is logged again after this 
 UNREADABLE = (LakeError, ShardValidationError, pa.ArrowException)
 
 
-class LakeReplica(StoreIndex):
-    """The local index of `settings.root` (the cache), fed from the lake of `settings.lake_catalog`."""
+class LakeReplica:
+    """The lake of `settings.lake_catalog`, followed into the local index of `settings.root` (the cache)."""
 
     def __init__(self, settings: StoreSettings):
-        super().__init__(settings)
-        self.lake = Lake(settings.lake_config())
+        self.settings = settings
+        self.index = StoreIndex(settings)  # the cache's: lookups, pages and stats are answered from it
+        self.lake = Lake(LakeConfig.of_replica(settings))
         self.followed = -1  # the newest snapshot whose groups the cache holds (-1: none read)
         self.followed_time_us: int | None = None
         self.newest: Snapshot | None = None  # the lake's newest snapshot when last looked
@@ -82,73 +74,58 @@ class LakeReplica(StoreIndex):
     def open(self) -> LakeReplica:
         """Open the cache's index, then catch up with the lake. A lake that cannot be reached is an error when
         the cache is empty (nothing to serve), else the replica serves its cache and keeps trying."""
-        self._connect()
-        self._reconcile()
-        self._load_mirror()
+        self.index.load()
         self._load_follow_state()
         try:
             self.lake.open()
         except LakeUnavailable as exc:
-            if not len(self.mirror):
+            if not len(self.index.mirror):
                 raise
             self._failed(exc)
         else:
             self.follow()
-            if self.error and not len(self.mirror) and self.followed < 0:
+            if self.error and not len(self.index.mirror) and self.followed < 0:
                 raise LakeError(self.error)
-        self.write_manifest()  # the cache's live files, as a local store's (manifest.py)
-        self.delete_orphan_lookup_files()
+        self.index.write_manifest()  # the cache's live files, as a local store's (manifest.py)
+        self.index.delete_orphan_lookup_files()
         return self
 
     def _load_follow_state(self) -> None:
-        meta = dict(self._con.execute("SELECT key, value FROM meta WHERE key LIKE 'lake_%'").fetchall())
+        meta = self.index.meta("lake_")
         identity = self.lake.config.describe()
         if meta.get("lake_identity") not in (None, identity):
-            log.warning("cache %s held lake %s, this replica follows %s: starting the cache afresh", self.root,
+            log.warning("cache %s held lake %s, this replica follows %s: starting the cache afresh", self.index.root,
                         meta["lake_identity"], identity)
             self._clear_cache()
             meta = {}
-        self._set_meta("lake_identity", identity)
+        self.index.set_meta("lake_identity", identity)
         self.followed = int(meta.get("lake_snapshot", -1))
         self.followed_time_us = int(meta["lake_snapshot_time_us"]) if meta.get("lake_snapshot_time_us") else None
         self.unreadable = {int(s): "not read yet since the restart" for s in
                            (meta.get("lake_unreadable") or "").split(",") if s}
 
-    def _set_meta(self, key: str, value: str) -> None:
-        with self._write_lock:
-            self._con.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", [key, value])
-
     def _clear_cache(self) -> None:
-        """An empty cache: no shards, lookup files, problems or index entries (the lake holds them all)."""
-        with self._write_lock:
-            self.reader = ShardReader(self.root, self.settings.max_open_files)  # drops the open lookup files
-            for sub in ("rollouts", "prompts", "lookup"):
-                shutil.rmtree(self.root / sub, ignore_errors=True)
-            self.recreate()
-            for sub in ("rollouts", "prompts", "quarantine"):
-                (self.root / sub).mkdir(parents=True, exist_ok=True)
-            self.followed, self.followed_time_us, self.unreadable = -1, None, {}
+        """An empty cache (the lake holds it all), followed from the start."""
+        self.index.clear()
+        self.followed, self.followed_time_us, self.unreadable = -1, None, {}
 
     def rebuild(self) -> int:
         """Start the cache afresh and read the whole lake into it (stop the server first); groups cached."""
-        with self._write_lock:
-            if self._con is None:
-                self._connect()  # takes the index's file lock, or raises IndexLocked
-            self._clear_cache()
-            self._set_meta("lake_identity", self.lake.config.describe())
+        self._clear_cache()  # opens the index if it is not: takes its file lock, or raises IndexLocked
+        self.index.set_meta("lake_identity", self.lake.config.describe())
         self.lake.open()
         self.follow()
         if self.error:
             raise LakeError(self.error)
-        return len(self.mirror)
+        return len(self.index.mirror)
 
     def close(self) -> None:
-        super().close()
+        self.index.close()
         self.lake.close()
 
     # ------------------------------------------------------------------ following the lake
 
-    def ingest_new(self) -> int:
+    def poll(self) -> int:
         """The ingest loop's call: follow the lake (the cache has no other writer to scan for)."""
         return self.follow()
 
@@ -162,7 +139,7 @@ class LakeReplica(StoreIndex):
                 if newest.id > self.followed:
                     added += self._read(self.followed, newest.id)
                     self.followed_time_us = newest.time_us
-                    self._set_meta("lake_snapshot_time_us", str(newest.time_us))
+                    self.index.set_meta("lake_snapshot_time_us", str(newest.time_us))
                 retry_due = time.monotonic() - self._unreadable_tried >= self.settings.lake_retry_unreadable_s
                 if self.unreadable and retry_due:
                     added += self._retry_unreadable()
@@ -172,7 +149,7 @@ class LakeReplica(StoreIndex):
                 return added
             finally:
                 if added:
-                    self.write_manifest()
+                    self.index.write_manifest()
             self.error = None
             return added
 
@@ -224,19 +201,19 @@ class LakeReplica(StoreIndex):
                 continue
             log.info("lake snapshot %d is readable again: %d groups cached", snapshot, added)
             del self.unreadable[snapshot]
-        self._set_meta("lake_unreadable", ",".join(map(str, sorted(self.unreadable))))
+        self.index.set_meta("lake_unreadable", ",".join(map(str, sorted(self.unreadable))))
         return added
 
     def _set_aside(self, snapshot: int, exc: BaseException) -> None:
         self.unreadable[snapshot] = _reason(exc)
-        self._set_meta("lake_unreadable", ",".join(map(str, sorted(self.unreadable))))
+        self.index.set_meta("lake_unreadable", ",".join(map(str, sorted(self.unreadable))))
         log.error("lake snapshot %d cannot be read into the cache (its groups are missing here until it can; "
                   "retried every %.0f s): %s", snapshot, self.settings.lake_retry_unreadable_s,
                   self.unreadable[snapshot])
 
     def _advance(self, snapshot: int) -> None:
         self.followed = snapshot
-        self._set_meta("lake_snapshot", str(snapshot))
+        self.index.set_meta("lake_snapshot", str(snapshot))
 
     def _failed(self, exc: BaseException) -> None:
         self.error = _reason(exc) if isinstance(exc, LakeError) else f"{type(exc).__name__}: {_reason(exc)}"
@@ -256,13 +233,8 @@ class LakeReplica(StoreIndex):
         those rows are exactly one data file of `window.bodies` (a commit of graft's writers holds one file per
         model), the file's bytes are the shard (encoding the rows again cost ~8 us per rollout).
         """
-        fresh_problems = [p for p in validate_problems(problems)  # a row a plain writer made may be refused
-                          if (p.dataset, p.prompt_id) not in self._known_problems]
-        if fresh_problems:
-            with self._write_lock:
-                for path in write_problems(self.root, fresh_problems):
-                    self.ingest_problem_file(path)
-        rows, left_out = first_copies(window.rows, self.mirror)
+        self.index.add_problems(validate_problems(problems))  # a row a plain writer made may be refused
+        rows, left_out = first_copies(window.rows, self.index.mirror)
         if left_out.num_rows:
             self._count_copies(left_out, rows)
         if not rows.num_rows:
@@ -284,20 +256,20 @@ class LakeReplica(StoreIndex):
                 group_starts, group_lengths = group_runs(of_model.column("group_id"))
                 encoded = _whole_file(window.bodies, row_ids_of_model)
                 if encoded is not None:
-                    path = write_rollout_table(model_dir(self.root, model), of_model, encoded=encoded)
-                    added += self.ingest_file(path, summarise_groups(of_model, group_starts, group_lengths))
+                    path = write_rollout_table(model_dir(self.index.root, model), of_model, encoded=encoded)
+                    added += self.index.ingest_file(path, summarise_groups(of_model, group_starts, group_lengths))
                     continue
                 offset = 0
                 for rows_in_shard in row_group_plan(group_lengths, CACHE_SHARD_ROWS):
                     shard = of_model.slice(offset, rows_in_shard)
                     in_shard = (group_starts >= offset) & (group_starts < offset + rows_in_shard)
-                    path = write_rollout_table(model_dir(self.root, model), shard)
+                    path = write_rollout_table(model_dir(self.index.root, model), shard)
                     # the rows were validated just above: the index takes their summary instead of decoding the
                     # shard's small columns again (what a push does)
                     summary = summarise_groups(shard, group_starts[in_shard] - offset, group_lengths[in_shard])
-                    added += self.ingest_file(path, summary)
+                    added += self.index.ingest_file(path, summary)
                     offset += rows_in_shard
-        self.last_ingest_us = now_us()
+        self.index.last_ingest_us = now_us()
         return added
 
     def _count_copies(self, left_out: pa.Table, kept: pa.Table) -> None:
@@ -311,14 +283,10 @@ class LakeReplica(StoreIndex):
         copies = []
         for gid, model, prompt, snapshot in zip(*(left_out.column(n).to_pylist() for n in (
                 "group_id", "model_id", "prompt_id", "snapshot_id"))):
-            ref = self.mirror.get(gid)
+            ref = self.index.mirror.get(gid)
             stored = (ref.model_id, ref.prompt_id) if ref is not None else firsts[gid]
             copies.append((gid, f"lake snapshot {snapshot}", seen, stored != (model, prompt), stored))
-        with self._write_lock:
-            self._con.executemany("""
-                INSERT INTO duplicates SELECT $1, $2, $3, $4
-                WHERE NOT EXISTS (SELECT 1 FROM duplicates WHERE group_id = $1 AND path = $2)""",
-                                  [list(c[:4]) for c in copies])
+        self.index.record_duplicates([c[:4] for c in copies])
         for gid, where, _, conflict, (model, prompt) in copies:
             if conflict:
                 log.error("%s holds group %s again under another model or prompt (stored for model %s, prompt %s): "
@@ -337,7 +305,7 @@ class LakeReplica(StoreIndex):
         return result.accepted_groups, result.duplicate_groups, None
 
     def stats(self) -> StatsResponse:
-        stats = super().stats()
+        stats = self.index.stats()
         age = None if self.followed_time_us is None else round((now_us() - self.followed_time_us) / 1e6, 3)
         stats.backend = "lake"
         stats.lake = LakeStats(

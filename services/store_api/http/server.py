@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 def free_port() -> int:
@@ -61,7 +61,7 @@ class StoreServer:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "services.store_api.cli", "serve"], env=env, cwd=REPO_ROOT,
+                [sys.executable, "-m", "services.store_api.http.cli", "serve"], env=env, cwd=REPO_ROOT,
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             )
         try:

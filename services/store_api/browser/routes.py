@@ -25,10 +25,10 @@ from schemas.browse import (
     PromptPage,
     StepCurves,
 )
-from services.store_api.browse import Browse
-from services.store_api.index import StoreIndex
+from services.store_api.browser.tokens import TokenizerShelf
+from services.store_api.browser.views import Browse
+from services.store_api.local.index import StoreIndex
 from services.store_api.settings import StoreSettings
-from services.store_api.tokens import TokenizerShelf
 
 UI_DIR = Path(__file__).parent / "ui"
 NO_STORE = {"Cache-Control": "no-cache"}  # revalidate: a restarted store may serve a newer page

@@ -17,9 +17,9 @@ import pyarrow.compute as pc
 
 from schemas import ROLLOUT_ARROW_SCHEMA, ModelStats, PeerLookupRequest, StatsResponse
 from schemas.rollout import INT64_MAX
-from services.store_api.catalog import Catalog
-from services.store_api.lookup import ShardReadError
-from services.store_api.mirror import GroupRef
+from services.store_api.local.catalog import Catalog
+from services.store_api.local.lookup import ShardReadError
+from services.store_api.local.mirror import GroupRef
 
 
 def us_to_datetime(us: int | None) -> datetime | None:
@@ -151,7 +151,7 @@ class IndexQueries(Catalog):
             if scanned >= self.settings.max_scan_groups:
                 return _concat(pieces), encode_cursor(seq, 0)
 
-    # ------------------------------------------------------------------ the browser's reads (browse.py)
+    # ------------------------------------------------------------------ the browser's reads (browser/views.py)
 
     def prompt_refs(self, prompt_id: str) -> list[GroupRef]:
         """Every group of a prompt, most recent first (from the mirror: no DuckDB query)."""

@@ -39,10 +39,10 @@ from schemas.browse import (
     StepPoint,
     StoredProblem,
 )
-from services.store_api.index import StoreIndex
-from services.store_api.mirror import GroupRef
-from services.store_api.queries import decode_cursor, encode_cursor, us_to_datetime
-from services.store_api.tokens import TokenizerShelf, token_pieces
+from services.store_api.browser.tokens import TokenizerShelf, token_pieces
+from services.store_api.local.index import StoreIndex
+from services.store_api.local.mirror import GroupRef
+from services.store_api.local.queries import decode_cursor, encode_cursor, us_to_datetime
 
 NO_CURSOR = 2**62  # above every seq: the first page
 

@@ -27,8 +27,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA, Problem, RolloutGroup
-from services.store_api.durable import Pending, drop_cached_pages, drop_written_pages, publish, write_temporary
-from services.store_api.lookup import (
+from services.store_api.local.durable import Pending, drop_cached_pages, drop_written_pages, publish, write_temporary
+from services.store_api.local.lookup import (
     UNBOUND,
     bind_lookup_file,
     lookup_path,

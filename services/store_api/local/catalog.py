@@ -18,9 +18,9 @@ from pathlib import Path
 
 import duckdb
 
-from services.store_api.lookup import ShardReader
-from services.store_api.manifest import write_manifest
-from services.store_api.mirror import GroupMirror, GroupRef
+from services.store_api.local.lookup import ShardReader
+from services.store_api.local.manifest import write_manifest
+from services.store_api.local.mirror import GroupMirror, GroupRef
 from services.store_api.settings import StoreSettings
 
 log = logging.getLogger("graft.store")
@@ -187,6 +187,24 @@ class Catalog:
         self._next_file_id = self._next_seq = 1
         self._local = threading.local()
         self._load_mirror()
+
+    def meta(self, prefix: str) -> dict[str, str]:
+        """The index's meta entries whose keys start with `prefix` (a lake replica keeps what it followed there)."""
+        rows = self._cursor().execute("SELECT key, value FROM meta WHERE starts_with(key, ?)", [prefix]).fetchall()
+        return dict(rows)
+
+    def set_meta(self, key: str, value: str) -> None:
+        with self._write_lock:
+            self._con.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", [key, value])
+
+    def record_duplicates(self, copies: list[tuple[str, str, int, bool]]) -> None:
+        """Record copies of stored groups met outside a shard, (group id, where, when seen in us since the epoch,
+        under another model or prompt), shown in /v1/stats; a copy recorded already (the same group and where)
+        is not added again."""
+        with self._write_lock:
+            self._con.executemany("""
+                INSERT INTO duplicates SELECT $1, $2, $3, $4
+                WHERE NOT EXISTS (SELECT 1 FROM duplicates WHERE group_id = $1 AND path = $2)""", [list(c) for c in copies])
 
     def _cursor(self) -> duckdb.DuckDBPyConnection:
         """A DuckDB cursor for reads on this thread (cursors are cheap connections to the same database)."""

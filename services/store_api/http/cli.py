@@ -50,16 +50,22 @@ def load_settings(config: Path | None = None, **overrides) -> StoreSettings:
 
 
 def open_store(settings: StoreSettings, what: str = ""):
-    """The settings' store (services.store_api.backend.store_backend), opened; a clear error and exit 1 if it cannot."""
-    from services.store_api.backend import store_backend
-    from services.store_api.catalog import IndexLocked
-    from services.store_api.lake import LakeError
+    """The settings' store (services.store_api.http.backend.store_backend), opened; a clear error and exit 1 if it cannot."""
+    from services.store_api.http.backend import store_backend
+    from services.store_api.lake.config import LakeError
+    from services.store_api.local.catalog import IndexLocked
 
     try:
         return store_backend(settings).open()
     except (IndexLocked, LakeError) as exc:
         typer.echo(f"error: {what}{exc}", err=True)
         raise typer.Exit(1) from exc
+
+
+def holds_store(root: Path) -> bool:
+    """Whether `root` holds a store (or a lake replica's cache). Opening a root creates its folders and index: a read
+    or offline maintenance checks this first, so a mistyped or default root is said, not made."""
+    return (root / "index.duckdb").is_file() or (root / "rollouts").is_dir()
 
 
 def configure_logging(level: str) -> None:
@@ -79,7 +85,7 @@ def serve(
     <root>/index.duckdb (backend lake: a replica of a lake, its cache under --root)."""
     import uvicorn
 
-    from services.store_api.app import create_app
+    from services.store_api.http.app import create_app
 
     settings = load_settings(config, root=root, host=host, port=port, tokenizers=tokenizer or None, backend=backend,
                              lake_catalog=lake_catalog, lake_data_path=lake_data_path)
@@ -91,18 +97,18 @@ def serve(
 
 
 def _rebuild(settings: StoreSettings) -> dict:
-    from services.store_api.backend import store_backend
-    from services.store_api.catalog import IndexLocked
-    from services.store_api.lake import LakeError
+    from services.store_api.http.backend import store_backend
+    from services.store_api.lake.config import LakeError
+    from services.store_api.local.catalog import IndexLocked
 
-    index = store_backend(settings)
+    store = store_backend(settings)
     try:
-        groups = index.rebuild()
+        groups = store.rebuild()
     except (IndexLocked, LakeError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from exc
-    stats = index.stats()
-    index.close()
+    stats = store.stats()
+    store.close()
     return {"groups": groups, "rollouts": stats.total_rollouts, "files": stats.files}
 
 
@@ -131,23 +137,28 @@ def compact(
     settings = load_settings(config, root=root, backend=backend, lake_catalog=lake_catalog)
     configure_logging(settings.log_level)
     if settings.backend == "lake":
-        from services.store_api.lake import Lake, LakeError
+        from services.store_api.lake.config import LakeConfig, LakeError
+        from services.store_api.lake.lake import Lake
 
         if model is not None:
             typer.echo("error: --model applies to the local backend; DuckLake merges every table's files", err=True)
             raise typer.Exit(2)
         try:
-            with Lake(settings.lake_config(), create=False) as lake:
+            with Lake(LakeConfig.of_replica(settings), create=False) as lake:
                 report = lake.maintain(settings.lake_snapshot_retention_s, settings.lake_file_grace_s)
         except LakeError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(1) from exc
         typer.echo(json.dumps(report))
         return
-    index = open_store(settings)
-    report = index.compact(model_id=model, min_files=min_files)
-    report["files_deleted"] = index.delete_retired(grace_s=0)  # offline: no reader can hold the old files
-    index.close()
+    if not holds_store(settings.root):
+        typer.echo(f"error: {settings.root} holds no store (no index.duckdb or rollouts/): nothing to compact; "
+                   "give --root of a store", err=True)
+        raise typer.Exit(1)
+    store = open_store(settings)
+    report = store.index.compact(model_id=model, min_files=min_files)
+    report["files_deleted"] = store.index.delete_retired(grace_s=0)  # offline: no reader can hold the old files
+    store.close()
     typer.echo(json.dumps(report))
 
 
@@ -155,7 +166,8 @@ def compact(
 def stats(root: RootOption = None, host: HostOption = None, port: PortOption = None, config: ConfigOption = None,
           backend: BackendOption = None, lake_catalog: LakeCatalogOption = None) -> None:
     """Print the store's stats as JSON: from the running server if one answers, else from the index offline
-    (backend lake: the replica's cache, brought up to date with the lake first)."""
+    when the root holds a store (backend lake: the replica's cache, brought up to date with the lake first).
+    Creates nothing: with no server answering and no store at the root, it says so and exits 1."""
     settings = load_settings(config, root=root, host=host, port=port, backend=backend, lake_catalog=lake_catalog)
     try:
         response = httpx.get(f"http://{settings.host}:{settings.port}/v1/stats", timeout=5.0)
@@ -164,10 +176,15 @@ def stats(root: RootOption = None, host: HostOption = None, port: PortOption = N
         return
     except httpx.HTTPError:
         pass
+    address = f"http://{settings.host}:{settings.port}"
+    if not holds_store(settings.root):
+        typer.echo(f"error: no store answers on {address}, and {settings.root} holds no store to read offline (no "
+                   "index.duckdb or rollouts/): give --host/--port of a running store, or --root of one", err=True)
+        raise typer.Exit(1)
     configure_logging(settings.log_level)
-    index = open_store(settings, f"no server answered on {settings.host}:{settings.port} and ")
-    typer.echo(index.stats().model_dump_json())
-    index.close()
+    store = open_store(settings, f"no server answered on {address} and ")
+    typer.echo(store.stats().model_dump_json())
+    store.close()
 
 
 @app.command()
@@ -184,9 +201,10 @@ def migrate(
     Idempotent: groups and problems the target holds are skipped, so an interrupted migration is run again.
     Stop a local store's server first, or migrate what its shards hold at the moment they are read.
     """
-    from services.store_api.lake import Lake, LakeConfig, LakeError
+    from services.store_api.lake.config import LakeConfig, LakeError
+    from services.store_api.lake.lake import Lake
+    from services.store_api.lake.migrate import lake_to_local, local_to_lake
     from services.store_api.targets import is_lake_target
-    from services.store_api.migrate import lake_to_local, local_to_lake
 
     configure_logging("info")
     if is_lake_target(source) == is_lake_target(target):

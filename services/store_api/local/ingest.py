@@ -26,9 +26,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from schemas import ROLLOUT_ARROW_SCHEMA, Problem
-from services.store_api.compaction import IndexCompaction
-from services.store_api.durable import TMP_DIR, TMP_PREFIX
-from services.store_api.lookup import (
+from services.store_api.local.compaction import IndexCompaction
+from services.store_api.local.durable import TMP_DIR, TMP_PREFIX
+from services.store_api.local.lookup import (
     CHUNK_ROWS,
     LOOKUP_DIR,
     LOOKUP_SUFFIX,
@@ -40,8 +40,8 @@ from services.store_api.lookup import (
     shard_footer,
     write_lookup_file,
 )
-from services.store_api.mirror import GroupConflict, GroupRef, now_us
-from services.store_api.shards import model_dir, write_problems, write_rollout_table
+from services.store_api.local.mirror import GroupConflict, GroupRef, now_us
+from services.store_api.local.shards import model_dir, write_problems, write_rollout_table
 from services.store_api.tables import (
     GROUP_SHARED_FIELDS,
     SAFE_NAME,
@@ -393,9 +393,16 @@ class IndexIngest(IndexCompaction):
                 path = write_rollout_table(model_dir(self.root, model), table)
                 accepted = self.ingest_file(path, summary=summarise_groups(table, starts, lengths))
                 shard = path.relative_to(self.root).as_posix()
-            new_problems = [p for p in problems if (p.dataset, p.prompt_id) not in self._known_problems]
-            for path in write_problems(self.root, new_problems) if new_problems else ():
-                self.ingest_problem_file(path)
+            new_problems = self.add_problems(problems)
             if shard is not None or new_problems:
                 self.write_manifest()  # before the push is acknowledged
             return accepted, list(duplicates), shard
+
+    def add_problems(self, problems: list[Problem]) -> bool:
+        """Write and index, as a problems file per dataset, the problems the store does not hold yet (by dataset
+        and prompt id; first copy wins); whether there were any."""
+        with self._write_lock:
+            fresh = [p for p in problems if (p.dataset, p.prompt_id) not in self._known_problems]
+            for path in write_problems(self.root, fresh) if fresh else ():
+                self.ingest_problem_file(path)
+            return bool(fresh)

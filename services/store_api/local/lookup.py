@@ -35,7 +35,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from schemas import ROLLOUT_ARROW_SCHEMA
-from services.store_api.durable import HAS_FADVISE, TMP_PREFIX, drop_cached_pages
+from services.store_api.local.durable import HAS_FADVISE, TMP_PREFIX, drop_cached_pages
 from services.store_api.tables import ShardValidationError, conform_table, group_runs
 
 LOOKUP_DIR = "lookup"

@@ -12,14 +12,18 @@ each own one job, all on the state of `Catalog`:
 - `compaction.py`: merging small shards and deleting retired ones;
 - `manifest.py`: the live files for outside readers, rewritten whenever the set changes.
 
-`backend.store_backend` picks the store behind the API and the CLI: this index, or a lake replica (`replica.py`).
+`http/backend.store_backend` picks the store behind the API and the CLI: this index, or a lake replica
+(`lake/replica.py`), which uses an index of its own over its cache.
 """
 
 from __future__ import annotations
 
-from services.store_api.compaction import IndexCompaction
-from services.store_api.ingest import IndexIngest
-from services.store_api.queries import IndexQueries
+import shutil
+
+from services.store_api.local.compaction import IndexCompaction
+from services.store_api.local.ingest import IndexIngest
+from services.store_api.local.lookup import ShardReader
+from services.store_api.local.queries import IndexQueries
 
 
 class StoreIndex(IndexIngest, IndexQueries, IndexCompaction):
@@ -27,13 +31,32 @@ class StoreIndex(IndexIngest, IndexQueries, IndexCompaction):
 
     def open(self) -> StoreIndex:
         """Open (or create) the index, reconcile it with the files on disk, load the mirror, index new files."""
-        self._connect()
-        self._reconcile()
-        self._load_mirror()
+        self.load()
         self.ingest_new()
         self.write_manifest()  # what the index holds now, whatever a crash left in the old one
         self.delete_orphan_lookup_files()
         return self
+
+    def load(self) -> StoreIndex:
+        """Open (or create) the index, reconcile it with the files on disk and load the mirror; index no new files
+        (a lake replica's cache has no writer but its replica)."""
+        self._connect()
+        self._reconcile()
+        self._load_mirror()
+        return self
+
+    def clear(self) -> None:
+        """Empty the store: no shards, lookup files, problems or index entries (a lake replica's cache starting
+        afresh). Opens the index first if it is not open (its file lock, or IndexLocked)."""
+        with self._write_lock:
+            if self._con is None:
+                self._connect()
+            self.reader = ShardReader(self.root, self.settings.max_open_files)  # drops the open lookup files
+            for sub in ("rollouts", "prompts", "lookup"):
+                shutil.rmtree(self.root / sub, ignore_errors=True)
+            self.recreate()
+            for sub in ("rollouts", "prompts", "quarantine"):
+                (self.root / sub).mkdir(parents=True, exist_ok=True)
 
     def rebuild(self) -> int:
         """Recreate the index from the Parquet files alone; return the number of groups indexed."""

@@ -49,14 +49,13 @@ from schemas import (
     StatsResponse,
 )
 from schemas.rollout import INT64_MAX
-from services.store_api.backend import store_backend
-from services.store_api.browser import add_browser
-from services.store_api.index import StoreIndex
-from services.store_api.lake import LakeError, LakeUnavailable
-from services.store_api.lookup import arrow_stream, read_stream
-from services.store_api.mirror import GroupConflict
-from services.store_api.push import PushRejected, parse_arrow_push, parse_json_push
-from services.store_api.queries import BadCursor
+from services.store_api.browser.routes import add_browser
+from services.store_api.http.backend import Store, store_backend
+from services.store_api.http.push import PushRejected, parse_arrow_push, parse_json_push
+from services.store_api.lake.config import LakeError, LakeUnavailable
+from services.store_api.local.lookup import arrow_stream, read_stream
+from services.store_api.local.mirror import GroupConflict
+from services.store_api.local.queries import BadCursor
 from services.store_api.settings import StoreSettings
 from services.store_api.tables import ShardValidationError
 
@@ -297,8 +296,9 @@ def require_token(request: Request, credentials: Annotated[HTTPAuthorizationCred
 class Background:
     """The ingest loop and the maintenance loop (compaction, deleting retired shards) as daemon threads."""
 
-    def __init__(self, index: StoreIndex, settings: StoreSettings, ingested: Counter):
-        self.index = index
+    def __init__(self, store: Store, settings: StoreSettings, ingested: Counter):
+        self.store = store
+        self.index = store.index
         self.settings = settings
         self.ingested = ingested
         self.stop = threading.Event()
@@ -320,7 +320,7 @@ class Background:
     def _ingest(self) -> None:
         while not self.stop.wait(self.settings.ingest_interval_s):
             try:
-                self.ingested.inc(self.index.ingest_new())
+                self.ingested.inc(self.store.poll())
             except Exception:  # a bad iteration must not stop ingestion; the next one retries
                 log.exception("ingest loop iteration failed; retrying in %.1f s", self.settings.ingest_interval_s)
 
@@ -357,14 +357,15 @@ def create_app(settings: StoreSettings) -> FastAPI:
     ingested = Counter("graft_store_groups_ingested", "groups indexed by the ingest loop", registry=registry)
     pushed = Counter("graft_store_groups_pushed", "groups accepted by POST /v1/groups", registry=registry)
     groups_gauge = Gauge("graft_store_groups", "groups in the index", registry=registry)
-    index = store_backend(settings)
+    store = store_backend(settings)
+    index = store.index
     state: dict[str, Background] = {}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        await run_in_threadpool(index.open)
+        await run_in_threadpool(store.open)
         groups_gauge.set_function(index.group_count)
-        background = Background(index, settings, ingested)
+        background = Background(store, settings, ingested)
         background.start()
         state["background"] = background
         log.info("store serving %s: %d groups indexed", settings.root, index.group_count())
@@ -372,7 +373,7 @@ def create_app(settings: StoreSettings) -> FastAPI:
             yield
         finally:
             background.close()
-            index.close()
+            store.close()
 
     app = FastAPI(
         title="graft trajectory store", version=VERSION, lifespan=lifespan,
@@ -470,7 +471,7 @@ def create_app(settings: StoreSettings) -> FastAPI:
     @app.get("/v1/stats", response_model=StatsResponse, tags=["meta"])
     def stats() -> StatsResponse:
         """Counts per model, success rates, files, quarantined files, duplicates and ingest freshness."""
-        return index.stats()
+        return store.stats()
 
     @app.post(LOOKUP_PATH, response_model=PeerLookupResponse, tags=["groups"],
               responses={200: {"content": ARROW_CONTENT}, **ERROR_RESPONSES})
@@ -583,7 +584,7 @@ def create_app(settings: StoreSettings) -> FastAPI:
         if n_models != 1:
             raise StoreHTTPError(422, f"groups of {n_models} models in one push; a shard holds one model's groups: "
                                       "push each model's groups separately")
-        accepted, duplicates, shard = await run_in_threadpool(index.push, table, problems)
+        accepted, duplicates, shard = await run_in_threadpool(store.push, table, problems)
         pushed.inc(accepted)
         return PushGroupsResponse(accepted_groups=accepted, duplicate_groups=duplicates, shard=shard)
 

@@ -1,0 +1,61 @@
+"""The store the API and the CLI work on (`Store`): a store root's own index, or (backend 'lake') a replica of a
+lake, which uses an index of its own over a cache that follows the lake. Both answer lookups, pages and stats from
+`store.index`; they differ in where new groups come from (`poll`) and where a push goes."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import pyarrow as pa
+
+from schemas import Problem, StatsResponse
+from services.store_api.local.index import StoreIndex
+from services.store_api.settings import StoreSettings
+
+
+class Store(Protocol):
+    settings: StoreSettings
+    index: StoreIndex  # what lookups, rollout pages, the browser and maintenance run on
+
+    def open(self) -> Store: ...
+    def close(self) -> None: ...
+    def rebuild(self) -> int: ...
+    def poll(self) -> int: ...  # the ingest loop's call: groups added since the last one
+    def push(self, table: pa.Table, problems: list[Problem]) -> tuple[int, list[str], str | None]: ...
+    def stats(self) -> StatsResponse: ...
+
+
+class LocalStore:
+    """A store root's own index: new groups come from writers' shards (found each poll) and pushes."""
+
+    def __init__(self, settings: StoreSettings):
+        self.settings = settings
+        self.index = StoreIndex(settings)
+
+    def open(self) -> LocalStore:
+        self.index.open()
+        return self
+
+    def close(self) -> None:
+        self.index.close()
+
+    def rebuild(self) -> int:
+        return self.index.rebuild()
+
+    def poll(self) -> int:
+        return self.index.ingest_new()
+
+    def push(self, table: pa.Table, problems: list[Problem]) -> tuple[int, list[str], str | None]:
+        return self.index.push(table, problems)
+
+    def stats(self) -> StatsResponse:
+        return self.index.stats()
+
+
+def store_backend(settings: StoreSettings) -> Store:
+    """`settings.root`'s LocalStore, or a LakeReplica when settings.backend is 'lake' (its lake modules load then)."""
+    if settings.backend == "lake":
+        from services.store_api.lake.replica import LakeReplica
+
+        return LakeReplica(settings)
+    return LocalStore(settings)
