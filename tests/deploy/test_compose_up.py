@@ -11,7 +11,8 @@ topology: `up -d`, wait, check, `down -v`:
   generator, stopped, has stored exactly what the store holds, and plain DuckDB over manifest.json counts what
   /v1/stats counts;
 - cotrain: both trainers publish and graft each other's groups; the generator of the peer's model reloads the peer
-  trainer's newer checkpoints (its summary counts the reloads, the store holds its rows of the newer policy steps);
+  trainer's newer checkpoints (its log says so, once per reload; its summary counts them; the store holds its rows
+  of the newer policy steps);
 - lake: PostgreSQL and an S3 server (moto's: where Docker Hub cannot be reached, both built on the test base image;
   users keep postgres:15 and MinIO), two replicas, a generator committing to the lake, a trainer reading replica 1;
   both replicas answer the same /v1/stats, and a replica killed and restarted catches up.
@@ -302,8 +303,13 @@ def test_cotrain_topology(engine, images) -> None:
                         interval_s=5, on_timeout=lambda: project.logs("cotrain-generator")[-3000:])
         assert max(r["policy_step"] for r in rows) >= 1
         project.compose("stop", "cotrain-generator")
-        summary = _last_json_line(project.logs("cotrain-generator"), '"reloads"')
+        generator_log = project.logs("cotrain-generator")
+        summary = _last_json_line(generator_log, '"reloads"')
         assert summary["reloads"] >= 1, summary
+        # its log says so: one line per reload, from the peer trainer's checkpoint folder to a newer policy step
+        reloads = [line for line in generator_log.splitlines()
+                   if "reloaded the newer checkpoint /data/runs/cotrain-peer/checkpoints/step_" in line]
+        assert len(reloads) == summary["reloads"], (reloads, summary)
         COUNTS["cotrain"] = {"checkpoints_reloaded": summary["reloads"], "newest_policy_step_sampled": max(r["policy_step"] for r in rows),
                              **{f"{run}_grafted_groups": round(sum(m["frac_grafted"] * 16 for m in _metrics(project, run)))
                                 for run in ("cotrain-learner", "cotrain-peer")}}
