@@ -48,15 +48,17 @@ def build(folder: Path, problems_per_family: int, sft_steps: int, seed: int) -> 
 
 def lay_out_smollm2(folder: Path) -> None:
     """SmolLM2-135M-Instruct as learner/ and peer/: the wheel's GGUF dequantised once into the cache
-    (rollouts.models.resolve_model_dir), its files hard-linked (copied across file systems) into each."""
+    (rollouts.models.resolve_model_dir), its files hard-linked into learner/ (copied across file systems) and
+    learner's into peer/ (one 0.5 GB copy on disk, not two)."""
     from demo.real import smollm2_path
     from rollouts.models import resolve_model_dir
 
     source = resolve_model_dir(smollm2_path())
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".setup-models-", dir=folder) as staging:
-        for name in MODELS:
-            shutil.copytree(source, Path(staging) / name, copy_function=_link_or_copy)
+        learner, peer = (Path(staging) / name for name in MODELS)
+        shutil.copytree(source, learner, copy_function=_link_or_copy)
+        shutil.copytree(learner, peer, copy_function=_link_or_copy)
         _move_into_place(Path(staging), folder, MODELS)
     _report(folder)
 
@@ -73,7 +75,7 @@ def _move_into_place(staging: Path, folder: Path, names: tuple[str, ...]) -> Non
 
 def _link_or_copy(source: str, target: str) -> None:
     try:
-        os.link(source, target)  # the cache and the models folder on one file system: no second 0.5 GB
+        os.link(source, target)  # on one file system: no second 0.5 GB
     except OSError:
         shutil.copy2(source, target)
 

@@ -3,6 +3,7 @@
 An engine that answers (DOCKER_HOST or the default socket) is used; else, as root with dockerd installed, a private
 one (tests/deploy/engine.py); else the module skips with the reason, except under CI=true, where it fails. Per
 topology: `up -d`, wait, check, `down -v`:
+- the GPU default's one-shot `models` service, on an empty models folder: SmolLM2 laid out as learner and peer;
 - default: the store turns healthy, the generator's groups grow /v1/stats through the published port, the trainer
   grafts (peer_hit_rate > 0, grafted groups > 0) and writes checkpoints, the browser page answers;
 - faults (on the default topology): SIGKILL of the store's main process while the generator pushes and the trainer
@@ -44,6 +45,7 @@ from tests.deploy.engine import (
 )
 
 CPU_FILE = ROOT / "docker-compose.cpu.yml"
+GPU_FILE = ROOT / "docker-compose.yml"
 OFFLINE_LAKE_FILE = Path(__file__).parent / "compose.offline-lake.yml"
 IMAGES = Path(__file__).parent / "images"
 TIMES: dict[str, float] = {}
@@ -80,6 +82,7 @@ def images(engine) -> dict[str, str]:
     base, build_args = base_image(engine)
     TIMES["base_image_s"] = time.perf_counter() - started
     TIMES["build_cpu_image_s"] = build_image(engine, "graft:cpu", ROOT / "docker" / "Dockerfile.cpu", build_args)
+    COUNTS["graft_cpu_image_mb"] = round(int(engine.docker("image", "inspect", "-f", "{{.Size}}", "graft:cpu").stdout) / 1e6)
     return build_args
 
 
@@ -160,6 +163,30 @@ def _seed_models(engine, target: Project) -> bool:
         "com.docker.compose.project": target.name, "com.docker.compose.volume": "graft-models",
         "com.docker.compose.version": "1.29.2"})
     return True
+
+
+# ---- the GPU default's models service (it needs no GPU) --------------------------------------------------------
+
+def test_gpu_default_models_service_lays_out_smollm2_when_given_none(engine, images, tmp_path) -> None:
+    """docker-compose.yml's one-shot `models` on an empty GRAFT_MODELS_DIR: SmolLM2-135M-Instruct as learner/ and
+    peer/ in that host folder, said in its log; run again, it finds them and lays out nothing."""
+    folder = tmp_path / "models"
+    folder.mkdir()
+    project = _project(engine, "graftdeploy-gpumodels", [GPU_FILE], GRAFT_MODELS_DIR=str(folder))
+    started = time.perf_counter()
+    try:
+        result = project.compose("run", "--rm", "-T", "--no-deps", "models", timeout=1200)
+        TIMES["gpu_default_models_smollm2_s"] = time.perf_counter() - started
+        log = result.stdout + result.stderr
+        assert "laying out SmolLM2-135M-Instruct" in log and "as the learner AND as the peer" in log, log[-3000:]
+        for name in ("learner", "peer"):
+            assert f"models: {name} in /models/{name} (134,515,008 parameters)" in log, log[-3000:]
+            assert json.loads((folder / name / "config.json").read_text())["model_type"] == "llama"
+            assert (folder / name / "model.safetensors").stat().st_size > 100e6  # float weights, not the 94 MB GGUF
+        again = project.compose("run", "--rm", "-T", "--no-deps", "models")
+        assert "nothing to build" in again.stdout + again.stderr
+    finally:
+        project.compose("down", "-v", "--remove-orphans", check=False)
 
 
 # ---- default topology and its faults --------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -54,9 +55,8 @@ def test_the_gpu_default_lays_out_smollm2_as_learner_and_peer_and_says_so(tmp_pa
         assert model.config.model_type == "llama" and tokenizer.chat_template, name
         assert not hasattr(model.config, "quantization_config")  # plain float weights, not a GGUF stand-in
     assert [p.name for p in folder.iterdir() if p.name.startswith(".")] == []
-    # the same model twice: byte-identical weights
-    weights = [(folder / name / "model.safetensors").read_bytes() for name in setup_models.MODELS]
-    assert weights[0] == weights[1]
+    # the same model twice, on disk once: peer/'s weights are learner/'s, hard-linked
+    assert os.path.samefile(folder / "learner" / "model.safetensors", folder / "peer" / "model.safetensors")
 
     assert setup_models.main([str(folder), "--smollm2"]) == 0  # restarted: nothing to lay out
     assert "nothing to build" in capsys.readouterr().out
