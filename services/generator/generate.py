@@ -301,6 +301,7 @@ def _run(config: GeneratorConfig, stop: StopFlag) -> RunStats:
                 if stop.requested:
                     break
                 if reload_to is not None:
+                    previous_step = policy_step
                     policy_step, model_path = reload_to[0], str(reload_to[1])
                     revision = default_model_revision(model_path)
                     backend_close = getattr(backend, "close", None)
@@ -308,6 +309,9 @@ def _run(config: GeneratorConfig, stop: StopFlag) -> RunStats:
                         backend_close()
                     backend = None  # closed: a failed reload must not close it twice in `finally`
                     backend = _load(config, model_path, model_id)
+                    # a warning: the CLI logs at that level, and a model changed mid-run must show in its log
+                    log.warning("reloaded the newer checkpoint %s: policy step %d -> %d", model_path, previous_step,
+                                policy_step)
                     stored = through_outages(sink, lambda: sink.stored_group_ids(model_id, revision, policy_step),
                                              "reading the stored group ids", config, stop, stats)
                     stats.reloads += 1

