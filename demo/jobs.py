@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import platform
 import subprocess
 import sys
 import time
@@ -200,11 +201,27 @@ def python_module(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
-def child_env() -> dict[str, str]:
-    """The environment of every job: offline, one thread, the repo importable."""
+# The same arithmetic on every x86-64 CPU (issue 25: the demo's table moved between two AVX-512 machines). ATen picks
+# its vectorised kernels by the CPU's ISA (AVX2, AVX-512: other lane widths, other orders of summation) and MKL its
+# sgemm by the CPU's vendor and model. ATen's "default" kernels (baseline x86-64) and MKL's COMPATIBLE branch (SSE2;
+# the one fixed branch MKL keeps on non-Intel CPUs: there MKL_CBWR=AVX2 falls back to AUTO without a word) are one
+# code path everywhere. Both are read when torch loads: they go in the jobs' environment, never set after an import.
+PORTABLE_KERNELS = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"}
+
+
+def portable_kernels_available() -> bool:
+    """Whether this CPU runs PORTABLE_KERNELS: every x86-64 CPU does (an Arm CPU has neither ATen's x86 kernels nor MKL)."""
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def child_env(portable_kernels: bool = True) -> dict[str, str]:
+    """The environment of every job: offline, one thread, the repo importable, and (portable_kernels) the kernels
+    every x86-64 CPU computes alike, whatever the caller's environment says."""
     env = dict(os.environ)
     repo = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH")) if p)
     env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                 "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error", "PYTHONUNBUFFERED": "1"})
+    if portable_kernels:
+        env.update(PORTABLE_KERNELS)
     return env

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import shutil
 import signal
 import sys
@@ -31,7 +32,7 @@ import orjson
 import yaml
 
 from demo.config import DemoConfig, config_hash, load_demo_config, warm_start_checkpoint
-from demo.jobs import Job, child_env, python_module, run_jobs
+from demo.jobs import PORTABLE_KERNELS, Job, child_env, portable_kernels_available, python_module, run_jobs
 from rollouts.files import write_jsonl_atomic, write_text_atomic
 from toy.task import completion_text, dataset_name, family_splits, write_problems_jsonl
 
@@ -48,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a field, e.g. rl.steps=50")
     parser.add_argument("--out-dir", type=Path, default=None, help="where models, store and runs go (default demo_out/)")
     parser.add_argument("--report-dir", type=Path, default=None, help="where the report goes (default report/)")
+    parser.add_argument("--host-kernels", action="store_true",
+                        help="this CPU's fastest kernels (AVX2, AVX-512) instead of the portable ones: the numbers then move with the machine")
     args = parser.parse_args(argv)
     overrides = list(args.overrides)
     if args.out_dir is not None:
@@ -59,13 +62,23 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _exit_on_signal)
     started = time.perf_counter()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    env = child_env()
+    portable = not args.host_kernels and portable_kernels_available()
+    env = child_env(portable_kernels=portable)
+    kernels = dict(PORTABLE_KERNELS) if portable else {"host": platform.machine()}
     out = cfg.out_dir.resolve()
     out.mkdir(parents=True, exist_ok=True)
     print(f"GRAFT demo ({cfg.mode}): outputs in {out}, report in {cfg.report_dir}, {cfg.workers} processes at once", flush=True)
+    if portable:
+        print(f"kernels: {' '.join(f'{k}={v}' for k, v in PORTABLE_KERNELS.items())} (the same numbers on every x86-64 CPU)", flush=True)
+    elif args.host_kernels:
+        print("kernels: this CPU's own (--host-kernels): the numbers are this machine's, not the README's", flush=True)
+    else:
+        print(f"WARNING: this CPU is {platform.machine()}, not x86-64, and lacks the portable x86-64 kernels "
+              f"({' '.join(f'{k}={v}' for k, v in PORTABLE_KERNELS.items())}): the jobs run on its own, and the numbers "
+              "will differ from the README's", flush=True)
 
     data = prepare_data(cfg, out / "data")
-    build_jobs, models = model_jobs(cfg, data, out)
+    build_jobs, models = model_jobs(cfg, data, out, kernels)
 
     from services.store_api.http.server import StoreServer
 
@@ -127,13 +140,14 @@ def prepare_data(cfg: DemoConfig, data_dir: Path) -> dict[str, Path]:
 
 # ---- 2. models -----------------------------------------------------------------------------------
 
-def model_jobs(cfg: DemoConfig, data: dict[str, Path], out: Path) -> tuple[list[Job], dict[str, dict]]:
-    """Two jobs: the learner's and the peer's warm start (cached by config hash), and where their checkpoints will be."""
+def model_jobs(cfg: DemoConfig, data: dict[str, Path], out: Path, kernels: dict[str, str]) -> tuple[list[Job], dict[str, dict]]:
+    """Two jobs: the learner's and the peer's warm start (cached by config hash and the kernels: every later stage's
+    key holds these models' keys), and where their checkpoints will be."""
     eval_sets = {f: str(data[f"eval_{f}"]) for f in cfg.task.n_eval}
     jobs, models = [], {}
     for role in ("learner", "peer"):
         spec = cfg.learner if role == "learner" else cfg.peer
-        key = config_hash(role, spec, cfg.task, cfg.bpe_vocab_size if role == "peer" else None)
+        key = config_hash(role, spec, cfg.task, cfg.bpe_vocab_size if role == "peer" else None, kernels)
         job_dir = out / "models" / f"{role}-{key}"
         job_dir.mkdir(parents=True, exist_ok=True)
         job_file = job_dir / "job.json"

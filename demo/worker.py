@@ -11,6 +11,7 @@ finished exactly when that file exists (written last, atomically).
 from __future__ import annotations
 
 import json
+import os
 import resource
 import shutil
 import sys
@@ -184,6 +185,10 @@ def main() -> None:
     if len(sys.argv) != 3 or sys.argv[1] not in COMMANDS:
         raise SystemExit(f"usage: python -m demo.worker {'|'.join(COMMANDS)} <job.json>")
     job = json.loads(Path(sys.argv[2]).read_text())
+    # The kernels demo.run pins (demo.jobs.PORTABLE_KERNELS) hold only if torch read them when it loaded: say so if not.
+    wanted, used = os.environ.get("ATEN_CPU_CAPABILITY"), torch.backends.cpu.get_cpu_capability()
+    if wanted and wanted.lower() != used.lower():
+        raise SystemExit(f"ATEN_CPU_CAPABILITY={wanted} but torch runs its {used} kernels (was torch imported before the variable was set?)")
     torch.set_num_threads(job.get("threads", 1))  # one process per core, but the learner's warm start, which all RL waits for
     result = COMMANDS[sys.argv[1]](job)
     # CPU seconds of this process and its finished children (the scorer): what the job costs on an idle core.
