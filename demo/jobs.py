@@ -214,7 +214,7 @@ def portable_kernels_available() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64")
 
 
-def child_env(portable_kernels: bool = True) -> dict[str, str]:
+def child_env(portable_kernels: bool = False) -> dict[str, str]:
     """The environment of every job: offline, one thread, the repo importable, and (portable_kernels) the kernels
     every x86-64 CPU computes alike, whatever the caller's environment says."""
     env = dict(os.environ)
