@@ -1,13 +1,12 @@
 """The store's HTTP API (v1): FastAPI app, ingest and compaction threads, errors as `ErrorResponse` JSON.
+(One module of ~600 lines because the routes are closures of `create_app` over one store, its settings and metrics;
+the ASGI wrappers (`BodySizeLimit`, `LookupFastPath`) and the `Background` threads are the parts that could leave
+first if it grows.)
 
 Bulk responses (groups, rollout pages) are Arrow IPC streams when the client sends
 `Accept: application/vnd.apache.arrow.stream`, else JSON serialised with orjson into a raw Response
 (FastAPI's default response path is ~6x slower for these payloads). Groups are sent as the record batch
 messages stored in the shards' lookup files, concatenated: nothing is decoded or re-encoded.
-
-Over 400 lines because the routes are closures of `create_app` over one index, its settings and metrics;
-the ASGI wrappers (`BodySizeLimit`, `LookupFastPath`) and the `Background` threads are the parts that
-could leave first if it grows.
 """
 
 from __future__ import annotations
