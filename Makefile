@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: install install-dev install-vllm system-deps test demo demo-real clean-venv demo-study gpu-check
+.PHONY: install install-dev install-vllm system-deps test demo demo-real clean-venv demo-study demo-mutual gpu-check
 .PHONY: gpu-check-offline gpu-check-offline-folder gpu-check-rehearsal
 
 install: $(STAMP)
@@ -76,6 +76,10 @@ demo: install
 
 demo-study: install
 	$(BIN)/python -m demo.run --config configs/demo_study.yaml
+
+# Two models, each strong where the other is weak, co-training with GRAFT against GRPO alone (docs/demo.md, "Mutual benefit")
+demo-mutual: install
+	$(BIN)/python -m demo.mutual
 
 demo-real: install-dev
 	$(BIN)/python -m demo.real

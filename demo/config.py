@@ -17,6 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from toy.sft import SFTConfig
 from trainer.config import apply_overrides
 
+PEER_MODEL_ID = "toy-peer-qwen2"  # the ids the demo's two models write to the store under
+LEARNER_MODEL_ID = "toy-learner-llama"
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -54,6 +57,7 @@ class RLConfig(_Section):
     eval_every: int = Field(default=50, ge=1, description="evaluate a checkpoint every N steps (and step 0); each evaluation costs about 1.3 s of a core per run")
     cotrain_wait_s: float = Field(default=2.0, ge=0, description="co-training: longest wait per step for the other model's groups")
     seeds: list[int] = Field(default=[0, 1, 2], description="seeds of the headline runs (grpo, graft, graft co-training)")
+    cotrain: bool = Field(default=True, description="run the co-training pairs on `seeds` (off where only offline variants are compared)")
     ablation_seeds: list[int] = Field(default=[0], description="seeds of the ablation runs (one, to fit the 15-minute budget)")
     ablations: dict[str, list[str]] = Field(
         default={
@@ -135,13 +139,15 @@ def quick(cfg: DemoConfig) -> DemoConfig:
     """The whole pipeline, small: for the structural test (not the accuracy target)."""
     data = cfg.model_dump()
     data["mode"] = "quick"
-    data["task"].update(n_eval={"add2": 16, "add3": 16}, rl_prompts={"add3": 12, "add2": 4})
+    weak, strong = cfg.task.weak_family, cfg.task.strong_family
+    data["task"].update(n_eval={f: 16 for f in cfg.task.n_eval}, rl_prompts={weak: 12, strong: 4})
     data["task"].update(n_dev=16)
     data["learner"]["sft"].update(steps=40, stop_at=None, batch_size=32, stop_when={})
     data["peer"]["sft"].update(steps=40, stop_at=None, batch_size=32, stop_when={})
     data["peer_groups"].update(prompts_per_batch=8)
     data["rl"].update(steps=3, prompts_per_step=4, eval_every=2, seeds=[0], ablation_seeds=[0], anchor_prompts_per_step=2,
-                      cotrain_wait_s=0.5, imitation_examples_per_step=4)
+                      cotrain_wait_s=0.5,
+                      imitation_examples_per_step=4 if cfg.rl.imitation_examples_per_step else 0)
     return DemoConfig.model_validate(data)
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 
-from demo.config import DemoConfig
+from demo.config import PEER_MODEL_ID, DemoConfig
 from rollouts.files import write_text_atomic
 
 MODE_ORDER = ["grpo", "graft", "graft_cotrain", "graft_fix", "graft_no_peer_neg", "graft_no_seq_weight", "graft_no_token_is",
@@ -160,7 +160,7 @@ def write_report(cfg: DemoConfig, models: dict, runs: list[dict], data: dict, st
     diff, diff_std, n_pairs = paired_difference(records, "graft", "grpo", weak)
     strong_diff, _, _ = paired_difference(records, "graft", "grpo", strong)
     target, spread = target_check(records, per_mode, "graft", weak, strong)
-    peer_groups_done = store_root / "peer-groups-done.json"
+    peer_groups_done = store_root / f"groups-done-{PEER_MODEL_ID}.json"
     summary = {
         "runs": records,
         "graft_minus_grpo_weak_family": diff,

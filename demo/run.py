@@ -31,15 +31,13 @@ from pathlib import Path
 import orjson
 import yaml
 
-from demo.config import DemoConfig, config_hash, load_demo_config, warm_start_checkpoint
+from demo.config import LEARNER_MODEL_ID, PEER_MODEL_ID, DemoConfig, config_hash, load_demo_config, warm_start_checkpoint
 from demo.jobs import PORTABLE_KERNELS, Job, child_env, portable_kernels_available, python_module, run_jobs
 from rollouts.files import write_jsonl_atomic, write_text_atomic
 from toy.task import completion_text, dataset_name, family_splits, write_problems_jsonl
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TRAIN_BASE = REPO_ROOT / "configs" / "demo_train.yaml"
-PEER_MODEL_ID = "toy-peer-qwen2"
-LEARNER_MODEL_ID = "toy-learner-llama"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,21 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _exit_on_signal)
     started = time.perf_counter()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    portable = args.portable_kernels
-    if portable and not portable_kernels_available():
-        raise SystemExit(f"--portable-kernels: this CPU is {platform.machine()}, not x86-64; it has neither ATen's x86 "
-                         "baseline kernels nor MKL: run without the flag (its own kernels, its own numbers)")
-    env = child_env(portable_kernels=portable)
-    kernels = dict(PORTABLE_KERNELS) if portable else None
+    env, kernels = kernel_environment(args.portable_kernels)
     out = cfg.out_dir.resolve()
     out.mkdir(parents=True, exist_ok=True)
     print(f"GRAFT demo ({cfg.mode}): outputs in {out}, report in {cfg.report_dir}, {cfg.workers} processes at once", flush=True)
-    if portable:
-        print(f"kernels: {' '.join(f'{k}={v}' for k, v in PORTABLE_KERNELS.items())} (--portable-kernels: the same numbers on "
-              "every x86-64 CPU)", flush=True)
-    else:
-        print("kernels: this CPU's own (ATen and MKL pick them by the CPU): the warm starts and the table move with the "
-              "machine (docs/demo.md); --portable-kernels for numbers that do not", flush=True)
 
     data = prepare_data(cfg, out / "data")
     build_jobs, models = model_jobs(cfg, data, out, kernels)
@@ -111,6 +98,20 @@ def main(argv: list[str] | None = None) -> int:
     print_serve_instructions(store_root, runs, data, models)
     print(f"wall time {summary['wall_time_s']:.0f} s; report written to {cfg.report_dir}/", flush=True)
     return 0
+
+
+def kernel_environment(portable: bool) -> tuple[dict[str, str], dict[str, str] | None]:
+    """The jobs' environment and, when pinned, the kernels (part of the warm starts' cache keys); says which it is."""
+    if portable and not portable_kernels_available():
+        raise SystemExit(f"--portable-kernels: this CPU is {platform.machine()}, not x86-64; it has neither ATen's x86 "
+                         "baseline kernels nor MKL: run without the flag (its own kernels, its own numbers)")
+    if portable:
+        print(f"kernels: {' '.join(f'{k}={v}' for k, v in PORTABLE_KERNELS.items())} (--portable-kernels: the same numbers on "
+              "every x86-64 CPU)", flush=True)
+    else:
+        print("kernels: this CPU's own (ATen and MKL pick them by the CPU): the warm starts and the table move with the "
+              "machine (docs/demo.md); --portable-kernels for numbers that do not", flush=True)
+    return child_env(portable_kernels=portable), (dict(PORTABLE_KERNELS) if portable else None)
 
 
 def _exit_on_signal(signum, frame) -> None:
@@ -204,59 +205,27 @@ def _lines(path: Path):
 def rl_jobs(cfg: DemoConfig, data: dict[str, Path], models: dict[str, dict], store_root: Path, store_url: str,
             out: Path) -> tuple[list[Job], list[dict]]:
     """The generator job and one job per RL run (a co-training pair is one job of two processes)."""
-    jobs: list[Job] = [_generator_job(cfg, data, models, store_root, store_url)]
+    jobs: list[Job] = [generator_job(cfg, data, models["peer"]["checkpoint"], PEER_MODEL_ID, store_root, store_url, "peer groups", ["sft peer"])]
     runs: list[dict] = []
     base = yaml.safe_load(TRAIN_BASE.read_text())
     eval_sets = {f: str(data[f"eval_{f}"]) for f in cfg.task.n_eval}
     learner_ckpt, peer_ckpt = models["learner"]["checkpoint"], models["peer"]["checkpoint"]
 
     def learner_config(seed: int, method: str, overrides: list[str]) -> dict:
-        from trainer.config import apply_overrides
-
-        train = json.loads(json.dumps(base))
-        train.update(seed=seed, steps=cfg.rl.steps, method=method)
-        train["model"].update(path=learner_ckpt, model_id=LEARNER_MODEL_ID)
-        train["data"]["dataset"] = str(data["rl"])
-        train["rollout"].update(group_size=cfg.rl.group_size, prompts_per_step=cfg.rl.prompts_per_step)
-        train["optim"].update(lr=cfg.rl.lr, mini_batch_prompts=cfg.rl.prompts_per_step)
-        train["anchor"].update(dataset=str(data["anchor"]), prompts_per_step=cfg.rl.anchor_prompts_per_step, weight=cfg.rl.anchor_weight)
-        train["checkpoint"]["every_steps"] = cfg.rl.eval_every
-        train["logging"]["progress"] = True
-        if method == "graft":
-            train["store"]["url"] = store_url
-            train["graft"].update(peer_models=[PEER_MODEL_ID], peer_tokenizers=[peer_ckpt])
-        return apply_overrides(train, overrides)
+        peers = ([PEER_MODEL_ID], [peer_ckpt]) if method == "graft" else None
+        return trainer_config(cfg, base, data["rl"], learner_ckpt, LEARNER_MODEL_ID, seed, method, data["anchor"], peers, store_url, overrides)
 
     def add_run(name: str, mode: str, seed: int, trains: list[dict], deps: list[str]) -> None:
-        # The store's URL (a fresh port each time) is no part of what a run computes: leave it out of the cache key.
-        portable = [{**train, "store": {**train["store"], "url": None}} for train in trains]
-        key = config_hash(portable, models["learner"]["checkpoint_hash"], models["peer"]["checkpoint_hash"], eval_sets)
-        job_dir = out / "runs" / f"{name}-{key}"
-        commands, logs, done = [], [], []
-        for index, train in enumerate(trains):
-            part_dir = job_dir if index == 0 else job_dir / "peer"
-            train["run_dir"] = str(part_dir / "train")
-            part_dir.mkdir(parents=True, exist_ok=True)
-            job_file = part_dir / "job.json"
-            job_file.write_text(json.dumps({"out": str(part_dir), "train": train, "eval_sets": eval_sets}))
-            commands.append(python_module("demo.worker", "train", str(job_file)))
-            logs.append(part_dir / "log.txt")
-            done.append(part_dir / "done.json")
-        n_evals = cfg.rl.steps // cfg.rl.eval_every + 1
-        parts = [job_dir] + ([job_dir / "peer"] if len(trains) > 1 else [])
-        progress = [(_lines(p / "train" / "metrics.jsonl"), _progress_file(p / "eval_progress")) for p in parts]
-        jobs.append(Job(
-            name=name, commands=commands, logs=logs, done=done, deps=deps, total=len(parts) * (cfg.rl.steps + n_evals),
-            progress=lambda progress=progress: sum(steps() + evals() for steps, evals in progress),
-        ))
+        job, job_dir = train_job(cfg, name, trains, out, models, eval_sets, deps)
+        jobs.append(job)
         runs.append({"name": name, "mode": mode, "seed": seed, "dir": str(job_dir), "peer_dir": str(job_dir / "peer") if len(trains) > 1 else None})
 
     # Co-training pairs first: each needs both processes at once, which is easiest right after the warm start.
-    for seed in cfg.rl.seeds:
+    for seed in cfg.rl.seeds if cfg.rl.cotrain else []:
         # Both models train at once on the same prompts in the same order (same seed and data), each
         # publishing every group it samples and taking the other's for its all-fail prompts.
         # (ids unique to what the pair computes: not to the other runs of the config, so demo-study reuses the demo's pairs)
-        pair_rl = cfg.rl.model_dump(exclude={"ablations", "ablation_seeds", "variants", "imitation_examples_per_step"})
+        pair_rl = cfg.rl.model_dump(exclude={"ablations", "ablation_seeds", "variants", "imitation_examples_per_step", "cotrain"})
         tag = config_hash(seed, models["learner"]["checkpoint_hash"], models["peer"]["checkpoint_hash"], pair_rl)[:8]
         learner_id, peer_id = f"{LEARNER_MODEL_ID}-co{tag}", f"{PEER_MODEL_ID}-co{tag}"
         cotrain = ["store.mode=cotrain", f"store.cotrain_wait_s={cfg.rl.cotrain_wait_s}", f"model.model_id={learner_id}",
@@ -295,22 +264,75 @@ def rl_jobs(cfg: DemoConfig, data: dict[str, Path], models: dict[str, dict], sto
     return jobs, runs
 
 
-def _generator_job(cfg: DemoConfig, data: dict[str, Path], models: dict[str, dict], store_root: Path, store_url: str) -> Job:
-    """`graft-generate` with the peer over the learner's RL prompts, writing shards into the store root."""
-    done = store_root / "peer-groups-done.json"
-    log = store_root / "logs" / "generate.log"
+def trainer_config(cfg: DemoConfig, base: dict, dataset: Path, checkpoint: str, model_id: str, seed: int, method: str,
+                   anchor: Path | None, peers: tuple[list[str], list[str]] | None, store_url: str, overrides: list[str]) -> dict:
+    """A trainer config (configs/demo_train.yaml's settings, `base`) for one model's RL run: its checkpoint and id,
+    the RL prompts, the budget and optimizer of `cfg.rl`, its supervised anchor (None: none), and for GRAFT the store
+    and the peers' (model ids, tokenizer dirs); then the run's own overrides."""
+    from trainer.config import apply_overrides
+
+    train = json.loads(json.dumps(base))
+    train.update(seed=seed, steps=cfg.rl.steps, method=method)
+    train["model"].update(path=checkpoint, model_id=model_id)
+    train["data"]["dataset"] = str(dataset)
+    train["rollout"].update(group_size=cfg.rl.group_size, prompts_per_step=cfg.rl.prompts_per_step)
+    train["optim"].update(lr=cfg.rl.lr, mini_batch_prompts=cfg.rl.prompts_per_step)
+    train["anchor"].update(dataset=str(anchor) if anchor is not None else None, prompts_per_step=cfg.rl.anchor_prompts_per_step,
+                           weight=cfg.rl.anchor_weight)
+    train["checkpoint"]["every_steps"] = cfg.rl.eval_every
+    train["logging"]["progress"] = True
+    if peers is not None:
+        train["store"]["url"] = store_url
+        train["graft"].update(peer_models=list(peers[0]), peer_tokenizers=list(peers[1]))
+    return apply_overrides(train, overrides)
+
+
+def train_job(cfg: DemoConfig, name: str, trains: list[dict], out: Path, models: dict[str, dict], eval_sets: dict[str, str],
+              deps: list[str]) -> tuple[Job, Path]:
+    """One RL run as a job: `demo.worker train` per trainer config (two at once for a co-training pair: the first in
+    the job's folder, the second in its `peer/`), in a folder keyed by what the run computes."""
+    # The store's URL (a fresh port each time) is no part of what a run computes: leave it out of the cache key.
+    portable = [{**train, "store": {**train["store"], "url": None}} for train in trains]
+    key = config_hash(portable, models["learner"]["checkpoint_hash"], models["peer"]["checkpoint_hash"], eval_sets)
+    job_dir = out / "runs" / f"{name}-{key}"
+    commands, logs, done = [], [], []
+    for index, train in enumerate(trains):
+        part_dir = job_dir if index == 0 else job_dir / "peer"
+        train["run_dir"] = str(part_dir / "train")
+        part_dir.mkdir(parents=True, exist_ok=True)
+        job_file = part_dir / "job.json"
+        job_file.write_text(json.dumps({"out": str(part_dir), "train": train, "eval_sets": eval_sets}))
+        commands.append(python_module("demo.worker", "train", str(job_file)))
+        logs.append(part_dir / "log.txt")
+        done.append(part_dir / "done.json")
+    n_evals = cfg.rl.steps // cfg.rl.eval_every + 1
+    parts = [job_dir] + ([job_dir / "peer"] if len(trains) > 1 else [])
+    progress = [(_lines(p / "train" / "metrics.jsonl"), _progress_file(p / "eval_progress")) for p in parts]
+    job = Job(
+        name=name, commands=commands, logs=logs, done=done, deps=deps, total=len(parts) * (cfg.rl.steps + n_evals),
+        progress=lambda progress=progress: sum(steps() + evals() for steps, evals in progress),
+    )
+    return job, job_dir
+
+
+def generator_job(cfg: DemoConfig, data: dict[str, Path], checkpoint: str, model_id: str, store_root: Path, store_url: str,
+                  name: str, deps: list[str]) -> Job:
+    """`graft-generate` with one warm-started model over the RL prompts, writing shards into the store root; done
+    once the store has indexed a group of that model for every prompt."""
+    done = store_root / f"groups-done-{model_id}.json"
+    log = store_root / "logs" / f"generate-{model_id}.log"
     n_prompts = sum(cfg.task.rl_prompts.values())
     command = python_module(
         "services.generator.cli",
-        "--model", models["peer"]["checkpoint"], "--model-id", PEER_MODEL_ID, "--dataset", str(data["rl"]),
+        "--model", checkpoint, "--model-id", model_id, "--dataset", str(data["rl"]),
         "--template", "raw", "--group-size", str(cfg.peer_groups.group_size), "--temperature", "1.0",
         "--max-tokens", "16", "--seed", str(cfg.peer_groups.seed), "--store", str(store_root),
         "--prompts-per-batch", str(cfg.peer_groups.prompts_per_batch), "--hf-batch-size", "1024",
         "--score-workers", "1", "--no-progress",
     )
 
-    def shards() -> float:
-        return float(len(list((store_root / "rollouts").rglob("*.parquet")))) * cfg.peer_groups.prompts_per_batch
+    def groups() -> float:  # the bar's progress: a shard holds one batch of prompts (a few of them this model's)
+        return float(sum(1 for p in (store_root / "rollouts").rglob("*.parquet") if model_id in str(p))) * cfg.peer_groups.prompts_per_batch
 
     def after() -> None:
         # The generator wrote shards; wait until the store's ingest loop has indexed every group.
@@ -320,17 +342,16 @@ def _generator_job(cfg: DemoConfig, data: dict[str, Path], models: dict[str, dic
         deadline = time.monotonic() + 60
         with StoreClient(store_url) as client:
             while True:
-                peer = next((m for m in client.stats().models if m.model_id == PEER_MODEL_ID), None)
-                if peer is not None and peer.groups >= n_prompts:
+                stats = next((m for m in client.stats().models if m.model_id == model_id), None)
+                if stats is not None and stats.groups >= n_prompts:
                     break
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"the store indexed {0 if peer is None else peer.groups} of {n_prompts} peer groups after 60 s")
+                    raise RuntimeError(f"the store indexed {0 if stats is None else stats.groups} of {n_prompts} groups of {model_id} after 60 s")
                 time.sleep(0.2)
-        summary.update(indexed_groups=peer.groups, informative_groups=peer.informative_groups, success_rate=peer.success_rate)
+        summary.update(indexed_groups=stats.groups, informative_groups=stats.informative_groups, success_rate=stats.success_rate)
         write_text_atomic(done, json.dumps(summary))
 
-    return Job(name="peer groups", commands=[command], logs=[log], done=[done], progress=shards, total=n_prompts, after=after,
-               deps=["sft peer"])
+    return Job(name=name, commands=[command], logs=[log], done=[done], progress=groups, total=n_prompts, after=after, deps=deps)
 
 
 # ---- 7. after the report -------------------------------------------------------------------------

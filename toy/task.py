@@ -34,7 +34,9 @@ class Family:
 
 ADD2 = Family("add2", (10, 99), (10, 99))  # 8,100 problems: the learner's strong family
 ADD3 = Family("add3", (100, 999), (10, 99))  # 81,000 problems: the learner's weak family, the peer's strong one
-FAMILIES: dict[str, Family] = {f.name: f for f in (ADD2, ADD3)}
+# add3 with its operands swapped: as hard by construction, aligned the other way (demo.mutual's pair, one strong on each)
+ADD3R = Family("add3r", (10, 99), (100, 999))
+FAMILIES: dict[str, Family] = {f.name: f for f in (ADD2, ADD3, ADD3R)}
 SMALL = Family("small", (0, 49), (0, 49))  # 2,500 problems: the tests' worlds
 SMALL_DATASET = "toy_add"
 SPLITS = ("eval", "rl", "sft")
