@@ -241,10 +241,10 @@ def _plots(summary: dict, report_dir: Path) -> None:
                 if not runs:
                     continue
                 # step 0 is the model's warm start, the same for each of its runs (the runs evaluate their checkpoints)
-                begin = [{"step": 0, **summary["start"][name]["acc_greedy"]}]
-                by_step = [begin + [e for e in r["acc_by_step"] if e["step"] != 0] for r in runs]
-                steps = [e["step"] for e in by_step[0]]
-                per_step = [[100 * b[i][family] for b in by_step] for i in range(len(steps))]
+                begin = {"step": 0, **summary["start"][name]["acc_greedy"]}
+                by_step = [{0: begin} | {e["step"]: e for e in r["acc_by_step"]} for r in runs]
+                steps = sorted(set.intersection(*(set(b) for b in by_step)))  # the evaluations every seed has
+                per_step = [[100 * b[step][family] for b in by_step] for step in steps]
                 mean = [statistics.fmean(v) for v in per_step]
                 spread = [_std(v) for v in per_step]
                 ax.plot(steps, mean, color=colors[mode], marker="o", markersize=3, label=MODE_LABEL.get(mode, mode))

@@ -80,6 +80,17 @@ def build(job: dict) -> dict:
     }
 
 
+def finished_checkpoints(folder: Path, steps: int) -> list[Path]:
+    """The run's checkpoints, oldest first, once it has reached its last step. The trainer returns normally when SIGTERM
+    stops it at a step boundary (`docker stop`, the demo stopped): such a run must not be evaluated and marked done, or a
+    rerun would take its shorter run for the finished one."""
+    checkpoints = sorted(folder.glob("step_*"))
+    last = int(checkpoints[-1].name.split("_")[1]) if checkpoints else 0
+    if last < steps:
+        raise SystemExit(f"the run stopped at step {last} of {steps} (SIGTERM?): not evaluated, not marked done")
+    return checkpoints
+
+
 def train(job: dict) -> dict:
     """One RL run through the project's trainer, then greedy held-out accuracy of every saved checkpoint."""
     from rollouts.scoring import Scorer
@@ -91,8 +102,8 @@ def train(job: dict) -> dict:
     cfg = TrainConfig.model_validate(job["train"])
     run_dir = run_training(cfg, overwrite=True)  # a job runs again only when it did not finish (no done.json): afresh
     train_s = time.perf_counter() - started
+    checkpoints = finished_checkpoints(checkpoints_dir(run_dir), cfg.steps)
     eval_sets = load_eval_sets({f: Path(p) for f, p in job["eval_sets"].items()})
-    checkpoints = sorted(checkpoints_dir(run_dir).glob("step_*"))
     evals: list[dict] = []
     with Scorer(num_workers=1, timeout_s=5.0) as scorer:
         for index, checkpoint in enumerate(checkpoints):

@@ -120,3 +120,18 @@ def test_config_quick_overrides_and_hash(tmp_path):
         load_demo_config(None, ["rl.no_such_field=1"], use_quick=False)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_demo_config(tmp_path / "missing.yaml", [], use_quick=False)
+
+
+def test_a_run_stopped_before_its_last_step_is_not_marked_done(tmp_path):
+    # The trainer returns normally when SIGTERM stops it at a step boundary: the demo's worker must not evaluate such a
+    # run and write done.json (a rerun would then take the 62-step run for the finished 100-step one; it did, once).
+    from demo.worker import finished_checkpoints
+
+    for step in (25, 50, 62):
+        (tmp_path / f"step_{step:06d}").mkdir()
+    with pytest.raises(SystemExit, match="stopped at step 62 of 100"):
+        finished_checkpoints(tmp_path, 100)
+    (tmp_path / "step_000100").mkdir()
+    assert [p.name for p in finished_checkpoints(tmp_path, 100)] == ["step_000025", "step_000050", "step_000062", "step_000100"]
+    with pytest.raises(SystemExit, match="stopped at step 0 of 3"):
+        finished_checkpoints(tmp_path / "none", 3)
