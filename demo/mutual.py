@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
 
     data = prepare_data(cfg, out / "data")
     data.update(anchor_files(cfg, out / "data"))
-    build_jobs, models = model_jobs(cfg, data, out, kernels)
+    build_jobs, models = model_jobs(cfg, data, out, kernels, peer_after_learner=False)  # co-training needs both at once
 
     from services.store_api.http.server import StoreServer
 

@@ -143,7 +143,8 @@ def prepare_data(cfg: DemoConfig, data_dir: Path) -> dict[str, Path]:
 
 # ---- 2. models -----------------------------------------------------------------------------------
 
-def model_jobs(cfg: DemoConfig, data: dict[str, Path], out: Path, kernels: dict[str, str] | None) -> tuple[list[Job], dict[str, dict]]:
+def model_jobs(cfg: DemoConfig, data: dict[str, Path], out: Path, kernels: dict[str, str] | None,
+               peer_after_learner: bool = True) -> tuple[list[Job], dict[str, dict]]:
     """Two jobs: the learner's and the peer's warm start (cached by config hash and, when pinned, the kernels: every
     later stage's key holds these models' keys), and where their checkpoints will be."""
     eval_sets = {f: str(data[f"eval_{f}"]) for f in cfg.task.n_eval}
@@ -166,7 +167,8 @@ def model_jobs(cfg: DemoConfig, data: dict[str, Path], out: Path, kernels: dict[
             after=lambda job_dir=job_dir, role=role: print_model(role, json.loads((job_dir / "done.json").read_text())),
             # The learner's warm start, which every RL run waits for, runs alone on its threads (OpenMP threads that
             # share a core with another process wait for each other); the peer's follows, next to the GRPO runs.
-            deps=["sft learner"] if role == "peer" else [],
+            # (peer_after_learner=False: both at once, one thread each, where the first runs need both models)
+            deps=["sft learner"] if role == "peer" and peer_after_learner else [],
         ))
     return jobs, models
 
