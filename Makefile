@@ -87,7 +87,8 @@ demo-choose: install
 	$(BIN)/python -m demo.recommend report/choose/summary.json
 
 demo-headline: demo-choose
-	$(BIN)/python -m demo.run --config configs/demo_headline.yaml
+	$(BIN)/python -m demo.recommend report/choose/summary.json --write-headline-config demo_out/headline.yaml
+	$(BIN)/python -m demo.run --config demo_out/headline.yaml
 	$(BIN)/python -m demo.recommend report/choose/summary.json --headline report/headline/summary.json
 
 demo-real: install-dev
