@@ -19,20 +19,16 @@ Every stage is cached under demo_out/mutual/ by a hash of its config (demo.run's
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import signal
 import sys
 import time
 from pathlib import Path
 
 import yaml
 
-from demo.config import DemoConfig, config_hash, load_demo_config
+from demo.config import DemoConfig, config_hash
 from demo.jobs import Job, run_jobs
-from demo.run import (REPO_ROOT, TRAIN_BASE, _exit_on_signal, generator_job, kernel_environment, model_jobs, prepare_data,
-                      trainer_config, train_job)
+from demo.run import REPO_ROOT, TRAIN_BASE, command_line, generator_job, model_jobs, prepare_data, train_job, trainer_config
 from rollouts.files import write_jsonl_atomic
 from toy.task import completion_text, family_splits
 
@@ -46,27 +42,9 @@ SPEC_VARIANT = "graft"  # the key of rl.variants that must hold the spec's defau
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m demo.mutual", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a small pipeline (minutes): structure, not the accuracy")
-    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="YAML with DemoConfig fields (default %(default)s)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a field, e.g. rl.seeds=[3,4,5]")
-    parser.add_argument("--out-dir", type=Path, default=None, help="where models, store and runs go (default: the config's out_dir)")
-    parser.add_argument("--report-dir", type=Path, default=None, help="where the report goes (default: the config's report_dir)")
-    parser.add_argument("--portable-kernels", action="store_true", help="the same numbers on every x86-64 CPU, about 1.6x slower (docs/demo.md)")
-    args = parser.parse_args(argv)
-    overrides = list(args.overrides)
-    if args.out_dir is not None:
-        overrides.append(f"out_dir={args.out_dir}")
-    if args.report_dir is not None:
-        overrides.append(f"report_dir={args.report_dir}")
-    cfg = load_demo_config(args.config, overrides, args.quick)
-    check_config(cfg)
-    signal.signal(signal.SIGTERM, _exit_on_signal)
     started = time.perf_counter()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    env, kernels = kernel_environment(args.portable_kernels)
-    out = cfg.out_dir.resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    cfg, env, kernels, out = command_line("python -m demo.mutual", __doc__, DEFAULT_CONFIG, argv)
+    check_config(cfg)
     a_strong, b_strong = cfg.task.strong_family, cfg.task.weak_family
     print(f"GRAFT mutual demo ({cfg.mode}): A strong on {a_strong}, B strong on {b_strong}; outputs in {out}, report in "
           f"{cfg.report_dir}, {cfg.workers} processes at once", flush=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -270,7 +271,7 @@ def _plots(summary: dict, report_dir: Path) -> None:
     ax.axhline(100 * MIN_GAIN, color="grey", linestyle="--", linewidth=1, label=f"+{100 * MIN_GAIN:.0f} points (the claim)")
     ax.axhline(0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(shown)))
-    ax.set_xticklabels([MODE_LABEL.get(m, m).replace(", ", ",\n", 1) for m in shown], fontsize=8)
+    ax.set_xticklabels([textwrap.fill(MODE_LABEL.get(m, m), 24) for m in shown], fontsize=8)
     ax.set_ylabel("gain over the model's GRPO (points, mean over families)")
     ax.set_title("paired gain over GRPO, mean ± std over seeds")
     ax.legend(fontsize=8)

@@ -41,29 +41,8 @@ TRAIN_BASE = REPO_ROOT / "configs" / "demo_train.yaml"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m demo.run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a small pipeline (minutes): structure, not the accuracy target")
-    parser.add_argument("--config", type=Path, default=None, help="YAML with DemoConfig fields")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a field, e.g. rl.steps=50")
-    parser.add_argument("--out-dir", type=Path, default=None, help="where models, store and runs go (default demo_out/)")
-    parser.add_argument("--report-dir", type=Path, default=None, help="where the report goes (default report/)")
-    parser.add_argument("--portable-kernels", action="store_true",
-                        help="ATen's baseline kernels and MKL's SSE2 branch: the same numbers on every x86-64 CPU, about 1.6x "
-                             "slower; the warm starts then stop weaker and GRAFT shows no gain (docs/demo.md)")
-    args = parser.parse_args(argv)
-    overrides = list(args.overrides)
-    if args.out_dir is not None:
-        overrides.append(f"out_dir={args.out_dir}")
-    if args.report_dir is not None:
-        overrides.append(f"report_dir={args.report_dir}")
-    cfg = load_demo_config(args.config, overrides, args.quick)
-    # SIGTERM (or SIGINT in a background shell, where it is ignored) must still stop the jobs and the server.
-    signal.signal(signal.SIGTERM, _exit_on_signal)
     started = time.perf_counter()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    env, kernels = kernel_environment(args.portable_kernels)
-    out = cfg.out_dir.resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    cfg, env, kernels, out = command_line("python -m demo.run", __doc__, None, argv)
     print(f"GRAFT demo ({cfg.mode}): outputs in {out}, report in {cfg.report_dir}, {cfg.workers} processes at once", flush=True)
 
     data = prepare_data(cfg, out / "data")
@@ -98,6 +77,37 @@ def main(argv: list[str] | None = None) -> int:
     print_serve_instructions(store_root, runs, data, models)
     print(f"wall time {summary['wall_time_s']:.0f} s; report written to {cfg.report_dir}/", flush=True)
     return 0
+
+
+def command_line(prog: str, description: str, default_config: Path | None,
+                 argv: list[str] | None) -> tuple[DemoConfig, dict[str, str], dict[str, str] | None, Path]:
+    """The options every demo command takes (`--quick`, `--config`, `--set`, `--out-dir`, `--report-dir`,
+    `--portable-kernels`), and what they give: the DemoConfig, the jobs' environment, the pinned kernels (or None) and
+    the output folder, made. SIGTERM now stops the jobs and the server."""
+    parser = argparse.ArgumentParser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a small pipeline (minutes): structure, not the accuracy target")
+    parser.add_argument("--config", type=Path, default=default_config,
+                        help="YAML with DemoConfig fields" + (" (default %(default)s)" if default_config else ""))
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a field, e.g. rl.steps=50")
+    parser.add_argument("--out-dir", type=Path, default=None, help="where models, store and runs go (default: the config's out_dir, demo_out/)")
+    parser.add_argument("--report-dir", type=Path, default=None, help="where the report goes (default: the config's report_dir, report/)")
+    parser.add_argument("--portable-kernels", action="store_true",
+                        help="ATen's baseline kernels and MKL's SSE2 branch: the same numbers on every x86-64 CPU, about 1.6x "
+                             "slower; the warm starts then stop weaker and GRAFT shows no gain (docs/demo.md)")
+    args = parser.parse_args(argv)
+    overrides = list(args.overrides)
+    if args.out_dir is not None:
+        overrides.append(f"out_dir={args.out_dir}")
+    if args.report_dir is not None:
+        overrides.append(f"report_dir={args.report_dir}")
+    cfg = load_demo_config(args.config, overrides, args.quick)
+    # SIGTERM (or SIGINT in a background shell, where it is ignored) must still stop the jobs and the server.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    env, kernels = kernel_environment(args.portable_kernels)
+    out = cfg.out_dir.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    return cfg, env, kernels, out
 
 
 def kernel_environment(portable: bool) -> tuple[dict[str, str], dict[str, str] | None]:
