@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from demo.config import DemoConfig
-from demo.report import _finite_mean, _save_fig, read_metrics
+from demo.report import _finite_mean, _save_fig, _std
+from demo.report import run_record as report_run_record
 from rollouts.files import write_text_atomic
 
 MIN_GAIN = 0.02  # the paper's claim, as the issue states it: each model gains >= 2 points over its GRPO run
@@ -34,33 +35,13 @@ MODE_LABEL = {
 }
 
 
-def _std(values: list[float]) -> float:
-    return statistics.stdev(values) if len(values) > 1 else 0.0
-
-
 def _stat(values: list[float]) -> dict[str, float | int]:
     return {"mean": statistics.fmean(values), "std": _std(values), "n": len(values)}
 
 
 def run_record(run: dict, families: list[str]) -> dict[str, Any]:
-    """One model's run: its accuracy at every evaluation and its compute."""
-    run_dir = Path(run["dir"])
-    done = json.loads((run_dir / "done.json").read_text())
-    metrics = read_metrics(run_dir)
-    final = done["evals"][-1]["acc_greedy"]
-    return {
-        "name": run["name"], "mode": run["mode"], "seed": run["seed"], "model": run["model"],
-        "acc_by_family": final,
-        "acc_mean": sum(final[f] for f in families) / len(families),
-        "acc_by_step": [{"step": e["step"], **e["acc_greedy"]} for e in done["evals"]],
-        "rollouts_generated": int(sum(m["rollouts_generated"] for m in metrics)),
-        "peer_rollouts_consumed": int(sum(m["peer_rollouts_consumed"] for m in metrics)),
-        "frac_all_fail_mean": _finite_mean([m["frac_all_fail"] for m in metrics]),
-        "frac_grafted_mean": _finite_mean([m["frac_grafted"] for m in metrics]),
-        "peer_hit_rate_mean": _finite_mean([m["peer_hit_rate"] for m in metrics]),
-        "steps": len(metrics),
-        "cpu_s": done.get("cpu_s"),
-    }
+    """One model's run: demo.report's record of it (accuracy at every evaluation, compute), and which model it is."""
+    return {**report_run_record(run, families), "model": run["model"]}
 
 
 def per_model(records: list[dict], families: list[str]) -> dict[str, dict[str, dict]]:

@@ -343,8 +343,12 @@ def generator_job(cfg: DemoConfig, data: dict[str, Path], checkpoint: str, model
         "--score-workers", "1", "--no-progress",
     )
 
-    def groups() -> float:  # the bar's progress: a shard holds one batch of prompts (a few of them this model's)
-        return float(sum(1 for p in (store_root / "rollouts").rglob("*.parquet") if model_id in str(p))) * cfg.peer_groups.prompts_per_batch
+    from services.store_api.local.shards import model_dir
+
+    shards = model_dir(store_root, model_id)  # this model's folder only (a co-training id extends the peer's)
+
+    def groups() -> float:  # the bar's progress: a shard holds one batch of prompts
+        return float(sum(1 for _ in shards.rglob("*.parquet"))) * cfg.peer_groups.prompts_per_batch
 
     def after() -> None:
         # The generator wrote shards; wait until the store's ingest loop has indexed every group.
