@@ -108,8 +108,8 @@ class DemoConfig(_Section):
             # 400, 13% at 450, 28% at 500, 95% at 600), so the peer's answers have much to teach (supervised on
             # them: 13 -> 49 in 100 updates). With 3% it never gets there (7.5% at 700, 10% at 1000).
             # It stops once add3 reaches 13% greedy on held-out SFT problems (with a CPU's own kernels the step moves,
-            # the level does not: 390 on one AVX-512 machine, 420 on another; 420 with --portable-kernels,
-            # demo.jobs.PORTABLE_KERNELS, on any x86-64 CPU), at the latest at step 700.
+            # the level does not: 390 on one AVX-512 machine, 420 on another; with --portable-kernels,
+            # demo.jobs.PORTABLE_KERNELS, 420 on an AMD EPYC and 350 on an Intel Xeon), at the latest at step 700.
             sft=SFTConfig(steps=1000, stop_at=700, batch_size=128, lr=2e-3, family_weights={"add2": 0.7, "add3": 0.3},
                           stop_when={"add2": 0.9, "add3": 0.13}),
         )
@@ -119,8 +119,8 @@ class DemoConfig(_Section):
             hidden=96, layers=3,
             # Only the learner's weak family, stopped while still learning it: a peer that solves every
             # problem gives all-pass groups, which carry no advantage (TOY_STUDY).
-            # It stops at 60% greedy on held-out add3 problems (step 300 on one AVX-512 machine's own kernels, 270 with
-            # --portable-kernels), at the latest at step 500.
+            # It stops at 60% greedy on held-out add3 problems (step 300 on one AVX-512 machine's own kernels, with
+            # --portable-kernels 270 on an AMD EPYC, 360 on an Intel Xeon), at the latest at step 500.
             sft=SFTConfig(steps=500, batch_size=128, lr=2e-3, family_weights={"add3": 1.0}, stop_when={"add3": 0.6}),
         )
     )

@@ -201,11 +201,13 @@ def python_module(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
-# The same arithmetic on every x86-64 CPU (issue 25: the demo's table moved between two AVX-512 machines). ATen picks
+# One arithmetic under every kernel choice of a machine (issue 25: the demo's table moved between two AVX-512 machines). ATen picks
 # its vectorised kernels by the CPU's ISA (AVX2, AVX-512: other lane widths, other orders of summation) and MKL its
 # sgemm by the CPU's vendor and model. ATen's "default" kernels (baseline x86-64) and MKL's COMPATIBLE branch (SSE2;
 # the one fixed branch MKL keeps on non-Intel CPUs: there MKL_CBWR=AVX2 falls back to AUTO without a word) are one
 # code path everywhere. Both are read when torch loads: they go in the jobs' environment, never set after an import.
+# Measured (docs/demo.md, "Numbers across x86-64 CPUs"): the same bits under every choice one machine offers, but an AMD
+# EPYC and an Intel Xeon, both pinned, still train other weights; what differs between them is not one of these switches.
 PORTABLE_KERNELS = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"}
 
 
@@ -216,7 +218,7 @@ def portable_kernels_available() -> bool:
 
 def child_env(portable_kernels: bool = False) -> dict[str, str]:
     """The environment of every job: offline, one thread, the repo importable, and (portable_kernels) the kernels
-    every x86-64 CPU computes alike, whatever the caller's environment says."""
+    one machine computes alike under every kernel choice, whatever the caller's environment says."""
     env = dict(os.environ)
     repo = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH")) if p)

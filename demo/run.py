@@ -92,8 +92,8 @@ def command_line(prog: str, description: str, default_config: Path | None,
     parser.add_argument("--out-dir", type=Path, default=None, help="where models, store and runs go (default: the config's out_dir, demo_out/)")
     parser.add_argument("--report-dir", type=Path, default=None, help="where the report goes (default: the config's report_dir, report/)")
     parser.add_argument("--portable-kernels", action="store_true",
-                        help="ATen's baseline kernels and MKL's SSE2 branch: the same numbers on every x86-64 CPU, about 1.6x "
-                             "slower; the warm starts then stop weaker and GRAFT shows no gain (docs/demo.md)")
+                        help="ATen's baseline kernels and MKL's SSE2 branch: the same numbers under every kernel choice of one "
+                             "machine, about 1.6x slower; not the same as another CPU model's (measured: docs/demo.md)")
     args = parser.parse_args(argv)
     overrides = list(args.overrides)
     if args.out_dir is not None:
@@ -116,11 +116,11 @@ def kernel_environment(portable: bool) -> tuple[dict[str, str], dict[str, str] |
         raise SystemExit(f"--portable-kernels: this CPU is {platform.machine()}, not x86-64; it has neither ATen's x86 "
                          "baseline kernels nor MKL: run without the flag (its own kernels, its own numbers)")
     if portable:
-        print(f"kernels: {' '.join(f'{k}={v}' for k, v in PORTABLE_KERNELS.items())} (--portable-kernels: the same numbers on "
-              "every x86-64 CPU)", flush=True)
+        print(f"kernels: {' '.join(f'{k}={v}' for k, v in PORTABLE_KERNELS.items())} (--portable-kernels: the same numbers under "
+              "every kernel choice of this machine; another CPU model still gives others, docs/demo.md)", flush=True)
     else:
         print("kernels: this CPU's own (ATen and MKL pick them by the CPU): the warm starts and the table move with the "
-              "machine (docs/demo.md); --portable-kernels for numbers that do not", flush=True)
+              "machine (docs/demo.md, \"Numbers across x86-64 CPUs\")", flush=True)
     return child_env(portable_kernels=portable), (dict(PORTABLE_KERNELS) if portable else None)
 
 

@@ -1,5 +1,6 @@
-"""The demo's numbers hold on any x86-64 CPU (issue 25): the learner's warm start through `demo.worker build`, in the
-demo's job environment (`demo.jobs.child_env`), gives the same weights and accuracies, bit for bit, on two CPUs.
+"""The demo's numbers hold under every kernel choice of one x86-64 machine (issue 25; two CPU models still differ,
+docs/demo.md): the learner's warm start through `demo.worker build`, in the
+demo's job environment (`demo.jobs.child_env`), gives the same weights and accuracies, bit for bit, on two emulated CPUs.
 
 The two CPUs are emulated on this one by the variables that choose the kernels: ATen's AVX2 kernels with MKL's own
 choice of sgemm (this machine as it is), and ATen's baseline x86-64 kernels with MKL's SSE2 branch (a CPU whose MKL
