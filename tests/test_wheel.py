@@ -33,7 +33,7 @@ def wheel(tmp_path_factory) -> zipfile.ZipFile:
         shutil.copytree(package, source / package.name, ignore=shutil.ignore_patterns("__pycache__"))
     out = tmp_path_factory.mktemp("wheel")
     # this environment's setuptools when it meets pyproject's build requirement (no index needed), else pip's isolated build
-    isolation = ["--no-build-isolation"] if _setuptools_major() >= 69 else []
+    isolation = ["--no-build-isolation"] if _setuptools_major() >= 77 else []
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *isolation, "-w", str(out), str(source)],
                    check=True, capture_output=True, timeout=600)
     (built,) = out.glob("graft-*.whl")
