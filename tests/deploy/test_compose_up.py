@@ -107,8 +107,11 @@ def _grafting(line: dict) -> bool:
 
 
 def _outage_step(line: dict) -> bool:
-    """A step whose peer lookup found no store: it ran as GRPO."""
-    return line.get("store_lookup_failures", 0) + line.get("store_lookups_skipped_backoff", 0) > 0
+    """A step whose own peer lookup did not answer (the store down, or backed off from): it ran as GRPO.
+    Not the store_* counts: they count what happened during the step's logging window, which can be the next step's
+    lookup, started in the background (seen on a fast machine: a step that grafted from its own lookup counted the
+    failure of the next one)."""
+    return line.get("peer_lookup_ok") == 0.0
 
 
 def _last_json_line(text: str, key: str) -> dict:
