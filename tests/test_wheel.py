@@ -11,10 +11,12 @@ import importlib.metadata
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
 INSTALLED = {"schemas", "rollouts", "services", "trainer", "integrations"}
@@ -33,18 +35,21 @@ def wheel(tmp_path_factory) -> zipfile.ZipFile:
         shutil.copytree(package, source / package.name, ignore=shutil.ignore_patterns("__pycache__"))
     out = tmp_path_factory.mktemp("wheel")
     # this environment's setuptools when it meets pyproject's build requirement (no index needed), else pip's isolated build
-    isolation = ["--no-build-isolation"] if _setuptools_major() >= 77 else []
+    isolation = [] if _build_needs_another_setuptools() else ["--no-build-isolation"]
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *isolation, "-w", str(out), str(source)],
                    check=True, capture_output=True, timeout=600)
     (built,) = out.glob("graft-*.whl")
     return zipfile.ZipFile(built)
 
 
-def _setuptools_major() -> int:
+def _build_needs_another_setuptools() -> bool:
+    """Whether this environment's setuptools misses pyproject's build requirement (then pip builds in isolation)."""
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["build-system"]["requires"]
+    (wanted,) = [Requirement(r) for r in requires if Requirement(r).name == "setuptools"]
     try:
-        return int(importlib.metadata.version("setuptools").split(".")[0])
+        return not wanted.specifier.contains(importlib.metadata.version("setuptools"))
     except importlib.metadata.PackageNotFoundError:
-        return 0
+        return True
 
 
 def test_wheel_holds_only_what_users_import(wheel):
