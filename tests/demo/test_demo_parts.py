@@ -100,6 +100,11 @@ def test_sft_stops_when_the_dev_accuracy_reaches_its_level(tmp_path):
     stop = max(saved)
     assert stop < 200 and stop % 5 == 0 and sorted(saved) == [stop]
     assert greedy_exact_match(model, tok, dev["add2"]) == 0.5
+    # the same run, the level held on its last three checks: the same first check, then at least two more
+    model = build_learner(tok, seed=0, hidden=32, layers=1)
+    saved = train_sft(model, tok, pools, cfg.model_copy(update={"stop_when_checks": 3}), tmp_path / "a3", dev=dev)
+    assert max(saved) >= stop + 10 and max(saved) % 5 == 0 and sorted(saved) == [max(saved)]
+    assert greedy_exact_match(model, tok, dev["add2"]) == 0.5
     # a level never reached: the run goes to its last step and saves it
     model = build_learner(tok, seed=0, hidden=32, layers=1)
     cfg = SFTConfig(steps=12, batch_size=8, lr=1e-2, warmup_steps=1, family_weights={"add2": 1.0},
