@@ -173,7 +173,7 @@ def model_jobs(cfg: DemoConfig, data: dict[str, Path], out: Path, kernels: dict[
         models[role] = {"dir": str(job_dir), "checkpoint": str(warm_start_checkpoint(job_dir)), "checkpoint_hash": job_dir.name}
         jobs.append(Job(
             name=f"sft {role}", commands=[python_module("demo.worker", "build", str(job_file))], logs=[job_dir / "log.txt"],
-            done=[job_dir / "done.json"], progress=_progress_file(job_dir / "progress"), total=spec.sft.stop_at or spec.sft.steps,
+            done=[job_dir / "done.json"], progress=progress_file(job_dir / "progress"), total=spec.sft.stop_at or spec.sft.steps,
             after=lambda job_dir=job_dir, role=role: print_model(role, json.loads((job_dir / "done.json").read_text())),
             # The learner's warm start, which every RL run waits for, runs alone on its threads (OpenMP threads that
             # share a core with another process wait for each other); the peer's follows, next to the GRPO runs.
@@ -193,7 +193,8 @@ def print_model(role: str, info: dict) -> None:
                f"{info['sft_s']:.0f} s; held-out greedy: {greedy}; sampled T=1: {sampled}")
 
 
-def _progress_file(path: Path):
+def progress_file(path: Path):
+    """A progress reader for a job: the first number of `path` (written by toy.sft.write_progress), 0 before it exists."""
     def read() -> float:
         try:
             return float(path.read_text().split()[0])
@@ -270,7 +271,7 @@ def rl_jobs(cfg: DemoConfig, data: dict[str, Path], models: dict[str, dict], sto
             jobs.append(Job(
                 name=f"peer_imitation-s{seed}", commands=[python_module("demo.worker", "imitate", str(job_dir / "job.json"))],
                 logs=[job_dir / "log.txt"], done=[job_dir / "done.json"], deps=["sft learner", "peer groups"],
-                progress=_progress_file(job_dir / "progress"), total=float(cfg.rl.steps),
+                progress=progress_file(job_dir / "progress"), total=float(cfg.rl.steps),
             ))
             runs.append({"name": f"peer_imitation-s{seed}", "mode": "peer_imitation", "seed": seed, "dir": str(job_dir), "peer_dir": None})
     return jobs, runs
@@ -319,7 +320,7 @@ def train_job(cfg: DemoConfig, name: str, trains: list[dict], out: Path, models:
         done.append(part_dir / "done.json")
     n_evals = cfg.rl.steps // cfg.rl.eval_every + 1
     parts = [job_dir] + ([job_dir / "peer"] if len(trains) > 1 else [])
-    progress = [(_lines(p / "train" / "metrics.jsonl"), _progress_file(p / "eval_progress")) for p in parts]
+    progress = [(_lines(p / "train" / "metrics.jsonl"), progress_file(p / "eval_progress")) for p in parts]
     job = Job(
         name=name, commands=commands, logs=logs, done=done, deps=deps, total=len(parts) * (cfg.rl.steps + n_evals),
         progress=lambda progress=progress: sum(steps() + evals() for steps, evals in progress),

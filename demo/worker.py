@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from demo.config import DemoConfig, warm_start_checkpoint
 from demo.evaluation import family_accuracy, load_eval_sets
@@ -33,16 +34,13 @@ def write_json_atomic(path: Path, data: dict) -> None:
     write_text_atomic(path, json.dumps(data, indent=2))
 
 
-def build(job: dict) -> dict:
-    """Tokenizer, model from a config, supervised warm start, and its held-out accuracy per family."""
-    cfg = DemoConfig.model_validate(job["demo"])
-    role, out = job["role"], Path(job["out"])
+def warm_start_inputs(cfg: DemoConfig, role: str) -> tuple[PreTrainedModel, PreTrainedTokenizerFast, dict, dict]:
+    """The untrained model and tokenizer of `role` (learner or peer), its SFT pools and its dev pairs, per family."""
     spec = cfg.learner if role == "learner" else cfg.peer
     splits = {f: family_splits(f, cfg.task.n_eval[f], cfg.task.n_rl) for f in cfg.task.n_eval}
     # the first n_dev supervised problems of each family decide when the warm start stops (SFTConfig.stop_when)
     dev = {f: [(p.problem, completion_text(p.answer)) for p in s["sft"][: cfg.task.n_dev]] for f, s in splits.items()}
     pools = {f: [(p.problem, completion_text(p.answer)) for p in s["sft"][cfg.task.n_dev :]] for f, s in splits.items()}
-    started = time.perf_counter()
     if role == "learner":
         tokenizer = build_char_tokenizer(alphabet())
         model = build_learner(tokenizer, spec.seed, spec.hidden, spec.layers)
@@ -51,6 +49,16 @@ def build(job: dict) -> dict:
         corpus = [text for f in pools for pair in pools[f][:4000] for text in pair]
         tokenizer = build_bpe_tokenizer(corpus, cfg.bpe_vocab_size, allowed_chars=alphabet())
         model = build_peer(tokenizer, spec.seed, spec.hidden, spec.layers)
+    return model, tokenizer, pools, dev
+
+
+def build(job: dict) -> dict:
+    """Tokenizer, model from a config, supervised warm start, and its held-out accuracy per family."""
+    cfg = DemoConfig.model_validate(job["demo"])
+    role, out = job["role"], Path(job["out"])
+    spec = cfg.learner if role == "learner" else cfg.peer
+    started = time.perf_counter()
+    model, tokenizer, pools, dev = warm_start_inputs(cfg, role)
     saved = train_sft(model, tokenizer, pools, spec.sft, out / "sft", desc=f"sft {role}", progress_path=out / "progress", dev=dev)
     sft_s = time.perf_counter() - started
     sft_steps = max(saved)

@@ -143,8 +143,7 @@ def train_sft(
         reached = False
         if cfg.stop_when and (step % cfg.check_every == 0 or step == last):
             accuracy = {f: greedy_exact_match(model, tokenizer, dev[f]) for f in cfg.stop_when}
-            held = {f: held[f] + 1 if accuracy[f] >= level else 0 for f, level in cfg.stop_when.items()}
-            reached = all(n >= cfg.stop_when_checks for n in held.values())
+            held, reached = stop_check(cfg, held, accuracy)
             if reached or step == last:
                 tqdm.write(f"{desc}: step {step}, dev greedy accuracy "
                            + ", ".join(f"{f} {100 * a:.1f}% (stop at {100 * cfg.stop_when[f]:.0f}%)" for f, a in accuracy.items())
@@ -159,6 +158,14 @@ def train_sft(
             break
     model.eval()
     return saved
+
+
+def stop_check(cfg: SFTConfig, held: dict[str, int], accuracy: dict[str, float]) -> tuple[dict[str, int], bool]:
+    """One check of `cfg.stop_when` on this check's dev `accuracy` per family: each family's count of its last checks in
+    a row at or above its level (`held`: the counts before this check), and whether every family has held its level on
+    `cfg.stop_when_checks` checks."""
+    held = {f: held.get(f, 0) + 1 if accuracy[f] >= level else 0 for f, level in cfg.stop_when.items()}
+    return held, all(n >= cfg.stop_when_checks for n in held.values())
 
 
 @torch.no_grad()
