@@ -96,8 +96,9 @@ class DemoConfig(_Section):
     )
     learner_sft_threads: int = Field(
         default=2, ge=1,
-        description="torch threads of the learner's warm start, the one job every RL run waits for (the same weights "
-                    "as on one thread, bit for bit, measured: matrix products split over rows, not sums)",
+        description="torch threads of the learner's warm start, the one job every RL run waits for. With "
+                    "--portable-kernels the same weights as on one thread, bit for bit; with the CPU's own kernels not "
+                    "(an Intel Xeon's 30 steps on 1 and 2 threads gave other weights), so it is fixed, not the core count",
     )
     task: TaskConfig = Field(default_factory=TaskConfig)
     learner: ModelBuildConfig = Field(

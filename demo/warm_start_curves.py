@@ -10,13 +10,15 @@ exact-match accuracy on the dev problems the rule reads and on the held-out prob
 math-verify scoring gives the same figure for a greedy boxed answer). It then replays the rule on each curve
 (`toy.sft.stop_check`) with one check and with two in a row, and writes curves.json, REPORT.md and
 warm_start_curves.png to the report folder: the step each rule stops at and the held-out accuracy RL would start from.
-About 6 minutes a kernel choice on one core, two at once.
+Each warm start runs on the demo's threads for it (`learner_sft_threads`: the thread count changes the weights as well):
+about 5 minutes a kernel choice for the learner on 2 idle cores.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
@@ -50,7 +52,7 @@ def curve_job(job: dict) -> None:
     from toy.sft import greedy_exact_match, train_sft, write_progress
     from toy.task import completion_text
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(job["threads"])  # the demo's own for this warm start: threads change the weights too
     cfg = DemoConfig.model_validate(job["demo"])
     role, out = job["role"], Path(job["out"])
     sft = (cfg.learner if role == "learner" else cfg.peer).sft
@@ -153,7 +155,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a field, e.g. learner.sft.stop_at=500")
     parser.add_argument("--out-dir", type=Path, default=Path("demo_out/warm-start-curves"))
     parser.add_argument("--report-dir", type=Path, default=Path("report/warm_start"))
-    parser.add_argument("--slots", type=int, default=2, help="kernel choices trained at once (one core each)")
+    parser.add_argument("--slots", type=int, default=None, help="kernel choices trained at once (default: the cores over "
+                                                                 "the warm start's threads)")
     args = parser.parse_args(argv)
     kernels = args.kernels.split(",") if args.kernels else available_kernels()
     unknown = set(kernels) - {"own", *ATEN_CHOICES}
@@ -169,18 +172,20 @@ def main(argv: list[str] | None = None) -> None:
     sft = spec.sft
     last = sft.stop_at or sft.steps
     jobs = []
+    threads = cfg.learner_sft_threads if args.role == "learner" else 1  # as demo.run's warm starts
     curve_spec = spec.model_copy(update={"sft": sft.model_copy(update={"stop_when": {}, "stop_when_checks": 1})})  # the rule is replayed
-    key = config_hash(args.role, curve_spec, cfg.task, cfg.bpe_vocab_size if args.role == "peer" else None)
+    key = config_hash(args.role, curve_spec, cfg.task, cfg.bpe_vocab_size if args.role == "peer" else None, threads)
     folders = {k: (args.out_dir / f"{args.role}-{k}-{key}").resolve() for k in kernels}  # a rerun keeps what is done
     for k, out in folders.items():
         out.mkdir(parents=True, exist_ok=True)
         write_text_atomic(out / "job.json", json.dumps({"role": args.role, "kernels": k, "out": str(out), "eval_sets": eval_sets,
-                                                        "demo": cfg.model_dump(mode="json")}))
+                                                        "threads": threads, "demo": cfg.model_dump(mode="json")}))
         # ATen reads its choice when torch loads: each kernel choice is its own process, started through env
         prefix = [] if k == "own" else ["env", f"ATEN_CPU_CAPABILITY={k}"]
         jobs.append(Job(name=k, commands=[prefix + python_module("demo.warm_start_curves", "curve", str(out / "job.json"))],
                         logs=[out / "log.txt"], done=[out / "done.json"], progress=progress_file(out / "progress"), total=2 * last))
-    run_jobs(jobs, args.slots, f"{args.role} warm starts", child_env())
+    slots = args.slots or max(1, (os.cpu_count() or 1) // threads)
+    run_jobs(jobs, slots, f"{args.role} warm starts", child_env())
     results = {k: json.loads((out / "done.json").read_text()) for k, out in folders.items()}
     print(report(cfg, args.role, results, args.report_dir))
     print(f"report written to {args.report_dir}/ (REPORT.md, curves.json, warm_start_curves.png)")
