@@ -41,7 +41,7 @@ class SFTConfig(BaseModel):
     stop_when: dict[str, float] = Field(
         default_factory=dict,
         description="stop at the first check where each named family's greedy exact-match accuracy on its held-out "
-                    "dev problems reaches the value, e.g. {add3: 0.6}; stop_at (or steps) is then the latest step. A "
+                    "dev problems reaches the value (on its last stop_when_checks checks), e.g. {add3: 0.6}; stop_at (or steps) is then the latest step. A "
                     "skill emerges steeply, and the step where it does moves with the CPU's arithmetic (AVX2 vs AVX-512 "
                     "kernels): a fixed step gives a different model on another machine, a measured level does not",
     )
@@ -105,8 +105,9 @@ def train_sft(
     """Train on (prompt, completion) pairs drawn from `pools` by `cfg.family_weights`; returns {step: checkpoint dir}.
 
     The run ends at the first check where each family of `cfg.stop_when` has held its level on the `dev` pairs (held
-    out from `pools`) on its last `cfg.stop_when_checks` checks, else at `cfg.stop_at` (default: the end of the schedule); that step is always saved into `out_dir`
-    (None: nothing is saved, the caller keeps the model in memory) and is the largest key of the result."""
+    out from `pools`) on its last `cfg.stop_when_checks` checks, else at `cfg.stop_at` (default: the end of the
+    schedule); that step is always saved into `out_dir` (None: nothing is saved, the caller keeps the model in memory)
+    and is the largest key of the result."""
     missing = set(cfg.family_weights) - set(pools)
     if missing:
         raise ValueError(f"family_weights names {sorted(missing)} but pools only has {sorted(pools)}")
