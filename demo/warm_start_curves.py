@@ -135,8 +135,9 @@ def _plot(results: dict[str, dict], stops: dict, families: list[str], weak: str,
                        label=f"stop, {checks} check{'s' * (checks > 1)}: {100 * row['held_out'][weak]:.1f}% held-out")
         ax.set_title(f"kernels: {kernels}")
         ax.set_xlabel("SFT step")
-        ax.legend(fontsize=7, loc="upper left")
+        ax.legend(fontsize=7, loc="center left")
     axes[0][0].set_ylabel("greedy accuracy (%)")
+    fig.tight_layout()
     _save_fig(fig, path)
 
 
