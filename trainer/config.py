@@ -126,12 +126,13 @@ class DapoConfig(_Section):
 class StoreConfig(_Section):
     url: str | None = Field(default=None, description="store base URL, e.g. http://127.0.0.1:8600 (required for method=graft)")
     token: str | None = Field(default=None, description="bearer token for pushing groups, when the store requires one")
-    mode: Literal["offline", "cotrain"] = Field(default="offline", description="offline: never wait for the store; cotrain: publish own groups and wait a bounded time for the peer's")
+    mode: Literal["offline", "cotrain"] = Field(default="offline", description="offline: read the store, waiting for it at most store.lookup_wait_s (default: never); cotrain: publish own groups and wait a bounded time for the peer's")
     timeout_s: float = Field(default=10.0, gt=0.0, description="HTTP timeout of one store call")
     retries: int = Field(default=1, ge=0, description="client retries per call (the trainer backs off across steps on its own)")
     backoff_initial_s: float = Field(default=1.0, gt=0.0, description="first pause after a failed store call; doubles per failure")
     backoff_max_s: float = Field(default=30.0, gt=0.0, description="longest pause between store attempts")
     publish: bool | None = Field(default=None, description="push every sampled group to the store (None: on in cotrain mode, off offline)")
+    lookup_wait_s: float = Field(default=0.0, ge=0.0, description="offline: after generation, wait at most this long for the step's peer lookup (it runs while the step generates); 0: graft only what is already back. A step that waited is counted in store_wait_s; one whose lookup was still out, in store_lookups_late")
     cotrain_wait_s: float = Field(default=30.0, ge=0.0, description="cotrain: longest wait per step for peer groups of this step's all-fail prompts")
     cotrain_poll_s: float = Field(default=0.25, gt=0.0, description="cotrain: pause between lookups while waiting")
     groups_per_prompt: int = Field(default=4, ge=1, le=16, description="peer groups asked per prompt (most recent first)")
@@ -198,6 +199,10 @@ class TrainConfig(_Section):
             raise ValueError("method 'graft' needs store.url (the store to take peer groups from); set it, or use method 'grpo'")
         if self.store.mode == "cotrain" and not self.store.url:
             raise ValueError("store.mode 'cotrain' needs store.url")
+        if self.store.mode == "cotrain" and self.store.lookup_wait_s:
+            raise ValueError(
+                f"store.lookup_wait_s = {self.store.lookup_wait_s} with store.mode 'cotrain': co-training waits for the "
+                "step's lookup up to store.cotrain_wait_s; set that one instead (lookup_wait_s is offline mode's wait)")
         if self.parallel.strategy != "none" and self.rollout.seed_per_sample is False:
             raise ValueError(
                 f"rollout.seed_per_sample false with parallel.strategy {self.parallel.strategy!r}: each rank would seed its "

@@ -53,7 +53,7 @@ class StoreCounters:
     lookups: int = 0
     lookup_failures: int = 0
     lookups_skipped_backoff: int = 0
-    lookups_late: int = 0  # not back when the gate needed them (offline mode never waits)
+    lookups_late: int = 0  # not back when the gate needed them (offline: within store.lookup_wait_s, default 0)
     groups_published: int = 0
     publish_failures: int = 0
     groups_dropped_from_outbox: int = 0
@@ -315,15 +315,15 @@ def peer_candidates(
     peers: PeerExchange, pending: Future | None, request: PeerLookupRequest | None, groups: list[RolloutGroup],
     usable_tokenizers: set[str] | None,
 ) -> LookupResult:
-    """The peer groups the step's gate chooses from: the background lookup's answer (offline: only if already
-    back) and, in co-training, what arrives within store.cotrain_wait_s for the all-fail prompts that have no
-    group the gate would graft yet (the co-trainer may still be sampling them). No request (no prompts): nothing
-    asked, nothing failed."""
+    """The peer groups the step's gate chooses from: the background lookup's answer (offline: if back within
+    store.lookup_wait_s, by default only if already back) and, in co-training, what arrives within
+    store.cotrain_wait_s for the all-fail prompts that have no group the gate would graft yet (the co-trainer may
+    still be sampling them). No request (no prompts): nothing asked, nothing failed."""
     if request is None:
         return LookupResult(ok=True)
     started = time.monotonic()
     cotrain = peers.store.mode == "cotrain"
-    lookup = peers.collect(pending, wait_s=peers.store.cotrain_wait_s if cotrain else 0.0)
+    lookup = peers.collect(pending, wait_s=peers.store.cotrain_wait_s if cotrain else peers.store.lookup_wait_s)
     if cotrain:
         all_fail = [g.prompt_id for g in groups if classify_group([r.reward for r in g.rollouts]) == "all_fail"]
         missing = [p for p in all_fail

@@ -92,7 +92,10 @@ class GraftConfig(GRPOConfig):
         if "url" in options or options.get("mode", "offline") != "offline" or options.get("publish"):
             raise ValueError("graft_store_options: the URL is graft_store_url, and TRL runs only read the store "
                              "(mode offline, publish off)")
-        return StoreConfig.model_validate({**options, "url": self.graft_store_url, "publish": False})
+        if "lookup_wait_s" in options:
+            raise ValueError("graft_store_options: the lookup's wait is graft_lookup_wait_s")
+        return StoreConfig.model_validate({**options, "url": self.graft_store_url, "publish": False,
+                                           "lookup_wait_s": self.graft_lookup_wait_s})
 
     def train_config(self, model_path: str, dataset: str = "trl-dataset") -> TrainConfig:
         """graft-train's configuration of the same run: what the shared functions (weights, peer tokenizers, the

@@ -51,6 +51,9 @@ def test_bad_input_gets_a_clear_error(tmp_path):
         TrainConfig(model={"path": "m"}, data={"dataset": "d"}, method="grpo", optim={"mini_batch_prompts": 256})
     with pytest.raises(ValidationError, match="peer_models"):  # would accept no peer (the store refuses it too)
         TrainConfig(model={"path": "m"}, data={"dataset": "d"}, method="grpo", graft={"peer_models": []})
+    with pytest.raises(ValidationError, match="set that one instead"):  # co-training's wait is cotrain_wait_s
+        TrainConfig(model={"path": "m"}, data={"dataset": "d"}, method="grpo",
+                    store={"url": "http://x", "mode": "cotrain", "lookup_wait_s": 5})
     with pytest.raises(ValueError, match="section.field=value"):
         apply_overrides({}, ["graft.peer_negative_scale"])
     with pytest.raises(FileNotFoundError, match="does not exist"):

@@ -116,3 +116,50 @@ def test_a_silent_co_trainer_is_warned_about_and_counted(store, groups, caplog):
         assert found.peer_silent_steps == 0 and "n0" in {g.group_id for g in found.groups[groups[0].prompt_id]}
     finally:
         peers.close()
+
+
+class HeldLookupClient(StoreClient):
+    """The real client, whose lookups wait until the test lets them go (a store slower than the step's generation)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.release = threading.Event()
+
+    def lookup_peer_groups(self, request, validate=True):
+        assert self.release.wait(60), "the test never released the lookup"
+        return super().lookup_peer_groups(request, validate=validate)
+
+
+@pytest.mark.parametrize("lookup_wait_s", [0.0, 30.0])
+def test_offline_a_lookup_slower_than_generation_is_late_or_waited_for_as_lookup_wait_s_says(
+        store, groups, char_tokenizer, char_model, lookup_wait_s):
+    """Offline, the gate takes the background lookup's answer if it is back within store.lookup_wait_s: with 0 (the
+    default) a lookup still out is counted late and the step has no peer group; with a wait it gets the group."""
+    from toy.world import build_group
+
+    problem = sample_problems(12, seed=3)[5]
+    peer = f"slow-peer-{lookup_wait_s:g}"
+    theirs = build_group(problem, ["1", "2"], [1.0, 0.0], char_tokenizer, char_model, model_id=peer, tokenizer_id="char")
+    theirs = theirs.model_copy(update={"rollouts": [r.model_copy(update={"group_id": f"{peer}-g", "rollout_id": f"{peer}-g-{i}"})
+                                                    for i, r in enumerate(theirs.rollouts)]})
+    with StoreClient(store.url) as client:
+        client.push_groups([theirs])
+    peers = PeerExchange(StoreConfig(url=store.url, lookup_wait_s=lookup_wait_s), GraftConfig(peer_models=[peer]), LEARNER)
+    held = HeldLookupClient(store.url)
+    peers._lookup_client = held
+    try:
+        request = peers.request([groups[5].prompt_id], 0)
+        pending = peers.start_lookup(request)
+        if lookup_wait_s:
+            threading.Timer(0.3, held.release.set).start()  # the store answers 0.3 s after generation ended
+        found = peer_candidates(peers, pending, request, groups[5:6], None)
+        held.release.set()
+        if lookup_wait_s:
+            assert [g.group_id for g in found.groups[problem.prompt_id]] == [f"{peer}-g"]
+            assert 0.3 <= found.wait_s < lookup_wait_s and peers.counters.lookups_late == 0
+        else:
+            assert found.groups == {} and peers.counters.lookups_late == 1
+            assert pending.result(timeout=60).ok  # it came back, after the gate had gone on
+    finally:
+        held.release.set()
+        peers.close()
