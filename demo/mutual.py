@@ -137,7 +137,7 @@ def mutual_jobs(cfg: DemoConfig, data: dict[str, Path], models: dict[str, dict],
             tag = config_hash(seed, variant, overrides, *(models[r]["checkpoint_hash"] for r in ROLES),
                               cfg.rl.model_dump(exclude={"seeds", "variants", "ablations", "ablation_seeds", "imitation_examples_per_step", "cotrain"}))[:8]
             ids = {role: f"{MODEL_ID[role]}-co{tag}" for role in ROLES}
-            cotrain = ["store.mode=cotrain", f"store.cotrain_wait_s={cfg.rl.cotrain_wait_s}", *overrides]
+            cotrain = ["store.mode=cotrain", f"store.cotrain_wait_s={cfg.rl.cotrain_wait_s}", "store.lookup_wait_s=0", *overrides]
             parts = [(role, config(role, seed, "graft", ids[role], ids[OTHER[role]], cotrain)) for role in ROLES]
             add(f"cotrain_{variant}-s{seed}", f"cotrain_{variant}", seed, parts, both)
         for role in ROLES:

@@ -87,7 +87,7 @@ def run_record(run: dict, families: list[str]) -> dict[str, Any]:
         peer_metrics = read_metrics(peer_dir)
         record["cotrain_peer"] = {
             "acc_by_family": peer_done["evals"][-1]["acc_greedy"],
-            "acc_by_family_start": peer_done["evals"][0]["acc_greedy"],
+            "acc_by_step": [{"step": e["step"], **e["acc_greedy"]} for e in peer_done["evals"]],  # its checkpoints
             "frac_all_fail_mean": _finite_mean([m["frac_all_fail"] for m in peer_metrics]),
             "peer_hit_rate_mean": _finite_mean([m["peer_hit_rate"] for m in peer_metrics]),
             "frac_grafted_mean": _finite_mean([m["frac_grafted"] for m in peer_metrics]),
@@ -312,12 +312,17 @@ def markdown(summary: dict, cfg: DemoConfig) -> str:
             lines += ["", line + "."]
     cotrain = [r for r in summary["runs"] if "cotrain_peer" in r]
     if cotrain:
-        lines += ["", "Co-training, the peer's side (it trains too, taking the learner's groups for its all-fail prompts):", "",
-                  f"| seed | peer {weak} start -> end | peer {strong} start -> end | peer all-fail frac | peer grafted frac |", "|---|---|---|---|---|"]
+        start = summary["models"]["peer"]["acc_greedy"]  # its warm start, on the same held-out problems
+        steps = [e["step"] for e in cotrain[0]["cotrain_peer"]["acc_by_step"]]
+        path = " -> ".join(["warm start", *(f"step {s}" for s in steps)])
+        lines += ["", "Co-training, the peer's side (it trains too, with the learner's RL settings but no anchor, taking the "
+                  "learner's groups for its all-fail prompts); held-out greedy accuracy (%):", "",
+                  f"| seed | peer {weak}: {path} | peer {strong}: {path} | peer all-fail frac | peer grafted frac |",
+                  "|---|---|---|---|---|"]
         for r in cotrain:
             p = r["cotrain_peer"]
-            lines.append(f"| {r['seed']} | {_pct(p['acc_by_family_start'][weak])} -> {_pct(p['acc_by_family'][weak])} | "
-                         f"{_pct(p['acc_by_family_start'][strong])} -> {_pct(p['acc_by_family'][strong])} | "
+            by_family = {f: " -> ".join(_pct(a) for a in [start[f], *(e[f] for e in p["acc_by_step"])]) for f in (weak, strong)}
+            lines.append(f"| {r['seed']} | {by_family[weak]} | {by_family[strong]} | "
                          f"{_num(p['frac_all_fail_mean'])} | {_num(p['frac_grafted_mean'])} |")
     lines += ["", "## Every run", "", f"| run | {weak} | {strong} | {weak} sampled | all-fail | hit rate | grafted | rollouts | peer rollouts | train s |",
               "|---|---|---|---|---|---|---|---|---|---|"]

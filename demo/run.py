@@ -241,8 +241,8 @@ def rl_jobs(cfg: DemoConfig, data: dict[str, Path], models: dict[str, dict], sto
         pair_rl = cfg.rl.model_dump(exclude={"ablations", "ablation_seeds", "variants", "imitation_examples_per_step", "cotrain"})
         tag = config_hash(seed, models["learner"]["checkpoint_hash"], models["peer"]["checkpoint_hash"], pair_rl)[:8]
         learner_id, peer_id = f"{LEARNER_MODEL_ID}-co{tag}", f"{PEER_MODEL_ID}-co{tag}"
-        cotrain = ["store.mode=cotrain", f"store.cotrain_wait_s={cfg.rl.cotrain_wait_s}", f"model.model_id={learner_id}",
-                   f"graft.peer_models=[{peer_id}]"]
+        cotrain = ["store.mode=cotrain", f"store.cotrain_wait_s={cfg.rl.cotrain_wait_s}", "store.lookup_wait_s=0",
+                   f"model.model_id={learner_id}", f"graft.peer_models=[{peer_id}]"]
         learner = learner_config(seed, "graft", cotrain)
         peer = learner_config(seed, "graft", cotrain)
         peer["model"].update(path=peer_ckpt, model_id=peer_id)
