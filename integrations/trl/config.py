@@ -39,7 +39,7 @@ class GraftConfig(GRPOConfig):
                                                "the problem text, as the generator stored it)"})
     graft_lookup_wait_s: float = field(
         default=0.0, metadata={"help": "after generation, wait at most this long for the peer lookup (it runs while "
-                                       "TRL generates); 0: graft only what is already back (graft-train's offline mode)"})
+                                       "TRL generates); 0: graft only what is already back (graft-train's store.lookup_wait_s)"})
     graft_options: dict | str | None = field(
         default=None, metadata={"help": "graft-train's graft section (JSON from the command line): kappa, is_cap, "
                                         "token_is, max_grafted_fraction, peer_models, ... (graft-train show-config)"})

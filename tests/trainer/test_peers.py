@@ -156,7 +156,7 @@ def test_offline_a_lookup_slower_than_generation_is_late_or_waited_for_as_lookup
         held.release.set()
         if lookup_wait_s:
             assert [g.group_id for g in found.groups[problem.prompt_id]] == [f"{peer}-g"]
-            assert 0.3 <= found.wait_s < lookup_wait_s and peers.counters.lookups_late == 0
+            assert 0.25 <= found.wait_s < lookup_wait_s and peers.counters.lookups_late == 0  # it waited
         else:
             assert found.groups == {} and peers.counters.lookups_late == 1
             assert pending.result(timeout=60).ok  # it came back, after the gate had gone on
