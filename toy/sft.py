@@ -45,6 +45,14 @@ class SFTConfig(BaseModel):
                     "skill emerges steeply, and the step where it does moves with the CPU's arithmetic (AVX2 vs AVX-512 "
                     "kernels): a fixed step gives a different model on another machine, a measured level does not",
     )
+    stop_when_sampled: dict[str, float] = Field(
+        default_factory=dict,
+        description="as stop_when, on each family's sampled accuracy (check_samples samples per dev problem at T = 1): the "
+                    "level RL starts from, measured as RL samples (a greedy check on a few hundred problems jumps by 5-16 "
+                    "points from one check to the next before a skill emerges)",
+    )
+    check_samples: int = Field(default=0, ge=0, description="samples per dev problem at T = 1 in every check (0: greedy only); needed by stop_when_sampled")
+    keep_checkpoints: bool = Field(default=False, description="save a checkpoint at every check (the caller picks its starts from them)")
     check_every: int = Field(default=10, gt=0, description="steps between two checks of stop_when")
     stop_when_checks: int = Field(
         default=1, ge=1,
@@ -101,8 +109,10 @@ def train_sft(
     desc: str = "sft",
     progress_path: Path | None = None,
     dev: dict[str, list[tuple[str, str]]] | None = None,
+    curve: list[dict] | None = None,
 ) -> dict[int, Path]:
     """Train on (prompt, completion) pairs drawn from `pools` by `cfg.family_weights`; returns {step: checkpoint dir}.
+    `curve` (when given) gets one entry per check: {"step", "greedy": {family: acc}, "sampled": {family: acc}}.
 
     The run ends at the first check where each family of `cfg.stop_when` has held its level on the `dev` pairs (held
     out from `pools`) on its last `cfg.stop_when_checks` checks, else at `cfg.stop_at` (default: the end of the
@@ -111,9 +121,11 @@ def train_sft(
     missing = set(cfg.family_weights) - set(pools)
     if missing:
         raise ValueError(f"family_weights names {sorted(missing)} but pools only has {sorted(pools)}")
-    unchecked = set(cfg.stop_when) - set(dev or {})
+    unchecked = (set(cfg.stop_when) | set(cfg.stop_when_sampled)) - set(dev or {})
     if unchecked:
         raise ValueError(f"stop_when names {sorted(unchecked)} but no dev pairs were given for them")
+    if cfg.stop_when_sampled and not cfg.check_samples:
+        raise ValueError("stop_when_sampled needs check_samples > 0 (samples per dev problem)")
     rng = random.Random(cfg.seed)
     families = list(cfg.family_weights)
     weights = [cfg.family_weights[f] for f in families]
@@ -123,7 +135,7 @@ def train_sft(
         raise ValueError(f"stop_at = {cfg.stop_at} lies beyond the schedule's {cfg.steps} steps")
     save_steps = {s for s in cfg.save_steps if s <= last} | {last}
     saved: dict[int, Path] = {}
-    held = dict.fromkeys(cfg.stop_when, 0)  # per family: its last checks in a row at or above its level
+    held: dict[str, int] = {}  # per condition: its last checks in a row at or above its level (stop_check)
     model.train()
     bar = tqdm(range(1, last + 1), desc=desc, mininterval=1.0)
     for step in bar:
@@ -141,16 +153,22 @@ def train_sft(
             bar.set_postfix(loss=f"{loss.item():.3f}")
             if progress_path is not None:
                 write_progress(progress_path, step, last)
-        reached = False
-        if cfg.stop_when and (step % cfg.check_every == 0 or step == last):
-            accuracy = {f: greedy_exact_match(model, tokenizer, dev[f]) for f in cfg.stop_when}
-            held, reached = stop_check(cfg, held, accuracy)
-            if reached or step == last:
-                tqdm.write(f"{desc}: step {step}, dev greedy accuracy "
-                           + ", ".join(f"{f} {100 * a:.1f}% (stop at {100 * cfg.stop_when[f]:.0f}%)" for f, a in accuracy.items())
+        reached = checked = False
+        if (cfg.stop_when or cfg.stop_when_sampled or curve is not None) and dev and (step % cfg.check_every == 0 or step == last):
+            checked = True
+            greedy = {f: greedy_exact_match(model, tokenizer, pairs) for f, pairs in dev.items()}
+            sampled = ({f: sampled_exact_match(model, tokenizer, pairs, cfg.check_samples, seed=cfg.seed + step)
+                        for f, pairs in dev.items()} if cfg.check_samples else {})
+            if curve is not None:
+                curve.append({"step": step, "greedy": greedy, "sampled": sampled})
+            held, reached = stop_check(cfg, held, greedy, sampled)
+            if (reached or step == last) and (cfg.stop_when or cfg.stop_when_sampled):
+                levels = [f"{f} {100 * greedy[f]:.1f}% greedy (stop at {100 * v:.0f}%)" for f, v in cfg.stop_when.items()]
+                levels += [f"{f} {100 * sampled[f]:.1f}% sampled (stop at {100 * v:.0f}%)" for f, v in cfg.stop_when_sampled.items()]
+                tqdm.write(f"{desc}: step {step}, dev accuracy " + ", ".join(levels)
                            + (f", each on its last {cfg.stop_when_checks} checks" if reached and cfg.stop_when_checks > 1 else "")
                            + ("" if reached else f": not reached by the last step, {last}; the warm start ends there"))
-        if out_dir is not None and (step in save_steps or reached):
+        if out_dir is not None and (step in save_steps or reached or (checked and cfg.keep_checkpoints)):
             path = out_dir / f"step-{step}"
             model.save_pretrained(path)
             tokenizer.save_pretrained(path)
@@ -161,12 +179,16 @@ def train_sft(
     return saved
 
 
-def stop_check(cfg: SFTConfig, held: dict[str, int], accuracy: dict[str, float]) -> tuple[dict[str, int], bool]:
-    """One check of `cfg.stop_when` on this check's dev `accuracy` per family: each family's count of its last checks in
-    a row at or above its level (`held`: the counts before this check), and whether every family has held its level on
-    `cfg.stop_when_checks` checks."""
-    held = {f: held.get(f, 0) + 1 if accuracy[f] >= level else 0 for f, level in cfg.stop_when.items()}
-    return held, all(n >= cfg.stop_when_checks for n in held.values())
+def stop_check(cfg: SFTConfig, held: dict[str, int], accuracy: dict[str, float],
+               sampled: dict[str, float] | None = None) -> tuple[dict[str, int], bool]:
+    """One check of `cfg.stop_when` (on this check's dev greedy `accuracy` per family) and `cfg.stop_when_sampled` (on
+    its `sampled` accuracy): each condition's count of its last checks in a row at or above its level (`held`: the
+    counts before this check, keyed by family, and `<family>:sampled`), and whether every one has held its level on
+    `cfg.stop_when_checks` checks. No condition: never reached."""
+    levels = {f: (level, accuracy) for f, level in cfg.stop_when.items()}
+    levels |= {f"{f}:sampled": (level, sampled or {}) for f, level in cfg.stop_when_sampled.items()}
+    held = {key: held.get(key, 0) + 1 if values[key.split(":")[0]] >= level else 0 for key, (level, values) in levels.items()}
+    return held, bool(held) and all(n >= cfg.stop_when_checks for n in held.values())
 
 
 @torch.no_grad()
@@ -189,6 +211,32 @@ def greedy_exact_match(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFas
             hits += completion[: len(wanted[i])] == wanted[i]
     model.train(was_training)
     return hits / len(pairs)
+
+
+@torch.no_grad()
+def sampled_exact_match(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, pairs: list[tuple[str, str]],
+                        samples: int, seed: int, max_new_tokens: int = 16) -> float:
+    """Share of `samples` completions per pair, drawn at temperature 1 (as RL samples), that are exactly the reference
+    completion followed by EOS. Seeded, and drawn without touching the global torch RNG the training uses."""
+    prompt_ids = tokenizer([p for p, _ in pairs], add_special_tokens=False)["input_ids"]
+    wanted = [ids + [tokenizer.eos_token_id] for ids in tokenizer([c for _, c in pairs], add_special_tokens=False)["input_ids"]]
+    by_length: dict[int, list[int]] = {}
+    for i, ids in enumerate(prompt_ids):
+        by_length.setdefault(len(ids), []).append(i)
+    was_training = model.training
+    model.eval()
+    hits = 0
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for length, rows in sorted(by_length.items()):
+            input_ids = torch.tensor([prompt_ids[i] for i in rows])  # (B, P)
+            out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                                 do_sample=True, temperature=1.0, top_p=1.0, top_k=0, num_return_sequences=samples,
+                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # (B * k, .)
+            for j, completion in enumerate(out[:, length:].tolist()):
+                hits += completion[: len(wanted[rows[j // samples]])] == wanted[rows[j // samples]]
+    model.train(was_training)
+    return hits / (len(pairs) * samples)
 
 
 def train_quick(

@@ -13,7 +13,7 @@ boundary otherwise, and then the completion's tokens would not be the ones that 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
 import torch
 from torch import Tensor
@@ -26,11 +26,11 @@ from trainer.gate import (
     GateDecision,
     behaviour_ratio,
     compat_weights,
+    centre_under_weights,
     effective_sample_size,
-    group_normalize,
     peer_group_advantages,
 )
-from trainer.retokenize import retokenize_peer_rollout
+from trainer.retokenize import DropReason, Projection, retokenize_peer_rollout
 
 if TYPE_CHECKING:
     from trainer.learner import Learner
@@ -47,9 +47,10 @@ class TrainSample:
     prompt_ids: list[int]  # learner token ids of the prompt (the learner's own template)
     completion_ids: list[int]  # learner token ids of the completion, EOS included when it finished
     num_content_tokens: int  # completion tokens before the EOS (what l_old sums over)
-    advantage: float  # on-policy: GRPO advantage; grafted: peer-computed (negatives scaled)
+    advantage: float  # on-policy: GRPO advantage; grafted: peer-computed over the group's kept rows (negatives scaled)
     grafted: bool
     num_bytes: int  # UTF-8 length of the completion text
+    reward: float | None = None  # grafted: the peer rollout's stored reward (its advantage is recomputed from these)
     behaviour_logprobs: list[float] | None = None  # grafted: log mu~ per completion token (len(completion_ids))
     peer_logprob_sum: float = 0.0  # grafted: the stored l_peer (EOS excluded)
     # Filled in by the no-grad pass before the update (rows without signal keep None):
@@ -130,6 +131,8 @@ class StepRows:
     projections: dict[str, int]  # peer rollouts kept, by projection (exact, spans, uniform)
     peer_advantage_mismatch: int  # grafted groups whose stored advantages are not their rewards' group advantages
     same_tokenizer_id_mismatch: int  # same-tokenizer rows whose text does not re-tokenise to the stored ids
+    grafted_groups_short: int = 0  # grafted groups that lost rows on the way (advantages recomputed over the rest)
+    peer_samples: int = 0  # peer rollouts of the grafted groups (union: the peer's successes)
 
 
 def build_rows(
@@ -142,8 +145,7 @@ def build_rows(
     add no gradient but count in the token-mean denominator, so GRAFT without peers is GRPO."""
     std_normalize = cfg.ppo.advantage == "grpo"
     prompt_ids_of: dict[str, list[int]] = {}
-    out = StepRows([], [], dict.fromkeys(("round_trip", "overlength", "non_finite", "peer_decode"), 0),
-                   dict.fromkeys(("exact", "spans", "uniform"), 0), 0, 0)
+    out = StepRows([], [], dict.fromkeys(get_args(DropReason), 0), dict.fromkeys(get_args(Projection), 0), 0, 0)
 
     def prompt_tokens(prompt_id: str) -> list[int]:
         if prompt_id not in prompt_ids_of:
@@ -166,30 +168,59 @@ def build_rows(
             continue
         peer = decision.peer_group
         out.peer_groups_used.append(peer)
+        prompt_ids = prompt_tokens(decision.prompt_id)
         if decision.action == "graft":
-            peer_rollouts = list(peer.rollouts)
-            peer_advantages, agrees = peer_group_advantages(peer, std_normalize=std_normalize)
-            out.peer_advantage_mismatch += int(not agrees)
-        else:  # union: the learner's failures and the peer's successes form one group
-            peer_rollouts = [r for r in peer.rollouts if r.correct]
-            union_rewards = [r.reward for r in own.rollouts] + [r.reward for r in peer_rollouts]
-            union = group_advantages(union_rewards, std_normalize=std_normalize)
-            out.rows.extend(learner_row(r, a, group_index) for r, a in zip(own.rollouts, union[: len(own.rollouts)]))
-            peer_advantages = union[len(own.rollouts):]
-        out.rows.extend(peer_rows(cfg, learner, peer_rollouts, peer_advantages, decision.prompt_id, group_index,
-                                  prompt_tokens(decision.prompt_id), peer_tokenizers, learner.stop_token_id, out))
+            out.rows.extend(grafted_group_rows(cfg, learner, peer, group_index, prompt_ids, peer_tokenizers,
+                                               learner.stop_token_id, out))
+            continue
+        # union: the learner's failures and the peer's successes that survive re-tokenisation form one group
+        successes = [r for r in peer.rollouts if r.correct]
+        out.peer_samples += len(successes)
+        kept = peer_rows(cfg, learner, successes, decision.prompt_id, group_index, prompt_ids, peer_tokenizers,
+                         learner.stop_token_id, out)
+        out.grafted_groups_short += int(len(kept) < len(successes))
+        union = group_advantages([r.reward for r in own.rollouts] + [row.reward for row in kept], std_normalize=std_normalize)
+        out.rows.extend(learner_row(r, a, group_index) for r, a in zip(own.rollouts, union[: len(own.rollouts)]))
+        out.rows.extend(_with_advantages(cfg, kept, union[len(own.rollouts):]))
     return out
 
 
-def peer_rows(
-    cfg: TrainConfig, learner: Learner, rollouts: list, advantages: list[float], prompt_id: str, group: int,
-    prompt_ids: list[int], peer_tokenizers: dict[str, Any], stop_token_id: int | None, counts: Any,
+def grafted_group_rows(
+    cfg: TrainConfig, learner: Learner, peer: RolloutGroup, group: int, prompt_ids: list[int],
+    peer_tokenizers: dict[str, Any], stop_token_id: int | None, counts: Any, max_rows: int | None = None,
 ) -> list[TrainSample]:
-    """A peer group's rollouts as learner rows: re-tokenised into the learner's tokens (ending with `stop_token_id`),
-    negative advantages scaled by peer_negative_scale. `counts` (StepRows, or the TRL trainer's plan) gets the
-    dropped rows by reason, the projections and the same-tokenizer mismatches."""
+    """A grafted peer group as learner rows (GRAFT_SPEC sections 2, 3): re-tokenised (`peer_rows`), at most
+    `max_rows` of them (a host with G slots per group: TRL), with the group advantages recomputed from the stored
+    rewards of the rows that train, so that they still sum to zero when a row was dropped, and negatives scaled.
+
+    counts (StepRows, or a host's plan) also gets: peer_samples, whether the stored advantages match the rewards
+    (peer_advantage_mismatch, over the whole stored group) and whether the group lost rows (grafted_groups_short)."""
+    std_normalize = cfg.ppo.advantage == "grpo"
+    _, agrees = peer_group_advantages(peer, std_normalize=std_normalize)
+    counts.peer_advantage_mismatch += int(not agrees)
+    counts.peer_samples += len(peer.rollouts)
+    rows = peer_rows(cfg, learner, list(peer.rollouts), peer.prompt_id, group, prompt_ids, peer_tokenizers, stop_token_id,
+                     counts)[:max_rows]
+    counts.grafted_groups_short += int(len(rows) < len(peer.rollouts))
+    return _with_advantages(cfg, rows, group_advantages([row.reward for row in rows], std_normalize=std_normalize))
+
+
+def _with_advantages(cfg: TrainConfig, rows: list[TrainSample], advantages: list[float]) -> list[TrainSample]:
+    """Set the grafted rows' advantages, negatives scaled by graft.peer_negative_scale."""
+    for row, advantage in zip(rows, advantages, strict=True):
+        row.advantage = advantage * cfg.graft.peer_negative_scale if advantage < 0 else advantage
+    return rows
+
+
+def peer_rows(
+    cfg: TrainConfig, learner: Learner, rollouts: list, prompt_id: str, group: int, prompt_ids: list[int],
+    peer_tokenizers: dict[str, Any], stop_token_id: int | None, counts: Any,
+) -> list[TrainSample]:
+    """Peer rollouts as learner rows, re-tokenised into the learner's tokens (ending with `stop_token_id`), each with its
+    stored reward and advantage 0 (set by the caller over the rows that survive: `grafted_group_rows`). `counts`
+    (StepRows, or a host's plan) gets the dropped rows by reason, the projections and the same-tokenizer mismatches."""
     rows = []
-    for rollout, advantage in zip(rollouts, advantages):
+    for rollout in rollouts:
         tokens = retokenize_peer_rollout(
             rollout, learner.tokenizer, learner.tokenizer_id, cfg.rollout.max_response_tokens,
             peer_tokenizers.get(rollout.tokenizer_id), stop_token_id=stop_token_id,
@@ -200,13 +231,11 @@ def peer_rows(
             continue
         counts.projections[tokens.projection] += 1
         counts.same_tokenizer_id_mismatch += int(not tokens.canonical)
-        if advantage < 0:
-            advantage *= cfg.graft.peer_negative_scale
         rows.append(TrainSample(
             prompt_id=prompt_id, group=group, prompt_ids=prompt_ids, completion_ids=tokens.token_ids,
-            num_content_tokens=tokens.num_content_tokens, advantage=advantage, grafted=True,
-            num_bytes=len(rollout.completion_text.encode("utf-8")), behaviour_logprobs=tokens.behaviour_logprobs,
-            peer_logprob_sum=float(rollout.logprob_sum),
+            num_content_tokens=tokens.num_content_tokens, advantage=0.0, grafted=True,
+            num_bytes=len(rollout.completion_text.encode("utf-8")), reward=rollout.reward,
+            behaviour_logprobs=tokens.behaviour_logprobs, peer_logprob_sum=float(rollout.logprob_sum),
         ))
     return rows
 
@@ -214,8 +243,8 @@ def peer_rows(
 def needs_forward(row: TrainSample, cfg: TrainConfig) -> bool:
     """Rows with zero advantage add nothing to the loss (unless a KL is on); with
     optim.skip_zero_advantage they get no forward pass (they still count in the normaliser).
-    Grafted rows under graft.group_normalized_weight always get one: their w is part of their
-    group's mean, which must not depend on that speed switch."""
+    Grafted rows under graft.group_normalized_weight always get one: their w enters their group's
+    centring, which must not depend on that speed switch."""
     return (not cfg.optim.skip_zero_advantage or row.advantage != 0.0 or cfg.ppo.kl_beta > 0
             or (row.grafted and cfg.graft.group_normalized_weight))
 
@@ -362,9 +391,14 @@ def _weigh_grafted_rows(cfg: TrainConfig, grafted: list[TrainSample]) -> Grafted
     peer_sums = torch.tensor([row.peer_logprob_sum for row in grafted], dtype=torch.float64)  # (g,)
     num_bytes = torch.tensor([row.num_bytes for row in grafted])  # (g,)
     weights, log_rho = compat_weights(learner_sums, peer_sums, num_bytes, cfg.graft.kappa, cfg.graft.log_rho_min)
-    if cfg.graft.group_normalized_weight:
-        weights = group_normalize(weights, torch.tensor([row.group for row in grafted]))
     finite = torch.isfinite(learner_sums) & torch.isfinite(weights)
+    if cfg.graft.group_normalized_weight:  # over the rows that train (the non-finite ones are dropped below)
+        kept = [row for row, ok in zip(grafted, finite.tolist()) if ok]
+        if kept:
+            centred = centre_under_weights(torch.tensor([row.advantage for row in kept], dtype=torch.float64), weights[finite],
+                                           torch.tensor([row.group for row in kept]))
+            for row, advantage in zip(kept, centred.tolist()):
+                row.advantage = advantage
     ratios: list[Tensor] = []
     hardest: list[float] = []
     for row, w, ok in zip(grafted, weights.tolist(), finite.tolist()):

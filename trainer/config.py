@@ -99,7 +99,7 @@ class GraftConfig(_Section):
     is_cap: float = Field(default=2.0, gt=0.0, description="C: truncation of the token behaviour ratio b = min(pi_old/mu, C)")
     luffy_gamma: float = Field(default=0.1, gt=0.0, description="gamma of the luffy shaping p/(p + gamma)")
     peer_negative_scale: float = Field(default=1.0, ge=0.0, description="multiplies negative advantages of grafted responses (1: the method as published)")
-    group_normalized_weight: bool = Field(default=False, description="divide each w by the mean w of its grafted group")
+    group_normalized_weight: bool = Field(default=False, description="centre each grafted group's advantages under its weights, A' = A - sum(w A) / sum(w), so that tokens every row shares get no net push (with w < 1 they do otherwise); needs peer_negative_scale 1")
     peer_loss_scale: float = Field(default=1.0, gt=0.0, description="multiplies c on every grafted token (1: the spec; > 1 gives the peer's rows a larger share of the token-mean, outside the spec)")
     kl_on_peer: bool = Field(default=False, description="apply the KL term (ppo.kl_beta > 0) to grafted tokens too")
     max_grafted_fraction: float = Field(default=0.5, ge=0.0, le=1.0, description="at most this fraction of a step's groups are grafted")
@@ -117,6 +117,15 @@ class GraftConfig(_Section):
         description="opt-in: graft peer groups whose tokenizer is not in peer_tokenizers, spreading their logprob_sum evenly "
                     "over the text's characters (mu~ per token, so b, then carries little); off: such groups are refused",
     )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> GraftConfig:
+        if self.group_normalized_weight and self.peer_negative_scale != 1.0:
+            raise ValueError(
+                f"graft.group_normalized_weight with graft.peer_negative_scale = {self.peer_negative_scale}: the first centres "
+                "each grafted group's advantages so that sum(w A) = 0, the second rescales its negative ones afterwards and "
+                "undoes that; use one of the two")
+        return self
 
 
 class DapoConfig(_Section):

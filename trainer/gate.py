@@ -164,18 +164,20 @@ def compat_weights(
     return weights.float(), log_rho.float()
 
 
-def group_normalize(weights: Tensor, group_index: Tensor) -> Tensor:
-    """Divide each weight by the mean weight of its group (option graft.group_normalized_weight).
+def centre_under_weights(advantages: Tensor, weights: Tensor, group_index: Tensor) -> Tensor:
+    """Advantages centred under the sequence weights, per group (option graft.group_normalized_weight, GRAFT_SPEC 5):
+    A' = A - sum_k w_k A_k / sum_k w_k over the group's rows, so that sum_j w_j A'_j = 0 and a token every row of the
+    group shares (same b) gets no net push, as it gets none under plain GRPO. Dividing w by the group's mean w does not
+    do that: it rescales every row by one constant.
 
-    weights: (n,) float; group_index: (n,) int64 group of each sample. A group whose weights are all
-    zero stays zero."""
+    advantages, weights: (n,) float; group_index: (n,) int64 group of each row. A group whose weights are all zero
+    keeps its advantages (its rows carry no weight anyway)."""
     num_groups = int(group_index.max()) + 1 if len(group_index) else 0
-    zeros = torch.zeros(num_groups, dtype=weights.dtype)  # (groups,)
-    sums = zeros.index_add(0, group_index, weights)  # (groups,)
-    counts = zeros.index_add(0, group_index, torch.ones_like(weights))  # (groups,)
-    means = sums / counts.clamp(min=1.0)  # (groups,)
-    mean_per_sample = means[group_index]  # (n,)
-    return torch.where(mean_per_sample > 0, weights / mean_per_sample.clamp(min=1e-12), torch.zeros_like(weights))
+    zeros = torch.zeros(num_groups, dtype=torch.float64)  # (groups,)
+    weight_sums = zeros.index_add(0, group_index, weights.double())  # (groups,)
+    weighted_sums = zeros.index_add(0, group_index, (weights.double() * advantages.double()))  # (groups,)
+    shift = torch.where(weight_sums > 0, weighted_sums / weight_sums.clamp(min=1e-300), torch.zeros_like(weight_sums))
+    return (advantages.double() - shift[group_index]).to(advantages.dtype)  # (n,)
 
 
 def behaviour_ratio(old_logprobs: Tensor, behaviour_logprobs: Tensor, cap: float) -> Tensor:

@@ -147,6 +147,7 @@ def step_metrics(
     metrics.update({f"projection_{kind}": count[f"projection_{kind}"] for kind in outcome.rows.projections})
     metrics["peer_advantage_mismatch"] = count["peer_advantage_mismatch"]
     metrics["same_tokenizer_id_mismatch"] = count["same_tokenizer_id_mismatch"]
+    metrics["grafted_groups_short"] = count["grafted_groups_short"]  # lost rows: advantages over the kept ones
     if "weight_sync_s" in clock.laps:
         metrics["weight_sync_s"] = job["weight_sync_s"]
     for name in store or {}:
@@ -157,7 +158,7 @@ def step_metrics(
 
 # Tally names that are counts (written as integers); the others are sums of floats.
 COUNTED = ("rollouts_generated", "peer_rollouts_consumed", "groups_", "dropped_", "dapo_groups_kept", "projection_",
-           "peer_advantage_mismatch", "same_tokenizer_id_mismatch", "store_")
+           "peer_advantage_mismatch", "same_tokenizer_id_mismatch", "grafted_groups_short", "store_")
 
 
 def _rank_tally(
@@ -183,7 +184,7 @@ def _rank_tally(
         "decisions": len(decisions), "all_fail": len(all_fail),
         "peer_hits": sum(1 for d in all_fail if d.peer_group is not None and d.peer_group.informative),
         "grafted": len(grafted), "skipped": sum(a.startswith("skip_") for a in actions),
-        "peer_samples": sum(len(g.rollouts) for g in rows.peer_groups_used),
+        "peer_samples": rows.peer_samples,
         "peer_group_age_steps": sum(state.step - d.peer_group.policy_step for d in grafted),
         "peer_group_age_steps_n": len(grafted),
         "peer_group_age_s": sum(time.time() - d.peer_group.rollouts[0].created_at.timestamp() for d in grafted),
@@ -198,6 +199,7 @@ def _rank_tally(
         **{f"projection_{kind}": count for kind, count in rows.projections.items()},
         "peer_advantage_mismatch": rows.peer_advantage_mismatch,
         "same_tokenizer_id_mismatch": rows.same_tokenizer_id_mismatch,
+        "grafted_groups_short": rows.grafted_groups_short,
         **{name: value for name, value in store.items()},
     }
     for name, (total, weight) in update.totals.items():

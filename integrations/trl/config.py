@@ -23,6 +23,17 @@ LOSS_AGG = {"dapo": "token-mean", "bnpo": "token-mean", "grpo": "seq-mean-token-
 class GraftConfig(GRPOConfig):
     """GRPOConfig with GRAFT: set `graft_store_url` (and usually `graft_peer_tokenizers`); None is plain GRPO."""
 
+    # graft-train's clip where the user sets none (GRAFT_SPEC 5: eps_high 0.28, dual clip c = 3 on negative advantages):
+    # TRL's defaults (epsilon_high None = epsilon, delta None = no dual clip) would run GRAFT, and the GRPO arm it is
+    # compared with, under another loss than graft-train's. TRL's delta clamps the ratio at delta on every token, which
+    # for a positive advantage changes nothing (the clipped term is already the smaller) and for a negative one is the
+    # dual clip. Set epsilon_high=None, delta=None for TRL's own.
+    epsilon_high: float | None = field(
+        default=0.28, metadata={"help": "upper clip of the ratio, 1 + epsilon_high (graft-train's 0.28, DAPO's clip-higher; "
+                                        "None: epsilon, TRL's default)"})
+    delta: float | None = field(
+        default=3.0, metadata={"help": "ratio clamp of two-sided GRPO, which is graft-train's dual clip c on negative "
+                                       "advantages (graft-train's 3.0; None: off, TRL's default)"})
     graft_store_url: str | None = field(
         default=None, metadata={"help": "store base URL to take peer groups from, e.g. http://127.0.0.1:8600 (None: plain GRPO)"})
     graft_model_id: str | None = field(

@@ -29,7 +29,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
 from accelerate.utils import broadcast_object_list, gather_object
@@ -40,20 +40,18 @@ from trl.models.utils import disable_gradient_checkpointing
 
 from rollouts.models import default_model_id, model_fingerprint, tokenizer_fingerprint
 from schemas import PeerLookupRequest
-from trainer.batch import FirstPass, TrainSample, WeightedRows, WeightStats, old_logprobs_and_weights, peer_rows
+from trainer.batch import FirstPass, TrainSample, WeightedRows, WeightStats, grafted_group_rows, old_logprobs_and_weights
 from trainer.config import TrainConfig
 from trainer.data import load_peer_tokenizers
-from trainer.gate import GateDecision, gate_groups, peer_group_advantages
+from trainer.gate import GateDecision, gate_groups
 from trainer.learner import Learner
 from trainer.peers import LookupResult, PeerExchange, RefusedTokenizers
-from trainer.retokenize import learner_stop_token
+from trainer.retokenize import DropReason, Projection, learner_stop_token
 
 from integrations.trl.config import GraftConfig
 
 log = logging.getLogger(__name__)
 NAN = float("nan")
-DROP_REASONS = ("round_trip", "overlength", "non_finite", "peer_decode")
-PROJECTIONS = ("exact", "spans", "uniform")
 # outputs of the parent that carry more than text tokens: GRAFT has no peer rows for them
 UNSUPPORTED_OUTPUTS = ("tool_mask", "pixel_values", "num_images", "token_type_ids", "mm_token_type_ids")
 
@@ -94,6 +92,7 @@ class _Plan:
     peer_samples: int = 0  # peer rollouts of the grafted groups
     peer_advantage_mismatch: int = 0
     same_tokenizer_id_mismatch: int = 0
+    grafted_groups_short: int = 0  # grafted groups that lost rows (dropped, or beyond G): advantages over the rest
     peer_rollouts_unused: int = 0  # rows of peer groups larger than G, beyond the G slots
     store: dict[str, float] = field(default_factory=dict)  # the store client's counts and wait of this batch
 
@@ -108,6 +107,10 @@ class GraftGRPOTrainer(GRPOTrainer):
         if self.args.grafts and self.beta != 0.0 and self.ref_model is None:
             raise ValueError("beta > 0 with a PEFT model (no separate reference model): GRAFT computes the reference "
                              "logprobs of grafted rows with ref_model; pass a full model, or beta 0")
+        if self.args.grafts and self.accelerator.num_processes > 1 and self.args.graft_section().group_normalized_weight:
+            raise ValueError("graft_options.group_normalized_weight centres a grafted group's advantages over its rows, "
+                             "and TRL may split a group's rows over processes (each weighs its own): leave it off with "
+                             f"{self.accelerator.num_processes} processes")
         self._graft_rewards: Tensor | None = None  # (N, F) the parent's gathered rewards of the current batch
         self.graft = self._graft_setup() if self.args.grafts else None
 
@@ -182,12 +185,13 @@ class GraftGRPOTrainer(GRPOTrainer):
             payload = [decisions, self._store_counts(wait_s)]
         decisions, store = broadcast_object_list(payload, from_process=0)
 
-        plan = _Plan(decisions, {}, dict.fromkeys(DROP_REASONS, 0), dict.fromkeys(PROJECTIONS, 0), store=store)
+        plan = _Plan(decisions, {}, dict.fromkeys(get_args(DropReason), 0),
+                     dict.fromkeys(get_args(Projection), 0), store=store)
         for group, decision in enumerate(decisions):
             if not decision.grafts:
                 continue
+            plan.peer_rollouts_unused += max(0, len(decision.peer_group.rollouts) - G)
             rows = self._peer_rows(decision, group, plan, lookup.stop_token)
-            plan.peer_rollouts_unused += max(0, len(rows) - G)
             for slot in range(G):
                 plan.slots[group * G + slot] = rows[slot] if slot < len(rows) else None
         if plan.peer_rollouts_unused and not self.graft.warned_unused:
@@ -225,15 +229,10 @@ class GraftGRPOTrainer(GRPOTrainer):
         return self.graft.stop_tokens[template]
 
     def _peer_rows(self, decision: GateDecision, group: int, plan: _Plan, stop_token: int) -> list[TrainSample]:
-        """The peer group's rollouts as learner rows, as graft-train's build_rows makes them (advantages recomputed
-        from the stored rewards, negative ones scaled), less the dropped ones (counted in the plan)."""
-        cfg, learner = self.graft.cfg, self.graft.learner
-        peer = decision.peer_group
-        advantages, agrees = peer_group_advantages(peer, std_normalize=cfg.ppo.advantage == "grpo")
-        plan.peer_samples += len(peer.rollouts)
-        plan.peer_advantage_mismatch += int(not agrees)
-        return peer_rows(cfg, learner, list(peer.rollouts), advantages, decision.prompt_id, group, [],
-                         self.graft.peer_tokenizers, stop_token, plan)
+        """The peer group's rollouts as learner rows, as graft-train's build_rows makes them, less the dropped ones
+        and at most G (the failed group's slots), with advantages recomputed over those (counted in the plan)."""
+        return grafted_group_rows(self.graft.cfg, self.graft.learner, decision.peer_group, group, [],
+                                  self.graft.peer_tokenizers, stop_token, plan, max_rows=self.num_generations)
 
     # ---- 5, 6. pi_old, the weights and the splice -------------------------------------------------------------
     def _splice(self, output: dict[str, Any], plan: _Plan) -> tuple[dict[str, Any], WeightedRows | None, int]:
@@ -387,6 +386,7 @@ class GraftGRPOTrainer(GRPOTrainer):
             **{f"projection_{kind}": count for kind, count in plan.projections.items()},
             "peer_advantage_mismatch": plan.peer_advantage_mismatch,
             "same_tokenizer_id_mismatch": plan.same_tokenizer_id_mismatch,
+            "grafted_groups_short": plan.grafted_groups_short,
             **plan.store,
             "graft_s": graft_s,
         }

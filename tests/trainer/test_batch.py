@@ -98,6 +98,45 @@ def test_grafted_rows_weights_by_hand(char_model, char_tokenizer, bpe_model, bpe
     assert weighted.stats.compat_weight_mean == pytest.approx(sum(r.compat_weight for r in rows) / 4, rel=1e-5)
 
 
+def test_a_grafted_group_that_lost_a_row_gets_advantages_over_the_rows_that_train(char_model, char_tokenizer, bpe_model,
+                                                                                  bpe_tokenizer):
+    """The peer's stored advantages are over its whole group; a row dropped by re-tokenisation (here: longer than
+    the learner's 32 tokens) would leave the rest summing to 0.866, a net push on every token they share. They are
+    recomputed over the kept rows, and the step counts the group."""
+    problem = PROBLEMS[0]
+    texts = ["\\boxed{19}", "\\boxed{18}", "\\boxed{19}", "\\boxed{" + "1" * 40 + "}"]
+    peer = build_group(problem, texts, [1.0, 0.0, 1.0, 0.0], bpe_tokenizer, bpe_model, model_id="peer", tokenizer_id="tok-bpe")
+    own = build_group(problem, ["1", "2", "3", "4"], [0.0] * 4, char_tokenizer, char_model, model_id="learner",
+                      tokenizer_id="tok-char")
+    step_rows = build_rows(config(), learner_of(char_model, char_tokenizer),
+                           [GateDecision(problem.prompt_id, "all_fail", "graft", peer)], [own], {problem.prompt_id: problem},
+                           {"tok-bpe": bpe_tokenizer})
+    assert step_rows.drops["overlength"] == 1 and step_rows.grafted_groups_short == 1 and step_rows.peer_samples == 4
+    assert step_rows.peer_advantage_mismatch == 0  # the stored group's advantages were right; only the rows changed
+    # rewards [1, 0, 1] kept: mean 2/3, unbiased std sqrt(1/3)
+    std = math.sqrt(1 / 3)
+    assert [r.advantage for r in step_rows.rows] == pytest.approx([(1 / 3) / std, -(2 / 3) / std, (1 / 3) / std], rel=1e-4)
+    assert sum(r.advantage for r in step_rows.rows) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_group_normalized_weight_leaves_no_net_push_on_the_tokens_a_group_shares(char_model, char_tokenizer, bpe_model,
+                                                                                  bpe_tokenizer):
+    """Every row of the group starts with the same characters, where pi_old and mu~ (so b) are the same: the grafted
+    rows' per-token weights c times their advantages must sum to zero there, as a GRPO group's advantages do."""
+    _, _, learner, build = grafting(char_model, char_tokenizer, bpe_model, bpe_tokenizer)
+
+    def first_token_push(cfg) -> tuple[float, list[float]]:
+        rows = old_logprobs_and_weights(cfg, learner, None, build(cfg).rows).rows
+        return sum(float(r.token_weight[0]) * r.advantage for r in rows), [r.compat_weight for r in rows]
+
+    plain, weights = first_token_push(config())
+    assert max(weights) - min(weights) > 0.05 and abs(plain) > 1e-3  # unequal w: plain GRAFT pushes the shared token
+    centred, _ = first_token_push(config(group_normalized_weight=True))
+    assert centred == pytest.approx(0.0, abs=1e-6)
+    with pytest.raises(ValueError, match="peer_negative_scale"):
+        config(group_normalized_weight=True, peer_negative_scale=0.0)
+
+
 def test_token_is_none_and_luffy_keep_the_sequence_weight(char_model, char_tokenizer, bpe_model, bpe_tokenizer):
     _, _, learner, build = grafting(char_model, char_tokenizer, bpe_model, bpe_tokenizer)
     stats = old_logprobs_and_weights(config(), learner, None, build(config()).rows).stats

