@@ -1,0 +1,193 @@
+"""The `graft` section a verl run adds to its config, graft-train's configuration of the same run, and the verl settings
+GRAFT refuses (each with the reason), checked before verl starts a worker.
+
+A verl user adds, with Hydra's `+` (verl's schema has no `graft` section):
+
+    trainer.v1.trainer_mode=graft_sync
+    +graft.store_url=http://127.0.0.1:8600
+    +graft.peer_tokenizers=[/models/peer]
+    +graft.options.kappa=0.5            # any field of graft-train's graft section (graft-train show-config)
+
+The GRAFT options are graft-train's own sections (`trainer.config.GraftConfig` and `StoreConfig`), validated by them:
+the same defaults, the same errors. What verl cannot do the way graft-train does is refused here, saying why.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from pydantic import BaseModel, ConfigDict, Field
+
+from trainer.config import GraftConfig as GraftOptions
+from trainer.config import StoreConfig, TrainConfig
+
+TRAINER_MODE = "graft_sync"
+# verl's loss aggregations that graft-train's loss has (the parity test compares them); verl's others it has not
+LOSS_AGG = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+class VerlGraftSection(BaseModel):
+    """`graft` in a verl config. Without store_url the trainer is verl's sync trainer, unchanged."""
+
+    model_config = ConfigDict(extra="forbid")  # a typo under graft. fails loudly
+
+    store_url: str | None = Field(default=None, description="store base URL to take peer groups from (None: plain verl)")
+    model_id: str | None = Field(default=None, description="the learner's model id in the store (its own groups are "
+                                 "never grafted); default: the model's directory or hub name, as graft-train names it")
+    tokenizer_id: str | None = Field(default=None, description="the learner's tokenizer id; default: its fingerprint")
+    peer_tokenizers: list[str] = Field(default_factory=list, description="the peers' tokenizers: directories (their "
+                                       "fingerprints are their ids), or ID=DIR for a peer that stored another id")
+    prompt_id_key: str = Field(default="prompt_id", description="key of each dataset row's extra_info holding its store "
+                               "prompt id (schemas.prompt_id of the problem text, as the generator stored it)")
+    lookup_wait_s: float = Field(default=0.0, ge=0.0, description="after generation, wait at most this long for the "
+                                 "batch's peer lookup (it runs while verl generates); 0: graft only what is back")
+    options: dict[str, Any] = Field(default_factory=dict, description="graft-train's graft section: kappa, is_cap, "
+                                    "token_is, max_grafted_fraction, peer_models, ...")
+    store_options: dict[str, Any] = Field(default_factory=dict, description="graft-train's store section but url: "
+                                          "token, timeout_s, retries, backoff_*, groups_per_prompt")
+
+    @property
+    def grafts(self) -> bool:
+        return self.store_url is not None
+
+    def graft_options(self) -> GraftOptions:
+        """graft-train's graft section: options and peer_tokenizers (validated)."""
+        entries = list(self.peer_tokenizers)
+        pairs = [entry.split("=", 1) for entry in entries if "=" in entry]
+        if pairs and len(pairs) != len(entries):
+            raise ValueError(f"graft.peer_tokenizers {entries}: give every entry as ID=DIR or none (DIR alone)")
+        peer_tokenizers: dict[str, str] | list[str] = dict(pairs) if pairs else entries
+        return GraftOptions.model_validate({**self.options, "peer_tokenizers": peer_tokenizers})
+
+    def store_options_section(self) -> StoreConfig:
+        """graft-train's store section (offline: a verl run only reads the store)."""
+        options = dict(self.store_options)
+        if "url" in options:
+            raise ValueError("graft.store_options.url: the URL is graft.store_url")
+        if "lookup_wait_s" in options:
+            raise ValueError("graft.store_options.lookup_wait_s: the lookup's wait is graft.lookup_wait_s")
+        if options.get("mode", "offline") != "offline" or options.get("publish"):
+            raise ValueError(
+                "graft.store_options: co-training (mode cotrain, publish) is not built for verl: publishing needs the "
+                "learner's own groups as stored rows (text, sampling logprobs, finish reason) before the splice "
+                "replaces its all-fail groups, which the verl trainer does not assemble; a verl run reads the store "
+                "(mode offline). graft-train co-trains (store.mode cotrain)")
+        return StoreConfig.model_validate({**options, "url": self.store_url, "publish": False,
+                                           "lookup_wait_s": self.lookup_wait_s})
+
+
+def graft_section(config: DictConfig) -> VerlGraftSection:
+    """The config's `graft` section (absent: plain verl)."""
+    section = config.get("graft", None)
+    data = OmegaConf.to_container(section, resolve=True) if section is not None else {}
+    return VerlGraftSection.model_validate(data or {})
+
+
+def _value(config: DictConfig, path: str, default: Any = None) -> Any:
+    value = OmegaConf.select(config, path, default=default)
+    return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else value
+
+
+def check_config(config: DictConfig) -> None:
+    """Raise ValueError, naming the setting and why, for verl settings GRAFT cannot work with (the trainer calls this
+    before verl starts a worker)."""
+    section = graft_section(config)
+    if not section.grafts:
+        return
+    graft = section.graft_options()
+    section.store_options_section()
+    refusals = []
+    if _value(config, "algorithm.adv_estimator") != "grpo":
+        refusals.append(f"algorithm.adv_estimator={_value(config, 'algorithm.adv_estimator')}: GRAFT replaces whole "
+                        "groups and gives them group-relative advantages (graft-train's grpo, or dr_grpo); set "
+                        "algorithm.adv_estimator=grpo (with algorithm.norm_adv_by_std_in_grpo=false for Dr. GRPO)")
+    if _value(config, "algorithm.rollout_correction.bypass_mode", False):
+        refusals.append("algorithm.rollout_correction.bypass_mode=true: pi_old would be the rollout's logprobs, which "
+                        "on grafted rows are the peer's (mu~): the PPO ratio would anchor on the peer and b would be 1")
+    if _value(config, "algorithm.rollout_correction.rollout_rs") is not None:
+        refusals.append("algorithm.rollout_correction.rollout_rs: rejection sampling compares pi_old with the rollout's "
+                        "logprobs, which on grafted rows are the peer's: it would reject peer rows for being the peer's")
+    if _value(config, "algorithm.rollout_correction.rollout_is_batch_normalize", False):
+        refusals.append("algorithm.rollout_correction.rollout_is_batch_normalize=true: the learner rows' weights "
+                        "would be normalised over a batch whose grafted rows carry the peer's ratios")
+    if _value(config, "algorithm.filter_groups.enable", False):
+        refusals.append("algorithm.filter_groups.enable=true (DAPO): the replay buffer evicts all-fail groups while it "
+                        "samples, before GRAFT sees them: nothing would be left to graft")
+    if _value(config, "algorithm.use_kl_in_reward", False):
+        refusals.append("algorithm.use_kl_in_reward=true: the KL penalty shapes every row's rewards before the "
+                        "advantages, and grafted rows take the peer group's advantages: it would vanish there unsaid")
+    if _value(config, "actor_rollout_ref.actor.use_kl_loss", False) and not graft.kl_on_peer:
+        refusals.append("actor_rollout_ref.actor.use_kl_loss=true: verl's KL term covers every token, grafted ones "
+                        "too; set +graft.options.kl_on_peer=true to accept that, or use_kl_loss=false")
+    loss_mode = _value(config, "actor_rollout_ref.actor.policy_loss.loss_mode", "vanilla")
+    if loss_mode != "vanilla":
+        refusals.append(f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}: GRAFT's per-token weight c rides "
+                        "in rollout_is_weights, which verl's vanilla loss multiplies after clipping, as graft-train's "
+                        "loss does; other losses are not graft-train's")
+    agg = _value(config, "actor_rollout_ref.actor.loss_agg_mode", "token-mean")
+    if agg not in LOSS_AGG:
+        refusals.append(f"actor_rollout_ref.actor.loss_agg_mode={agg}: graft-train's loss has {', '.join(LOSS_AGG)}")
+    elif agg == "seq-mean-token-sum-norm" and _value(config, "actor_rollout_ref.actor.loss_scale_factor") is None:
+        refusals.append("actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm with loss_scale_factor null: "
+                        "verl then divides by each micro-batch's padded width, graft-train by the response budget; set "
+                        "actor_rollout_ref.actor.loss_scale_factor to data.max_response_length")
+    if float(_value(config, "actor_rollout_ref.actor.entropy_coeff", 0) or 0) != 0:
+        refusals.append("actor_rollout_ref.actor.entropy_coeff != 0: graft-train's loss has no entropy bonus, and "
+                        "verl's would raise the learner's entropy on the peer's tokens too")
+    if graft.token_is == "luffy":
+        refusals.append("graft.options.token_is=luffy replaces the PPO ratio inside the loss, which verl computes; use "
+                        "'tis' or 'none'")
+    if graft.union_all_success:
+        refusals.append("graft.options.union_all_success: a union group has more rows than the rollout.n slots verl's "
+                        "batch holds for the prompt; leave it off under verl")
+    if _value(config, "actor_rollout_ref.rollout.multi_turn.enable", False):
+        refusals.append("actor_rollout_ref.rollout.multi_turn.enable=true: a peer group is single-turn text; a "
+                        "multi-turn trajectory's turns cannot be replaced by it")
+    sync_steps = _value(config, f"trainer.v1.{TRAINER_MODE}.parameter_sync_step", 1)
+    if sync_steps != 1:
+        refusals.append(f"trainer.v1.{TRAINER_MODE}.parameter_sync_step={sync_steps}: several updates per weight sync "
+                        "are verl's async trainers' (colocate_async, separate_async); GRAFT runs in the sync trainer")
+    if _value(config, "distillation.enabled", False) or _value(config, "distillation.enable", False):
+        refusals.append("distillation: a teacher's logprobs are of the learner's own tokens, which grafted rows replace")
+    if refusals:
+        raise ValueError("GRAFT cannot run with these verl settings:\n- " + "\n- ".join(refusals))
+
+
+def train_config(config: DictConfig) -> TrainConfig:
+    """graft-train's configuration of the same run: what graft-train's shared functions (the gate, the peer rows, the
+    weights, the store client) read, and what the loss parity tests run graft-train's loss with.
+
+    ppo takes verl's clip (clip_ratio_low/high, clip_ratio_c as the dual clip), loss_agg_mode and the KL coefficient;
+    rollout.max_response_tokens is data.max_response_length (longer peer texts are dropped, as graft-train drops them)."""
+    section = graft_section(config)
+    actor = "actor_rollout_ref.actor"
+    rollout = "actor_rollout_ref.rollout"
+    clip = _value(config, f"{actor}.clip_ratio", 0.2)
+    top_k = _value(config, f"{rollout}.top_k", -1)
+    agg = _value(config, f"{actor}.loss_agg_mode", "token-mean")
+    use_kl = bool(_value(config, f"{actor}.use_kl_loss", False))
+    prompts = int(_value(config, "data.train_batch_size"))
+    return TrainConfig.model_validate({
+        "seed": int(_value(config, "data.seed") or _value(config, f"{actor}.data_loader_seed", 0) or 0),
+        "method": "graft" if section.grafts else "grpo",
+        "model": {"path": str(_value(config, "actor_rollout_ref.model.path")), "model_id": section.model_id,
+                  "tokenizer_id": section.tokenizer_id},
+        "data": {"dataset": "verl-dataset"},
+        "rollout": {"group_size": int(_value(config, f"{rollout}.n")), "prompts_per_step": prompts,
+                    "temperature": float(_value(config, f"{rollout}.temperature", 1.0)),
+                    "top_p": float(_value(config, f"{rollout}.top_p", 1.0)),
+                    "top_k": int(top_k) if top_k and int(top_k) > 0 else None,
+                    "max_response_tokens": int(_value(config, "data.max_response_length"))},
+        "optim": {"lr": float(_value(config, f"{actor}.optim.lr", 1e-6)),
+                  "ppo_epochs": int(_value(config, f"{actor}.ppo_epochs", 1)),
+                  "mini_batch_prompts": min(prompts, int(_value(config, f"{actor}.ppo_mini_batch_size", prompts)))},
+        "ppo": {"eps_low": float(_value(config, f"{actor}.clip_ratio_low", None) or clip),
+                "eps_high": float(_value(config, f"{actor}.clip_ratio_high", None) or clip),
+                "dual_clip_c": float(_value(config, f"{actor}.clip_ratio_c", 3.0)),
+                "kl_beta": float(_value(config, f"{actor}.kl_loss_coef", 0.0)) if use_kl else 0.0,
+                "advantage": "grpo" if _value(config, "algorithm.norm_adv_by_std_in_grpo", True) else "dr_grpo",
+                **({"loss_agg": agg} if agg in LOSS_AGG else {})},
+        "graft": section.graft_options().model_dump(),
+        "store": section.store_options_section().model_dump() if section.grafts else {},
+    })

@@ -1,0 +1,10 @@
+"""verl's plugin entry point (`verl.plugins` in pyproject): importing it registers `GraftPPOTrainer` as
+`trainer.v1.trainer_mode=graft_sync` in every verl process that imports verl.
+
+verl loads entry-point plugins at `import verl` and logs a failed one at DEBUG only (the run then stops with
+"Unknown trainer 'graft_sync'"); `VERL_USE_EXTERNAL_MODULES=integrations.verl.plugin` imports it so that a failure
+raises with its cause (docs/verl.md)."""
+
+from integrations.verl.trainer import GraftPPOTrainer
+
+__all__ = ["GraftPPOTrainer"]

@@ -1,0 +1,391 @@
+"""`GraftPPOTrainer`: verl's synchronous v1 trainer (`PPOTrainerSync`), grafting peer groups from the store into its
+all-fail groups (GRAFT_SPEC), registered as `trainer.v1.trainer_mode=graft_sync`.
+
+It wraps four of verl's methods and copies none (a copied loop drifts from its parent; HACPO and LUFFY replaced
+verl's `fit`); each calls its parent:
+- `_submit_batch_to_rollout`: the peer lookup for the submitted prompts (their `extra_info.prompt_id`) starts in a
+  background thread, then verl dispatches generation: the lookup hides behind it.           trainer/peers.py
+- `_balance_batch`, the first step after the replay buffer's sample (and the colocated reward model) sees the batch
+  with every group's rewards (`rm_scores`): the gate on them (an all-fail group: no reward > 0), then each grafted
+  group's peer rollouts, re-tokenised into the learner's tokens, are written over the failed group's rollout.n rows
+  in TransferQueue (an unfilled slot keeps one token, masked out, as verl's own padding rows), then verl balances.
+  verl then computes pi_old (and pi_ref) on them itself.                    trainer/gate.py, trainer/batch.py
+- `_compute_advantage`: verl's, then on grafted rows the peer group's advantages (graft-train's recomputation from the
+  stored rewards, negative ones scaled) and the per-token weight c = peer_loss_scale * w * b from pi_old and the
+  peer's projected logprobs mu~ (graft-train's `old_logprobs_and_weights`). c goes into `rollout_is_weights`, which
+  verl's vanilla loss multiplies into the clipped per-token loss, as graft-train's loss does; the learner's rows keep
+  1 (or verl's own rollout correction weight when `rollout_is` is set). graft-train's metrics go under `graft/`.
+- `_setup` builds the learner's identities and the store client after verl's; `fit` closes the client.
+verl's trainer runs in its own sync mode underneath (`trainer.v1.trainer_mode` reads `sync` once the trainer is
+built): its replay buffer, checkpoints and weight sync are the sync trainer's.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import random
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import transfer_queue as tq
+from omegaconf import DictConfig, open_dict
+from tensordict import TensorDict
+from transfer_queue import KVBatchMeta
+from verl.trainer.ppo.padding_utils import build_padding_position_ids
+from verl.trainer.ppo.v1.trainer_base import register_trainer
+from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+from verl.workers.utils.padding import response_to_nested
+
+from integrations.verl.config import TRAINER_MODE, check_config, graft_section, train_config
+from rollouts.models import default_model_id, model_fingerprint, tokenizer_fingerprint
+from trainer.batch import FirstPass, TrainSample, WeightedRows, WeightStats, old_logprobs_and_weights, peer_rows
+from trainer.config import TrainConfig
+from trainer.data import load_peer_tokenizers
+from trainer.gate import GateDecision, gate_groups, peer_group_advantages
+from trainer.learner import Learner
+from trainer.metrics import MetricsLog
+from trainer.peers import LookupResult, PeerExchange, RefusedTokenizers
+from trainer.retokenize import learner_stop_token
+
+log = logging.getLogger(__name__)
+NAN = float("nan")
+DROP_REASONS = ("round_trip", "overlength", "non_finite", "peer_decode")
+PROJECTIONS = ("exact", "spans", "uniform")
+# fields of a rollout that carry more than text tokens: a peer row has nothing for them
+UNSUPPORTED_FIELDS = ("routed_experts", "teacher_ids", "teacher_logprobs")
+
+
+@dataclass
+class GraftSetup:
+    """What every batch's GRAFT works with (built once, in verl's driver process)."""
+
+    cfg: TrainConfig  # graft-train's configuration of this run (integrations.verl.config.train_config)
+    learner: Learner  # the learner's identities as graft-train's shared functions take them (no model: verl has it)
+    peer_tokenizers: dict[str, Any]
+    refused: RefusedTokenizers
+    peers: PeerExchange
+    stop_token: int  # what the learner's completions end with (its chat template's end of turn, else EOS)
+    store_log: MetricsLog  # graft-train's store counts per step (it writes no file here: writes=False)
+
+
+@dataclass
+class Lookup:
+    """One submission's peer lookup, started before verl generates."""
+
+    prompt_of: dict[str, str]  # uid -> store prompt id
+    pending: Future | None
+    started: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class Splice:
+    """A batch's gate decisions and the peer rows written over its failed groups (kept for `_compute_advantage`)."""
+
+    decisions: list[GateDecision]
+    slots: dict[str, TrainSample | None]  # TransferQueue key -> its peer row (None: the slot keeps no token)
+    learner_rewards: list[float]
+    drops: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DROP_REASONS, 0))
+    projections: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PROJECTIONS, 0))
+    peer_samples: int = 0
+    peer_advantage_mismatch: int = 0
+    same_tokenizer_id_mismatch: int = 0
+    peer_rollouts_unused: int = 0  # rows of peer groups larger than rollout.n, beyond its slots
+    store: dict[str, float] = field(default_factory=dict)
+    graft_s: float = 0.0
+
+
+@register_trainer(TRAINER_MODE)
+class GraftPPOTrainer(PPOTrainerSync):
+    """verl's sync trainer with GRAFT. Without `graft.store_url` it is verl's sync trainer, unchanged."""
+
+    def __init__(self, config: DictConfig):
+        check_config(config)  # before verl starts anything: a refused setting fails here, saying why
+        self.graft_section = graft_section(config)
+        self.graft_cfg = train_config(config) if self.graft_section.grafts else None
+        with open_dict(config):
+            # verl's base trainer reads any mode but "sync" as an async one (its replay buffer, checkpoints, prompt
+            # storage): GRAFT runs inside the sync trainer, so verl's code below sees its own sync mode
+            config.trainer.v1.trainer_mode = "sync"
+        super().__init__(config)
+        self.graft: GraftSetup | None = None
+        self.graft_lookups: list[Lookup] = []
+        self.graft_splice: Splice | None = None
+
+    # ---- set-up -------------------------------------------------------------------------------------------------
+    def _setup(self):
+        super()._setup()
+        if self.graft_cfg is not None:
+            self.graft = self.graft_setup()
+
+    def graft_setup(self) -> GraftSetup:
+        """The learner's identities (verl's tokenizer: the one its actor trains with), the peers' tokenizers and the
+        store client. Needs `self.tokenizer` (verl's `_setup` loads it)."""
+        cfg = self.graft_cfg
+        path = cfg.model.path
+        tokenizer_id = cfg.model.tokenizer_id or tokenizer_fingerprint(self.tokenizer)
+        model_id = cfg.model.model_id or default_model_id(path)
+        eos_ids = {int(self.tokenizer.eos_token_id)} if self.tokenizer.eos_token_id is not None else set()
+        stop = learner_stop_token(self.tokenizer, eos_ids, "auto")  # verl prompts through the chat template
+        learner = Learner(hf_model=None, tokenizer=self.tokenizer, model_id=model_id, tokenizer_id=tokenizer_id,
+                          revision=model_fingerprint(path) if Path(path).is_dir() else path, eos_ids=eos_ids | {stop},
+                          device=torch.device("cpu"), stop_token_id=stop)
+        peer_tokenizers = load_peer_tokenizers(cfg)
+        refused = RefusedTokenizers(None if cfg.graft.uniform_projection else {tokenizer_id, *peer_tokenizers})
+        peers = PeerExchange(cfg.store, cfg.graft, model_id)
+        return GraftSetup(cfg, learner, peer_tokenizers, refused, peers, stop,
+                          MetricsLog(cfg, Path(cfg.run_dir), 0, peers, writes=False))
+
+    def fit(self, agent_loop_manager):
+        try:
+            return super().fit(agent_loop_manager)
+        finally:
+            if self.graft is not None:
+                self.graft.peers.close()
+
+    # ---- 1. the lookup, while verl generates -------------------------------------------------------------------
+    def _submit_batch_to_rollout(self, batch: TensorDict) -> int:
+        if self.graft is not None:
+            self.graft_start_lookup(batch)
+        return super()._submit_batch_to_rollout(batch)
+
+    def graft_start_lookup(self, batch: TensorDict) -> Lookup:
+        """Start the lookup of the batch's prompts (each row's `extra_info[prompt_id_key]`)."""
+        key = self.graft_section.prompt_id_key
+        extra = list(batch["extra_info"]) if "extra_info" in batch.keys() else [{}] * len(batch)
+        missing = [i for i, info in enumerate(extra) if not isinstance(info, dict) or key not in info]
+        if missing:
+            raise KeyError(f"GRAFT finds peer groups by each prompt's store id: rows {missing[:5]} of the dataset have "
+                           f"no extra_info.{key} (add schemas.prompt_id(problem text) to each row's extra_info, or "
+                           "name the key in graft.prompt_id_key)")
+        prompt_of = {str(uid): str(info[key]) for uid, info in zip(list(batch["uid"]), extra, strict=True)}
+        request = self.graft.peers.request(list(prompt_of.values()), self.global_steps)
+        lookup = Lookup(prompt_of, self.graft.peers.start_lookup(request))
+        self.graft_lookups.append(lookup)
+        return lookup
+
+    # ---- 2. the gate and the splice, before verl balances the batch ---------------------------------------------
+    def _balance_batch(self, batch: KVBatchMeta, metrics, *args, **kwargs):
+        if self.graft is not None and batch.partition_id == "train":
+            self.graft_splice = self.graft_splice_batch(batch)
+        return super()._balance_batch(batch, metrics, *args, **kwargs)
+
+    def graft_splice_batch(self, batch: KVBatchMeta) -> Splice:
+        """Gate the batch's groups and write the grafted groups' peer rows over their rows in TransferQueue."""
+        began = time.perf_counter()
+        groups: dict[str, list[int]] = {}  # uid -> its rows (batch indices), in session order
+        for i, key in enumerate(batch.keys):
+            uid, session, index = key.rsplit("_", 2)
+            if int(index) != 0:
+                raise NotImplementedError(f"trajectory {key}: GRAFT replaces single-output trajectories; this agent "
+                                          "loop returns several outputs per session")
+            groups.setdefault(uid, []).append(i)
+        for rows in groups.values():
+            rows.sort(key=lambda i: int(batch.keys[i].rsplit("_", 2)[1]))
+        scores = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["rm_scores"])
+        rewards = [float(row.sum()) for row in scores["rm_scores"].unbind()]  # verl's reward: rm_scores' sum
+
+        prompt_of, found, request = self.graft_collect(list(groups))
+        learner_rewards = [(prompt_of[uid], [rewards[i] for i in rows]) for uid, rows in groups.items()]
+        decisions = gate_groups(
+            learner_rewards, found.groups, request, max_grafted_fraction=self.graft.cfg.graft.max_grafted_fraction,
+            rng=random.Random(self.graft.cfg.seed * 7_919 + self.global_steps),  # graft-train's seeding of the cap
+            usable_tokenizers=self.graft.refused.usable,
+        )
+        self.graft.refused.warn(decisions, found.groups)
+        splice = Splice(decisions, {}, rewards, store=self.graft_store_counts(found.wait_s))
+        grafted = [(uid, rows, d) for (uid, rows), d in zip(groups.items(), decisions, strict=True) if d.grafts]
+        if grafted:
+            self.graft_write_rows(batch, grafted, splice)
+        splice.graft_s = time.perf_counter() - began
+        return splice
+
+    def graft_collect(self, uids: list[str]) -> tuple[dict[str, str], LookupResult, Any]:
+        """The prompt ids of `uids` and what their lookups found (waiting at most graft.lookup_wait_s for each), and
+        the rule the gate applies (the lookup request of the batch's prompts)."""
+        wanted, prompt_of, found = set(uids), {}, LookupResult(ok=True)
+        waited = time.perf_counter()
+        for lookup in [lookup for lookup in self.graft_lookups if wanted & lookup.prompt_of.keys()]:
+            result = self.graft.peers.collect(lookup.pending, self.graft_section.lookup_wait_s)
+            found.ok &= result.ok
+            for prompt_id, peer_groups in result.groups.items():
+                found.groups.setdefault(prompt_id, []).extend(peer_groups)
+            prompt_of.update(lookup.prompt_of)
+            if lookup.prompt_of.keys() <= wanted:
+                self.graft_lookups.remove(lookup)
+        found.wait_s = time.perf_counter() - waited
+        unknown = [uid for uid in uids if uid not in prompt_of]
+        if unknown:
+            raise RuntimeError(f"groups {unknown[:3]} were not submitted through this trainer: no prompt id is known")
+        request = self.graft.peers.request([prompt_of[uid] for uid in uids], self.global_steps)
+        return prompt_of, found, request
+
+    def graft_write_rows(self, batch: KVBatchMeta, grafted: list[tuple[str, list[int], GateDecision]],
+                         splice: Splice) -> None:
+        """Peer rows over the grafted groups' slots: verl's own fields of each row, rebuilt from the peer's tokens (as
+        verl's padding rows are built from a real row, trainer/ppo/padding_utils.py), the tags' lengths updated."""
+        n = self.config.actor_rollout_ref.rollout.n
+        cfg, learner = self.graft.cfg, self.graft.learner
+        keys = [batch.keys[i] for _, rows, _ in grafted for i in rows]
+        sources = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id)
+        unsupported = [name for name in UNSUPPORTED_FIELDS if name in sources.keys()]
+        if unsupported:
+            raise NotImplementedError(f"GRAFT grafts text completions; these rollouts also carry {unsupported}, for "
+                                      "which peer rows have nothing")
+        position = {key: k for k, key in enumerate(keys)}
+        samples, tags = [], []
+        for uid, rows, decision in grafted:
+            peer = decision.peer_group
+            advantages, agrees = peer_group_advantages(peer, std_normalize=cfg.ppo.advantage == "grpo")
+            splice.peer_samples += len(peer.rollouts)
+            splice.peer_advantage_mismatch += int(not agrees)
+            source = sources[position[batch.keys[rows[0]]]]
+            prompt = source["prompts"].tolist()
+            made = []  # (row, the peer's reward of its text), one rollout at a time: dropped ones leave no row
+            for rollout, advantage in zip(peer.rollouts, advantages, strict=True):
+                made += [(row, rollout.reward or 0.0) for row in peer_rows(
+                    cfg, learner, [rollout], [advantage], decision.prompt_id, 0, prompt, self.graft.peer_tokenizers,
+                    self.graft.stop_token, splice)]
+            splice.peer_rollouts_unused += max(0, len(made) - n)
+            for slot, i in enumerate(rows):
+                row, reward = made[slot] if slot < len(made) else (None, 0.0)
+                key = batch.keys[i]
+                splice.slots[key] = row
+                sample, tag = self.graft_row_fields(sources[position[key]], batch.tags[i], prompt, row, reward)
+                samples.append(sample)
+                tags.append(tag)
+                batch.tags[i] = tag  # what verl's balancing reads
+        tq.kv_batch_put(keys=keys, partition_id=batch.partition_id, fields=list_of_dict_to_tensordict(samples),
+                        tags=tags)
+
+    def graft_row_fields(self, source: TensorDict, tag: dict, prompt: list[int], row: TrainSample | None,
+                         reward: float) -> tuple[dict, dict]:
+        """A failed row's fields and tag with the peer row's tokens in place of its completion (None: one stop token,
+        masked out, as verl's padding rows carry)."""
+        sample = {name: value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+                  for name, value in source.items()}
+        multi_modal = sample.get("multi_modal_inputs")
+        if isinstance(multi_modal, dict) and multi_modal:
+            raise NotImplementedError("GRAFT grafts text completions; this prompt has multi-modal inputs")
+        if row is None:
+            completion, mask, behaviour = [self.graft.stop_token], [0], [0.0]
+        else:
+            completion, mask, behaviour = row.completion_ids, [1] * len(row.completion_ids), row.behaviour_logprobs
+        responses = torch.tensor(completion, dtype=torch.int64)
+        input_ids = torch.cat([torch.tensor(prompt, dtype=torch.int64), responses])
+        attention_mask = torch.ones_like(input_ids)
+        response_mask = torch.tensor(mask, dtype=torch.int64)
+        rm_scores = torch.zeros(len(completion), dtype=torch.float32)
+        rm_scores[-1] = reward  # verl's convention: the reward on the last token
+        sample.update(responses=responses, input_ids=input_ids, response_mask=response_mask, rm_scores=rm_scores,
+                      position_ids=build_padding_position_ids(sample.get("position_ids"), attention_mask))
+        if "loss_mask" in sample:
+            sample["loss_mask"] = response_mask.clone()
+        if "attention_mask" in sample:
+            sample["attention_mask"] = attention_mask
+        if "rollout_log_probs" in sample:  # the behaviour policy of these tokens: the peer's, projected (mu~)
+            sample["rollout_log_probs"] = torch.tensor(behaviour, dtype=torch.float32)
+        tag = dict(tag, response_len=len(completion), seq_len=len(prompt) + len(completion),
+                   graft="peer" if row is not None else "empty")
+        if row is None:
+            tag["is_padding"] = True  # no token: out of verl's response-length and score metrics, as its padding rows
+        return sample, tag
+
+    # ---- 3. advantages and c, after verl computed pi_old and its own advantages ---------------------------------
+    def _compute_advantage(self, batch: KVBatchMeta, metrics: dict) -> KVBatchMeta:
+        batch = super()._compute_advantage(batch, metrics)
+        splice, self.graft_splice = self.graft_splice, None
+        if self.graft is not None and splice is not None:
+            began = time.perf_counter()
+            weighted = self.graft_weigh(batch, splice) if splice.slots else None
+            splice.graft_s += time.perf_counter() - began
+            metrics.update(self.graft_metrics(splice, weighted))
+        return batch
+
+    def graft_weigh(self, batch: KVBatchMeta, splice: Splice) -> WeightedRows:
+        """Peer advantages and c = peer_loss_scale * w * b on the grafted rows (graft-train's functions, pi_old as the
+        "first pass"); `rollout_is_weights` of every row written (1, or verl's own, on the learner's rows)."""
+        fields = ["response_mask", "advantages", "old_log_probs", "rollout_is_weights"]
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+        response_mask = data["response_mask"]  # nested (B, j)
+        padded = data.select(*[name for name in fields if name in data.keys()]).to_padded_tensor()
+        mask = padded["response_mask"].bool()  # (B, T)
+        advantages = padded["advantages"].float()  # (B, T) verl's
+        weights = padded["rollout_is_weights"].float() if "rollout_is_weights" in padded.keys() \
+            else torch.ones_like(advantages)  # (B, T): c of the learner's rows
+        index = {key: i for i, key in enumerate(batch.keys)}
+        filled = sorted((index[key], row) for key, row in splice.slots.items() if row is not None)
+        rows = [row for _, row in filled]
+        old = padded["old_log_probs"].float()[[i for i, _ in filled]] if filled else torch.zeros((0, 1))  # (b, T)
+        weighted = old_logprobs_and_weights(self.graft.cfg, self.graft.learner, None, rows, FirstPass(rows, None, old))
+        kept = {id(row) for row in weighted.rows}
+        for key, row in splice.slots.items():
+            i = index[key]
+            advantages[i], weights[i] = 0.0, 0.0
+            if row is None or id(row) not in kept:  # an empty slot, or pi_old / w not finite: dropped, no token
+                mask[i] = False
+                continue
+            count = len(row.completion_ids)
+            advantages[i, :count] = row.advantage
+            weights[i, :count] = row.token_weight
+        advantages = advantages * mask
+        output = TensorDict({
+            "advantages": response_to_nested(advantages, response_mask),
+            "returns": response_to_nested(advantages, response_mask),
+            "rollout_is_weights": response_to_nested(weights * mask, response_mask),
+            "response_mask": response_to_nested(mask.long(), response_mask),
+        }, batch_size=len(batch))
+        output["loss_mask"] = output["response_mask"]
+        tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=output)
+        return weighted
+
+    # ---- metrics -----------------------------------------------------------------------------------------------
+    def graft_store_counts(self, wait_s: float) -> dict[str, float]:
+        """The store client's counts since the last batch (graft-train's store_* metrics) and this batch's wait."""
+        return {**self.graft.store_log.store_counts(), "store_wait_s": wait_s}
+
+    def graft_metrics(self, splice: Splice, weighted: WeightedRows | None) -> dict[str, float]:
+        """graft-train's metrics of the batch, under graft/ (verl's own reward metrics cover the trained rows, grafted
+        ones included: graft/learner_reward_mean is the learner's own)."""
+        decisions = splice.decisions
+        count = {kind: sum(d.kind == kind for d in decisions) for kind in ("all_fail", "all_success", "mixed")}
+        actions = [d.action for d in decisions]
+        grafted = [d for d in decisions if d.grafts]
+        all_fail = [d for d in decisions if d.kind == "all_fail"]
+        total = max(len(decisions), 1)
+        drops = dict(splice.drops)
+        if weighted is not None:
+            drops["non_finite"] += weighted.dropped_non_finite
+        stats = weighted.stats if weighted is not None else WeightStats()
+        hits = sum(1 for d in all_fail if d.peer_group is not None and d.peer_group.informative)
+        metrics = {
+            "learner_reward_mean": float(np.mean(splice.learner_rewards)) if splice.learner_rewards else NAN,
+            "frac_all_fail": count["all_fail"] / total, "frac_all_success": count["all_success"] / total,
+            "frac_mixed": count["mixed"] / total,
+            "peer_hit_rate": hits / len(all_fail) if all_fail else NAN,
+            "frac_grafted": len(grafted) / total,
+            "frac_skipped_no_signal": sum(a.startswith("skip_") for a in actions) / total,
+            "frac_dropped_retokenize": sum(drops.values()) / max(splice.peer_samples, 1),
+            **dataclasses.asdict(stats),
+            "peer_group_age_steps": float(np.mean([self.global_steps - d.peer_group.policy_step for d in grafted]))
+            if grafted else NAN,
+            "peer_rollouts_consumed": sum(1 for row in (weighted.rows if weighted else []) if row.grafted),
+            "peer_rollouts_unused": splice.peer_rollouts_unused,
+            "groups_capped": actions.count("skip_capped"), "groups_no_peer": actions.count("skip_no_peer"),
+            "groups_peer_uninformative": actions.count("skip_uninformative"),
+            "groups_no_peer_tokenizer": actions.count("skip_no_peer_tokenizer"),
+            **{f"dropped_{reason}": value for reason, value in drops.items()},
+            **{f"projection_{kind}": value for kind, value in splice.projections.items()},
+            "peer_advantage_mismatch": splice.peer_advantage_mismatch,
+            "same_tokenizer_id_mismatch": splice.same_tokenizer_id_mismatch,
+            **splice.store,
+            "graft_s": splice.graft_s,
+        }
+        return {f"graft/{name}": float(value) for name, value in metrics.items()}
