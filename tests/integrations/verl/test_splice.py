@@ -15,7 +15,9 @@ import transfer_queue as tq  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync  # noqa: E402
+from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.utils.config import omega_conf_to_dataclass  # noqa: E402
+from verl.workers.engine.utils import prepare_micro_batches  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
 from integrations.verl.trainer import GraftPPOTrainer  # noqa: E402
@@ -204,18 +206,19 @@ def test_verls_loss_on_the_spliced_batch_is_graft_trains_loss(stepped):
     sequence_advantages = torch.tensor([float(a[0]) if len(a) else 0.0 for a in data["advantages"].unbind()])
 
     actor = omega_conf_to_dataclass(trainer.config.actor_rollout_ref.actor)
-    tokens = int(data["loss_mask"].values().sum())
+    mini = TensorDict({name: data[name] for name in ("prompts", "responses", "response_mask", "loss_mask",
+                                                      "old_log_probs", "advantages", "rollout_is_weights")}, batch_size=B)
+    mini["current"] = torch.nested.as_nested_tensor([current[r, : len(masks[r])] for r in range(B)], layout=torch.jagged)
+    tu.assign_non_tensor(mini, use_dynamic_bsz=False, micro_batch_size_per_gpu=actor.ppo_micro_batch_size_per_gpu,
+                         dp_size=1, batch_num_tokens=int(data["loss_mask"].values().sum()), global_batch_size=B)
+    micro_batches, _ = prepare_micro_batches(mini)  # verl's engine's split of the mini-batch
+    assert len(micro_batches) == 3
     verl_loss = torch.zeros(())
-    for begin, end in ((0, 5), (5, 10), (10, B)):  # three micro-batches of one mini-batch
-        rows = list(range(begin, end))
-        micro = data[rows]
+    for micro in micro_batches:
         prompt_lens = micro["prompts"].offsets().diff()
         log_probs = torch.nested.as_nested_tensor(  # the model's output layout: one value per sequence token
-            [torch.cat([torch.zeros(int(p) - 1), current[r, : len(masks[r])], torch.zeros(1)])
-             for p, r in zip(prompt_lens, rows)], layout=torch.jagged)
-        micro = TensorDict({name: micro[name] for name in ("prompts", "responses", "response_mask", "old_log_probs",
-                                                             "advantages", "rollout_is_weights")}, batch_size=len(rows))
-        micro["dp_size"], micro["batch_num_tokens"], micro["global_batch_size"] = 1, tokens, B
+            [torch.cat([torch.zeros(int(p) - 1), c, torch.zeros(1)]) for p, c in zip(prompt_lens, micro["current"].unbind())],
+            layout=torch.jagged)
         loss, _ = ppo_loss(actor, {"log_probs": log_probs}, micro)
         verl_loss = verl_loss + loss
 
