@@ -89,8 +89,10 @@ system-deps:
 	    || { echo "could not install$$missing (apt-get needs root): the tests that need them will fail or skip"; exit 1; }; \
 	fi
 
-test: install-dev install-vllm system-deps
+# The verl tests (tests/integrations/verl) skip in .venv and run in .venv-verl, where a missing verl fails them.
+test: install-dev install-vllm install-verl system-deps
 	$(BIN)/python -m pytest -q
+	GRAFT_REQUIRE_VERL=1 $(VERL_VENV)/bin/python -m pytest -q tests/integrations/verl
 
 demo: install
 	$(BIN)/python -m demo.run

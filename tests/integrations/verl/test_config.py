@@ -41,7 +41,7 @@ def config(*extra: str):
     (["+graft.store_options.mode=cotrain"], "co-training"),
     (["+graft.options.kapa=1.0"], "kapa"),  # graft-train's own validation: a typo fails
     (["+graft.stor_url=x"], "stor_url"),
-    (["+graft.peer_tokenizers=[tok-1=/a,/b]"], "ID=DIR"),
+    (["+graft.peer_tokenizers=['tok-1=/a','/b']"], "ID=DIR"),
 ])
 def test_the_trainer_refuses_what_graft_cannot_do_inside_verl(settings, named):
     with pytest.raises(ValueError, match=named):
@@ -52,7 +52,7 @@ def test_what_graft_accepts_with_its_reason_to():
     cfg = train_config(config("actor_rollout_ref.actor.use_kl_loss=true", "+graft.options.kl_on_peer=true",
                               "actor_rollout_ref.actor.kl_loss_coef=0.02", "actor_rollout_ref.actor.clip_ratio_high=0.28",
                               "algorithm.norm_adv_by_std_in_grpo=false", "+graft.options.kappa=0.5",
-                              "+graft.peer_tokenizers=[tok-1=/models/peer]", "+graft.store_options.timeout_s=3"))
+                              "+graft.peer_tokenizers=['tok-1=/models/peer']", "+graft.store_options.timeout_s=3"))
     assert cfg.method == "graft" and cfg.store.url == STORE and cfg.store.timeout_s == 3 and not cfg.store.publish
     assert cfg.graft.kappa == 0.5 and cfg.graft.peer_tokenizers == {"tok-1": "/models/peer"}
     assert (cfg.ppo.eps_low, cfg.ppo.eps_high, cfg.ppo.dual_clip_c, cfg.ppo.kl_beta) == (0.2, 0.28, 3.0, 0.02)
