@@ -242,3 +242,45 @@ def test_without_a_store_the_trainer_is_verls_sync_trainer(world, learner, trans
     data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["response_mask"])
     assert all(int(m.sum()) == len(m) for m in data["response_mask"].unbind())
     tq.kv_clear(keys=batch.keys, partition_id=batch.partition_id)
+
+
+def update_actor(batch: TensorDict, overrides: list[str], tmp_path, name: str) -> float:
+    """One `train_mini_batch` of verl's actor on `batch` through the test-only CPU shim (cpu_actor.py, its own process:
+    the shim must register verl's cpu platform before anything resolves it); the largest parameter change."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    source, target = tmp_path / f"{name}.in.pt", tmp_path / f"{name}.out.pt"
+    torch.save({"overrides": overrides, "batch": batch}, source)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here.parents[2]), str(here)]), OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, str(here / "cpu_actor.py"), str(source), str(target)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    out = torch.load(target, weights_only=False)
+    return max(float((out["after"][k] - out["before"][k]).abs().max()) for k in out["before"])
+
+
+def test_verls_actor_update_moves_the_parameters_on_the_grafted_rows_alone(world, stepped, tmp_path):
+    """verl's actor (TrainingWorker, FSDP2, ppo_loss with rollout_is_weights) on the spliced batch with the learner's
+    own rows' advantages zeroed: the grafted rows alone move the parameters; with their c zeroed too, nothing moves
+    (weight decay 0: AdamW's decay would move them without a gradient)."""
+    fields = ["input_ids", "position_ids", "prompts", "responses", "response_mask", "loss_mask", "old_log_probs",
+              "advantages", "rollout_is_weights"]
+    data = tq.kv_batch_get(keys=stepped["batch"].keys, partition_id="train", select_fields=fields)
+    grafted = [tag.get("graft") == "peer" for tag in stepped["batch"].tags]
+    advantages = [a if g else torch.zeros_like(a) for a, g in zip(data["advantages"].unbind(), grafted)]
+    batch = TensorDict({name: data[name] for name in fields}, batch_size=len(grafted))
+    batch["advantages"] = torch.nested.as_nested_tensor(advantages, layout=torch.jagged)
+    overrides = graft_overrides(world["learner_dir"], None, None) + [
+        "actor_rollout_ref.actor.strategy=fsdp2", "+actor_rollout_ref.model.override_config.attn_implementation=eager",
+        "actor_rollout_ref.actor.optim.lr=0.01", "actor_rollout_ref.actor.optim.weight_decay=0",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4"]
+    moved = update_actor(batch, overrides, tmp_path, "grafted")
+    weights = [w if not g else torch.zeros_like(w) for w, g in zip(data["rollout_is_weights"].unbind(), grafted)]
+    batch["rollout_is_weights"] = torch.nested.as_nested_tensor(weights, layout=torch.jagged)
+    still = update_actor(batch, overrides, tmp_path, "none")
+    print(f"\nlargest parameter change: grafted rows {moved:.3e}, grafted rows' c zeroed {still:.3e}")
+    assert moved > 1e-4 and still == 0.0, (moved, still)
