@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
 .PHONY: install install-dev install-vllm install-verl system-deps test demo demo-real clean-venv demo-study demo-mutual demo-choose demo-headline gpu-check
-.PHONY: gpu-check-offline gpu-check-offline-folder gpu-check-rehearsal
+.PHONY: gpu-check-offline gpu-check-offline-folder gpu-check-rehearsal gpu-check-verl
 
 install: $(STAMP)
 
@@ -123,6 +123,11 @@ demo-real: install-dev
 # WHEELS=DIR: install from a wheel folder only (no index). DRY_RUN=1: in .venv on CPU, stopping before CUDA.
 gpu-check: $(if $(DRY_RUN),install-dev)
 	$(if $(DRY_RUN),$(BIN)/python,$(PY)) -m benchmarks.gpu_check $(if $(DRY_RUN),--dry-run) $(if $(WHEELS),--wheels $(WHEELS))
+
+# The verl stage (benchmarks/gpu_verl.py, docs/verl.md): a few main_ppo steps with GRAFT's trainer on a GPU machine whose
+# PY has verl[vllm]==0.9.1 (`make gpu-check-verl PY=... MODEL=HF_DIR`); DRY_RUN=1: its rehearsal here, in .venv-verl.
+gpu-check-verl: $(if $(DRY_RUN),install-verl)
+	$(if $(DRY_RUN),$(VERL_VENV)/bin/python,$(PY)) -m benchmarks.gpu_check --verl $(if $(DRY_RUN),--dry-run,--python $(PY) --model $(MODEL))
 
 # The offline form for a GPU machine without network or vLLM (python3 with torch, transformers, pyarrow, accelerate,
 # safetensors): `make gpu-check-offline-folder` here builds build/gpu-offline/ (the missing wheels for CPython 3.12

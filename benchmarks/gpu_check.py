@@ -760,6 +760,9 @@ def table(stages: dict[str, Stage], header: str, offline: bool = False) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="build nothing; run the stages that need no GPU, stop before CUDA")
+    parser.add_argument("--verl", action="store_true",
+                        help="the verl stage instead (benchmarks/gpu_verl.py): main_ppo steps with GRAFT's trainer, "
+                             "in --python's environment (verl[vllm]); --dry-run: its rehearsal in .venv-verl")
     parser.add_argument("--offline", action="store_true",
                         help="no network, no vLLM: this python3's torch, the wheels and model of --folder, the hf backend")
     parser.add_argument("--folder", type=Path, default=gpu_offline.FOLDER,
@@ -779,6 +782,10 @@ def main() -> int:
     parser.add_argument("--env-seconds", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--env-detail", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.verl:
+        from benchmarks import gpu_verl
+
+        return gpu_verl.run(args.dry_run, args.python, args.model, args.run_dir or Path("runs/gpu-check-verl"))
     if sys.version_info < (3, 11):
         raise SystemExit(f"gpu-check: Python >= 3.11 is needed, this is {sys.version.split()[0]}")
     if args.wheels is not None and not args.wheels.is_dir():
