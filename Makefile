@@ -89,10 +89,10 @@ system-deps:
 	    || { echo "could not install$$missing (apt-get needs root): the tests that need them will fail or skip"; exit 1; }; \
 	fi
 
-# The verl tests (tests/integrations/verl) skip in .venv and run in .venv-verl, where a missing verl fails them.
+# The verl tests (tests/integrations/inside_verl) skip in .venv and run in .venv-verl, where a missing verl fails them.
 test: install-dev install-vllm install-verl system-deps
 	$(BIN)/python -m pytest -q
-	GRAFT_REQUIRE_VERL=1 $(VERL_VENV)/bin/python -m pytest -q tests/integrations/verl
+	GRAFT_REQUIRE_VERL=1 $(VERL_VENV)/bin/python -m pytest -q tests/integrations/inside_verl
 
 demo: install
 	$(BIN)/python -m demo.run

@@ -3,7 +3,7 @@
 The project is installed there without its dependencies (`pip install --no-deps -e .`), and these are resolved
 together with verl's. Two of pyproject's requirements cannot hold next to verl 0.9.1:
 - transformers: verl pins `>=5.5.3,<5.11`, the project `>=5.16.1` (verl's pin wins; the code GRAFT runs inside verl,
-  trainer/{gate,batch,retokenize,peers} and the store client, is tested under it by tests/integrations/verl);
+  trainer/{gate,batch,retokenize,peers} and the store client, is tested under it by tests/integrations/inside_verl);
 - math-verify's `antlr4_13_2` extra: verl's hydra-core pins antlr4-python3-runtime 4.9.*, and with the extra pip can
   only satisfy both with a hydra-core from 2019 that verl cannot run on. math-verify itself stays (the scorer imports);
   verl computes rewards with its own reward functions, never with graft's scorer.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("verl", reason="verl runs in its own environment: make install-verl, then .venv-verl/bin/python -m pytest")
+pytest.importorskip("verl.trainer", reason="verl runs in its own environment: make install-verl, then .venv-verl/bin/python -m pytest")
 
 import torch  # noqa: E402
 import transfer_queue as tq  # noqa: E402

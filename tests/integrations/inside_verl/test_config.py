@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("verl", reason="verl runs in its own environment: make install-verl, then .venv-verl/bin/python -m pytest")
+pytest.importorskip("verl.trainer", reason="verl runs in its own environment: make install-verl, then .venv-verl/bin/python -m pytest")
 
 from integrations.verl.config import train_config  # noqa: E402
 from integrations.verl.trainer import GraftPPOTrainer  # noqa: E402
