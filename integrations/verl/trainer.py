@@ -30,7 +30,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 import torch
@@ -46,19 +46,17 @@ from verl.workers.utils.padding import response_to_nested
 
 from integrations.verl.config import TRAINER_MODE, check_config, graft_section, train_config
 from rollouts.models import default_model_id, model_fingerprint, tokenizer_fingerprint
-from trainer.batch import FirstPass, TrainSample, WeightedRows, WeightStats, old_logprobs_and_weights, peer_rows
+from trainer.batch import FirstPass, TrainSample, WeightedRows, WeightStats, grafted_group_rows, old_logprobs_and_weights
 from trainer.config import TrainConfig
 from trainer.data import load_peer_tokenizers
-from trainer.gate import GateDecision, gate_groups, peer_group_advantages
+from trainer.gate import GateDecision, gate_groups
 from trainer.learner import Learner
 from trainer.metrics import MetricsLog
 from trainer.peers import LookupResult, PeerExchange, RefusedTokenizers
-from trainer.retokenize import learner_stop_token
+from trainer.retokenize import DropReason, Projection, learner_stop_token
 
 log = logging.getLogger(__name__)
 NAN = float("nan")
-DROP_REASONS = ("round_trip", "overlength", "non_finite", "peer_decode")
-PROJECTIONS = ("exact", "spans", "uniform")
 # fields of a rollout that carry more than text tokens: a peer row has nothing for them
 UNSUPPORTED_FIELDS = ("routed_experts", "teacher_ids", "teacher_logprobs")
 
@@ -92,12 +90,13 @@ class Splice:
     decisions: list[GateDecision]
     slots: dict[str, TrainSample | None]  # TransferQueue key -> its peer row (None: the slot keeps no token)
     learner_rewards: list[float]
-    drops: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DROP_REASONS, 0))
-    projections: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PROJECTIONS, 0))
+    drops: dict[str, int] = field(default_factory=lambda: dict.fromkeys(get_args(DropReason), 0))
+    projections: dict[str, int] = field(default_factory=lambda: dict.fromkeys(get_args(Projection), 0))
     peer_samples: int = 0
     peer_advantage_mismatch: int = 0
     same_tokenizer_id_mismatch: int = 0
     peer_rollouts_unused: int = 0  # rows of peer groups larger than rollout.n, beyond its slots
+    grafted_groups_short: int = 0  # grafted groups that lost rows (dropped, or beyond n): advantages over the rest
     store: dict[str, float] = field(default_factory=dict)
     graft_s: float = 0.0
 
@@ -243,19 +242,15 @@ class GraftPPOTrainer(PPOTrainerSync):
         samples, tags = [], []
         for uid, rows, decision in grafted:
             peer = decision.peer_group
-            advantages, agrees = peer_group_advantages(peer, std_normalize=cfg.ppo.advantage == "grpo")
-            splice.peer_samples += len(peer.rollouts)
-            splice.peer_advantage_mismatch += int(not agrees)
             source = sources[position[batch.keys[rows[0]]]]
             prompt = source["prompts"].tolist()
-            made = []  # (row, the peer's reward of its text), one rollout at a time: dropped ones leave no row
-            for rollout, advantage in zip(peer.rollouts, advantages, strict=True):
-                made += [(row, rollout.reward or 0.0) for row in peer_rows(
-                    cfg, learner, [rollout], [advantage], decision.prompt_id, 0, prompt, self.graft.peer_tokenizers,
-                    self.graft.stop_token, splice)]
-            splice.peer_rollouts_unused += max(0, len(made) - n)
+            splice.peer_rollouts_unused += max(0, len(peer.rollouts) - n)
+            # graft-train's rows of the group: re-tokenised, at most n (the failed group's slots), advantages over them
+            made = grafted_group_rows(cfg, learner, peer, 0, prompt, self.graft.peer_tokenizers, self.graft.stop_token,
+                                      splice, max_rows=n)
             for slot, i in enumerate(rows):
-                row, reward = made[slot] if slot < len(made) else (None, 0.0)
+                row = made[slot] if slot < len(made) else None
+                reward = (row.reward or 0.0) if row is not None else 0.0  # the peer's reward of its text
                 key = batch.keys[i]
                 splice.slots[key] = row
                 sample, tag = self.graft_row_fields(sources[position[key]], batch.tags[i], prompt, row, reward)
@@ -378,6 +373,7 @@ class GraftPPOTrainer(PPOTrainerSync):
             if grafted else NAN,
             "peer_rollouts_consumed": sum(1 for row in (weighted.rows if weighted else []) if row.grafted),
             "peer_rollouts_unused": splice.peer_rollouts_unused,
+            "grafted_groups_short": splice.grafted_groups_short,
             "groups_capped": actions.count("skip_capped"), "groups_no_peer": actions.count("skip_no_peer"),
             "groups_peer_uninformative": actions.count("skip_uninformative"),
             "groups_no_peer_tokenizer": actions.count("skip_no_peer_tokenizer"),

@@ -28,8 +28,7 @@ from services.store_api.local.shards import write_groups  # noqa: E402
 from toy.models import build_tiny_model, save_model  # noqa: E402
 from toy.task import completion_text, sample_problems  # noqa: E402
 from toy.world import build_group, cached_chat_model, peer_tokenizer  # noqa: E402
-from trainer.batch import FirstPass, old_logprobs_and_weights, peer_rows  # noqa: E402
-from trainer.gate import peer_group_advantages  # noqa: E402
+from trainer.batch import FirstPass, grafted_group_rows, old_logprobs_and_weights  # noqa: E402
 from trainer.loss import LossBatch, LossConfig, graft_loss  # noqa: E402
 from verl_world import GROUP, Planned, RecordedRollouts, graft_overrides, prompt_batch, verl_config  # noqa: E402
 
@@ -153,9 +152,8 @@ def test_all_fail_groups_take_the_peer_rows_with_graft_trains_weights(world, ste
         rows = rows_of(stepped, problem.prompt_id)
         prompt = data["prompts"][rows[0]].tolist()
         # graft-train's rows of the same peer group, and its weights on the same pi_old
-        expected_advantages, _ = peer_group_advantages(group, std_normalize=True)
-        expected = peer_rows(cfg, learner, list(group.rollouts), expected_advantages, problem.prompt_id, 0, prompt,
-                             trainer.graft.peer_tokenizers, trainer.graft.stop_token, splice)
+        expected = grafted_group_rows(cfg, learner, group, 0, prompt, trainer.graft.peer_tokenizers, trainer.graft.stop_token,
+                                      splice)
         assert len(expected) == size
         filled = rows[:size]
         width = max(len(row.completion_ids) for row in expected)
