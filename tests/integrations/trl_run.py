@@ -54,6 +54,12 @@ def main(spec_path: str) -> None:
         model = trainer.accelerator.unwrap_model(trainer.model)
         torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, Path(spec["out"]) / "weights.pt")
         (Path(spec["out"]) / "log_history.json").write_text(json.dumps(trainer.state.log_history))
+    # every process waits for the main one's files, then gloo's threads are stopped before the interpreter exits: a
+    # process group left to the interpreter's teardown aborted one rank ("terminate called without an active
+    # exception", SIGABRT) after a run that had finished (CI, stop 41)
+    trainer.accelerator.wait_for_everyone()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
