@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import orjson
@@ -58,23 +59,48 @@ def resolve_dataset(path_or_benchmark_name: str) -> tuple[Path, str, str]:
     return path, answer_field, dataset
 
 
-def load_problems(path_or_benchmark_name: str, limit: int | None = None) -> list[Problem]:
-    """Problems of a known dataset name (see KNOWN_DATASETS) or of a JSONL / Parquet file with `problem` and `answer`.
+def gold_answer(text: str) -> str:
+    """The gold answer a row's answer field holds: the text itself, or, in GSM8K's format (a worked solution ending in
+    a line `#### 7`), what follows the last `####`, a number's thousands commas removed (as data/gsm8k/ holds it)."""
+    text = str(text).strip()
+    if "####" not in text:
+        return text
+    answer = text.rsplit("####", 1)[1].strip()
+    return answer.replace(",", "") if _NUMBER_WITH_COMMAS.fullmatch(answer) else answer
 
-    The dataset name stored with each problem is the benchmark name, or the file's stem.
-    Duplicate problem texts (same prompt_id) are kept once, first occurrence wins.
+
+_NUMBER_WITH_COMMAS = re.compile(r"-?\d{1,3}(,\d{3})+(\.\d+)?")
+
+
+def load_problems(path_or_benchmark_name: str, limit: int | None = None, problem_field: str = "problem",
+                  answer_field: str | None = None) -> list[Problem]:
+    """Problems of a known dataset name (see KNOWN_DATASETS) or of a JSONL / Parquet file, one problem per row.
+
+    problem_field: the column holding the problem text (default `problem`); answer_field: the column holding the gold
+    answer (default `answer`, or the known dataset's field). A gold answer in GSM8K's format (`... #### 7`) is read
+    as what follows `####` (`gold_answer`). The dataset name stored with each problem is the benchmark name, or the
+    file's stem. Duplicate problem texts (same prompt_id) are kept once, first occurrence wins. A bad file raises
+    ValueError with one line that says which row and what to change.
     """
-    path, answer_field, dataset = resolve_dataset(path_or_benchmark_name)
+    path, default_answer_field, dataset = resolve_dataset(path_or_benchmark_name)
+    answer_field = answer_field or default_answer_field
     rows = _read_rows(path)
     problems: dict[str, Problem] = {}
     for i, row in enumerate(rows):
-        if "problem" not in row or answer_field not in row:
-            raise ValueError(f"{path} row {i} has no '{'problem' if 'problem' not in row else answer_field}' field: "
-                             f"every row needs 'problem' and '{answer_field}'")
-        text, answer = row["problem"], row[answer_field]
+        if not isinstance(row, dict):
+            raise ValueError(f"{path} row {i} is a {type(row).__name__}, not an object: one JSON object per line "
+                             f"with '{problem_field}' and '{answer_field}'")
+        missing = [name for name in (problem_field, answer_field) if name not in row]
+        if missing:
+            raise ValueError(
+                f"{path} row {i} has no {' and no '.join(repr(m) for m in missing)} field (its fields: "
+                f"{', '.join(map(str, row)) or 'none'}): name the columns that hold the problem and the answer with "
+                "problem_field / answer_field (graft-generate --problem-field question; graft-train "
+                "--set data.problem_field=question)")
+        text, answer = row[problem_field], row[answer_field]
         if not isinstance(text, str) or not text.strip():
-            raise ValueError(f"{path} row {i}: 'problem' must be a non-empty string, got {text!r}")
-        problem = Problem.from_text(text, str(answer).strip(), dataset)
+            raise ValueError(f"{path} row {i}: '{problem_field}' must be a non-empty string, got {text!r}")
+        problem = Problem.from_text(text, gold_answer(answer), dataset)
         problems.setdefault(problem.prompt_id, problem)
         if limit is not None and len(problems) >= limit:
             break

@@ -19,13 +19,15 @@ from schemas import Problem
 @dataclass
 class ProblemScores:
     """One benchmark's problems, scored, in order: per problem, its correct samples, whether a sample was unscored
-    (the gold does not parse), its completion tokens and its samples that finished (EOS). Blocks of one
+    (the gold does not parse), its completion tokens, its samples that finished (EOS) and its samples with a
+    \\boxed{} answer (the scorer reads only that: a sample without one scores 0). Blocks of one
     benchmark's problems scored apart (one per data-parallel rank) laid end to end are the whole's."""
 
     correct: list[int] = field(default_factory=list)
     unscored: list[bool] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     finished: list[int] = field(default_factory=list)
+    boxed: list[int] = field(default_factory=list)
 
 
 def score_problems(
@@ -37,6 +39,8 @@ def score_problems(
     *,
     template: PromptTemplate = "auto",
     few_shot: int = 0,
+    instruction: str | None = None,
+    system_prompt: str | None = None,
     prompts_per_batch: int = 64,
     bar: tqdm | None = None,
     name: str = "",
@@ -49,7 +53,7 @@ def score_problems(
     scores = ProblemScores()
     for start in range(0, len(problems), prompts_per_batch):
         batch = problems[start : start + prompts_per_batch]
-        prompts = [build_prompt(backend.tokenizer, p.problem, template, few_shot) for p in batch]
+        prompts = [build_prompt(backend.tokenizer, p.problem, template, few_shot, instruction, system_prompt) for p in batch]
         batch_params = replace(params, prompt_offset=params.prompt_offset + start) if params.seed_per_sample else params
         samples = backend.generate(prompts, batch_params)  # (prompts, k)
         texts = [s.text for group in samples for s in group]
@@ -61,6 +65,7 @@ def score_problems(
             scores.unscored.append(any(s.reward is None for s in group_scores))
             scores.tokens.append(sum(len(s.token_ids) for s in group))
             scores.finished.append(sum(s.finish_reason == "stop" for s in group))
+            scores.boxed.append(sum(s.extracted_answer is not None for s in group_scores))
         if bar is not None:
             bar.update(len(batch))
             bar.set_postfix({name: f"{sum(scores.correct) / (k * len(scores.correct)):.1%}"}, refresh=False)
@@ -80,6 +85,7 @@ def summarise(scores: dict[str, ProblemScores], k: int, params: SamplingParams, 
             "unscored": sum(s.unscored),
             "mean_completion_tokens": sum(s.tokens) / (n * k) if n else None,
             "finished_share": sum(s.finished) / (n * k) if n else None,
+            "boxed_share": sum(s.boxed) / (n * k) if n else None,  # samples with a \boxed{} answer (the rest score 0)
         }
     mean_over = [b for b in BENCHMARKS if b in results and results[b]["problems"]]
     return {
@@ -110,7 +116,7 @@ def evaluate(
     """Sample k completions per problem and score them.
 
     Returns {"k", "temperature", "top_p", "max_tokens", "benchmarks": {name: {"problems", "samples",
-    "avg_at_k", "pass_at_k", "unscored", "mean_completion_tokens", "finished_share"}},
+    "avg_at_k", "pass_at_k", "unscored", "mean_completion_tokens", "finished_share", "boxed_share"}},
     "mean_avg_at_k", "mean_pass_at_k" (over the five GRAFT benchmarks that were evaluated; None if none),
     "mean_over": [their names], "wall_s"}. avg@k is the mean correctness over all k samples, pass@k
     the share of problems with at least one correct sample. A problem whose gold does not parse
@@ -135,18 +141,19 @@ def markdown_table(result: dict, model_id: str) -> str:
         f"Model `{model_id}`, k = {k}, temperature {result['temperature']}, top_p {result['top_p']}, "
         f"max tokens {result['max_tokens']}",
         "",
-        f"| benchmark | problems | avg@{k} | pass@{k} | mean tokens | finished |",
-        "|---|---|---|---|---|---|",
+        f"| benchmark | problems | avg@{k} | pass@{k} | mean tokens | finished | boxed |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, r in result["benchmarks"].items():
         lines.append(
             f"| {name} | {r['problems']} | {_pct(r['avg_at_k'])} | {_pct(r['pass_at_k'])} | "
-            f"{'-' if r['mean_completion_tokens'] is None else round(r['mean_completion_tokens'])} | {_pct(r['finished_share'])} |"
+            f"{'-' if r['mean_completion_tokens'] is None else round(r['mean_completion_tokens'])} | {_pct(r['finished_share'])} | "
+            f"{_pct(r['boxed_share'])} |"
         )
     if result["mean_over"]:
         lines.append(
             f"| mean of {len(result['mean_over'])} ({', '.join(result['mean_over'])}) | | "
-            f"{_pct(result['mean_avg_at_k'])} | {_pct(result['mean_pass_at_k'])} | | |"
+            f"{_pct(result['mean_avg_at_k'])} | {_pct(result['mean_pass_at_k'])} | | | |"
         )
     return "\n".join(lines) + "\n"
 

@@ -9,9 +9,14 @@ from rollouts.scoring import Score
 from schemas import Problem, Rollout, RolloutGroup, group_advantages
 
 
-def make_group_id(model_id: str, model_revision: str, policy_step: int, prompt_id: str, round_index: int) -> str:
-    """Deterministic group id: a restarted generator recomputes the ids it already stored and skips them."""
-    key = "\x1f".join([model_id, model_revision, str(policy_step), prompt_id, str(round_index)])
+def make_group_id(model_id: str, model_revision: str, policy_step: int, prompt_id: str, round_index: int,
+                  sampling_key: str = "") -> str:
+    """Deterministic group id: a restarted generator recomputes the ids it already stored and skips them.
+
+    sampling_key: the settings that change what a group holds besides the model (the generator's
+    `GeneratorConfig.sampling_key`), so that other settings make other ids; "" leaves it out (the trainer's ids)."""
+    parts = [model_id, model_revision, str(policy_step), prompt_id, str(round_index)]
+    key = "\x1f".join(parts + [sampling_key] if sampling_key else parts)
     return hashlib.sha256(key.encode("utf-8")).hexdigest()[:32]
 
 

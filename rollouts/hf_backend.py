@@ -10,6 +10,8 @@ normalised nor free of whatever processors a model's generation config adds.
 from __future__ import annotations
 
 import contextlib
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -115,6 +117,9 @@ class HFBackend:
         self.static_cache_budget_bytes = static_cache_budget_bytes
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        # Progress inside a generate call, which on a CPU can take minutes: called after each decoding step with
+        # (tokens sampled so far in the call, at most that many in all), the latter rows x max_tokens over its batches.
+        self.on_tokens: Callable[[int, int], None] | None = None
 
     @classmethod
     def from_path(cls, path: str | Path, model_id: str | None = None, dtype: torch.dtype = torch.float32, **kwargs) -> HFBackend:
@@ -143,6 +148,7 @@ class HFBackend:
         per_call = max(1, min(self.batch_size, self.logits_budget_bytes // (params.max_tokens * vocab * 4)))
 
         samples_by_row: dict[int, Sample] = {}
+        counter = _TokenCounter(self.on_tokens, len(rows) * params.max_tokens) if self.on_tokens else None
         device_rng = [self.model.device] if self.model.device.type == "cuda" else []
         with (
             torch.random.fork_rng(devices=device_rng), _eval_mode(self.model), _neutral_generation_config(self.model),
@@ -154,13 +160,17 @@ class HFBackend:
                 batch_rows = order[start : start + per_call]
                 # row r is sample r % n of prompt r // n
                 seeds = [params.sample_seed(r // params.n, r % params.n) for r in batch_rows] if params.seed_per_sample else None
-                batch_samples = self._generate_batch([prompt_ids[rows[r]] for r in batch_rows], params, seeds)
+                batch_samples = self._generate_batch([prompt_ids[rows[r]] for r in batch_rows], params, seeds, counter)
                 samples_by_row.update(zip(batch_rows, batch_samples, strict=True))
+                if counter is not None:  # rows that stopped early: their budget is done too
+                    counter.finish_batch(sum(len(s.token_ids) for s in batch_samples), len(batch_rows) * params.max_tokens)
         return [[samples_by_row[i * params.n + j] for j in range(params.n)] for i in range(len(prompts))]
 
     @torch.inference_mode()
-    def _generate_batch(self, prompt_ids: list[list[int]], params: SamplingParams, seeds: list[int] | None = None) -> list[Sample]:
-        """seeds: one per row (params.seed_per_sample): each row draws from its own generator (`SeededDraw`)."""
+    def _generate_batch(self, prompt_ids: list[list[int]], params: SamplingParams, seeds: list[int] | None = None,
+                        counter: _TokenCounter | None = None) -> list[Sample]:
+        """seeds: one per row (params.seed_per_sample): each row draws from its own generator (`SeededDraw`).
+        counter: told of every decoding step (progress)."""
         device = self.model.device
         width = max(len(ids) for ids in prompt_ids)
         # The tokens every prompt of the batch starts with (a system prompt, few-shot examples), at most all but
@@ -191,8 +201,11 @@ class HFBackend:
                 "temperature": params.temperature, "top_k": params.effective_top_k or 0, "top_p": params.top_p, "typical_p": 1.0,
             }),
         )
-        if own_draws:
-            extra["logits_processor"] = LogitsProcessorList([SeededDraw(seeds, params, device)])
+        processors = [SeededDraw(seeds, params, device)] if own_draws else []
+        if counter is not None:
+            processors.append(counter)
+        if processors:
+            extra["logits_processor"] = LogitsProcessorList(processors)
         distinct: dict[tuple[int, ...], int] = {}
         row_prompt = [distinct.setdefault(tuple(ids), len(distinct)) for ids in prompt_ids]  # (B,) index into distinct
         if self.share_prompt_prefill and width > 1:
@@ -275,6 +288,39 @@ class HFBackend:
             return False
         bytes_per_token = sum(layer.keys[0, :, :1].nbytes + layer.values[0, :, :1].nbytes for layer in cache.layers)  # one row
         return rows * (width + max_tokens) * bytes_per_token <= self.static_cache_budget_bytes
+
+
+class _TokenCounter(LogitsProcessor):
+    """Reports (tokens sampled so far, budget) to a progress callback at each decoding step, counting every row of the
+    batch until it ends (then corrected to what was sampled: `finish_batch`); leaves the scores as they are."""
+
+    def __init__(self, report: Callable[[int, int], None], budget: int):
+        self.report, self.budget, self.done, self.batch_tokens = report, budget, 0, 0
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.batch_tokens += scores.shape[0]
+        self.report(self.done + self.batch_tokens, self.budget)
+        return scores
+
+    def finish_batch(self, sampled: int, budget: int) -> None:
+        """A batch ended: count the tokens it really sampled, and take the budget its early stops left unused."""
+        self.done += sampled
+        self.budget -= budget - sampled
+        self.batch_tokens = 0
+        self.report(self.done, self.budget)
+
+
+def report_tokens_on(bar, every_s: float = 0.5) -> Callable[[int, int], None]:
+    """An `HFBackend.on_tokens` that shows `sampling: 312/2048 tok` in a tqdm bar's postfix, at most every `every_s`."""
+    last = [0.0]
+
+    def report(sampled: int, budget: int) -> None:
+        now = time.monotonic()
+        if now - last[0] >= every_s or sampled >= budget:
+            last[0] = now
+            bar.set_postfix_str(f"sampling: {sampled}/{budget} tok")
+
+    return report
 
 
 class SeededDraw(LogitsProcessor):

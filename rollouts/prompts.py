@@ -63,15 +63,24 @@ FEW_SHOT_EXAMPLES: tuple[tuple[str, str], ...] = (
 MAX_FEW_SHOT = len(FEW_SHOT_EXAMPLES)
 
 
-def check_few_shot(template: PromptTemplate, few_shot: int) -> None:
-    """A clear error for a `few_shot` that `build_prompt` cannot honour (configs call it to fail at load time)."""
+def check_few_shot(template: PromptTemplate, few_shot: int, instruction: str | None = None,
+                   system_prompt: str | None = None) -> None:
+    """A clear error for settings that `build_prompt` cannot honour, or that would do nothing (configs call it to fail
+    at load time)."""
     if not 0 <= few_shot <= MAX_FEW_SHOT:
         raise ValueError(f"few_shot = {few_shot}: there are {MAX_FEW_SHOT} worked examples, pass 0 to {MAX_FEW_SHOT}")
     if template == "raw" and few_shot:
         raise ValueError("template 'raw' shows the problem verbatim and takes no worked examples: set few_shot to 0")
+    if template == "raw" and instruction is not None:
+        raise ValueError("template 'raw' shows the problem verbatim, without an instruction: drop instruction, or use "
+                         "template auto, chat or plain")
+    if template in ("raw", "plain") and system_prompt is not None:
+        raise ValueError(f"template {template!r} has no system turn: system_prompt is read by the chat template only "
+                         "(template auto or chat)")
 
 
-def build_prompt(tokenizer, problem: str, template: PromptTemplate = "auto", few_shot: int = 0) -> str:
+def build_prompt(tokenizer, problem: str, template: PromptTemplate = "auto", few_shot: int = 0,
+                 instruction: str | None = None, system_prompt: str | None = None) -> str:
     """The prompt string for `problem`.
 
     "auto": the tokenizer's chat template when it has one, else "plain". "chat": the chat
@@ -79,23 +88,32 @@ def build_prompt(tokenizer, problem: str, template: PromptTemplate = "auto", few
     verbatim (the toy demo's tiny models see `a+b=`).
     few_shot: the first `few_shot` of `FEW_SHOT_EXAMPLES` come first, as earlier user/assistant turns
     of the chat, or as answered `PLAIN_TEMPLATE` blocks; not allowed with "raw".
+    instruction: the line after each problem (None: `INSTRUCTION`; "": none). system_prompt: a system turn first
+    (chat template only; None: whatever the chat template puts there by itself, e.g. SmolLM2's "You are a helpful AI
+    assistant named SmolLM, trained by Hugging Face").
     The chat template already holds any BOS token: tokenise the result with
     add_special_tokens=False.
     """
-    check_few_shot(template, few_shot)
+    check_few_shot(template, few_shot, instruction, system_prompt)
     examples = FEW_SHOT_EXAMPLES[:few_shot]
     if template == "raw":
         return problem
+    instruction = INSTRUCTION if instruction is None else instruction
+    tail = f"\n{instruction}" if instruction else ""
     has_chat = getattr(tokenizer, "chat_template", None) is not None
     if template == "chat" or (template == "auto" and has_chat):
         if not has_chat:
             raise ValueError("template 'chat' was asked for but the tokenizer has no chat template: use 'plain' or 'auto'")
-        messages = []
+        messages = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
         for question, answer in examples:
-            messages += [{"role": "user", "content": f"{question}\n{INSTRUCTION}"}, {"role": "assistant", "content": answer}]
-        messages.append({"role": "user", "content": f"{problem}\n{INSTRUCTION}"})
+            messages += [{"role": "user", "content": f"{question}{tail}"}, {"role": "assistant", "content": answer}]
+        messages.append({"role": "user", "content": f"{problem}{tail}"})
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     if template in ("plain", "auto"):
-        shots = "".join(f"{PLAIN_TEMPLATE.replace('{problem}', q)} {a}\n\n" for q, a in examples)
-        return shots + PLAIN_TEMPLATE.replace("{problem}", problem)
+        if system_prompt is not None:
+            raise ValueError("system_prompt was set but the tokenizer has no chat template to put it in (template "
+                             "'auto' fell back to 'plain'): drop system_prompt")
+        block = "Question: {problem}" + tail + "\nAnswer: Let's think step by step."
+        shots = "".join(f"{block.replace('{problem}', q)} {a}\n\n" for q, a in examples)
+        return shots + block.replace("{problem}", problem)
     raise ValueError(f"unknown prompt template {template!r}: use one of auto, chat, plain, raw")

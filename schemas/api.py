@@ -85,9 +85,24 @@ def group_created_us(group: RolloutGroup) -> int:
     return (max(r.created_at for r in group.rollouts) - EPOCH) // timedelta(microseconds=1)
 
 
+# Why a lookup found no group for a prompt (PeerLookupResponse.miss_reasons), in the order the store tests them.
+MISS_REASONS = {
+    "nothing_stored": "the store holds no group of the prompt",
+    "only_learner": "every stored group is the learner's own (its model id is learner_model)",
+    "peers_not_admitted": "other models' groups are stored, none from a peer the request admits (peer_models, "
+                          "min_policy_step, max_age_s)",
+    "only_uninformative": "admitted peers' groups are stored, none with an outcome the request admits (all-fail, or "
+                          "all-success under informative_only, or fewer than min_successes)",
+}
+
+
 class PeerLookupResponse(BaseModel):
     groups: list[RolloutGroup] = Field(description="whole groups, grouped by prompt in request order, most recent first")
     misses: list[str] = Field(description="requested prompt ids with no matching group")
+    miss_reasons: dict[str, str] = Field(
+        default_factory=dict,
+        description="why each missed prompt got nothing: " + "; ".join(f"{k}: {v}" for k, v in MISS_REASONS.items())
+                    + " (empty from a store older than this field)")
 
 
 class PushGroupsRequest(BaseModel):

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any, get_args
 import torch
 from torch import Tensor
 
-from rollouts.prompts import build_prompt
 from schemas import Problem, RolloutGroup, group_advantages
 from trainer.config import TrainConfig
 from trainer.distributed import collective_passes, padding_pass
@@ -149,7 +148,7 @@ def build_rows(
 
     def prompt_tokens(prompt_id: str) -> list[int]:
         if prompt_id not in prompt_ids_of:
-            text = build_prompt(learner.tokenizer, problem_of[prompt_id].problem, cfg.data.prompt_template)
+            text = cfg.data.prompt(learner.tokenizer, problem_of[prompt_id].problem)
             # The template already holds any BOS: no special tokens added here (as the backends do).
             prompt_ids_of[prompt_id] = list(learner.tokenizer(text, add_special_tokens=False)["input_ids"])
         return prompt_ids_of[prompt_id]

@@ -11,9 +11,9 @@ A checkpoint is written into a temporary folder beside its final name and rename
 a crash never leaves a half-written checkpoint under a final name. With several machines, run_dir
 must be a file system they all see (as torch.distributed.checkpoint requires).
 
-keep_last keeps the checkpoints written last (not the highest steps), and a fresh start in a run
-directory that holds a run is refused (`check_run_dir`): resume it or overwrite it, never erase it
-by accident.
+keep_last keeps the checkpoints written last (not the highest steps), only the newest with the optimizer
+state (`drop_optimizer_state`: resume reads only the newest), and a fresh start in a run directory that
+holds a run is refused (`check_run_dir`): resume it or overwrite it, never erase it by accident.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import yaml
 
 from trainer.distributed import DistContext, barrier, broadcast_object, full_state_dict, sum_over_ranks, unwrap
 
@@ -116,6 +117,29 @@ def _move_into_place(staging: Path, final: Path, run_dir: Path, keep_last: int |
     if keep_last is not None:
         for old in list_checkpoints(run_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
+    for older in list_checkpoints(run_dir)[:-1]:
+        drop_optimizer_state(older)
+
+
+def drop_optimizer_state(checkpoint: Path) -> None:
+    """Remove the optimizer state (AdamW's two moments: twice the weights' size) from a one-process checkpoint that is
+    no longer the newest: `--resume` reads only the newest, and what the older ones are kept for (a generator's
+    --watch-dir, an evaluation, a look back) reads their weights. Their step, schedule, RNG and loop state stay. The
+    folder keeps its mtime, its place in the write order (list_checkpoints)."""
+    path = Path(checkpoint) / STATE_FILE
+    if not path.exists():
+        return  # a data-parallel checkpoint (dcp/): kept whole
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    if "optimizer" not in state:
+        return
+    folder_times = os.stat(checkpoint)
+    del state["optimizer"]
+    staging = path.with_name(f".{STATE_FILE}.tmp")
+    torch.save(state, staging)
+    with open(staging, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(staging, path)
+    os.utime(checkpoint, ns=(folder_times.st_atime_ns, folder_times.st_mtime_ns))
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -189,6 +213,9 @@ def restore_training_state(
         loop = load_sharded_checkpoint(checkpoint, model, optimizer, scheduler, ctx)["loop"]
     else:
         saved = load_trainer_state(checkpoint)
+        if "optimizer" not in saved:
+            raise ValueError(f"{checkpoint} keeps no optimizer state (only a run's newest checkpoint does): resume from "
+                             "the newest, or start a new run from its weights (model.path: this folder)")
         if ctx.strategy == "fsdp" and saved["optimizer"]["state"]:
             _load_full_optimizer_state(model, optimizer, saved["optimizer"])
         else:  # an optimizer that never stepped loads as the fresh one it is (torch's sharded load would step it)
@@ -219,6 +246,35 @@ def load_trainer_state(checkpoint: Path) -> dict[str, Any]:
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing: {checkpoint} is not a complete trainer checkpoint")
     return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def write_run_config(run_dir: Path, config: dict[str, Any], checkpoint: Path | None) -> None:
+    """<run_dir>/config.yaml: the run's config as it started. A resumed run keeps it and writes its own beside it
+    (config.resumed_at_<step>.yaml) when it differs, naming the fields that changed (e.g. steps, to extend a run)."""
+    text = yaml.safe_dump(config, sort_keys=False)
+    first = run_dir / "config.yaml"
+    if checkpoint is None or not first.exists():
+        first.write_text(text)
+        return
+    before = yaml.safe_load(first.read_text()) or {}
+    changed = _changed_fields(before, config)
+    if changed:
+        resumed = run_dir / f"config.resumed_at_{checkpoint.name.removeprefix('step_')}.yaml"
+        resumed.write_text(text)
+        log.warning("resumed with a config that differs from the run's config.yaml in %s; kept both (this one: %s)",
+                    ", ".join(changed), resumed.name)
+
+
+def _changed_fields(before: dict[str, Any], after: dict[str, Any], prefix: str = "") -> list[str]:
+    """Dotted names of the fields whose values differ, as `name: old -> new`."""
+    changed = []
+    for key in sorted(set(before) | set(after)):
+        old, new = before.get(key), after.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            changed += _changed_fields(old, new, f"{prefix}{key}.")
+        elif old != new:
+            changed.append(f"{prefix}{key}: {old!r} -> {new!r}")
+    return changed
 
 
 # ---- data parallel: torch.distributed.checkpoint ---------------------------------------------------

@@ -54,7 +54,7 @@ def _load(config: Path | None, overrides: list[str]) -> TrainConfig:
 def _check_inputs(cfg: TrainConfig, skip: bool) -> None:
     missing = [] if skip else missing_inputs(cfg)
     if missing:
-        raise typer.BadParameter("the configuration names inputs that are not there:\n" + "\n".join(f"  {m}" for m in missing))
+        raise typer.BadParameter("the configuration names inputs that are not there or cannot be read:\n" + "\n".join(f"  {m}" for m in missing))
 
 
 @app.command()

@@ -34,10 +34,27 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    dataset: str = Field(description="training problems: a JSONL path or a data set name under GRAFT_DATA_DIR (load_problems)")
+    dataset: str = Field(description="training problems: a JSONL/Parquet path or a data set name under GRAFT_DATA_DIR (load_problems)")
     limit: int | None = Field(default=None, ge=1, description="use only the first N problems")
+    problem_field: str = Field(default="problem", min_length=1, description="the dataset's column holding the problem text (a raw GSM8K file: question)")
+    answer_field: str | None = Field(default=None, min_length=1, description="the dataset's column holding the gold answer (default: answer); GSM8K's '... #### 7' is read as 7")
     prompt_template: Literal["auto", "chat", "plain", "raw"] = Field(default="auto", description="how build_prompt turns a problem into the learner's prompt")
+    instruction: str | None = Field(default=None, description="the line after each problem (default: 'Please reason step by step, and put your final answer within \\boxed{}.'; '' for none); give the peers' generator the same")
+    system_prompt: str | None = Field(default=None, description="a system turn before the problem (chat template only; default: whatever the model's chat template puts there)")
     shuffle: bool = Field(default=True, description="reshuffle the problems every epoch (seeded by `seed`)")
+
+    @model_validator(mode="after")
+    def _prompt_settings_apply(self) -> DataConfig:
+        from rollouts.prompts import check_few_shot
+
+        check_few_shot(self.prompt_template, 0, self.instruction, self.system_prompt)
+        return self
+
+    def prompt(self, tokenizer: Any, problem: str) -> str:
+        """The learner's prompt for `problem` (its rollouts', its grafted rows', the anchor's and the evaluations')."""
+        from rollouts.prompts import build_prompt
+
+        return build_prompt(tokenizer, problem, self.prompt_template, 0, self.instruction, self.system_prompt)
 
 
 class RolloutConfig(_Section):
@@ -239,14 +256,21 @@ class TrainConfig(_Section):
 
 
 def missing_inputs(cfg: TrainConfig) -> list[str]:
-    """Each input path the config names that is not there, as `field: path (what was looked for)`: a run would fail
-    on it only after loading the model, and a dry run that passed would have said nothing."""
-    from rollouts.datasets import resolve_dataset
+    """Each input the config names that is not there (or, the training data, cannot be read), as `field: path (what
+    was looked for)`: a run would fail on it only after loading the model, and a dry run that passed would have said
+    nothing."""
+    from rollouts.datasets import load_problems, resolve_dataset
 
     missing = []
     if not Path(cfg.model.path).expanduser().exists():
         missing.append(f"model.path: {cfg.model.path} does not exist (an HF model directory or a .gguf file)")
-    datasets = {"data.dataset": cfg.data.dataset, **{f"eval.benchmarks.{k}": v for k, v in cfg.eval.benchmarks.items()}}
+    try:  # read whole, with its columns: a file the run could not read fails here, in one line, not after the model loads
+        if not load_problems(cfg.data.dataset, limit=cfg.data.limit, problem_field=cfg.data.problem_field,
+                             answer_field=cfg.data.answer_field):
+            missing.append(f"data.dataset: {cfg.data.dataset} holds no problems")
+    except (FileNotFoundError, ValueError) as error:
+        missing.append(f"data.dataset: {error}")
+    datasets = {f"eval.benchmarks.{k}": v for k, v in cfg.eval.benchmarks.items()}
     for field, name in datasets.items():
         try:
             resolve_dataset(name)

@@ -82,7 +82,8 @@ class PromptStream:
 
 def training_prompts(cfg: TrainConfig, state: LoopState) -> PromptStream:
     """cfg.data's problems, streamed in the run's order from where `state` stands."""
-    problems = load_problems(cfg.data.dataset, limit=cfg.data.limit)
+    problems = load_problems(cfg.data.dataset, limit=cfg.data.limit, problem_field=cfg.data.problem_field,
+                             answer_field=cfg.data.answer_field)
     if not problems:
         raise ValueError(f"data set {cfg.data.dataset!r} holds no problems")
     return PromptStream(problems, cfg.seed, cfg.data.shuffle, state)

@@ -53,7 +53,8 @@ def evaluate_policy(cfg: TrainConfig, sampler, scorer, run_dir: Path, step: int,
         for name, problems in problems_by_benchmark.items():
             begin, end = rank_block(len(problems), dist.rank, dist.world_size)
             local = score_problems(backend, problems[begin:end], cfg.eval.k, replace(params, prompt_offset=begin),
-                                   scorer, template=cfg.data.prompt_template)
+                                   scorer, template=cfg.data.prompt_template, instruction=cfg.data.instruction,
+                                   system_prompt=cfg.data.system_prompt)
             scores[name] = _gathered(dist, local)
             scored_here += end - begin
     result = summarise(scores, cfg.eval.k, params, time.perf_counter() - started)
@@ -72,5 +73,6 @@ def evaluate_policy(cfg: TrainConfig, sampler, scorer, run_dir: Path, step: int,
 
 def _gathered(dist: DistContext, local: ProblemScores) -> ProblemScores:
     """Every rank's block of one benchmark's scores, in rank order (the benchmark's order)."""
-    rows = gather_lists(dist, list(zip(local.correct, local.unscored, local.tokens, local.finished, strict=True)))
+    rows = gather_lists(dist, list(zip(local.correct, local.unscored, local.tokens, local.finished, local.boxed,
+                                       strict=True)))
     return ProblemScores(*(list(column) for column in zip(*rows, strict=True))) if rows else ProblemScores()

@@ -30,13 +30,13 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-import yaml
 from tqdm import tqdm
 
+from rollouts.hf_backend import report_tokens_on
 from rollouts.scoring import Scorer
 from trainer.batch import build_rows, old_logprobs_and_weights
 from trainer.checkpoint import (RunDirInUse, check_run_dir, clear_run, latest_checkpoint, restore_training_state,
-                                save_checkpoint)
+                                save_checkpoint, write_run_config)
 from trainer.config import TrainConfig
 from trainer.data import LoopState, load_anchor, load_peer_tokenizers, training_prompts
 from trainer.distributed import (DistContext, barrier, broadcast_object, close_distributed, gather_lists, init_distributed,
@@ -126,7 +126,7 @@ def _train(cfg: TrainConfig, dist: DistContext, resume: bool, overwrite: bool,
     if resume and checkpoint is None:
         log.warning("--resume: no checkpoint in %s, starting a fresh run from step 0", run_dir)
     if dist.is_main:
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        write_run_config(run_dir, cfg.model_dump(mode="json"), checkpoint)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed % 2**32)
     torch.manual_seed(cfg.seed)
@@ -153,6 +153,9 @@ def _train(cfg: TrainConfig, dist: DistContext, resume: bool, overwrite: bool,
     metrics_log = MetricsLog(cfg, run_dir, state.step, peers, writes=dist.is_main)
     progress = tqdm(total=cfg.steps, initial=state.step, disable=not (cfg.logging.progress and dist.is_main),
                     desc=cfg.method, unit="step")
+    hf_sampler = getattr(sampler, "backend", sampler)  # under fsdp, the HF sampler inside GatheredSampler
+    if not progress.disable and hasattr(hf_sampler, "on_tokens"):  # a step samples for minutes on a CPU: show its tokens
+        hf_sampler.on_tokens = report_tokens_on(progress)
     try:
         for policy_step in range(state.step, cfg.steps):
             clock = StepClock()
@@ -180,17 +183,16 @@ def _train(cfg: TrainConfig, dist: DistContext, resume: bool, overwrite: bool,
                     sync_sampler(sampler, learner)
 
             outcome = StepOutcome(sampled, found, decisions, rows, weighted, result)
-            log.info("step %d: %d groups, %d grafted, %d rows trained on", state.step + 1, len(decisions),
-                     len(outcome.grafted), len(weighted.rows))  # this rank's (train.rank<r>.log under torchrun)
             metrics = metrics_log.write(step_metrics(cfg, state, outcome, clock, scheduler.get_last_lr()[0],
                                                      metrics_log.store_counts(), dist))  # the job's line, on every rank
+            log.info("%s", step_line(metrics))
             state.advance(metrics["rollouts_generated"], metrics["peer_rollouts_consumed"],
                           gather_lists(dist, [d.prompt_id for d in outcome.grafted]))
             progress.update(1)
             if on_step is not None:
                 on_step(metrics)
             progress.set_postfix(reward=f"{metrics['reward_mean']:.3f}", grafted=f"{metrics['frac_grafted']:.2f}",
-                                 loss=f"{metrics['loss']:.4f}")
+                                 signal=f"{metrics['rows_with_signal']}/{metrics['rows']}", loss=f"{metrics['loss']:.4f}")
             stopping = stop.agreed(dist)
             if stopping or (cfg.checkpoint.every_steps and state.step % cfg.checkpoint.every_steps == 0) \
                     or state.step == cfg.steps:
@@ -214,6 +216,22 @@ def _train(cfg: TrainConfig, dist: DistContext, resume: bool, overwrite: bool,
         if uses_vllm:  # before the process group ends (under torchrun the engine's groups live in it)
             sampler.close()
     return run_dir
+
+
+def step_line(metrics: dict[str, Any]) -> str:
+    """The step's log line (the job's counts): what the gate did with the all-fail groups, and how many rows carried
+    a gradient (a row with advantage 0 carries none)."""
+    why = ", ".join(f"{name.removeprefix('groups_no_peer_').replace('_', ' ')} {metrics[name]}"
+                    for name in sorted(metrics)
+                    if name.startswith("groups_no_peer_") and name != "groups_no_peer_tokenizer" and metrics[name])
+    skipped = {"no peer group": metrics["groups_no_peer"], "peer groups uninformative": metrics["groups_peer_uninformative"],
+               "no peer tokenizer": metrics["groups_no_peer_tokenizer"], "capped": metrics["groups_capped"]}
+    parts = [f"{count} {name}" + (f" ({why})" if name == "no peer group" and why else "")
+             for name, count in skipped.items() if count]
+    return (f"step {metrics['step']}: reward {metrics['reward_mean']:.3f}, {len(metrics['grafted_groups'])} group(s) "
+            "grafted" + (f", all-fail groups not grafted: {'; '.join(parts)}" if parts else "")
+            + f"; {metrics['rows']} rows trained on, {metrics['rows_with_signal']} with a non-zero advantage"
+            + ("" if metrics["rows_with_signal"] else " (no gradient this step)"))
 
 
 def _setup_logging(run_dir: Path, cfg: TrainConfig, dist: DistContext) -> None:

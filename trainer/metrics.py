@@ -25,6 +25,7 @@ from trainer.config import TrainConfig
 from trainer.data import LoopState
 from trainer.distributed import DistContext, gather_lists, reduce_metrics
 from trainer.gate import GateDecision, classify_group
+from trainer.peers import NO_PEER_REASONS, no_peer_reasons
 from trainer.rollout import SampledStep
 from trainer.update import UpdateResult
 
@@ -128,6 +129,12 @@ def step_metrics(
         "groups_no_peer": count["groups_no_peer"],
         "groups_peer_uninformative": count["groups_peer_uninformative"],
         "groups_no_peer_tokenizer": count["groups_no_peer_tokenizer"],
+        **{f"groups_no_peer_{reason}": count[f"groups_no_peer_{reason}"] for reason in NO_PEER_REASONS},
+        "rows": count["rows"],  # rows the update trained on (the learner's, grafted ones)
+        "rows_with_signal": count["rows_with_signal"],  # of them, rows with a non-zero advantage: the rest add no gradient
+        # which peer groups this step grafted, for which prompts (every rank's)
+        "grafted_groups": gather_lists(ranks, [{"prompt_id": d.prompt_id, "group_id": d.peer_group.group_id,
+                                                "model_id": d.peer_group.model_id} for d in outcome.grafted]),
         **{f"dropped_{reason}": count[f"dropped_{reason}"] for reason in outcome.rows.drops},
         "rollouts_generated_total": state.rollouts_generated_total + rollouts_generated,
         "peer_rollouts_consumed_total": state.peer_rollouts_consumed_total + peer_rollouts_consumed,
@@ -158,7 +165,7 @@ def step_metrics(
 
 # Tally names that are counts (written as integers); the others are sums of floats.
 COUNTED = ("rollouts_generated", "peer_rollouts_consumed", "groups_", "dropped_", "dapo_groups_kept", "projection_",
-           "peer_advantage_mismatch", "same_tokenizer_id_mismatch", "grafted_groups_short", "store_")
+           "peer_advantage_mismatch", "same_tokenizer_id_mismatch", "grafted_groups_short", "store_", "rows")
 
 
 def _rank_tally(
@@ -177,6 +184,7 @@ def _rank_tally(
     drops = dict(rows.drops)
     drops["non_finite"] += outcome.weighted.dropped_non_finite
     actions = [d.action for d in decisions]
+    no_peer, uninformative_stored = no_peer_reasons(decisions, outcome.peers)
     sums: dict[str, float] = {
         "reward": sum(rewards), "reward_n": len(rewards),
         "groups_sampled": len(kinds), "groups_all_fail": kinds.count("all_fail"),
@@ -192,8 +200,14 @@ def _rank_tally(
         "rollouts_generated": outcome.rollouts_generated, "peer_rollouts_consumed": outcome.peer_rollouts_consumed,
         "step_cpu_s": time.process_time() - clock.cpu_started,
         "reward_previously_grafted": sum(previously), "reward_previously_grafted_n": len(previously),
-        "groups_capped": actions.count("skip_capped"), "groups_no_peer": actions.count("skip_no_peer"),
-        "groups_peer_uninformative": actions.count("skip_uninformative"),
+        # groups_no_peer: no admitted peer group at all; the store's only_uninformative prompts count as
+        # groups_peer_uninformative, as the gate's own (trainer.peers.no_peer_reasons)
+        "groups_capped": actions.count("skip_capped"),
+        "groups_no_peer": actions.count("skip_no_peer") - uninformative_stored,
+        "groups_peer_uninformative": actions.count("skip_uninformative") + uninformative_stored,
+        **{f"groups_no_peer_{reason}": count for reason, count in no_peer.items()},
+        "rows": len(outcome.weighted.rows),
+        "rows_with_signal": sum(1 for row in outcome.weighted.rows if row.advantage != 0),
         "groups_no_peer_tokenizer": actions.count("skip_no_peer_tokenizer"),
         **{f"dropped_{reason}": count for reason, count in drops.items()},
         **{f"projection_{kind}": count for kind, count in rows.projections.items()},

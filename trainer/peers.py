@@ -44,6 +44,8 @@ class LookupResult:
     # Co-training: steps in a row (this one included) whose wait ran out with no group from the co-trainer; NaN when
     # not co-training or before anything is known (the store down)
     peer_silent_steps: float = NAN
+    # prompt id -> why the store had no group of it to give (schemas.api.MISS_REASONS); empty from an older store
+    miss_reasons: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -161,6 +163,7 @@ class PeerExchange:
                 response = self._lookup_client.lookup_peer_groups(chunk, validate=False)
                 for group in response.groups:
                     result.groups.setdefault(group.prompt_id, []).append(group)
+                result.miss_reasons.update(getattr(response, "miss_reasons", None) or {})
         except Exception as error:  # noqa: BLE001 - whatever went wrong, this step runs as GRPO (counted, logged)
             # Besides a store that is down (StoreError, OSError) a response can be malformed in any way (a missing
             # column is a KeyError): none of it may stop training.
@@ -203,6 +206,7 @@ class PeerExchange:
             result = self.collect(pending, max(0.0, deadline - time.monotonic()))
             found.ok |= result.ok
             found.groups.update(result.groups)
+            found.miss_reasons.update(result.miss_reasons)
             missing = [p for p in missing if p not in found.groups]
             if missing and self.available:
                 # The co-trainer may be waiting for our groups as we wait for its: groups a failed push left queued go
@@ -333,9 +337,40 @@ def peer_candidates(
             deadline = started + peers.store.cotrain_wait_s
             waited = peers.wait_for_peers(request.model_copy(update={"prompt_ids": missing}), deadline)
             lookup.groups.update(waited.groups)
+            lookup.miss_reasons.update(waited.miss_reasons)
         lookup.peer_silent_steps = peers.note_cotrain_wait(waited, delivered=bool(all_fail) and not missing)
     lookup.wait_s = time.monotonic() - started
     return lookup
+
+
+# Why an all-fail group that the gate found no peer group for (skip_no_peer) got none: the store's miss reasons
+# (schemas.api.MISS_REASONS) but only_uninformative, which counts as groups_peer_uninformative; `unanswered`: the step's
+# lookup failed, was late (store.lookup_wait_s) or was not sent (backing off); `unknown`: the store gave no reason (a
+# store older than miss_reasons). Metrics groups_no_peer_<reason>; they add up to groups_no_peer.
+NO_PEER_REASONS = ("nothing_stored", "only_learner", "peers_not_admitted", "unanswered", "unknown")
+
+
+def no_peer_reasons(decisions: list[GateDecision], found: LookupResult | None) -> tuple[dict[str, int], int]:
+    """(count per NO_PEER_REASONS, count of only_uninformative) over the decisions the gate skipped for want of a
+    peer group ("skip_no_peer"), from what the step's lookup said of each prompt."""
+    counts = dict.fromkeys(NO_PEER_REASONS, 0)
+    uninformative = 0
+    for decision in decisions:
+        if decision.action != "skip_no_peer":
+            continue
+        if found is None or not found.ok:
+            counts["unanswered"] += 1
+            continue
+        reason = found.miss_reasons.get(decision.prompt_id)
+        if reason == "only_uninformative":
+            uninformative += 1
+        elif reason in counts:
+            counts[reason] += 1
+        elif decision.prompt_id in found.groups:  # groups came back, the gate admitted none (older than max_age_s now)
+            counts["peers_not_admitted"] += 1
+        else:
+            counts["unknown"] += 1
+    return counts, uninformative
 
 
 class RefusedTokenizers:

@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rollouts.groups import assemble_group, make_group_id
-from rollouts.prompts import build_prompt
 from rollouts.sampling import SamplingParams
 from rollouts.scoring import Scorer
 from schemas import Problem, RolloutGroup
@@ -92,7 +91,7 @@ def generate_groups(
     Every rank calls it in every round, with an empty block too (the fsdp sampler gathers the weights, a collective)."""
     problems = block.problems
     params = sampling_params(cfg, policy_step, round_index, block.offset)
-    prompts = [build_prompt(learner.tokenizer, p.problem, cfg.data.prompt_template) for p in problems]
+    prompts = [cfg.data.prompt(learner.tokenizer, p.problem) for p in problems]
     with learner.autocast():
         samples = sampler.generate(prompts, params)  # one list of G samples per prompt
     completions = [s.text for per_prompt in samples for s in per_prompt]

@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from rollouts.prompts import build_prompt
 from trainer.batch import FirstPass, TrainSample, collate, needs_forward, response_logprobs
 from trainer.config import TrainConfig
 from trainer.distributed import (
@@ -227,7 +226,7 @@ def anchor_batch(cfg: TrainConfig, learner: Learner, anchors: list[tuple[str, st
         return []
     rows = []
     for problem, completion in rng.sample(anchors, min(cfg.anchor.prompts_per_step, len(anchors))):
-        prompt = build_prompt(learner.tokenizer, problem, cfg.data.prompt_template)
+        prompt = cfg.data.prompt(learner.tokenizer, problem)
         prompt_ids = list(learner.tokenizer(prompt, add_special_tokens=False)["input_ids"])
         completion_ids = list(learner.tokenizer(completion, add_special_tokens=False)["input_ids"])
         completion_ids.append(learner.end_token_id)

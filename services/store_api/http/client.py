@@ -166,9 +166,10 @@ def _merge_pushes(responses: list[PushGroupsResponse]) -> PushGroupsResponse:
 def _lookup_response(table: pa.Table, validate: bool) -> PeerLookupResponse:
     groups = table_to_groups(table, validate=validate)
     misses = _metadata_json(table, "misses") or []
+    reasons = _metadata_json(table, "miss_reasons") or {}  # {} from a store older than the field
     if validate:
-        return PeerLookupResponse(groups=groups, misses=misses)
-    return PeerLookupResponse.model_construct(groups=groups, misses=misses)
+        return PeerLookupResponse(groups=groups, misses=misses, miss_reasons=reasons)
+    return PeerLookupResponse.model_construct(groups=groups, misses=misses, miss_reasons=reasons)
 
 
 class _RetryRule:

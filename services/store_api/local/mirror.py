@@ -124,6 +124,25 @@ class GroupMirror:
                     misses.append(prompt)
         return chosen, misses
 
+    def miss_reasons(self, req: PeerLookupRequest, misses: list[str]) -> dict[str, str]:
+        """Why each missed prompt got nothing (`schemas.api.MISS_REASONS`): nothing stored; only the learner's own
+        groups; other models' groups, none from an admitted peer (peer_models, min_policy_step, max_age_s); admitted
+        peers' groups, none with an admitted outcome (all-fail or all-success when informative_only)."""
+        now = now_us()
+        reasons: dict[str, str] = {}
+        with self._lock:
+            for prompt in misses:
+                refs = self._by_prompt.get(prompt, ())
+                if not refs:
+                    reasons[prompt] = "nothing_stored"
+                elif all(ref.model_id == req.learner_model for ref in refs):
+                    reasons[prompt] = "only_learner"
+                elif not any(req.admits_source(ref.model_id, ref.policy_step, ref.created_us, now) for ref in refs):
+                    reasons[prompt] = "peers_not_admitted"
+                else:
+                    reasons[prompt] = "only_uninformative"
+        return reasons
+
     def prompt_groups(self, prompt: str, model: str | None, limit: int) -> list[GroupRef]:
         """A prompt's groups, most recent first, of one model or any."""
         with self._lock:

@@ -54,6 +54,10 @@ class IndexQueries(Catalog):
         """The groups a peer lookup returns (by prompt in request order, most recent first) and the misses."""
         return self.mirror.peer_groups(req)
 
+    def peer_miss_reasons(self, req: PeerLookupRequest, misses: list[str]) -> dict[str, str]:
+        """Why each of a lookup's missed prompts got nothing (prompt id -> one of schemas.api.MISS_REASONS)."""
+        return self.mirror.miss_reasons(req, misses)
+
     def select_prompt_groups(self, prompt: str, model: str | None, limit: int) -> list[GroupRef]:
         return self.mirror.prompt_groups(prompt, model, limit)
 
