@@ -92,7 +92,9 @@ def test_sigterm_then_sigkill_then_restart_stores_exactly_the_groups_asked_for(t
     assert summary["skipped_already_stored"] == len(before) and summary["groups"] == 48 - len(before)
     rows = stored_rows(root)
     revision = default_model_revision(tiny_model_dir)
-    expected = {make_group_id("tiny", revision, 0, p.prompt_id, r) for p in load_problems(str(dataset)) for r in range(2)}
+    key = GeneratorConfig(model=str(tiny_model_dir), dataset=str(dataset), store=str(root), template="raw", group_size=4,
+                          max_tokens=12).sampling_key()  # generator_command's settings
+    expected = {make_group_id("tiny", revision, 0, p.prompt_id, r, key) for p in load_problems(str(dataset)) for r in range(2)}
     assert len(rows) == 48 * 4 and {r["group_id"] for r in rows} == expected  # none lost, none twice
     assert len({r["rollout_id"] for r in rows}) == len(rows)
     assert {r["model_revision"] for r in rows} == {revision} and {r["policy_step"] for r in rows} == {0}
@@ -246,3 +248,77 @@ def test_continuous_mode_forgets_the_group_ids_of_finished_rounds(tiny_model_dir
     stats = run_generator(config)
     assert stats.batches == 4 and len(stored_rows(tmp_path / "store")) == 4 * 2 * 2  # 4 rounds of 2 prompts
     assert stats.stored_ids_held <= 2  # one round's ids at most, not all 8
+
+
+def test_the_group_ids_hold_every_setting_that_changes_what_is_sampled():
+    """The resume key: each prompt, sampling and scoring setting changes it; backend, dtype, seed and batch sizes,
+    which change which samples are drawn but not their distribution, do not."""
+    base = dict(model="m", dataset="d", store="s", template="auto")
+    key = GeneratorConfig(**base).sampling_key()
+    changed = {"few_shot": 3, "template": "plain", "instruction": "Box it.", "system_prompt": "Be brief.",
+               "answer_field": "solution", "group_size": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 20,
+               "max_tokens": 128, "std_normalize": False}
+    for name, value in changed.items():
+        assert GeneratorConfig(**{**base, name: value}).sampling_key() != key, name
+    for name, value in {"backend": "vllm", "dtype": "bfloat16", "seed": 5, "hf_batch_size": 8, "prompts_per_batch": 2,
+                        "score_workers": 1, "top_k": 0}.items():  # top_k 0 is no cut, as None is
+        assert GeneratorConfig(**{**base, name: value}).sampling_key() == key, name
+
+
+def test_a_rerun_with_other_settings_is_refused_and_names_the_flag_that_starts_anew(tiny_model_dir, tmp_path):
+    """The issue's case: zero-shot groups stored, then a 3-shot run of the same model over the same prompts. It used to
+    skip them as its own; now it stores nothing and names --model-id, under which the 3-shot run goes ahead."""
+    dataset = write_problems_jsonl(sample_problems(4, seed=7), tmp_path / "toy.jsonl")
+    root = tmp_path / "store"
+    settings = dict(model=str(tiny_model_dir), model_id="tiny", dataset=str(dataset), group_size=2, max_tokens=8,
+                    store=str(root), score_workers=1, progress=False)
+    assert run_generator(GeneratorConfig(**settings)).groups == 4
+    before = stored_rows(root)
+    with pytest.raises(ValueError, match=r"other settings sampled.*--model-id tiny-"):
+        run_generator(GeneratorConfig(**settings, few_shot=3))
+    assert stored_rows(root) == before  # nothing sampled, nothing skipped as if it were this run's
+    again = run_generator(GeneratorConfig(**settings))  # the first run's settings resume it: all there
+    assert again.groups == 0 and again.skipped_already_stored == 4
+    other = run_generator(GeneratorConfig(**{**settings, "model_id": "tiny-fs3"}, few_shot=3))
+    assert other.groups == 4 and other.skipped_already_stored == 0
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), HF_HUB_OFFLINE="1")  # the CLI: one line, exit 2, no traceback
+    cli = subprocess.run([sys.executable, "-m", "services.generator.cli", "--model", str(tiny_model_dir), "--model-id",
+                          "tiny", "--dataset", str(dataset), "--group-size", "2", "--max-tokens", "16", "--store", str(root),
+                          "--score-workers", "1", "--no-progress"], cwd=REPO_ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert cli.returncode == 2 and "--model-id tiny-" in cli.stderr and "Traceback" not in cli.stderr, cli.stderr
+    assert len(stored_rows(root)) == len(before)
+
+
+def test_a_summary_says_why_the_success_rate_is_what_it_is(tiny_model_dir, tmp_path):
+    """no_boxed_answer and truncated beside success_rate: the toy model answers `a+b=` with digits, never boxed."""
+    dataset = write_problems_jsonl(sample_problems(3, seed=7), tmp_path / "toy.jsonl")
+    summary = run(generator_command(tiny_model_dir, dataset, str(tmp_path / "store"), "--max-tokens", "3"),
+                  tmp_path / "run.log")
+    rows = stored_rows(tmp_path / "store")
+    assert summary["no_boxed_answer"] == sum(r["extracted_answer"] is None for r in rows) == 12
+    assert summary["truncated"] == sum(r["finish_reason"] == "length" for r in rows) > 0
+    assert summary["success_rate"] == 0.0 and summary["gold_unparsed"] == 0
+
+
+def test_dry_run_checks_the_inputs_and_shows_the_prompt_as_the_model_sees_it(tiny_model_dir, tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), HF_HUB_OFFLINE="1")
+    raw = tmp_path / "raw.jsonl"  # GSM8K as published: question, and an answer ending in '#### 7'
+    raw.write_text(json.dumps({"question": "Tom has 3 apples and buys 4 more. How many?", "answer": "3+4=7\n#### 7"}) + "\n")
+
+    def dry(*flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "services.generator.cli", "--store", str(tmp_path / "s"), "--dry-run",
+                               *flags], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+    missing = dry("--model", str(tmp_path / "no-model"), "--dataset", str(raw))
+    assert missing.returncode == 2 and "no-model does not exist" in missing.stderr
+    unnamed = dry("--model", str(tiny_model_dir), "--dataset", str(raw))
+    assert unnamed.returncode == 2 and "--problem-field question" in unnamed.stderr and "Traceback" not in unnamed.stderr
+    assert len(unnamed.stderr.strip().splitlines()) == 2, unnamed.stderr  # the heading and one line per input
+    shown = dry("--model", str(tiny_model_dir), "--dataset", str(raw), "--problem-field", "question",
+                "--system-prompt", "You are a careful tutor.", "--instruction", "Box the answer.")
+    assert shown.returncode == 0, shown.stderr
+    prompt = shown.stdout.split("as the model sees it")[1]
+    assert "You are a careful tutor." in prompt and "Tom has 3 apples" in prompt and "Box the answer." in prompt
+    assert "its gold answer, as the scorer reads it: 7" in shown.stdout
+    assert not (tmp_path / "s").exists()  # a dry run writes nothing

@@ -240,3 +240,18 @@ def test_few_shot_prompts(tiny_backend):
         build_prompt(tok, "1+1=", "chat", few_shot=MAX_FEW_SHOT + 1)
     with pytest.raises(ValueError, match="raw"):
         GeneratorConfig(model="m", dataset="d", store="s", template="raw", few_shot=2)
+
+
+def test_progress_counts_tokens_within_a_call_and_changes_no_sample(tiny_backend):
+    """on_tokens reports every decoding step (a CPU call can take minutes) and ends at the tokens sampled, the budget
+    shrunk by the rows that stopped early; the samples are those of a call without it."""
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=10, seed=2)
+    backend = HFBackend(tiny_backend.model, tiny_backend.tokenizer, "tiny", batch_size=5)  # 12 rows: 3 calls
+    plain = backend.generate(PROMPTS, params)
+    reports: list[tuple[int, int]] = []
+    backend.on_tokens = lambda sampled, budget: reports.append((sampled, budget))
+    counted = backend.generate(PROMPTS, params)
+    assert [[s.token_ids for s in g] for g in counted] == [[s.token_ids for s in g] for g in plain]
+    sampled = sum(len(s.token_ids) for g in counted for s in g)
+    assert reports[-1] == (sampled, sampled) and reports[0][1] == 12 * 10
+    assert len(reports) > 10 and all(b >= a for a, b in reports)

@@ -242,3 +242,27 @@ def test_an_empty_token_is_refused_at_start(monkeypatch):
         StoreSettings()
     monkeypatch.setenv("GRAFT_STORE_TOKEN", "s3cret")
     assert StoreSettings().token == "s3cret"
+
+
+def test_a_lookup_says_why_each_missed_prompt_got_nothing(tmp_path):
+    """Nothing stored, only the learner's own groups, only peers the request does not admit, only uninformative
+    groups: four misses, four reasons, alike in the JSON answer, the Arrow fast path's metadata and the client's."""
+    root = tmp_path / "store"
+    write_groups(root, [make_group(301, "learner", step=3)])  # the learner's own, informative
+    write_groups(root, [make_group(302, "old-peer", step=1)])  # a peer below min_policy_step
+    write_groups(root, [make_group(303, "peer", step=5, rewards=[0.0] * 4)])  # all-fail
+    write_groups(root, [make_group(303, "learner", step=5)])
+    write_groups(root, [make_group(304, "peer", step=5)])  # the one that answers
+    ids = {i: prompt_id(problem_text(i)) for i in (300, 301, 302, 303, 304)}
+    body = {"prompt_ids": list(ids.values()), "learner_model": "learner", "min_policy_step": 2}
+    expected = {ids[300]: "nothing_stored", ids[301]: "only_learner", ids[302]: "peers_not_admitted",
+                ids[303]: "only_uninformative"}
+    with StoreServer(root) as srv:
+        url = f"{srv.url}/v1/peer-groups/lookup"
+        as_json = httpx.post(url, json=body).json()
+        as_arrow = pa.ipc.open_stream(httpx.post(url, json=body, headers={"accept": ARROW}).content).read_all()
+        with StoreClient(srv.url) as client:
+            found = client.lookup_peer_groups(PeerLookupRequest(**body), validate=True)
+    assert as_json["misses"] == list(expected) == found.misses  # `misses` as before: the prompts with nothing
+    assert as_json["miss_reasons"] == expected == orjson.loads(as_arrow.schema.metadata[b"miss_reasons"])
+    assert found.miss_reasons == expected and [g.prompt_id for g in found.groups] == [ids[304]]

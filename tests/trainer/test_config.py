@@ -109,3 +109,25 @@ def test_train_toy_names_the_files_make_demo_writes(tmp_path, monkeypatch):
 def test_a_smaller_prompt_batch_names_the_setting_to_change_with_it():
     result = _toy_dry_run("--prompts-per-step", "4")
     assert result.exit_code != 0 and "--set optim.mini_batch_prompts=4" in result.output, result.output
+
+
+def test_dry_run_reads_the_training_data_and_names_its_columns(tmp_path, monkeypatch):
+    """A raw GSM8K file (question, answer ending in '#### 7'): refused in one line that names the setting, then read
+    with data.problem_field; the instruction and system prompt are settable and a system prompt that would do
+    nothing (template plain) is refused."""
+    monkeypatch.chdir(tmp_path)
+    raw = tmp_path / "raw.jsonl"
+    raw.write_text('{"question": "Tom has 3 apples and buys 4 more. How many?", "answer": "3+4=7\\n#### 7"}\n')
+    model = tmp_path / "model"
+    model.mkdir()
+    args = ["--model", str(model), "--dataset", str(raw), "--set", "anchor.dataset=null"]
+    refused = _toy_dry_run(*args)
+    assert refused.exit_code != 0 and "data.problem_field=question" in refused.output, refused.output
+    assert "Traceback" not in refused.output
+    read = _toy_dry_run(*args, "--set", "data.problem_field=question", "--set", "data.prompt_template=auto",
+                        "--set", "data.system_prompt=Be brief.", "--set", "data.instruction=Box it.")
+    assert read.exit_code == 0, read.output
+    assert "problem_field: question" in read.output and "system_prompt: Be brief." in read.output
+    plain = _toy_dry_run(*args, "--set", "data.problem_field=question", "--set", "data.prompt_template=plain",
+                         "--set", "data.system_prompt=Be brief.")
+    assert plain.exit_code != 0 and "system_prompt" in plain.output

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import shutil
 
 import orjson
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from services.store_api.http.client import StoreClient
 from services.store_api.http.server import StoreServer
 from train_configs import make_config
+from trainer.checkpoint import latest_checkpoint, load_trainer_state
 from trainer.loop import train
 from trainer.metrics import METRIC_KEYS
 
@@ -55,6 +58,19 @@ def test_graft_through_a_real_store_grafts_and_trains(toy_world, store, tmp_path
         assert m["rollouts_generated"] == 8 * 4 and m["store_lookup_failures"] == 0
         assert m["groups_no_peer_tokenizer"] == 0 and m["same_tokenizer_id_mismatch"] == 0 and m["dropped_peer_decode"] == 0
     assert metrics[-1]["peer_rollouts_consumed_total"] == sum(m["peer_rollouts_consumed"] for m in metrics)
+    # what each step grafted, by prompt and stored group, and how many of its rows carried a gradient
+    with StoreClient(store.url) as client:
+        for m in metrics:
+            assert len(m["grafted_groups"]) == round(m["frac_grafted"] * 8) > 0
+            for grafted in m["grafted_groups"]:
+                group = client.get_group(grafted["group_id"])
+                assert (group.prompt_id, group.model_id) == (grafted["prompt_id"], grafted["model_id"]) == \
+                    (grafted["prompt_id"], toy_world.peer_model_id)
+            assert 0 < m["rows_with_signal"] <= m["rows"]
+    log_lines = [line for line in (run_dir / "train.log").read_text().splitlines() if ": step " in line]
+    assert [line.split("step ")[1].split(":")[0] for line in log_lines] == ["1", "2", "3"]
+    assert f"{len(metrics[0]['grafted_groups'])} group(s) grafted" in log_lines[0]
+    assert f"{metrics[0]['rows']} rows trained on, {metrics[0]['rows_with_signal']} with a non-zero advantage" in log_lines[0]
     before, after = weights(toy_world.learner_dir), weights(run_dir / "checkpoints" / "step_000003")
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert (run_dir / "checkpoints" / "step_000003" / "tokenizer.json").exists()
@@ -67,6 +83,7 @@ def test_graft_without_peers_is_grpo(toy_world, tmp_path):
     grpo_dir = train(make_config(toy_world, tmp_path / "grpo", dead_url, steps=2, method="grpo"))
     graft, grpo = read_metrics(graft_dir), read_metrics(grpo_dir)
     assert all(m["frac_grafted"] == 0 and m["store_lookup_failures"] + m["store_lookups_skipped_backoff"] >= 1 for m in graft)
+    assert all(m["groups_no_peer"] == m["groups_no_peer_unanswered"] > 0 for m in graft)  # the store never answered
     assert [m["loss"] for m in graft] == [m["loss"] for m in grpo]
     a, b = weights(graft_dir / "checkpoints" / "step_000002"), weights(grpo_dir / "checkpoints" / "step_000002")
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -110,6 +127,14 @@ def test_resume_reproduces_the_next_step(toy_world, store, tmp_path):
         assert same(full_metrics[2].get(key), resumed_metrics[2].get(key)), key
     a, b = weights(full / "checkpoints" / "step_000003"), weights(resumed / "checkpoints" / "step_000003")
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # the run's config as it started is kept; the resumed one beside it, the change named in the log
+    assert yaml.safe_load((resumed / "config.yaml").read_text())["steps"] == 2
+    assert yaml.safe_load((resumed / "config.resumed_at_000002.yaml").read_text())["steps"] == 3
+    assert "steps: 2 -> 3" in (resumed / "train.log").read_text()
+    # only the newest checkpoint keeps the optimizer state (resume reads only it); the older one keeps its weights
+    older, newest = full / "checkpoints" / "step_000002", full / "checkpoints" / "step_000003"
+    assert "optimizer" not in load_trainer_state(older) and "optimizer" in load_trainer_state(newest)
+    assert latest_checkpoint(full) == newest and (older / "model.safetensors").exists()
 
 
 def test_one_forward_serves_as_pi_old_when_one_update_per_step(toy_world, store, tmp_path):
@@ -333,3 +358,40 @@ def test_cotraining_two_processes_through_one_store(toy_world, tmp_path):
         assert all(m["cotrain_peer_silent_steps"] == 0 or math.isnan(m["cotrain_peer_silent_steps"]) for m in run)
     assert any(m["frac_grafted"] > 0 for m in learner)
     assert all(m["peer_group_age_steps"] == 0 for m in learner if m["frac_grafted"] > 0)  # the peer's group of the same step
+
+
+def _all_fail_copy(group):
+    """The group as if every rollout had failed (a peer that could not solve the prompt either)."""
+    rollouts = [r.model_copy(update={"reward": 0.0, "correct": False, "advantage": 0.0, "extracted_answer": None})
+                for r in group.rollouts]
+    return group.model_copy(update={"rollouts": rollouts})
+
+
+def test_the_metrics_say_why_an_all_fail_group_had_no_peer_group(toy_world, store, tmp_path):
+    """Nothing stored, peers the run does not admit, only all-fail peer groups, only the learner's own groups: each
+    all-fail group counted under its reason (groups_no_peer_<reason>, or groups_peer_uninformative), never all of
+    them as groups_no_peer alike."""
+    from schemas import table_to_groups
+    from services.store_api.local.manifest import live_files
+    from services.store_api.local.shards import write_groups
+
+    import pyarrow.parquet as pq
+
+    stored = [g for path in live_files(toy_world.store_root)
+              for g in table_to_groups(pq.read_table(toy_world.store_root / path))]
+    write_groups(tmp_path / "all-fail", [_all_fail_copy(g) for g in stored])
+    cases = {
+        "empty": (tmp_path / "empty", {}, "groups_no_peer_nothing_stored"),
+        "not admitted": (None, {"graft.peer_models": ["another-peer"]}, "groups_no_peer_peers_not_admitted"),
+        "all-fail": (tmp_path / "all-fail", {}, "groups_peer_uninformative"),
+        "own only": (None, {"model.model_id": toy_world.peer_model_id}, "groups_no_peer_only_learner"),
+    }
+    for name, (root, overrides, reason) in cases.items():  # root None: the module's store of the peer's groups
+        with contextlib.nullcontext(store) if root is None else StoreServer(root) as server:
+            run_dir = train(make_config(toy_world, tmp_path / name.replace(" ", "-"), server.url, steps=1, **overrides))
+        m = read_metrics(run_dir)[0]
+        all_fail = round(m["frac_all_fail"] * 8)
+        assert all_fail > 0 and m["frac_grafted"] == 0, name
+        assert m[reason] == all_fail, (name, {k: v for k, v in m.items() if k.startswith("groups_")})
+        reasons = [k for k in m if k.startswith("groups_no_peer_") and k != "groups_no_peer_tokenizer"]
+        assert sum(m[k] for k in reasons) == m["groups_no_peer"], name  # the reasons add up
