@@ -10,9 +10,12 @@ the line before a block (invisible on the rendered page):
 - `<!-- walk: server-stopped -->`: the page's server is stopped (SIGTERM, as Ctrl-C) before the block runs;
 - `<!-- walk: skip REASON ... -->`: not run, REASON one of SKIP_REASONS (a GPU, Docker, a long run, the files
   `make demo` writes, another machine's hosts or paths, a template with placeholders, or `tested TEST_FILE`: a test
-  that reads the block from this page runs it on a store it builds, with more checks than an exit status).
+  that reads the block from this page runs it on a store it builds, with more checks than an exit status);
+- `<!-- walk: minutes N -->`: the block runs for minutes on a CPU (a real model's training step): it may run
+  `graft-train train`, and gets N minutes instead of BLOCK_TIMEOUT_S.
 A block without a comment runs. A block naming a command that needs what the walk has not (NEEDS_A_SKIP) must carry
-a skip, so no long or GPU command runs, or is left out, without saying so. SQL blocks are DuckDB's and PostgreSQL's
+a skip (or, for `graft-train train` on a CPU, `minutes`), so no long or GPU command runs, or is left out, without
+saying so. SQL blocks are DuckDB's and PostgreSQL's
 (tests/store/test_store_readers.py and tests/store/test_lake.py run them); other fences are not commands.
 """
 
@@ -79,11 +82,14 @@ def test_every_block_is_run_or_skipped_by_the_rule():
                     test = REPO_ROOT / reasons[1] if len(reasons) > 1 else None
                     if test is None or not test.is_file() or page.name not in test.read_text():
                         problems.append(f"{block}: `skip tested` names no test file that reads {page.name}")
-            elif block.tag not in ("", "serve", "server-stopped"):
+            elif block.tag not in ("", "serve", "server-stopped") and not re.fullmatch(r"minutes \d+", block.tag):
                 problems.append(f"{block}: unknown walk tag {block.tag!r}")
             elif block.language in RUN_LANGUAGES:
                 ran += 1
-                if NEEDS_A_SKIP.search(block.code):
+                needs = {m.group(0) for m in NEEDS_A_SKIP.finditer(block.code)}
+                if block.tag.startswith("minutes") and needs <= {"graft-train train"}:
+                    continue  # said out loud: a CPU training step, given its minutes
+                if needs:
                     problems.append(f"{block}: runs {NEEDS_A_SKIP.search(block.code).group(0)!r}: tag it <!-- walk: skip REASON -->")
             elif block.tag:
                 problems.append(f"{block}: a {block.language or 'plain'} block is never run: its tag {block.tag!r} says nothing")
@@ -166,13 +172,15 @@ def test_the_pages_commands_run_as_printed(page: Path, tmp_path: Path):
             if block.tag == "server-stopped":
                 assert server is not None, f"{block}: says the server is stopped, but the page started none"
                 server.stop()
-            proc = subprocess.run(_command(block.language, code), cwd=cwd, env=env, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
+            timeout = int(block.tag.split()[1]) * 60 if block.tag.startswith("minutes") else BLOCK_TIMEOUT_S
+            proc = subprocess.run(_command(block.language, code), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
             assert proc.returncode == 0, f"{block} exits {proc.returncode}:\n{code}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
             ran.append(str(block))
     finally:
         if server is not None:
             server.stop()
     assert ran, f"{page.name}: no block ran"
-    # in a checkout the commands leave only the store they name: their other files go to folders of their own
-    left = sorted(p.name for p in cwd.iterdir() if p.name not in ("configs", "data", ".venv", "stores"))
+    # in a checkout the commands leave only what they name (the store, the models laid out, the runs, all ignored by
+    # git): their other files go to folders of their own
+    left = sorted(p.name for p in cwd.iterdir() if p.name not in ("configs", "data", ".venv", "stores", "models", "runs"))
     assert not left, f"{page.name}'s commands leave {left} in the checkout"

@@ -1,4 +1,4 @@
-"""docs/stored-row.md's outside-reader queries (DuckDB from Python and from SQL, pyarrow), run as written against a store
+"""docs/stored-row.md's outside-reader queries (DuckDB from Python and its SQL, pyarrow), run as written against a store
 SIGKILLed while pushing and while a writer wrote, and against one that just compacted: they count exactly what
 the API counts, and no glob of the folder meets a partial file."""
 
@@ -17,6 +17,8 @@ import duckdb
 import pyarrow.parquet as pq
 from store_factory import make_group
 
+from schemas import ROLLOUT_ARROW_SCHEMA
+
 from services.store_api.http.client import StoreClient, StoreError
 from services.store_api.http.server import StoreServer
 from services.store_api.local.shards import write_groups
@@ -33,18 +35,20 @@ def readme_blocks(language: str) -> list[str]:
 
 def readme_counts(root: Path) -> dict[str, dict[str, int]]:
     """Rollouts per model by each of docs/stored-row.md's outside readers, run as written on `root`."""
-    (python,) = [b for b in readme_blocks("python") if "manifest.json" in b]
-    (sql,) = [b for b in readme_blocks("sql") if "manifest.json" in b]
+    python, sql = [b for b in readme_blocks("python") if "manifest.json" in b]
     namespace: dict = {}
     exec(python.replace("stores/local", str(root)), namespace)
     counts = {"duckdb": {m: n for m, n, _ in namespace["per_model"]},
               "pyarrow": {row["model_id"]: row["model_id_count"]
                           for row in namespace["table"].group_by("model_id").aggregate([("model_id", "count")]).to_pylist()}}
-    connection = duckdb.connect()
-    statements = [s for s in sql.replace("stores/local", str(root)).split(";") if s.strip().strip("-").strip()]
-    for statement in statements[:-1]:
-        connection.execute("\n".join(line for line in statement.splitlines() if not line.startswith("--")))
-    counts["duckdb sql"] = {m: n for m, n, _ in connection.execute(statements[-1]).fetchall()}
+    # no column from the folders' names (model=<id>): the rows' own fields only, whichever reader
+    assert namespace["table"].column_names == ROLLOUT_ARROW_SCHEMA.names
+    sql_namespace: dict = {}
+    exec(sql.replace("stores/local", str(root)), sql_namespace)
+    connection = sql_namespace["con"]
+    counts["duckdb sql"] = {m: n for m, n, _ in connection.execute(sql_namespace["PER_MODEL"]).fetchall()}
+    star = sql_namespace["PER_MODEL"].replace("model_id, count(*) AS rollouts, avg(reward) AS success_rate", "*", 1)
+    assert [column[0] for column in connection.execute(star.split(" GROUP BY")[0]).description] == ROLLOUT_ARROW_SCHEMA.names
     return counts
 
 
