@@ -12,7 +12,11 @@ load falls on both alike; each pair gives a ratio train / generate of wall time 
 reported as the median with the smallest and largest. `--dtype bfloat16` compares the trainer's mixed precision
 (autocast over float32 weights) with a generator that loads bfloat16 weights.
 
-    python -m benchmarks.sampling_bench --json OUT [--pairs 5 --prompts 4 --group-size 4 --max-tokens 128 --dtype float32]
+Mode `loop` (`loop_pairs`) takes the trainer's side from a real `graft-train` run instead: each step's `generation_s`
+after the updates before it, against graft-generate's sampling of the same prompts right after the step.
+
+    python -m benchmarks.sampling_bench --json OUT [--mode calls|loop --pairs 5 --prompts 4 --group-size 4
+                                                    --max-tokens 128 --dtype float32 --threads N]
 
 Target: train / generate <= 1.2 (issue 36; the same backend and model).
 """
@@ -24,6 +28,7 @@ import contextlib
 import json
 import resource
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -80,6 +85,59 @@ def arms(model: Path, prompts: int, group_size: int, max_tokens: int, dtype: str
     return {"generate": generate, "train": train}, scorers
 
 
+def loop_pairs(model: Path, steps: int, prompts: int, group_size: int, max_tokens: int, dtype: str,
+               threads: int | None, workdir: Path) -> list[dict]:
+    """Mode `loop`: a real `graft-train` run (GRPO: the same sampling, no store needed) whose every step is followed
+    by graft-generate's sampling of that step's prompts with the step's sampling parameters; the pair is the step's
+    `generation_s` (sampling and scoring, after the previous steps' updates, their optimizer state resident) and the
+    generator's time on the same work."""
+    import torch
+
+    from rollouts.datasets import load_problems
+    from rollouts.scoring import Scorer
+    from services.generator.config import GeneratorConfig
+    from services.generator.generate import RunStats, _load, _sample_batch
+    from trainer.config import load_config
+    from trainer.data import LoopState, PromptStream
+    from trainer.loop import train
+    from trainer.rollout import sampling_params
+
+    cfg = load_config(None, [
+        f"model.path={model}", "model.device=cpu", f"model.dtype={dtype}", "data.dataset=gsm8k",
+        f"data.limit={prompts * steps}", "method=grpo", "rollout.backend=hf", f"rollout.group_size={group_size}",
+        f"rollout.prompts_per_step={prompts}", f"optim.mini_batch_prompts={prompts}", "optim.micro_batch_size=4",
+        f"rollout.max_response_tokens={max_tokens}", f"rollout.generation_batch_size={prompts * group_size}",
+        "rollout.scorer_workers=1", "seed=0", f"steps={steps}", f"run_dir={workdir / 'run'}", "logging.progress=false",
+        "checkpoint.keep_last=1"] + ([f"torch_threads={threads}"] if threads else []))
+    generator_cfg = GeneratorConfig(model=str(model), model_id="smollm2", dataset="gsm8k", group_size=group_size,
+                                    temperature=1.0, max_tokens=max_tokens, store="unused", score_workers=1, progress=False,
+                                    dtype=dtype, hf_batch_size=prompts * group_size)
+    backend = _load(generator_cfg, str(model), "smollm2")
+    stream = PromptStream(load_problems("gsm8k", limit=prompts * steps), cfg.seed, cfg.data.shuffle, LoopState())
+    rows: list[dict] = []
+    with Scorer(num_workers=1) as scorer:
+        def after_step(metrics: dict) -> None:
+            step = metrics["step"] - 1
+            stats = RunStats()
+            started, cpu = time.perf_counter(), time.process_time()
+            groups = _sample_batch(backend, scorer, stream.take(prompts), [f"g{step}-{i}" for i in range(prompts)],
+                                   sampling_params(cfg, step, 0), generator_cfg, "smollm2", "r", 0, "bench", stats)
+            wall = time.perf_counter() - started
+            row = {"pair": step + 1, "load_1min": loadavg(),
+                   "train": {"generation_s": round(metrics["generation_s"], 3), "tokens": metrics["completion_tokens"],
+                             "update_s": round(metrics["update_s"], 3)},
+                   "generate": {"wall_s": round(wall, 3), "cpu_s": round(time.process_time() - cpu, 3),
+                                "tokens": sum(r.num_tokens for g in groups for r in g.rollouts)}}
+            row["ratio_wall"] = round(row["train"]["generation_s"] / wall, 3)
+            row["ratio_wall_per_token"] = round(row["ratio_wall"] * row["generate"]["tokens"] / max(row["train"]["tokens"], 1), 3)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+
+        torch.manual_seed(0)
+        train(cfg, on_step=after_step)
+    return rows
+
+
 def measure(call, step: int) -> dict:
     started, cpu = time.perf_counter(), time.process_time()
     groups = call(step)
@@ -105,8 +163,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--mode", choices=["calls", "loop"], default="calls",
+                        help="calls: the two arms' calls interleaved in one process; loop: a real graft-train run, each "
+                             "step's generation_s against graft-generate's sampling of the same prompts after it")
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args(argv)
+    if args.mode == "loop":
+        with tempfile.TemporaryDirectory() as workdir:
+            rows = loop_pairs(smollm2_dir(), args.pairs, args.prompts, args.group_size, args.max_tokens, args.dtype,
+                              args.threads, Path(workdir))
+        return _report(args, rows, ("ratio_wall", "ratio_wall_per_token"))
     calls, scorers = arms(smollm2_dir(), args.prompts, args.group_size, args.max_tokens, args.dtype, args.threads)
     try:
         for name, call in calls.items():  # warm-up: the scorers' workers import sympy, the first call allocates
@@ -124,8 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for scorer in scorers.values():
             scorer.close()
+    return _report(args, rows, ("ratio_wall", "ratio_cpu_per_token"))
+
+
+def _report(args: argparse.Namespace, rows: list[dict], ratios: tuple[str, ...]) -> int:
     summary = {name: {"median": statistics.median(r[name] for r in rows), "min": min(r[name] for r in rows),
-                      "max": max(r[name] for r in rows)} for name in ("ratio_wall", "ratio_cpu_per_token")}
+                      "max": max(r[name] for r in rows)} for name in ratios}
     result = {"settings": vars(args) | {"json": str(args.json)}, "pairs": rows, "summary": summary,
               "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 2)}
     args.json.write_text(json.dumps(result, indent=1) + "\n")

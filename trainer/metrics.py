@@ -130,6 +130,7 @@ def step_metrics(
         "groups_peer_uninformative": count["groups_peer_uninformative"],
         "groups_no_peer_tokenizer": count["groups_no_peer_tokenizer"],
         **{f"groups_no_peer_{reason}": count[f"groups_no_peer_{reason}"] for reason in NO_PEER_REASONS},
+        "completion_tokens": count["completion_tokens"],  # tokens the learner sampled this step (generation_s's work)
         "rows": count["rows"],  # rows the update trained on (the learner's, grafted ones)
         "rows_with_signal": count["rows_with_signal"],  # of them, rows with a non-zero advantage: the rest add no gradient
         # which peer groups this step grafted, for which prompts (every rank's)
@@ -165,7 +166,8 @@ def step_metrics(
 
 # Tally names that are counts (written as integers); the others are sums of floats.
 COUNTED = ("rollouts_generated", "peer_rollouts_consumed", "groups_", "dropped_", "dapo_groups_kept", "projection_",
-           "peer_advantage_mismatch", "same_tokenizer_id_mismatch", "grafted_groups_short", "store_", "rows")
+           "peer_advantage_mismatch", "same_tokenizer_id_mismatch", "grafted_groups_short", "store_", "rows",
+           "completion_tokens")
 
 
 def _rank_tally(
@@ -206,6 +208,7 @@ def _rank_tally(
         "groups_no_peer": actions.count("skip_no_peer") - uninformative_stored,
         "groups_peer_uninformative": actions.count("skip_uninformative") + uninformative_stored,
         **{f"groups_no_peer_{reason}": count for reason, count in no_peer.items()},
+        "completion_tokens": sum(r.num_tokens for g in sampled.generated for r in g.rollouts),
         "rows": len(outcome.weighted.rows),
         "rows_with_signal": sum(1 for row in outcome.weighted.rows if row.advantage != 0),
         "groups_no_peer_tokenizer": actions.count("skip_no_peer_tokenizer"),
