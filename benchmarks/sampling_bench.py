@@ -10,7 +10,8 @@ shared one would answer the second arm from its cache), in one process with the 
 interleaved (generate, train, then train, generate, ...) after one untimed warm-up call each, so that a machine's
 load falls on both alike; each pair gives a ratio train / generate of wall time and of CPU time per sampled token,
 reported as the median with the smallest and largest. `--dtype bfloat16` compares the trainer's mixed precision
-(autocast over float32 weights) with a generator that loads bfloat16 weights.
+(autocast over float32 weights) with a generator that loads bfloat16 weights; `--sampler-copy` has graft-train sample
+from a bfloat16 copy of the policy instead (rollout.hf_sampler_copy).
 
 Mode `loop` (`loop_pairs`) takes the trainer's side from a real `graft-train` run instead: each step's `generation_s`
 after the updates before it, against graft-generate's sampling of the same prompts right after the step.
@@ -41,7 +42,8 @@ def smollm2_dir() -> Path:
     return resolve_model_dir(smollm2_gguf())
 
 
-def arms(model: Path, prompts: int, group_size: int, max_tokens: int, dtype: str, threads: int | None):
+def arms(model: Path, prompts: int, group_size: int, max_tokens: int, dtype: str, threads: int | None,
+         sampler_copy: bool = False):
     """(problems, {name: call() -> (groups, completion tokens)}) for the two arms."""
     import torch
 
@@ -66,7 +68,7 @@ def arms(model: Path, prompts: int, group_size: int, max_tokens: int, dtype: str
         "method=grpo", "rollout.backend=hf", f"rollout.group_size={group_size}", f"rollout.prompts_per_step={prompts}",
         f"optim.mini_batch_prompts={prompts}", f"rollout.max_response_tokens={max_tokens}",
         f"rollout.generation_batch_size={prompts * group_size}", "rollout.scorer_workers=1", "seed=0",
-        "logging.progress=false"])
+        "logging.progress=false", f"rollout.hf_sampler_copy={str(sampler_copy).lower()}"])
     learner = load_learner(train_cfg, None)
     sampler, _ = make_sampler(train_cfg, learner, model)
     scorers = {"generate": Scorer(num_workers=1), "train": Scorer(num_workers=1)}
@@ -163,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--sampler-copy", action="store_true",
+                        help="graft-train with rollout.hf_sampler_copy (with --dtype bfloat16: a bfloat16 copy samples)")
     parser.add_argument("--mode", choices=["calls", "loop"], default="calls",
                         help="calls: the two arms' calls interleaved in one process; loop: a real graft-train run, each "
                              "step's generation_s against graft-generate's sampling of the same prompts after it")
@@ -173,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
             rows = loop_pairs(smollm2_dir(), args.pairs, args.prompts, args.group_size, args.max_tokens, args.dtype,
                               args.threads, Path(workdir))
         return _report(args, rows, ("ratio_wall", "ratio_wall_per_token"))
-    calls, scorers = arms(smollm2_dir(), args.prompts, args.group_size, args.max_tokens, args.dtype, args.threads)
+    calls, scorers = arms(smollm2_dir(), args.prompts, args.group_size, args.max_tokens, args.dtype, args.threads,
+                          args.sampler_copy)
     try:
         for name, call in calls.items():  # warm-up: the scorers' workers import sympy, the first call allocates
             call(10_000)

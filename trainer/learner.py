@@ -7,6 +7,7 @@ each generate call."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.util
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -54,6 +55,9 @@ class Learner:
     # what every forward that is backpropagated calls (the update's, the anchor's), and what checkpoints save: the
     # DDP wrapper or, under fsdp and in one process, hf_model itself
     grad_model: torch.nn.Module | None = None
+    # rollout.hf_sampler_copy: the policy in the compute dtype, which the hf sampler samples from (refreshed after each
+    # update by `sync_sampler_copy`); None: the sampler samples hf_model under autocast
+    sampler_model: torch.nn.Module | None = None
 
     def __post_init__(self) -> None:
         if self.dist is None:
@@ -66,6 +70,17 @@ class Learner:
         if self.compute_dtype == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
+
+    def sampling_autocast(self) -> contextlib.AbstractContextManager:
+        """What the sampler's calls run under: autocast over the float32 policy, or nothing for a copy in the compute
+        dtype (autocast around it would only slow it down)."""
+        return contextlib.nullcontext() if self.sampler_model is not None else self.autocast()
+
+    def sync_sampler_copy(self) -> None:
+        """Copy the updated float32 weights into the sampler's copy (rollout.hf_sampler_copy), cast."""
+        with torch.no_grad():
+            for copy, weight in zip(self.sampler_model.parameters(), self.hf_model.parameters(), strict=True):
+                copy.copy_(weight)
 
     @property
     def end_token_id(self) -> int:
@@ -126,8 +141,10 @@ def make_sampler(cfg: TrainConfig, learner: Learner, weights_path: str | Path) -
         from trainer.vllm_sync import make_vllm_backend
 
         return make_vllm_backend(cfg, learner, weights_path), True
-    backend = HFBackend(learner.hf_model, learner.tokenizer, learner.model_id, tokenizer_id=learner.tokenizer_id,
-                        batch_size=cfg.rollout.generation_batch_size)
+    if cfg.rollout.hf_sampler_copy:
+        learner.sampler_model = copy.deepcopy(learner.hf_model).to(learner.compute_dtype).requires_grad_(False).eval()
+    backend = HFBackend(learner.sampler_model or learner.hf_model, learner.tokenizer, learner.model_id,
+                        tokenizer_id=learner.tokenizer_id, batch_size=cfg.rollout.generation_batch_size)
     return (GatheredSampler(backend) if learner.dist.strategy == "fsdp" else backend), False
 
 

@@ -181,6 +181,9 @@ def _train(cfg: TrainConfig, dist: DistContext, resume: bool, overwrite: bool,
             if uses_vllm:  # the engine samples the next step with the new weights
                 with clock("weight_sync_s"):
                     sync_sampler(sampler, learner)
+            elif learner.sampler_model is not None:  # rollout.hf_sampler_copy: so does the bfloat16 copy
+                with clock("weight_sync_s"):
+                    learner.sync_sampler_copy()
 
             outcome = StepOutcome(sampled, found, decisions, rows, weighted, result)
             metrics = metrics_log.write(step_metrics(cfg, state, outcome, clock, scheduler.get_last_lr()[0],
@@ -203,7 +206,7 @@ def _train(cfg: TrainConfig, dist: DistContext, resume: bool, overwrite: bool,
                             state.step, cfg.steps, " (this step's evaluation skipped)" if due(cfg, state.step) else "")
                 break
             if due(cfg, state.step):  # each rank scores its block of the problems; rank 0 writes
-                with learner.autocast():
+                with learner.sampling_autocast():
                     evaluate_policy(cfg, sampler, scorer, run_dir, state.step, dist)
     finally:
         progress.close()

@@ -92,7 +92,7 @@ def generate_groups(
     problems = block.problems
     params = sampling_params(cfg, policy_step, round_index, block.offset)
     prompts = [cfg.data.prompt(learner.tokenizer, p.problem) for p in problems]
-    with learner.autocast():
+    with learner.sampling_autocast():
         samples = sampler.generate(prompts, params)  # one list of G samples per prompt
     completions = [s.text for per_prompt in samples for s in per_prompt]
     golds = [p.answer for p, per_prompt in zip(problems, samples) for _ in per_prompt]

@@ -395,3 +395,26 @@ def test_the_metrics_say_why_an_all_fail_group_had_no_peer_group(toy_world, stor
         assert m[reason] == all_fail, (name, {k: v for k, v in m.items() if k.startswith("groups_")})
         reasons = [k for k in m if k.startswith("groups_no_peer_") and k != "groups_no_peer_tokenizer"]
         assert sum(m[k] for k in reasons) == m["groups_no_peer"], name  # the reasons add up
+
+
+def test_a_bfloat16_sampler_copy_samples_the_updated_policy(toy_world, store, tmp_path):
+    """rollout.hf_sampler_copy: the hf sampler holds the policy in bfloat16 (no autocast around it) and takes every
+    update's weights; its groups are the policy's (the store's informative ones are grafted as with autocast)."""
+    from trainer.learner import load_learner, make_sampler
+
+    cfg = make_config(toy_world, tmp_path / "copy", store.url, steps=2, **{
+        "model.dtype": "bfloat16", "rollout.hf_sampler_copy": True})
+    learner = load_learner(cfg, None)
+    sampler, uses_vllm = make_sampler(cfg, learner, cfg.model.path)
+    assert not uses_vllm and sampler.model is learner.sampler_model
+    assert {p.dtype for p in learner.sampler_model.parameters()} == {torch.bfloat16}
+    with torch.no_grad():
+        for weight in learner.hf_model.parameters():
+            weight.add_(0.01)  # an update
+    learner.sync_sampler_copy()
+    for copy, weight in zip(learner.sampler_model.parameters(), learner.hf_model.parameters()):
+        assert torch.equal(copy, weight.to(torch.bfloat16))
+    metrics = read_metrics(train(cfg))
+    assert [m["step"] for m in metrics] == [1, 2] and all("weight_sync_s" in m and m["frac_grafted"] > 0 for m in metrics)
+    with pytest.raises(ValueError, match="hf_sampler_copy"):
+        make_config(toy_world, tmp_path / "f32", store.url, **{"rollout.hf_sampler_copy": True})  # float32: nothing to copy
