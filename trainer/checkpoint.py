@@ -11,9 +11,10 @@ A checkpoint is written into a temporary folder beside its final name and rename
 a crash never leaves a half-written checkpoint under a final name. With several machines, run_dir
 must be a file system they all see (as torch.distributed.checkpoint requires).
 
-keep_last keeps the checkpoints written last (not the highest steps), only the newest with the optimizer
-state (`drop_optimizer_state`: resume reads only the newest), and a fresh start in a run directory that
-holds a run is refused (`check_run_dir`): resume it or overwrite it, never erase it by accident.
+keep_last keeps the checkpoints written last (not the highest steps), with checkpoint.optimizer_in_newest_only
+only the newest with the optimizer state (`drop_optimizer_state`: the older ones can no longer be resumed), and a
+fresh start in a run directory that holds a run is refused (`check_run_dir`): resume it or overwrite it, never
+erase it by accident.
 """
 
 from __future__ import annotations
@@ -71,8 +72,10 @@ def save_checkpoint(
     loop_state: dict[str, Any],
     keep_last: int | None,
     ctx: DistContext | None = None,
+    optimizer_in_newest_only: bool = False,
 ) -> Path:
-    """Write checkpoint `step` atomically and prune older ones beyond `keep_last`; returns its path.
+    """Write checkpoint `step` atomically and prune older ones beyond `keep_last` (with `optimizer_in_newest_only`,
+    drop the optimizer state of the older one-process ones); returns its path.
 
     Data parallel (ctx.distributed): every rank calls it; each writes its shards and RNG into dcp/,
     rank 0 the HF export and the rename."""
@@ -95,7 +98,7 @@ def save_checkpoint(
             tokenizer.save_pretrained(staging)
             torch.save({**trainer_state, "optimizer": optimizer.state_dict(), "rng": rng_state()}, staging / STATE_FILE)
         if writes_folder:
-            _move_into_place(staging, final, run_dir, keep_last)
+            _move_into_place(staging, final, run_dir, keep_last, optimizer_in_newest_only)
         if sharded:
             barrier(ctx)  # no rank returns before the checkpoint is in place
     finally:
@@ -104,7 +107,8 @@ def save_checkpoint(
     return final
 
 
-def _move_into_place(staging: Path, final: Path, run_dir: Path, keep_last: int | None) -> None:
+def _move_into_place(staging: Path, final: Path, run_dir: Path, keep_last: int | None,
+                     optimizer_in_newest_only: bool = False) -> None:
     """fsync a complete checkpoint, rename it to its final name, prune beyond keep_last."""
     for folder, _, files in os.walk(staging):
         for name in files:
@@ -117,14 +121,15 @@ def _move_into_place(staging: Path, final: Path, run_dir: Path, keep_last: int |
     if keep_last is not None:
         for old in list_checkpoints(run_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
-    for older in list_checkpoints(run_dir)[:-1]:
-        drop_optimizer_state(older)
+    if optimizer_in_newest_only:
+        for older in list_checkpoints(run_dir)[:-1]:
+            drop_optimizer_state(older)
 
 
 def drop_optimizer_state(checkpoint: Path) -> None:
     """Remove the optimizer state (AdamW's two moments: twice the weights' size) from a one-process checkpoint that is
-    no longer the newest: `--resume` reads only the newest, and what the older ones are kept for (a generator's
-    --watch-dir, an evaluation, a look back) reads their weights. Their step, schedule, RNG and loop state stay. The
+    no longer the newest (checkpoint.optimizer_in_newest_only): what the older ones are then kept for (a generator's
+    --watch-dir, an evaluation, a look back) reads their weights; resuming from one is refused. Their step, schedule, RNG and loop state stay. The
     folder keeps its mtime, its place in the write order (list_checkpoints)."""
     path = Path(checkpoint) / STATE_FILE
     if not path.exists():
@@ -214,8 +219,9 @@ def restore_training_state(
     else:
         saved = load_trainer_state(checkpoint)
         if "optimizer" not in saved:
-            raise ValueError(f"{checkpoint} keeps no optimizer state (only a run's newest checkpoint does): resume from "
-                             "the newest, or start a new run from its weights (model.path: this folder)")
+            raise ValueError(f"{checkpoint} keeps no optimizer state (checkpoint.optimizer_in_newest_only kept it only in "
+                             "the run's newest checkpoint): resume from the newest, or start a new run from its weights "
+                             "(model.path: this folder)")
         if ctx.strategy == "fsdp" and saved["optimizer"]["state"]:
             _load_full_optimizer_state(model, optimizer, saved["optimizer"])
         else:  # an optimizer that never stepped loads as the fresh one it is (torch's sharded load would step it)

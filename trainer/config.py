@@ -69,9 +69,9 @@ class RolloutConfig(_Section):
     hf_sampler_copy: bool = Field(
         default=False,
         description="hf backend with model.dtype bfloat16: sample from a bfloat16 copy of the policy, refreshed after "
-                    "every update (as the vLLM sampler is), instead of under autocast over the float32 weights: 2.3x "
-                    "faster on a CPU (benchmarks/RESULTS.md), one more copy of the weights in memory, and the sampler's "
-                    "numbers are a bfloat16 model's (the policy's forward passes stay under autocast)")
+                    "every update (as the vLLM sampler is), instead of under autocast over the float32 weights: 1.8x "
+                    "faster on a CPU (benchmarks/RESULTS.md), one more copy of the weights in memory; changes what is "
+                    "sampled (a bfloat16-rounded policy) while the loss's logprobs stay the trainer's autocast forwards")
     vllm_gpu_memory_utilization: float = Field(default=0.4, gt=0.0, lt=1.0, description="share of GPU memory the vLLM engine may take (the policy and optimizer need the rest)")
     scorer_workers: int = Field(default=2, ge=1, description="math-verify worker processes")
     scorer_timeout_s: float = Field(default=10.0, gt=0.0, description="time limit for scoring one completion")
@@ -189,6 +189,7 @@ class EvalConfig(_Section):
 class CheckpointConfig(_Section):
     every_steps: int = Field(default=0, ge=0, description="save a checkpoint every N steps and at the end (0: only at the end)")
     keep_last: int | None = Field(default=2, ge=1, description="keep only the newest N checkpoints (None: keep all)")
+    optimizer_in_newest_only: bool = Field(default=False, description="drop the optimizer state (twice the weights' size) from every checkpoint but the newest: the older ones keep their weights and can no longer be resumed (one-process runs; dcp/ checkpoints are kept whole)")
 
 
 class LoggingConfig(_Section):

@@ -189,6 +189,9 @@ def _train(cfg: TrainConfig, dist: DistContext, resume: bool, overwrite: bool,
             metrics = metrics_log.write(step_metrics(cfg, state, outcome, clock, scheduler.get_last_lr()[0],
                                                      metrics_log.store_counts(), dist))  # the job's line, on every rank
             log.info("%s", step_line(metrics))
+            if dist.world_size > 1:  # this rank's own share (train.rank<r>.log for rank r > 0)
+                log.info("step %d: %d groups, %d grafted, %d rows trained on (this rank's)", metrics["step"],
+                         len(decisions), len(outcome.grafted), len(weighted.rows))
             state.advance(metrics["rollouts_generated"], metrics["peer_rollouts_consumed"],
                           gather_lists(dist, [d.prompt_id for d in outcome.grafted]))
             progress.update(1)
@@ -200,7 +203,7 @@ def _train(cfg: TrainConfig, dist: DistContext, resume: bool, overwrite: bool,
             if stopping or (cfg.checkpoint.every_steps and state.step % cfg.checkpoint.every_steps == 0) \
                     or state.step == cfg.steps:
                 save_checkpoint(run_dir, state.step, learner.grad_model, learner.tokenizer, optimizer, scheduler,
-                                asdict(state), cfg.checkpoint.keep_last, dist)
+                                asdict(state), cfg.checkpoint.keep_last, dist, cfg.checkpoint.optimizer_in_newest_only)
             if stopping:
                 log.warning("SIGTERM: stopped after step %d of %d, checkpoint written%s; continue with --resume",
                             state.step, cfg.steps, " (this step's evaluation skipped)" if due(cfg, state.step) else "")

@@ -295,7 +295,7 @@ def test_the_cli_runs_as_a_module_and_refuses_ranks_without_a_strategy(tmp_path,
     assert proc.returncode == 0 and "parallel.strategy" in proc.stdout
     config = tmp_path / "c.yaml"
     (tmp_path / "m").mkdir()
-    (tmp_path / "d.jsonl").write_text("")
+    (tmp_path / "d.jsonl").write_text('{"problem": "1+1=", "answer": "2"}\n')  # a dry run reads the data
     config.write_text(f"model: {{path: {tmp_path / 'm'}}}\ndata: {{dataset: {tmp_path / 'd.jsonl'}}}\nmethod: grpo\nrun_dir: {tmp_path / 'run'}\n")
     monkeypatch.setenv("WORLD_SIZE", "2")
     refused = CliRunner().invoke(app, ["train", str(config)])

@@ -117,7 +117,8 @@ def test_store_killed_mid_run_training_continues_and_grafting_resumes(toy_world,
 
 
 def test_resume_reproduces_the_next_step(toy_world, store, tmp_path):
-    full = train(make_config(toy_world, tmp_path / "full", store.url, steps=3, **{"checkpoint.every_steps": 2}))
+    full = train(make_config(toy_world, tmp_path / "full", store.url, steps=3, **{
+        "checkpoint.every_steps": 2, "checkpoint.optimizer_in_newest_only": True}))
     part_cfg = make_config(toy_world, tmp_path / "part", store.url, steps=2)
     train(part_cfg)
     resumed = train(part_cfg.model_copy(update={"steps": 3}), resume=True)
@@ -131,10 +132,15 @@ def test_resume_reproduces_the_next_step(toy_world, store, tmp_path):
     assert yaml.safe_load((resumed / "config.yaml").read_text())["steps"] == 2
     assert yaml.safe_load((resumed / "config.resumed_at_000002.yaml").read_text())["steps"] == 3
     assert "steps: 2 -> 3" in (resumed / "train.log").read_text()
-    # only the newest checkpoint keeps the optimizer state (resume reads only it); the older one keeps its weights
+    # checkpoint.optimizer_in_newest_only: only the newest checkpoint keeps the optimizer state, the older one its
+    # weights; by default every kept checkpoint can be resumed
     older, newest = full / "checkpoints" / "step_000002", full / "checkpoints" / "step_000003"
     assert "optimizer" not in load_trainer_state(older) and "optimizer" in load_trainer_state(newest)
     assert latest_checkpoint(full) == newest and (older / "model.safetensors").exists()
+    assert "optimizer" in load_trainer_state(resumed / "checkpoints" / "step_000002")
+    shutil.rmtree(newest)
+    with pytest.raises(ValueError, match="keeps no optimizer state"):
+        train(make_config(toy_world, full, store.url, steps=3), resume=True)
 
 
 def test_one_forward_serves_as_pi_old_when_one_update_per_step(toy_world, store, tmp_path):
