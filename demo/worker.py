@@ -69,6 +69,7 @@ def build(job: dict) -> dict:
                       dev=dev, curve=curve)
     sft_s = time.perf_counter() - started
     stopped = stop_step(spec.sft, curve)
+    write_json_atomic(out / "curve.json", {"curve": curve, "stop_step": stopped})
     if spec.sft.stop_when or spec.sft.stop_when_sampled:
         if stopped is None:
             last = curve[-1]
@@ -78,7 +79,6 @@ def build(job: dict) -> dict:
                 "machine, and its RL runs would measure another setting than the one they are meant to. Nothing was "
                 "trained after it. Look at the curve in " + str(out / "curve.json") + "; a longer schedule (--set "
                 f"{role}.sft.stop_at=..., {role}.sft.steps=...) may reach it")
-    write_json_atomic(out / "curve.json", {"curve": curve, "stop_step": stopped})
     levels = dict(cfg.starts) if role == "learner" else {"peer": cfg.peer_level}
     chosen = choose_starts(curve, cfg.task.weak_family, levels, spec.sft.stop_when, stopped or curve[-1]["step"])
 
@@ -132,7 +132,8 @@ def choose_starts(curve: list[dict], family: str, levels: dict[str, float], requ
     eligible = [c for c in curve if c["step"] <= last_step and all(c["greedy"][f] >= v for f, v in required.items())]
     if not eligible:
         raise SystemExit(f"no check of the warm start up to step {last_step} had {required} (greedy): nothing to start from")
-    return {name: min(eligible, key=lambda c: (abs(c["sampled"][family] - level), c["step"]))["step"]
+    # distances rounded: 0.38 and 0.42 are as far from 0.40, whatever the floats say
+    return {name: min(eligible, key=lambda c: (round(abs(c["sampled"][family] - level), 9), c["step"]))["step"]
             for name, level in levels.items()}
 
 
