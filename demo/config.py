@@ -39,6 +39,7 @@ class ModelBuildConfig(_Section):
     layers: int = Field(description="transformer layers")
     sft: SFTConfig = Field(description="supervised warm start")
     seed: int = Field(default=0, description="initialisation seed")
+    level_family: str | None = Field(default=None, description="the family whose sampled dev accuracy sets where this model starts (DemoConfig.starts, peer_level); None: the task's weak family")
 
 
 class PeerGroupsConfig(_Section):
@@ -151,16 +152,22 @@ class DemoConfig(_Section):
     probe: ProbeConfig = Field(default_factory=ProbeConfig)
     mode: Literal["full", "quick"] = Field(default="full", description="quick: the test's shrunken pipeline")
 
+    def level_family(self, role: str) -> str:
+        """The family whose sampled dev accuracy places `role`'s starts."""
+        return (self.learner if role == "learner" else self.peer).level_family or self.task.weak_family
+
+    def start_levels(self, role: str) -> dict[str, float]:
+        """`role`'s starts: name -> level (the learner's `starts`; the peer's one, `peer`, at `peer_level`)."""
+        return dict(self.starts) if role == "learner" else {"peer": self.peer_level}
+
     @model_validator(mode="after")
     def _levels(self) -> DemoConfig:
-        weak = self.task.weak_family
-        stop = self.learner.sft.stop_when_sampled.get(weak)
-        if self.mode == "full" and (stop is None or max(self.starts.values()) > stop):
-            raise ValueError(f"starts {self.starts} need the learner's warm start to train until its {weak} sampled level "
-                             f"reaches the highest of them (learner.sft.stop_when_sampled.{weak} = {stop})")
-        if self.mode == "full" and self.peer.sft.stop_when_sampled.get(weak, 0.0) < self.peer_level:
-            raise ValueError(f"peer_level {self.peer_level} needs the peer's warm start to train until its {weak} sampled "
-                             f"level reaches it (peer.sft.stop_when_sampled.{weak})")
+        for role in ("learner", "peer") if self.mode == "full" else ():
+            family, levels = self.level_family(role), self.start_levels(role)
+            stop = (self.learner if role == "learner" else self.peer).sft.stop_when_sampled.get(family)
+            if stop is None or max(levels.values()) > stop:
+                raise ValueError(f"{role} starts at {levels} ({family} sampled on dev) need its warm start to train until "
+                                 f"that level (its sft.stop_when_sampled.{family} = {stop}, at least the highest start)")
         return self
 
 

@@ -191,9 +191,8 @@ def model_jobs(cfg: DemoConfig, data: dict[str, Path], out: Path, kernels: dict[
                                         "threads": threads}))
         if (job_dir / "done.json").exists():
             print_model(role, json.loads((job_dir / "done.json").read_text()))
-        names = list(cfg.starts) if role == "learner" else ["peer"]
         models[role] = {"dir": str(job_dir), "checkpoint_hash": job_dir.name,
-                        "start_dirs": {name: str(warm_start_checkpoint(job_dir, name)) for name in names}}
+                        "start_dirs": {name: str(warm_start_checkpoint(job_dir, name)) for name in cfg.start_levels(role)}}
         jobs.append(Job(
             name=f"sft {role}", commands=[python_module("demo.worker", "build", str(job_file))], logs=[job_dir / "log.txt"],
             done=[job_dir / "done.json"], progress=progress_file(job_dir / "progress"), total=spec.sft.stop_at or spec.sft.steps,

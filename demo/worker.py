@@ -79,8 +79,8 @@ def build(job: dict) -> dict:
                 "machine, and its RL runs would measure another setting than the one they are meant to. Nothing was "
                 "trained after it. Look at the curve in " + str(out / "curve.json") + "; a longer schedule (--set "
                 f"{role}.sft.stop_at=..., {role}.sft.steps=...) may reach it")
-    levels = dict(cfg.starts) if role == "learner" else {"peer": cfg.peer_level}
-    chosen = choose_starts(curve, cfg.task.weak_family, levels, spec.sft.stop_when, stopped or curve[-1]["step"])
+    levels = cfg.start_levels(role)
+    chosen = choose_starts(curve, cfg.level_family(role), levels, spec.sft.stop_when, stopped or curve[-1]["step"])
 
     from rollouts.scoring import Scorer
 
