@@ -105,11 +105,12 @@ def probe(job: dict, progress=lambda done, total: None) -> dict:
     spec_name = next(iter(corrections))
     summary = {}
     for name, values in per_batch.items():
-        cos = [v["cos"] for v in values]
+        cos = [v["cos"] for v in values if not math.isnan(v["cos"])]  # NaN: a batch whose rows all had no signal
         entry = {"cos": paired_interval(cos).as_dict(), "grad_norm_mean": statistics.fmean(v["grad_norm"] for v in values),
                  "batches": values}
         if name != spec_name and name in corrections:
-            entry["cos_minus_spec"] = paired_interval([a - b for a, b in zip(cos, (v["cos"] for v in per_batch[spec_name]))]).as_dict()
+            pairs = [(a["cos"], b["cos"]) for a, b in zip(values, per_batch[spec_name]) if not math.isnan(a["cos"] + b["cos"])]
+            entry["cos_minus_spec"] = paired_interval([a - b for a, b in pairs]).as_dict()
         decisive = [w for v in values for w in v.get("decisive_weights", [])]
         if decisive:
             entry["decisive_weight_p50"] = statistics.median(decisive)
@@ -142,7 +143,11 @@ def correction_gradient(cfg: TrainConfig, learner, batch: list, peer_tokenizers:
         prompt = build_prompt(learner.tokenizer, problem.problem, cfg.data.prompt_template)
         prompt_ids = list(learner.tokenizer(prompt, add_special_tokens=False)["input_ids"])
         rows += grafted_group_rows(cfg, learner, group, index, prompt_ids, peer_tokenizers, learner.stop_token_id, counts)
-    rows = old_logprobs_and_weights(cfg, learner, None, rows).rows
+    # rows without signal (a group whose rows that survive re-tokenisation share one reward has zero advantages) get
+    # no forward pass under optim.skip_zero_advantage, and add nothing to the gradient either way
+    rows = [row for row in old_logprobs_and_weights(cfg, learner, None, rows).rows if row.old_logprobs is not None]
+    if not rows:
+        return {"cos": math.nan, "grad_norm": 0.0, "rows": 0, "decisive_weights": [], "dropped": sum(counts.drops.values())}
     tokens = collate(rows, learner.tokenizer.pad_token_id)
     logprobs = response_logprobs(learner.grad_model, tokens, cfg.rollout.temperature)  # (B, T), with grad
     logprobs.retain_grad()
