@@ -64,11 +64,13 @@ class RLConfig(_Section):
     cotrain_wait_s: float = Field(default=2.0, ge=0, description="co-training: longest wait per step for the other model's groups")
     seeds: list[int] = Field(default=[0, 1, 2, 3], description="seeds of the paired runs, at every start: each method's run shares its start and seed with a GRPO run")
     methods: dict[str, list[str]] = Field(
-        default={"graft": [], "graft_spec": SPEC_GRAFT},
+        default={"graft": [], "graft_spec": SPEC_GRAFT,
+                 "graft_b1_no_peer_neg": ["graft.token_is=none", "graft.peer_negative_scale=0.0"]},
         description="GRAFT offline from the peer's stored groups, compared with GRPO: name -> trainer overrides on top of "
                     "configs/demo_train.yaml. graft: the trainer's defaults (what graft-train and the TRL adapter run "
-                    "unless told otherwise); graft_spec: GRAFT_SPEC's formulas. Two names whose runs would be the same "
-                    "(same resolved trainer config) run once",
+                    "unless told otherwise); graft_spec: GRAFT_SPEC's formulas; graft_b1_no_peer_neg: the choose run's "
+                    "largest weak-family gain (report/choose), which its rule did not make the default, on seeds not "
+                    "used to choose. Two names whose runs would be the same (same resolved trainer config) run once",
     )
     cotrain_seeds: list[int] = Field(default=[], description="seeds of the co-training pairs (learner and peer at once, each the other's peer), at every start; [] : none")
     cotrain_peer_anchor: bool = Field(default=True, description="the co-training peer is anchored on its own strong family (the learner's weak one), as the learner is on its own: without, it loses that skill")
