@@ -8,8 +8,8 @@ designated teacher? The paper's headline claim, measured on the main demo's desi
    whose weak family's sampled dev accuracy is nearest its level (DemoConfig.starts for A, peer_level for B)
 3. the store API over a store root; each start's scored groups for the RL prompts go in once (the stored trajectories)
 4. per seed, the same rollout budget for every run of a model, each model anchored on its own strong family: each model
-   alone with GRPO; the two co-training through the store with the trainers' default GRAFT; each model offline from the
-   other's stored groups; and, on `rl.imitation_seeds`, each model's ceiling (supervised on the other's correct answers)
+   alone with GRPO; the two co-training through the store with the trainers' default GRAFT (the claim's) and with each
+   other entry of `rl.methods`; each model offline from the other's stored groups, the same way; and, on `rl.imitation_seeds`, each model's ceiling (supervised on the other's correct answers)
 5. held-out sampled accuracy per family at every evaluation; report/mutual/: the rule's verdicts per model, interference
    per family, the ceilings, plots
 
@@ -111,9 +111,10 @@ def check_config(cfg: DemoConfig) -> None:
     if cfg.rl.cotrain_seeds:
         raise SystemExit("rl.cotrain_seeds is demo.run's (its learner and peer); the mutual demo co-trains on every seed of "
                          "rl.seeds: set rl.cotrain_seeds=[]")
-    if set(cfg.rl.methods) != {"graft"}:
-        raise SystemExit(f"rl.methods {sorted(cfg.rl.methods)}: the mutual demo runs one GRAFT, the trainers' default "
-                         "(`graft: []`); the variants are the main demo's study")
+    if cfg.rl.methods.get("graft") != []:
+        raise SystemExit(f"rl.methods {sorted(cfg.rl.methods)}: the mutual demo's claim is judged on the trainers' default "
+                         "GRAFT, `graft: []`; other entries (name -> trainer overrides) run beside it, co-training and "
+                         "offline, as further rows")
 
 
 def anchor_files(cfg: DemoConfig, data_dir: Path) -> dict[str, Path]:
@@ -179,25 +180,31 @@ class _Plan:
 
 def mutual_jobs(cfg: DemoConfig, data: dict[str, Path], models: dict[str, dict], store_root: Path, store_url: str,
                 out: Path) -> tuple[list[Job], list[dict]]:
-    """The stored groups of both starts, then per seed: each model's GRPO run, the co-training pair (the trainers'
-    default GRAFT), each model offline from the other's stored groups; and each model's ceiling."""
+    """The stored groups of both starts, then per seed: each model's GRPO run and, for each GRAFT of rl.methods (the
+    trainers' default first), the co-training pair and each model offline from the other's stored groups; and each
+    model's ceiling."""
     plan = _Plan(cfg, data, models, store_root, store_url, out)
     both = [f"sft {role}" for role in ROLES]
+    rl = cfg.rl.model_dump(exclude={"seeds", "cotrain_seeds", "imitation_seeds", "imitation_examples_per_step"})
     for seed in cfg.rl.seeds:
-        # Co-training first (two processes at once, easiest right after the warm starts): both models train on the same
-        # prompts in the same order, each publishing every group it samples and taking the other's for its all-fail ones.
-        # (ids unique to what the pair computes, the config's other seeds left out)
-        tag = config_hash(seed, *(models[r]["checkpoint_hash"] for r in ROLES),
-                          cfg.rl.model_dump(exclude={"seeds", "cotrain_seeds", "imitation_seeds", "imitation_examples_per_step"}))[:8]
-        ids = {role: f"{MODEL_ID[role]}-co{tag}" for role in ROLES}
-        cotrain = ["store.mode=cotrain", f"store.cotrain_wait_s={cfg.rl.cotrain_wait_s}", "store.lookup_wait_s=0"]
-        parts = [(role, plan.config(role, seed, "graft", ids[role], ids[OTHER[role]], cotrain)) for role in ROLES]
-        plan.add(f"cotrain-s{seed}", "cotrain", seed, parts, both)
+        for method, overrides in cfg.rl.methods.items():
+            suffix = "" if method == "graft" else f"_{method}"  # the default's runs keep their names (and caches)
+            # Co-training first (two processes at once, easiest right after the warm starts): both models train on the
+            # same prompts in the same order, each publishing every group it samples and taking the other's for its
+            # all-fail ones. (ids unique to what the pair computes: this method, the config's other seeds left out)
+            tag = config_hash(seed, *(models[r]["checkpoint_hash"] for r in ROLES), {**rl, "methods": {method: overrides}})[:8]
+            ids = {role: f"{MODEL_ID[role]}-co{tag}" for role in ROLES}
+            cotrain = ["store.mode=cotrain", f"store.cotrain_wait_s={cfg.rl.cotrain_wait_s}", "store.lookup_wait_s=0", *overrides]
+            parts = [(role, plan.config(role, seed, "graft", ids[role], ids[OTHER[role]], cotrain)) for role in ROLES]
+            plan.add(f"cotrain{suffix}-s{seed}", f"cotrain{suffix}", seed, parts, both)
         for role in ROLES:
             plan.add(f"grpo_{NAME[role]}-s{seed}", "grpo", seed, [(role, plan.config(role, seed, "grpo", MODEL_ID[role], None, []))],
                      [f"sft {role}"])
-            offline = plan.config(role, seed, "graft", MODEL_ID[role], STORED_ID[OTHER[role]], [])
-            plan.add(f"offline_{NAME[role]}-s{seed}", "offline", seed, [(role, offline)], [f"sft {role}", f"groups {NAME[OTHER[role]]}"])
+            for method, overrides in cfg.rl.methods.items():
+                suffix = "" if method == "graft" else f"_{method}"
+                offline = plan.config(role, seed, "graft", MODEL_ID[role], STORED_ID[OTHER[role]], list(overrides))
+                plan.add(f"offline{suffix}_{NAME[role]}-s{seed}", f"offline{suffix}", seed, [(role, offline)],
+                         [f"sft {role}", f"groups {NAME[OTHER[role]]}"])
     if cfg.rl.imitation_examples_per_step:
         for seed in cfg.rl.imitation_seeds:
             for role in ROLES:

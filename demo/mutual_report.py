@@ -31,6 +31,20 @@ MODE_LABEL = {"grpo": "GRPO alone", "cotrain": "co-training (the default GRAFT)"
               "offline": "offline from the other's stored groups (the default GRAFT)"}
 
 
+def graft_modes(methods: dict[str, list[str]]) -> list[str]:
+    """The runs' modes for rl.methods: `cotrain` and `offline` for the default GRAFT, `cotrain_<name>` and
+    `offline_<name>` for each other entry (demo.mutual.mutual_jobs)."""
+    return [f"{kind}{'' if name == 'graft' else '_' + name}" for name in methods for kind in ("cotrain", "offline")]
+
+
+def mode_label(mode: str, methods: dict[str, list[str]]) -> str:
+    if mode in MODE_LABEL:
+        return MODE_LABEL[mode]
+    kind, name = mode.split("_", 1)
+    where = "co-training" if kind == "cotrain" else "offline from the other's stored groups"
+    return f"{where}, `{name}` ({', '.join(methods[name]) or 'no overrides'})"
+
+
 def run_record(run: dict, families: list[str], steps: int) -> dict[str, Any]:
     return {**report_run_record(run, families, steps), "model": run["model"]}
 
@@ -69,8 +83,8 @@ def write_report(cfg: DemoConfig, models: dict, runs: list[dict], stored: dict, 
     role_of = {NAME[role]: role for role in ROLES}
     weak = {name: weak_family(cfg, role) for name, role in role_of.items()}
     strong = {name: strong_family(cfg, role) for name, role in role_of.items()}
-    comparisons = {name: {mode: compare(records, name, mode, weak[name], strong[name], families) for mode in ("cotrain", "offline")}
-                   for name in role_of}
+    comparisons = {name: {mode: compare(records, name, mode, weak[name], strong[name], families)
+                          for mode in graft_modes(cfg.rl.methods)} for name in role_of}
     starts = {name: {**next(iter(models[role]["starts"].values())), "architecture": models[role]["architecture"],
                      "parameters": models[role]["parameters"], "vocab_size": models[role]["vocab_size"],
                      "sft_steps": models[role]["sft_steps"]} for name, role in role_of.items()}
@@ -104,7 +118,7 @@ def verdict_lines(summary: dict) -> list[str]:
                                   for c in ceiling) or "-"
         for mode, c in per_mode.items():
             weak_i, strong_i = Interval(**c["weak"]), Interval(**c["strong"])
-            lines.append(f"| {name} (weak `{summary['weak_family'][name]}`) | {MODE_LABEL[mode]} | {weak_i.pairs} | {pct(weak_i)} | "
+            lines.append(f"| {name} (weak `{summary['weak_family'][name]}`) | {mode_label(mode, summary['config']['rl']['methods'])} | {weak_i.pairs} | {pct(weak_i)} | "
                          f"{weak_i.p_value:.3f} | {pct(strong_i)} | **{c['verdict']}** | {ceiling_text} |")
     return lines
 
@@ -132,7 +146,7 @@ def markdown(summary: dict) -> str:
     ]
     for name, per_mode in summary["comparisons"].items():
         for mode, comp in per_mode.items():
-            lines.append(f"| {name} | {MODE_LABEL[mode]} | "
+            lines.append(f"| {name} | {mode_label(mode, summary['config']['rl']['methods'])} | "
                          + " | ".join(pct(Interval(**comp["per_family"][f])) for f in summary["families"]) + " |")
     lines += ["", "## The pair and its starts", "",
               "| model | architecture | parameters | start: step | level: weak family sampled (dev) | held-out sampled, per family |",
@@ -158,7 +172,8 @@ def _plot(summary: dict, report_dir: Path) -> None:
 
     families, records = summary["families"], summary["runs"]
     names = list(summary["comparisons"])
-    modes = list(MODE_LABEL)
+    methods = summary["config"]["rl"]["methods"]
+    modes = ["grpo", *graft_modes(methods)]
     fig, axes = plt.subplots(len(names), len(families), figsize=(4.2 * len(families), 3.6 * len(names)), squeeze=False)
     for row, name in enumerate(names):
         for col, family in enumerate(families):
@@ -173,7 +188,7 @@ def _plot(summary: dict, report_dir: Path) -> None:
                 mean = [100 * statistics.fmean(v[i] for v in values) for i in range(len(steps))]
                 low = [100 * min(v[i] for v in values) for i in range(len(steps))]
                 high = [100 * max(v[i] for v in values) for i in range(len(steps))]
-                ax.plot(steps, mean, color=f"C{index}", marker="o", markersize=3, label=MODE_LABEL[mode])
+                ax.plot(steps, mean, color=f"C{index}", marker="o", markersize=3, label=mode_label(mode, methods))
                 ax.fill_between(steps, low, high, color=f"C{index}", alpha=0.12)
             kind = "strong" if family == summary["strong_family"][name] else "weak" if family == summary["weak_family"][name] else "shared"
             ax.set_title(f"model {name}, {family} ({kind})", fontsize=10)

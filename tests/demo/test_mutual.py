@@ -17,7 +17,7 @@ from demo.mutual import BUDGET_LRS, DEFAULT_CONFIG, check_config
 from demo.mutual_report import claim
 
 REPO = Path(__file__).resolve().parents[2]
-MODES = {"grpo", "cotrain", "offline"}
+MODES = {"grpo", "cotrain", "offline", "cotrain_graft_b1_no_peer_neg", "offline_graft_b1_no_peer_neg"}  # configs/demo_mutual.yaml
 
 
 def _run(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess, Path]:
@@ -47,7 +47,7 @@ def test_quick_mutual_demo_end_to_end(tmp_path):
         assert sorted(r["seed"] for r in runs if r["mode"] == "offline") == rl["seeds"]
         assert all(r["rollouts_generated"] == budget and r["steps"] == rl["steps"] for r in runs)
         assert all(r["peer_rollouts_consumed"] == 0 for r in runs if r["mode"] == "grpo")
-        for mode in ("cotrain", "offline"):
+        for mode in MODES - {"grpo"}:
             comp = summary["comparisons"][name][mode]
             assert comp["weak"]["pairs"] == len(rl["seeds"]) and set(comp["per_family"]) == set(summary["families"])
             assert comp["verdict"] in ("gain", "no gain", "harm", "undecided")
@@ -57,6 +57,9 @@ def test_quick_mutual_demo_end_to_end(tmp_path):
     assert "## Interference" in text and "**The claim:" in text
     assert (report / "accuracy_vs_step.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| A (weak `add3r`) | co-training (the default GRAFT) |" in proc.stdout and "| B (weak `add3`) | offline" in proc.stdout
+    assert "| A (weak `add3r`) | co-training, `graft_b1_no_peer_neg` (graft.token_is=none, graft.peer_negative_scale=0.0) |" in proc.stdout
+    # the claim is the default GRAFT's alone: its verdicts are the default's co-training rows'
+    assert summary["claim"]["cotrain_verdicts"] == {n: summary["comparisons"][n]["cotrain"]["verdict"] for n in ("A", "B")}
 
 
 @pytest.mark.slow
@@ -86,8 +89,10 @@ def test_the_claim_rule():
 
 
 def test_mutual_demo_refuses_what_it_would_ignore_or_cannot_compare():
-    with pytest.raises(SystemExit, match="one GRAFT"):
+    with pytest.raises(SystemExit, match="trainers' default"):  # the claim needs the default GRAFT's runs
         check_config(load_demo_config(DEFAULT_CONFIG, ["rl.methods={graft_b1: [graft.token_is=none]}"], use_quick=False))
+    with pytest.raises(SystemExit, match="trainers' default"):
+        check_config(load_demo_config(DEFAULT_CONFIG, ["rl.methods={graft: [graft.kappa=2.0]}"], use_quick=False))
     with pytest.raises(SystemExit, match="cotrain_seeds"):
         check_config(load_demo_config(DEFAULT_CONFIG, ["rl.cotrain_seeds=[0]"], use_quick=False))
     with pytest.raises(SystemExit, match="one level"):
