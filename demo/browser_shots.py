@@ -1,7 +1,7 @@
 """Screenshots of the store's trajectory browser in the system's Chromium (selenium; no browser download).
 
     python -m demo.browser_shots --store demo_out/store-<hash> --out /tmp/graft-shots \\
-        --tokenizer demo_out/models/learner-<hash>/sft/final --tokenizer demo_out/models/peer-<hash>/sft/final
+        --tokenizer demo_out/models/learner-<hash>/starts/early --tokenizer demo_out/models/peer-<hash>/starts/peer
 
 starts `graft-store serve` over the store on a free loopback port, opens each view (overview, the prompts one
 model failed and its peer solved, one of those prompts, a peer rollout's tokens) and writes a PNG per view.

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from toy.sft import SFTConfig
 from trainer.config import apply_overrides
@@ -39,6 +39,7 @@ class ModelBuildConfig(_Section):
     layers: int = Field(description="transformer layers")
     sft: SFTConfig = Field(description="supervised warm start")
     seed: int = Field(default=0, description="initialisation seed")
+    level_family: str | None = Field(default=None, description="the family whose sampled dev accuracy sets where this model starts (DemoConfig.starts, peer_level); None: the task's weak family")
 
 
 class PeerGroupsConfig(_Section):
@@ -47,42 +48,52 @@ class PeerGroupsConfig(_Section):
     prompts_per_batch: int = Field(default=128, ge=1, description="prompts per generator batch (one shard each)")
 
 
+# The spec's GRAFT (GRAFT_SPEC sections 4-5), spelled out: the demo runs it beside the trainer's default, whatever that is.
+SPEC_GRAFT = ["graft.token_is=tis", "graft.kappa=1.0", "graft.peer_negative_scale=1.0", "graft.peer_loss_scale=1.0"]
+
+
 class RLConfig(_Section):
-    steps: int = Field(default=100, ge=1, description="training steps of every run (the changed GRAFT's gain appears between steps 60 and 100, demo/README.md)")
+    steps: int = Field(default=100, ge=1, description="training steps of every run")
     prompts_per_step: int = Field(default=16, ge=1, description="prompts per step (x group_size learner rollouts: the rollout budget)")
     group_size: int = Field(default=8, ge=2, description="G")
     lr: float = Field(default=5e-4, gt=0, description="AdamW learning rate (1e-3 wrecks every RL run here, demo/README.md)")
     anchor_prompts_per_step: int = Field(default=32, ge=1, description="strong-family reference completions in the supervised anchor, every step")
     anchor_weight: float = Field(default=1.0, ge=0, description="weight of the anchor NLL")
-    eval_every: int = Field(default=50, ge=1, description="evaluate a checkpoint every N steps (and step 0); each evaluation costs about 1.3 s of a core per run")
+    eval_every: int = Field(default=25, ge=1, description="evaluate a checkpoint every N steps (and at the end); the primary metric averages those at step >= steps / 2")
+    eval_samples: int = Field(default=4, ge=1, description="samples per held-out problem at T = 1 (the primary metric: sampled accuracy, a seed per problem, the same in every run)")
     cotrain_wait_s: float = Field(default=2.0, ge=0, description="co-training: longest wait per step for the other model's groups")
-    seeds: list[int] = Field(default=[0, 1, 2], description="seeds of the headline runs (grpo, graft, graft co-training)")
-    cotrain: bool = Field(default=True, description="run the co-training pairs on `seeds` (off where only offline variants are compared)")
-    ablation_seeds: list[int] = Field(default=[0], description="seeds of the ablation runs (one, to fit the 15-minute budget)")
-    ablations: dict[str, list[str]] = Field(
-        default={
-            "graft_no_peer_neg": ["graft.peer_negative_scale=0"],
-            "graft_no_seq_weight": ["graft.kappa=0"],
-        },
-        description="ablation name -> trainer overrides on top of offline GRAFT with the spec's defaults",
+    seeds: list[int] = Field(default=[0, 1, 2, 3], description="seeds of the paired runs, at every start: each method's run shares its start and seed with a GRPO run")
+    methods: dict[str, list[str]] = Field(
+        default={"graft": [], "graft_spec": SPEC_GRAFT,
+                 "graft_b1_no_peer_neg": ["graft.token_is=none", "graft.peer_negative_scale=0.0"]},
+        description="GRAFT offline from the peer's stored groups, compared with GRPO: name -> trainer overrides on top of "
+                    "configs/demo_train.yaml. graft: the trainer's defaults (what graft-train and the TRL adapter run "
+                    "unless told otherwise); graft_spec: GRAFT_SPEC's formulas; graft_b1_no_peer_neg: the choose run's "
+                    "largest weak-family gain (report/choose), which its rule did not make the default, on seeds not "
+                    "used to choose. Two names whose runs would be the same (same resolved trainer config) run once",
     )
-    variants: dict[str, list[str]] = Field(
-        default={
-            # The fix found by the diagnosis (demo/README.md, "A third look"): the spec's truncated ratio b makes a
-            # grafted group about what more on-policy samples give, so the peer's answer barely moves the learner.
-            # LUFFY's shaping p / (p + 0.1) instead of b (a GRAFT_SPEC option), peer negatives x0 (an option), and
-            # the grafted rows' token weights x4 (outside the spec: their share of the token-mean). kappa=0: no
-            # sequence weight (w = 1), as LUFFY publishes it and as these runs were measured (the trainer used to
-            # drop w under luffy silently; it now keeps w unless kappa is 0).
-            "graft_fix": ["graft.token_is=luffy", "graft.kappa=0", "graft.peer_negative_scale=0", "graft.peer_loss_scale=4"],
-        },
-        description="changes to the method outside the spec's defaults: name -> trainer overrides on top of offline GRAFT, "
-                    "run over `seeds` like the headline runs and reported next to them",
-    )
+    cotrain_seeds: list[int] = Field(default=[], description="seeds of the co-training pairs (learner and peer at once, each the other's peer), at every start; [] : none")
+    cotrain_peer_anchor: bool = Field(default=True, description="the co-training peer is anchored on its own strong family (the learner's weak one), as the learner is on its own: without, it loses that skill")
     imitation_examples_per_step: int = Field(
         default=24, ge=0,
         description="the ceiling run: supervised training on this many of the peer's correct weak-family answers per update, "
                     "with the RL runs' lr, updates and anchor (about what GRAFT grafts per step, at full weight; 0: no such run)",
+    )
+    imitation_seeds: list[int] = Field(default=[0], description="seeds of the ceiling run, at every start")
+
+
+class ProbeConfig(_Section):
+    prompts: int = Field(default=128, ge=1, description="weak-family RL prompts the learner fails (all 8 samples at its start) with an informative peer group, at most")
+    batch_prompts: int = Field(default=16, ge=1, description="prompts per batch: each correction's gradient is compared on the same batches")
+    gold_problems: int = Field(default=400, ge=1, description="held-out weak-family problems whose gold answers' log-likelihood gradient is the reference direction")
+    corrections: dict[str, list[str]] = Field(
+        default={
+            "spec: b = min(pi_old/mu, 2)": SPEC_GRAFT,
+            "b = 1": ["graft.token_is=none"],
+            "LUFFY shaping p/(p+0.1)": ["graft.token_is=luffy"],
+            "b = 1, w = 1": ["graft.token_is=none", "graft.kappa=0"],
+        },
+        description="name -> trainer overrides: each correction's grafted-row gradient on the same batches",
     )
 
 
@@ -101,42 +112,71 @@ class DemoConfig(_Section):
                     "(an Intel Xeon's 30 steps on 1 and 2 threads gave other weights), so it is fixed, not the core count",
     )
     task: TaskConfig = Field(default_factory=TaskConfig)
+    starts: dict[str, float] = Field(
+        default={"early": 0.15, "late": 0.40},
+        description="where the RL runs start: name -> the learner's weak-family sampled accuracy on its dev problems "
+                    "(check_samples per problem at T = 1). Each start is the warm start's checkpoint nearest that level "
+                    "(checks every 10 steps), so every CPU starts from the same level wherever its step falls. Chosen "
+                    "before any RL run from the learner's warm-start curve: its weak family sits at 7-10% for ~170 steps "
+                    "before it emerges (0.15: just past that plateau, early in the emergence; 0.40: halfway up)",
+    )
     learner: ModelBuildConfig = Field(
         default_factory=lambda: ModelBuildConfig(
             hidden=128, layers=4,
-            # RL starts halfway through the learner's transition on the weak family (demo/README.md, "A second
-            # look"): with 30% add3 it learns the operand alignment between steps 400 and 600 (add3 greedy 6% at
-            # 400, 13% at 450, 28% at 500, 95% at 600), so the peer's answers have much to teach (supervised on
-            # them: 13 -> 49 in 100 updates). With 3% it never gets there (7.5% at 700, 10% at 1000).
-            # It stops once add3 has been at 13% greedy or more on held-out SFT problems on its last two checks, and
-            # add2 at 90% on its last two (the step moves with the CPU's kernels, the level does not: 400 and 530 under
-            # two kernel choices of one Intel Xeon). One check is not enough: before the transition, add3 on 200 dev
-            # problems jumps between 5% and 16% from one check to the next, and a warm start stopped on such a jump
-            # begins RL at 9% held-out, where nothing gains (docs/demo.md, "Why two checks"). At the latest at 700.
-            sft=SFTConfig(steps=1000, stop_at=700, batch_size=128, lr=2e-3, family_weights={"add2": 0.7, "add3": 0.3},
-                          stop_when={"add2": 0.9, "add3": 0.13}, stop_when_checks=2),
+            # 30% add3: the learner learns the operand alignment late in its schedule (add3 sampled 7-10% on a long
+            # plateau, then 14% -> 44% -> 90% within ~80 steps). It trains until add3's sampled level has held the
+            # highest start's level on two checks in a row (and add2 greedy 90%), keeping a checkpoint at every check;
+            # each start then takes the checkpoint nearest its level. A warm start that reaches its cap (900) short of
+            # that stops the demo: a failed precondition, not a data point.
+            sft=SFTConfig(steps=1000, stop_at=900, batch_size=128, lr=2e-3, family_weights={"add2": 0.7, "add3": 0.3},
+                          stop_when={"add2": 0.9}, stop_when_sampled={"add3": 0.40}, check_samples=4, stop_when_checks=2,
+                          keep_checkpoints=True),
         )
+    )
+    peer_level: float = Field(
+        default=0.5, gt=0, lt=1,
+        description="the peer's sampled dev accuracy on its own family (the learner's weak one): the peer's checkpoint "
+                    "nearest it fills the store (a peer that solves everything stores all-pass groups, which carry no "
+                    "advantage; near 0.5 most of its groups are informative)",
     )
     peer: ModelBuildConfig = Field(
         default_factory=lambda: ModelBuildConfig(
             hidden=96, layers=3,
-            # Only the learner's weak family, stopped while still learning it: a peer that solves every
-            # problem gives all-pass groups, which carry no advantage (TOY_STUDY).
-            # It stops at 60% greedy on held-out add3 problems on two checks in a row (as the learner), at the latest
-            # at step 500.
-            sft=SFTConfig(steps=500, batch_size=128, lr=2e-3, family_weights={"add3": 1.0}, stop_when={"add3": 0.6},
-                          stop_when_checks=2),
+            # Only the learner's weak family; trained until peer_level has held on two checks, at the latest at step
+            # 1000 of a 1200-step schedule (a 500-step schedule decayed to nothing before the skill emerged on one CPU).
+            sft=SFTConfig(steps=1200, stop_at=1000, batch_size=128, lr=2e-3, family_weights={"add3": 1.0},
+                          stop_when_sampled={"add3": 0.5}, check_samples=4, stop_when_checks=2, keep_checkpoints=True),
         )
     )
     bpe_vocab_size: int = Field(default=64, ge=16, description="target vocabulary of the peer's BPE (it stops early: digits are never merged)")
     peer_groups: PeerGroupsConfig = Field(default_factory=PeerGroupsConfig)
     rl: RLConfig = Field(default_factory=RLConfig)
+    probe: ProbeConfig = Field(default_factory=ProbeConfig)
     mode: Literal["full", "quick"] = Field(default="full", description="quick: the test's shrunken pipeline")
 
+    def level_family(self, role: str) -> str:
+        """The family whose sampled dev accuracy places `role`'s starts."""
+        return (self.learner if role == "learner" else self.peer).level_family or self.task.weak_family
 
-def warm_start_checkpoint(job_dir: Path) -> Path:
-    """Where a build job (demo.worker build) leaves its warm-started model, whatever step it stopped at."""
-    return Path(job_dir) / "sft" / "final"
+    def start_levels(self, role: str) -> dict[str, float]:
+        """`role`'s starts: name -> level (the learner's `starts`; the peer's one, `peer`, at `peer_level`)."""
+        return dict(self.starts) if role == "learner" else {"peer": self.peer_level}
+
+    @model_validator(mode="after")
+    def _levels(self) -> DemoConfig:
+        for role in ("learner", "peer") if self.mode == "full" else ():
+            family, levels = self.level_family(role), self.start_levels(role)
+            stop = (self.learner if role == "learner" else self.peer).sft.stop_when_sampled.get(family)
+            if stop is None or max(levels.values()) > stop:
+                raise ValueError(f"{role} starts at {levels} ({family} sampled on dev) need its warm start to train until "
+                                 f"that level (its sft.stop_when_sampled.{family} = {stop}, at least the highest start)")
+        return self
+
+
+def warm_start_checkpoint(job_dir: Path, start: str) -> Path:
+    """Where a build job (demo.worker build) leaves the warm-started model a later stage starts from, whatever step it
+    is: the learner's starts by their names (DemoConfig.starts: early, late), the peer's as `peer`."""
+    return Path(job_dir) / "starts" / start
 
 
 def quick(cfg: DemoConfig) -> DemoConfig:
@@ -146,12 +186,15 @@ def quick(cfg: DemoConfig) -> DemoConfig:
     weak, strong = cfg.task.weak_family, cfg.task.strong_family
     data["task"].update(n_eval={f: 16 for f in cfg.task.n_eval}, rl_prompts={weak: 12, strong: 4})
     data["task"].update(n_dev=16)
-    data["learner"]["sft"].update(steps=40, stop_at=None, batch_size=32, stop_when={})
-    data["peer"]["sft"].update(steps=40, stop_at=None, batch_size=32, stop_when={})
+    small_sft = dict(steps=40, stop_at=None, batch_size=32, stop_when={}, stop_when_sampled={}, check_every=20,
+                     check_samples=2, keep_checkpoints=True)
+    data["learner"]["sft"].update(small_sft)
+    data["peer"]["sft"].update(small_sft)
     data["peer_groups"].update(prompts_per_batch=8)
-    data["rl"].update(steps=3, prompts_per_step=4, eval_every=2, seeds=[0], ablation_seeds=[0], anchor_prompts_per_step=2,
-                      cotrain_wait_s=0.5,
+    data["rl"].update(steps=4, prompts_per_step=4, eval_every=2, eval_samples=2, seeds=[0], anchor_prompts_per_step=2,
+                      cotrain_wait_s=0.5, cotrain_seeds=[0] if cfg.rl.cotrain_seeds else [],
                       imitation_examples_per_step=4 if cfg.rl.imitation_examples_per_step else 0)
+    data["probe"].update(prompts=4, batch_prompts=2, gold_problems=8)
     return DemoConfig.model_validate(data)
 
 

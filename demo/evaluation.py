@@ -22,11 +22,15 @@ def load_eval_sets(paths: dict[str, Path]) -> dict[str, list[Problem]]:
 
 
 def family_accuracy(
-    checkpoint: Path, eval_sets: dict[str, list[Problem]], scorer: Scorer, sampled: bool = False, seed: int = 0
+    checkpoint: Path, eval_sets: dict[str, list[Problem]], scorer: Scorer, sampled: bool = False, seed: int = 0,
+    samples: int = 1,
 ) -> dict[str, float]:
-    """Greedy (or one sample at T=1) accuracy per family of the model saved at `checkpoint`."""
+    """Greedy accuracy per family of the model saved at `checkpoint`, or (sampled) the mean accuracy of `samples`
+    samples per problem at T = 1, each problem drawing from its own seeds (`seed` + its place): every run of the demo
+    draws the same random numbers for a problem, so two runs' difference is their policies', not their dice."""
     model, tokenizer = load_model_and_tokenizer(checkpoint)
     backend = HFBackend(model, tokenizer, model_id=checkpoint.name, batch_size=512)
-    params = SamplingParams(n=1, temperature=1.0 if sampled else 0.0, max_tokens=MAX_TOKENS, seed=seed)
-    result = evaluate(backend, eval_sets, 1, params, scorer, template="raw", prompts_per_batch=512)
+    k = samples if sampled else 1
+    params = SamplingParams(n=k, temperature=1.0 if sampled else 0.0, max_tokens=MAX_TOKENS, seed=seed, seed_per_sample=sampled)
+    result = evaluate(backend, eval_sets, k, params, scorer, template="raw", prompts_per_batch=512 // k)
     return {family: r["avg_at_k"] for family, r in result["benchmarks"].items()}

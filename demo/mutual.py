@@ -1,20 +1,21 @@
-"""`make demo-mutual`: do two models that are each strong where the other is weak improve each other through GRAFT,
-with no designated teacher? The paper's headline claim (issue 27), measured on a complementary pair.
+"""`make demo-mutual`: do two models, each strong where the other is weak, improve each other through GRAFT with no
+designated teacher? The paper's headline claim, measured on the main demo's design (issues 27, 37).
 
-1. data: the families of configs/demo_mutual.yaml (`add3` and its operands swapped, `add3r`: as hard by construction,
-   so that neither model is better on average; and `add2`, which both warm starts learn first)
+1. data: the families of configs/demo_mutual.yaml: `add3` (A's strong, B's weak), `add3r` (the same sums with the
+   operands swapped: B's strong, A's weak), and `add2`, which both learn first
 2. two heterogeneous models warm-started to be strong on one family each: A, a Llama with a character-level tokenizer
-   (the demo's learner slot: strong on `task.strong_family`), and B, a Qwen2 with a byte-level BPE (the peer slot:
-   strong on `task.weak_family`), each stopped at a measured level (SFTConfig.stop_when)
-3. the store API over a store root; each warm start's scored groups for the RL prompts go in once, before training
-   (the "stored trajectories" setting)
-4. per seed, under the same per-model rollout budget: each model alone with GRPO; the two co-training through the
-   store with each GRAFT of `rl.variants` (the spec's defaults, b = 1, the changed GRAFT); each model offline from
-   the other's stored groups (spec defaults)
-5. held-out greedy accuracy per family at every evaluation, and report/mutual/: summary.json, REPORT.md, plots
+   (the learner slot), and B, a Qwen2 with a byte-level BPE (the peer slot); each starts from its warm start's checkpoint
+   whose weak family's sampled dev accuracy is nearest its level (DemoConfig.starts for A, peer_level for B)
+3. the store API over a store root; each start's scored groups for the RL prompts go in once (the stored trajectories)
+4. per seed, the same rollout budget for every run of a model, each model anchored on its own strong family: each model
+   alone with GRPO; the two co-training through the store with the trainers' default GRAFT (the claim's) and with each
+   other entry of `rl.methods`; each model offline from the other's stored groups, the same way; and, on `rl.imitation_seeds`, each model's ceiling (supervised on the other's correct answers)
+5. held-out sampled accuracy per family at every evaluation; report/mutual/: the rule's verdicts per model, interference
+   per family, the ceilings, plots
 
-Every stage is cached under demo_out/mutual/ by a hash of its config (demo.run's stages and job runner):
-    python -m demo.mutual [--quick] [--config configs/demo_mutual.yaml] [--set rl.seeds=[3,4,5] ...]
+The budget (lr, with the anchors) was chosen before any GRAFT run by BUDGET_RULE on GRPO and the ceilings alone:
+`python -m demo.mutual --budget` runs that pilot (report/mutual/budget/). Every stage is cached under demo_out/mutual/:
+    python -m demo.mutual [--quick] [--budget] [--config configs/demo_mutual.yaml] [--set rl.seeds=[4,5,6,7] ...]
 """
 
 from __future__ import annotations
@@ -27,28 +28,47 @@ from pathlib import Path
 import yaml
 
 from demo.config import DemoConfig, config_hash
-from demo.jobs import Job, run_jobs
-from demo.run import REPO_ROOT, TRAIN_BASE, command_line, generator_job, model_jobs, prepare_data, train_job, trainer_config
+from demo.jobs import Job, python_module, run_jobs
+from demo.run import (REPO_ROOT, TRAIN_BASE, command_line, generator_job, model_jobs, prepare_data, progress_file, train_job,
+                      trainer_config)
 from rollouts.files import write_jsonl_atomic
-from toy.task import completion_text, family_splits
+from toy.task import completion_text, dataset_name, family_splits
 
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "demo_mutual.yaml"
 ROLES = ("learner", "peer")  # DemoConfig's two build slots: A is built in the learner's, B in the peer's
 NAME = {"learner": "A", "peer": "B"}
 OTHER = {"learner": "peer", "peer": "learner"}
 MODEL_ID = {"learner": "mutual-a-llama", "peer": "mutual-b-qwen2"}  # ids of the RL runs' own groups (co-training)
-STORED_ID = {role: f"{model_id}-stored" for role, model_id in MODEL_ID.items()}  # the warm starts' groups, made once
-SPEC_VARIANT = "graft"  # the key of rl.variants that must hold the spec's defaults: the offline runs use it too
+STORED_ID = {role: f"{model_id}-stored" for role, model_id in MODEL_ID.items()}  # the starts' groups, made once
+BUDGET_LRS = [1e-4, 3e-4, 5e-4]
+PILOT_SEED = 100  # the budget pilot's seed: none of the verdict's
+BUDGET_MIN_CEILING = 0.10
+BUDGET_RULE = (
+    f"on seed {PILOT_SEED} only, before any GRAFT run, for each lr of {BUDGET_LRS} (each model anchored on its own strong "
+    f"family): GRPO alone and the ceiling (supervised on the other's correct answers) for both models; keep the lrs at "
+    f"which GRPO alone leaves each model's strong family within 2 points of its start (sampled, late evaluations), and "
+    f"choose the smallest of those at which both ceilings raise their model's weak family by at least "
+    f"{100 * BUDGET_MIN_CEILING:.0f} points; if none does, the kept lr with the largest smaller ceiling gain (and the "
+    f"report says that no budget here moves a weak family that far); if none is kept, the demo stops and says so")
+
+
+def strong_family(cfg: DemoConfig, role: str) -> str:
+    return cfg.task.strong_family if role == "learner" else cfg.task.weak_family
+
+
+def weak_family(cfg: DemoConfig, role: str) -> str:
+    return strong_family(cfg, OTHER[role])
 
 
 def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
-    cfg, env, kernels, out = command_line("python -m demo.mutual", __doc__, DEFAULT_CONFIG, argv)
+    args = sys.argv[1:] if argv is None else list(argv)
+    budget = "--budget" in args  # the pilot (this module's docstring, which --help prints, says what it does)
+    cfg, env, kernels, out = command_line("python -m demo.mutual", __doc__, DEFAULT_CONFIG, [a for a in args if a != "--budget"])
     check_config(cfg)
-    a_strong, b_strong = cfg.task.strong_family, cfg.task.weak_family
-    print(f"GRAFT mutual demo ({cfg.mode}): A strong on {a_strong}, B strong on {b_strong}; outputs in {out}, report in "
-          f"{cfg.report_dir}, {cfg.workers} processes at once", flush=True)
-
+    print(f"GRAFT mutual demo ({cfg.mode}{', the budget pilot' if budget else ''}): A strong on {cfg.task.strong_family}, B "
+          f"strong on {cfg.task.weak_family}; outputs in {out}, report in {cfg.report_dir}, {cfg.workers} processes at once",
+          flush=True)
     data = prepare_data(cfg, out / "data")
     data.update(anchor_files(cfg, out / "data"))
     build_jobs, models = model_jobs(cfg, data, out, kernels, peer_after_learner=False)  # co-training needs both at once
@@ -58,15 +78,20 @@ def main(argv: list[str] | None = None) -> int:
     store_root = out / f"store-{config_hash(cfg.task, cfg.peer_groups, *(models[r]['checkpoint_hash'] for r in ROLES))}"
     with StoreServer(store_root) as server:
         print(f"store API up at {server.url} over {store_root} (pid {server.pid})", flush=True)
-        jobs, runs = mutual_jobs(cfg, data, models, store_root, server.url, out)
+        make = budget_jobs if budget else mutual_jobs
+        jobs, runs = make(cfg, data, models, store_root, server.url, out)
         timings = run_jobs(build_jobs + jobs, cfg.workers, desc="SFT, stored groups, RL runs", env=env)
     for role in ROLES:
         models[role].update(json.loads((Path(models[role]["dir"]) / "done.json").read_text()))
     stored = {role: json.loads((store_root / f"groups-done-{STORED_ID[role]}.json").read_text()) for role in ROLES}
 
-    from demo.mutual_report import write_report
+    from demo import mutual_report
 
-    summary = write_report(cfg, models, runs, stored, timings, wall_time_s=time.perf_counter() - started)
+    if budget:
+        result = mutual_report.write_budget(cfg, models, runs, timings, wall_time_s=time.perf_counter() - started)
+        print("\n".join(mutual_report.budget_lines(result)))
+        return 0 if result["chosen_lr"] is not None else 1
+    summary = mutual_report.write_report(cfg, models, runs, stored, timings, wall_time_s=time.perf_counter() - started)
     print()
     print((cfg.report_dir / "REPORT.md").read_text().split("<!-- table-end -->")[0])
     print(f"wall time {summary['wall_time_s']:.0f} s; report written to {cfg.report_dir}/", flush=True)
@@ -74,29 +99,29 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def check_config(cfg: DemoConfig) -> None:
-    """Refuse what the mutual demo cannot compare: it needs the spec's GRAFT among the variants (the offline runs and
-    the verdict use it) and both models' strong families among the evaluated ones."""
-    if SPEC_VARIANT not in cfg.rl.variants:
-        raise SystemExit(f"rl.variants has no {SPEC_VARIANT!r} (the spec's GRAFT, for co-training and the offline runs): "
-                         f"it has {sorted(cfg.rl.variants)}")
+    """Refuse what the mutual demo cannot compare: both models' strong families among the evaluated ones, one start per
+    model, and nothing of demo.run's that it would ignore."""
     for family in (cfg.task.strong_family, cfg.task.weak_family):
         if family not in cfg.task.n_eval or family not in cfg.task.rl_prompts:
             raise SystemExit(f"family {family} (a model's strong family) must be in task.n_eval and task.rl_prompts")
     if cfg.task.strong_family == cfg.task.weak_family:
         raise SystemExit("task.strong_family (A's) and task.weak_family (B's strong one) must differ")
-    if not cfg.rl.cotrain:
-        raise SystemExit("rl.cotrain=false: the mutual demo is about co-training; it runs the pairs whatever this says")
-    if cfg.rl.ablations or cfg.rl.imitation_examples_per_step:
-        raise SystemExit("rl.ablations and rl.imitation_examples_per_step are demo.run's (the learner against a fixed peer); "
-                         "the mutual demo would ignore them: set rl.ablations={} and rl.imitation_examples_per_step=0")
+    if len(cfg.starts) != 1:
+        raise SystemExit(f"starts {cfg.starts}: the mutual demo starts A once (one level); give one")
+    if cfg.rl.cotrain_seeds:
+        raise SystemExit("rl.cotrain_seeds is demo.run's (its learner and peer); the mutual demo co-trains on every seed of "
+                         "rl.seeds: set rl.cotrain_seeds=[]")
+    if cfg.rl.methods.get("graft") != []:
+        raise SystemExit(f"rl.methods {sorted(cfg.rl.methods)}: the mutual demo's claim is judged on the trainers' default "
+                         "GRAFT, `graft: []`; other entries (name -> trainer overrides) run beside it, co-training and "
+                         "offline, as further rows")
 
 
 def anchor_files(cfg: DemoConfig, data_dir: Path) -> dict[str, Path]:
-    """Each model's supervised anchor, when rl.anchor_weight > 0: reference answers of its own strong family's RL split."""
-    if cfg.rl.anchor_weight == 0:
-        return {}
+    """Each model's supervised anchor: reference answers of its own strong family's RL split."""
     paths = {}
-    for role, family in (("learner", cfg.task.strong_family), ("peer", cfg.task.weak_family)):
+    for role in ROLES:
+        family = strong_family(cfg, role)
         path = data_dir / f"anchor-{family}.jsonl"
         if not path.exists():
             problems = family_splits(family, cfg.task.n_eval[family], cfg.task.n_rl)["rl"]
@@ -105,47 +130,102 @@ def anchor_files(cfg: DemoConfig, data_dir: Path) -> dict[str, Path]:
     return paths
 
 
+class _Plan:
+    """What both the pilot and the demo build: the stored-groups jobs, and per model its trainer configs."""
+
+    def __init__(self, cfg: DemoConfig, data: dict[str, Path], models: dict[str, dict], store_root: Path, store_url: str,
+                 out: Path):
+        self.cfg, self.data, self.models, self.store_root, self.store_url, self.out = cfg, data, models, store_root, store_url, out
+        self.base = yaml.safe_load(TRAIN_BASE.read_text())
+        self.eval_sets = {f: str(data[f"eval_{f}"]) for f in cfg.task.n_eval}
+        self.start = {role: next(iter(models[role]["start_dirs"].values())) for role in ROLES}
+        self.jobs = [generator_job(cfg, data, self.start[role], STORED_ID[role], store_root, store_url, f"groups {NAME[role]}",
+                                   [f"sft {role}"]) for role in ROLES]
+        self.runs: list[dict] = []
+
+    def config(self, role: str, seed: int, method: str, model_id: str, peer_id: str | None, overrides: list[str]) -> dict:
+        peers = ([peer_id], [self.start[OTHER[role]]]) if peer_id else None
+        return trainer_config(self.cfg, self.base, self.data["rl"], self.start[role], model_id, seed, method,
+                              self.data[f"anchor_{role}"], peers, self.store_url, overrides)
+
+    def add(self, name: str, mode: str, seed: int, parts: list[tuple[str, dict]], deps: list[str]) -> None:
+        job, job_dir = train_job(self.cfg, name, [train for _, train in parts], self.out, self.models, self.eval_sets, deps)
+        self.jobs.append(job)
+        for index, (role, _) in enumerate(parts):
+            self.runs.append({"name": name, "mode": mode, "seed": seed, "model": NAME[role], "start": NAME[role],
+                              "dir": str(job_dir if index == 0 else job_dir / "peer")})
+
+    def ceiling(self, role: str, seed: int, tag: str = "") -> None:
+        """The model trained on the other's correct answers to its weak family (its start's stored groups), with the RL
+        runs' optimizer, updates and anchor: what any way of consuming them could teach in this budget."""
+        cfg = self.cfg
+        train = self.config(role, seed, "grpo", MODEL_ID[role], None, [])
+        key = config_hash(train, cfg.rl.imitation_examples_per_step, self.models[role]["checkpoint_hash"], self.store_root.name,
+                          self.eval_sets, cfg.rl.eval_samples)
+        name = f"ceiling_{NAME[role]}{tag}-s{seed}"
+        job_dir = self.out / "runs" / f"{name}-{key}"
+        job_dir.mkdir(parents=True, exist_ok=True)
+        job = {"out": str(job_dir), "train": train, "eval_sets": self.eval_sets, "rl_dataset": str(self.data["rl"]),
+               "store_url": self.store_url, "weak_dataset": dataset_name(weak_family(cfg, role)),
+               "peer_model": STORED_ID[OTHER[role]], "examples_per_step": cfg.rl.imitation_examples_per_step,
+               "eval_samples": cfg.rl.eval_samples}
+        (job_dir / "job.json").write_text(json.dumps(job))
+        self.jobs.append(Job(name=name, commands=[python_module("demo.worker", "imitate", str(job_dir / "job.json"))],
+                             logs=[job_dir / "log.txt"], done=[job_dir / "done.json"],
+                             deps=[f"sft {role}", f"groups {NAME[OTHER[role]]}"],
+                             progress=progress_file(job_dir / "progress"), total=float(cfg.rl.steps)))
+        self.runs.append({"name": name, "mode": "ceiling", "seed": seed, "model": NAME[role], "start": NAME[role],
+                          "dir": str(job_dir), "lr": cfg.rl.lr})
+
+
 def mutual_jobs(cfg: DemoConfig, data: dict[str, Path], models: dict[str, dict], store_root: Path, store_url: str,
                 out: Path) -> tuple[list[Job], list[dict]]:
-    """Two generator jobs (each warm start's groups, stored once) and the RL runs; `runs` has one entry per model and
-    run (a co-training job is two entries: A in the job's folder, B in its `peer/`)."""
-    base = yaml.safe_load(TRAIN_BASE.read_text())
-    eval_sets = {f: str(data[f"eval_{f}"]) for f in cfg.task.n_eval}
-    checkpoint = {role: models[role]["checkpoint"] for role in ROLES}
-    jobs = [generator_job(cfg, data, checkpoint[role], STORED_ID[role], store_root, store_url, f"groups {NAME[role]}", [f"sft {role}"])
-            for role in ROLES]
-    runs: list[dict] = []
-
-    def config(role: str, seed: int, method: str, model_id: str, peer_id: str | None, overrides: list[str]) -> dict:
-        peers = ([peer_id], [checkpoint[OTHER[role]]]) if peer_id else None
-        return trainer_config(cfg, base, data["rl"], checkpoint[role], model_id, seed, method, data.get(f"anchor_{role}"), peers,
-                              store_url, overrides)
-
-    def add(name: str, mode: str, seed: int, parts: list[tuple[str, dict]], deps: list[str]) -> None:
-        job, job_dir = train_job(cfg, name, [train for _, train in parts], out, models, eval_sets, deps)
-        jobs.append(job)
-        for index, (role, _) in enumerate(parts):
-            runs.append({"name": name, "mode": mode, "seed": seed, "model": NAME[role], "dir": str(job_dir if index == 0 else job_dir / "peer")})
-
+    """The stored groups of both starts, then per seed: each model's GRPO run and, for each GRAFT of rl.methods (the
+    trainers' default first), the co-training pair and each model offline from the other's stored groups; and each
+    model's ceiling."""
+    plan = _Plan(cfg, data, models, store_root, store_url, out)
     both = [f"sft {role}" for role in ROLES]
+    rl = cfg.rl.model_dump(exclude={"seeds", "cotrain_seeds", "imitation_seeds", "imitation_examples_per_step"})
     for seed in cfg.rl.seeds:
-        # Co-training first (two processes at once, easiest right after the warm starts): both models train on the same
-        # prompts in the same order, each publishing every group it samples and taking the other's for its all-fail ones.
-        for variant, overrides in cfg.rl.variants.items():
-            # ids unique to what the pair computes, the config's other seeds left out: seed 0's pair is the same run
-            # whichever seeds run beside it
-            tag = config_hash(seed, variant, overrides, *(models[r]["checkpoint_hash"] for r in ROLES),
-                              cfg.rl.model_dump(exclude={"seeds", "variants", "ablations", "ablation_seeds", "imitation_examples_per_step", "cotrain"}))[:8]
+        for method, overrides in cfg.rl.methods.items():
+            suffix = "" if method == "graft" else f"_{method}"  # the default's runs keep their names (and caches)
+            # Co-training first (two processes at once, easiest right after the warm starts): both models train on the
+            # same prompts in the same order, each publishing every group it samples and taking the other's for its
+            # all-fail ones. (ids unique to what the pair computes: this method, the config's other seeds left out)
+            tag = config_hash(seed, *(models[r]["checkpoint_hash"] for r in ROLES), {**rl, "methods": {method: overrides}})[:8]
             ids = {role: f"{MODEL_ID[role]}-co{tag}" for role in ROLES}
             cotrain = ["store.mode=cotrain", f"store.cotrain_wait_s={cfg.rl.cotrain_wait_s}", "store.lookup_wait_s=0", *overrides]
-            parts = [(role, config(role, seed, "graft", ids[role], ids[OTHER[role]], cotrain)) for role in ROLES]
-            add(f"cotrain_{variant}-s{seed}", f"cotrain_{variant}", seed, parts, both)
+            parts = [(role, plan.config(role, seed, "graft", ids[role], ids[OTHER[role]], cotrain)) for role in ROLES]
+            plan.add(f"cotrain{suffix}-s{seed}", f"cotrain{suffix}", seed, parts, both)
         for role in ROLES:
-            add(f"grpo_{NAME[role]}-s{seed}", "grpo", seed, [(role, config(role, seed, "grpo", MODEL_ID[role], None, []))], [f"sft {role}"])
-            # offline: the other's warm start's groups, stored before training, with the spec's GRAFT
-            offline = config(role, seed, "graft", MODEL_ID[role], STORED_ID[OTHER[role]], cfg.rl.variants[SPEC_VARIANT])
-            add(f"offline_{NAME[role]}-s{seed}", "offline", seed, [(role, offline)], [f"sft {role}", f"groups {NAME[OTHER[role]]}"])
-    return jobs, runs
+            plan.add(f"grpo_{NAME[role]}-s{seed}", "grpo", seed, [(role, plan.config(role, seed, "grpo", MODEL_ID[role], None, []))],
+                     [f"sft {role}"])
+            for method, overrides in cfg.rl.methods.items():
+                suffix = "" if method == "graft" else f"_{method}"
+                offline = plan.config(role, seed, "graft", MODEL_ID[role], STORED_ID[OTHER[role]], list(overrides))
+                plan.add(f"offline{suffix}_{NAME[role]}-s{seed}", f"offline{suffix}", seed, [(role, offline)],
+                         [f"sft {role}", f"groups {NAME[OTHER[role]]}"])
+    if cfg.rl.imitation_examples_per_step:
+        for seed in cfg.rl.imitation_seeds:
+            for role in ROLES:
+                plan.ceiling(role, seed)
+    return plan.jobs, plan.runs
+
+
+def budget_jobs(cfg: DemoConfig, data: dict[str, Path], models: dict[str, dict], store_root: Path, store_url: str,
+                out: Path) -> tuple[list[Job], list[dict]]:
+    """BUDGET_RULE's pilot: on PILOT_SEED, for each lr of BUDGET_LRS, each model's GRPO run and ceiling."""
+    if not cfg.rl.imitation_examples_per_step:
+        raise SystemExit("the budget pilot needs the ceiling runs: rl.imitation_examples_per_step > 0")
+    plan = _Plan(cfg, data, models, store_root, store_url, out)
+    for lr in BUDGET_LRS:
+        plan.cfg = cfg.model_copy(update={"rl": cfg.rl.model_copy(update={"lr": lr})})
+        for role in ROLES:
+            plan.add(f"grpo_{NAME[role]}-lr{lr:g}-s{PILOT_SEED}", "grpo", PILOT_SEED,
+                     [(role, plan.config(role, PILOT_SEED, "grpo", MODEL_ID[role], None, []))], [f"sft {role}"])
+            plan.runs[-1]["lr"] = lr
+            plan.ceiling(role, PILOT_SEED, tag=f"-lr{lr:g}")
+    return plan.jobs, plan.runs
 
 
 if __name__ == "__main__":

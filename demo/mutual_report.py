@@ -1,262 +1,258 @@
-"""report/mutual/: summary.json, REPORT.md (the table first) and the plots of `make demo-mutual`.
+"""report/mutual/: summary.json, REPORT.md (the verdicts first) and the plots of `make demo-mutual`; report/mutual/budget/:
+the budget pilot's table and choice.
 
-Every number is read from the runs' metrics.jsonl and evaluations; the verdict applies the rule written in
-VERDICT_RULE (issue 27, from the paper's claim) to them, and the recommendation the rule in RECOMMENDATION_RULE,
-both fixed before any run was looked at.
+Every number is read from the runs' outputs; every verdict is demo.stats's rule per model (its weak family's paired
+interval and permutation test against its own GRPO runs, its strong family as non-inferiority), and the claim's verdict
+CLAIM_RULE, both written before the runs.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
-import textwrap
 from pathlib import Path
 from typing import Any
 
 from demo.config import DemoConfig
-from demo.report import _finite_mean, _save_fig, _std
+from demo.mutual import BUDGET_LRS, BUDGET_MIN_CEILING, BUDGET_RULE, NAME, ROLES, strong_family, weak_family
+from demo.report import _save_fig, paired_values, primary
 from demo.report import run_record as report_run_record
+from demo.stats import STRONG_MARGIN, VERDICT_RULE, Interval, paired_interval, pct, verdict
 from rollouts.files import write_text_atomic
 
-MIN_GAIN = 0.02  # the paper's claim, as the issue states it: each model gains >= 2 points over its GRPO run
 MOST = 0.5  # "offline keeps most of co-training's gain": at least half of it
-VERDICT_RULE = (f"co-training helps both models when each model's paired gain over its own GRPO run, on its mean over the "
-                f"families, is at least +{100 * MIN_GAIN:.0f} points and larger than that gain's spread over seeds (its "
-                f"standard deviation); offline keeps most of it when each model's offline gain is at least "
-                f"{100 * MOST:.0f}% of its gain from co-training with the spec's GRAFT")
-RECOMMENDATION_RULE = ("the co-training GRAFT with the largest gain of the worse-off model (the smaller of A's and B's "
-                       "paired gains on the mean over families); none when no variant gives both models a gain")
-MODE_LABEL = {
-    "grpo": "GRPO alone",
-    "cotrain_graft": "co-training, GRAFT (spec defaults)",
-    "cotrain_graft_b1": "co-training, GRAFT with b = 1",
-    "cotrain_graft_fix": "co-training, changed GRAFT",
-    "offline": "offline from the other's stored groups (spec defaults)",
-}
+CLAIM_RULE = (
+    "the paper's claim holds when, under co-training with the trainers' default GRAFT, both models' weak families gain "
+    "by the demo's rule (verdict gain: interval above 0, p < 0.05, strong family kept within 2 points) and offline from "
+    f"the other's stored groups keeps most of it (each model's mean offline gain at least {100 * MOST:.0f}% of its "
+    "co-training gain); it does not hold when a model's co-training verdict is no gain or harm, or offline keeps less than "
+    "that for a model whose co-training gained; otherwise undecided")
+MODE_LABEL = {"grpo": "GRPO alone", "cotrain": "co-training (the default GRAFT)",
+              "offline": "offline from the other's stored groups (the default GRAFT)"}
 
 
-def _stat(values: list[float]) -> dict[str, float | int]:
-    return {"mean": statistics.fmean(values), "std": _std(values), "n": len(values)}
+def graft_modes(methods: dict[str, list[str]]) -> list[str]:
+    """The runs' modes for rl.methods: `cotrain` and `offline` for the default GRAFT, `cotrain_<name>` and
+    `offline_<name>` for each other entry (demo.mutual.mutual_jobs)."""
+    return [f"{kind}{'' if name == 'graft' else '_' + name}" for name in methods for kind in ("cotrain", "offline")]
 
 
-def run_record(run: dict, families: list[str]) -> dict[str, Any]:
-    """One model's run: demo.report's record of it (accuracy at every evaluation, compute), and which model it is."""
-    return {**report_run_record(run, families), "model": run["model"]}
+def mode_label(mode: str, methods: dict[str, list[str]]) -> str:
+    if mode in MODE_LABEL:
+        return MODE_LABEL[mode]
+    kind, name = mode.split("_", 1)
+    where = "co-training" if kind == "cotrain" else "offline from the other's stored groups"
+    return f"{where}, `{name}` ({', '.join(methods[name]) or 'no overrides'})"
 
 
-def per_model(records: list[dict], families: list[str]) -> dict[str, dict[str, dict]]:
-    """{model: {mode: accuracy per family and on the mean (mean, std over seeds), the paired gain over the model's GRPO
-    run of the same seed, and compute}}."""
-    out: dict[str, dict[str, dict]] = {}
-    for model in sorted({r["model"] for r in records}):
-        mine = [r for r in records if r["model"] == model]
-        grpo = {r["seed"]: r for r in mine if r["mode"] == "grpo"}
-        out[model] = {}
-        for mode in [m for m in MODE_LABEL if any(r["mode"] == m for r in mine)] + sorted({r["mode"] for r in mine} - set(MODE_LABEL)):
-            rows = sorted((r for r in mine if r["mode"] == mode), key=lambda r: r["seed"])
-            entry: dict[str, Any] = {
-                "seeds": [r["seed"] for r in rows],
-                "acc": {f: _stat([r["acc_by_family"][f] for r in rows]) for f in families},
-                "mean": _stat([r["acc_mean"] for r in rows]),
-                "rollouts_generated": statistics.fmean(r["rollouts_generated"] for r in rows),
-                "peer_rollouts_consumed": statistics.fmean(r["peer_rollouts_consumed"] for r in rows),
-                "frac_grafted": _finite_mean([r["frac_grafted_mean"] for r in rows]),
-                "cpu_s": _finite_mean([r["cpu_s"] for r in rows]),
-            }
-            paired = [r for r in rows if r["seed"] in grpo]
-            if mode != "grpo" and paired:
-                entry["gain"] = {"mean": _stat([r["acc_mean"] - grpo[r["seed"]]["acc_mean"] for r in paired]),
-                                 **{f: _stat([r["acc_by_family"][f] - grpo[r["seed"]]["acc_by_family"][f] for r in paired]) for f in families}}
-            out[model][mode] = entry
-    return out
+def run_record(run: dict, families: list[str], steps: int) -> dict[str, Any]:
+    return {**report_run_record(run, families, steps), "model": run["model"]}
 
 
-def verdict(models: dict[str, dict[str, dict]]) -> dict[str, Any]:
-    """VERDICT_RULE applied to every co-training variant and to the offline runs, and RECOMMENDATION_RULE."""
-    result: dict[str, Any] = {"rule": VERDICT_RULE, "cotrain": {}, "offline_keeps_most": {}}
-    names = sorted(models)
-    for mode in sorted({m for per in models.values() for m in per if m.startswith("cotrain_")}):
-        gains = {name: models[name][mode]["gain"]["mean"] for name in names if "gain" in models[name].get(mode, {})}
-        if len(gains) < len(names):
-            continue
-        checks = {
-            "each_gains_at_least_2_points": all(g["mean"] >= MIN_GAIN for g in gains.values()),
-            "each_gain_larger_than_seed_spread": all(g["mean"] > g["std"] for g in gains.values()),
-        }
-        result["cotrain"][mode] = {"gain_mean": {n: g["mean"] for n, g in gains.items()}, "gain_std": {n: g["std"] for n, g in gains.items()},
-                                   **checks, "holds": all(checks.values())}
-    for name in names:
-        offline, cotrain = models[name].get("offline", {}).get("gain"), models[name].get("cotrain_graft", {}).get("gain")
-        if offline is None or cotrain is None:
-            continue
-        kept = cotrain["mean"]["mean"]
-        entry = {"offline_gain": offline["mean"]["mean"], "cotrain_gain": kept}
-        if kept <= 0:
-            entry.update(share=None, holds=None, why="co-training with the spec's GRAFT gained nothing over GRPO: nothing to keep")
-        else:
-            entry.update(share=offline["mean"]["mean"] / kept, holds=offline["mean"]["mean"] >= MOST * kept)
-        result["offline_keeps_most"][name] = entry
-    worse_off = {mode: min(v["gain_mean"].values()) for mode, v in result["cotrain"].items()}
-    best = max(worse_off, key=worse_off.get) if worse_off else None
-    result["recommendation"] = {"rule": RECOMMENDATION_RULE, "worse_off_gain": worse_off,
-                                "chosen": best if best is not None and worse_off[best] > 0 else None}
-    return result
+def compare(records: list[dict], name: str, mode: str, weak: str, strong: str, families: list[str]) -> dict:
+    """One model's `mode` against its own GRPO runs, paired by seed: weak and strong intervals, the verdict, and every
+    family's interval (interference)."""
+    mine = [r for r in records if r["model"] == name]
+    weak_i, strong_i = (paired_interval(paired_values(mine, mode, f)) for f in (weak, strong))
+    return {"weak": weak_i.as_dict(), "strong": strong_i.as_dict(), "verdict": verdict(weak_i, strong_i),
+            "per_family": {f: paired_interval(paired_values(mine, mode, f)).as_dict() for f in families}}
+
+
+def claim(comparisons: dict[str, dict[str, dict]]) -> dict:
+    """CLAIM_RULE on both models' co-training and offline comparisons."""
+    cotrain = {name: c["cotrain"] for name, c in comparisons.items()}
+    offline_share = {}
+    for name, c in comparisons.items():
+        gain = c["cotrain"]["weak"]["mean"]
+        offline_share[name] = c["offline"]["weak"]["mean"] / gain if gain > 0 else None
+    if any(c["verdict"] in ("no gain", "harm") for c in cotrain.values()):
+        outcome = "does not hold"
+    elif all(c["verdict"] == "gain" for c in cotrain.values()):
+        outcome = "holds" if all(share is not None and share >= MOST for share in offline_share.values()) else "does not hold"
+    else:
+        outcome = "undecided"
+    return {"rule": CLAIM_RULE, "verdict": outcome, "cotrain_verdicts": {n: c["verdict"] for n, c in cotrain.items()},
+            "offline_share_of_cotrain_gain": offline_share}
 
 
 def write_report(cfg: DemoConfig, models: dict, runs: list[dict], stored: dict, timings: dict, wall_time_s: float) -> dict:
     families = list(cfg.task.n_eval)
-    records = [run_record(run, families) for run in runs]
-    by_model = per_model(records, families)
-    strong = {"A": cfg.task.strong_family, "B": cfg.task.weak_family}
-    start = {}
-    for role, name in (("learner", "A"), ("peer", "B")):
-        info = models[role]
-        start[name] = {"architecture": info["architecture"], "parameters": info["parameters"], "vocab_size": info["vocab_size"],
-                       "sft_steps": info["sft_steps"], "acc_greedy": info["acc_greedy"], "acc_sampled": info["acc_sampled"],
-                       "acc_mean": sum(info["acc_greedy"][f] for f in families) / len(families)}
+    records = [run_record(r, families, cfg.rl.steps) for r in runs if r["mode"] != "ceiling"]
+    ceilings = [{"model": r["model"], "seed": r["seed"], **json.loads((Path(r["dir"]) / "done.json").read_text())}
+                for r in runs if r["mode"] == "ceiling"]
+    role_of = {NAME[role]: role for role in ROLES}
+    weak = {name: weak_family(cfg, role) for name, role in role_of.items()}
+    strong = {name: strong_family(cfg, role) for name, role in role_of.items()}
+    comparisons = {name: {mode: compare(records, name, mode, weak[name], strong[name], families)
+                          for mode in graft_modes(cfg.rl.methods)} for name in role_of}
+    starts = {name: {**next(iter(models[role]["starts"].values())), "architecture": models[role]["architecture"],
+                     "parameters": models[role]["parameters"], "vocab_size": models[role]["vocab_size"],
+                     "sft_steps": models[role]["sft_steps"]} for name, role in role_of.items()}
+    budget_path = cfg.report_dir / "budget" / "summary.json"
     summary = {
-        "families": families,
-        "strong_family": strong,
-        "start": start,
-        "start_mean_difference": start["A"]["acc_mean"] - start["B"]["acc_mean"],
-        "stored_groups": {("A" if role == "learner" else "B"): v for role, v in stored.items()},
-        "per_model": by_model,
-        "verdict": verdict(by_model),
-        "runs": records,
-        "job_wall_s": {k: round(v, 1) for k, v in timings.items()},
-        "wall_time_s": wall_time_s,
+        "rule": VERDICT_RULE, "claim": claim(comparisons),
+        "primary_metric": f"sampled accuracy ({cfg.rl.eval_samples} samples per held-out problem at T = 1), averaged over "
+                          f"the evaluations at step >= {cfg.rl.steps // 2}",
+        "families": families, "weak_family": weak, "strong_family": strong, "comparisons": comparisons,
+        "starts": starts, "ceilings": ceilings,
+        "stored_groups": {NAME[role]: v for role, v in stored.items()},
+        "budget": json.loads(budget_path.read_text()) if budget_path.exists() else None,
+        "runs": records, "job_wall_s": {k: round(v, 1) for k, v in timings.items()}, "wall_time_s": wall_time_s,
         "config": cfg.model_dump(mode="json"),
     }
-    report_dir = cfg.report_dir
-    report_dir.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(report_dir / "summary.json", json.dumps(summary, indent=2))
-    _plots(summary, report_dir)
-    write_text_atomic(report_dir / "REPORT.md", markdown(summary))
+    cfg.report_dir.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(cfg.report_dir / "summary.json", json.dumps(summary, indent=2, default=str))
+    _plot(summary, cfg.report_dir)
+    write_text_atomic(cfg.report_dir / "REPORT.md", markdown(summary))
     return summary
 
 
-def _pct(stat: dict | None, signed: bool = False) -> str:
-    if not stat:
-        return "-"
-    mean = f"{100 * stat['mean']:+.1f}" if signed else f"{100 * stat['mean']:.1f}"
-    return f"{mean} ± {100 * stat['std']:.1f}" if stat.get("n", 1) > 1 else mean
+def verdict_lines(summary: dict) -> list[str]:
+    lines = ["| model | method vs its GRPO, paired by seed | pairs | weak family gain, points [95% CI] | p | strong family "
+             "change [95% CI] | verdict | ceiling: weak family, start -> supervised on the other's answers |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, per_mode in summary["comparisons"].items():
+        ceiling = [c for c in summary["ceilings"] if c["model"] == name]
+        start = summary["starts"][name]["acc_sampled"][summary["weak_family"][name]]
+        ceiling_text = " / ".join(f"{100 * start:.1f} -> {100 * c['acc_sampled'][summary['weak_family'][name]]:.1f}"
+                                  for c in ceiling) or "-"
+        for mode, c in per_mode.items():
+            weak_i, strong_i = Interval(**c["weak"]), Interval(**c["strong"])
+            lines.append(f"| {name} (weak `{summary['weak_family'][name]}`) | {mode_label(mode, summary['config']['rl']['methods'])} | {weak_i.pairs} | {pct(weak_i)} | "
+                         f"{weak_i.p_value:.3f} | {pct(strong_i)} | **{c['verdict']}** | {ceiling_text} |")
+    return lines
 
 
 def markdown(summary: dict) -> str:
-    families, strong = summary["families"], summary["strong_family"]
     cfg = summary["config"]
-    seeds = cfg["rl"]["seeds"]
+    c = summary["claim"]
     lines = [
         "# GRAFT mutual demo: two models, each strong where the other is weak",
         "",
-        f"Held-out greedy accuracy (%) after {cfg['rl']['steps']} RL steps, mean ± std over seeds {seeds}; gain: paired "
-        f"over the same model's GRPO run of the same seed, on the mean over {', '.join(families)}. Every run of a model "
-        f"generates the same rollouts ({cfg['rl']['prompts_per_step']} prompts x {cfg['rl']['group_size']} per step).",
+        f"{cfg['rl']['steps']} RL steps of {cfg['rl']['prompts_per_step']} prompts x {cfg['rl']['group_size']} rollouts, lr "
+        f"{cfg['rl']['lr']:g}, each model anchored on its own strong family, seeds {cfg['rl']['seeds']}. Primary metric: "
+        f"{summary['primary_metric']}. Rule (written before the runs): {summary['rule']}.",
         "",
-    ]
-    for name in sorted(summary["per_model"]):
-        cells = [f"{f} (strong)" if f == strong[name] else f for f in families]
-        header = "| model | run | " + " | ".join(cells) + " | mean | gain (paired) | rollouts generated | peer rollouts consumed |"
-        lines += [header, "|" + "---|" * (len(families) + 6)]
-        s = summary["start"][name]
-        lines.append(f"| {name} | warm start | " + " | ".join(f"{100 * s['acc_greedy'][f]:.1f}" for f in families)
-                     + f" | {100 * s['acc_mean']:.1f} | | | |")
-        for mode, entry in summary["per_model"][name].items():
-            gain = entry.get("gain", {}).get("mean")
-            lines.append(f"| {name} | {MODE_LABEL.get(mode, mode)} | " + " | ".join(_pct(entry["acc"][f]) for f in families)
-                         + f" | {_pct(entry['mean'])} | {_pct(gain, signed=True)} | {entry['rollouts_generated']:,.0f} | "
-                         f"{entry['peer_rollouts_consumed']:,.0f} |")
-        lines.append("")
-    lines.append("<!-- table-end -->")
-    v = summary["verdict"]
-    lines += ["", "## Verdict", "", f"Rule (fixed before the runs): {v['rule']}.", ""]
-    for mode, entry in v["cotrain"].items():
-        gains = ", ".join(f"{n} {100 * entry['gain_mean'][n]:+.1f} ± {100 * entry['gain_std'][n]:.1f}" for n in sorted(entry["gain_mean"]))
-        lines.append(f"- {MODE_LABEL.get(mode, mode)}: gains {gains}: **{'holds' if entry['holds'] else 'does not hold'}**"
-                     f" (each >= +{100 * MIN_GAIN:.0f}: {entry['each_gains_at_least_2_points']}; each above its seed spread: "
-                     f"{entry['each_gain_larger_than_seed_spread']}).")
-    for name, entry in v["offline_keeps_most"].items():
-        if entry["holds"] is None:
-            lines.append(f"- offline, {name}: {100 * entry['offline_gain']:+.1f} points; {entry['why']}.")
-        else:
-            lines.append(f"- offline, {name}: {100 * entry['offline_gain']:+.1f} points against co-training's "
-                         f"{100 * entry['cotrain_gain']:+.1f} ({100 * entry['share']:.0f}%): offline keeps most: "
-                         f"**{'yes' if entry['holds'] else 'no'}**.")
-    rec = v["recommendation"]
-    chosen = MODE_LABEL.get(rec["chosen"], rec["chosen"]) if rec["chosen"] else "none"
-    lines += ["", f"Recommendation, by the rule fixed before the runs ({rec['rule']}): **{chosen}**.", ""]
-    start = summary["start"]
-    lines += [
-        "## The pair",
+        *verdict_lines(summary),
         "",
-        f"- A: {start['A']['architecture']}, {start['A']['parameters']:,} parameters, vocabulary {start['A']['vocab_size']}, "
-        f"warm start {start['A']['sft_steps']} steps, strong on {strong['A']}.",
-        f"- B: {start['B']['architecture']}, {start['B']['parameters']:,} parameters, vocabulary {start['B']['vocab_size']}, "
-        f"warm start {start['B']['sft_steps']} steps, strong on {strong['B']}.",
-        f"- Mean over the families at the start: A {100 * start['A']['acc_mean']:.1f}, B {100 * start['B']['acc_mean']:.1f} "
-        f"(difference {100 * summary['start_mean_difference']:+.1f} points).",
+        f"**The claim: {c['verdict']}.** ({c['rule']}.)",
+        "",
+        "<!-- table-end -->",
+        "",
+        "## Interference: what each method does to every family of each model (points against its GRPO, 95% CI)",
+        "",
+        "| model | method | " + " | ".join(f"`{f}`" for f in summary["families"]) + " |",
+        "|---|---|" + "---|" * len(summary["families"]),
     ]
+    for name, per_mode in summary["comparisons"].items():
+        for mode, comp in per_mode.items():
+            lines.append(f"| {name} | {mode_label(mode, summary['config']['rl']['methods'])} | "
+                         + " | ".join(pct(Interval(**comp["per_family"][f])) for f in summary["families"]) + " |")
+    lines += ["", "## The pair and its starts", "",
+              "| model | architecture | parameters | start: step | level: weak family sampled (dev) | held-out sampled, per family |",
+              "|---|---|---|---|---|---|"]
+    for name, s in summary["starts"].items():
+        held = ", ".join(f"`{f}` {100 * a:.1f}" for f, a in s["acc_sampled"].items())
+        lines.append(f"| {name} | {s['architecture']} | {s['parameters']:,} | {s['step']} | {100 * s['level']:.0f}% "
+                     f"({100 * s['dev_sampled'][summary['weak_family'][name]]:.1f}% there) | {held} |")
     for name, stored in summary["stored_groups"].items():
-        lines.append(f"- {name}'s stored groups (its warm start, before any training): {stored['indexed_groups']} groups, "
+        lines.append(f"\n{name}'s stored groups (its start, before any training): {stored['indexed_groups']} groups, "
                      f"{stored['informative_groups']} informative, success rate {100 * stored['success_rate']:.1f}%.")
-    lines += ["", "![accuracy per family and step](accuracy_vs_step.png)", "", "![gain over GRPO](gain_over_grpo.png)", "",
-              f"Wall time {summary['wall_time_s']:.0f} s.", ""]
+    if summary["budget"]:
+        lines += ["", "## The budget, chosen before any GRAFT run", "", *budget_lines(summary["budget"])]
+    lines += ["", "![accuracy per family and step](accuracy_vs_step.png)", "", f"Wall time {summary['wall_time_s']:.0f} s.", ""]
     return "\n".join(lines)
 
 
-def _plots(summary: dict, report_dir: Path) -> None:
+def _plot(summary: dict, report_dir: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     families, records = summary["families"], summary["runs"]
-    names = sorted(summary["per_model"])
-    modes = list(MODE_LABEL) + sorted({r["mode"] for r in records} - set(MODE_LABEL))
-    colors = {mode: plt.get_cmap("tab10")(i % 10) for i, mode in enumerate(modes)}
+    names = list(summary["comparisons"])
+    methods = summary["config"]["rl"]["methods"]
+    modes = ["grpo", *graft_modes(methods)]
     fig, axes = plt.subplots(len(names), len(families), figsize=(4.2 * len(families), 3.6 * len(names)), squeeze=False)
     for row, name in enumerate(names):
         for col, family in enumerate(families):
             ax = axes[row][col]
-            for mode in modes:
+            for index, mode in enumerate(modes):
                 runs = [r for r in records if r["model"] == name and r["mode"] == mode]
                 if not runs:
                     continue
-                # step 0 is the model's warm start, the same for each of its runs (the runs evaluate their checkpoints)
-                begin = {"step": 0, **summary["start"][name]["acc_greedy"]}
-                by_step = [{0: begin} | {e["step"]: e for e in r["acc_by_step"]} for r in runs]
-                steps = sorted(set.intersection(*(set(b) for b in by_step)))  # the evaluations every seed has
-                per_step = [[100 * b[step][family] for b in by_step] for step in steps]
-                mean = [statistics.fmean(v) for v in per_step]
-                spread = [_std(v) for v in per_step]
-                ax.plot(steps, mean, color=colors[mode], marker="o", markersize=3, label=MODE_LABEL.get(mode, mode))
-                ax.fill_between(steps, [m - s for m, s in zip(mean, spread)], [m + s for m, s in zip(mean, spread)], color=colors[mode], alpha=0.15)
-            kind = "strong" if family == summary["strong_family"][name] else ("weak" if family in summary["strong_family"].values() else "shared")
+                steps = [0] + [e["step"] for e in runs[0]["evals"]]
+                begin = summary["starts"][name]["acc_sampled"][family]
+                values = [[begin] + [e["acc_sampled"][family] for e in r["evals"]] for r in runs]
+                mean = [100 * statistics.fmean(v[i] for v in values) for i in range(len(steps))]
+                low = [100 * min(v[i] for v in values) for i in range(len(steps))]
+                high = [100 * max(v[i] for v in values) for i in range(len(steps))]
+                ax.plot(steps, mean, color=f"C{index}", marker="o", markersize=3, label=mode_label(mode, methods))
+                ax.fill_between(steps, low, high, color=f"C{index}", alpha=0.12)
+            kind = "strong" if family == summary["strong_family"][name] else "weak" if family == summary["weak_family"][name] else "shared"
             ax.set_title(f"model {name}, {family} ({kind})", fontsize=10)
             ax.set_xlabel("RL step")
-            ax.set_ylabel("held-out greedy accuracy (%)")
+            ax.set_ylabel("held-out sampled accuracy (%)")
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     _save_fig(fig, report_dir / "accuracy_vs_step.png")
     plt.close(fig)
 
-    shown = [m for m in modes if m != "grpo" and any("gain" in summary["per_model"][n].get(m, {}) for n in names)]
-    fig, ax = plt.subplots(figsize=(8, 4.2))
-    width = 0.8 / max(1, len(names))
-    for i, name in enumerate(names):
-        gains = [summary["per_model"][name].get(m, {}).get("gain", {}).get("mean") for m in shown]
-        xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(shown))]
-        ax.bar(xs, [100 * g["mean"] if g else 0 for g in gains], width, yerr=[100 * g["std"] if g else 0 for g in gains],
-               capsize=3, label=f"model {name}")
-    ax.axhline(100 * MIN_GAIN, color="grey", linestyle="--", linewidth=1, label=f"+{100 * MIN_GAIN:.0f} points (the claim)")
-    ax.axhline(0, color="black", linewidth=0.8)
-    ax.set_xticks(range(len(shown)))
-    ax.set_xticklabels([textwrap.fill(MODE_LABEL.get(m, m), 24) for m in shown], fontsize=8)
-    ax.set_ylabel("gain over the model's GRPO (points, mean over families)")
-    ax.set_title("paired gain over GRPO, mean ± std over seeds")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    _save_fig(fig, report_dir / "gain_over_grpo.png")
-    plt.close(fig)
+
+# ---- the budget pilot ---------------------------------------------------------------------------------------------
+
+def write_budget(cfg: DemoConfig, models: dict, runs: list[dict], timings: dict, wall_time_s: float) -> dict:
+    """BUDGET_RULE on the pilot's runs; report/mutual/budget/."""
+    families = list(cfg.task.n_eval)
+    rows = []
+    for lr in BUDGET_LRS:
+        row: dict[str, Any] = {"lr": lr}
+        for role in ROLES:
+            name, start = NAME[role], next(iter(models[role]["starts"].values()))
+            grpo = next(r for r in runs if r["mode"] == "grpo" and r["model"] == name and r["lr"] == lr)
+            evals = json.loads((Path(grpo["dir"]) / "done.json").read_text())["evals"]
+            ceiling = next(r for r in runs if r["mode"] == "ceiling" and r["model"] == name and r["lr"] == lr)
+            done = json.loads((Path(ceiling["dir"]) / "done.json").read_text())
+            strong, weak = strong_family(cfg, role), weak_family(cfg, role)
+            row[name] = {
+                "strong_start": start["acc_sampled"][strong], "strong_grpo": primary(evals, cfg.rl.steps, strong),
+                "weak_start": start["acc_sampled"][weak], "weak_grpo": primary(evals, cfg.rl.steps, weak),
+                "weak_ceiling": done["acc_sampled"][weak], "strong_ceiling": done["acc_sampled"][strong],
+                "per_family_grpo": {f: primary(evals, cfg.rl.steps, f) for f in families},
+            }
+            row[name]["strong_kept"] = row[name]["strong_grpo"] >= row[name]["strong_start"] - STRONG_MARGIN
+            row[name]["ceiling_gain"] = row[name]["weak_ceiling"] - row[name]["weak_start"]
+        row["kept"] = all(row[NAME[r]]["strong_kept"] for r in ROLES)
+        row["min_ceiling_gain"] = min(row[NAME[r]]["ceiling_gain"] for r in ROLES)
+        rows.append(row)
+    kept = [r for r in rows if r["kept"]]
+    moving = [r for r in kept if r["min_ceiling_gain"] >= BUDGET_MIN_CEILING]
+    chosen = min(moving, key=lambda r: r["lr"]) if moving else max(kept, key=lambda r: r["min_ceiling_gain"]) if kept else None
+    result = {"rule": BUDGET_RULE, "rows": rows, "chosen_lr": chosen["lr"] if chosen else None,
+              "moves_weak_family": bool(moving), "wall_time_s": wall_time_s, "job_wall_s": {k: round(v, 1) for k, v in timings.items()}}
+    out = cfg.report_dir / "budget"
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out / "summary.json", json.dumps(result, indent=2))
+    write_text_atomic(out / "REPORT.md", "# The mutual demo's budget\n\n" + "\n".join(budget_lines(result)) + "\n")
+    return result
+
+
+def budget_lines(result: dict) -> list[str]:
+    lines = [f"Rule (written before the pilot's runs): {result['rule']}.", "",
+             "| lr | A strong: start -> GRPO | A weak: start -> GRPO / ceiling | B strong: start -> GRPO | "
+             "B weak: start -> GRPO / ceiling | strong families kept |", "|---|---|---|---|---|---|"]
+    for row in result["rows"]:
+        cells = []
+        for name in ("A", "B"):
+            m = row[name]
+            cells += [f"{100 * m['strong_start']:.1f} -> {100 * m['strong_grpo']:.1f}",
+                      f"{100 * m['weak_start']:.1f} -> {100 * m['weak_grpo']:.1f} / {100 * m['weak_ceiling']:.1f}"]
+        lines.append(f"| {row['lr']:g} | " + " | ".join(cells) + f" | {'yes' if row['kept'] else 'no'} |")
+    chosen = result["chosen_lr"]
+    lines += ["", f"Chosen lr: **{chosen:g}**" if chosen is not None else "No lr keeps both strong families: the demo stops here.",
+              "" if result["moves_weak_family"] or chosen is None else
+              f"No kept lr lets the ceiling raise both weak families by {100 * BUDGET_MIN_CEILING:.0f} points: the chosen one "
+              "moves them most, and no method here can be expected to move them further."]
+    return lines

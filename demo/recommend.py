@@ -1,128 +1,96 @@
-"""Which GRAFT the demo recommends, chosen by a rule written down before the runs it reads (issue 27).
+"""Which GRAFT the trainers run by default, chosen by a rule written down before the runs it reads (issue 35).
 
-The rule (RULE below) picks among the GRAFT variants the demo and its study run, on seeds 0-5 (`make demo-choose`:
-configs/demo_choose.yaml); the recommended variant's headline figure then comes from seeds 6-8, which play no part in
-choosing (`make demo-headline`: the demo on those seeds with the chosen variant, from the config this writes).
+GRAFT_SPEC's formulas are this project's reading of a paper whose exact formulas are not public, so its default is
+what the evidence picks among the spec's own options, by RULE below, on dev seeds (`make demo-choose`:
+configs/demo_choose.yaml, seeds 10-13 at both starts). The figure of the chosen default then comes from `make demo`
+(seeds 0-3), which plays no part in choosing.
 
-    python -m demo.recommend report/choose/summary.json [--write-headline-config demo_out/headline.yaml]
-    python -m demo.recommend report/choose/summary.json --headline report/headline/summary.json
+The candidates are the four combinations of the two options every GRAFT host runs (graft-train, the TRL adapter, verl):
+the token-level correction b (the spec's min(pi_old / mu, 2), or 1) and the peer's negative advantages (x1, the spec's,
+or x0). LUFFY's shaping replaces the PPO ratio inside the loss, which TRL computes: it is measured in the study, not a
+candidate for the default.
+
+    python -m demo.recommend report/choose/summary.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
-import yaml
-
-from demo.config import DemoConfig
+from demo.report import paired_values
+from demo.stats import STRONG_MARGIN, Interval, paired_interval, pct
 from rollouts.files import write_text_atomic
 
-# mode in the demo's summary.json -> what it is (every one is GRAFT offline from the peer's stored groups)
+# mode -> (what it is, its trainer overrides on top of the demo's offline GRAFT); the first is the spec
 CANDIDATES = {
-    "graft": "the spec's defaults",
-    "graft_no_peer_neg": "peer negatives x0",
-    "graft_no_token_is": "b = 1 (no token-level IS)",
-    "graft_fix": "the changed GRAFT (LUFFY shaping, w = 1, peer negatives x0, grafted rows x4)",
+    "graft_spec": ("the spec's formulas", ["graft.token_is=tis", "graft.kappa=1.0", "graft.peer_negative_scale=1.0",
+                                           "graft.peer_loss_scale=1.0"]),
+    "graft_b1": ("b = 1 (no token-level ratio)", ["graft.token_is=none", "graft.kappa=1.0", "graft.peer_negative_scale=1.0",
+                                                  "graft.peer_loss_scale=1.0"]),
+    "graft_no_peer_neg": ("peer negatives x0", ["graft.token_is=tis", "graft.kappa=1.0", "graft.peer_negative_scale=0.0",
+                                                "graft.peer_loss_scale=1.0"]),
+    "graft_b1_no_peer_neg": ("b = 1 and peer negatives x0", ["graft.token_is=none", "graft.kappa=1.0",
+                                                             "graft.peer_negative_scale=0.0", "graft.peer_loss_scale=1.0"]),
 }
-# Each candidate's trainer overrides on top of the demo's offline GRAFT (configs/demo_choose.yaml runs these; a test checks)
-CANDIDATE_OVERRIDES = {
-    "graft": [],
-    "graft_no_peer_neg": ["graft.peer_negative_scale=0"],
-    "graft_no_token_is": ["graft.token_is=none"],
-    "graft_fix": DemoConfig().rl.variants["graft_fix"],
-}
-CHOOSE_SEEDS = [0, 1, 2, 3, 4, 5]
-HEADLINE_SEEDS = [6, 7, 8]
-STRONG_TOLERANCE = 0.02
-RULE = (f"among {', '.join(CANDIDATES)}, paired with GRPO by seed over seeds {CHOOSE_SEEDS}: keep those whose mean "
-        f"strong-family accuracy is at most {100 * STRONG_TOLERANCE:.0f} points under GRPO's, and recommend the one with the "
-        f"largest mean weak-family gain over GRPO (a tie goes to the one listed first, the fewer changes from the spec); "
-        f"its headline figure is the same paired gain on seeds {HEADLINE_SEEDS}")
-
-
-def paired(runs: list[dict], mode: str, family: str, seeds: list[int]) -> list[float]:
-    """mode minus GRPO on `family`, one value per seed of `seeds` that both ran."""
-    def by_seed(m: str) -> dict[int, float]:
-        return {r["seed"]: r["acc_by_family"][family] for r in runs if r["mode"] == m and r["seed"] in seeds}
-
-    grpo, mine = by_seed("grpo"), by_seed(mode)
-    return [mine[s] - grpo[s] for s in sorted(set(grpo) & set(mine))]
-
-
-def _stat(values: list[float]) -> dict:
-    return {"mean": statistics.fmean(values) if values else None, "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-            "seeds": len(values)}
+SPEC = "graft_spec"
+CHOOSE_SEEDS = [10, 11, 12, 13]
+RULE = (f"on seeds {CHOOSE_SEEDS} at every start, each candidate paired with GRPO and with the spec's GRAFT by (start, seed): "
+        f"keep the candidates whose strong-family change against GRPO has its 95% interval's lower bound above "
+        f"-{100 * STRONG_MARGIN:.0f} points; among those, the ones whose weak-family gain over the spec's GRAFT has its 95% "
+        f"interval above 0 beat the spec, and the default is the one of them with the largest mean weak-family gain over "
+        f"GRPO (a tie: the one listed first, with fewer changes); if none beats the spec, the spec stays the default")
 
 
 def choose(summary: dict) -> dict:
     weak, strong, runs = summary["weak_family"], summary["strong_family"], summary["runs"]
+    seeds = sorted({r["seed"] for r in runs})
+    if seeds != CHOOSE_SEEDS:
+        raise SystemExit(f"the summary's runs are on seeds {seeds}, not the dev seeds {CHOOSE_SEEDS}: run `make demo-choose`")
     table = {}
     for mode in CANDIDATES:
-        weak_gain, strong_diff = paired(runs, mode, weak, CHOOSE_SEEDS), paired(runs, mode, strong, CHOOSE_SEEDS)
-        if len(weak_gain) < len(CHOOSE_SEEDS):
-            raise SystemExit(f"{mode} and GRPO share only {len(weak_gain)} of seeds {CHOOSE_SEEDS} in this summary: run "
-                             "`make demo-choose` (configs/demo_choose.yaml) first")
-        table[mode] = {"weak_gain": _stat(weak_gain), "strong_diff": _stat(strong_diff),
-                       "strong_kept": statistics.fmean(strong_diff) >= -STRONG_TOLERANCE}
-    kept = [m for m in CANDIDATES if table[m]["strong_kept"]]
-    chosen = max(kept, key=lambda m: table[m]["weak_gain"]["mean"]) if kept else None  # max keeps the first of a tie
-    return {"rule": RULE, "weak_family": weak, "strong_family": strong, "candidates": table, "chosen": chosen}
+        if not any(r["mode"] == mode for r in runs):
+            raise SystemExit(f"no {mode} runs in this summary: run `make demo-choose` (configs/demo_choose.yaml)")
+        weak_gain = paired_interval(paired_values(runs, mode, weak))
+        strong_change = paired_interval(paired_values(runs, mode, strong))
+        over_spec = paired_interval(paired_values(runs, mode, weak, baseline=SPEC)) if mode != SPEC else None
+        table[mode] = {"weak_gain": weak_gain.as_dict(), "strong_change": strong_change.as_dict(),
+                       "weak_over_spec": over_spec.as_dict() if over_spec else None,
+                       "strong_kept": strong_change.low > -STRONG_MARGIN,
+                       "beats_spec": bool(over_spec and over_spec.low > 0)}
+    winners = [m for m in CANDIDATES if table[m]["strong_kept"] and table[m]["beats_spec"]]
+    chosen = max(winners, key=lambda m: table[m]["weak_gain"]["mean"]) if winners else SPEC  # max keeps the first of a tie
+    return {"rule": RULE, "weak_family": weak, "strong_family": strong, "candidates": table, "chosen": chosen,
+            "overrides": CANDIDATES[chosen][1]}
 
 
-def headline(summary: dict, chosen: str) -> dict:
-    weak, strong, runs = summary["weak_family"], summary["strong_family"], summary["runs"]
-    weak_gain, strong_diff = paired(runs, chosen, weak, HEADLINE_SEEDS), paired(runs, chosen, strong, HEADLINE_SEEDS)
-    if len(weak_gain) < len(HEADLINE_SEEDS):
-        raise SystemExit(f"{chosen} and GRPO share only {len(weak_gain)} of seeds {HEADLINE_SEEDS} in this summary")
-    return {"mode": chosen, "weak_gain": _stat(weak_gain), "strong_diff": _stat(strong_diff)}
-
-
-def headline_config(chosen: str) -> dict:
-    """DemoConfig fields of the headline runs: GRPO, the spec's GRAFT and the chosen variant on HEADLINE_SEEDS."""
-    rl: dict = {"seeds": HEADLINE_SEEDS, "ablation_seeds": HEADLINE_SEEDS, "cotrain": False, "imitation_examples_per_step": 0,
-                "ablations": {}, "variants": {}}
-    if chosen == "graft_fix":
-        rl["variants"] = {chosen: CANDIDATE_OVERRIDES[chosen]}
-    elif chosen != "graft":  # the spec's GRAFT is a headline run of every config
-        rl["ablations"] = {chosen: CANDIDATE_OVERRIDES[chosen]}
-    return {"report_dir": "report/headline", "rl": rl}
+def lines(result: dict) -> list[str]:
+    out = [f"Rule (written before the runs): {result['rule']}.", "",
+           f"| candidate | `{result['weak_family']}` gain over GRPO [95% CI] | over the spec's GRAFT [95% CI] | "
+           f"`{result['strong_family']}` change over GRPO [95% CI] | strong kept | beats the spec |", "|---|---|---|---|---|---|"]
+    for mode, row in result["candidates"].items():
+        over = pct(Interval(**row["weak_over_spec"])) if row["weak_over_spec"] else "-"
+        out.append(f"| {mode}: {CANDIDATES[mode][0]} | {pct(Interval(**row['weak_gain']))} | {over} | "
+                   f"{pct(Interval(**row['strong_change']))} | {'yes' if row['strong_kept'] else 'no'} | "
+                   f"{'yes' if row['beats_spec'] else 'no'} |")
+    out += ["", f"chosen: **{result['chosen']}** ({CANDIDATES[result['chosen']][0]}): `{' '.join(result['overrides'])}`"]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m demo.recommend", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("choose", type=Path, help="summary.json of the runs on seeds 0-5 (make demo-choose)")
-    parser.add_argument("--headline", type=Path, default=None, help="summary.json of the runs on seeds 6-8 (make demo-headline)")
-    parser.add_argument("--out", type=Path, default=None, help="write the result as JSON here (default: beside the first summary)")
-    parser.add_argument("--write-headline-config", type=Path, default=None, metavar="YAML",
-                        help="write the demo config of the headline runs (seeds 6-8, the chosen variant) here")
+    parser.add_argument("choose", type=Path, help="summary.json of the dev-seed runs (make demo-choose)")
+    parser.add_argument("--out", type=Path, default=None, help="write the result as JSON here (default: recommendation.json beside it)")
     args = parser.parse_args(argv)
     result = choose(json.loads(args.choose.read_text()))
-    print(f"Rule: {RULE}.")
-    print(f"| candidate | {result['weak_family']} gain over GRPO | {result['strong_family']} minus GRPO | strong family kept |")
-    print("|---|---|---|---|")
-    for mode, row in result["candidates"].items():
-        print(f"| {mode}: {CANDIDATES[mode]} | {100 * row['weak_gain']['mean']:+.1f} ± {100 * row['weak_gain']['std']:.1f} | "
-              f"{100 * row['strong_diff']['mean']:+.1f} | {'yes' if row['strong_kept'] else 'no'} |")
-    print(f"chosen: {result['chosen'] or 'none (no candidate kept the strong family)'}")
-    if args.headline is not None and result["chosen"]:
-        result["headline"] = headline(json.loads(args.headline.read_text()), result["chosen"])
-        h = result["headline"]
-        print(f"headline, seeds {HEADLINE_SEEDS}: {result['chosen']} minus GRPO {100 * h['weak_gain']['mean']:+.1f} ± "
-              f"{100 * h['weak_gain']['std']:.1f} on {result['weak_family']}, {100 * h['strong_diff']['mean']:+.1f} on "
-              f"{result['strong_family']}")
-    if args.write_headline_config is not None:
-        if not result["chosen"]:
-            raise SystemExit("no candidate kept the strong family: there is no recommended GRAFT to give a headline figure")
-        args.write_headline_config.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(args.write_headline_config, yaml.safe_dump(headline_config(result["chosen"]), sort_keys=False))
-        print(f"headline runs' config written to {args.write_headline_config}")
+    text = "\n".join(lines(result))
+    print(text)
     out = args.out or args.choose.with_name("recommendation.json")
     write_text_atomic(out, json.dumps(result, indent=2))
-    print(f"written to {out}")
+    write_text_atomic(out.with_name("RECOMMENDATION.md"), "# Which GRAFT is the default\n\n" + text + "\n")
+    print(f"written to {out} and {out.with_name('RECOMMENDATION.md')}")
     return 0
 
 

@@ -1,6 +1,8 @@
-"""report/: summary.json, REPORT.md (the table first) and the plots, from what the runs wrote.
+"""report/: summary.json, REPORT.md (the verdicts first) and the plots, from what the runs wrote.
 
-Nothing here is tuned: every number is read from the runs' metrics.jsonl and evaluation results.
+Nothing here is tuned: every number is read from the runs' outputs, and every verdict is demo.stats's rule, written
+before the runs. The primary metric of a run is its weak family's sampled accuracy averaged over its late evaluations
+(`primary`); comparisons are paired with GRPO by (start, seed).
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
 import statistics
 from pathlib import Path
 from typing import Any
@@ -15,28 +18,27 @@ from typing import Any
 import orjson
 
 from demo.config import PEER_MODEL_ID, DemoConfig
+from demo.stats import VERDICT_RULE, Interval, paired_interval, pct, verdict
 from rollouts.files import write_text_atomic
 
-MODE_ORDER = ["grpo", "graft", "graft_cotrain", "graft_fix", "graft_no_peer_neg", "graft_no_seq_weight", "graft_no_token_is",
-              "graft_fix_with_b", "graft_fix_with_neg", "graft_fix_x1"]
 MODE_LABEL = {
     "grpo": "GRPO",
-    "graft": "GRAFT offline (spec defaults)",
-    "graft_cotrain": "GRAFT co-training",
+    "graft": "GRAFT, the trainer's default",
+    "graft_spec": "GRAFT, the spec's formulas (b = min(pi_old/mu, 2), w, peer negatives)",
+    "graft_cotrain": "GRAFT co-training (the default GRAFT, peer trained beside the learner)",
     "graft_no_peer_neg": "GRAFT, peer negatives x0",
     "graft_no_seq_weight": "GRAFT, no sequence weight (w = 1)",
-    "graft_no_token_is": "GRAFT, no token-level IS (b = 1)",
+    "graft_b1": "GRAFT, b = 1 (no token-level ratio)",
+    "graft_b1_no_peer_neg": "GRAFT, b = 1 and peer negatives x0",
     "graft_fix": "GRAFT changed: LUFFY shaping (w = 1), peer negatives x0, peer rows x4",
-    "graft_fix_with_b": "GRAFT changed, with the spec's b instead of LUFFY",
-    "graft_fix_with_neg": "GRAFT changed, with peer negatives",
-    "graft_fix_x1": "GRAFT changed, peer rows x1",
 }
-# Each ablation is compared with the method it changes one thing of.
-ABLATION_BASE = {"graft_no_": "graft", "graft_fix_": "graft_fix"}
-STRONG_TOLERANCE = 0.02  # "without losing the strong family": GRAFT's strong accuracy at most 2 points under GRPO's
 
 
-def _finite_mean(values: list[float]) -> float | None:
+def label(mode: str) -> str:
+    return MODE_LABEL.get(mode, mode)
+
+
+def _finite_mean(values: list[float | None]) -> float | None:
     kept = [v for v in values if v is not None and isinstance(v, (int, float)) and math.isfinite(v)]
     return sum(kept) / len(kept) if kept else None
 
@@ -50,44 +52,46 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
 
 
-def run_record(run: dict, families: list[str]) -> dict[str, Any]:
+def primary(evals: list[dict], steps: int, family: str, key: str = "acc_sampled") -> float:
+    """A run's metric on `family`: its `key` accuracy averaged over the evaluations at step >= steps / 2 (the late ones)."""
+    late = [e[key][family] for e in evals if e["step"] >= steps / 2]
+    if not late:
+        raise ValueError(f"no evaluation at step >= {steps / 2} among {[e['step'] for e in evals]}")
+    return statistics.fmean(late)
+
+
+def run_record(run: dict, families: list[str], steps: int) -> dict[str, Any]:
     """One run's entry of summary.json."""
     run_dir = Path(run["dir"])
     done = json.loads((run_dir / "done.json").read_text())
     metrics = read_metrics(run_dir)
-    final = done["evals"][-1]["acc_greedy"]
+    evals = done["evals"]
     record: dict[str, Any] = {
-        "name": run["name"],
-        "mode": run["mode"],
-        "seed": run["seed"],
-        "acc_by_family": final,
-        "acc_mean": sum(final[f] for f in families) / len(families),
-        "acc_sampled_by_family": done["final_acc_sampled"],
+        "name": run["name"], "mode": run["mode"], "start": run.get("start"), "seed": run["seed"],
+        "primary": {f: primary(evals, steps, f) for f in families},  # sampled, late evaluations
+        "greedy_late": {f: primary(evals, steps, f, "acc_greedy") for f in families},
+        "final_greedy": evals[-1]["acc_greedy"], "final_sampled": evals[-1]["acc_sampled"],
         "frac_all_fail_mean": _finite_mean([m["frac_all_fail"] for m in metrics]),
         "peer_hit_rate_mean": _finite_mean([m["peer_hit_rate"] for m in metrics]),
         "frac_grafted_mean": _finite_mean([m["frac_grafted"] for m in metrics]),
+        "groups_capped_per_step": _finite_mean([m.get("groups_capped", 0) for m in metrics]),
+        "grafted_groups_short_per_step": _finite_mean([m.get("grafted_groups_short", 0) for m in metrics]),
         "rollouts_generated": int(sum(m["rollouts_generated"] for m in metrics)),
         "peer_rollouts_consumed": int(sum(m["peer_rollouts_consumed"] for m in metrics)),
         "compat_weight_mean": _finite_mean([m["compat_weight_mean"] for m in metrics]),
-        "behaviour_ratio_p50_mean": _finite_mean([m.get("behaviour_ratio_p50") for m in metrics]),
         "behaviour_ratio_hardest_p50_mean": _finite_mean([m.get("behaviour_ratio_hardest_p50") for m in metrics]),
         "log_rho_p50_mean": _finite_mean([m["log_rho_p50"] for m in metrics]),
         "frac_dropped_retokenize_mean": _finite_mean([m["frac_dropped_retokenize"] for m in metrics]),
-        "store_wait_s_total": float(sum(m.get("store_wait_s", 0.0) for m in metrics)),
-        "steps": len(metrics),
-        "train_s": done["train_s"],
-        "cpu_s": done.get("cpu_s"),
-        "acc_by_step": [{"step": e["step"], **e["acc_greedy"]} for e in done["evals"]],
+        "steps": len(metrics), "train_s": done["train_s"], "cpu_s": done.get("cpu_s"),
+        "evals": evals,
         "frac_all_fail_by_step": [m["frac_all_fail"] for m in metrics],
-        "frac_grafted_by_step": [m["frac_grafted"] for m in metrics],
     }
     if run.get("peer_dir"):
         peer_dir = Path(run["peer_dir"])
         peer_done = json.loads((peer_dir / "done.json").read_text())
         peer_metrics = read_metrics(peer_dir)
         record["cotrain_peer"] = {
-            "acc_by_family": peer_done["evals"][-1]["acc_greedy"],
-            "acc_by_step": [{"step": e["step"], **e["acc_greedy"]} for e in peer_done["evals"]],  # its checkpoints
+            "evals": peer_done["evals"],
             "frac_all_fail_mean": _finite_mean([m["frac_all_fail"] for m in peer_metrics]),
             "peer_hit_rate_mean": _finite_mean([m["peer_hit_rate"] for m in peer_metrics]),
             "frac_grafted_mean": _finite_mean([m["frac_grafted"] for m in peer_metrics]),
@@ -98,90 +102,65 @@ def run_record(run: dict, families: list[str]) -> dict[str, Any]:
     return record
 
 
-def aggregate(records: list[dict], weak: str, strong: str) -> dict[str, dict]:
-    by_mode: dict[str, list[dict]] = {}
-    for r in records:
-        by_mode.setdefault(r["mode"], []).append(r)
-    out = {}
-    for mode, rs in by_mode.items():
-        weak_acc = [r["acc_by_family"][weak] for r in rs]
-        strong_acc = [r["acc_by_family"][strong] for r in rs]
-        weak_sampled = [r["acc_sampled_by_family"][weak] for r in rs]
-        out[mode] = {
-            "seeds": [r["seed"] for r in rs],
-            "weak_mean": statistics.fmean(weak_acc), "weak_std": _std(weak_acc),
-            "strong_mean": statistics.fmean(strong_acc), "strong_std": _std(strong_acc),
-            "weak_sampled_mean": statistics.fmean(weak_sampled), "weak_sampled_std": _std(weak_sampled),
-            "acc_mean": statistics.fmean(r["acc_mean"] for r in rs),
-            "frac_all_fail_mean": _finite_mean([r["frac_all_fail_mean"] for r in rs]),
-            "peer_hit_rate_mean": _finite_mean([r["peer_hit_rate_mean"] for r in rs]),
-            "frac_grafted_mean": _finite_mean([r["frac_grafted_mean"] for r in rs]),
-            "compat_weight_mean": _finite_mean([r["compat_weight_mean"] for r in rs]),
-            "behaviour_ratio_p50_mean": _finite_mean([r["behaviour_ratio_p50_mean"] for r in rs]),
-            "behaviour_ratio_hardest_p50_mean": _finite_mean([r["behaviour_ratio_hardest_p50_mean"] for r in rs]),
-            "log_rho_p50_mean": _finite_mean([r["log_rho_p50_mean"] for r in rs]),
-            "rollouts_generated_mean": statistics.fmean(r["rollouts_generated"] for r in rs),
-            "peer_rollouts_consumed_mean": statistics.fmean(r["peer_rollouts_consumed"] for r in rs),
-        }
+def paired_values(records: list[dict], mode: str, family: str, key: str = "primary", baseline: str = "grpo",
+                  start: str | None = None) -> list[float]:
+    """mode minus baseline on `family` (`key`: primary or greedy_late), one value per (start, seed) both ran."""
+    def by_pair(m: str) -> dict[tuple, float]:
+        return {(r["start"], r["seed"]): r[key][family] for r in records if r["mode"] == m and (start is None or r["start"] == start)}
+
+    base, mine = by_pair(baseline), by_pair(mode)
+    return [mine[k] - base[k] for k in sorted(set(base) & set(mine))]
+
+
+def comparison(records: list[dict], mode: str, weak: str, strong: str, starts: list[str]) -> dict:
+    """A method against GRPO: the weak and strong families' paired intervals (primary metric), the verdict, the greedy
+    intervals (secondary) and the same per start (for reading, not for the verdict)."""
+    weak_i = paired_interval(paired_values(records, mode, weak))
+    strong_i = paired_interval(paired_values(records, mode, strong))
+    out = {
+        "weak": weak_i.as_dict(), "strong": strong_i.as_dict(), "verdict": verdict(weak_i, strong_i),
+        "weak_greedy": paired_interval(paired_values(records, mode, weak, "greedy_late")).as_dict(),
+        "strong_greedy": paired_interval(paired_values(records, mode, strong, "greedy_late")).as_dict(),
+        "per_start": {},
+    }
+    for start in starts:
+        values = paired_values(records, mode, weak, start=start)
+        if values:
+            out["per_start"][start] = paired_interval(values).as_dict()
     return out
 
 
-def paired_difference(records: list[dict], mode: str, baseline: str, family: str) -> tuple[float | None, float | None, int]:
-    """Mean and std over seeds of (mode - baseline) accuracy on `family`, paired by seed."""
-    base = {r["seed"]: r["acc_by_family"][family] for r in records if r["mode"] == baseline}
-    diffs = [r["acc_by_family"][family] - base[r["seed"]] for r in records if r["mode"] == mode and r["seed"] in base]
-    if not diffs:
-        return None, None, 0
-    return statistics.fmean(diffs), _std(diffs), len(diffs)
-
-
-def target_check(records: list[dict], per_mode: dict, mode: str, weak: str, strong: str) -> tuple[dict[str, bool], float]:
-    """The issue's target for `mode` against GRPO: >= 5 points on the weak family (mean over paired seeds), more than
-    the spread between seeds, the strong family kept within STRONG_TOLERANCE. Returns (criteria with `met`, spread)."""
-    diff, diff_std, _ = paired_difference(records, mode, "grpo", weak)
-    strong_diff, _, _ = paired_difference(records, mode, "grpo", strong)
-    spread = max(per_mode.get("grpo", {}).get("weak_std", 0.0), per_mode.get(mode, {}).get("weak_std", 0.0), diff_std or 0.0)
-    target = {
-        "graft_minus_grpo_weak_at_least_5_points": diff is not None and diff >= 0.05,
-        "larger_than_seed_spread": diff is not None and diff > spread,
-        "strong_family_kept": strong_diff is not None and strong_diff >= -STRONG_TOLERANCE,
-    }
-    target["met"] = all(target.values())
-    return target, spread
-
-
 def write_report(cfg: DemoConfig, models: dict, runs: list[dict], data: dict, store_stats: dict, timings: dict,
-                 wall_time_s: float, server_stopped: bool, store_root: Path) -> dict:
+                 wall_time_s: float, server_stopped: bool, store_root: Path, probes: dict[str, dict] | None = None,
+                 kernels: str = "own") -> dict:
     weak, strong = cfg.task.weak_family, cfg.task.strong_family
     families = list(cfg.task.n_eval)
-    records = [run_record(r, families) for r in runs if r["mode"] != "peer_imitation"]
-    imitation = [{"seed": r["seed"], **json.loads((Path(r["dir"]) / "done.json").read_text())} for r in runs if r["mode"] == "peer_imitation"]
-    per_mode = aggregate(records, weak, strong)
-    diff, diff_std, n_pairs = paired_difference(records, "graft", "grpo", weak)
-    strong_diff, _, _ = paired_difference(records, "graft", "grpo", strong)
-    target, spread = target_check(records, per_mode, "graft", weak, strong)
+    aliases = {r["mode"]: r["same_as"] for r in runs if r.get("same_as")}
+    records = [run_record(r, families, cfg.rl.steps) for r in runs if r["mode"] != "peer_imitation" and not r.get("same_as")]
+    imitation = [{"start": r["start"], "seed": r["seed"], **json.loads((Path(r["dir"]) / "done.json").read_text())}
+                 for r in runs if r["mode"] == "peer_imitation"]
+    starts = list(cfg.starts)
+    modes = [m for m in dict.fromkeys(r["mode"] for r in records) if m != "grpo"]
+    comparisons = {mode: comparison(records, mode, weak, strong, starts) for mode in modes}
+    for alias, target in aliases.items():
+        comparisons[alias] = {"same_as": target}
     peer_groups_done = store_root / f"groups-done-{PEER_MODEL_ID}.json"
     summary = {
+        "rule": VERDICT_RULE,
+        "primary_metric": f"{weak} sampled accuracy ({cfg.rl.eval_samples} samples per held-out problem at T = 1), "
+                          f"averaged over the evaluations at step >= {cfg.rl.steps // 2}",
+        "comparisons": comparisons,
         "runs": records,
-        "graft_minus_grpo_weak_family": diff,
-        "graft_minus_grpo_weak_family_std": diff_std,
-        "graft_minus_grpo_strong_family": strong_diff,
-        "paired_seeds": n_pairs,
-        "variants_minus_grpo_weak_family": {
-            mode: dict(zip(("mean", "std", "paired_seeds"), paired_difference(records, mode, "grpo", weak)))
-            for mode in cfg.rl.variants
-        },
-        "variants_minus_grpo_strong_family": {mode: paired_difference(records, mode, "grpo", strong)[0] for mode in cfg.rl.variants},
-        "variants_target": {mode: target_check(records, per_mode, mode, weak, strong)[0] for mode in cfg.rl.variants},
-        "seed_spread_weak_family": spread,
-        "target": target,
-        "per_mode": per_mode,
+        "per_mode": per_mode(records, weak, strong),
         "peer_imitation": imitation,
-        "start": {"acc_greedy": models["learner"]["acc_greedy"], "acc_sampled": models["learner"]["acc_sampled"]},
-        "models": {role: {k: v for k, v in info.items() if k != "checkpoint"} for role, info in models.items()},
+        "starts": models["learner"]["starts"],
+        "peer_start": models["peer"]["starts"]["peer"],
+        "models": {role: {k: v for k, v in info.items() if k not in ("starts", "start_dirs")} for role, info in models.items()},
+        "probes": probes or {},
         "peer_groups": json.loads(peer_groups_done.read_text()) if peer_groups_done.exists() else None,
         "store_stats": store_stats,
         "server_stopped": server_stopped,
+        "machine": machine(kernels),
         "job_wall_s": {k: round(v, 1) for k, v in timings.items()},
         "wall_time_s": wall_time_s,
         "weak_family": weak,
@@ -191,203 +170,273 @@ def write_report(cfg: DemoConfig, models: dict, runs: list[dict], data: dict, st
     report_dir = cfg.report_dir
     report_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(report_dir / "summary.json", json.dumps(summary, indent=2, default=str))
-    _plots(records, report_dir, weak, strong, models)
+    _plots(records, report_dir, weak, strong, models, starts)
+    if any(probe["batches"] for probe in (probes or {}).values()):
+        _probe_plot({start: probe for start, probe in probes.items() if probe["batches"]}, report_dir)
     write_text_atomic(report_dir / "REPORT.md", markdown(summary, cfg))
     return summary
 
 
-def _pct(x: float | None, std: float | None = None) -> str:
-    if x is None:
-        return "-"
-    return f"{100 * x:.1f}" if std is None else f"{100 * x:.1f} ± {100 * std:.1f}"
+def per_mode(records: list[dict], weak: str, strong: str) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    for mode in dict.fromkeys(r["mode"] for r in records):
+        rs = [r for r in records if r["mode"] == mode]
+        out[mode] = {
+            "pairs": len(rs),
+            "weak_primary_mean": statistics.fmean(r["primary"][weak] for r in rs),
+            "strong_primary_mean": statistics.fmean(r["primary"][strong] for r in rs),
+            "weak_greedy_mean": statistics.fmean(r["greedy_late"][weak] for r in rs),
+            **{key: _finite_mean([r[key] for r in rs]) for key in (
+                "frac_all_fail_mean", "peer_hit_rate_mean", "frac_grafted_mean", "groups_capped_per_step",
+                "grafted_groups_short_per_step", "compat_weight_mean", "behaviour_ratio_hardest_p50_mean",
+                "log_rho_p50_mean", "frac_dropped_retokenize_mean")},
+            "rollouts_generated_mean": statistics.fmean(r["rollouts_generated"] for r in rs),
+            "peer_rollouts_consumed_mean": statistics.fmean(r["peer_rollouts_consumed"] for r in rs),
+        }
+    return out
+
+
+def machine(kernels: str) -> dict:
+    """The CPU the numbers came from (they move with it: docs/demo.md)."""
+    import torch
+
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": model, "cores": os.cpu_count(), "torch_kernels": torch.backends.cpu.get_cpu_capability(),
+            "kernels": kernels, "torch": torch.__version__}
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}"
 
 
 def _num(x: float | None, digits: int = 2) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
+def verdict_lines(summary: dict) -> list[str]:
+    """The table every reader sees first (and `make demo` prints): each method's paired intervals and verdict."""
+    weak, strong = summary["weak_family"], summary["strong_family"]
+    lines = [f"| method vs GRPO, paired by (start, seed) | pairs | `{weak}` (weak) gain, points [95% CI] | p | "
+             f"`{strong}` (strong) change [95% CI] | verdict | `{weak}` greedy gain [95% CI] |",
+             "|---|---|---|---|---|---|---|"]
+    for mode, c in summary["comparisons"].items():
+        if "same_as" in c:
+            lines.append(f"| {label(mode)} | = {label(c['same_as'])} (the same runs: the default is the spec's) | | | | | |")
+            continue
+        weak_i, strong_i = Interval(**c["weak"]), Interval(**c["strong"])
+        lines.append(f"| {label(mode)} | {weak_i.pairs} | {pct(weak_i)} | {weak_i.p_value:.3f} | {pct(strong_i)} | "
+                     f"**{c['verdict']}** | {pct(Interval(**c['weak_greedy']))} |")
+    return lines
+
+
 def markdown(summary: dict, cfg: DemoConfig) -> str:
     weak, strong = summary["weak_family"], summary["strong_family"]
-    per_mode = summary["per_mode"]
-    start = summary["start"]
-    modes = MODE_ORDER + sorted(set(per_mode) - set(MODE_ORDER))
+    per = summary["per_mode"]
+    m = summary["machine"]
     lines = [
         f"# GRAFT CPU demo ({cfg.mode})",
         "",
         f"Learner: {summary['models']['learner']['architecture']} ({summary['models']['learner']['parameters']:,} parameters, "
         f"character-level tokenizer); peer: {summary['models']['peer']['architecture']} ({summary['models']['peer']['parameters']:,} "
-        f"parameters, byte-level BPE). Weak family `{weak}` (3-digit + 2-digit), strong family `{strong}` (2-digit + 2-digit). "
-        f"{cfg.rl.steps} RL steps of {cfg.rl.prompts_per_step} prompts x {cfg.rl.group_size} rollouts; held-out greedy accuracy "
-        f"(mean ± std over seeds) at the last step; sampled = one sample at T=1.",
+        f"parameters, byte-level BPE). Weak family `{weak}`, strong family `{strong}`. {cfg.rl.steps} RL steps of "
+        f"{cfg.rl.prompts_per_step} prompts x {cfg.rl.group_size} rollouts from each of {len(cfg.starts)} starts x "
+        f"{len(cfg.rl.seeds)} seeds. Primary metric: {summary['primary_metric']}. Rule (written before the runs): "
+        f"{summary['rule']}. Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} on its {m['torch_kernels']} "
+        f"kernels ({m['kernels']}).",
         "",
-        f"| run | seeds | {weak} (weak) | {strong} (strong) | {weak} sampled | all-fail frac | peer hit rate | grafted frac | rollouts generated | peer rollouts consumed |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-        f"| start (SFT learner) | - | {_pct(start['acc_greedy'][weak])} | {_pct(start['acc_greedy'][strong])} | {_pct(start['acc_sampled'][weak])} | - | - | - | - | - |",
-    ]
-    for mode in modes:
-        if mode not in per_mode:
-            continue
-        m = per_mode[mode]
-        lines.append(
-            f"| {MODE_LABEL.get(mode, mode)} | {len(m['seeds'])} | {_pct(m['weak_mean'], m['weak_std'])} | {_pct(m['strong_mean'], m['strong_std'])} | "
-            f"{_pct(m['weak_sampled_mean'], m['weak_sampled_std'])} | {_num(m['frac_all_fail_mean'])} | {_num(m['peer_hit_rate_mean'])} | "
-            f"{_num(m['frac_grafted_mean'])} | {m['rollouts_generated_mean']:.0f} | {m['peer_rollouts_consumed_mean']:.0f} |"
-        )
-    diff, diff_std = summary["graft_minus_grpo_weak_family"], summary["graft_minus_grpo_weak_family_std"]
-    target = summary["target"]
-    lines += [
+        *verdict_lines(summary),
         "",
-        f"GRAFT (spec defaults) minus GRPO on `{weak}`: **{_pct(diff)} points** (std over {summary['paired_seeds']} paired seeds "
-        f"{_pct(diff_std)}); on `{strong}`: {_pct(summary['graft_minus_grpo_strong_family'])} points. "
-        f"Target (>= 5 points, larger than the seed spread {_pct(summary['seed_spread_weak_family'])}, strong family kept within "
-        f"{100 * STRONG_TOLERANCE:.0f} points): **{'met' if target['met'] else 'not met'}** "
-        f"({', '.join(f'{k}: {v}' for k, v in target.items() if k != 'met')}).",
-    ]
-    for mode, d in summary["variants_minus_grpo_weak_family"].items():
-        met = summary["variants_target"][mode]["met"]
-        lines.append(f"{MODE_LABEL.get(mode, mode)} (not the spec's defaults: `{' '.join(cfg.rl.variants[mode])}`) minus GRPO on "
-                     f"`{weak}`: **{_pct(d['mean'])} points** (std over {d['paired_seeds']} paired seeds {_pct(d['std'])}); on "
-                     f"`{strong}`: {_pct(summary['variants_minus_grpo_strong_family'][mode])} points. The same target with this "
-                     f"method: **{'met' if met else 'not met'}**.")
-    lines += [
         f"Wall time {summary['wall_time_s']:.0f} s.",
         "",
         "<!-- table-end -->",
         "",
         "![accuracy vs step](accuracy_vs_step.png)",
-        "![all-fail fraction vs step](all_fail_vs_step.png)",
         "",
-        "## Models (warm start)",
+        "## The starts (chosen by level, not by step)",
         "",
-        "| model | architecture | parameters | vocab | `\\boxed{1046}` tokenised | SFT steps | SFT s | greedy " + " / ".join(summary["models"]["learner"]["acc_greedy"]) + " | sampled |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| start | level: `{weak}` sampled on dev | step | dev `{weak}` sampled | held-out `{weak}` sampled / greedy | "
+        f"held-out `{strong}` sampled / greedy |",
+        "|---|---|---|---|---|---|",
     ]
-    for role, info in summary["models"].items():
-        lines.append(
-            f"| {role} | {info['architecture']} | {info['parameters']:,} | {info['vocab_size']} | `{' '.join(info['tokenizer_tokens_of_example'])}` | "
-            f"{info['sft_steps']} | {info['sft_s']:.0f} | {' / '.join(_pct(a) for a in info['acc_greedy'].values())} | "
-            f"{' / '.join(_pct(a) for a in info['acc_sampled'].values())} |"
-        )
+    for name, s in summary["starts"].items():
+        lines.append(f"| {name} | {_pct(s['level'])} | {s['step']} | {_pct(s['dev_sampled'][weak])} | "
+                     f"{_pct(s['acc_sampled'][weak])} / {_pct(s['acc_greedy'][weak])} | "
+                     f"{_pct(s['acc_sampled'][strong])} / {_pct(s['acc_greedy'][strong])} |")
+    p = summary["peer_start"]
+    lines += ["", f"The peer: step {p['step']} (level {_pct(p['level'])}% sampled `{weak}` on dev, "
+              f"{_pct(p['dev_sampled'][weak])}% there); held-out `{weak}` sampled {_pct(p['acc_sampled'][weak])}%, "
+              f"greedy {_pct(p['acc_greedy'][weak])}%."]
     pg = summary["peer_groups"]
     if pg:
-        lines += [
-            "",
-            f"Peer groups in the store: {pg['indexed_groups']} groups ({pg['rollouts']} rollouts) written by `graft-generate` in "
-            f"{pg['wall_s']:.0f} s; {pg['informative_groups']} informative ({pg['informative_groups'] / max(1, pg['indexed_groups']):.0%}); "
-            f"peer success rate {_pct(pg['success_rate'])}%.",
-        ]
-    lines += [
-        "",
-        "## Why: the grafting metrics",
-        "",
-        "b = min(pi_old / mu~, 2) is the token-level behaviour ratio; 'at the hardest token' is its median, over the peer's correct "
-        "answers, at the token the learner found least likely: where the peer's answer departs from the learner's habit.",
-        "",
-        "| run | compat weight w (mean) | log rho per byte (median) | b (median) | b at the hardest token (median) | all-fail frac | grafted frac | peer rollouts consumed |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for mode in modes:
-        if mode in per_mode and mode != "grpo":
-            m = per_mode[mode]
-            lines.append(f"| {MODE_LABEL.get(mode, mode)} | {_num(m['compat_weight_mean'])} | {_num(m['log_rho_p50_mean'])} | "
-                         f"{_num(m['behaviour_ratio_p50_mean'])} | {_num(m['behaviour_ratio_hardest_p50_mean'])} | "
-                         f"{_num(m['frac_all_fail_mean'])} | {_num(m['frac_grafted_mean'])} | {m['peer_rollouts_consumed_mean']:.0f} |")
+        lines += [f"Its groups in the store: {pg['indexed_groups']} ({pg['rollouts']} rollouts, written by `graft-generate` in "
+                  f"{pg['wall_s']:.0f} s); {pg['informative_groups']} informative "
+                  f"({pg['informative_groups'] / max(1, pg['indexed_groups']):.0%}); success rate {_pct(pg['success_rate'])}%."]
+
+    lines += ["", "## Per start (for reading; the verdicts pool both)", "",
+              f"| method | start | `{weak}` gain over GRPO [95% CI] |", "|---|---|---|"]
+    for mode, c in summary["comparisons"].items():
+        for start, interval in c.get("per_start", {}).items():
+            lines.append(f"| {label(mode)} | {start} | {pct(Interval(**interval))} |")
+
+    lines += ["", "## What each run did (means over its runs)", "",
+              f"| run | pairs | `{weak}` primary | `{strong}` primary | `{weak}` greedy (late) | all-fail frac | peer hit rate | "
+              "grafted frac | groups over the graft cap, per step | grafted groups that lost rows, per step | "
+              "w (mean) | b at the decisive token (median) | peer rollouts consumed |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for mode, r in per.items():
+        lines.append(f"| {label(mode)} | {r['pairs']} | {_pct(r['weak_primary_mean'])} | {_pct(r['strong_primary_mean'])} | "
+                     f"{_pct(r['weak_greedy_mean'])} | {_num(r['frac_all_fail_mean'])} | {_num(r['peer_hit_rate_mean'])} | "
+                     f"{_num(r['frac_grafted_mean'])} | {_num(r['groups_capped_per_step'])} | "
+                     f"{_num(r['grafted_groups_short_per_step'])} | {_num(r['compat_weight_mean'])} | "
+                     f"{_num(r['behaviour_ratio_hardest_p50_mean'], 3)} | {r['peer_rollouts_consumed_mean']:.0f} |")
+    lines += ["", f"The graft cap (at most {100 * 0.5:.0f}% of a step's groups grafted, graft.max_grafted_fraction) skips "
+              "the groups counted above; a grafted group that lost rows to re-tokenisation has its advantages recomputed "
+              "over the rows that train."]
+
+    probes = {start: probe for start, probe in summary["probes"].items() if probe["batches"]}
+    for start, probe in summary["probes"].items():
+        if not probe["batches"]:
+            lines += ["", f"The mechanism probe at start {start} had nothing to probe: {probe['empty']}."]
+    if probes:
+        lines += ["", "## The mechanism probe: what each correction does to a grafted group's gradient", "",
+                  "From each start, on weak-family RL prompts the learner fails (8 of 8 samples) that have an informative "
+                  "peer group: the grafted rows as graft-train builds them, their loss's gradient at theta_old, per batch "
+                  "of prompts (the same batches for every correction). cos: with the gradient of the held-out gold "
+                  "answers' log-likelihood (positive: the step teaches); effective weight: |d loss / d log pi| per unit of "
+                  "advantage at the decisive token of a correct row (the one the learner finds least likely).", "",
+                  "| start | correction | cos with the gold direction [95% CI over batches] | minus the spec's [95% CI] | "
+                  "gradient norm | effective weight at the decisive token (median) | share below 0.05 |",
+                  "|---|---|---|---|---|---|---|"]
+        for start, probe in probes.items():
+            for name, entry in probe["corrections"].items():
+                cos = Interval(**entry["cos"])
+                diff = Interval(**entry["cos_minus_spec"]) if "cos_minus_spec" in entry else None
+                lines.append(f"| {start} | {name} | {cos.mean:+.3f} [{cos.low:+.3f}, {cos.high:+.3f}] | "
+                             f"{'-' if diff is None else f'{diff.mean:+.3f} [{diff.low:+.3f}, {diff.high:+.3f}]'} | "
+                             f"{entry['grad_norm_mean']:.3g} | {_num(entry.get('decisive_weight_p50'), 3)} | "
+                             f"{_num(entry.get('decisive_weight_below_0.05'))} |")
+        first = next(iter(probes.values()))
+        lines += ["", f"{first['probed_prompts']} prompts in {first['batches']} batches of {first['batch_prompts']} at the "
+                  f"first start (of {first['failed_prompts']} failed prompts among {first['weak_prompts']}); "
+                  f"{first['gold_problems']} held-out gold answers.", "", "![probe](probe.png)"]
+
     for run in summary["peer_imitation"]:
-        lines += ["", f"- The ceiling (seed {run['seed']}): supervised training on the peer's correct `{weak}` answers from the store "
-                  f"({run['examples_per_step']} per update at full weight, drawn from {run['peer_correct_answers']}), with the RL runs' "
-                  f"optimizer, lr, {run['steps']} updates and anchor, reaches `{weak}` {_pct(run['acc_greedy'][weak])} "
-                  f"(sampled {_pct(run['acc_sampled'][weak])}) and `{strong}` {_pct(run['acc_greedy'][strong])}, from "
-                  f"{_pct(start['acc_greedy'][weak])} / {_pct(start['acc_greedy'][strong])}. No way of consuming the peer's groups "
-                  f"with this budget of updates can be expected to gain much more than this on `{weak}`."]
-    for mode in modes:
-        if mode in per_mode and mode != "graft":
-            d, s, n = paired_difference(summary["runs"], mode, "grpo" if mode != "grpo" else "graft", weak)
-            if mode == "grpo":
-                continue
-            line = f"- {MODE_LABEL.get(mode, mode)} minus GRPO on `{weak}`: {_pct(d)} ± {_pct(s)} points over {n} paired seeds"
-            base = next((b for prefix, b in ABLATION_BASE.items() if mode.startswith(prefix)), None)
-            if base is not None and base in per_mode:
-                d2, s2, n2 = paired_difference(summary["runs"], mode, base, weak)
-                line += f"; minus {MODE_LABEL[base]}: {_pct(d2)} ± {_pct(s2)} points over {n2} paired seeds"
-            lines += ["", line + "."]
+        lines += ["", f"- The ceiling (start {run['start']}, seed {run['seed']}): supervised training on the peer's correct "
+                  f"`{weak}` answers ({run['examples_per_step']} per update at full weight, from {run['peer_correct_answers']}) "
+                  f"with the RL runs' optimizer, lr, {run['steps']} updates and anchor reaches `{weak}` sampled "
+                  f"{_pct(run['acc_sampled'][weak])}% (greedy {_pct(run['acc_greedy'][weak])}%), `{strong}` sampled "
+                  f"{_pct(run['acc_sampled'][strong])}%: what the peer's answers could teach in this budget."]
+
     cotrain = [r for r in summary["runs"] if "cotrain_peer" in r]
     if cotrain:
-        start = summary["models"]["peer"]["acc_greedy"]  # its warm start, on the same held-out problems
-        steps = [e["step"] for e in cotrain[0]["cotrain_peer"]["acc_by_step"]]
+        start_acc = summary["peer_start"]["acc_sampled"]
+        steps = [e["step"] for e in cotrain[0]["cotrain_peer"]["evals"]]
         path = " -> ".join(["warm start", *(f"step {s}" for s in steps)])
-        lines += ["", "Co-training, the peer's side (it trains too, with the learner's RL settings but no anchor, taking the "
-                  "learner's groups for its all-fail prompts); held-out greedy accuracy (%):", "",
-                  f"| seed | peer {weak}: {path} | peer {strong}: {path} | peer all-fail frac | peer grafted frac |",
-                  "|---|---|---|---|---|"]
+        lines += ["", "## Co-training, the peer's side", "",
+                  "It trains too, with the learner's RL settings, anchored on its own strong family "
+                  f"(`{weak}`) as the learner is on `{strong}`, taking the learner's groups for its all-fail prompts. "
+                  "Held-out sampled accuracy (%), and the learner's peer hit rate in the same run:", "",
+                  f"| start, seed | peer `{weak}`: {path} | peer `{strong}`: {path} | peer all-fail frac | peer grafted frac | "
+                  "learner's peer hit rate |", "|---|---|---|---|---|---|"]
         for r in cotrain:
             p = r["cotrain_peer"]
-            by_family = {f: " -> ".join(_pct(a) for a in [start[f], *(e[f] for e in p["acc_by_step"])]) for f in (weak, strong)}
-            lines.append(f"| {r['seed']} | {by_family[weak]} | {by_family[strong]} | "
-                         f"{_num(p['frac_all_fail_mean'])} | {_num(p['frac_grafted_mean'])} |")
-    lines += ["", "## Every run", "", f"| run | {weak} | {strong} | {weak} sampled | all-fail | hit rate | grafted | rollouts | peer rollouts | train s |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+            by_family = {f: " -> ".join(_pct(a) for a in [start_acc[f], *(e["acc_sampled"][f] for e in p["evals"])])
+                         for f in (weak, strong)}
+            lines.append(f"| {r['start']}, {r['seed']} | {by_family[weak]} | {by_family[strong]} | "
+                         f"{_num(p['frac_all_fail_mean'])} | {_num(p['frac_grafted_mean'])} | {_num(r['peer_hit_rate_mean'])} |")
+
+    lines += ["", "## Every run", "",
+              f"| run | `{weak}` primary | `{strong}` primary | `{weak}` greedy, last | all-fail | hit rate | grafted | "
+              "capped/step | peer rollouts | train s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary["runs"]:
-        lines.append(f"| {r['name']} | {_pct(r['acc_by_family'][weak])} | {_pct(r['acc_by_family'][strong])} | "
-                     f"{_pct(r['acc_sampled_by_family'][weak])} | {_num(r['frac_all_fail_mean'])} | {_num(r['peer_hit_rate_mean'])} | "
-                     f"{_num(r['frac_grafted_mean'])} | {r['rollouts_generated']} | {r['peer_rollouts_consumed']} | {r['train_s']:.0f} |")
+        lines.append(f"| {r['name']} | {_pct(r['primary'][weak])} | {_pct(r['primary'][strong])} | "
+                     f"{_pct(r['final_greedy'][weak])} | {_num(r['frac_all_fail_mean'])} | {_num(r['peer_hit_rate_mean'])} | "
+                     f"{_num(r['frac_grafted_mean'])} | {_num(r['groups_capped_per_step'])} | {r['peer_rollouts_consumed']} | "
+                     f"{r['train_s']:.0f} |")
     job_cpu = [r.get("cpu_s") for r in summary["runs"]] + [r.get("cotrain_peer", {}).get("cpu_s") for r in summary["runs"]]
     job_cpu += [info.get("cpu_s") for info in summary["models"].values()]
     job_cpu += [run.get("cpu_s") for run in summary["peer_imitation"]]
     total_cpu = sum(c for c in job_cpu if c)
     lines += ["", "## Time", "",
-              f"Wall time of this invocation {summary['wall_time_s']:.0f} s with {cfg.workers} processes at once (jobs found done "
-              f"in `demo_out/` from an earlier invocation are not rerun; their times below are the ones they took then); "
-              f"the jobs used {total_cpu:.0f} CPU seconds "
-              f"(warm starts and RL runs, evaluation included; the generator and the store server not counted). Job wall times (s): "
+              f"Wall time of this invocation {summary['wall_time_s']:.0f} s with {cfg.workers} processes at once (jobs found "
+              f"done in `demo_out/` from an earlier invocation are not rerun; their times below are the ones they took then); "
+              f"the jobs used {total_cpu:.0f} CPU seconds (warm starts and RL runs, evaluation included; the generator, the "
+              "probes and the store server not counted). Job wall times (s): "
               + ", ".join(f"{k} {v:.0f}" for k, v in summary["job_wall_s"].items()) + "."]
     lines += ["", "Produced by `make demo` (`python -m demo.run`); every number is read from the runs' outputs in `demo_out/`.", ""]
     return "\n".join(lines)
 
 
-def _plots(records: list[dict], report_dir: Path, weak: str, strong: str, models: dict) -> None:
+def _plots(records: list[dict], report_dir: Path, weak: str, strong: str, models: dict, starts: list[str]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    modes = MODE_ORDER + sorted({r["mode"] for r in records} - set(MODE_ORDER))
+    modes = list(dict.fromkeys(r["mode"] for r in records))
     colors = {mode: plt.get_cmap("tab10")(i % 10) for i, mode in enumerate(modes)}
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, family in zip(axes, (weak, strong)):
-        seen = set()
-        for r in records:
-            steps = [e["step"] for e in r["acc_by_step"]]
-            acc = [100 * e[family] for e in r["acc_by_step"]]
-            if steps and steps[0] != 0:  # step 0 is the warm-started learner, the same for every run
-                steps, acc = [0] + steps, [100 * models["learner"]["acc_greedy"][family]] + acc
-            label = MODE_LABEL.get(r["mode"], r["mode"]) if r["mode"] not in seen else None
-            seen.add(r["mode"])
-            ax.plot(steps, acc, color=colors[r["mode"]], alpha=0.8, marker="o", markersize=3, label=label)
-        ax.set_title(f"held-out greedy accuracy, {family} ({'weak' if family == weak else 'strong'} family)")
-        ax.set_xlabel("RL step")
-        ax.set_ylabel("accuracy (%)")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    fig, axes = plt.subplots(len(starts), 2, figsize=(12, 4 * len(starts)), squeeze=False)
+    for row, start in enumerate(starts):
+        begin = models["learner"]["starts"][start]["acc_sampled"]
+        for col, family in enumerate((weak, strong)):
+            ax = axes[row][col]
+            seen = set()
+            for r in (r for r in records if r["start"] == start):
+                steps = [0] + [e["step"] for e in r["evals"]]
+                acc = [100 * begin[family]] + [100 * e["acc_sampled"][family] for e in r["evals"]]
+                ax.plot(steps, acc, color=colors[r["mode"]], alpha=0.7, marker="o", markersize=3,
+                        label=label(r["mode"]) if r["mode"] not in seen else None)
+                seen.add(r["mode"])
+            ax.set_title(f"start {start}: held-out sampled accuracy, {family} ({'weak' if family == weak else 'strong'})")
+            ax.set_xlabel("RL step")
+            ax.set_ylabel("accuracy (%)")
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     _save_fig(fig, report_dir / "accuracy_vs_step.png")
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    seen = set()
-    for r in records:
-        values = r["frac_all_fail_by_step"]
-        window = 5
-        smooth = [sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1]) for i in range(len(values))]
-        label = MODE_LABEL.get(r["mode"], r["mode"]) if r["mode"] not in seen else None
-        seen.add(r["mode"])
-        ax.plot(range(1, len(smooth) + 1), smooth, color=colors[r["mode"]], alpha=0.8, label=label)
-    ax.set_title("fraction of the learner's groups that are all-fail (5-step mean)")
-    ax.set_xlabel("RL step")
-    ax.set_ylabel("all-fail fraction")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+
+def _probe_plot(probes: dict[str, dict], report_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    names = list(next(iter(probes.values()))["corrections"])
+    offsets = {start: i * 0.25 for i, start in enumerate(probes)}
+    for start, probe in probes.items():
+        for index, name in enumerate(names):
+            entry = probe["corrections"][name]
+            cos = [b["cos"] for b in entry["batches"]]
+            x = index + offsets[start]
+            axes[0].scatter([x] * len(cos), cos, s=10, alpha=0.5, color=f"C{list(probes).index(start)}",
+                            label=f"start {start}" if index == 0 else None)
+            axes[0].errorbar(x, entry["cos"]["mean"], yerr=[[entry["cos"]["mean"] - entry["cos"]["low"]],
+                                                             [entry["cos"]["high"] - entry["cos"]["mean"]]],
+                             color="black", capsize=3)
+            weights = [w for b in entry["batches"] for w in b.get("decisive_weights", [])]
+            if weights:
+                axes[1].boxplot([max(w, 1e-6) for w in weights], positions=[x], widths=0.2, showfliers=False)
+    for ax in axes:
+        ax.set_xticks(range(len(names)))
+        ax.set_xticklabels(names, rotation=20, ha="right", fontsize=7)
+        ax.grid(alpha=0.3)
+    axes[0].axhline(0, color="grey", lw=0.8)
+    axes[0].set_title("grafted rows' update vs the gold answers' gradient (cosine, per batch)")
+    axes[0].legend(fontsize=7)
+    axes[1].set_yscale("log")
+    axes[1].set_title("effective weight at the decisive token of correct rows")
     fig.tight_layout()
-    _save_fig(fig, report_dir / "all_fail_vs_step.png")
+    _save_fig(fig, report_dir / "probe.png")
     plt.close(fig)
 
 

@@ -35,6 +35,7 @@ from demo.config import LEARNER_MODEL_ID, PEER_MODEL_ID, DemoConfig, config_hash
 from demo.jobs import PORTABLE_KERNELS, Job, child_env, portable_kernels_available, python_module, run_jobs
 from rollouts.files import write_jsonl_atomic, write_text_atomic
 from toy.task import completion_text, dataset_name, family_splits, write_problems_jsonl
+from trainer.config import TrainConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TRAIN_BASE = REPO_ROOT / "configs" / "demo_train.yaml"
@@ -68,15 +69,32 @@ def main(argv: list[str] | None = None) -> int:
     for role in ("learner", "peer"):
         models[role].update(json.loads((Path(models[role]["dir"]) / "done.json").read_text()))
 
-    from demo.report import write_report
+    probes = {start: json.loads((Path(job.done[0])).read_text()) for start, job in probe_jobs(jobs).items()}
+    from demo.report import verdict_lines, write_report
 
     summary = write_report(cfg, models, runs, data, store_stats, timings, wall_time_s=time.perf_counter() - started,
-                           server_stopped=server_stopped, store_root=store_root)
+                           server_stopped=server_stopped, store_root=store_root, probes=probes,
+                           kernels=kernel_label(kernels))
     print()
     print((cfg.report_dir / "REPORT.md").read_text().split("<!-- table-end -->")[0])
     print_serve_instructions(store_root, runs, data, models)
+    print(f"Each GRAFT against GRPO ({summary['primary_metric']}; {summary['rule']}):")
+    print("\n".join(verdict_lines(summary)))
     print(f"wall time {summary['wall_time_s']:.0f} s; report written to {cfg.report_dir}/", flush=True)
     return 0
+
+
+def probe_jobs(jobs: list[Job]) -> dict[str, Job]:
+    """The probe jobs by start."""
+    return {job.name.removeprefix("probe "): job for job in jobs if job.name.startswith("probe ")}
+
+
+def kernel_label(kernels: dict[str, str] | None) -> str:
+    """Which kernels the jobs ran on, as the report names them."""
+    if kernels:
+        return "portable: " + " ".join(f"{k}={v}" for k, v in kernels.items())
+    chosen = os.environ.get("ATEN_CPU_CAPABILITY")
+    return f"the CPU's own, ATEN_CPU_CAPABILITY={chosen}" if chosen else "the CPU's own"
 
 
 def command_line(prog: str, description: str, default_config: Path | None,
@@ -137,6 +155,7 @@ def prepare_data(cfg: DemoConfig, data_dir: Path) -> dict[str, Path]:
     paths = {f"eval_{f}": data_dir / f"toy-{f}-eval.jsonl" for f in cfg.task.n_eval}
     paths["rl"] = data_dir / "toy-rl.jsonl"
     paths["anchor"] = data_dir / f"anchor-{cfg.task.strong_family}.jsonl"
+    paths["anchor_weak"] = data_dir / f"anchor-{cfg.task.weak_family}.jsonl"  # the co-training peer's own family
     if marker.exists():
         return paths
     splits = {f: family_splits(f, cfg.task.n_eval[f], cfg.task.n_rl) for f in cfg.task.n_eval}
@@ -144,9 +163,11 @@ def prepare_data(cfg: DemoConfig, data_dir: Path) -> dict[str, Path]:
         write_problems_jsonl(split["eval"], paths[f"eval_{family}"])
     rl = [p for family, count in cfg.task.rl_prompts.items() for p in splits[family]["rl"][:count]]
     write_problems_jsonl(rl, paths["rl"])
-    # The anchor: reference answers of the strong family's RL split (never its held-out problems).
-    anchor_rows = [{"problem": p.problem, "completion": completion_text(p.answer)} for p in splits[cfg.task.strong_family]["rl"]]
-    write_jsonl_atomic(paths["anchor"], anchor_rows)
+    # The anchors: reference answers of a family's RL split (never its held-out problems): the learner's on its strong
+    # family; the co-training peer's on its own, the learner's weak one.
+    for key, family in (("anchor", cfg.task.strong_family), ("anchor_weak", cfg.task.weak_family)):
+        rows = [{"problem": p.problem, "completion": completion_text(p.answer)} for p in splits[family]["rl"]]
+        write_jsonl_atomic(paths[key], rows)
     marker.write_text(json.dumps({k: str(v) for k, v in paths.items()}))
     return paths
 
@@ -170,7 +191,8 @@ def model_jobs(cfg: DemoConfig, data: dict[str, Path], out: Path, kernels: dict[
                                         "threads": threads}))
         if (job_dir / "done.json").exists():
             print_model(role, json.loads((job_dir / "done.json").read_text()))
-        models[role] = {"dir": str(job_dir), "checkpoint": str(warm_start_checkpoint(job_dir)), "checkpoint_hash": job_dir.name}
+        models[role] = {"dir": str(job_dir), "checkpoint_hash": job_dir.name,
+                        "start_dirs": {name: str(warm_start_checkpoint(job_dir, name)) for name in cfg.start_levels(role)}}
         jobs.append(Job(
             name=f"sft {role}", commands=[python_module("demo.worker", "build", str(job_file))], logs=[job_dir / "log.txt"],
             done=[job_dir / "done.json"], progress=progress_file(job_dir / "progress"), total=spec.sft.stop_at or spec.sft.steps,
@@ -186,11 +208,14 @@ def model_jobs(cfg: DemoConfig, data: dict[str, Path], out: Path, kernels: dict[
 def print_model(role: str, info: dict) -> None:
     from tqdm import tqdm
 
-    greedy = ", ".join(f"{f} {100 * a:.1f}%" for f, a in info["acc_greedy"].items())
-    sampled = ", ".join(f"{f} {100 * a:.1f}%" for f, a in info["acc_sampled"].items())
     tqdm.write(f"  {role}: {info['architecture']}, {info['parameters']:,} parameters, vocab {info['vocab_size']} "
                f"(`\\boxed{{1046}}` -> {' '.join(info['tokenizer_tokens_of_example'])}); SFT {info['sft_steps']} steps in "
-               f"{info['sft_s']:.0f} s; held-out greedy: {greedy}; sampled T=1: {sampled}")
+               f"{info['sft_s']:.0f} s")
+    for name, start in info["starts"].items():
+        greedy = ", ".join(f"{f} {100 * a:.1f}%" for f, a in start["acc_greedy"].items())
+        sampled = ", ".join(f"{f} {100 * a:.1f}%" for f, a in start["acc_sampled"].items())
+        tqdm.write(f"    start {name} (level {100 * start['level']:.0f}%): step {start['step']}; held-out greedy: {greedy}; "
+                   f"sampled T=1: {sampled}")
 
 
 def progress_file(path: Path):
@@ -217,64 +242,93 @@ def _lines(path: Path):
 
 def rl_jobs(cfg: DemoConfig, data: dict[str, Path], models: dict[str, dict], store_root: Path, store_url: str,
             out: Path) -> tuple[list[Job], list[dict]]:
-    """The generator job and one job per RL run (a co-training pair is one job of two processes)."""
-    jobs: list[Job] = [generator_job(cfg, data, models["peer"]["checkpoint"], PEER_MODEL_ID, store_root, store_url, "peer groups", ["sft peer"])]
+    """The generator job, the probe at each start, and the paired RL runs: at every start and seed, GRPO and each GRAFT
+    of `rl.methods` (offline, from the peer's stored groups), the co-training pairs and the ceiling."""
+    peer_ckpt = models["peer"]["start_dirs"]["peer"]
+    jobs: list[Job] = [generator_job(cfg, data, peer_ckpt, PEER_MODEL_ID, store_root, store_url, "peer groups", ["sft peer"])]
     runs: list[dict] = []
     base = yaml.safe_load(TRAIN_BASE.read_text())
     eval_sets = {f: str(data[f"eval_{f}"]) for f in cfg.task.n_eval}
-    learner_ckpt, peer_ckpt = models["learner"]["checkpoint"], models["peer"]["checkpoint"]
 
-    def learner_config(seed: int, method: str, overrides: list[str]) -> dict:
-        peers = ([PEER_MODEL_ID], [peer_ckpt]) if method == "graft" else None
-        return trainer_config(cfg, base, data["rl"], learner_ckpt, LEARNER_MODEL_ID, seed, method, data["anchor"], peers, store_url, overrides)
-
-    def add_run(name: str, mode: str, seed: int, trains: list[dict], deps: list[str]) -> None:
+    def add_run(name: str, mode: str, start: str, seed: int, trains: list[dict], deps: list[str]) -> None:
         job, job_dir = train_job(cfg, name, trains, out, models, eval_sets, deps)
         jobs.append(job)
-        runs.append({"name": name, "mode": mode, "seed": seed, "dir": str(job_dir), "peer_dir": str(job_dir / "peer") if len(trains) > 1 else None})
+        runs.append({"name": name, "mode": mode, "start": start, "seed": seed, "dir": str(job_dir),
+                     "peer_dir": str(job_dir / "peer") if len(trains) > 1 else None})
 
-    # Co-training pairs first: each needs both processes at once, which is easiest right after the warm start.
-    for seed in cfg.rl.seeds if cfg.rl.cotrain else []:
-        # Both models train at once on the same prompts in the same order (same seed and data), each
-        # publishing every group it samples and taking the other's for its all-fail prompts.
-        # (ids unique to what the pair computes: not to the other runs of the config, so demo-study reuses the demo's pairs)
-        pair_rl = cfg.rl.model_dump(exclude={"ablations", "ablation_seeds", "variants", "imitation_examples_per_step", "cotrain"})
-        tag = config_hash(seed, models["learner"]["checkpoint_hash"], models["peer"]["checkpoint_hash"], pair_rl)[:8]
-        learner_id, peer_id = f"{LEARNER_MODEL_ID}-co{tag}", f"{PEER_MODEL_ID}-co{tag}"
-        cotrain = ["store.mode=cotrain", f"store.cotrain_wait_s={cfg.rl.cotrain_wait_s}", "store.lookup_wait_s=0",
-                   f"model.model_id={learner_id}", f"graft.peer_models=[{peer_id}]"]
-        learner = learner_config(seed, "graft", cotrain)
-        peer = learner_config(seed, "graft", cotrain)
-        peer["model"].update(path=peer_ckpt, model_id=peer_id)
-        peer["graft"].update(peer_models=[learner_id], peer_tokenizers=[learner_ckpt])
-        peer["anchor"]["dataset"] = None  # the anchor protects the learner's mastered family; the peer has none
-        add_run(f"graft_cotrain-s{seed}", "graft_cotrain", seed, [learner, peer], deps=["sft learner", "sft peer"])
-    for seed in cfg.rl.seeds:
-        add_run(f"grpo-s{seed}", "grpo", seed, [learner_config(seed, "grpo", [])], deps=["sft learner"])
-        add_run(f"graft-s{seed}", "graft", seed, [learner_config(seed, "graft", [])], deps=["sft learner", "peer groups"])
-    for name, overrides in cfg.rl.variants.items():
+    for start, learner_ckpt in models["learner"]["start_dirs"].items():
+        def learner_config(seed: int, method: str, overrides: list[str]) -> dict:
+            peers = ([PEER_MODEL_ID], [peer_ckpt]) if method == "graft" else None
+            return trainer_config(cfg, base, data["rl"], learner_ckpt, LEARNER_MODEL_ID, seed, method, data["anchor"], peers,
+                                  store_url, overrides)
+
+        jobs.append(probe_job(cfg, data, start, learner_ckpt, peer_ckpt, learner_config(0, "graft", []), out, models))
+        # Co-training pairs first: each needs both processes at once, which is easiest right after the warm starts.
+        for seed in cfg.rl.cotrain_seeds:
+            # Both models train at once on the same prompts in the same order (same seed and data), each publishing
+            # every group it samples and taking the other's for its all-fail prompts. The peer is anchored on its own
+            # strong family (the learner's weak one), as the learner is on its own: without it, it loses that skill.
+            # (ids unique to what the pair computes, so demo-study reuses the demo's pairs)
+            pair_rl = cfg.rl.model_dump(include={"steps", "prompts_per_step", "group_size", "lr", "anchor_prompts_per_step",
+                                                 "anchor_weight", "eval_every", "eval_samples", "cotrain_wait_s",
+                                                 "cotrain_peer_anchor"})
+            tag = config_hash(seed, models["learner"]["checkpoint_hash"], start, models["peer"]["checkpoint_hash"], pair_rl)[:8]
+            learner_id, peer_id = f"{LEARNER_MODEL_ID}-co{tag}", f"{PEER_MODEL_ID}-co{tag}"
+            cotrain = ["store.mode=cotrain", f"store.cotrain_wait_s={cfg.rl.cotrain_wait_s}", "store.lookup_wait_s=0",
+                       f"model.model_id={learner_id}", f"graft.peer_models=[{peer_id}]"]
+            learner = learner_config(seed, "graft", cotrain)
+            peer = learner_config(seed, "graft", cotrain)
+            peer["model"].update(path=peer_ckpt, model_id=peer_id)
+            peer["graft"].update(peer_models=[learner_id], peer_tokenizers=[learner_ckpt])
+            peer["anchor"]["dataset"] = str(data["anchor_weak"]) if cfg.rl.cotrain_peer_anchor else None
+            add_run(f"graft_cotrain-{start}-s{seed}", "graft_cotrain", start, seed, [learner, peer], deps=["sft learner", "sft peer"])
         for seed in cfg.rl.seeds:
-            add_run(f"{name}-s{seed}", name, seed, [learner_config(seed, "graft", overrides)], deps=["sft learner", "peer groups"])
-    for name, overrides in cfg.rl.ablations.items():
-        for seed in cfg.rl.ablation_seeds:
-            add_run(f"{name}-s{seed}", name, seed, [learner_config(seed, "graft", overrides)], deps=["sft learner", "peer groups"])
-    if cfg.rl.imitation_examples_per_step:
-        for seed in cfg.rl.ablation_seeds:
-            train = learner_config(seed, "grpo", [])
-            key = config_hash(train, cfg.rl.imitation_examples_per_step, models["learner"]["checkpoint_hash"], store_root.name, eval_sets)
-            job_dir = out / "runs" / f"peer_imitation-s{seed}-{key}"
-            job_dir.mkdir(parents=True, exist_ok=True)
-            job = {"out": str(job_dir), "train": train, "eval_sets": eval_sets, "rl_dataset": str(data["rl"]), "store_url": store_url,
-                   "weak_dataset": dataset_name(cfg.task.weak_family), "peer_model": PEER_MODEL_ID,
-                   "examples_per_step": cfg.rl.imitation_examples_per_step}
-            (job_dir / "job.json").write_text(json.dumps(job))
-            jobs.append(Job(
-                name=f"peer_imitation-s{seed}", commands=[python_module("demo.worker", "imitate", str(job_dir / "job.json"))],
-                logs=[job_dir / "log.txt"], done=[job_dir / "done.json"], deps=["sft learner", "peer groups"],
-                progress=progress_file(job_dir / "progress"), total=float(cfg.rl.steps),
-            ))
-            runs.append({"name": f"peer_imitation-s{seed}", "mode": "peer_imitation", "seed": seed, "dir": str(job_dir), "peer_dir": None})
+            add_run(f"grpo-{start}-s{seed}", "grpo", start, seed, [learner_config(seed, "grpo", [])], deps=["sft learner"])
+            resolved: dict[str, str] = {}  # resolved trainer config -> the first method that has it
+            for method, overrides in cfg.rl.methods.items():
+                train = learner_config(seed, "graft", overrides)
+                key = json.dumps(TrainConfig.model_validate(train).model_dump(mode="json"), sort_keys=True)
+                if key in resolved:  # the same run under another name (the default GRAFT is the spec's): run once
+                    runs.append({"name": f"{method}-{start}-s{seed}", "mode": method, "start": start, "seed": seed,
+                                 "same_as": resolved[key]})
+                    continue
+                resolved[key] = method
+                add_run(f"{method}-{start}-s{seed}", method, start, seed, [train], deps=["sft learner", "peer groups"])
+        if cfg.rl.imitation_examples_per_step:
+            for seed in cfg.rl.imitation_seeds:
+                train = learner_config(seed, "grpo", [])
+                key = config_hash(train, cfg.rl.imitation_examples_per_step, models["learner"]["checkpoint_hash"], store_root.name,
+                                  eval_sets, cfg.rl.eval_samples)
+                job_dir = out / "runs" / f"peer_imitation-{start}-s{seed}-{key}"
+                job_dir.mkdir(parents=True, exist_ok=True)
+                job = {"out": str(job_dir), "train": train, "eval_sets": eval_sets, "rl_dataset": str(data["rl"]), "store_url": store_url,
+                       "weak_dataset": dataset_name(cfg.task.weak_family), "peer_model": PEER_MODEL_ID,
+                       "examples_per_step": cfg.rl.imitation_examples_per_step, "eval_samples": cfg.rl.eval_samples}
+                (job_dir / "job.json").write_text(json.dumps(job))
+                jobs.append(Job(
+                    name=f"peer_imitation-{start}-s{seed}", commands=[python_module("demo.worker", "imitate", str(job_dir / "job.json"))],
+                    logs=[job_dir / "log.txt"], done=[job_dir / "done.json"], deps=["sft learner", "peer groups"],
+                    progress=progress_file(job_dir / "progress"), total=float(cfg.rl.steps),
+                ))
+                runs.append({"name": f"peer_imitation-{start}-s{seed}", "mode": "peer_imitation", "start": start, "seed": seed,
+                             "dir": str(job_dir), "peer_dir": None})
     return jobs, runs
+
+
+def probe_job(cfg: DemoConfig, data: dict[str, Path], start: str, learner_ckpt: str, peer_ckpt: str, train: dict, out: Path,
+              models: dict[str, dict]) -> Job:
+    """The mechanism probe at one start (demo.probe): seconds, no RL noise."""
+    key = config_hash(cfg.probe, cfg.task, models["learner"]["checkpoint_hash"], start, models["peer"]["checkpoint_hash"],
+                      cfg.peer_groups, {**train, "store": {**train["store"], "url": None}})
+    job_dir = out / "probes" / f"{start}-{key}"
+    job_dir.mkdir(parents=True, exist_ok=True)
+    job = {"out": str(job_dir), "start": start, "train": train, "probe": cfg.probe.model_dump(),
+           "rl_dataset": str(data["rl"]), "weak_dataset": dataset_name(cfg.task.weak_family), "peer_model": PEER_MODEL_ID,
+           "eval_weak": str(data[f"eval_{cfg.task.weak_family}"])}
+    (job_dir / "job.json").write_text(json.dumps(job))
+    return Job(name=f"probe {start}", commands=[python_module("demo.worker", "probe", str(job_dir / "job.json"))],
+               logs=[job_dir / "log.txt"], done=[job_dir / "done.json"], deps=["sft learner", "peer groups"],
+               progress=progress_file(job_dir / "progress"), total=float(max(1, cfg.probe.prompts // cfg.probe.batch_prompts)))
 
 
 def trainer_config(cfg: DemoConfig, base: dict, dataset: Path, checkpoint: str, model_id: str, seed: int, method: str,
@@ -296,7 +350,7 @@ def trainer_config(cfg: DemoConfig, base: dict, dataset: Path, checkpoint: str, 
     train["logging"]["progress"] = True
     if peers is not None:
         train["store"]["url"] = store_url
-        train["graft"].update(peer_models=list(peers[0]), peer_tokenizers=list(peers[1]))
+        train.setdefault("graft", {}).update(peer_models=list(peers[0]), peer_tokenizers=list(peers[1]))
     return apply_overrides(train, overrides)
 
 
@@ -306,7 +360,8 @@ def train_job(cfg: DemoConfig, name: str, trains: list[dict], out: Path, models:
     the job's folder, the second in its `peer/`), in a folder keyed by what the run computes."""
     # The store's URL (a fresh port each time) is no part of what a run computes: leave it out of the cache key.
     portable = [{**train, "store": {**train["store"], "url": None}} for train in trains]
-    key = config_hash(portable, models["learner"]["checkpoint_hash"], models["peer"]["checkpoint_hash"], eval_sets)
+    key = config_hash(portable, models["learner"]["checkpoint_hash"], models["peer"]["checkpoint_hash"], eval_sets,
+                      cfg.rl.eval_samples)
     job_dir = out / "runs" / f"{name}-{key}"
     commands, logs, done = [], [], []
     for index, train in enumerate(trains):
@@ -314,11 +369,12 @@ def train_job(cfg: DemoConfig, name: str, trains: list[dict], out: Path, models:
         train["run_dir"] = str(part_dir / "train")
         part_dir.mkdir(parents=True, exist_ok=True)
         job_file = part_dir / "job.json"
-        job_file.write_text(json.dumps({"out": str(part_dir), "train": train, "eval_sets": eval_sets}))
+        job_file.write_text(json.dumps({"out": str(part_dir), "train": train, "eval_sets": eval_sets,
+                                        "eval_samples": cfg.rl.eval_samples}))
         commands.append(python_module("demo.worker", "train", str(job_file)))
         logs.append(part_dir / "log.txt")
         done.append(part_dir / "done.json")
-    n_evals = cfg.rl.steps // cfg.rl.eval_every + 1
+    n_evals = len(set(range(cfg.rl.eval_every, cfg.rl.steps + 1, cfg.rl.eval_every)) | {cfg.rl.steps})
     parts = [job_dir] + ([job_dir / "peer"] if len(trains) > 1 else [])
     progress = [(_lines(p / "train" / "metrics.jsonl"), progress_file(p / "eval_progress")) for p in parts]
     job = Job(
@@ -377,7 +433,8 @@ def print_serve_instructions(store_root: Path, runs: list[dict], data: dict[str,
     first = orjson.loads(data["rl"].read_bytes().splitlines()[0])
     rel = os.path.relpath(store_root, Path.cwd())
     # the models' directories: the browser decodes their token ids with their tokenizers
-    tokenizers = " ".join(f"--tokenizer {os.path.relpath(models[role]['checkpoint'], Path.cwd())}" for role in ("learner", "peer"))
+    dirs = (next(iter(models["learner"]["start_dirs"].values())), models["peer"]["start_dirs"]["peer"])
+    tokenizers = " ".join(f"--tokenizer {os.path.relpath(path, Path.cwd())}" for path in dirs)
     script = Path(sys.executable).parent / "graft-store"
     graft_store = os.path.relpath(script) if script.exists() else (shutil.which("graft-store") or f"{sys.executable} -m services.store_api.http.cli")
     print(f"""

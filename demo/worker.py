@@ -3,6 +3,7 @@
     python -m demo.worker build <job.json>     # tokenizer + model + SFT + held-out accuracy
     python -m demo.worker train <job.json>     # trainer.loop.train, then held-out accuracy of its checkpoints
     python -m demo.worker imitate <job.json>   # the ceiling: supervised training on the peer's correct answers
+    python -m demo.worker probe <job.json>     # the mechanism probe at one start (demo.probe)
 
 The parent (`demo.run`) writes the job file and reads `done.json` from the job's folder; a job is
 finished exactly when that file exists (written last, atomically).
@@ -25,9 +26,12 @@ from demo.config import DemoConfig, warm_start_checkpoint
 from demo.evaluation import family_accuracy, load_eval_sets
 from rollouts.files import write_text_atomic
 from toy.models import build_learner, build_peer, count_parameters
-from toy.sft import train_sft, write_progress
+from toy.sft import SFTConfig, stop_check, train_sft, write_progress
 from toy.task import alphabet, completion_text, family_splits
 from toy.tokenization import build_bpe_tokenizer, build_char_tokenizer
+
+
+EVAL_SEED = 20261203  # the seed of every held-out sampled evaluation (a problem's samples: EVAL_SEED + its place)
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
@@ -53,39 +57,95 @@ def warm_start_inputs(cfg: DemoConfig, role: str) -> tuple[PreTrainedModel, PreT
 
 
 def build(job: dict) -> dict:
-    """Tokenizer, model from a config, supervised warm start, and its held-out accuracy per family."""
+    """Tokenizer, model from a config, supervised warm start with a checkpoint at every check, and the checkpoints the
+    later stages start from, chosen by level (`choose_starts`), with their held-out accuracy per family."""
     cfg = DemoConfig.model_validate(job["demo"])
     role, out = job["role"], Path(job["out"])
     spec = cfg.learner if role == "learner" else cfg.peer
     started = time.perf_counter()
     model, tokenizer, pools, dev = warm_start_inputs(cfg, role)
-    saved = train_sft(model, tokenizer, pools, spec.sft, out / "sft", desc=f"sft {role}", progress_path=out / "progress", dev=dev)
+    curve: list[dict] = []
+    saved = train_sft(model, tokenizer, pools, spec.sft, out / "sft", desc=f"sft {role}", progress_path=out / "progress",
+                      dev=dev, curve=curve)
     sft_s = time.perf_counter() - started
-    sft_steps = max(saved)
-    checkpoint = warm_start_checkpoint(out)  # one name whatever step it stopped at: the later jobs' configs name it
-    if checkpoint.exists():  # left by a run that died before done.json
-        shutil.rmtree(checkpoint)
-    saved[sft_steps].rename(checkpoint)
+    stopped = stop_step(spec.sft, curve)
+    write_json_atomic(out / "curve.json", {"curve": curve, "stop_step": stopped})
+    if spec.sft.stop_when or spec.sft.stop_when_sampled:
+        if stopped is None:
+            last = curve[-1]
+            raise SystemExit(
+                f"the {role}'s warm start reached its last step, {last['step']}, without its levels "
+                f"({level_text(spec.sft)}; at that step: {check_text(last)}): the demo's precondition failed on this "
+                "machine, and its RL runs would measure another setting than the one they are meant to. Nothing was "
+                "trained after it. Look at the curve in " + str(out / "curve.json") + "; a longer schedule (--set "
+                f"{role}.sft.stop_at=..., {role}.sft.steps=...) may reach it")
+    levels = cfg.start_levels(role)
+    chosen = choose_starts(curve, cfg.level_family(role), levels, spec.sft.stop_when, stopped or curve[-1]["step"])
 
     from rollouts.scoring import Scorer
 
     eval_sets = load_eval_sets({f: Path(p) for f, p in job["eval_sets"].items()})
+    starts = {}
     with Scorer(num_workers=1, timeout_s=5.0) as scorer:
-        greedy = family_accuracy(checkpoint, eval_sets, scorer)
-        sampled = family_accuracy(checkpoint, eval_sets, scorer, sampled=True)
+        for name, step in chosen.items():
+            checkpoint = warm_start_checkpoint(out, name)  # one name whatever step it is: the later jobs' configs name it
+            if checkpoint.exists():  # left by a run that died before done.json
+                shutil.rmtree(checkpoint)
+            shutil.copytree(saved[step], checkpoint)
+            check = next(c for c in curve if c["step"] == step)
+            starts[name] = {
+                "level": levels[name], "step": step, "checkpoint": str(checkpoint),
+                "dev_greedy": check["greedy"], "dev_sampled": check["sampled"],
+                "acc_greedy": family_accuracy(checkpoint, eval_sets, scorer),
+                "acc_sampled": family_accuracy(checkpoint, eval_sets, scorer, sampled=True, seed=EVAL_SEED,
+                                               samples=cfg.rl.eval_samples),
+            }
+    for path in saved.values():  # the other checks' checkpoints: their levels are in curve.json
+        shutil.rmtree(path, ignore_errors=True)
     return {
         "role": role,
-        "checkpoint": str(checkpoint),
         "architecture": type(model).__name__,
         "parameters": count_parameters(model),
         "vocab_size": len(tokenizer),
         "tokenizer_tokens_of_example": tokenizer.convert_ids_to_tokens(tokenizer("\\boxed{1046}", add_special_tokens=False)["input_ids"]),
-        "sft_steps": sft_steps,
+        "sft_steps": stopped or curve[-1]["step"],
         "sft_s": round(sft_s, 1),
-        "acc_greedy": greedy,
-        "acc_sampled": sampled,
+        "starts": starts,
         "wall_s": round(time.perf_counter() - started, 1),
     }
+
+
+def stop_step(sft: SFTConfig, curve: list[dict]) -> int | None:
+    """The check at which `train_sft` stopped on this curve by its stop rule (`toy.sft.stop_check`), None if never."""
+    held: dict[str, int] = {}
+    for check in curve:
+        held, reached = stop_check(sft, held, check["greedy"], check["sampled"])
+        if reached:
+            return check["step"]
+    return None
+
+
+def choose_starts(curve: list[dict], family: str, levels: dict[str, float], required: dict[str, float],
+                  last_step: int) -> dict[str, int]:
+    """name -> the step of the check (up to `last_step`) whose sampled accuracy on `family` is nearest each level
+    (the earlier one on a tie), among the checks where every family of `required` was at its greedy level."""
+    eligible = [c for c in curve if c["step"] <= last_step and all(c["greedy"][f] >= v for f, v in required.items())]
+    if not eligible:
+        raise SystemExit(f"no check of the warm start up to step {last_step} had {required} (greedy): nothing to start from")
+    # distances rounded: 0.38 and 0.42 are as far from 0.40, whatever the floats say
+    return {name: min(eligible, key=lambda c: (round(abs(c["sampled"][family] - level), 9), c["step"]))["step"]
+            for name, level in levels.items()}
+
+
+def level_text(sft: SFTConfig) -> str:
+    parts = [f"{f} {100 * v:.0f}% greedy" for f, v in sft.stop_when.items()]
+    parts += [f"{f} {100 * v:.0f}% sampled" for f, v in sft.stop_when_sampled.items()]
+    return ", ".join(parts) + f" on {sft.stop_when_checks} checks in a row"
+
+
+def check_text(check: dict) -> str:
+    return ", ".join([f"{f} {100 * a:.1f}% greedy" for f, a in check["greedy"].items()]
+                     + [f"{f} {100 * a:.1f}% sampled" for f, a in check["sampled"].items()])
 
 
 def finished_checkpoints(folder: Path, steps: int) -> list[Path]:
@@ -116,15 +176,16 @@ def train(job: dict) -> dict:
     with Scorer(num_workers=1, timeout_s=5.0) as scorer:
         for index, checkpoint in enumerate(checkpoints):
             step = int(checkpoint.name.split("_")[1])
-            evals.append({"step": step, "acc_greedy": family_accuracy(checkpoint, eval_sets, scorer)})
+            # sampled: every run draws the same seeds per problem (EVAL_SEED, not the run's), so a pair's difference is
+            # its policies' (demo.stats: the primary metric)
+            evals.append({"step": step, "acc_greedy": family_accuracy(checkpoint, eval_sets, scorer),
+                          "acc_sampled": family_accuracy(checkpoint, eval_sets, scorer, sampled=True, seed=EVAL_SEED,
+                                                         samples=job["eval_samples"])})
             write_progress(Path(job["out"]) / "eval_progress", index + 1, len(checkpoints))
-        final = checkpoints[-1]
-        final_sampled = family_accuracy(final, eval_sets, scorer, sampled=True, seed=cfg.seed)
     return {
         "run_dir": str(run_dir),
         "train_s": round(train_s, 1),
         "evals": evals,
-        "final_acc_sampled": final_sampled,
         "wall_s": round(time.perf_counter() - started, 1),
     }
 
@@ -192,12 +253,21 @@ def imitate(job: dict) -> dict:
     eval_sets = load_eval_sets({f: Path(p) for f, p in job["eval_sets"].items()})
     with Scorer(num_workers=1, timeout_s=5.0) as scorer:
         greedy = family_accuracy(checkpoint, eval_sets, scorer)
-        sampled = family_accuracy(checkpoint, eval_sets, scorer, sampled=True, seed=train_cfg["seed"])
+        sampled = family_accuracy(checkpoint, eval_sets, scorer, sampled=True, seed=EVAL_SEED, samples=job["eval_samples"])
     return {"peer_correct_answers": len(examples), "examples_per_step": job["examples_per_step"], "steps": steps,
             "acc_greedy": greedy, "acc_sampled": sampled, "wall_s": round(time.perf_counter() - started, 1)}
 
 
-COMMANDS = {"build": build, "train": train, "imitate": imitate}
+def probe(job: dict) -> dict:
+    """The mechanism probe at one start (demo.probe)."""
+    from demo.probe import probe as run_probe
+
+    started = time.perf_counter()
+    result = run_probe(job, progress=lambda done, total: write_progress(Path(job["out"]) / "progress", done, total))
+    return {**result, "wall_s": round(time.perf_counter() - started, 1)}
+
+
+COMMANDS = {"build": build, "train": train, "imitate": imitate, "probe": probe}
 
 
 def main() -> None:

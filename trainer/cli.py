@@ -1,6 +1,6 @@
 """`graft-train`: GRPO / GRAFT / DAPO training from a YAML config with command-line overrides.
 
-    graft-train train configs/train_toy.yaml --model demo_out/models/learner-<hash>/sft/final   # after make demo
+    graft-train train configs/train_toy.yaml --model demo_out/models/learner-<hash>/starts/early   # after make demo
     graft-train train configs/train_toy.yaml --method grpo --set graft.peer_negative_scale=0 --steps 50
     graft-train train configs/train_toy.yaml --resume          # continue from the newest checkpoint (none: start)
     graft-train train configs/train_toy.yaml --overwrite       # delete the run in the run directory, start afresh

@@ -114,6 +114,63 @@ def test_sft_stops_when_the_dev_accuracy_reaches_its_level(tmp_path):
         train_sft(model, tok, pools, cfg, tmp_path / "c")
 
 
+def test_sft_checks_sampled_accuracy_keeps_every_check_and_stops_on_the_sampled_level(tmp_path):
+    from demo.worker import stop_step
+
+    tok = build_char_tokenizer(alphabet())
+    pair = ("12+3=", "\\boxed{15}")
+    pools, dev = {"add2": [pair] * 4}, {"add2": [pair, ("1+2=", "\\boxed{3}")]}
+    model = build_learner(tok, seed=0, hidden=32, layers=1)
+    cfg = SFTConfig(steps=200, batch_size=8, lr=1e-2, warmup_steps=1, family_weights={"add2": 1.0}, check_every=5,
+                    stop_when_sampled={"add2": 0.4}, check_samples=8, stop_when_checks=2, keep_checkpoints=True)
+    curve: list[dict] = []
+    saved = train_sft(model, tok, pools, cfg, tmp_path / "s", dev=dev, curve=curve)
+    stop = max(saved)
+    # a checkpoint at every check, each check's greedy and sampled accuracy in the curve, the stop where the rule says
+    assert sorted(saved) == [c["step"] for c in curve] == list(range(5, stop + 1, 5)) and stop < 200
+    assert all(set(c["greedy"]) == set(c["sampled"]) == {"add2"} for c in curve)
+    assert curve[-1]["sampled"]["add2"] >= 0.4 and curve[-2]["sampled"]["add2"] >= 0.4 and stop_step(cfg, curve) == stop
+    assert all(0.0 <= c["sampled"]["add2"] <= 0.5 for c in curve)  # 8 samples each of two pairs, one never learnt
+    with pytest.raises(ValueError, match="check_samples"):
+        train_sft(model, tok, pools, cfg.model_copy(update={"check_samples": 0}), None, dev=dev)
+
+
+def test_starts_are_the_checks_nearest_their_levels():
+    from demo.worker import choose_starts
+
+    def check(step, greedy_strong, sampled_weak):
+        return {"step": step, "greedy": {"add2": greedy_strong, "add3": 0.0}, "sampled": {"add2": 0.9, "add3": sampled_weak}}
+
+    curve = [check(10, 0.5, 0.15), check(20, 0.95, 0.08), check(30, 0.95, 0.13), check(40, 0.95, 0.17),
+             check(50, 0.95, 0.38), check(60, 0.95, 0.42), check(70, 0.95, 0.40)]
+    # step 10 is at 15% but its strong family is not at its level; 30 and 40 are 2 points off 15%: the earlier wins;
+    # 70 is past the last step the warm start stopped at
+    assert choose_starts(curve, "add3", {"early": 0.15, "late": 0.40}, {"add2": 0.9}, 60) == {"early": 30, "late": 50}
+    with pytest.raises(SystemExit, match="nothing to start from"):
+        choose_starts(curve, "add3", {"early": 0.15}, {"add2": 0.99}, 70)
+
+
+def test_a_warm_start_that_misses_its_level_stops_the_demo_and_says_so(tmp_path):
+    import json
+
+    from demo.run import prepare_data
+
+    data = quick(DemoConfig()).model_dump()
+    data["task"].update(n_eval={"add2": 4, "add3": 4}, n_dev=4)
+    data["learner"]["sft"].update(steps=6, check_every=3, batch_size=8, stop_when_sampled={"add3": 0.99})
+    cfg = DemoConfig.model_validate(data)
+    paths = prepare_data(cfg, tmp_path / "data")
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"role": "learner", "out": str(tmp_path / "out"), "demo": cfg.model_dump(mode="json"),
+                               "eval_sets": {f: str(paths[f"eval_{f}"]) for f in cfg.task.n_eval}, "threads": 1}))
+    proc = subprocess.run([sys.executable, "-m", "demo.worker", "build", str(job)], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode != 0 and not (tmp_path / "out" / "done.json").exists()
+    assert "reached its last step, 6, without its levels (add3 99% sampled on 2 checks in a row" in proc.stderr
+    assert json.loads((tmp_path / "out" / "curve.json").read_text())["stop_step"] is None  # the curve is kept to look at
+    assert "the demo's precondition failed" in proc.stderr
+
+
 def test_config_quick_overrides_and_hash(tmp_path):
     full = DemoConfig()
     small = quick(full)

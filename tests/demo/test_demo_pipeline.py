@@ -14,54 +14,62 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-RUN_KEYS = {"mode", "seed", "acc_by_family", "acc_mean", "frac_all_fail_mean", "peer_hit_rate_mean", "frac_grafted_mean",
-            "rollouts_generated", "peer_rollouts_consumed"}
+RUN_KEYS = {"mode", "start", "seed", "primary", "greedy_late", "evals", "frac_all_fail_mean", "peer_hit_rate_mean",
+            "frac_grafted_mean", "groups_capped_per_step", "grafted_groups_short_per_step", "rollouts_generated",
+            "peer_rollouts_consumed"}
 
 
 @pytest.mark.slow
 def test_quick_demo_end_to_end(tmp_path):
     out, report = tmp_path / "demo_out", tmp_path / "report"
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
-    # The study's config (the demo's runs, its method variant included, and every ablation), shrunk by --quick
+    # The study's config (the demo's runs, every variant and the co-training pairs), shrunk by --quick
     args = ["--quick", "--config", str(REPO / "configs" / "demo_study.yaml"), "--out-dir", str(out), "--report-dir", str(report)]
     proc = subprocess.run([sys.executable, "-m", "demo.run", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     summary = json.loads((report / "summary.json").read_text())
-    assert {"runs", "graft_minus_grpo_weak_family", "graft_minus_grpo_weak_family_std", "wall_time_s"} <= set(summary)
-    modes = {r["mode"] for r in summary["runs"]}
-    assert {"grpo", "graft", "graft_cotrain", "graft_no_peer_neg", "graft_no_seq_weight", "graft_no_token_is", "graft_fix",
-            "graft_fix_with_b", "graft_fix_with_neg", "graft_fix_x1"} <= modes
-    assert summary["variants_minus_grpo_weak_family"]["graft_fix"]["paired_seeds"] == 1
-    assert set(summary["variants_target"]["graft_fix"]) == set(summary["target"])
+    assert {"runs", "comparisons", "rule", "primary_metric", "starts", "probes", "machine", "wall_time_s"} <= set(summary)
+    config = summary["config"]
+    starts, seeds = list(config["starts"]), config["rl"]["seeds"]
+    assert set(summary["starts"]) == set(starts) == {"early", "late"} and set(summary["probes"]) == set(starts)
+    ran = {r["mode"] for r in summary["runs"]}
+    assert {"grpo", "graft_cotrain", "graft_fix", "graft_no_seq_weight"} <= ran
+    # every method against GRPO: paired over (start, seed), with its verdict; a method whose runs are another's, named so
+    for mode in config["rl"]["methods"]:
+        comparison = summary["comparisons"][mode]
+        if "same_as" in comparison:
+            assert comparison["same_as"] in config["rl"]["methods"] and mode not in ran
+            continue
+        assert comparison["weak"]["pairs"] == len(starts) * len(seeds) and comparison["verdict"] in ("gain", "no gain", "harm", "undecided")
+        assert set(comparison["per_start"]) == set(starts)
+    assert summary["comparisons"]["graft_cotrain"]["weak"]["pairs"] == len(starts) * len(config["rl"]["cotrain_seeds"])
     for run in summary["runs"]:
         assert RUN_KEYS <= set(run), run.keys()
-        assert set(run["acc_by_family"]) == {"add2", "add3"}
-        assert all(0.0 <= a <= 1.0 for a in run["acc_by_family"].values())
-        assert run["rollouts_generated"] == summary["config"]["rl"]["steps"] * summary["config"]["rl"]["prompts_per_step"] * 8
+        assert run["start"] in starts and set(run["primary"]) == {"add2", "add3"}
+        assert all(0.0 <= a <= 1.0 for a in run["primary"].values())
+        assert run["rollouts_generated"] == config["rl"]["steps"] * config["rl"]["prompts_per_step"] * 8
+        assert [e["step"] for e in run["evals"]] == [2, 4] and all("acc_sampled" in e for e in run["evals"])
     # The same rollout budget for every run; only GRAFT runs consume peer rollouts (GRPO never asks the store).
-    assert all(r["peer_rollouts_consumed"] == 0 for r in summary["runs"] if r["mode"] == "grpo")
-    assert all(r["peer_hit_rate_mean"] is None for r in summary["runs"] if r["mode"] == "grpo")
+    assert all(r["peer_rollouts_consumed"] == 0 and r["peer_hit_rate_mean"] is None for r in summary["runs"] if r["mode"] == "grpo")
     cotrain = [r for r in summary["runs"] if r["mode"] == "graft_cotrain"]
     assert cotrain and all("cotrain_peer" in r and r["cotrain_peer"]["rollouts_generated"] > 0 for r in cotrain)
     # The peer's groups went through graft-generate into the store, and the co-trainers published theirs.
-    assert summary["peer_groups"]["indexed_groups"] == sum(summary["config"]["task"]["rl_prompts"].values())
+    assert summary["peer_groups"]["indexed_groups"] == sum(config["task"]["rl_prompts"].values())
     store_models = {m["model_id"] for m in summary["store_stats"]["models"]}
     assert "toy-peer-qwen2" in store_models and any("-co" in m for m in store_models)
     assert summary["models"]["learner"]["architecture"] == "LlamaForCausalLM"
-    # The ceiling run read the peer's correct answers back through the store's REST API.
-    (ceiling,) = summary["peer_imitation"]
-    assert ceiling["steps"] == (3 if ceiling["peer_correct_answers"] else 0) and set(ceiling["acc_greedy"]) == {"add2", "add3"}
     assert summary["models"]["peer"]["architecture"] == "Qwen2ForCausalLM"
+    # The ceiling runs read the peer's correct answers back through the store's REST API, one per start.
+    assert {c["start"] for c in summary["peer_imitation"]} == set(starts)
+    assert all(set(c["acc_sampled"]) == {"add2", "add3"} for c in summary["peer_imitation"])
 
     text = (report / "REPORT.md").read_text()
-    assert "| run | seeds |" in text and "GRAFT co-training" in text and "peer negatives x0" in text and "The ceiling" in text
-    assert "(not the spec's defaults: `graft.token_is=luffy graft.kappa=0 graft.peer_negative_scale=0 graft.peer_loss_scale=4`)" in text
-    assert "The same target with this method" in text
-    assert "GRAFT changed, peer rows x1 minus GRPO" in text and "minus GRAFT changed: LUFFY shaping" in text
-    for png in ("accuracy_vs_step.png", "all_fail_vs_step.png"):
-        assert (report / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "| run | seeds |" in proc.stdout and "curl -s" in proc.stdout and "serve --root" in proc.stdout
+    assert "| method vs GRPO, paired by (start, seed) |" in text and "## The starts (chosen by level, not by step)" in text
+    assert "groups over the graft cap, per step" in text and "Co-training, the peer's side" in text
+    assert ("## The mechanism probe" in text) or ("had nothing to probe" in text)
+    assert (report / "accuracy_vs_step.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "Each GRAFT against GRPO" in proc.stdout and "curl -s" in proc.stdout and "serve --root" in proc.stdout
 
     # The server is stopped: it said so, and nothing listens on its port any more.
     assert summary["server_stopped"] is True

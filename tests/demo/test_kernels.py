@@ -62,8 +62,10 @@ def warm_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, portable_kernel
         log.close()
         assert code == 0, (out / "log.txt").read_text()[-3000:]
         done = json.loads((out / "done.json").read_text())
-        weights = hashlib.sha256((Path(done["checkpoint"]) / "model.safetensors").read_bytes()).hexdigest()
-        results[name] = (weights, {k: v for k, v in done.items() if k not in ("checkpoint", "sft_s", "wall_s", "cpu_s")})
+        start = done["starts"]["early"]
+        weights = hashlib.sha256((Path(start["checkpoint"]) / "model.safetensors").read_bytes()).hexdigest()
+        starts = {n: {k: v for k, v in s.items() if k != "checkpoint"} for n, s in done["starts"].items()}
+        results[name] = (weights, {k: v for k, v in done.items() if k not in ("starts", "sft_s", "wall_s", "cpu_s")} | {"starts": starts})
     return results
 
 

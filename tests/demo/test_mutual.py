@@ -1,6 +1,6 @@
-"""`python -m demo.mutual --quick`: the mutual demo's whole pipeline, small (structure, not accuracy): both warm starts,
-both models' stored groups through graft-generate and the store, every run of both models under the same budget, and a
-report with the table, the verdict and the plots."""
+"""`python -m demo.mutual --quick` (and its budget pilot): the mutual demo's whole pipeline, small (structure, not
+accuracy): both warm starts by level, both starts' stored groups through graft-generate and the store, every run of
+both models under the same budget, the ceilings, and a report with each model's verdicts, interference and plots."""
 
 from __future__ import annotations
 
@@ -13,57 +13,88 @@ from pathlib import Path
 import pytest
 
 from demo.config import load_demo_config
-from demo.mutual import DEFAULT_CONFIG, check_config
+from demo.mutual import BUDGET_LRS, DEFAULT_CONFIG, check_config
+from demo.mutual_report import claim
 
 REPO = Path(__file__).resolve().parents[2]
-MODES = {"grpo", "cotrain_graft", "cotrain_graft_b1", "cotrain_graft_fix", "offline"}
+MODES = {"grpo", "cotrain", "offline", "cotrain_graft_b1_no_peer_neg", "offline_graft_b1_no_peer_neg"}  # configs/demo_mutual.yaml
+
+
+def _run(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess, Path]:
+    out, report = tmp_path / "out", tmp_path / "report"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-m", "demo.mutual", "--quick", "--out-dir", str(out), "--report-dir", str(report),
+                           *extra], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    return proc, report
 
 
 @pytest.mark.slow
 def test_quick_mutual_demo_end_to_end(tmp_path):
-    out, report = tmp_path / "out", tmp_path / "report"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-m", "demo.mutual", "--quick", "--out-dir", str(out), "--report-dir", str(report)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    proc, report = _run(tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-
     summary = json.loads((report / "summary.json").read_text())
     rl, task = summary["config"]["rl"], summary["config"]["task"]
     assert summary["families"] == ["add2", "add3", "add3r"]
-    assert summary["strong_family"] == {"A": "add3", "B": "add3r"}
-    assert summary["start"]["A"]["architecture"] == "LlamaForCausalLM" and summary["start"]["B"]["architecture"] == "Qwen2ForCausalLM"
-    assert summary["start"]["A"]["vocab_size"] != summary["start"]["B"]["vocab_size"]  # two tokenizers
-    # Each warm start's groups went into the store once, through graft-generate, one per RL prompt.
-    for name in ("A", "B"):
+    assert summary["strong_family"] == {"A": "add3", "B": "add3r"} and summary["weak_family"] == {"A": "add3r", "B": "add3"}
+    assert summary["starts"]["A"]["architecture"] == "LlamaForCausalLM" and summary["starts"]["B"]["architecture"] == "Qwen2ForCausalLM"
+    assert summary["starts"]["A"]["vocab_size"] != summary["starts"]["B"]["vocab_size"]  # two tokenizers
+    for name in ("A", "B"):  # each start's groups went into the store once, through graft-generate
         assert summary["stored_groups"][name]["indexed_groups"] == sum(task["rl_prompts"].values())
-    # Every run of both models, one per seed, and the same rollout budget in each.
     budget = rl["steps"] * rl["prompts_per_step"] * rl["group_size"]
     for name in ("A", "B"):
         runs = [r for r in summary["runs"] if r["model"] == name]
         assert {r["mode"] for r in runs} == MODES
         assert sorted(r["seed"] for r in runs if r["mode"] == "offline") == rl["seeds"]
-        assert all(r["rollouts_generated"] == budget and r["steps"] == rl["steps"] for r in runs), [r["rollouts_generated"] for r in runs]
+        assert all(r["rollouts_generated"] == budget and r["steps"] == rl["steps"] for r in runs)
         assert all(r["peer_rollouts_consumed"] == 0 for r in runs if r["mode"] == "grpo")
-        assert all(r["acc_by_step"][-1]["step"] == rl["steps"] for r in runs)
-        per_mode = summary["per_model"][name]
-        assert set(per_mode) == MODES and "gain" not in per_mode["grpo"]
-        assert all(set(per_mode[m]["gain"]) == {"mean", "add2", "add3", "add3r"} for m in MODES - {"grpo"})
-    verdict = summary["verdict"]
-    assert set(verdict["cotrain"]) == {"cotrain_graft", "cotrain_graft_b1", "cotrain_graft_fix"}
-    for entry in verdict["cotrain"].values():
-        assert set(entry["gain_mean"]) == {"A", "B"} and isinstance(entry["holds"], bool)
-    assert set(verdict["offline_keeps_most"]) == {"A", "B"} and "chosen" in verdict["recommendation"]
-
+        for mode in MODES - {"grpo"}:
+            comp = summary["comparisons"][name][mode]
+            assert comp["weak"]["pairs"] == len(rl["seeds"]) and set(comp["per_family"]) == set(summary["families"])
+            assert comp["verdict"] in ("gain", "no gain", "harm", "undecided")
+    assert {c["model"] for c in summary["ceilings"]} == {"A", "B"}  # each model on the other's correct answers
+    assert summary["claim"]["verdict"] in ("holds", "does not hold", "undecided")
     text = (report / "REPORT.md").read_text()
-    assert text.count("| model | run |") == 2 and "## Verdict" in text and "Recommendation" in text
-    for plot in ("accuracy_vs_step.png", "gain_over_grpo.png"):
-        assert (report / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "| A | GRPO alone |" in proc.stdout and "| B | co-training, GRAFT (spec defaults) |" in proc.stdout
+    assert "## Interference" in text and "**The claim:" in text
+    assert (report / "accuracy_vs_step.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| A (weak `add3r`) | co-training (the default GRAFT) |" in proc.stdout and "| B (weak `add3`) | offline" in proc.stdout
+    assert "| A (weak `add3r`) | co-training, `graft_b1_no_peer_neg` (graft.token_is=none, graft.peer_negative_scale=0.0) |" in proc.stdout
+    # the claim is the default GRAFT's alone: its verdicts are the default's co-training rows'
+    assert summary["claim"]["cotrain_verdicts"] == {n: summary["comparisons"][n]["cotrain"]["verdict"] for n in ("A", "B")}
+
+
+@pytest.mark.slow
+def test_the_budget_pilot_runs_grpo_and_the_ceilings_at_every_lr(tmp_path):
+    proc, report = _run(tmp_path, "--budget")
+    assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]  # 1: no lr kept (said), in a 4-step run
+    result = json.loads((report / "budget" / "summary.json").read_text())
+    assert [row["lr"] for row in result["rows"]] == BUDGET_LRS
+    assert all({"strong_grpo", "weak_ceiling", "strong_kept"} <= set(row["A"]) for row in result["rows"])
+    assert ("Chosen lr" in proc.stdout) == (result["chosen_lr"] is not None)
+
+
+def _comparison(verdict: str, weak_mean: float) -> dict:
+    return {"verdict": verdict, "weak": {"mean": weak_mean}}
+
+
+def test_the_claim_rule():
+    both = {"A": {"cotrain": _comparison("gain", 0.10), "offline": _comparison("gain", 0.06)},
+            "B": {"cotrain": _comparison("gain", 0.08), "offline": _comparison("undecided", 0.05)}}
+    assert claim(both)["verdict"] == "holds"
+    both["B"]["offline"] = _comparison("no gain", 0.01)  # offline keeps an eighth of B's gain
+    assert claim(both)["verdict"] == "does not hold"
+    both["B"] = {"cotrain": _comparison("undecided", 0.03), "offline": _comparison("undecided", 0.02)}
+    assert claim(both)["verdict"] == "undecided"
+    both["A"]["cotrain"] = _comparison("harm", -0.05)
+    assert claim(both)["verdict"] == "does not hold"
 
 
 def test_mutual_demo_refuses_what_it_would_ignore_or_cannot_compare():
-    with pytest.raises(SystemExit, match="no 'graft'"):
-        check_config(load_demo_config(DEFAULT_CONFIG, ["rl.variants={graft_b1: [graft.token_is=none]}"], use_quick=False))
-    with pytest.raises(SystemExit, match="rl.ablations"):
-        check_config(load_demo_config(DEFAULT_CONFIG, ["rl.ablations={x: [graft.kappa=0]}"], use_quick=False))
+    with pytest.raises(SystemExit, match="trainers' default"):  # the claim needs the default GRAFT's runs
+        check_config(load_demo_config(DEFAULT_CONFIG, ["rl.methods={graft_b1: [graft.token_is=none]}"], use_quick=False))
+    with pytest.raises(SystemExit, match="trainers' default"):
+        check_config(load_demo_config(DEFAULT_CONFIG, ["rl.methods={graft: [graft.kappa=2.0]}"], use_quick=False))
+    with pytest.raises(SystemExit, match="cotrain_seeds"):
+        check_config(load_demo_config(DEFAULT_CONFIG, ["rl.cotrain_seeds=[0]"], use_quick=False))
+    with pytest.raises(SystemExit, match="one level"):
+        check_config(load_demo_config(DEFAULT_CONFIG, ["starts={A: 0.1, A2: 0.2}"], use_quick=True))
     check_config(load_demo_config(DEFAULT_CONFIG, [], use_quick=True))

@@ -97,9 +97,9 @@ def test_train_toy_names_the_files_make_demo_writes(tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     prepare_data(DemoConfig(), Path("demo_out/data"))
-    learner = warm_start_checkpoint(Path("demo_out/models/learner-0123abcd"))
+    learner = warm_start_checkpoint(Path("demo_out/models/learner-0123abcd"), "early")
     header = (CONFIGS / "train_toy.yaml").read_text()
-    assert 'ls -d demo_out/models/learner-*/sft/final' in header and learner.match("demo_out/models/learner-*/sft/final")
+    assert 'ls -d demo_out/models/learner-*/starts/early' in header and learner.match("demo_out/models/learner-*/starts/early")
     learner.mkdir(parents=True)
     result = _toy_dry_run("--model", str(learner))
     assert result.exit_code == 0, result.output
