@@ -31,6 +31,7 @@ from demo.config import DemoConfig, config_hash
 from demo.jobs import Job, python_module, run_jobs
 from demo.run import (REPO_ROOT, TRAIN_BASE, command_line, generator_job, model_jobs, prepare_data, progress_file, train_job,
                       trainer_config)
+from demo.stats import MIN_PAIRS_FOR_GAIN
 from rollouts.files import write_jsonl_atomic
 from toy.task import completion_text, dataset_name, family_splits
 
@@ -108,6 +109,10 @@ def check_config(cfg: DemoConfig) -> None:
         raise SystemExit("task.strong_family (A's) and task.weak_family (B's strong one) must differ")
     if len(cfg.starts) != 1:
         raise SystemExit(f"starts {cfg.starts}: the mutual demo starts A once (one level); give one")
+    if cfg.mode == "full" and len(cfg.rl.seeds) < MIN_PAIRS_FOR_GAIN:
+        raise SystemExit(f"rl.seeds {cfg.rl.seeds}: each model's verdicts pair its runs by seed, and with fewer than "
+                         f"{MIN_PAIRS_FOR_GAIN} pairs the sign-flip test's smallest p is {2 / 2 ** len(cfg.rl.seeds):.3f}: "
+                         f"no method could be judged a gain; give at least {MIN_PAIRS_FOR_GAIN} seeds")
     if cfg.rl.cotrain_seeds:
         raise SystemExit("rl.cotrain_seeds is demo.run's (its learner and peer); the mutual demo co-trains on every seed of "
                          "rl.seeds: set rl.cotrain_seeds=[]")

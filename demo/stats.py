@@ -31,6 +31,9 @@ from typing import Literal
 ALPHA = 0.05  # two-sided, for the 95% intervals and the permutation test
 STRONG_MARGIN = 0.02  # the strong family may lose at most 2 points (the interval's lower bound above -0.02)
 WEAK_MIN_GAIN = 0.02  # the smallest weak-family gain that matters: an interval below it says "no gain"
+# The fewest pairs with which the sign-flip test can reach p < ALPHA at all: its smallest two-sided p is 2 / 2^n
+# (every pair on one side), 0.125 with 4 pairs, 0.0625 with 5, 0.031 with 6. With fewer, "gain" is out of reach.
+MIN_PAIRS_FOR_GAIN = next(n for n in range(1, 64) if 2 / 2 ** n < ALPHA)
 EXACT_PERMUTATIONS_UP_TO = 16  # pairs; beyond, a seeded Monte Carlo sample of sign patterns
 # Student's t, 0.975 quantile, by degrees of freedom (the standard table; beyond 30 the normal's 1.960 is within 2%)
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228, 11: 2.201,

@@ -93,6 +93,8 @@ def test_mutual_demo_refuses_what_it_would_ignore_or_cannot_compare():
         check_config(load_demo_config(DEFAULT_CONFIG, ["rl.methods={graft_b1: [graft.token_is=none]}"], use_quick=False))
     with pytest.raises(SystemExit, match="trainers' default"):
         check_config(load_demo_config(DEFAULT_CONFIG, ["rl.methods={graft: [graft.kappa=2.0]}"], use_quick=False))
+    with pytest.raises(SystemExit, match="smallest p is 0.125"):  # 4 pairs: no method could ever be judged a gain
+        check_config(load_demo_config(DEFAULT_CONFIG, ["rl.seeds=[0,1,2,3]"], use_quick=False))
     with pytest.raises(SystemExit, match="cotrain_seeds"):
         check_config(load_demo_config(DEFAULT_CONFIG, ["rl.cotrain_seeds=[0]"], use_quick=False))
     with pytest.raises(SystemExit, match="one level"):
