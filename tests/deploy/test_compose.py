@@ -88,7 +88,7 @@ def _resolved(command: list[str]) -> dict:
     """The configuration a graft-train or graft-generate command runs with (its --dry-run)."""
     script = _entry_point(command)[0]
     # the model and data paths are the container's mounts, not this checkout's
-    skip_paths = ["--skip-path-check"] if script == "graft-train" else []
+    skip_paths = ["--skip-path-check"] if script in ("graft-train", "graft-generate") else []
     result = CliRunner().invoke(_app(script), [*_local_args(command), "--dry-run", *skip_paths])
     assert result.exit_code == 0, f"{' '.join(command)} fails validation:\n{result.output}"
     return yaml.safe_load(result.output)
