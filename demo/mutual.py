@@ -31,34 +31,15 @@ from demo.config import DemoConfig, config_hash
 from demo.jobs import Job, python_module, run_jobs
 from demo.run import (REPO_ROOT, TRAIN_BASE, command_line, generator_job, model_jobs, prepare_data, progress_file, train_job,
                       trainer_config)
+from demo.mutual_report import (BUDGET_LRS, NAME, OTHER, PILOT_SEED, ROLES, strong_family,
+                                 weak_family)
 from demo.stats import MIN_PAIRS_FOR_GAIN
 from rollouts.files import write_jsonl_atomic
 from toy.task import completion_text, dataset_name, family_splits
 
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "demo_mutual.yaml"
-ROLES = ("learner", "peer")  # DemoConfig's two build slots: A is built in the learner's, B in the peer's
-NAME = {"learner": "A", "peer": "B"}
-OTHER = {"learner": "peer", "peer": "learner"}
 MODEL_ID = {"learner": "mutual-a-llama", "peer": "mutual-b-qwen2"}  # ids of the RL runs' own groups (co-training)
 STORED_ID = {role: f"{model_id}-stored" for role, model_id in MODEL_ID.items()}  # the starts' groups, made once
-BUDGET_LRS = [1e-4, 3e-4, 5e-4]
-PILOT_SEED = 100  # the budget pilot's seed: none of the verdict's
-BUDGET_MIN_CEILING = 0.10
-BUDGET_RULE = (
-    f"on seed {PILOT_SEED} only, before any GRAFT run, for each lr of {BUDGET_LRS} (each model anchored on its own strong "
-    f"family): GRPO alone and the ceiling (supervised on the other's correct answers) for both models; keep the lrs at "
-    f"which GRPO alone leaves each model's strong family within 2 points of its start (sampled, late evaluations), and "
-    f"choose the smallest of those at which both ceilings raise their model's weak family by at least "
-    f"{100 * BUDGET_MIN_CEILING:.0f} points; if none does, the kept lr with the largest smaller ceiling gain (and the "
-    f"report says that no budget here moves a weak family that far); if none is kept, the demo stops and says so")
-
-
-def strong_family(cfg: DemoConfig, role: str) -> str:
-    return cfg.task.strong_family if role == "learner" else cfg.task.weak_family
-
-
-def weak_family(cfg: DemoConfig, role: str) -> str:
-    return strong_family(cfg, OTHER[role])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,11 +14,34 @@ from pathlib import Path
 from typing import Any
 
 from demo.config import DemoConfig
-from demo.mutual import BUDGET_LRS, BUDGET_MIN_CEILING, BUDGET_RULE, NAME, ROLES, strong_family, weak_family
 from demo.report import _save_fig, paired_values, primary
 from demo.report import run_record as report_run_record
 from demo.stats import STRONG_MARGIN, VERDICT_RULE, Interval, paired_interval, pct, verdict
 from rollouts.files import write_text_atomic
+
+# The pair, and the budget pilot's rule (demo.mutual runs them; this module judges them)
+ROLES = ("learner", "peer")  # DemoConfig's two build slots: A is built in the learner's, B in the peer's
+NAME = {"learner": "A", "peer": "B"}
+OTHER = {"learner": "peer", "peer": "learner"}
+BUDGET_LRS = [1e-4, 3e-4, 5e-4]
+PILOT_SEED = 100  # the budget pilot's seed: none of the verdict's
+BUDGET_MIN_CEILING = 0.10
+BUDGET_RULE = (
+    f"on seed {PILOT_SEED} only, before any GRAFT run, for each lr of {BUDGET_LRS} (each model anchored on its own strong "
+    f"family): GRPO alone and the ceiling (supervised on the other's correct answers) for both models; keep the lrs at "
+    f"which GRPO alone leaves each model's strong family within 2 points of its start (sampled, late evaluations), and "
+    f"choose the smallest of those at which both ceilings raise their model's weak family by at least "
+    f"{100 * BUDGET_MIN_CEILING:.0f} points; if none does, the kept lr with the largest smaller ceiling gain (and the "
+    f"report says that no budget here moves a weak family that far); if none is kept, the demo stops and says so")
+
+
+def strong_family(cfg: DemoConfig, role: str) -> str:
+    return cfg.task.strong_family if role == "learner" else cfg.task.weak_family
+
+
+def weak_family(cfg: DemoConfig, role: str) -> str:
+    return strong_family(cfg, OTHER[role])
+
 
 MOST = 0.5  # "offline keeps most of co-training's gain": at least half of it
 CLAIM_RULE = (
