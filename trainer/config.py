@@ -69,7 +69,7 @@ class RolloutConfig(_Section):
     hf_sampler_copy: bool = Field(
         default=False,
         description="hf backend with model.dtype bfloat16: sample from a bfloat16 copy of the policy, refreshed after "
-                    "every update (as the vLLM sampler is), instead of under autocast over the float32 weights: 1.8x "
+                    "every update (as the vLLM sampler is), instead of under autocast over the float32 weights: about 1.7x "
                     "faster on a CPU (benchmarks/RESULTS.md), one more copy of the weights in memory; changes what is "
                     "sampled (a bfloat16-rounded policy) while the loss's logprobs stay the trainer's autocast forwards")
     vllm_gpu_memory_utilization: float = Field(default=0.4, gt=0.0, lt=1.0, description="share of GPU memory the vLLM engine may take (the policy and optimizer need the rest)")
