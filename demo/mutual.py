@@ -31,8 +31,7 @@ from demo.config import DemoConfig, config_hash
 from demo.jobs import Job, python_module, run_jobs
 from demo.run import (REPO_ROOT, TRAIN_BASE, command_line, generator_job, model_jobs, prepare_data, progress_file, train_job,
                       trainer_config)
-from demo.mutual_report import (BUDGET_LRS, NAME, OTHER, PILOT_SEED, ROLES, strong_family,
-                                 weak_family)
+from demo.mutual_report import BUDGET_LRS, NAME, OTHER, PILOT_SEED, ROLES, mode_name, strong_family, weak_family
 from demo.stats import MIN_PAIRS_FOR_GAIN
 from rollouts.files import write_jsonl_atomic
 from toy.task import completion_text, dataset_name, family_splits
@@ -174,7 +173,6 @@ def mutual_jobs(cfg: DemoConfig, data: dict[str, Path], models: dict[str, dict],
     rl = cfg.rl.model_dump(exclude={"seeds", "cotrain_seeds", "imitation_seeds", "imitation_examples_per_step"})
     for seed in cfg.rl.seeds:
         for method, overrides in cfg.rl.methods.items():
-            suffix = "" if method == "graft" else f"_{method}"  # the default's runs keep their names (and caches)
             # Co-training first (two processes at once, easiest right after the warm starts): both models train on the
             # same prompts in the same order, each publishing every group it samples and taking the other's for its
             # all-fail ones. (ids unique to what the pair computes: this method, the config's other seeds left out)
@@ -182,14 +180,15 @@ def mutual_jobs(cfg: DemoConfig, data: dict[str, Path], models: dict[str, dict],
             ids = {role: f"{MODEL_ID[role]}-co{tag}" for role in ROLES}
             cotrain = ["store.mode=cotrain", f"store.cotrain_wait_s={cfg.rl.cotrain_wait_s}", "store.lookup_wait_s=0", *overrides]
             parts = [(role, plan.config(role, seed, "graft", ids[role], ids[OTHER[role]], cotrain)) for role in ROLES]
-            plan.add(f"cotrain{suffix}-s{seed}", f"cotrain{suffix}", seed, parts, both)
+            mode = mode_name("cotrain", method)
+            plan.add(f"{mode}-s{seed}", mode, seed, parts, both)
         for role in ROLES:
             plan.add(f"grpo_{NAME[role]}-s{seed}", "grpo", seed, [(role, plan.config(role, seed, "grpo", MODEL_ID[role], None, []))],
                      [f"sft {role}"])
             for method, overrides in cfg.rl.methods.items():
-                suffix = "" if method == "graft" else f"_{method}"
+                mode = mode_name("offline", method)
                 offline = plan.config(role, seed, "graft", MODEL_ID[role], STORED_ID[OTHER[role]], list(overrides))
-                plan.add(f"offline{suffix}_{NAME[role]}-s{seed}", f"offline{suffix}", seed, [(role, offline)],
+                plan.add(f"{mode}_{NAME[role]}-s{seed}", mode, seed, [(role, offline)],
                          [f"sft {role}", f"groups {NAME[OTHER[role]]}"])
     if cfg.rl.imitation_examples_per_step:
         for seed in cfg.rl.imitation_seeds:

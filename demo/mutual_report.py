@@ -54,10 +54,14 @@ MODE_LABEL = {"grpo": "GRPO alone", "cotrain": "co-training (the default GRAFT)"
               "offline": "offline from the other's stored groups (the default GRAFT)"}
 
 
+def mode_name(kind: str, method: str) -> str:
+    """A GRAFT run's mode (and its jobs' name prefix): `cotrain` / `offline` for the default GRAFT (its runs keep their
+    names and caches), `cotrain_<method>` / `offline_<method>` for each other entry of rl.methods."""
+    return kind if method == "graft" else f"{kind}_{method}"
+
+
 def graft_modes(methods: dict[str, list[str]]) -> list[str]:
-    """The runs' modes for rl.methods: `cotrain` and `offline` for the default GRAFT, `cotrain_<name>` and
-    `offline_<name>` for each other entry (demo.mutual.mutual_jobs)."""
-    return [f"{kind}{'' if name == 'graft' else '_' + name}" for name in methods for kind in ("cotrain", "offline")]
+    return [mode_name(kind, name) for name in methods for kind in ("cotrain", "offline")]
 
 
 def mode_label(mode: str, methods: dict[str, list[str]]) -> str:
