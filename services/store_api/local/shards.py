@@ -3,17 +3,22 @@
 A shard is `<root>/rollouts/model=<model_id>/part-<utc time>-<host>-<pid>-<uuid>.parquet`, written in
 `<root>/.tmp/`, fsynced, then renamed into place, so readers only ever see whole files. It holds
 whole groups of one model, in `ROLLOUT_ARROW_SCHEMA`: the source of truth, read by DuckDB and by anyone.
-Row groups hold whole groups and about `ROW_GROUP_ROWS` rows; only the bulk columns (text, token ids,
-logprobs, `BULK_COLUMNS` in tables.py) are zstd-compressed (decompressing many small zstd pages of the small columns cost more than it
-saved), at level 1: the cheapest level that compresses (negative levels skip entropy coding and saved ~1%).
-Each shard's lookup file (`lookup.py`) is written just before the shard is published, bound to the shard's
-footer. Problems go once per
-dataset to `<root>/prompts/dataset=<name>/`. Validation lives in `tables.py`, atomic files in `durable.py`.
+Row groups hold whole groups and about `ROW_GROUP_ROWS` rows. Data pages (version 2) hold whole groups too,
+`max_rows_per_page` = the greatest common divisor of the groups' sizes (8 for groups of 8), so that lookups
+read a group's bulk values (text, token ids, logprobs: `BULK_COLUMNS` in tables.py) from its own pages in the
+shard (`pages.py`, `lookup.py`) and no second copy of them is kept. Only the bulk columns are compressed
+(decompressing many small pages of the small columns cost more than it saved), with `BULK_CODEC`; text is
+DELTA_LENGTH_BYTE_ARRAY (its page is then an Arrow string data buffer after the lengths), the lists PLAIN.
+`encode_shard` makes these bytes in memory (the lake's writers use it too); each shard's lookup file
+(`lookup.py`) is written from them just before the shard is published, bound to the shard's footer. Problems
+go once per dataset to `<root>/prompts/dataset=<name>/`. Validation lives in `tables.py`, atomic files in
+`durable.py`.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import os
 import re
 import socket
@@ -28,14 +33,8 @@ import pyarrow.parquet as pq
 
 from schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA, Problem, RolloutGroup
 from services.store_api.local.durable import Pending, drop_cached_pages, drop_written_pages, publish, write_temporary
-from services.store_api.local.lookup import (
-    UNBOUND,
-    bind_lookup_file,
-    lookup_path,
-    shard_footer,
-    table_groups,
-    write_lookup_file,
-)
+from services.store_api.local.lookup import encoded_footer, lookup_path, write_lookup_file
+from services.store_api.local.pages import PageLayoutError, bulk_pages
 from services.store_api.tables import (
     BULK_COLUMNS,
     SAFE_NAME,
@@ -49,11 +48,32 @@ from services.store_api.tables import (
 # row groups, so they are sized for writing: 1024 rows cost 11 us/rollout to write, 64 rows cost 22 us.
 ROW_GROUP_ROWS = 1024
 STATISTICS_COLUMNS = ["prompt_id", "policy_step"]  # min/max per row group: prunes scans of prompt-sorted files
+BULK_CODEC = "zstd"  # of the bulk columns' pages (benchmarks/RESULTS.md, "Lookup files from the shards' pages")
 # per-column codecs are keyed by Parquet leaf path: a list column's leaf is "<name>.list.element"
 COMPRESSION = {
-    (f"{f.name}.list.element" if pa.types.is_list(f.type) else f.name): ("zstd" if f.name in BULK_COLUMNS else "none")
+    (f"{f.name}.list.element" if pa.types.is_list(f.type) else f.name): (BULK_CODEC if f.name in BULK_COLUMNS else "none")
     for f in ROLLOUT_ARROW_SCHEMA
 }
+PAGE_BYTES_MAX = 1 << 30  # pages are cut by rows (whole groups), never by size
+WRITE_CHUNK_BYTES = 8 << 20  # a shard's bytes go to disk this much at a time, writeback started after each
+
+
+def encode_shard(table: pa.Table, lengths: np.ndarray, row_group_rows: int = ROW_GROUP_ROWS,
+                 statistics: list[str] = STATISTICS_COLUMNS) -> pa.Buffer:
+    """A validated table of whole groups (of sizes `lengths`, in order) as the bytes of a Parquet file laid out
+    for lookups (the module docstring): row groups of whole groups, pages of whole groups."""
+    sink = pa.BufferOutputStream()
+    with pq.ParquetWriter(
+        sink, ROLLOUT_ARROW_SCHEMA, compression=COMPRESSION, use_dictionary=False, write_statistics=statistics,
+        write_page_checksum=True, data_page_version="2.0", data_page_size=PAGE_BYTES_MAX,
+        max_rows_per_page=math.gcd(*lengths.tolist()) if len(lengths) else 1,
+        column_encoding={"completion_text": "DELTA_LENGTH_BYTE_ARRAY"},
+    ) as writer:
+        offset = 0
+        for rows in row_group_plan(lengths, row_group_rows):
+            writer.write_table(table.slice(offset, rows), row_group_size=rows)
+            offset += rows
+    return sink.getvalue()
 
 
 def shard_name() -> str:
@@ -88,7 +108,7 @@ def discard(shard: Path | Pending) -> None:
 
 def write_rollout_table(
     directory: Path, table: pa.Table, row_group_rows: int = ROW_GROUP_ROWS, publish_now: bool = True,
-    encoded: bytes | None = None,
+    encoded: bytes | pa.Buffer | None = None,
 ) -> Path | Pending:
     """Write an already validated table of whole groups as one shard in `directory`, and its lookup file.
 
@@ -96,30 +116,22 @@ def write_rollout_table(
     wrote, which a replica caches), stored as they are. Returns the final path, or with `publish_now=False` the
     Pending file, for `publish` later (the store renames only once it holds the index's write lock).
     """
-    starts, lengths = group_runs(table.column("group_id"))
+    _, lengths = group_runs(table.column("group_id"))
     name = shard_name()
-    # the lookup file first: a store that sees the shard finds it ready (it is written back meanwhile); it is
-    # bound to the shard's footer once the shard is written, which tells the store this shard was checked whole
-    lookup = write_lookup_file(lookup_path(directory / name), table_groups(table, starts, lengths), UNBOUND)
+    data = memoryview(encode_shard(table, lengths, row_group_rows) if encoded is None else encoded)
+    try:
+        pages = bulk_pages(data, pq.ParquetFile(pa.BufferReader(data)).metadata)
+    except PageLayoutError:  # a lake data file laid out otherwise: its groups are copied into the lookup file
+        pages = None
+    # the lookup file first: a store that sees the shard finds it ready (it is written back meanwhile)
+    lookup = write_lookup_file(lookup_path(directory / name), [(0, table)], encoded_footer(data), pages)
 
-    def write(f) -> None:
-        if encoded is not None:
-            with open(f, "wb") as out:
-                out.write(encoded)
-            return
-        with pq.ParquetWriter(
-            f, ROLLOUT_ARROW_SCHEMA, compression=COMPRESSION, use_dictionary=False,
-            write_statistics=STATISTICS_COLUMNS, write_page_checksum=True,
-        ) as writer:
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                offset = 0
-                for rows in row_group_plan(lengths, row_group_rows):
-                    writer.write_table(table.slice(offset, rows), row_group_size=rows)
-                    offset += rows
-                    drop_cached_pages(fd)  # starts writing back the row groups so far: the fsync waits less
-            finally:
-                os.close(fd)
+    def write(path: str) -> None:
+        with open(path, "wb") as f:
+            for start in range(0, len(data), WRITE_CHUNK_BYTES):
+                f.write(data[start:start + WRITE_CHUNK_BYTES])
+                f.flush()
+                drop_cached_pages(f.fileno())  # starts writing back what is written so far: the fsync waits less
 
     try:
         tmp = write_temporary(directory / name, write)
@@ -127,7 +139,6 @@ def write_rollout_table(
         lookup.unlink(missing_ok=True)
         raise
     try:
-        bind_lookup_file(lookup, shard_footer(tmp.tmp))
         drop_written_pages(lookup)
     except BaseException:
         discard(tmp)

@@ -1,0 +1,187 @@
+"""What each way of keeping lookup data costs: disk, write CPU, and the CPU of a lookup's read (no HTTP).
+
+    python -m benchmarks.lookup_format_bench --json lookup_formats.json
+
+One shard of synthetic rollouts per profile (`store_bench.ShardMaker`: `short`, 256 tokens and 1 KB of text;
+`reasoning`, log-normal lengths around 1,500 tokens of real math text), written each way:
+
+- `copies`: main's layout before issue 39: the shard's pages cut by size (1 MB), and a lookup file holding an
+  uncompressed Arrow IPC copy of every group (`lookup.write_lookup_file` without pages);
+- `ipc-lz4`, `ipc-zstd`: the same copies with Arrow IPC buffer compression (pyarrow compresses each buffer of
+  each group's message; the client's IPC reader decompresses);
+- `pages-<codec>`: shards whose data pages hold whole groups (`shards.encode_shard`) with the bulk columns in
+  that codec, and lookup files of templates (`lookup.py`): a lookup reads the group's pages from the shard.
+
+Per way: bytes per rollout of shard and lookup file and their ratio, CPU microseconds per rollout to encode
+the shard and write the lookup file, and, with the files in the page cache, the milliseconds a lookup of 1 and
+of 64 random groups takes to produce its answer (`ShardReader.messages` and the join into a stream: what the
+store does) and to decode it (`read_stream`: what the client does). Each lookup figure is the median of
+`--lookups` calls; all in this one process, one core, so figures are CPU time on whatever else runs here: the
+1-minute load average is printed beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from benchmarks.store_bench import GROUP, ShardMaker
+from schemas import ROLLOUT_ARROW_SCHEMA
+from services.store_api.local import shards
+from services.store_api.local.lookup import (
+    ShardReader,
+    arrow_stream,
+    encoded_footer,
+    lookup_path,
+    read_stream,
+    table_groups,
+    write_lookup_file,
+)
+from services.store_api.local.pages import bulk_pages
+from services.store_api.tables import BULK_COLUMNS, group_runs, validate_table
+
+
+def _copies_shard(table: pa.Table, lengths) -> pa.Buffer:
+    """The shard as main wrote it before issue 39: pages cut at pyarrow's default 1 MB, version 1."""
+    sink = pa.BufferOutputStream()
+    compression = {k: ("zstd" if v != "none" else v) for k, v in shards.COMPRESSION.items()}
+    with pq.ParquetWriter(sink, ROLLOUT_ARROW_SCHEMA, compression=compression, use_dictionary=False,
+                          write_statistics=shards.STATISTICS_COLUMNS, write_page_checksum=True) as writer:
+        offset = 0
+        for rows in shards.row_group_plan(lengths, shards.ROW_GROUP_ROWS):
+            writer.write_table(table.slice(offset, rows), row_group_size=rows)
+            offset += rows
+    return sink.getvalue()
+
+
+def _write(root: Path, table: pa.Table, way: str) -> dict:
+    """Write the shard and its lookup file `way`; bytes and CPU per rollout."""
+    starts, lengths = group_runs(table.column("group_id"))
+    shard = root / "rollouts" / "model=model-a" / "part-bench.parquet"
+    shard.parent.mkdir(parents=True, exist_ok=True)
+    n = table.num_rows
+    before = time.process_time()
+    if way.startswith("pages-"):
+        codec = way.removeprefix("pages-")
+        saved = shards.COMPRESSION
+        shards.COMPRESSION = {k: (codec if k.split(".")[0] in BULK_COLUMNS else v) for k, v in saved.items()}
+        try:
+            data = shards.encode_shard(table, lengths)
+        finally:
+            shards.COMPRESSION = saved
+    else:
+        data = _copies_shard(table, lengths)
+    encoded = time.process_time()
+    view = memoryview(data)
+    if way.startswith("pages-"):
+        pages = bulk_pages(view, pq.ParquetFile(pa.BufferReader(data)).metadata)
+        write_lookup_file(lookup_path(shard), [(0, table)], encoded_footer(view), pages)
+        lookup_bytes = lookup_path(shard).stat().st_size
+    elif way == "copies":
+        write_lookup_file(lookup_path(shard), [(0, table)], encoded_footer(view))
+        lookup_bytes = lookup_path(shard).stat().st_size
+    else:  # a compressed IPC message per group: what a lookup file of them would hold
+        options = pa.ipc.IpcWriteOptions(compression=way.removeprefix("ipc-"))
+        lookup_bytes = 0
+        for _, group in table_groups(table, starts, lengths):
+            sink = pa.BufferOutputStream()
+            with pa.ipc.new_stream(sink, ROLLOUT_ARROW_SCHEMA, options=options) as writer:
+                writer.write_batch(group)
+            lookup_bytes += sink.tell() - len(ROLLOUT_ARROW_SCHEMA.serialize()) - 8
+    written = time.process_time()
+    shard.write_bytes(data)
+    return {"shard_bytes_per_rollout": round(len(data) / n), "lookup_bytes_per_rollout": round(lookup_bytes / n),
+            "total_over_shard": round((len(data) + lookup_bytes) / len(data), 3),
+            "encode_shard_us_per_rollout": round((encoded - before) / n * 1e6, 1),
+            "lookup_file_us_per_rollout": round((written - encoded) / n * 1e6, 1)}
+
+
+def _lookups(root: Path, table: pa.Table, way: str, calls: int, rng: random.Random) -> dict:
+    """Median ms of producing (store) and decoding (client) the answer to lookups of 1 and 64 random groups."""
+    starts, lengths = group_runs(table.column("group_id"))
+    groups = list(zip(starts.tolist(), lengths.tolist()))
+    rel = "rollouts/model=model-a/part-bench.parquet"
+    result = {}
+    if way.startswith("ipc-"):
+        options = pa.ipc.IpcWriteOptions(compression=way.removeprefix("ipc-"))
+        batches = [g for _, g in table_groups(table, starts, lengths)]
+        for k in (1, 64):
+            produce, decode, size = [], [], 0
+            for _ in range(calls):
+                chosen = [batches[rng.randrange(len(batches))] for _ in range(k)]
+                sink = pa.BufferOutputStream()
+                with pa.ipc.new_stream(sink, ROLLOUT_ARROW_SCHEMA, options=options) as writer:
+                    for batch in chosen:
+                        writer.write_batch(batch)
+                stream = sink.getvalue()
+                t = time.process_time()
+                table_back = pa.ipc.open_stream(stream).read_all()
+                decode.append(time.process_time() - t)
+                size = table_back.nbytes
+            result[f"x{k}"] = {"store_ms": None, "client_ms": round(statistics.median(decode) * 1e3, 3),
+                               "answer_mb": round(size / 1e6, 3)}
+        return result
+    reader = ShardReader(root)
+    reader.read([(rel, *groups[0])])
+    for path in (root / rel, lookup_path(root / rel)):  # into the page cache
+        path.read_bytes()
+    for k in (1, 64):
+        produce, decode, sizes, wire = [], [], [], []
+        for _ in range(calls):
+            chosen = [(rel, *groups[rng.randrange(len(groups))]) for _ in range(k)]
+            t = time.process_time()
+            stream = arrow_stream(reader.messages(chosen))
+            produce.append(time.process_time() - t)
+            t = time.process_time()
+            answer = read_stream(stream)
+            decode.append(time.process_time() - t)
+            sizes.append(answer.nbytes)
+            wire.append(len(stream))
+        result[f"x{k}"] = {"store_ms": round(statistics.median(produce) * 1e3, 3),
+                           "client_ms": round(statistics.median(decode) * 1e3, 3),
+                           "answer_mb": round(statistics.median(sizes) / 1e6, 3),
+                           "wire_mb": round(statistics.median(wire) / 1e6, 3)}
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--profiles", nargs="+", default=["short", "reasoning"])
+    parser.add_argument("--rollouts", type=int, default=8192, help="rollouts in the shard of each profile")
+    parser.add_argument("--ways", nargs="+",
+                        default=["copies", "ipc-lz4", "ipc-zstd", "pages-zstd", "pages-lz4_raw", "pages-none"])
+    parser.add_argument("--lookups", type=int, default=200, help="lookups timed per size")
+    parser.add_argument("--dir", type=Path, default=Path("/work/bench-data/lookup-formats"))
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    result: dict = {"rollouts": args.rollouts, "cpus": os.cpu_count()}
+    for profile in args.profiles:
+        maker = ShardMaker(args.rollouts, args.seed, profile)
+        table = validate_table(maker.shard("model-a", 0, args.rollouts // GROUP, args.rollouts))
+        result[profile] = {"raw_bytes_per_rollout": round(table.nbytes / table.num_rows)}
+        for way in args.ways:
+            root = args.dir / profile / way
+            shutil.rmtree(root, ignore_errors=True)
+            load = round(os.getloadavg()[0], 2)
+            figures = _write(root, table, way) | _lookups(root, table, way, args.lookups, random.Random(args.seed))
+            result[profile][way] = figures | {"load_avg": load}
+            print(profile, way, json.dumps(figures), f"load {load}", flush=True)
+            shutil.rmtree(root, ignore_errors=True)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        args.json.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

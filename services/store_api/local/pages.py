@@ -1,0 +1,266 @@
+"""Where each group's bulk values lie in a shard, so that lookups read them from the shard itself.
+
+A shard written by `shards.encode_shard` stores the bulk columns (`BULK_COLUMNS`) in Parquet data pages of
+version 2 that hold whole groups: each page of `completion_token_ids` and `token_logprobs` holds its rows'
+values PLAIN-encoded (exactly an Arrow int32/float32 values buffer once decompressed; version-2 pages keep
+the repetition and definition levels outside the compressed values), each page of `completion_text` is
+DELTA_LENGTH_BYTE_ARRAY (the lengths, then every string's bytes back to back: an Arrow string data buffer
+after the lengths). `bulk_pages` walks the page headers of those columns and says where each page's values
+are, so a lookup preads and decompresses only its groups' pages (`lookup.py`), and no second copy of the
+bulk data is kept. A column chunk laid out otherwise (version-1 pages, dictionary pages, other encodings, a
+codec pyarrow cannot decompress on its own) yields nothing, and its groups are copied whole into the lookup
+file as before.
+
+pyarrow reads Parquet files whole or by row group, and exposes neither page headers nor a page reader, so
+this module reads the one Thrift structure it needs (PageHeader, Thrift compact protocol) itself; and
+`message_holes` reads the buffer list of an Arrow IPC record batch message (a flatbuffer), which pyarrow does
+not expose either. Both are checked against pyarrow's own output in tests/store/test_store_pages.py.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from schemas import ROLLOUT_ARROW_SCHEMA
+from services.store_api.tables import BULK_COLUMNS
+
+# pyarrow's names of Parquet codecs (ColumnChunkMetaData.compression; "LZ4" is Parquet's LZ4_RAW, raw blocks) -> its codec
+# (Hadoop-framed LZ4, "LZ4_HADOOP", cannot be read a page at a time: left to the copying path)
+_PARQUET_CODECS = {"UNCOMPRESSED": None, "ZSTD": "zstd", "LZ4": "lz4_raw", "SNAPPY": "snappy", "GZIP": "gzip",
+                   "BROTLI": "brotli"}
+PAGE_CODECS = tuple(_PARQUET_CODECS.values())  # numbered in this order in lookup files: never reorder
+CODECS = {parquet: arrow for parquet, arrow in _PARQUET_CODECS.items() if arrow is None or pa.Codec.is_available(arrow)}
+_DATA_PAGE_V2 = 3
+_PLAIN, _DELTA_LENGTH_BYTE_ARRAY = 0, 6
+VALUE_ENCODING = {"completion_text": _DELTA_LENGTH_BYTE_ARRAY, "completion_token_ids": _PLAIN, "token_logprobs": _PLAIN}
+_HEADER_READ = 256  # bytes read for a page header (a bulk page's is ~35: no statistics); more if it is longer
+
+
+class PageLayoutError(ValueError):
+    """A column chunk not laid out as `bulk_pages` needs: its groups are copied into the lookup file."""
+
+
+# ------------------------------------------------------------------------------------------ Thrift compact protocol
+
+
+def _varint(b, i: int) -> tuple[int, int]:
+    shift = result = 0
+    while True:
+        byte = b[i]
+        i += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, i
+        shift += 7
+
+
+def _value(b, i: int, kind: int):
+    """One Thrift compact value of type `kind` at b[i:] -> (value, next i); lists and sets as lists, maps as
+    dicts, structs as {field id: value}."""
+    if kind in (1, 2):  # a bool field: its value is its type
+        return kind == 1, i
+    if kind == 3:
+        return b[i], i + 1
+    if kind in (4, 5, 6):
+        n, i = _varint(b, i)
+        return (n >> 1) ^ -(n & 1), i  # zigzag
+    if kind == 7:
+        return struct.unpack_from("<d", b, i)[0], i + 8
+    if kind == 8:
+        n, i = _varint(b, i)
+        return bytes(b[i:i + n]), i + n
+    if kind in (9, 10):
+        head = b[i]
+        i += 1
+        n, item = head >> 4, head & 0x0F
+        if n == 15:
+            n, i = _varint(b, i)
+        items = []
+        for _ in range(n):
+            if item in (1, 2):  # bools inside lists take a byte each
+                value, i = b[i] == 1, i + 1
+            else:
+                value, i = _value(b, i, item)
+            items.append(value)
+        return items, i
+    if kind == 11:
+        n, i = _varint(b, i)
+        if not n:
+            return {}, i
+        kinds = b[i]
+        i += 1
+        mapping = {}
+        for _ in range(n):
+            key, i = _value(b, i, kinds >> 4)
+            mapping[key], i = _value(b, i, kinds & 0x0F)
+        return mapping, i
+    if kind == 12:
+        return read_struct(b, i)
+    raise PageLayoutError(f"Thrift compact type {kind} at byte {i}")
+
+
+def read_struct(b, i: int = 0) -> tuple[dict[int, object], int]:
+    """A Thrift compact struct at b[i:] as {field id: value}, and where it ends. IndexError if `b` ends first.
+    (Integers and nested structs are decoded inline: a page header is ~20 of them, read once per page.)"""
+    fields: dict[int, object] = {}
+    field = 0
+    while True:
+        head = b[i]
+        i += 1
+        kind = head & 0x0F
+        if not kind:
+            return fields, i
+        if head >> 4:
+            field += head >> 4
+        else:
+            n, i = _varint(b, i)
+            field = (n >> 1) ^ -(n & 1)
+        if 4 <= kind <= 6:  # i16, i32, i64: a zigzag varint
+            n = shift = 0
+            while True:
+                byte = b[i]
+                i += 1
+                n |= (byte & 0x7F) << shift
+                if not byte & 0x80:
+                    break
+                shift += 7
+            fields[field] = (n >> 1) ^ -(n & 1)
+        elif kind == 12:
+            fields[field], i = read_struct(b, i)
+        else:
+            fields[field], i = _value(b, i, kind)
+
+
+# ------------------------------------------------------------------------------------------ page walk
+
+
+@dataclass(frozen=True)
+class Page:
+    """One data page of rows [first_row, first_row + rows) of the shard: its body (levels, then values) at
+    [offset, offset + length) of the file, with Parquet's CRC-32 of those bytes; the values start `levels`
+    bytes in and are `size` bytes once decompressed with `codec` (None: stored as they are)."""
+
+    first_row: int
+    rows: int
+    offset: int
+    length: int
+    levels: int
+    size: int
+    codec: str | None
+    crc: int
+
+
+def _read_at(source, offset: int, length: int) -> memoryview:
+    if isinstance(source, memoryview):
+        return source[offset:offset + length]
+    return memoryview(source.read_at(length, offset))
+
+
+def bulk_pages(source: memoryview | pa.NativeFile, metadata: pq.FileMetaData) -> dict[str, list[Page]]:
+    """The data pages of each bulk column, in file order: the Parquet file's bytes (`source`, a memoryview, or
+    a file to read headers from); PageLayoutError if a bulk column chunk is not laid out as this module needs
+    (the module docstring)."""
+    names = [metadata.schema.column(j).path.split(".")[0] for j in range(metadata.num_columns)]
+    pages: dict[str, list[Page]] = {name: [] for name in BULK_COLUMNS}
+    first_row = 0
+    for g in range(metadata.num_row_groups):
+        row_group = metadata.row_group(g)
+        for j, name in enumerate(names):
+            if name not in pages:
+                continue
+            chunk = row_group.column(j)
+            if chunk.dictionary_page_offset is not None or chunk.compression not in CODECS:
+                raise PageLayoutError(f"{name}: {chunk.compression}, dictionary page {chunk.dictionary_page_offset}")
+            codec = CODECS[chunk.compression]
+            position, end, row = chunk.data_page_offset, chunk.data_page_offset + chunk.total_compressed_size, first_row
+            while position < end:
+                header_bytes = _read_at(source, position, min(_HEADER_READ, end - position))
+                try:
+                    header, start = read_struct(header_bytes)
+                except IndexError:  # a header longer than _HEADER_READ (statistics of long strings)
+                    header, start = read_struct(_read_at(source, position, end - position))
+                v2 = header.get(8)
+                if header.get(1) != _DATA_PAGE_V2 or not isinstance(v2, dict):
+                    raise PageLayoutError(f"{name}: a page of type {header.get(1)}, not a version-2 data page")
+                if v2.get(4) != VALUE_ENCODING[name] or 4 not in header:
+                    raise PageLayoutError(f"{name}: encoding {v2.get(4)}, page CRC {header.get(4)}")
+                levels = v2.get(5, 0) + v2.get(6, 0)  # repetition and definition levels, before the values
+                pages[name].append(Page(row, v2[3], position + start, header[3], levels, header[2] - levels,
+                                        codec if v2.get(7, True) else None, header[4] & 0xFFFFFFFF))
+                row += v2[3]
+                position += start + header[3]
+            if row != first_row + row_group.num_rows:
+                raise PageLayoutError(f"{name}: pages of row group {g} hold {row - first_row} of its "
+                                      f"{row_group.num_rows} rows")
+        first_row += row_group.num_rows
+    return pages
+
+
+# ------------------------------------------------------------------------------------------ IPC messages
+
+
+def _buffer_indices() -> tuple[int, ...]:
+    """Index, in an IPC record batch message's buffer list of ROLLOUT_ARROW_SCHEMA, of each bulk column's values
+    buffer (string data, list child data); buffers come in schema order, depth first: validity, then offsets for
+    strings and lists, then data (strings, primitives) or the child's (lists)."""
+    index, found = 0, {}
+    for field in ROLLOUT_ARROW_SCHEMA:
+        kind = field.type
+        if pa.types.is_list(kind):
+            index += 2  # validity, offsets
+            kind = kind.value_type
+            found[field.name] = index + 1  # the child's validity, then its data
+            index += 2
+        elif pa.types.is_string(kind):
+            found[field.name] = index + 2
+            index += 3
+        elif pa.types.is_null(kind):
+            pass
+        else:
+            index += 2
+    return tuple(found[name] for name in BULK_COLUMNS)
+
+
+BULK_BUFFERS = _buffer_indices()
+
+
+def _table(b, position: int) -> tuple[int, int, int]:
+    """A flatbuffer table at `position`: (position, its vtable's position, the vtable's field count)."""
+    vtable = position - struct.unpack_from("<i", b, position)[0]
+    return position, vtable, (struct.unpack_from("<H", b, vtable)[0] - 4) // 2
+
+
+def _field(b, table: tuple[int, int, int], field: int) -> int:
+    """Where field `field` of the table is (0: absent)."""
+    position, vtable, count = table
+    if field >= count:
+        return 0
+    offset = struct.unpack_from("<H", b, vtable + 4 + 2 * field)[0]
+    return position + offset if offset else 0
+
+
+def _deref(b, position: int) -> int:
+    return position + struct.unpack_from("<I", b, position)[0]
+
+
+def message_buffers(message) -> tuple[int, np.ndarray]:
+    """An encapsulated IPC record batch message (continuation, metadata length, Message flatbuffer, body) ->
+    (where its body starts, (buffers, 2) int64 array of each buffer's offset in the body and length)."""
+    if bytes(message[:4]) != b"\xff\xff\xff\xff":
+        raise ValueError("not an encapsulated IPC message")
+    metadata_length = struct.unpack_from("<i", message, 4)[0]
+    fb = memoryview(message)[8:8 + metadata_length]
+    root = _table(fb, _deref(fb, 0))
+    header_type = _field(fb, root, 1)
+    if not header_type or fb[header_type] != 3:  # MessageHeader.RecordBatch
+        raise ValueError("not a record batch message")
+    batch = _table(fb, _deref(fb, _field(fb, root, 2)))
+    vector = _deref(fb, _field(fb, batch, 2))
+    count = struct.unpack_from("<I", fb, vector)[0]
+    buffers = np.frombuffer(fb, "<i8", 2 * count, vector + 4).reshape(count, 2)
+    return 8 + metadata_length, buffers
