@@ -1,6 +1,8 @@
-"""Trajectory store benchmark: ingest, freshness, peer lookups over HTTP, the naive DuckDB scan, peak RSS.
+"""Trajectory store benchmark: ingest, freshness, peer lookups over HTTP, the naive DuckDB scan, disk, peak RSS,
+and the physical floor of a lookup on this machine.
 
     python -m benchmarks.store_bench --rollouts 1000000 --json store_bench.json
+    python -m benchmarks.store_bench --profile reasoning --rollouts 1000000 --naive 3 --json store_reasoning.json
     python -m benchmarks.store_bench --backend lake --rollouts 200000 --json store_lake.json
 
 With `--backend lake` the same run then measures the DuckLake backend beside the local one: a PostgreSQL 15
@@ -8,13 +10,20 @@ catalog and moto's S3 server (a subprocess) on loopback, 4 writer processes comm
 shards to the lake (one transaction each), 2 replicas (`graft-store serve --backend lake`) following it. Keys
 `lake_*` and `replica_*`: commit rate, commit-to-servable time at a replica, replica lookups, replica RSS.
 
-Builds a store of N synthetic rollouts (groups of 8, 256 tokens and 1 KB of text each; 4 models, each
-with 2 groups per prompt at 2 policy steps) by writing shards through `write_groups` (the generators'
-path, vectorised validation and the lookup file included) while a real store server indexes them, then
-measures against it. Prints one JSON object; targets at N = 1,000,000 are in the issue and in
-benchmarks/RESULTS.md. The ingest clock starts when the writer processes, forked and holding their
-synthetic columns, are told to go (each then makes every shard's table, ~1 us/rollout, and writes it) and
-stops when /v1/health counts every group: written, indexed and visible to lookups.
+Builds a store of N synthetic rollouts (groups of 8; 4 models, each with 2 groups per prompt at 2 policy
+steps) by writing shards through `write_groups` (the generators' path, vectorised validation and the lookup
+file included) while a real store server indexes them, then measures against it. Two profiles of rollout
+(`ShardMaker`): `short`, 256 tokens and 1 KB of text each, the store's figures since the first benchmark;
+`reasoning`, a reasoning model's math answers, log-normal lengths around 1,500 tokens up to 8,192, ~3.2
+bytes of real math text a token, logprobs that compress as real ones. Prints one JSON object; targets are in
+the issues and in benchmarks/RESULTS.md. The ingest clock starts when the writer processes, forked and
+holding their synthetic columns, are told to go (each then makes every shard's table, ~1 us/rollout, and
+writes it) and stops when /v1/health counts every group: written, indexed and visible to lookups; ingest is
+given in rollouts/s and in MB/s of the rows' Arrow bytes. Lookups give p50/p99 and the answer's MB/s (its
+Arrow bytes over the p50); `page_cache_reference` reads the same numbers of bytes from a file in the page
+cache and sends them over loopback TCP between two processes, no store in between (the machine's floor), and
+`*_over_reference_rate` is the store's rate over that one. `disk_bytes` splits the store's disk into shards,
+lookup files and index.
 
 The machine it was written on is a 2-core VM shared with other jobs, so next to each wall-clock figure the
 JSON gives the CPU time per operation (store process and this client process, from psutil / process_time

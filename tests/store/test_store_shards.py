@@ -16,6 +16,7 @@ from schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA, Rollout, Rollout
 from services.store_api.local import lookup as lookup_files
 from services.store_api.local.durable import TMP_PREFIX
 from services.store_api.local.lookup import ShardReader, ShardReadError, lookup_path
+from services.store_api.local.pages import bulk_pages
 from services.store_api.local.shards import BULK_COLUMNS, ROW_GROUP_ROWS, write_groups
 from services.store_api.tables import ShardValidationError, groups_table, validate_table
 
@@ -40,7 +41,7 @@ def test_round_trip_through_a_shard(tmp_path):
     assert sorted(problems.column("prompt_id").to_pylist()) == sorted(make_problem(i).prompt_id for i in range(30))
 
 
-def test_row_groups_hold_whole_groups_and_bulk_columns_are_zstd(tmp_path):
+def test_row_groups_and_pages_hold_whole_groups_and_only_bulk_columns_are_compressed(tmp_path):
     # 6 does not divide the row group target
     groups = [make_group(i, "model-a", size=6, tokens=2) for i in range(ROW_GROUP_ROWS // 6 + 20)]
     path = write_groups(tmp_path, groups)
@@ -51,8 +52,10 @@ def test_row_groups_hold_whole_groups_and_bulk_columns_are_zstd(tmp_path):
         assert row_group.num_rows % 6 == 0 and row_group.num_rows <= ROW_GROUP_ROWS
         for j in range(row_group.num_columns):
             column = row_group.column(j)
-            expected = "ZSTD" if column.path_in_schema.split(".")[0] in BULK_COLUMNS else "UNCOMPRESSED"
+            expected = "LZ4" if column.path_in_schema.split(".")[0] in BULK_COLUMNS else "UNCOMPRESSED"  # LZ4_RAW
             assert column.compression == expected, column.path_in_schema
+    pages = bulk_pages(memoryview(path.read_bytes()), metadata)
+    assert all(page.rows == 6 for column in pages.values() for page in column)  # a page per group
 
 
 def test_lookup_file_holds_each_group_and_is_rebuilt_when_missing_or_damaged(tmp_path):

@@ -29,8 +29,8 @@ import pyarrow.parquet as pq
 from schemas import ROLLOUT_ARROW_SCHEMA
 from services.store_api.tables import BULK_COLUMNS
 
-# pyarrow's names of Parquet codecs (ColumnChunkMetaData.compression; "LZ4" is Parquet's LZ4_RAW, raw blocks) -> its codec
-# (Hadoop-framed LZ4, "LZ4_HADOOP", cannot be read a page at a time: left to the copying path)
+# pyarrow's names of Parquet codecs (ColumnChunkMetaData.compression: "LZ4" is Parquet's LZ4_RAW, raw LZ4 blocks;
+# it names Parquet's deprecated Hadoop-framed LZ4 "UNKNOWN", which is left to the copying path) -> its codec
 _PARQUET_CODECS = {"UNCOMPRESSED": None, "ZSTD": "zstd", "LZ4": "lz4_raw", "SNAPPY": "snappy", "GZIP": "gzip",
                    "BROTLI": "brotli"}
 PAGE_CODECS = tuple(_PARQUET_CODECS.values())  # numbered in this order in lookup files: never reorder

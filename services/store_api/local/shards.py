@@ -48,7 +48,10 @@ from services.store_api.tables import (
 # row groups, so they are sized for writing: 1024 rows cost 11 us/rollout to write, 64 rows cost 22 us.
 ROW_GROUP_ROWS = 1024
 STATISTICS_COLUMNS = ["prompt_id", "policy_step"]  # min/max per row group: prunes scans of prompt-sorted files
-BULK_CODEC = "zstd"  # of the bulk columns' pages (benchmarks/RESULTS.md, "Lookup files from the shards' pages")
+# of the bulk columns' pages: LZ4 (Parquet's LZ4_RAW) decompresses at ~2.5 GB/s here, zstd at ~0.8 GB/s, below the
+# ~1.9 GB/s at which this machine reads and sends a lookup's bytes from the page cache; zstd's shards are 17-26%
+# smaller (benchmarks/RESULTS.md, "Lookup files from the shards' pages")
+BULK_CODEC = "lz4"
 # per-column codecs are keyed by Parquet leaf path: a list column's leaf is "<name>.list.element"
 COMPRESSION = {
     (f"{f.name}.list.element" if pa.types.is_list(f.type) else f.name): (BULK_CODEC if f.name in BULK_COLUMNS else "none")
