@@ -29,6 +29,7 @@ import random
 import shutil
 import statistics
 import time
+import zlib
 from pathlib import Path
 
 import pyarrow as pa
@@ -40,7 +41,6 @@ from services.store_api.local import shards
 from services.store_api.local.lookup import (
     ShardReader,
     arrow_stream,
-    encoded_footer,
     lookup_path,
     read_stream,
     table_groups,
@@ -63,6 +63,12 @@ def _copies_shard(table: pa.Table, lengths) -> pa.Buffer:
     return sink.getvalue()
 
 
+def _footer(data: memoryview) -> tuple[int, int]:
+    """`lookup.shard_footer` of a Parquet file's bytes in memory."""
+    length = int.from_bytes(data[-8:-4], "little")
+    return zlib.crc32(data[len(data) - 8 - length:len(data) - 8]), length
+
+
 def _write(root: Path, table: pa.Table, way: str) -> dict:
     """Write the shard and its lookup file `way`; bytes and CPU per rollout."""
     starts, lengths = group_runs(table.column("group_id"))
@@ -75,7 +81,9 @@ def _write(root: Path, table: pa.Table, way: str) -> dict:
         saved = shards.COMPRESSION
         shards.COMPRESSION = {k: (codec if k.split(".")[0] in BULK_COLUMNS else v) for k, v in saved.items()}
         try:
-            data = shards.encode_shard(table, lengths)
+            sink = pa.BufferOutputStream()
+            shards.encode_shard(table, lengths, sink)
+            data = sink.getvalue()
         finally:
             shards.COMPRESSION = saved
     else:
@@ -84,10 +92,10 @@ def _write(root: Path, table: pa.Table, way: str) -> dict:
     view = memoryview(data)
     if way.startswith("pages-"):
         pages = bulk_pages(view, pq.ParquetFile(pa.BufferReader(data)).metadata)
-        write_lookup_file(lookup_path(shard), [(0, table)], encoded_footer(view), pages)
+        write_lookup_file(lookup_path(shard), [(0, table)], _footer(view), pages)
         lookup_bytes = lookup_path(shard).stat().st_size
     elif way == "copies":
-        write_lookup_file(lookup_path(shard), [(0, table)], encoded_footer(view))
+        write_lookup_file(lookup_path(shard), [(0, table)], _footer(view))
         lookup_bytes = lookup_path(shard).stat().st_size
     else:  # a compressed IPC message per group: what a lookup file of them would hold
         options = pa.ipc.IpcWriteOptions(compression=way.removeprefix("ipc-"))

@@ -380,7 +380,7 @@ def naive_lookup(con: duckdb.DuckDBPyConnection, glob: str, prompt: str, learner
 
 
 def _lake_writer(lake_env: dict, shards: list[tuple[str, int, int]], prompts: int, seed: int, max_rows: int,
-                 done, go) -> None:
+                 profile: str, done, go) -> None:
     """A writer process committing each synthetic shard to the lake in one transaction (validated first, as
     graft-generate and write_groups do)."""
     from services.store_api.lake.config import LakeConfig
@@ -388,7 +388,7 @@ def _lake_writer(lake_env: dict, shards: list[tuple[str, int, int]], prompts: in
     from services.store_api.tables import validate_table
 
     os.environ.update(lake_env)
-    maker = ShardMaker(max_rows, seed)
+    maker = ShardMaker(max_rows, seed, profile)
     lake = Lake(LakeConfig()).open()  # extensions loaded and the lake attached before the clock starts
     done.put("ready")
     go.wait()
@@ -432,7 +432,8 @@ def measure_lake(args: argparse.Namespace, phase) -> dict:
         context = multiprocessing.get_context("fork")
         done, go = context.Queue(), context.Event()
         writers = [context.Process(target=_lake_writer, args=(lake_env, plan[w::args.lake_writers], prompts,
-                                                              args.seed + w, args.shard_rollouts, done, go))
+                                                              args.seed + w, args.shard_rollouts, args.profile,
+                                                              done, go))
                    for w in range(args.lake_writers)]
         for w in writers:
             w.start()
@@ -518,6 +519,8 @@ def measure_lake(args: argparse.Namespace, phase) -> dict:
                 raise AssertionError(f"replicas answered {req} differently")
         result["replicas_identical_answers"] = True
         result["replica_peak_rss_mb"] = round(max(peak_rss_mb(r.pid) for r in replicas), 1)
+        disk = result["replica_disk_bytes"] = disk_by_part(work / "replica-0")  # its cache: shards, lookup files
+        result["replica_disk_over_shards"] = round(sum(disk.values()) / disk["shards"], 3)
         for client in clients:
             client.close()
     finally:

@@ -35,7 +35,9 @@ def test_each_page_holds_whole_groups_and_decodes_to_their_values(monkeypatch, c
     monkeypatch.setattr(shards, "COMPRESSION", {k: (codec if v != "none" else v) for k, v in shards.COMPRESSION.items()})
     table = groups_to_table(_groups(sizes))
     starts, lengths = group_runs(table.column("group_id"))
-    data = shards.encode_shard(table, lengths, row_group_rows=16)  # several row groups
+    sink = pa.BufferOutputStream()
+    shards.encode_shard(table, lengths, sink, row_group_rows=16)  # several row groups
+    data = sink.getvalue()
     view = memoryview(data)
     pages = bulk_pages(view, pq.ParquetFile(pa.BufferReader(data)).metadata)
     for name in BULK_COLUMNS:
@@ -123,7 +125,7 @@ def test_a_shard_in_this_layout_without_a_lookup_file_gets_templates_from_its_sm
     table = groups_to_table(groups)
     shard = tmp_path / "rollouts" / "model=model-a" / "part-foreign.parquet"
     shard.parent.mkdir(parents=True)
-    shard.write_bytes(shards.encode_shard(table, group_runs(table.column("group_id"))[1]).to_pybytes())
+    shards.encode_shard(table, group_runs(table.column("group_id"))[1], str(shard))
     read = []
     real = lookup_files.read_whole_groups
     monkeypatch.setattr(lookup_files, "read_whole_groups", lambda *a, **k: read.append(a[2:] + tuple(k.values()))

@@ -144,9 +144,10 @@ class LakeWriting(LakeConnection):
             # with statistics on the small columns (DuckLake prunes files by them, e.g. a commit's duplicate check
             # on group_id)
             _, lengths = group_runs(of_model.column("group_id"))
-            body = encode_shard(of_model, lengths, ROW_GROUP_ROWS, statistics=SMALL_COLUMNS_SCHEMA.names)
+            sink = pa.BufferOutputStream()
+            encode_shard(of_model, lengths, sink, ROW_GROUP_ROWS, statistics=SMALL_COLUMNS_SCHEMA.names)
             path = f"{self._rollouts_path}model_id={model}/ducklake-{uuid.uuid4()}.parquet"
-            self._put(path, body)
+            self._put(path, sink.getvalue())
             yield path
 
     def _put(self, path: str, body: pa.Buffer) -> None:

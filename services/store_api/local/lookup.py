@@ -350,12 +350,6 @@ def shard_footer(shard: Path | str) -> tuple[int, int]:
         return zlib.crc32(f.read(length)), length
 
 
-def encoded_footer(data: memoryview) -> tuple[int, int]:
-    """`shard_footer` of a Parquet file's bytes in memory."""
-    length = int.from_bytes(data[-8:-4], "little")
-    return zlib.crc32(data[len(data) - 8 - length:len(data) - 8]), length
-
-
 CHUNK_ROWS = 4096  # rows decoded at a time when a shard is read whole (bounded memory for any foreign file)
 
 
