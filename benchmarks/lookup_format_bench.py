@@ -53,7 +53,8 @@ from services.store_api.tables import BULK_COLUMNS, group_runs, validate_table
 def _copies_shard(table: pa.Table, lengths) -> pa.Buffer:
     """The shard as main wrote it before issue 39: pages cut at pyarrow's default 1 MB, version 1."""
     sink = pa.BufferOutputStream()
-    compression = {k: ("zstd" if v != "none" else v) for k, v in shards.COMPRESSION.items()}
+    compression = {(f"{f.name}.list.element" if pa.types.is_list(f.type) else f.name):
+                   ("zstd" if f.name in BULK_COLUMNS else "none") for f in ROLLOUT_ARROW_SCHEMA}
     with pq.ParquetWriter(sink, ROLLOUT_ARROW_SCHEMA, compression=compression, use_dictionary=False,
                           write_statistics=shards.STATISTICS_COLUMNS, write_page_checksum=True) as writer:
         offset = 0
@@ -78,14 +79,14 @@ def _write(root: Path, table: pa.Table, way: str) -> dict:
     before = time.process_time()
     if way.startswith("pages-"):
         codec = way.removeprefix("pages-")
-        saved = shards.COMPRESSION
-        shards.COMPRESSION = {k: (codec if k.split(".")[0] in BULK_COLUMNS else v) for k, v in saved.items()}
+        saved = shards.BULK_CODEC
+        shards.BULK_CODEC = codec
         try:
             sink = pa.BufferOutputStream()
             shards.encode_shard(table, lengths, sink)
             data = sink.getvalue()
         finally:
-            shards.COMPRESSION = saved
+            shards.BULK_CODEC = saved
     else:
         data = _copies_shard(table, lengths)
     encoded = time.process_time()

@@ -567,7 +567,6 @@ def main() -> None:
 
         if not hasattr(shards, "BULK_CODEC"):
             raise SystemExit("--codec: this store's shards have no BULK_CODEC to set")
-        shards.COMPRESSION = {k: (args.codec if v == shards.BULK_CODEC else v) for k, v in shards.COMPRESSION.items()}
         shards.BULK_CODEC = args.codec
     from services.store_api.local import shards as shard_module
 

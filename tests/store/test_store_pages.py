@@ -17,6 +17,8 @@ from services.store_api.local import shards
 from services.store_api.local.index import StoreIndex
 from services.store_api.local.lookup import ShardReader, ShardReadError, lookup_path, rebuild_lookup_file
 from services.store_api.local.pages import BULK_BUFFERS, PageLayoutError, bulk_pages, message_buffers
+from services.store_api.local.splice import footer_span
+from services.store_api.local.thrift import decode_struct, encode_struct, read_struct
 from services.store_api.tables import BULK_COLUMNS, SMALL_COLUMNS_SCHEMA, group_runs
 
 
@@ -32,7 +34,7 @@ def _values(page_bytes: memoryview, page) -> bytes:
 @pytest.mark.parametrize("codec", ["zstd", "lz4_raw", "none"])
 @pytest.mark.parametrize("sizes", [[8] * 20, [8, 16, 8, 24, 8], [6, 4, 6, 2]], ids=["8s", "multiples-of-8", "gcd-2"])
 def test_each_page_holds_whole_groups_and_decodes_to_their_values(monkeypatch, codec, sizes):
-    monkeypatch.setattr(shards, "COMPRESSION", {k: (codec if v != "none" else v) for k, v in shards.COMPRESSION.items()})
+    monkeypatch.setattr(shards, "BULK_CODEC", codec)
     table = groups_to_table(_groups(sizes))
     starts, lengths = group_runs(table.column("group_id"))
     sink = pa.BufferOutputStream()
@@ -167,3 +169,46 @@ def test_version_1_pages_are_not_a_layout_lookups_can_read():
     pq.write_table(table, sink, use_dictionary=False, write_page_checksum=True)
     with pytest.raises(PageLayoutError, match="version-2"):
         bulk_pages(memoryview(sink.getvalue()), pq.ParquetFile(pa.BufferReader(sink.getvalue())).metadata)
+
+
+def _footer(data: bytes) -> bytes:
+    start, length = footer_span(data)
+    return data[start:start + length]
+
+
+@pytest.mark.parametrize("options", [{}, {"compression": "zstd", "use_dictionary": False, "data_page_version": "2.0",
+                                          "write_page_index": True, "max_rows_per_page": 3}], ids=["defaults", "v2"])
+def test_thrift_footers_decode_and_encode_back_byte_for_byte(options):
+    sink = pa.BufferOutputStream()
+    pq.write_table(groups_to_table(_groups([4, 4, 4])), sink, row_group_size=5, **options)
+    footer = _footer(sink.getvalue().to_pybytes())
+    fields, end = decode_struct(footer)
+    assert end == len(footer) and bytes(encode_struct(bytearray(), fields)) == footer
+
+
+def test_a_spliced_shard_is_plain_parquet_with_small_pages_only_where_lookups_need_them(tmp_path):
+    import duckdb
+
+    groups = _groups([8] * 300, tokens=20)
+    table = groups_to_table(groups)
+    path = tmp_path / "spliced.parquet"
+    shards.encode_shard(table, group_runs(table.column("group_id"))[1], str(path))
+    assert pq.read_table(path, page_checksum_verification=True).equals(table)
+    assert table_to_groups(pq.read_table(path)) == groups
+    ids = ", ".join(f"'{g.rollouts[0].group_id}'" for g in groups[::37])
+    counted = duckdb.sql(f"SELECT count(*), sum(num_tokens), sum(len(completion_text)), "
+                         f"count(*) FILTER (WHERE group_id IN ({ids})) FROM '{path}'").fetchall()[0]
+    assert counted == (2400, sum(r.num_tokens for g in groups for r in g.rollouts),
+                       sum(len(r.completion_text) for g in groups for r in g.rollouts), 8 * len(groups[::37]))
+    metadata = pq.ParquetFile(path).metadata
+    assert metadata.num_row_groups == 3 and metadata.row_group(0).column(2).statistics.has_min_max  # prompt_id
+    data = path.read_bytes()
+    pages = bulk_pages(memoryview(data), metadata)
+    assert all(p.rows == 8 for column in pages.values() for p in column)
+    # a small column keeps pyarrow's own pages: one per row group here, not one per group
+    chunk = metadata.row_group(0).column(0)
+    position, seen = chunk.data_page_offset, 0
+    while position < chunk.data_page_offset + chunk.total_compressed_size:
+        header, start = read_struct(memoryview(data), position)
+        position, seen = position + start + header[3], seen + 1
+    assert seen == 1

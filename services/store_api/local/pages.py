@@ -12,7 +12,7 @@ codec pyarrow cannot decompress on its own) yields nothing, and its groups are c
 file as before.
 
 pyarrow reads Parquet files whole or by row group, and exposes neither page headers nor a page reader, so
-this module reads the one Thrift structure it needs (PageHeader, Thrift compact protocol) itself; and
+this module reads the page headers itself (`thrift.py`); and
 `message_holes` reads the buffer list of an Arrow IPC record batch message (a flatbuffer), which pyarrow does
 not expose either. Both are checked against pyarrow's own output in tests/store/test_store_pages.py.
 """
@@ -27,6 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from schemas import ROLLOUT_ARROW_SCHEMA
+from services.store_api.local.thrift import read_struct
 from services.store_api.tables import BULK_COLUMNS
 
 # pyarrow's names of Parquet codecs (ColumnChunkMetaData.compression: "LZ4" is Parquet's LZ4_RAW, raw LZ4 blocks;
@@ -43,97 +44,6 @@ _HEADER_READ = 256  # bytes read for a page header (a bulk page's is ~35: no sta
 
 class PageLayoutError(ValueError):
     """A column chunk not laid out as `bulk_pages` needs: its groups are copied into the lookup file."""
-
-
-# ------------------------------------------------------------------------------------------ Thrift compact protocol
-
-
-def _varint(b, i: int) -> tuple[int, int]:
-    shift = result = 0
-    while True:
-        byte = b[i]
-        i += 1
-        result |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return result, i
-        shift += 7
-
-
-def _value(b, i: int, kind: int):
-    """One Thrift compact value of type `kind` at b[i:] -> (value, next i); lists and sets as lists, maps as
-    dicts, structs as {field id: value}."""
-    if kind in (1, 2):  # a bool field: its value is its type
-        return kind == 1, i
-    if kind == 3:
-        return b[i], i + 1
-    if kind in (4, 5, 6):
-        n, i = _varint(b, i)
-        return (n >> 1) ^ -(n & 1), i  # zigzag
-    if kind == 7:
-        return struct.unpack_from("<d", b, i)[0], i + 8
-    if kind == 8:
-        n, i = _varint(b, i)
-        return bytes(b[i:i + n]), i + n
-    if kind in (9, 10):
-        head = b[i]
-        i += 1
-        n, item = head >> 4, head & 0x0F
-        if n == 15:
-            n, i = _varint(b, i)
-        items = []
-        for _ in range(n):
-            if item in (1, 2):  # bools inside lists take a byte each
-                value, i = b[i] == 1, i + 1
-            else:
-                value, i = _value(b, i, item)
-            items.append(value)
-        return items, i
-    if kind == 11:
-        n, i = _varint(b, i)
-        if not n:
-            return {}, i
-        kinds = b[i]
-        i += 1
-        mapping = {}
-        for _ in range(n):
-            key, i = _value(b, i, kinds >> 4)
-            mapping[key], i = _value(b, i, kinds & 0x0F)
-        return mapping, i
-    if kind == 12:
-        return read_struct(b, i)
-    raise PageLayoutError(f"Thrift compact type {kind} at byte {i}")
-
-
-def read_struct(b, i: int = 0) -> tuple[dict[int, object], int]:
-    """A Thrift compact struct at b[i:] as {field id: value}, and where it ends. IndexError if `b` ends first.
-    (Integers and nested structs are decoded inline: a page header is ~20 of them, read once per page.)"""
-    fields: dict[int, object] = {}
-    field = 0
-    while True:
-        head = b[i]
-        i += 1
-        kind = head & 0x0F
-        if not kind:
-            return fields, i
-        if head >> 4:
-            field += head >> 4
-        else:
-            n, i = _varint(b, i)
-            field = (n >> 1) ^ -(n & 1)
-        if 4 <= kind <= 6:  # i16, i32, i64: a zigzag varint
-            n = shift = 0
-            while True:
-                byte = b[i]
-                i += 1
-                n |= (byte & 0x7F) << shift
-                if not byte & 0x80:
-                    break
-                shift += 7
-            fields[field] = (n >> 1) ^ -(n & 1)
-        elif kind == 12:
-            fields[field], i = read_struct(b, i)
-        else:
-            fields[field], i = _value(b, i, kind)
 
 
 # ------------------------------------------------------------------------------------------ page walk

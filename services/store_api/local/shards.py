@@ -36,9 +36,11 @@ from schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA, Problem, Rollout
 from services.store_api.local.durable import Pending, drop_cached_pages, drop_written_pages, publish, write_temporary
 from services.store_api.local.lookup import lookup_path, shard_footer, write_lookup_file
 from services.store_api.local.pages import PageLayoutError, bulk_pages
+from services.store_api.local.splice import footer_span, splice_footer
 from services.store_api.tables import (
     BULK_COLUMNS,
     SAFE_NAME,
+    SMALL_COLUMNS_SCHEMA,
     ShardValidationError,
     group_runs,
     groups_table,
@@ -53,30 +55,63 @@ STATISTICS_COLUMNS = ["prompt_id", "policy_step"]  # min/max per row group: prun
 # ~1.9 GB/s at which this machine reads and sends a lookup's bytes from the page cache; zstd's shards are 17-26%
 # smaller (benchmarks/RESULTS.md, "Lookup files from the shards' pages")
 BULK_CODEC = "lz4"
-# per-column codecs are keyed by Parquet leaf path: a list column's leaf is "<name>.list.element"
-COMPRESSION = {
-    (f"{f.name}.list.element" if pa.types.is_list(f.type) else f.name): (BULK_CODEC if f.name in BULK_COLUMNS else "none")
-    for f in ROLLOUT_ARROW_SCHEMA
-}
 PAGE_BYTES_MAX = 1 << 30  # pages are cut by rows (whole groups), never by size
 WRITE_BUFFER_BYTES = 1 << 20
 
 
-def encode_shard(table: pa.Table, lengths: np.ndarray, sink: str | pa.NativeFile, row_group_rows: int = ROW_GROUP_ROWS,
-                 statistics: list[str] = STATISTICS_COLUMNS) -> None:
-    """Write a validated table of whole groups (of sizes `lengths`, in order) to `sink` (a path or an Arrow stream:
-    Arrow's native files are ~3x faster than a Python one for many small pages) as a Parquet file laid out for
-    lookups (the module docstring): row groups of whole groups, pages of whole groups."""
-    with pq.ParquetWriter(
-        sink, ROLLOUT_ARROW_SCHEMA, compression=COMPRESSION, use_dictionary=False, write_statistics=statistics,
-        write_page_checksum=True, data_page_version="2.0", data_page_size=PAGE_BYTES_MAX,
-        max_rows_per_page=math.gcd(*lengths.tolist()) if len(lengths) else 1,
-        column_encoding={"completion_text": "DELTA_LENGTH_BYTE_ARRAY"},
-    ) as writer:
+BULK_SCHEMA = pa.schema([ROLLOUT_ARROW_SCHEMA.field(name) for name in BULK_COLUMNS])
+
+
+def _write_part(table: pa.Table, sink, plan: list[int], **options) -> None:
+    with pq.ParquetWriter(sink, table.schema, use_dictionary=False, write_page_checksum=True, **options) as writer:
         offset = 0
-        for rows in row_group_plan(lengths, row_group_rows):
+        for rows in plan:
             writer.write_table(table.slice(offset, rows), row_group_size=rows)
             offset += rows
+
+
+def encode_shard(table: pa.Table, lengths: np.ndarray, sink: str | pa.NativeFile, row_group_rows: int = ROW_GROUP_ROWS,
+                 statistics: list[str] = STATISTICS_COLUMNS) -> None:
+    """Write a validated table of whole groups (of sizes `lengths`, in order) to `sink` (a path, or an Arrow stream)
+    as a Parquet file laid out for lookups (the module docstring): row groups of whole groups, the bulk columns'
+    pages of whole groups, the other columns' pages as pyarrow cuts them (`splice.py`)."""
+    plan = row_group_plan(lengths, row_group_rows)
+    small = pa.BufferOutputStream()  # ~0.3 KB a rollout
+    _write_part(table.select(SMALL_COLUMNS_SCHEMA.names), small, plan, compression="none", write_statistics=statistics)
+    small = small.getvalue()
+    small_start, small_length = footer_span(small)
+    bulk_options = dict(compression=BULK_CODEC, write_statistics=False, data_page_version="2.0",
+                        data_page_size=PAGE_BYTES_MAX, max_rows_per_page=math.gcd(*lengths.tolist()) if len(lengths) else 1,
+                        column_encoding={"completion_text": "DELTA_LENGTH_BYTE_ARRAY"})
+    bulk_table = table.select(list(BULK_COLUMNS))
+    if isinstance(sink, str):
+        # buffered: pages of a group are small, and an unbuffered file costs a write() per page header and page
+        with pa.output_stream(sink, buffer_size=WRITE_BUFFER_BYTES) as out:
+            _write_part(bulk_table, out, plan, **bulk_options)
+        with open(sink, "r+b") as f:  # the small columns' chunks and the whole file's footer replace the bulk footer
+            size = f.seek(0, os.SEEK_END)
+            f.seek(size - 8)
+            length = int.from_bytes(f.read(4), "little")
+            f.seek(size - 8 - length)
+            bulk_footer = f.read(length)
+            f.seek(size - 8 - length)
+            f.truncate()
+            _append_small(f, size - 8 - length, bulk_footer, small, small_start, small_length)
+        return
+    bulk = pa.BufferOutputStream()
+    _write_part(bulk_table, bulk, plan, **bulk_options)
+    bulk = bulk.getvalue()
+    bulk_start, bulk_length = footer_span(bulk)
+    sink.write(bulk[:bulk_start])
+    _append_small(sink, bulk_start, bulk[bulk_start:bulk_start + bulk_length], small, small_start, small_length)
+
+
+def _append_small(out, at: int, bulk_footer, small: pa.Buffer, small_start: int, small_length: int) -> None:
+    """Write the small columns' chunks at byte `at` of the file being made, then its footer, length and magic."""
+    out.write(small[4:small_start])  # after the small file's leading magic
+    footer = splice_footer(bulk_footer, small[small_start:small_start + small_length], at - 4)
+    out.write(footer)
+    out.write(len(footer).to_bytes(4, "little") + b"PAR1")
 
 
 def shard_name() -> str:
@@ -125,9 +160,7 @@ def write_rollout_table(
 
     def write(path: str) -> None:
         if encoded is None:
-            # buffered: pages of a group are small, and an unbuffered file costs a write() per page header and page
-            with pa.output_stream(path, buffer_size=WRITE_BUFFER_BYTES) as sink:
-                encode_shard(table, lengths, sink, row_group_rows)
+            encode_shard(table, lengths, path, row_group_rows)
         else:
             with open(path, "wb") as f:
                 f.write(encoded)
