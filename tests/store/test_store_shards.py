@@ -15,7 +15,7 @@ from store_factory import blocks_of, make_group, make_problem
 from schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA, Rollout, RolloutGroup, groups_to_table, table_to_groups
 from services.store_api.local import lookup as lookup_files
 from services.store_api.local.durable import TMP_PREFIX
-from services.store_api.local.lookup import ShardReader, ShardReadError, arrow_pieces, arrow_stream, lookup_path, read_stream
+from services.store_api.local.lookup import ShardReader, ShardReadError, lookup_path
 from services.store_api.local.pages import bulk_pages
 from services.store_api.local.shards import BULK_COLUMNS, ROW_GROUP_ROWS, write_groups
 from services.store_api.tables import ShardValidationError, groups_table, validate_table
@@ -320,15 +320,3 @@ def test_split_groups_and_missing_columns_are_refused():
     table = groups_to_table([make_group(1)]).drop_columns(["advantage"])
     with pytest.raises(ShardValidationError, match="missing \\['advantage'\\]"):
         validate_table(table)
-
-
-def test_an_answer_sent_in_pieces_is_the_same_stream(tmp_path):
-    groups = [make_group(i, "model-a", size=8, tokens=300) for i in range(9)]
-    path = write_groups(tmp_path, groups)
-    rel = path.relative_to(tmp_path).as_posix()
-    messages = ShardReader(tmp_path).messages([(rel, 8 * g, 8) for g in (4, 0, 8, 2)])
-    whole = arrow_stream(messages, {"misses": "[]"})
-    for chunk_bytes in (1, 20_000, 1 << 30):  # a piece per message; a few messages a piece; one piece
-        pieces = arrow_pieces(messages, {"misses": "[]"}, chunk_bytes)
-        assert b"".join(pieces) == whole and (len(pieces) > 1) == (chunk_bytes < len(whole))
-    assert table_to_groups(read_stream(whole)) == [groups[4], groups[0], groups[8], groups[2]]

@@ -52,7 +52,7 @@ from services.store_api.browser.routes import add_browser
 from services.store_api.http.backend import Store, store_backend
 from services.store_api.http.push import PushRejected, parse_arrow_push, parse_json_push
 from services.store_api.lake.config import LakeError, LakeUnavailable
-from services.store_api.local.lookup import arrow_pieces, arrow_stream, read_stream
+from services.store_api.local.lookup import arrow_stream, read_stream
 from services.store_api.local.mirror import GroupConflict
 from services.store_api.local.queries import BadCursor
 from services.store_api.settings import StoreSettings
@@ -245,7 +245,7 @@ class LookupFastPath:
 
     def __init__(self, app, answer):
         self.app = app
-        self.answer = answer  # async (PeerLookupRequest) -> the Arrow IPC stream, in pieces
+        self.answer = answer  # async (PeerLookupRequest) -> bytes of the Arrow IPC stream
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] != LOOKUP_PATH or scope["method"] != "POST":
@@ -268,12 +268,10 @@ class LookupFastPath:
             req = PeerLookupRequest.model_validate_json(body)
         except ValidationError:
             return await self.app(scope, replaying(body, receive), send)
-        pieces = await self.answer(req)
-        length = sum(len(piece) for piece in pieces)
-        headers = [(b"content-type", ARROW_MEDIA_TYPE.encode()), (b"content-length", b"%d" % length)]
+        stream = await self.answer(req)
+        headers = [(b"content-type", ARROW_MEDIA_TYPE.encode()), (b"content-length", b"%d" % len(stream))]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
-        for i, piece in enumerate(pieces):
-            await send({"type": "http.response.body", "body": piece, "more_body": i < len(pieces) - 1})
+        await send({"type": "http.response.body", "body": stream})
 
 
 # ------------------------------------------------------------------------------------------ auth
@@ -389,13 +387,13 @@ def create_app(settings: StoreSettings) -> FastAPI:
         lookup_misses.inc(len(misses))
         return messages, misses
 
-    async def arrow_lookup(req: PeerLookupRequest) -> list[bytes]:
-        """A peer lookup's answer as an Arrow IPC stream in pieces (`arrow_pieces`), misses in the schema metadata."""
+    async def arrow_lookup(req: PeerLookupRequest) -> bytes:
+        """A peer lookup's answer as an Arrow IPC stream, misses in the schema metadata."""
         started = time.perf_counter()
 
-        def answer() -> list[bytes]:
+        def answer() -> bytes:
             messages, misses = read_lookup(req)
-            return arrow_pieces(messages, {"misses": orjson.dumps(misses).decode()})
+            return arrow_stream(messages, {"misses": orjson.dumps(misses).decode()})
 
         # reading a stored group costs ~25 us (a pread and a CRC): up to 64 groups, answer on the event loop
         # and skip the thread hand-off; bigger lookups go to the thread pool so they never stall other requests
@@ -484,7 +482,7 @@ def create_app(settings: StoreSettings) -> FastAPI:
         answered by LookupFastPath with the same `arrow_lookup`; this route serves the rest.
         """
         if wants_arrow(request):
-            return Response(b"".join(await arrow_lookup(req)), media_type=ARROW_MEDIA_TYPE)
+            return Response(await arrow_lookup(req), media_type=ARROW_MEDIA_TYPE)
         started = time.perf_counter()
 
         def answer() -> Response:  # JSON is slow to build: always on the thread pool

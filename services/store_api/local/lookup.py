@@ -9,7 +9,7 @@ Parquet decoding of neighbours, no per-row Python. Every shard has a lookup file
   (completion text bytes, token ids, logprobs: ~97% of a row), plus where those pages lie in the shard. A
   lookup preads the template and the pages, checks the pages' own Parquet CRC-32, decompresses them and splices
   their values into the template's three holes. The bulk data is kept once, in the shard; a template costs
-  ~0.5 KB per rollout (the message header and the small columns). Or
+  ~0.4 KB per rollout (the message header and the small columns). Or
 - a **copy** of its whole IPC message (a shard laid out otherwise: a foreign writer's, one written before this
   format), sent as it is.
 
@@ -98,27 +98,9 @@ def _schema_message(metadata: tuple[tuple[str, str], ...]) -> bytes:
     return schema.serialize().to_pybytes()
 
 
-def arrow_pieces(messages: Iterable, metadata: dict[str, str] | None = None, chunk_bytes: int = 1 << 19) -> list:
-    """An Arrow IPC stream of record batch messages (bytes-like) in ROLLOUT_ARROW_SCHEMA, with extra schema
-    metadata, as pieces of about `chunk_bytes` to send one after the other. One join of a 10 MB answer costs more
-    than its copy: a fresh 10 MB buffer per answer cost ~12 ms of page faults on the 2-core VM, against ~2 ms for
-    the same bytes sent as pieces (benchmarks/RESULTS.md, issue 39)."""
-    schema = _schema_message(tuple(metadata.items())) if metadata else SCHEMA_MESSAGE
-    pieces, pending, size = [], [schema], len(schema)
-    for message in messages:
-        if size >= chunk_bytes:
-            pieces.append(b"".join(pending))
-            pending, size = [], 0
-        pending.append(message)
-        size += len(message)
-    pending.append(END_OF_STREAM)
-    pieces.append(b"".join(pending))
-    return pieces
-
-
 def arrow_stream(messages: Iterable, metadata: dict[str, str] | None = None) -> bytes:
-    """An Arrow IPC stream of record batch messages (bytes-like) in ROLLOUT_ARROW_SCHEMA, with extra schema
-    metadata."""
+    """An Arrow IPC stream of record batch messages (or pieces of them, bytes-like) in ROLLOUT_ARROW_SCHEMA, with
+    extra schema metadata."""
     schema = _schema_message(tuple(metadata.items())) if metadata else SCHEMA_MESSAGE
     return b"".join([schema, *messages, END_OF_STREAM])
 
@@ -591,8 +573,9 @@ class ShardReader:
             self.forget(rel_path)  # written for other rows (a writer's bug or a stale file): rebuild from the shard
         raise ShardReadError(self.root / rel_path, "its rebuilt lookup file does not hold the shard's groups")
 
-    def messages(self, locations: list[tuple[str, int, int]]) -> list[bytes]:
-        """The IPC record batch message of each whole group (file, row_start, num_rows), in order."""
+    def messages(self, locations: list[tuple[str, int, int]]) -> list:
+        """The IPC record batch messages of whole groups (file, row_start, num_rows), in order, as bytes-like
+        pieces to be joined (`arrow_stream`)."""
         blocks = []
         for rel_path, row_start, num_rows in locations:
             lookup = self.open(rel_path)
@@ -626,13 +609,12 @@ class ShardReader:
             if first < 0:
                 pieces.append(record)
             else:
-                pieces.append(self._splice(rel_path, row_start, lookup, record, first, rest[:3], rest[3:]))
+                self._splice(rel_path, row_start, lookup, record, first, rest[:3], rest[3:], pieces)
         return pieces
 
     def _splice(self, rel_path: str, row_start: int, lookup: _LookupFile, record: bytes, first: int,
-                counts: list[int], holes: list[int]) -> bytes:
-        """A template with its group's bulk values, read from the shard's pages, in its holes."""
-        pieces = []
+                counts: list[int], holes: list[int], pieces: list) -> None:
+        """A template's pieces with its group's bulk values read from the shard's pages in their holes."""
         view = memoryview(record)
         at = 0
         fd = lookup.shard.fileno()
@@ -658,7 +640,6 @@ class ShardReader:
                     raise ShardReadError(self.root / rel_path, f"group at row {row_start}: {exc}") from exc
                 pieces.append(memoryview(values)[skip:])
         pieces.append(view[at:])
-        return b"".join(pieces)
 
     def read(self, locations: list[tuple[str, int, int]]) -> pa.Table:
         """Rows of whole groups (file, row_start, num_rows), concatenated in order, in ROLLOUT_ARROW_SCHEMA."""
