@@ -9,7 +9,7 @@ Parquet decoding of neighbours, no per-row Python. Every shard has a lookup file
   (completion text bytes, token ids, logprobs: ~97% of a row), plus where those pages lie in the shard. A
   lookup preads the template and the pages, checks the pages' own Parquet CRC-32, decompresses them and splices
   their values into the template's three holes. The bulk data is kept once, in the shard; a template costs
-  ~0.4 KB per rollout (the message header and the small columns). Or
+  ~0.5 KB per rollout (the message header and the small columns). Or
 - a **copy** of its whole IPC message (a shard laid out otherwise: a foreign writer's, one written before this
   format), sent as it is.
 
