@@ -10,7 +10,11 @@ One shard of synthetic rollouts per profile (`store_bench.ShardMaker`: `short`, 
 - `ipc-lz4`, `ipc-zstd`: the same copies with Arrow IPC buffer compression (pyarrow compresses each buffer of
   each group's message; the client's IPC reader decompresses);
 - `pages-<codec>`: shards whose data pages hold whole groups (`shards.encode_shard`) with the bulk columns in
-  that codec, and lookup files of templates (`lookup.py`): a lookup reads the group's pages from the shard.
+  that codec, and lookup files of templates (`lookup.py`): a lookup reads the group's pages from the shard;
+  `pages-lz4_raw-every-column`: the same from one pyarrow file, so every column's pages hold whole groups.
+
+Also what reading the shard costs outside the store: DuckDB aggregating three small columns, and DuckDB's naive
+single-prompt lookup (`SELECT *` with a WHERE on prompt_id), the least wall time of 5 each.
 
 Per way: bytes per rollout of shard and lookup file and their ratio, CPU microseconds per rollout to write
 the shard (to its file, as the store does: the least of 3 writes) and the lookup file (the page walk included), and, with the files in the page cache, the milliseconds a lookup of 1 and
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import shutil
@@ -62,7 +67,26 @@ def _copies_shard(table: pa.Table, lengths, path: str) -> None:
             offset += rows
 
 
+def _one_file_shard(table: pa.Table, lengths, path: str) -> None:
+    """Pages of whole groups for every column: one pyarrow file with `max_rows_per_page` (what `encode_shard` does
+    before it splices the small columns' pages back to pyarrow's own)."""
+    compression = {(f"{f.name}.list.element" if pa.types.is_list(f.type) else f.name):
+                   ("lz4" if f.name in BULK_COLUMNS else "none") for f in ROLLOUT_ARROW_SCHEMA}
+    with pq.ParquetWriter(path, ROLLOUT_ARROW_SCHEMA, compression=compression, use_dictionary=False,
+                          write_statistics=shards.STATISTICS_COLUMNS, write_page_checksum=True,
+                          data_page_version="2.0", data_page_size=shards.PAGE_BYTES_MAX,
+                          max_rows_per_page=math.gcd(*lengths.tolist()),
+                          column_encoding={"completion_text": "DELTA_LENGTH_BYTE_ARRAY"}) as writer:
+        offset = 0
+        for rows in shards.row_group_plan(lengths, shards.ROW_GROUP_ROWS):
+            writer.write_table(table.slice(offset, rows), row_group_size=rows)
+            offset += rows
+
+
 def _encode(table: pa.Table, lengths, way: str, path: str) -> None:
+    if way == "pages-lz4_raw-every-column":
+        _one_file_shard(table, lengths, path)
+        return
     if not way.startswith("pages-"):
         _copies_shard(table, lengths, path)
         return
@@ -111,6 +135,27 @@ def _write(root: Path, table: pa.Table, way: str) -> dict:
             "total_over_shard": round((size + lookup_bytes) / size, 3),
             "encode_shard_us_per_rollout": round(encode / n * 1e6, 1),
             "lookup_file_us_per_rollout": round((written - before) / n * 1e6, 1)}
+
+
+def _scans(root: Path, table: pa.Table) -> dict:
+    """What reading the shard costs outside the store: DuckDB's aggregate of small columns over it, and its
+    naive single-prompt lookup (`SELECT *` with a WHERE), the least wall ms of 5."""
+    import duckdb
+
+    path = root / "rollouts" / "model=model-a" / "part-bench.parquet"
+    prompt = table.column("prompt_id")[0].as_py()
+    queries = {"duckdb_small_columns_ms": f"SELECT count(*), avg(reward), sum(num_tokens) FROM read_parquet('{path}')",
+               "duckdb_naive_ms": f"SELECT * FROM read_parquet('{path}') WHERE prompt_id = '{prompt}'"}
+    con = duckdb.connect()
+    result = {}
+    for name, sql in queries.items():
+        times = []
+        for _ in range(5):
+            t = time.perf_counter()
+            con.sql(sql).to_arrow_table()
+            times.append(time.perf_counter() - t)
+        result[name] = round(min(times) * 1e3, 2)
+    return result
 
 
 def _lookups(root: Path, table: pa.Table, way: str, calls: int, rng: random.Random) -> dict:
@@ -166,7 +211,8 @@ def main() -> None:
     parser.add_argument("--profiles", nargs="+", default=["short", "reasoning"])
     parser.add_argument("--rollouts", type=int, default=8192, help="rollouts in the shard of each profile")
     parser.add_argument("--ways", nargs="+",
-                        default=["copies", "ipc-lz4", "ipc-zstd", "pages-zstd", "pages-lz4_raw", "pages-none"])
+                        default=["copies", "ipc-lz4", "ipc-zstd", "pages-zstd", "pages-lz4_raw", "pages-none",
+                                 "pages-lz4_raw-every-column"])
     parser.add_argument("--lookups", type=int, default=200, help="lookups timed per size")
     parser.add_argument("--dir", type=Path, default=Path("/work/bench-data/lookup-formats"))
     parser.add_argument("--json", type=Path, default=None)
@@ -181,7 +227,8 @@ def main() -> None:
             root = args.dir / profile / way
             shutil.rmtree(root, ignore_errors=True)
             load = round(os.getloadavg()[0], 2)
-            figures = _write(root, table, way) | _lookups(root, table, way, args.lookups, random.Random(args.seed))
+            figures = _write(root, table, way) | _scans(root, table) | _lookups(root, table, way, args.lookups,
+                                                                                  random.Random(args.seed))
             result[profile][way] = figures | {"load_avg": load}
             print(profile, way, json.dumps(figures), f"load {load}", flush=True)
             shutil.rmtree(root, ignore_errors=True)
