@@ -17,11 +17,12 @@ Also what reading the shard costs outside the store: DuckDB aggregating three sm
 single-prompt lookup (`SELECT *` with a WHERE on prompt_id), the least wall time of 5 each.
 
 Per way: bytes per rollout of shard and lookup file and their ratio, CPU microseconds per rollout to write
-the shard (to its file, as the store does: the least of 3 writes) and the lookup file (the page walk included), and, with the files in the page cache, the milliseconds a lookup of 1 and
-of 64 random groups takes to produce its answer (`ShardReader.messages` and the join into a stream: what the
-store does) and to decode it (`read_stream`: what the client does). Each lookup figure is the median of
-`--lookups` calls; all in this one process, one core, so figures are CPU time on whatever else runs here: the
-1-minute load average is printed beside them.
+the shard (to its file, as the store does: the least of 3 writes) and the lookup file (the page walk included),
+and, with the files in the page cache, the CPU milliseconds a lookup of 1 and of 64 random groups takes to
+produce its answer (`ShardReader.messages` and the join into a stream: what the store does) and to decode it
+(`read_stream`: what the client does), the median of `--lookups` calls. CPU time (user + kernel of this one
+process) is inflated less than wall time by other jobs on the machine; the 1-minute load average is printed
+beside each way.
 """
 
 from __future__ import annotations

@@ -92,7 +92,8 @@ def test_message_buffers_finds_the_bulk_values_pyarrow_wrote():
         assert message[start:start + length] == data
     # a template differs from the real rows only in its bulk values, of the same sizes
     assert template.schema.equals(ROLLOUT_ARROW_SCHEMA)
-    assert template.select(SMALL_COLUMNS_SCHEMA.names).equals(pa.Table.from_batches([real]).select(SMALL_COLUMNS_SCHEMA.names))
+    small = SMALL_COLUMNS_SCHEMA.names
+    assert template.select(small).equals(pa.Table.from_batches([real]).select(small))
     length = {"completion_text": pc.binary_length}
     for name in BULK_COLUMNS:
         sizes = length.get(name, pc.list_value_length)

@@ -50,8 +50,22 @@ import pyarrow.parquet as pq
 
 from schemas import ROLLOUT_ARROW_SCHEMA
 from services.store_api.local.durable import HAS_FADVISE, TMP_PREFIX, drop_cached_pages
-from services.store_api.local.pages import BULK_BUFFERS, CODECS, PAGE_CODECS, Page, PageLayoutError, bulk_pages, message_buffers
-from services.store_api.tables import BULK_COLUMNS, SMALL_COLUMNS_SCHEMA, ShardValidationError, conform_table, group_runs
+from services.store_api.local.pages import (
+    BULK_BUFFERS,
+    CODECS,
+    PAGE_CODECS,
+    Page,
+    PageLayoutError,
+    bulk_pages,
+    message_buffers,
+)
+from services.store_api.tables import (
+    BULK_COLUMNS,
+    SMALL_COLUMNS_SCHEMA,
+    ShardValidationError,
+    conform_table,
+    group_runs,
+)
 
 LOOKUP_DIR = "lookup"
 LOOKUP_SUFFIX = ".lookup"
@@ -503,8 +517,9 @@ class _LookupFile:
 def _room_for(files: int) -> int:
     """How many lookup files may stay open (each holds its own and its shard's descriptor): `files`, the process's
     soft descriptor limit raised to fit them and 1024 more (sockets, shards being written) where the hard limit
-    allows, else as many as fit in three quarters of it. A reopened file costs a read of its tables (~0.1-0.3 ms): at 10M rollouts in shards of
-    8192 there are 1,221 of them, past the 1,024 descriptors Linux allows a process by default."""
+    allows, else as many as fit in three quarters of it. A reopened file costs a read of its tables (~0.1-0.3 ms):
+    at 10M rollouts in shards of 8192 there are 1,221 of them, past the 1,024 descriptors Linux gives a process
+    by default."""
     try:
         import resource
     except ImportError:  # not Unix

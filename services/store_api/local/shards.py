@@ -3,17 +3,16 @@
 A shard is `<root>/rollouts/model=<model_id>/part-<utc time>-<host>-<pid>-<uuid>.parquet`, written in
 `<root>/.tmp/`, fsynced, then renamed into place, so readers only ever see whole files. It holds
 whole groups of one model, in `ROLLOUT_ARROW_SCHEMA`: the source of truth, read by DuckDB and by anyone.
-Row groups hold whole groups and about `ROW_GROUP_ROWS` rows. Data pages (version 2) hold whole groups too,
-`max_rows_per_page` = the greatest common divisor of the groups' sizes (8 for groups of 8), so that lookups
+Row groups hold whole groups and about `ROW_GROUP_ROWS` rows. The bulk columns' data pages (version 2) hold
+whole groups too, the greatest common divisor of the groups' sizes in rows (8 for groups of 8), so that lookups
 read a group's bulk values (text, token ids, logprobs: `BULK_COLUMNS` in tables.py) from its own pages in the
-shard (`pages.py`, `lookup.py`) and no second copy of them is kept. Only the bulk columns are compressed
-(decompressing many small pages of the small columns cost more than it saved), with `BULK_CODEC`; text is
-DELTA_LENGTH_BYTE_ARRAY (its page is then an Arrow string data buffer after the lengths), the lists PLAIN.
-`encode_shard` writes them (the lake's writers use it too); each shard's lookup file (`lookup.py`) is
-written from the file's page headers, read back while still in the page cache, just before the shard is
-published, bound to the shard's footer. Problems
-go once per dataset to `<root>/prompts/dataset=<name>/`. Validation lives in `tables.py`, atomic files in
-`durable.py`.
+shard (`pages.py`, `lookup.py`) and no second copy of them is kept; the other columns keep pyarrow's own pages
+(`splice.py`). Only the bulk columns are compressed (decompressing many small pages of the small columns cost
+more than it saved), with `BULK_CODEC`; text is DELTA_LENGTH_BYTE_ARRAY (its page is then an Arrow string data
+buffer after the lengths), the lists PLAIN. `encode_shard` writes them (the lake's writers use it too); each
+shard's lookup file (`lookup.py`) is written from the file's page headers, read back while still in the page
+cache, just before the shard is published, bound to the shard's footer. Problems go once per dataset to
+`<root>/prompts/dataset=<name>/`. Validation lives in `tables.py`, atomic files in `durable.py`.
 """
 
 from __future__ import annotations
@@ -52,14 +51,12 @@ from services.store_api.tables import (
 ROW_GROUP_ROWS = 1024
 STATISTICS_COLUMNS = ["prompt_id", "policy_step"]  # min/max per row group: prunes scans of prompt-sorted files
 # of the bulk columns' pages: LZ4 (Parquet's LZ4_RAW) decompresses at ~2.5 GB/s here, zstd at ~0.8 GB/s, below the
-# ~1.9 GB/s at which this machine reads and sends a lookup's bytes from the page cache; zstd's shards are 17-26%
-# smaller (benchmarks/RESULTS.md, "Lookup files from the shards' pages")
+# ~1.9 GB/s at which this machine reads and sends a lookup's bytes from the page cache; zstd's shards are 18-27%
+# smaller (benchmarks/RESULTS.md, "The store at the size of a real run"); lookups read pages of either
+
 BULK_CODEC = "lz4"
 PAGE_BYTES_MAX = 1 << 30  # pages are cut by rows (whole groups), never by size
 WRITE_BUFFER_BYTES = 1 << 20
-
-
-BULK_SCHEMA = pa.schema([ROLLOUT_ARROW_SCHEMA.field(name) for name in BULK_COLUMNS])
 
 
 def _write_part(table: pa.Table, sink, plan: list[int], **options) -> None:
@@ -80,8 +77,9 @@ def encode_shard(table: pa.Table, lengths: np.ndarray, sink: str | pa.NativeFile
     _write_part(table.select(SMALL_COLUMNS_SCHEMA.names), small, plan, compression="none", write_statistics=statistics)
     small = small.getvalue()
     small_start, small_length = footer_span(small)
+    page_rows = math.gcd(*lengths.tolist()) if len(lengths) else 1
     bulk_options = dict(compression=BULK_CODEC, write_statistics=False, data_page_version="2.0",
-                        data_page_size=PAGE_BYTES_MAX, max_rows_per_page=math.gcd(*lengths.tolist()) if len(lengths) else 1,
+                        data_page_size=PAGE_BYTES_MAX, max_rows_per_page=page_rows,
                         column_encoding={"completion_text": "DELTA_LENGTH_BYTE_ARRAY"})
     bulk_table = table.select(list(BULK_COLUMNS))
     if isinstance(sink, str):

@@ -3,9 +3,9 @@ pages of ~1024 rows.
 
 Lookups read a group's bulk values from pages of their own (`pages.py`), so the bulk columns need data pages
 that hold whole groups: 8 rows for groups of 8. pyarrow cuts pages by rows only for a whole file
-(`max_rows_per_page`), and 8-row pages of the 25 small columns made DuckDB's scans of them ~10x slower, their
+(`max_rows_per_page`), and 8-row pages of the 25 small columns made DuckDB's scans of them 5-17x slower, their
 decoding by the store ~2 us per rollout dearer and the shards' writing ~2 us per rollout dearer (benchmarks/
-RESULTS.md, "Lookup files from the shards' pages"). So `shards.encode_shard` has pyarrow write the bulk columns
+RESULTS.md, "The store at the size of a real run"). So `shards.encode_shard` has pyarrow write the bulk columns
 and the small columns as two files with the same row groups, and `splice_footer` makes the footer of one file
 holding both: the bulk file's column chunks where pyarrow wrote them, then the small file's chunks appended
 after them (column chunks may lie anywhere in a Parquet file: every reader finds them by their offsets), and
