@@ -213,3 +213,20 @@ def test_a_spliced_shard_is_plain_parquet_with_small_pages_only_where_lookups_ne
         header, start = read_struct(memoryview(data), position)
         position, seen = position + start + header[3], seen + 1
     assert seen == 1
+
+
+def test_a_garbled_page_header_is_not_a_layout_and_its_shard_is_refused_whole(tmp_path):
+    table = groups_to_table(_groups([8] * 4, tokens=50))
+    shard = tmp_path / "rollouts" / "model=model-a" / "part-garbled.parquet"
+    shard.parent.mkdir(parents=True)
+    shards.encode_shard(table, group_runs(table.column("group_id"))[1], str(shard))
+    data = bytearray(shard.read_bytes())
+    metadata = pq.ParquetFile(shard).metadata
+    text = bulk_pages(memoryview(bytes(data)), metadata)["completion_text"][1]
+    header_start = text.offset - 40  # inside the second text page's header (~35 bytes)
+    data[header_start:text.offset] = b"\xff" * (text.offset - header_start)
+    shard.write_bytes(bytes(data))
+    with pytest.raises(PageLayoutError, match="page header"):
+        bulk_pages(memoryview(bytes(data)), metadata)
+    with pytest.raises(ShardReadError):  # pyarrow cannot decode it either: a damaged shard, quarantined by the index
+        rebuild_lookup_file(shard)

@@ -71,10 +71,32 @@ def _read_at(source, offset: int, length: int) -> memoryview:
     return memoryview(source.read_at(length, offset))
 
 
+def _page_header(source, position: int, end: int, name: str) -> tuple[dict, int]:
+    """The page header at `position` of a column chunk ending at `end`, and its length; PageLayoutError if it is
+    not a version-2 data page of the encoding `name` needs, with a CRC, or cannot be read (a damaged file)."""
+    try:
+        try:
+            header, start = read_struct(_read_at(source, position, min(_HEADER_READ, end - position)))
+        except IndexError:  # a header longer than _HEADER_READ (statistics of long strings)
+            header, start = read_struct(_read_at(source, position, end - position))
+    except (IndexError, ValueError, struct.error) as exc:
+        raise PageLayoutError(f"{name}: no page header at byte {position}: {exc}") from None
+    v2 = header.get(8)
+    if header.get(1) != _DATA_PAGE_V2 or not isinstance(v2, dict):
+        raise PageLayoutError(f"{name}: a page of type {header.get(1)}, not a version-2 data page")
+    if v2.get(4) != VALUE_ENCODING[name] or not isinstance(header.get(4), int):
+        raise PageLayoutError(f"{name}: encoding {v2.get(4)}, page CRC {header.get(4)}")
+    sizes = (header.get(2), header.get(3), v2.get(3), v2.get(5, 0), v2.get(6, 0))
+    if not all(isinstance(n, int) and n >= 0 for n in sizes) or position + start + sizes[1] > end \
+            or sizes[3] + sizes[4] > min(sizes[0], sizes[1]):
+        raise PageLayoutError(f"{name}: a page header at byte {position} with sizes {sizes} that do not fit")
+    return header, start
+
+
 def bulk_pages(source: memoryview | pa.NativeFile, metadata: pq.FileMetaData) -> dict[str, list[Page]]:
     """The data pages of each bulk column, in file order: the Parquet file's bytes (`source`, a memoryview, or
     a file to read headers from); PageLayoutError if a bulk column chunk is not laid out as this module needs
-    (the module docstring)."""
+    (the module docstring) or its page headers cannot be read (then pyarrow decodes the file, or says why not)."""
     names = [metadata.schema.column(j).path.split(".")[0] for j in range(metadata.num_columns)]
     pages: dict[str, list[Page]] = {name: [] for name in BULK_COLUMNS}
     first_row = 0
@@ -89,16 +111,8 @@ def bulk_pages(source: memoryview | pa.NativeFile, metadata: pq.FileMetaData) ->
             codec = CODECS[chunk.compression]
             position, end, row = chunk.data_page_offset, chunk.data_page_offset + chunk.total_compressed_size, first_row
             while position < end:
-                header_bytes = _read_at(source, position, min(_HEADER_READ, end - position))
-                try:
-                    header, start = read_struct(header_bytes)
-                except IndexError:  # a header longer than _HEADER_READ (statistics of long strings)
-                    header, start = read_struct(_read_at(source, position, end - position))
-                v2 = header.get(8)
-                if header.get(1) != _DATA_PAGE_V2 or not isinstance(v2, dict):
-                    raise PageLayoutError(f"{name}: a page of type {header.get(1)}, not a version-2 data page")
-                if v2.get(4) != VALUE_ENCODING[name] or 4 not in header:
-                    raise PageLayoutError(f"{name}: encoding {v2.get(4)}, page CRC {header.get(4)}")
+                header, start = _page_header(source, position, end, name)
+                v2 = header[8]
                 levels = v2.get(5, 0) + v2.get(6, 0)  # repetition and definition levels, before the values
                 pages[name].append(Page(row, v2[3], position + start, header[3], levels, header[2] - levels,
                                         codec if v2.get(7, True) else None, header[4] & 0xFFFFFFFF))
