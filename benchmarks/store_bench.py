@@ -1,6 +1,8 @@
-"""Trajectory store benchmark: ingest, freshness, peer lookups over HTTP, the naive DuckDB scan, peak RSS.
+"""Trajectory store benchmark: ingest, freshness, peer lookups over HTTP, the naive DuckDB scan, disk, peak RSS,
+and the physical floor of a lookup on this machine.
 
     python -m benchmarks.store_bench --rollouts 1000000 --json store_bench.json
+    python -m benchmarks.store_bench --profile reasoning --rollouts 1000000 --naive 3 --json store_reasoning.json
     python -m benchmarks.store_bench --backend lake --rollouts 200000 --json store_lake.json
 
 With `--backend lake` the same run then measures the DuckLake backend beside the local one: a PostgreSQL 15
@@ -8,13 +10,20 @@ catalog and moto's S3 server (a subprocess) on loopback, 4 writer processes comm
 shards to the lake (one transaction each), 2 replicas (`graft-store serve --backend lake`) following it. Keys
 `lake_*` and `replica_*`: commit rate, commit-to-servable time at a replica, replica lookups, replica RSS.
 
-Builds a store of N synthetic rollouts (groups of 8, 256 tokens and 1 KB of text each; 4 models, each
-with 2 groups per prompt at 2 policy steps) by writing shards through `write_groups` (the generators'
-path, vectorised validation and the lookup file included) while a real store server indexes them, then
-measures against it. Prints one JSON object; targets at N = 1,000,000 are in the issue and in
-benchmarks/RESULTS.md. The ingest clock starts when the writer processes, forked and holding their
-synthetic columns, are told to go (each then makes every shard's table, ~1 us/rollout, and writes it) and
-stops when /v1/health counts every group: written, indexed and visible to lookups.
+Builds a store of N synthetic rollouts (groups of 8; 4 models, each with 2 groups per prompt at 2 policy
+steps) by writing shards through `write_groups` (the generators' path, vectorised validation and the lookup
+file included) while a real store server indexes them, then measures against it. Two profiles of rollout
+(`ShardMaker`): `short`, 256 tokens and 1 KB of text each, the store's figures since the first benchmark;
+`reasoning`, a reasoning model's math answers, log-normal lengths around 1,500 tokens up to 8,192, ~3.2
+bytes of real math text a token, logprobs that compress as real ones. Prints one JSON object; targets are in
+the issues and in benchmarks/RESULTS.md. The ingest clock starts when the writer processes, forked and
+holding their synthetic columns, are told to go (each then makes every shard's table, ~1 us/rollout, and
+writes it) and stops when /v1/health counts every group: written, indexed and visible to lookups; ingest is
+given in rollouts/s and in MB/s of the rows' Arrow bytes. Lookups give p50/p99 and the answer's MB/s (its
+Arrow bytes over the p50); `page_cache_reference` reads the same numbers of bytes from a file in the page
+cache and sends them over loopback TCP between two processes, no store in between (the machine's floor), and
+`*_over_reference_rate` is the store's rate over that one. `disk_bytes` splits the store's disk into shards,
+lookup files and index.
 
 The machine it was written on is a 2-core VM shared with other jobs, so next to each wall-clock figure the
 JSON gives the CPU time per operation (store process and this client process, from psutil / process_time
@@ -29,8 +38,11 @@ import json
 import multiprocessing
 import os
 import random
+import re
 import shutil
+import socket
 import statistics
+import struct
 import tempfile
 import time
 from datetime import datetime, timezone
@@ -50,8 +62,18 @@ from services.store_api.local.shards import write_groups
 MODELS = ("model-a", "model-b", "model-c", "model-d")
 SUCCESS_RATE = {"model-a": 0.3, "model-b": 0.45, "model-c": 0.6, "model-d": 0.75}
 GROUP = 8
-TOKENS = 256
+TOKENS = 256  # the short profile: every rollout 256 tokens and 1 KB of text
 TEXT_BYTES = 1024
+PROFILES = ("short", "reasoning")
+# the reasoning profile: token counts of a reasoning model's math answers, log-normal with a median of 1,500
+# and a tail cut at max_tokens (those rollouts end with finish_reason "length"; ~0.3% of them)
+REASONING_MEDIAN_TOKENS = 1500
+REASONING_SIGMA = 0.65
+REASONING_MAX_TOKENS = 8192
+VOCAB_SIZE = 151_936  # a Qwen2.5 tokenizer's
+# pre-tokenizer of the reasoning profile's corpus: words, LaTeX commands, up to 3 digits or symbols, whitespace
+# (~3.2 bytes a token on the problems of data/, as a BPE tokenizer's on math text)
+PIECE = re.compile(r" ?[A-Za-z]{1,10}| ?\\[A-Za-z]+| ?\d{1,3}| ?[^\sA-Za-z\d]{1,3}|\s{1,4}")
 
 
 def bench_problem(i: int) -> str:
@@ -66,32 +88,90 @@ def bench_prompt_ids(prompts: int) -> np.ndarray:
     return np.array([prompt_id(bench_problem(i)) for i in range(prompts)])
 
 
+@functools.lru_cache(maxsize=1)
+def reasoning_corpus() -> tuple[np.ndarray, np.ndarray, bytes]:
+    """The problems of data/ (~2.3 MB of English and LaTeX), cut into tokens: (token ids, each token's byte
+    offset in the text, the UTF-8 text). Token ids by frequency, as BPE vocabularies number merges: a random
+    sorted sample of a 151,936-token vocabulary, the most frequent piece given the smallest."""
+    from rollouts.datasets import data_dir
+
+    texts: dict[str, None] = {}
+    for path in sorted(data_dir().glob("*/*.jsonl")):
+        for line in path.read_text().splitlines():
+            texts.setdefault(json.loads(line)["problem"], None)
+    pieces = PIECE.findall("\n\n".join(texts))
+    kinds, inverse, counts = np.unique(np.array(pieces, dtype=object), return_inverse=True, return_counts=True)
+    rank = np.empty(len(kinds), np.int64)
+    rank[np.argsort(-counts, kind="stable")] = np.arange(len(kinds))
+    vocab = np.sort(np.random.default_rng(1234).choice(VOCAB_SIZE, len(kinds), replace=False))
+    ids = vocab[rank[inverse]].astype(np.int32)
+    encoded = [p.encode() for p in pieces]
+    offsets = np.zeros(len(pieces) + 1, np.int64)
+    np.cumsum([len(e) for e in encoded], out=offsets[1:])
+    return ids, offsets, b"".join(encoded)
+
+
+def reasoning_logprobs(rng: np.random.Generator, n: int) -> np.ndarray:
+    """(n,) float32 logprobs shaped like a sampled reasoning model's: most tokens near-certain, a minority
+    uncertain; every value distinct, so their bytes compress as real ones do (a little), not to nothing."""
+    scale = rng.choice(np.array([0.003, 0.15, 1.5]), n, p=[0.55, 0.30, 0.15])
+    return (-rng.exponential(1.0, n) * scale).astype(np.float32)
+
+
 class ShardMaker:
     """Synthetic shards in ROLLOUT_ARROW_SCHEMA; the bulky content and the constant columns are made once and
     reused per shard (~5 ms per 8192-rollout shard for the rest), so that generating data costs the timed
-    ingest little."""
+    ingest little.
 
-    def __init__(self, rows: int, seed: int):
+    Profiles: `short`, 256 tokens and 1 KB of text a rollout (random ids, letters and logprobs: the store's
+    figures since the first benchmark); `reasoning`, a reasoning model's answers: log-normal token counts
+    (median 1,500, tail cut at 8,192), text that is consecutive pieces of real math problems (~3.2 bytes a
+    token) with their token ids, logprobs from `reasoning_logprobs`.
+    """
+
+    def __init__(self, rows: int, seed: int, profile: str = "short"):
         self.rng = np.random.default_rng(seed)
         rng = self.rng
         n = rows
-        ids = rng.integers(0, 50_000, n * TOKENS, dtype=np.int32)
-        logprobs = -rng.exponential(0.5, n * TOKENS).astype(np.float32)
-        offsets = pa.array(np.arange(0, n * TOKENS + 1, TOKENS, dtype=np.int32))
+        if profile == "short":
+            ids = rng.integers(0, 50_000, n * TOKENS, dtype=np.int32)
+            logprobs = -rng.exponential(0.5, n * TOKENS).astype(np.float32)
+            token_offsets = np.arange(0, n * TOKENS + 1, TOKENS, dtype=np.int32)
+            text = rng.integers(97, 123, n * TEXT_BYTES, dtype=np.uint8).tobytes()
+            text_offsets = np.arange(0, n * TEXT_BYTES + 1, TEXT_BYTES, dtype=np.int32)
+            max_tokens, finish = np.full(n, 1024, np.int32), np.array(["stop"] * n)
+        elif profile == "reasoning":
+            corpus_ids, piece_offsets, corpus_text = reasoning_corpus()
+            wanted = np.exp(rng.normal(np.log(REASONING_MEDIAN_TOKENS), REASONING_SIGMA, n))
+            counts = np.clip(wanted, 16, REASONING_MAX_TOKENS).astype(np.int64)  # (n,)
+            starts = rng.integers(0, len(corpus_ids) - counts)  # each rollout a run of consecutive tokens
+            ids = np.concatenate([corpus_ids[s:s + c] for s, c in zip(starts.tolist(), counts.tolist())])
+            text = b"".join(corpus_text[piece_offsets[s]:piece_offsets[s + c]]
+                            for s, c in zip(starts.tolist(), counts.tolist()))
+            token_offsets = np.zeros(n + 1, np.int32)
+            np.cumsum(counts, out=token_offsets[1:])
+            text_offsets = np.zeros(n + 1, np.int32)
+            np.cumsum(piece_offsets[starts + counts] - piece_offsets[starts], out=text_offsets[1:])
+            logprobs = reasoning_logprobs(rng, len(ids))
+            max_tokens = np.full(n, REASONING_MAX_TOKENS, np.int32)
+            finish = np.where(wanted >= REASONING_MAX_TOKENS, "length", "stop")
+        else:
+            raise ValueError(f"profile {profile!r}: one of {PROFILES}")
+        offsets = pa.array(token_offsets)
         self.token_ids = pa.ListArray.from_arrays(offsets, pa.array(ids))
         self.token_logprobs = pa.ListArray.from_arrays(offsets, pa.array(logprobs))
-        self.logprob_sum = pa.array(logprobs.reshape(n, TOKENS)[:, :-1].sum(1).astype(np.float64))
-        text = rng.integers(97, 123, n * TEXT_BYTES, dtype=np.uint8).tobytes()
-        text_offsets = np.arange(0, n * TEXT_BYTES + 1, TEXT_BYTES, dtype=np.int32)
+        # EOS excluded: the sum of all but each rollout's last logprob
+        per_row = np.add.reduceat(logprobs.astype(np.float64), token_offsets[:-1]) - logprobs[token_offsets[1:] - 1]
+        self.logprob_sum = pa.array(np.minimum(per_row, 0.0))
         self.text = pa.StringArray.from_buffers(n, pa.py_buffer(text_offsets.tobytes()), pa.py_buffer(text))
         self.rows = rows
         self.constant = {
             "dataset": pa.array(["synthetic"] * n), "model_revision": pa.array(["r1"] * n),
             "generator_id": pa.array(["store-bench"] * n), "schema_version": pa.array(np.ones(n, np.int32)),
             "temperature": pa.array(np.ones(n, np.float32)), "top_p": pa.array(np.ones(n, np.float32)),
-            "top_k": pa.nulls(n, pa.int32()), "max_tokens": pa.array(np.full(n, 1024, np.int32)),
-            "logprobs_mode": pa.array(["processed"] * n), "num_tokens": pa.array(np.full(n, TOKENS, np.int32)),
-            "num_bytes": pa.array(np.full(n, TEXT_BYTES, np.int32)), "finish_reason": pa.array(["stop"] * n),
+            "top_k": pa.nulls(n, pa.int32()), "max_tokens": pa.array(max_tokens),
+            "logprobs_mode": pa.array(["processed"] * n), "num_tokens": pa.array(np.diff(token_offsets)),
+            "num_bytes": pa.array(np.diff(text_offsets)), "finish_reason": pa.array(finish),
             "extracted_answer": pa.array(["42"] * n), "group_size": pa.array(np.full(n, GROUP, np.int32)),
         }
         self.per_model: dict[str, dict[str, pa.Array]] = {}
@@ -137,8 +217,9 @@ def plan_shards(n_rollouts: int, shard_rollouts: int) -> tuple[list[tuple[str, i
     return plan, prompts
 
 
-def _writer(root: str, shards: list[tuple[str, int, int]], prompts: int, seed: int, max_rows: int, done, go) -> None:
-    maker = ShardMaker(max_rows, seed)  # ~0.1-0.4 s of setup, before the clock starts
+def _writer(root: str, shards: list[tuple[str, int, int]], prompts: int, seed: int, max_rows: int, profile: str,
+            done, go) -> None:
+    maker = ShardMaker(max_rows, seed, profile)  # ~0.1-0.4 s of setup (short; ~6 s reasoning), before the clock starts
     bench_prompt_ids(prompts)
     done.put("ready")
     go.wait()
@@ -150,7 +231,7 @@ def _writer(root: str, shards: list[tuple[str, int, int]], prompts: int, seed: i
         after = os.times()
         user += after.user - before.user
         system += after.system - before.system
-        done.put(groups * GROUP)
+        done.put((groups * GROUP, table.nbytes))
     done.put(("cpu", user, system))
 
 
@@ -190,7 +271,7 @@ def measure_lookups(client: StoreClient, store_process: psutil.Process, rng: ran
     def timed(name: str, n_prompts: int, calls: int) -> None:
         """`calls` lookups of `n_prompts` random prompts: p50/p99 ms, rows per call, CPU ms per call."""
         phase(name)
-        times, returned = [], 0
+        times, returned, sizes = [], 0, []
         cpu_before = cpu_seconds(store_process), time.process_time()
         for _ in tqdm(range(calls), desc=f"lookup x{n_prompts}"):
             req = random_request(n_prompts)
@@ -198,10 +279,15 @@ def measure_lookups(client: StoreClient, store_process: psutil.Process, rng: ran
             table, _ = client.lookup_peer_table(req)
             times.append(time.perf_counter() - t)
             returned += table.num_rows
+            sizes.append(table.nbytes)
         result[f"{name}_p50_ms"] = round(percentile(times, 50) * 1e3, 3)
         result[f"{name}_p99_ms"] = round(percentile(times, 99) * 1e3, 3)
         result[f"{name}_rows_per_call"] = returned / calls
         result[f"{name}_cpu_ms"] = cpu_per_call(cpu_before, store_process, calls)
+        # the answer's Arrow bytes (what the client receives, within the IPC framing) and the rate: the median
+        # answer over the median time
+        result[f"{name}_answer_mb"] = round(percentile(sizes, 50) / 1e6, 4)
+        result[f"{name}_answer_mb_per_s"] = round(percentile(sizes, 50) / percentile(times, 50) / 1e6, 1)
 
     for _ in range(50):
         client.lookup_peer_table(random_request(1))
@@ -215,6 +301,66 @@ def measure_lookups(client: StoreClient, store_process: psutil.Process, rng: ran
     result["lookup_as_models_p50_ms"] = round(percentile(with_models, 50) * 1e3, 3)
     timed("batch64", 64, args.batches)
     return result
+
+
+def _reference_server(path: str, listener: socket.socket) -> None:
+    """Answer (length, offset) requests with that many bytes of `path`, read with pread: a lookup's physical floor."""
+    fd = os.open(path, os.O_RDONLY)
+    while True:
+        conn, _ = listener.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with conn:
+            while request := conn.recv(16, socket.MSG_WAITALL):
+                length, offset = struct.unpack("<qq", request)
+                conn.sendall(os.pread(fd, length, offset))
+
+
+def page_cache_reference(root: Path, sizes: dict[str, int], calls: int) -> dict:
+    """Read `size` bytes at random offsets of a file in the page cache and send them over loopback TCP to this
+    process (another process reads and sends, as the store does; this one receives into a buffer): p50 ms and
+    MB/s of each size, timed from the request to the last byte."""
+    path = root / "page-cache-reference.bin"
+    span = max(64 << 20, 4 * max(sizes.values()))
+    with open(path, "wb") as f:
+        for _ in range(span >> 20):
+            f.write(os.urandom(1 << 20))
+    path.read_bytes()  # into the page cache
+    listener = socket.create_server(("127.0.0.1", 0))
+    server = multiprocessing.get_context("fork").Process(target=_reference_server, args=(str(path), listener),
+                                                         daemon=True)
+    server.start()
+    result = {}
+    rng = np.random.default_rng(0)
+    try:
+        with socket.create_connection(listener.getsockname()) as conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for name, size in sizes.items():
+                buffer = memoryview(bytearray(size))
+                times = []
+                for _ in range(calls):
+                    offset = int(rng.integers(0, span - size))
+                    t = time.perf_counter()
+                    conn.sendall(struct.pack("<qq", size, offset))
+                    received = 0
+                    while received < size:
+                        received += conn.recv_into(buffer[received:])
+                    times.append(time.perf_counter() - t)
+                p50 = percentile(times, 50)
+                result[name] = {"bytes": size, "p50_ms": round(p50 * 1e3, 3), "mb_per_s": round(size / p50 / 1e6, 1)}
+    finally:
+        server.kill()
+        listener.close()
+        path.unlink()
+    return result
+
+
+def disk_by_part(root: Path) -> dict[str, int]:
+    """Bytes on disk of the store's shards, lookup files (any version's) and index (DuckDB file, WAL, manifest)."""
+    def total(paths) -> int:
+        return sum(p.stat().st_size for p in paths if p.is_file())
+
+    return {"shards": total((root / "rollouts").rglob("*.parquet")), "lookup_files": total((root / "lookup").rglob("*")),
+            "index": total([*root.glob("index.duckdb*"), root / "manifest.json"])}
 
 
 def naive_lookup(con: duckdb.DuckDBPyConnection, glob: str, prompt: str, learner: str) -> list[dict]:
@@ -234,7 +380,7 @@ def naive_lookup(con: duckdb.DuckDBPyConnection, glob: str, prompt: str, learner
 
 
 def _lake_writer(lake_env: dict, shards: list[tuple[str, int, int]], prompts: int, seed: int, max_rows: int,
-                 done, go) -> None:
+                 profile: str, done, go) -> None:
     """A writer process committing each synthetic shard to the lake in one transaction (validated first, as
     graft-generate and write_groups do)."""
     from services.store_api.lake.config import LakeConfig
@@ -242,7 +388,7 @@ def _lake_writer(lake_env: dict, shards: list[tuple[str, int, int]], prompts: in
     from services.store_api.tables import validate_table
 
     os.environ.update(lake_env)
-    maker = ShardMaker(max_rows, seed)
+    maker = ShardMaker(max_rows, seed, profile)
     lake = Lake(LakeConfig()).open()  # extensions loaded and the lake attached before the clock starts
     done.put("ready")
     go.wait()
@@ -286,7 +432,8 @@ def measure_lake(args: argparse.Namespace, phase) -> dict:
         context = multiprocessing.get_context("fork")
         done, go = context.Queue(), context.Event()
         writers = [context.Process(target=_lake_writer, args=(lake_env, plan[w::args.lake_writers], prompts,
-                                                              args.seed + w, args.shard_rollouts, done, go))
+                                                              args.seed + w, args.shard_rollouts, args.profile,
+                                                              done, go))
                    for w in range(args.lake_writers)]
         for w in writers:
             w.start()
@@ -372,6 +519,8 @@ def measure_lake(args: argparse.Namespace, phase) -> dict:
                 raise AssertionError(f"replicas answered {req} differently")
         result["replicas_identical_answers"] = True
         result["replica_peak_rss_mb"] = round(max(peak_rss_mb(r.pid) for r in replicas), 1)
+        disk = result["replica_disk_bytes"] = disk_by_part(work / "replica-0")  # its cache: shards, lookup files
+        result["replica_disk_over_shards"] = round(sum(disk.values()) / disk["shards"], 3)
         for client in clients:
             client.close()
     finally:
@@ -386,6 +535,11 @@ def measure_lake(args: argparse.Namespace, phase) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rollouts", type=int, default=100_000, help="rollouts to store")
+    parser.add_argument("--profile", choices=PROFILES, default="short",
+                        help="short: 256 tokens and 1 KB of text a rollout; reasoning: a reasoning model's lengths")
+    parser.add_argument("--codec", default=None,
+                        help="the bulk columns' codec of the shards the writers write (default: the store's own)")
+    parser.add_argument("--reference-calls", type=int, default=200, help="page-cache read-and-send calls per size")
     parser.add_argument("--json", type=Path, default=None, help="also write the JSON result here")
     parser.add_argument("--root", type=Path, default=None, help="store root (default: a temporary directory, removed)")
     parser.add_argument("--shard-rollouts", type=int, default=8192, help="rollouts per shard")
@@ -406,8 +560,19 @@ def main() -> None:
     plan, prompts = plan_shards(args.rollouts, args.shard_rollouts)
     n_rollouts = sum(g for _, _, g in plan) * GROUP
     rng = random.Random(args.seed)
-    result: dict = {"rollouts": n_rollouts, "shards": len(plan), "prompts": prompts, "models": len(MODELS),
-                    "cpus": os.cpu_count(), "load_avg_before": os.getloadavg()[0]}
+    result: dict = {"rollouts": n_rollouts, "profile": args.profile, "shards": len(plan), "prompts": prompts,
+                    "models": len(MODELS), "cpus": os.cpu_count(), "load_avg_before": os.getloadavg()[0]}
+    if args.codec:  # the writers fork from this process and write with its module state
+        from services.store_api.local import shards
+
+        if not hasattr(shards, "BULK_CODEC"):
+            raise SystemExit("--codec: this store's shards have no BULK_CODEC to set")
+        shards.BULK_CODEC = args.codec
+    from services.store_api.local import shards as shard_module
+
+    result["bulk_codec"] = getattr(shard_module, "BULK_CODEC", "zstd")
+    if args.profile == "reasoning":
+        reasoning_corpus()  # once, before the writers fork
     load = result["load_avg"] = {}  # 1-minute load average as each phase starts
 
     def phase(name: str) -> None:
@@ -421,7 +586,8 @@ def main() -> None:
         context = multiprocessing.get_context("fork")
         done, go = context.Queue(), context.Event()
         writers = [context.Process(target=_writer, args=(str(root), plan[w::args.writers], prompts, args.seed + w,
-                                                         args.shard_rollouts, done, go)) for w in range(args.writers)]
+                                                         args.shard_rollouts, args.profile, done, go))
+                   for w in range(args.writers)]
         store_process = psutil.Process(server.pid)
         for w in writers:
             w.start()
@@ -432,16 +598,17 @@ def main() -> None:
         store_cpu = cpu_seconds(store_process)
         started = time.perf_counter()
         go.set()
-        finished, writer_user, writer_system = 0, 0.0, 0.0
+        finished, writer_user, writer_system, raw_bytes = 0, 0.0, 0.0, 0
         with tqdm(total=n_rollouts, desc="write", unit="rollout", unit_scale=True) as bar:
             while finished < len(writers):
                 item = done.get()
-                if isinstance(item, tuple):
+                if item[0] == "cpu":
                     finished += 1
                     writer_user += item[1]
                     writer_system += item[2]
                 else:
-                    bar.update(item)
+                    bar.update(item[0])
+                    raw_bytes += item[1]
         for w in writers:
             w.join()
             if w.exitcode:
@@ -459,6 +626,9 @@ def main() -> None:
         index_cpu = cpu_seconds(store_process) - store_cpu
         result["write_rollouts_per_s"] = round(n_rollouts / (written - started))
         result["ingest_rollouts_per_s"] = round(n_rollouts / (ingested - started))
+        # the rows' Arrow bytes (text, token ids, logprobs and the rest, as the writers hold them) per second
+        result["raw_bytes_per_rollout"] = round(raw_bytes / n_rollouts)
+        result["ingest_mb_per_s"] = round(raw_bytes / (ingested - started) / 1e6, 1)
         # CPU seconds spent writing (validation + Parquet, in the writers) and indexing (in the store): what
         # the wall-clock rate would be on idle cores, since this 2-core machine is shared with other jobs
         writer_cpu = writer_user + writer_system
@@ -474,8 +644,11 @@ def main() -> None:
         }
         # the rate the CPU time allows: all of write + index, on 2 cores kept busy by this job alone
         result["ingest_rollouts_per_s_cpu_bound_2_cores"] = round(2 * n_rollouts / (writer_cpu + index_cpu))
-        result["store_bytes_on_disk"] = sum(p.stat().st_size for p in (root / "rollouts").rglob("*.parquet"))
-        result["lookup_file_bytes_on_disk"] = sum(p.stat().st_size for p in (root / "lookup").rglob("*.arrows"))
+        disk = result["disk_bytes"] = disk_by_part(root)
+        result["store_bytes_on_disk"] = disk["shards"]
+        result["lookup_file_bytes_on_disk"] = disk["lookup_files"]
+        result["disk_over_shards"] = round(sum(disk.values()) / disk["shards"], 3)
+        result["disk_bytes_per_rollout"] = {part: round(size / n_rollouts) for part, size in disk.items()}
 
         # ---- freshness: a shard lands, how long until a lookup returns it
         maker = ShardMaker(GROUP, args.seed + 99)
@@ -512,6 +685,16 @@ def main() -> None:
         result["naive_p50_ms"] = round(percentile(naive, 50) * 1e3, 3)
         result["speedup_vs_naive"] = round(result["naive_p50_ms"] / result["lookup_p50_ms"], 1)
         result["peak_rss_mb"] = round(peak_rss_mb(server.pid), 1)
+
+        # ---- the physical reference: the same bytes as each lookup's median answer, read from the page cache
+        # and sent over loopback, no store in between
+        phase("reference")
+        reference = page_cache_reference(root, {name: max(1, int(result[f"{name}_answer_mb"] * 1e6))
+                                                for name in ("lookup", "batch64")}, args.reference_calls)
+        result["page_cache_reference"] = reference
+        for name in ("lookup", "batch64"):
+            result[f"{name}_over_reference_rate"] = round(
+                result[f"{name}_answer_mb_per_s"] / reference[name]["mb_per_s"], 3)
         result["load_avg_after"] = os.getloadavg()[0]
         client.close()
     finally:

@@ -47,7 +47,8 @@ class StoreSettings(BaseSettings):
     compact_min_files: int = Field(default=4, ge=2, description="compact a model once it has this many small shards")
     retired_grace_s: float = Field(default=30.0, ge=0, description="keep compacted-away shards this long for in-flight reads")
     tmp_max_age_s: float = Field(default=3600.0, gt=0, description="delete writers' leftover .tmp- files older than this")
-    max_open_files: int = Field(default=256, ge=1, description="shards' lookup files kept open for lookups")
+    max_open_files: int = Field(default=2048, ge=1, description="shards' lookup files kept open for lookups (2 "
+                                "descriptors each: the store raises its soft descriptor limit to fit them)")
     max_body_mb: float = Field(default=256.0, gt=0, description="largest request body for POST /v1/groups, MB")
     max_request_kb: float = Field(default=1024.0, gt=0, description="largest request body for any other request, KB")
     max_scan_groups: int = Field(default=4096, ge=1, description="groups GET /v1/rollouts reads at most per page")

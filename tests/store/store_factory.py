@@ -68,3 +68,11 @@ def wait_for(predicate, timeout_s: float = 20.0, what: str = "condition"):
             return value
         time.sleep(0.02)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def blocks_of(lookup_file) -> np.ndarray:
+    """The block table of a lookup file, (groups, 12) int64: column 5 is a group's first page, -1 for a copy."""
+    from services.store_api.local.lookup import _LookupFile
+
+    shard = lookup_file.parent.parent.parent / "rollouts" / lookup_file.parent.name / (lookup_file.stem + ".parquet")
+    return _LookupFile(lookup_file, shard).blocks

@@ -15,7 +15,7 @@ from store_factory import make_group, problem_text
 from schemas import PeerLookupRequest, prompt_id, table_to_groups
 from services.store_api.local.durable import TMP_PREFIX
 from services.store_api.local.index import StoreIndex
-from services.store_api.local.lookup import lookup_path
+from services.store_api.local.lookup import LOOKUP_SUFFIX, lookup_path
 from services.store_api.local.manifest import live_files
 from services.store_api.local.queries import BadCursor
 from services.store_api.local.shards import write_groups
@@ -209,7 +209,7 @@ def test_compaction_swaps_atomically_while_lookups_run(settings):
     groups, _ = lookup(index, prompt_ids=pids, learner_model="learner", groups_per_prompt=16)
     assert sorted(g.group_id for g in groups) == sorted(set().union(*expected.values()))
     live = sorted((root / "rollouts").rglob("part-*.parquet"))
-    assert sorted((root / "lookup").rglob("*.arrows")) == sorted(lookup_path(p) for p in live)  # old ones deleted
+    assert sorted((root / "lookup").rglob(f"*{LOOKUP_SUFFIX}")) == sorted(lookup_path(p) for p in live)  # old ones deleted
     before = index_rows(index)
     assert index.rebuild() == 80 and index_rows(index) == before
     index.close()
@@ -230,9 +230,9 @@ def test_lookup_files_are_rebuilt_when_missing_and_orphans_swept(settings):
 
     # a writer that died between its lookup file and its shard leaves them behind; young ones may be in flight
     model_b = root / "lookup" / "model=model-b"
-    orphan = model_b / "part-died.arrows"
-    stale_tmp = model_b / f"{TMP_PREFIX}1234-part-died.arrows"
-    young = model_b / "part-in-flight.arrows"
+    orphan = model_b / f"part-died{LOOKUP_SUFFIX}"
+    stale_tmp = model_b / f"{TMP_PREFIX}1234-part-died{LOOKUP_SUFFIX}"
+    young = model_b / f"part-in-flight{LOOKUP_SUFFIX}"
     for path in (orphan, stale_tmp, young):
         shutil.copy(lookup_path(shards[1]), path)
     for path in (orphan, stale_tmp, lookup_path(shards[1])):

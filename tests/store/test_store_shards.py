@@ -10,12 +10,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from pydantic import ValidationError
-from store_factory import make_group, make_problem
+from store_factory import blocks_of, make_group, make_problem
 
 from schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA, Rollout, RolloutGroup, groups_to_table, table_to_groups
 from services.store_api.local import lookup as lookup_files
 from services.store_api.local.durable import TMP_PREFIX
-from services.store_api.local.lookup import ShardReader, ShardReadError, lookup_path, read_stream
+from services.store_api.local.lookup import ShardReader, ShardReadError, lookup_path
+from services.store_api.local.pages import bulk_pages
 from services.store_api.local.shards import BULK_COLUMNS, ROW_GROUP_ROWS, write_groups
 from services.store_api.tables import ShardValidationError, groups_table, validate_table
 
@@ -40,7 +41,7 @@ def test_round_trip_through_a_shard(tmp_path):
     assert sorted(problems.column("prompt_id").to_pylist()) == sorted(make_problem(i).prompt_id for i in range(30))
 
 
-def test_row_groups_hold_whole_groups_and_bulk_columns_are_zstd(tmp_path):
+def test_row_groups_and_pages_hold_whole_groups_and_only_bulk_columns_are_compressed(tmp_path):
     # 6 does not divide the row group target
     groups = [make_group(i, "model-a", size=6, tokens=2) for i in range(ROW_GROUP_ROWS // 6 + 20)]
     path = write_groups(tmp_path, groups)
@@ -51,17 +52,23 @@ def test_row_groups_hold_whole_groups_and_bulk_columns_are_zstd(tmp_path):
         assert row_group.num_rows % 6 == 0 and row_group.num_rows <= ROW_GROUP_ROWS
         for j in range(row_group.num_columns):
             column = row_group.column(j)
-            expected = "ZSTD" if column.path_in_schema.split(".")[0] in BULK_COLUMNS else "UNCOMPRESSED"
+            expected = "LZ4" if column.path_in_schema.split(".")[0] in BULK_COLUMNS else "UNCOMPRESSED"  # LZ4_RAW
             assert column.compression == expected, column.path_in_schema
+    pages = bulk_pages(memoryview(path.read_bytes()), metadata)
+    assert all(page.rows == 6 for column in pages.values() for page in column)  # a page per group
 
 
 def test_lookup_file_holds_each_group_and_is_rebuilt_when_missing_or_damaged(tmp_path):
     groups = [make_group(i, "model-a", size=8, tokens=30) for i in range(12)]
     path = write_groups(tmp_path, groups)
     lookup = lookup_path(path)
-    assert lookup == tmp_path / "lookup" / "model=model-a" / (path.stem + ".arrows")
+    assert lookup == tmp_path / "lookup" / "model=model-a" / (path.stem + ".lookup")
     written = lookup.read_bytes()
-    assert read_stream(written).equals(pq.read_table(path))  # the file is a plain Arrow stream of the shard
+    # templates only: the bulk values stay in the shard's pages (no token id list of a group is in the file)
+    assert all(blocks_of(lookup)[:, 5] >= 0)
+    ids = pa.array(groups[3].rollouts[0].completion_token_ids, pa.int32()).buffers()[1].to_pybytes()
+    assert ids in pq.read_table(path).column("completion_token_ids").combine_chunks().values.buffers()[1].to_pybytes()
+    assert ids not in written
     rel = path.relative_to(tmp_path).as_posix()
     wanted = [(rel, 8 * 5, 8), (rel, 8 * 11, 8), (rel, 0, 8)]
 
@@ -161,7 +168,7 @@ def test_written_files_leave_the_page_cache(tmp_path):
     groups = [make_group(i, "model-a", size=8, tokens=2000) for i in range(40)]
     path = write_groups(tmp_path, groups)
     lookup = lookup_path(path)
-    assert path.stat().st_size > 1 << 20 and lookup.stat().st_size > 1 << 20
+    assert path.stat().st_size > 1 << 20 and lookup.stat().st_size > 32 * 4096
     assert _resident_pages(path) <= 4 and _resident_pages(lookup) <= 4
     rel = path.relative_to(tmp_path).as_posix()
     assert table_to_groups(ShardReader(tmp_path).read([(rel, 8 * 39, 8), (rel, 0, 8)])) == [groups[39], groups[0]]
@@ -176,7 +183,9 @@ def test_lookup_file_of_a_foreign_shard_whose_groups_span_row_groups(tmp_path):
     reader = ShardReader(tmp_path)
     rel = shard.relative_to(tmp_path).as_posix()
     assert table_to_groups(reader.read([(rel, 4 * g, 4) for g in (8, 0, 3)])) == [groups[8], groups[0], groups[3]]
-    assert read_stream(lookup_path(shard).read_bytes()).equals(pq.read_table(shard))
+    assert all(blocks_of(lookup_path(shard))[:, 5] == -1)  # version-1 pages: every group copied whole
+    everything = reader.read([(rel, 4 * g, 4) for g in range(9)])
+    assert everything.equals(pq.read_table(shard).cast(ROLLOUT_ARROW_SCHEMA))
 
 
 def test_arrow_path_writes_the_same_rows_as_the_model_path(tmp_path):

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA, Problem
 from services.store_api.lake.attach import (
@@ -40,7 +39,7 @@ from services.store_api.lake.attach import (
 from services.store_api.lake.config import LakeError, LakeUnavailable
 from services.store_api.local.durable import fsync_directory
 from services.store_api.local.mirror import GroupConflict, GroupRef
-from services.store_api.local.shards import COMPRESSION
+from services.store_api.local.shards import encode_shard
 from services.store_api.tables import SMALL_COLUMNS_SCHEMA, group_runs
 
 COMMIT_ATTEMPTS = 40  # a commit that keeps losing to other writers' (see Lake.commit) gives up after these
@@ -141,11 +140,12 @@ class LakeWriting(LakeConnection):
         models = pc.unique(rows.column("model_id")).to_pylist()
         for model in models:
             of_model = rows if len(models) == 1 else rows.filter(pc.equal(rows.column("model_id"), model))
+            # the local store's shard layout (pages of whole groups, which a replica's cache serves lookups from),
+            # with statistics on the small columns (DuckLake prunes files by them, e.g. a commit's duplicate check
+            # on group_id)
+            _, lengths = group_runs(of_model.column("group_id"))
             sink = pa.BufferOutputStream()
-            # the local store's shard codecs: zstd level 1 on the bulk columns only, no dictionaries; statistics on
-            # the small columns (DuckLake prunes files by them, e.g. a commit's duplicate check on group_id)
-            pq.write_table(of_model, sink, row_group_size=ROW_GROUP_ROWS, compression=COMPRESSION,
-                           use_dictionary=False, write_statistics=SMALL_COLUMNS_SCHEMA.names, write_page_checksum=True)
+            encode_shard(of_model, lengths, sink, ROW_GROUP_ROWS, statistics=SMALL_COLUMNS_SCHEMA.names)
             path = f"{self._rollouts_path}model_id={model}/ducklake-{uuid.uuid4()}.parquet"
             self._put(path, sink.getvalue())
             yield path

@@ -33,11 +33,11 @@ from services.store_api.local.lookup import (
     LOOKUP_DIR,
     LOOKUP_SUFFIX,
     ShardReadError,
-    groups_of,
     lookup_footer,
     lookup_path,
     read_whole_groups,
     shard_footer,
+    shard_pages,
     write_lookup_file,
 )
 from services.store_api.local.mirror import GroupConflict, GroupRef, now_us
@@ -92,8 +92,9 @@ def validate_shard(path: Path, expected_model: str) -> pa.Table:
     holds (`shards.write_rollout_table`): only its small columns are decoded and checked, every rule but those
     on BULK_COLUMNS (~0.5 us per rollout instead of ~7 for decoding text, token ids and logprobs). Any other
     shard (a foreign writer's, or one rewritten since) is decoded and checked whole, and its lookup file
-    written in the same pass. Reads whole groups a chunk at a time (memory bounded for any file). Raises
-    ShardReadError if the file cannot be decoded, ShardValidationError naming the first bad row otherwise.
+    written in the same pass (templates where its groups have bulk pages of their own). Reads whole groups a chunk
+    at a time (memory bounded for any file). Raises ShardReadError if the file cannot be decoded,
+    ShardValidationError naming the first bad row otherwise.
     """
     try:
         parquet = pq.ParquetFile(path, page_checksum_verification=True)
@@ -140,8 +141,8 @@ def validate_shard(path: Path, expected_model: str) -> pa.Table:
     if checked_by_writer:
         for _ in checked():
             pass
-    else:
-        write_lookup_file(lookup_path(path), groups_of(checked()), footer)
+    else:  # groups with bulk pages of their own get templates, the others copies
+        write_lookup_file(lookup_path(path), checked(), footer, shard_pages(path, parquet))
     return pa.concat_tables(summaries)
 
 
