@@ -21,6 +21,7 @@ saying so. SQL blocks are DuckDB's and PostgreSQL's
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -180,6 +181,13 @@ def test_the_pages_commands_run_as_printed(page: Path, tmp_path: Path):
         if server is not None:
             server.stop()
     assert ran, f"{page.name}: no block ran"
+    # a training run of the walk asked the page's store (a config's own store URL that the port substitution misses
+    # would make it a GRPO run with warnings, and exit 0)
+    for metrics in sorted((cwd / "runs").glob("*/metrics.jsonl")):
+        steps = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        asked = [(s["step"], s.get("store_lookups", 0), s.get("store_lookup_failures", 0)) for s in steps if "step" in s]
+        assert asked and all(failed == 0 for _, _, failed in asked) and sum(n for _, n, _ in asked) > 0, \
+            f"{page.name}: {metrics.parent.name} did not reach the page's store (step, lookups, failures): {asked}"
     # in a checkout the commands leave only what they name (the store, the models laid out, the runs, all ignored by
     # git): their other files go to folders of their own
     left = sorted(p.name for p in cwd.iterdir() if p.name not in ("configs", "data", ".venv", "stores", "models", "runs"))

@@ -52,7 +52,7 @@ def test_peer_lookup_semantics(settings):
     groups, misses = lookup(index, prompt_ids=[pid(0), pid(1), pid(2), pid(7)], learner_model="learner")
     assert [(g.prompt_id, g.model_id, g.policy_step) for g in groups] == [
         (pid(0), "peer-b", 4), (pid(1), "peer-a", 1), (pid(2), "peer-a", 1)]
-    assert misses == [pid(7)]
+    assert misses == {pid(7): "nothing_stored"}
     assert all(g.informative for g in groups)
 
     groups, _ = lookup(index, prompt_ids=[pid(0)], learner_model="learner", groups_per_prompt=5)
@@ -64,14 +64,14 @@ def test_peer_lookup_semantics(settings):
     groups, _ = lookup(index, prompt_ids=[pid(0)], learner_model="learner", max_age_s=3600, groups_per_prompt=5)
     assert [g.policy_step for g in groups] == [4, 1]  # the two-hour-old group is out
     groups, misses = lookup(index, prompt_ids=[pid(0), pid(1)], learner_model="learner", min_policy_step=4)
-    assert [g.model_id for g in groups] == ["peer-b"] and misses == [pid(1)]
+    assert [g.model_id for g in groups] == ["peer-b"] and misses == {pid(1): "only_uninformative"}  # peer-b's step 9 is all-fail
     groups, _ = lookup(index, prompt_ids=[pid(1), pid(2)], learner_model="learner", informative_only=False,
                        min_successes=0)
     assert [g.successes for g in groups] == [0, 4]  # step 9 beats step 1 once uninformative groups count
     groups, _ = lookup(index, prompt_ids=[pid(2)], learner_model="learner", informative_only=False, min_successes=3)
     assert [g.successes for g in groups] == [4]
     groups, misses = lookup(index, prompt_ids=[pid(0)], learner_model="peer-b", peer_models=["peer-b"])
-    assert groups == [] and misses == [pid(0)]  # the learner's own groups never come back
+    assert groups == [] and misses == {pid(0): "peers_not_admitted"}  # the learner's own groups never come back
     index.close()
 
 
@@ -129,7 +129,7 @@ def test_corrupt_and_truncated_files_are_quarantined(settings, caplog):
     good.write_bytes(bytes(data))
     index.reader.forget(good.relative_to(root).as_posix())
     groups, misses = lookup(index, prompt_ids=[pid(0), pid(1)], learner_model="x")
-    assert groups == [] and misses == [pid(0), pid(1)]
+    assert groups == [] and list(misses) == [pid(0), pid(1)]
     assert index.group_count() == 0 and index.stats().quarantined_files == 4
     assert not lookup_path(good).exists()
     index.close()

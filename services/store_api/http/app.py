@@ -386,7 +386,7 @@ def create_app(settings: StoreSettings) -> FastAPI:
         messages, misses = index.read_selected(lambda: index.select_peer_groups(req), as_messages=True)
         lookups.inc()
         lookup_misses.inc(len(misses))
-        return messages, {"misses": misses, "miss_reasons": index.peer_miss_reasons(req, misses) if misses else {}}
+        return messages, {"misses": list(misses), "miss_reasons": misses}
 
     async def arrow_lookup(req: PeerLookupRequest) -> bytes:
         """A peer lookup's answer as an Arrow IPC stream, misses and miss_reasons in the schema metadata."""

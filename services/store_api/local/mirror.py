@@ -104,11 +104,13 @@ class GroupMirror:
 
     # ------------------------------------------------------------------ lookups
 
-    def peer_groups(self, req: PeerLookupRequest) -> tuple[list[GroupRef], list[str]]:
-        """The groups a peer lookup returns (by prompt in request order, most recent first) and the misses."""
+    def peer_groups(self, req: PeerLookupRequest) -> tuple[list[GroupRef], dict[str, str]]:
+        """The groups a peer lookup returns (by prompt in request order, most recent first) and the misses, in
+        request order, each with why it missed: read in one pass under the lock, so a group ingested meanwhile
+        cannot make a miss's reason contradict the answer."""
         now = now_us()
         chosen: list[GroupRef] = []
-        misses: list[str] = []
+        misses: dict[str, str] = {}
         with self._lock:
             for prompt in dict.fromkeys(req.prompt_ids):
                 found = 0
@@ -121,27 +123,21 @@ class GroupMirror:
                     if found == req.groups_per_prompt:
                         break
                 if not found:
-                    misses.append(prompt)
+                    misses[prompt] = self._miss_reason(req, prompt, now)
         return chosen, misses
 
-    def miss_reasons(self, req: PeerLookupRequest, misses: list[str]) -> dict[str, str]:
-        """Why each missed prompt got nothing (`schemas.api.MISS_REASONS`): nothing stored; only the learner's own
+    def _miss_reason(self, req: PeerLookupRequest, prompt: str, now: int) -> str:
+        """Why a missed prompt got nothing (`schemas.api.MISS_REASONS`): nothing stored; only the learner's own
         groups; other models' groups, none from an admitted peer (peer_models, min_policy_step, max_age_s); admitted
-        peers' groups, none with an admitted outcome (all-fail or all-success when informative_only)."""
-        now = now_us()
-        reasons: dict[str, str] = {}
-        with self._lock:
-            for prompt in misses:
-                refs = self._by_prompt.get(prompt, ())
-                if not refs:
-                    reasons[prompt] = "nothing_stored"
-                elif all(ref.model_id == req.learner_model for ref in refs):
-                    reasons[prompt] = "only_learner"
-                elif not any(req.admits_source(ref.model_id, ref.policy_step, ref.created_us, now) for ref in refs):
-                    reasons[prompt] = "peers_not_admitted"
-                else:
-                    reasons[prompt] = "only_uninformative"
-        return reasons
+        peers' groups, none with an admitted outcome (all-fail or all-success when informative_only). Under the lock."""
+        refs = self._by_prompt.get(prompt, ())
+        if not refs:
+            return "nothing_stored"
+        if all(ref.model_id == req.learner_model for ref in refs):
+            return "only_learner"
+        if not any(req.admits_source(ref.model_id, ref.policy_step, ref.created_us, now) for ref in refs):
+            return "peers_not_admitted"
+        return "only_uninformative"
 
     def prompt_groups(self, prompt: str, model: str | None, limit: int) -> list[GroupRef]:
         """A prompt's groups, most recent first, of one model or any."""

@@ -50,13 +50,10 @@ class IndexQueries(Catalog):
 
     # ------------------------------------------------------------------ lookups (the mirror)
 
-    def select_peer_groups(self, req: PeerLookupRequest) -> tuple[list[GroupRef], list[str]]:
-        """The groups a peer lookup returns (by prompt in request order, most recent first) and the misses."""
+    def select_peer_groups(self, req: PeerLookupRequest) -> tuple[list[GroupRef], dict[str, str]]:
+        """The groups a peer lookup returns (by prompt in request order, most recent first) and the misses, each
+        with why it got nothing (prompt id -> one of schemas.api.MISS_REASONS)."""
         return self.mirror.peer_groups(req)
-
-    def peer_miss_reasons(self, req: PeerLookupRequest, misses: list[str]) -> dict[str, str]:
-        """Why each of a lookup's missed prompts got nothing (prompt id -> one of schemas.api.MISS_REASONS)."""
-        return self.mirror.miss_reasons(req, misses)
 
     def select_prompt_groups(self, prompt: str, model: str | None, limit: int) -> list[GroupRef]:
         return self.mirror.prompt_groups(prompt, model, limit)
