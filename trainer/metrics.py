@@ -25,7 +25,7 @@ from trainer.config import TrainConfig
 from trainer.data import LoopState
 from trainer.distributed import DistContext, gather_lists, reduce_metrics
 from trainer.gate import GateDecision, classify_group
-from trainer.peers import NO_PEER_REASONS, no_peer_reasons
+from trainer.peers import NO_PEER_REASONS, gate_tally
 from trainer.rollout import SampledStep
 from trainer.update import UpdateResult
 
@@ -186,7 +186,6 @@ def _rank_tally(
     drops = dict(rows.drops)
     drops["non_finite"] += outcome.weighted.dropped_non_finite
     actions = [d.action for d in decisions]
-    no_peer, uninformative_stored = no_peer_reasons(decisions, outcome.peers)
     sums: dict[str, float] = {
         "reward": sum(rewards), "reward_n": len(rewards),
         "groups_sampled": len(kinds), "groups_all_fail": kinds.count("all_fail"),
@@ -202,16 +201,10 @@ def _rank_tally(
         "rollouts_generated": outcome.rollouts_generated, "peer_rollouts_consumed": outcome.peer_rollouts_consumed,
         "step_cpu_s": time.process_time() - clock.cpu_started,
         "reward_previously_grafted": sum(previously), "reward_previously_grafted_n": len(previously),
-        # groups_no_peer: no admitted peer group at all; the store's only_uninformative prompts count as
-        # groups_peer_uninformative, as the gate's own (trainer.peers.no_peer_reasons)
-        "groups_capped": actions.count("skip_capped"),
-        "groups_no_peer": actions.count("skip_no_peer") - uninformative_stored,
-        "groups_peer_uninformative": actions.count("skip_uninformative") + uninformative_stored,
-        **{f"groups_no_peer_{reason}": count for reason, count in no_peer.items()},
+        **gate_tally(decisions, outcome.peers),
         "completion_tokens": sum(r.num_tokens for g in sampled.generated for r in g.rollouts),
         "rows": len(outcome.weighted.rows),
         "rows_with_signal": sum(1 for row in outcome.weighted.rows if row.advantage != 0),
-        "groups_no_peer_tokenizer": actions.count("skip_no_peer_tokenizer"),
         **{f"dropped_{reason}": count for reason, count in drops.items()},
         **{f"projection_{kind}": count for kind, count in rows.projections.items()},
         "peer_advantage_mismatch": rows.peer_advantage_mismatch,
@@ -265,10 +258,9 @@ class MetricsLog:
         """The store client's counts since the last call (store_*) when the run talks to a store, for step_metrics."""
         if self.peers is None:
             return {}
-        now = asdict(self.peers.counters)
-        counts: dict[str, float] = {f"store_{k}": v - self._previous_counters.get(k, 0) for k, v in now.items()}
+        counts: dict[str, float] = self.peers.counters.since(self._previous_counters)
         counts["store_available"] = float(self.peers.available)
-        self._previous_counters = now
+        self._previous_counters = asdict(self.peers.counters)
         return counts
 
     def write(self, metrics: dict[str, Any]) -> dict[str, Any]:

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -60,6 +61,10 @@ class StoreCounters:
     publish_failures: int = 0
     groups_dropped_from_outbox: int = 0
     cotrain_waits_skipped: int = 0  # co-training waits not started: the store was known to be down
+
+    def since(self, previous: dict[str, int]) -> dict[str, int]:
+        """The counts since `previous` (an earlier `dataclasses.asdict` of these), under their metric names store_*."""
+        return {f"store_{name}": value - previous.get(name, 0) for name, value in dataclasses.asdict(self).items()}
 
 
 @dataclass
@@ -371,6 +376,22 @@ def no_peer_reasons(decisions: list[GateDecision], found: LookupResult | None) -
         else:
             counts["unknown"] += 1
     return counts, uninformative
+
+
+def gate_tally(decisions: list[GateDecision], found: LookupResult | None) -> dict[str, int]:
+    """Why the gate skipped the groups it did not graft, the metrics graft-train and the TRL adapter log alike:
+    groups_capped; groups_no_peer (no admitted peer group at all) with groups_no_peer_<reason> from the lookup's
+    miss_reasons (no_peer_reasons); groups_peer_uninformative (admitted peer groups, none informative: the gate's own
+    and the store's only_uninformative prompts); groups_no_peer_tokenizer."""
+    actions = [d.action for d in decisions]
+    no_peer, uninformative_stored = no_peer_reasons(decisions, found)
+    return {
+        "groups_capped": actions.count("skip_capped"),
+        "groups_no_peer": actions.count("skip_no_peer") - uninformative_stored,
+        "groups_peer_uninformative": actions.count("skip_uninformative") + uninformative_stored,
+        **{f"groups_no_peer_{reason}": count for reason, count in no_peer.items()},
+        "groups_no_peer_tokenizer": actions.count("skip_no_peer_tokenizer"),
+    }
 
 
 class RefusedTokenizers:

@@ -45,7 +45,7 @@ from trainer.config import TrainConfig
 from trainer.data import load_peer_tokenizers
 from trainer.gate import GateDecision, gate_groups
 from trainer.learner import Learner
-from trainer.peers import LookupResult, PeerExchange, RefusedTokenizers
+from trainer.peers import LookupResult, PeerExchange, RefusedTokenizers, gate_tally
 from trainer.retokenize import DropReason, Projection, learner_stop_token
 
 from integrations.trl.config import GraftConfig
@@ -94,7 +94,7 @@ class _Plan:
     same_tokenizer_id_mismatch: int = 0
     grafted_groups_short: int = 0  # grafted groups that lost rows (dropped, or beyond G): advantages over the rest
     peer_rollouts_unused: int = 0  # rows of peer groups larger than G, beyond the G slots
-    store: dict[str, float] = field(default_factory=dict)  # the store client's counts and wait of this batch
+    store: dict[str, float] = field(default_factory=dict)  # the gate's tally, the store client's counts and wait
 
 
 class GraftGRPOTrainer(GRPOTrainer):
@@ -182,11 +182,11 @@ class GraftGRPOTrainer(GRPOTrainer):
                 usable_tokenizers=self.graft.refused.usable,
             )
             self.graft.refused.warn(decisions, found.groups)
-            payload = [decisions, self._store_counts(wait_s)]
+            payload = [decisions, {**gate_tally(decisions, found), **self._store_counts(wait_s)}]
         decisions, store = broadcast_object_list(payload, from_process=0)
 
         plan = _Plan(decisions, {}, dict.fromkeys(get_args(DropReason), 0),
-                     dict.fromkeys(get_args(Projection), 0), store=store)
+                     dict.fromkeys(get_args(Projection), 0), store=store or {})
         for group, decision in enumerate(decisions):
             if not decision.grafts:
                 continue
@@ -342,10 +342,8 @@ class GraftGRPOTrainer(GRPOTrainer):
     # ---- metrics -----------------------------------------------------------------------------------------------
     def _store_counts(self, wait_s: float) -> dict[str, float]:
         """The store client's counts since the last batch (graft-train's store_* names) and this batch's wait."""
-        now = dataclasses.asdict(self.graft.peers.counters)
-        counts = {f"store_{k}": float(v - self.graft.counters_logged.get(k, 0)) for k, v in now.items()
-                  if k.startswith("lookup")}
-        self.graft.counters_logged = now
+        counts: dict[str, float] = self.graft.peers.counters.since(self.graft.counters_logged)
+        self.graft.counters_logged = dataclasses.asdict(self.graft.peers.counters)
         counts["store_wait_s"] = wait_s
         counts["store_available"] = float(self.graft.peers.available)
         return counts
@@ -378,10 +376,6 @@ class GraftGRPOTrainer(GRPOTrainer):
                                      / len(grafted_groups)) if grafted_groups else NAN,
             "peer_rollouts_consumed": consumed,
             "peer_rollouts_unused": plan.peer_rollouts_unused,
-            "groups_capped": actions.count("skip_capped"),
-            "groups_no_peer": actions.count("skip_no_peer"),
-            "groups_peer_uninformative": actions.count("skip_uninformative"),
-            "groups_no_peer_tokenizer": actions.count("skip_no_peer_tokenizer"),
             **{f"dropped_{reason}": count for reason, count in plan.drops.items()},
             **{f"projection_{kind}": count for kind, count in plan.projections.items()},
             "peer_advantage_mismatch": plan.peer_advantage_mismatch,

@@ -52,7 +52,7 @@ from trainer.data import load_peer_tokenizers
 from trainer.gate import GateDecision, gate_groups
 from trainer.learner import Learner
 from trainer.metrics import MetricsLog
-from trainer.peers import LookupResult, PeerExchange, RefusedTokenizers
+from trainer.peers import LookupResult, PeerExchange, RefusedTokenizers, gate_tally
 from trainer.retokenize import DropReason, Projection, learner_stop_token
 
 log = logging.getLogger(__name__)
@@ -199,7 +199,7 @@ class GraftPPOTrainer(PPOTrainerSync):
             usable_tokenizers=self.graft.refused.usable,
         )
         self.graft.refused.warn(decisions, found.groups)
-        splice = Splice(decisions, {}, rewards, store=self.graft_store_counts(found.wait_s))
+        splice = Splice(decisions, {}, rewards, store={**gate_tally(decisions, found), **self.graft_store_counts(found.wait_s)})
         grafted = [(uid, rows, d) for (uid, rows), d in zip(groups.items(), decisions, strict=True) if d.grafts]
         if grafted:
             self.graft_write_rows(batch, grafted, splice)
@@ -216,6 +216,7 @@ class GraftPPOTrainer(PPOTrainerSync):
             found.ok &= result.ok
             for prompt_id, peer_groups in result.groups.items():
                 found.groups.setdefault(prompt_id, []).extend(peer_groups)
+            found.miss_reasons.update(result.miss_reasons)
             prompt_of.update(lookup.prompt_of)
             if lookup.prompt_of.keys() <= wanted:
                 self.graft_lookups.remove(lookup)
@@ -374,9 +375,6 @@ class GraftPPOTrainer(PPOTrainerSync):
             "peer_rollouts_consumed": sum(1 for row in (weighted.rows if weighted else []) if row.grafted),
             "peer_rollouts_unused": splice.peer_rollouts_unused,
             "grafted_groups_short": splice.grafted_groups_short,
-            "groups_capped": actions.count("skip_capped"), "groups_no_peer": actions.count("skip_no_peer"),
-            "groups_peer_uninformative": actions.count("skip_uninformative"),
-            "groups_no_peer_tokenizer": actions.count("skip_no_peer_tokenizer"),
             **{f"dropped_{reason}": value for reason, value in drops.items()},
             **{f"projection_{kind}": value for kind, value in splice.projections.items()},
             "peer_advantage_mismatch": splice.peer_advantage_mismatch,

@@ -101,6 +101,10 @@ def test_a_store_that_is_down_leaves_trl_training_as_plain_grpo(toy_world, tmp_p
     assert all(line["graft/frac_grafted"] == 0 for line in lines)
     assert sum(line["graft/store_lookup_failures"] + line["graft/store_lookups_skipped_backoff"] for line in lines) >= 1
     assert all(line["graft/frac_all_fail"] < 1 for line in lines)
+    # the gate's tally is graft-train's (trainer.peers.gate_tally): every all-fail group without a peer group counted
+    # by why, here the lookups that failed
+    assert all(line["graft/groups_no_peer"] == line["graft/groups_no_peer_unanswered"]
+               == round(line["graft/frac_all_fail"] * 4) for line in lines)  # 4 groups a batch
 
     model = AutoModelForCausalLM.from_pretrained(toy_world.learner_dir)
     plain = GRPOTrainer(model=model, reward_funcs=accuracy, train_dataset=dataset(problems),

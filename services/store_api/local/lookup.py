@@ -26,7 +26,9 @@ Their directory is not fsynced after the rename: a file lost or torn by a crash 
 and is rebuilt; a shard damaged under it fails its pages' CRC checks (and is quarantined, `queries.py`).
 
 Owns the format (writer, rebuild from a shard, table checks), `ShardReader` (the store's reader of whole
-groups, through these files) and the Arrow IPC stream helpers the API answers with.
+groups, through these files) and the Arrow IPC stream helpers the API answers with. It is over 600 lines as one
+module on purpose: the writer, the rebuild and the reader share the file's private layout (the trailer, block
+and page tables defined below); split by job, each part would import the others' private names.
 """
 
 from __future__ import annotations

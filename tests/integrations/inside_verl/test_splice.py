@@ -187,6 +187,8 @@ def test_all_fail_groups_take_the_peer_rows_with_graft_trains_weights(world, ste
     assert metrics["graft/peer_hit_rate"] == 1 and metrics["graft/peer_rollouts_consumed"] == sum(PEER_SIZES)
     assert metrics["graft/projection_spans"] == sum(PEER_SIZES) and metrics["graft/store_lookup_failures"] == 0
     assert 0 < metrics["graft/compat_weight_mean"] <= 1 and metrics["graft/learner_reward_mean"] == pytest.approx(1 / 12)
+    # the gate's tally is graft-train's (trainer.peers.gate_tally), reasons included: both failed groups grafted
+    assert metrics["graft/groups_no_peer"] == metrics["graft/groups_no_peer_nothing_stored"] == 0
 
 
 def test_verls_loss_on_the_spliced_batch_is_graft_trains_loss(stepped):
