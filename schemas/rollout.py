@@ -21,6 +21,8 @@ ADVANTAGE_TOLERANCE = 1e-3  # stored advantages are float32; recomputed ones mus
 LOGPROB_TOLERANCE = 1e-6  # a logprob may exceed 0 by this much (rounding in the sampler)
 # A group id is a URL path segment (GET /v1/groups/{group_id}): no '/', no '.' or '..', bounded length.
 GROUP_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$"
+PROMPT_ID_PATTERN = r"^[0-9a-f]{16}$"  # prompt_id(problem text): 16 lowercase hex characters
+ARROW_MEDIA_TYPE = "application/vnd.apache.arrow.stream"  # the store's Arrow IPC bodies and answers
 # "<group_id>-<position in the group>": unique in the whole store wherever group ids are
 ROLLOUT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}-(0|[1-9][0-9]{0,9})$"
 SAFE_NAME_PATTERN = r"^[A-Za-z0-9._\-]+$"  # model ids and dataset names of problems name directories
@@ -79,7 +81,7 @@ class Rollout(BaseModel):
         pattern=GROUP_ID_PATTERN,
         description="id shared by the rollouts of one group, unique in the store: 1-128 of [A-Za-z0-9._:-], starting with "
                     "a letter or digit (it is a URL path segment)")
-    prompt_id: Annotated[str, Arrow(pa.string())] = Field(pattern=r"^[0-9a-f]{16}$", description="prompt_id(problem text)")
+    prompt_id: Annotated[str, Arrow(pa.string())] = Field(pattern=PROMPT_ID_PATTERN, description="prompt_id(problem text)")
     dataset: Annotated[str, Arrow(pa.string())] = Field(min_length=1, description="dataset the prompt comes from")
     # provenance
     model_id: Annotated[str, Arrow(pa.string())] = Field(min_length=1, pattern=SAFE_NAME_PATTERN, description="model that generated it (a path-safe name)")
@@ -228,7 +230,7 @@ class Problem(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    prompt_id: Annotated[str, Arrow(pa.string())] = Field(pattern=r"^[0-9a-f]{16}$", description="prompt_id(problem)")
+    prompt_id: Annotated[str, Arrow(pa.string())] = Field(pattern=PROMPT_ID_PATTERN, description="prompt_id(problem)")
     dataset: Annotated[str, Arrow(pa.string())] = Field(
         pattern=SAFE_NAME_PATTERN, description="dataset name: [A-Za-z0-9._-]+ (it names the directory prompts/dataset=<name>/)")
     problem: Annotated[str, Arrow(pa.string())] = Field(min_length=1, description="problem text")

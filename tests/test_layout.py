@@ -100,6 +100,13 @@ def test_trainer_and_rollouts_import_no_service_but_the_store_client():
                    if module.startswith("rollouts") for imported in imports)
 
 
+def test_the_toy_world_imports_nothing_from_the_demo_built_on_it():
+    """toy/ (models, task, their setup) is what demo/ runs on: an arrow from toy back up to demo is a layering error
+    (toy.setup_models took the SmolLM2 path from demo.real; it is rollouts.models.smollm2_gguf now)."""
+    graph = _import_graph()
+    assert sorted((m, i) for m, imports in graph.items() if m.startswith("toy") for i in imports if i.startswith("demo")) == []
+
+
 def test_the_installed_packages_ship_no_test_fixtures():
     graph = _import_graph()
     for package in ("schemas", "rollouts", "services", "trainer"):

@@ -51,10 +51,9 @@ def lay_out_smollm2(folder: Path) -> None:
     """SmolLM2-135M-Instruct as learner/ and peer/: the wheel's GGUF dequantised once into the cache
     (rollouts.models.resolve_model_dir), its files hard-linked into learner/ (copied across file systems) and
     learner's into peer/ (one 0.5 GB copy on disk, not two)."""
-    from demo.real import smollm2_path
-    from rollouts.models import resolve_model_dir
+    from rollouts.models import resolve_model_dir, smollm2_gguf
 
-    source = resolve_model_dir(smollm2_path())
+    source = resolve_model_dir(smollm2_gguf())
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".setup-models-", dir=folder) as staging:
         learner, peer = (Path(staging) / name for name in MODELS)

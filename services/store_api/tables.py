@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 
 from pydantic import ValidationError
 
-from schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA, Problem, RolloutGroup
+from schemas import PROBLEM_ARROW_SCHEMA, PROMPT_ID_PATTERN, ROLLOUT_ARROW_SCHEMA, Problem, RolloutGroup
 from schemas.rollout import (
     ADVANTAGE_EPS,
     ADVANTAGE_TOLERANCE,
@@ -248,7 +248,7 @@ def validate_table(table: pa.Table, bulk: bool = True) -> pa.Table:
 
     for name in ("group_id", "dataset", "model_id", "tokenizer_id"):
         fail_first_group(pc.greater_equal(pc.binary_length(heads.column(name)), 1), f"{name} is empty")
-    fail_first_group(pc.match_substring_regex(heads.column("prompt_id"), r"^[0-9a-f]{16}$"),
+    fail_first_group(pc.match_substring_regex(heads.column("prompt_id"), PROMPT_ID_PATTERN),
                      "prompt_id must be 16 lowercase hex chars (schemas.prompt_id)", col("prompt_id"))
     fail_first_group(pc.match_substring_regex(heads.column("model_id"), SAFE_NAME.pattern),
                      "model_id must match [A-Za-z0-9._-]+ (it names a directory)", col("model_id"))

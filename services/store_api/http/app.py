@@ -34,8 +34,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from schemas import (
+    ARROW_MEDIA_TYPE,
     GROUP_ID_PATTERN,
     MAX_PAGE_SIZE,
+    PROMPT_ID_PATTERN,
     ROLLOUT_ARROW_SCHEMA,
     ErrorResponse,
     HealthResponse,
@@ -60,8 +62,6 @@ from services.store_api.tables import ShardValidationError
 
 log = logging.getLogger("graft.store")
 
-ARROW_MEDIA_TYPE = "application/vnd.apache.arrow.stream"
-PROMPT_ID_PATTERN = r"^[0-9a-f]{16}$"
 try:
     VERSION = version("graft")
 except PackageNotFoundError:  # running from a checkout without `pip install -e .`

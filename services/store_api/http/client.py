@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from schemas import (
+    ARROW_MEDIA_TYPE,
     MAX_PUSH_GROUPS,
     HealthResponse,
     PeerLookupRequest,
@@ -37,7 +38,6 @@ from schemas import (
 )
 from services.store_api.tables import groups_table
 
-ARROW_MEDIA_TYPE = "application/vnd.apache.arrow.stream"
 RETRY_STATUSES = {502, 503, 504}
 LOOKUP_PATH = "/v1/peer-groups/lookup"
 # the server closed a kept-alive connection (idle timeout, restart): go again on a new one, no attempt lost
