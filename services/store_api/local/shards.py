@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA, Problem, RolloutGroup
+from schemas import PROBLEM_ARROW_SCHEMA, Problem, RolloutGroup
 from services.store_api.local.durable import Pending, drop_cached_pages, drop_written_pages, publish, write_temporary
 from services.store_api.local.lookup import lookup_path, shard_footer, write_lookup_file
 from services.store_api.local.pages import PageLayoutError, bulk_pages
