@@ -13,7 +13,7 @@ boundary otherwise, and then the completion's tokens would not be the ones that 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, get_args
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -29,7 +29,7 @@ from trainer.gate import (
     effective_sample_size,
     peer_group_advantages,
 )
-from trainer.retokenize import DropReason, Projection, retokenize_peer_rollout
+from trainer.retokenize import drop_counts, projection_counts, retokenize_peer_rollout
 
 if TYPE_CHECKING:
     from trainer.learner import Learner
@@ -144,7 +144,7 @@ def build_rows(
     add no gradient but count in the token-mean denominator, so GRAFT without peers is GRPO."""
     std_normalize = cfg.ppo.advantage == "grpo"
     prompt_ids_of: dict[str, list[int]] = {}
-    out = StepRows([], [], dict.fromkeys(get_args(DropReason), 0), dict.fromkeys(get_args(Projection), 0), 0, 0)
+    out = StepRows([], [], drop_counts(), projection_counts(), 0, 0)
 
     def prompt_tokens(prompt_id: str) -> list[int]:
         if prompt_id not in prompt_ids_of:

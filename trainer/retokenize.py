@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
@@ -31,6 +31,16 @@ from schemas import Rollout
 # peer_decode: the peer's stored ids do not decode to its stored text with the tokenizer configured for its id
 DropReason = Literal["round_trip", "overlength", "non_finite", "peer_decode"]
 Projection = Literal["exact", "spans", "uniform"]
+
+
+def drop_counts() -> dict[str, int]:
+    """Every DropReason at 0: a step's (or batch's) count of dropped peer rollouts, every reason present."""
+    return dict.fromkeys(get_args(DropReason), 0)
+
+
+def projection_counts() -> dict[str, int]:
+    """Every Projection at 0: how a step's grafted rows' behaviour logprobs were projected, every kind present."""
+    return dict.fromkeys(get_args(Projection), 0)
 
 
 @dataclass

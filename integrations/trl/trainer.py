@@ -29,7 +29,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
 import torch
 from accelerate.utils import broadcast_object_list, gather_object
@@ -46,7 +46,7 @@ from trainer.data import load_peer_tokenizers
 from trainer.gate import GateDecision, gate_groups
 from trainer.learner import Learner
 from trainer.peers import LookupResult, PeerExchange, RefusedTokenizers, gate_tally
-from trainer.retokenize import DropReason, Projection, learner_stop_token
+from trainer.retokenize import drop_counts, learner_stop_token, projection_counts
 
 from integrations.trl.config import GraftConfig
 
@@ -185,8 +185,7 @@ class GraftGRPOTrainer(GRPOTrainer):
             payload = [decisions, {**gate_tally(decisions, found), **self._store_counts(wait_s)}]
         decisions, store = broadcast_object_list(payload, from_process=0)
 
-        plan = _Plan(decisions, {}, dict.fromkeys(get_args(DropReason), 0),
-                     dict.fromkeys(get_args(Projection), 0), store=store or {})
+        plan = _Plan(decisions, {}, drop_counts(), projection_counts(), store=store or {})
         for group, decision in enumerate(decisions):
             if not decision.grafts:
                 continue

@@ -30,7 +30,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
 import numpy as np
 import torch
@@ -53,7 +53,7 @@ from trainer.gate import GateDecision, gate_groups
 from trainer.learner import Learner
 from trainer.metrics import MetricsLog
 from trainer.peers import LookupResult, PeerExchange, RefusedTokenizers, gate_tally
-from trainer.retokenize import DropReason, Projection, learner_stop_token
+from trainer.retokenize import drop_counts, learner_stop_token, projection_counts
 
 log = logging.getLogger(__name__)
 NAN = float("nan")
@@ -90,8 +90,8 @@ class Splice:
     decisions: list[GateDecision]
     slots: dict[str, TrainSample | None]  # TransferQueue key -> its peer row (None: the slot keeps no token)
     learner_rewards: list[float]
-    drops: dict[str, int] = field(default_factory=lambda: dict.fromkeys(get_args(DropReason), 0))
-    projections: dict[str, int] = field(default_factory=lambda: dict.fromkeys(get_args(Projection), 0))
+    drops: dict[str, int] = field(default_factory=drop_counts)
+    projections: dict[str, int] = field(default_factory=projection_counts)
     peer_samples: int = 0
     peer_advantage_mismatch: int = 0
     same_tokenizer_id_mismatch: int = 0
