@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("schemas", "rollouts", "services", "trainer", "demo", "toy", "benchmarks", "integrations")
@@ -98,6 +101,27 @@ def test_trainer_and_rollouts_import_no_service_but_the_store_client():
     assert wrong == []
     assert not any(imported.startswith("services") for module, imports in graph.items()
                    if module.startswith("rollouts") for imported in imports)
+
+
+def _layout_rows() -> list[list[str]]:
+    """docs/ARCHITECTURE.md's layout table: each row's paths (the backticked names of its first column)."""
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    section = text.split("## Layout of the repository", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
+    return [re.findall(r"`([^`]+)`", cell) for cell in rows]
+
+
+def test_every_top_level_folder_has_a_row_in_the_one_layout_table():
+    """One layout table (docs/ARCHITECTURE.md): a row for every folder the repository tracks, and no row naming a path
+    that is gone."""
+    try:
+        git_files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout: the tracked folders are unknown")
+    folders = {line.split("/", 1)[0] + "/" for line in git_files.splitlines() if "/" in line and not line.startswith(".")}
+    listed = {path for row in _layout_rows() for path in row}
+    assert sorted(f for f in folders if not any(path.startswith(f) for path in listed)) == []  # services/: its parts' rows
+    assert sorted(path for path in listed if not (ROOT / path).exists()) == []
 
 
 def test_the_toy_world_imports_nothing_from_the_demo_built_on_it():
