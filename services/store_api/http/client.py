@@ -5,8 +5,10 @@ a store that cannot be reached after the retries raises StoreUnavailable. The sy
 the trainer's hot call, goes over kept-alive `http.client` connections instead of httpx: ~0.25 ms of
 client CPU per request on the 2-core VM against ~1 ms through httpx (whose HTTP parsing, h11, is Python).
 
-Over 400 lines because it holds two clients with the same methods (sync for the trainer, async for the
-generator's writer); they share the retry rule, the push encoding and the response decoding above them.
+Over 400 lines because it holds two clients with the same methods: `StoreClient`, which the trainer, the generator
+and the integrations use, and `AsyncStoreClient`, for a caller's own asyncio code (nothing in this repository calls
+it but tests/store/test_store_api.py, which holds it to the sync client's behaviour); they share the retry rule, the
+push encoding and the response decoding above them.
 """
 
 from __future__ import annotations
