@@ -1,6 +1,6 @@
 """`make gpu-check`: every GPU path of graft, run once on a machine with one CUDA GPU, in one table. Two forms:
-(One script of ~900 lines because a GPU machine gets it as one command: environment, stages and verdicts read
-top to bottom in run order; the probes that run inside the checked environment live in benchmarks/gpu_probes.py,
+(One module of over 800 lines on purpose: a GPU machine gets it as one command, and its environment, stages and
+verdicts read top to bottom in run order; the probes that run inside the checked environment live in benchmarks/gpu_probes.py,
 the offline folder's builder in benchmarks/gpu_offline.py.)
 
     python -m benchmarks.gpu_check                    # full: builds .venv-gpu-check (PyPI), then every stage

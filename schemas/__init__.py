@@ -1,6 +1,7 @@
 """Data definitions shared by every process: the stored rollout, its Arrow schema, API models."""
 
 from schemas.api import (
+    LOOKUP_PATH,
     MAX_LOOKUP_PROMPTS,
     MAX_PAGE_SIZE,
     MAX_PUSH_GROUPS,
@@ -33,7 +34,7 @@ from schemas.rollout import (
 )
 
 __all__ = [
-    "ARROW_MEDIA_TYPE", "GROUP_ID_PATTERN", "MAX_LOOKUP_PROMPTS", "PROMPT_ID_PATTERN", "MAX_PAGE_SIZE", "MAX_PUSH_GROUPS", "PROBLEM_ARROW_SCHEMA", "ROLLOUT_ARROW_SCHEMA",
+    "ARROW_MEDIA_TYPE", "GROUP_ID_PATTERN", "LOOKUP_PATH", "MAX_LOOKUP_PROMPTS", "PROMPT_ID_PATTERN", "MAX_PAGE_SIZE", "MAX_PUSH_GROUPS", "PROBLEM_ARROW_SCHEMA", "ROLLOUT_ARROW_SCHEMA",
     "SCHEMA_VERSION", "ErrorResponse", "HealthResponse", "LakeStats", "ModelStats", "PeerLookupRequest", "PeerLookupResponse",
     "Problem", "PushGroupsRequest", "PushGroupsResponse", "Rollout", "RolloutGroup", "RolloutPage", "StatsResponse",
     "group_advantages", "groups_to_table", "prompt_id", "rollout_id", "table_to_groups",

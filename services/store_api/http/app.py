@@ -1,7 +1,6 @@
-"""The store's HTTP API (v1): FastAPI app, ingest and compaction threads, errors as `ErrorResponse` JSON.
-(One module of ~600 lines because the routes are closures of `create_app` over one store, its settings and metrics;
-the ASGI wrappers (`BodySizeLimit`, `LookupFastPath`) and the `Background` threads are the parts that could leave
-first if it grows.)
+"""The store's HTTP API (v1): the FastAPI app, errors as `ErrorResponse` JSON. Its ASGI wrappers (`BodySizeLimit`,
+`LookupFastPath`) are in `asgi.py`, the ingest and maintenance threads in `background.py`. (Over 400 lines because
+the routes are closures of `create_app` over one store, its settings and metrics.)
 
 Bulk responses (groups, rollout pages) are Arrow IPC streams when the client sends
 `Accept: application/vnd.apache.arrow.stream`, else JSON serialised with orjson into a raw Response
@@ -14,7 +13,6 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-import threading
 import time
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
@@ -23,19 +21,20 @@ from typing import Annotated, Any
 import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
-from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
+from fastapi import Depends, FastAPI, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from schemas import (
     ARROW_MEDIA_TYPE,
     GROUP_ID_PATTERN,
+    LOOKUP_PATH,
     MAX_PAGE_SIZE,
     PROMPT_ID_PATTERN,
     ROLLOUT_ARROW_SCHEMA,
@@ -51,7 +50,9 @@ from schemas import (
 )
 from schemas.rollout import INT64_MAX
 from services.store_api.browser.routes import add_browser
-from services.store_api.http.backend import Store, store_backend
+from services.store_api.http.asgi import BodySizeLimit, LookupFastPath
+from services.store_api.http.background import Background
+from services.store_api.http.backend import store_backend
 from services.store_api.http.push import PushRejected, parse_arrow_push, parse_json_push
 from services.store_api.lake.config import LakeError, LakeUnavailable
 from services.store_api.local.lookup import arrow_stream, read_stream
@@ -145,135 +146,6 @@ def readable_errors(errors: list[dict[str, Any]]) -> tuple[str, list[dict]]:
     return "invalid request: " + "; ".join(parts) + more, detail
 
 
-# ------------------------------------------------------------------------------------------ body size limit
-
-
-class BodyTooLarge(HTTPException):
-    """Raised by BodySizeLimit's `receive` once a body without Content-Length goes past the limit; an
-    HTTPException, so that FastAPI's body parsing passes it on as it is (other errors there become a 400)."""
-
-    def __init__(self, limit: int):
-        super().__init__(413, f"request body exceeds the limit of {limit} bytes")
-
-
-class BodySizeLimit:
-    """Refuse request bodies over a limit with 413 (POST /v1/groups has its own limit), reading nothing ahead.
-
-    A declared Content-Length over the limit is refused before the app runs. A chunked body is counted as the
-    app reads it and refused the moment it passes the limit: nothing is read before the route asks for it, so a
-    write without its bearer token gets its 401 without its body being read.
-    """
-
-    def __init__(self, app, push_limit: int, other_limit: int):
-        self.app = app
-        self.push_limit = push_limit
-        self.other_limit = other_limit
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        limit = self.push_limit if scope["path"] == "/v1/groups" else self.other_limit
-        headers = dict(scope.get("headers") or [])
-        length = headers.get(b"content-length")
-        if length is not None:
-            try:
-                too_big = int(length) > limit
-            except ValueError:
-                return await self._refuse(send, 400, f"Content-Length {length!r} is not a number")
-            if too_big:
-                return await self._refuse(send, 413, f"request body of {int(length)} bytes exceeds the limit of {limit} "
-                                                     "bytes: send fewer groups or prompt ids per request")
-            return await self.app(scope, receive, send)
-        received = 0
-        started = False
-
-        async def counted_receive():
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > limit:
-                    raise BodyTooLarge(limit)
-            return message
-
-        async def watched_send(message):
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, counted_receive, watched_send)
-        except BodyTooLarge as exc:  # raised where no route turned it into a response (LookupFastPath)
-            if started:
-                raise
-            await self._refuse(send, 413, exc.detail)
-
-    @staticmethod
-    async def _refuse(send, status: int, message: str) -> None:
-        body = orjson.dumps({"error": message})
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
-
-
-def replaying(body: bytes, receive):
-    """An ASGI `receive` that hands out an already read request body, then defers to `receive`."""
-    replayed = False
-
-    async def replay():
-        nonlocal replayed
-        if not replayed:
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay
-
-
-# ------------------------------------------------------------------------------------------ lookup fast path
-
-LOOKUP_PATH = "/v1/peer-groups/lookup"
-
-
-class LookupFastPath:
-    """Answer valid Arrow peer lookups before FastAPI's routing, dependency and response machinery.
-
-    That machinery cost ~0.18 ms of the ~0.25 ms of app CPU per single-prompt lookup on the 2-core VM, for
-    a call whose budget is 2 ms end to end. Anything else, including every request that does not validate,
-    goes on to the FastAPI route, which documents the endpoint and words the errors.
-    """
-
-    def __init__(self, app, answer):
-        self.app = app
-        self.answer = answer  # async (PeerLookupRequest) -> bytes of the Arrow IPC stream
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] != LOOKUP_PATH or scope["method"] != "POST":
-            return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        # the same requests FastAPI reads as a JSON body; other content types get its error
-        json_body = headers.get(b"content-type", b"").split(b";")[0].strip().lower() == b"application/json"
-        if not json_body or ARROW_MEDIA_TYPE.encode() not in headers.get(b"accept", b""):
-            return await self.app(scope, receive, send)
-        chunks = []
-        while True:  # the body is within the size limit: BodySizeLimit runs first
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client left: nobody to answer
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
-        try:
-            req = PeerLookupRequest.model_validate_json(body)
-        except ValidationError:
-            return await self.app(scope, replaying(body, receive), send)
-        stream = await self.answer(req)
-        headers = [(b"content-type", ARROW_MEDIA_TYPE.encode()), (b"content-length", b"%d" % len(stream))]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        await send({"type": "http.response.body", "body": stream})
-
-
 # ------------------------------------------------------------------------------------------ auth
 
 bearer = HTTPBearer(auto_error=False, description="this store's GRAFT_STORE_TOKEN: required for writes (POST /v1/groups)")
@@ -287,60 +159,6 @@ def require_token(request: Request, credentials: Annotated[HTTPAuthorizationCred
         raise StoreHTTPError(401, "this store requires a bearer token for writes: send 'Authorization: Bearer <token>'")
     if not hmac.compare_digest(credentials.credentials.encode(), token.encode()):
         raise StoreHTTPError(401, "wrong bearer token: use the store's GRAFT_STORE_TOKEN")
-
-
-# ------------------------------------------------------------------------------------------ background loops
-
-
-class Background:
-    """The ingest loop and the maintenance loop (compaction, deleting retired shards) as daemon threads."""
-
-    def __init__(self, store: Store, settings: StoreSettings, ingested: Counter):
-        self.store = store
-        self.index = store.index
-        self.settings = settings
-        self.ingested = ingested
-        self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self._ingest, name="store-ingest", daemon=True),
-                        threading.Thread(target=self._maintain, name="store-maintenance", daemon=True)]
-
-    def start(self) -> None:
-        for t in self.threads:
-            t.start()
-
-    def alive(self) -> bool:
-        return all(t.is_alive() for t in self.threads)
-
-    def close(self) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(timeout=30)
-
-    def _ingest(self) -> None:
-        while not self.stop.wait(self.settings.ingest_interval_s):
-            try:
-                self.ingested.inc(self.store.poll())
-            except Exception:  # a bad iteration must not stop ingestion; the next one retries
-                log.exception("ingest loop iteration failed; retrying in %.1f s", self.settings.ingest_interval_s)
-
-    def _maintain(self) -> None:
-        try:
-            self.index.open_lookup_files()
-        except Exception:  # lookups rebuild what is missing anyway
-            log.exception("opening the lookup files failed")
-        last_compaction = time.monotonic()
-        while not self.stop.wait(min(5.0, self.settings.compact_interval_s or 5.0)):
-            try:
-                due = time.monotonic() - last_compaction >= self.settings.compact_interval_s
-                if self.settings.compact_interval_s > 0 and due:
-                    report = self.index.compact()
-                    last_compaction = time.monotonic()
-                    if report["files_written"] or report["files_retired_empty"]:
-                        log.info("compaction: %s", report)
-                self.index.delete_retired()
-                self.index.delete_orphan_lookup_files()
-            except Exception:
-                log.exception("maintenance iteration failed; retrying")
 
 
 # ------------------------------------------------------------------------------------------ the app

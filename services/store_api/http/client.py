@@ -28,6 +28,7 @@ import pyarrow.compute as pc
 
 from schemas import (
     ARROW_MEDIA_TYPE,
+    LOOKUP_PATH,
     MAX_PUSH_GROUPS,
     HealthResponse,
     PeerLookupRequest,
@@ -41,7 +42,6 @@ from schemas import (
 from services.store_api.tables import groups_table
 
 RETRY_STATUSES = {502, 503, 504}
-LOOKUP_PATH = "/v1/peer-groups/lookup"
 # the server closed a kept-alive connection (idle timeout, restart): go again on a new one, no attempt lost
 _STALE_CONNECTION = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
 
