@@ -40,7 +40,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from benchmarks.store_bench import GROUP, ShardMaker
+from benchmarks.store_data import GROUP, ShardMaker
 from schemas import ROLLOUT_ARROW_SCHEMA
 from services.store_api.local import shards
 from services.store_api.local.lookup import (

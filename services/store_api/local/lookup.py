@@ -1,4 +1,6 @@
-"""Lookup files: what point reads of whole groups are served from, beside each shard.
+"""Lookup files: what point reads of whole groups are served from, beside each shard. (One module of over 600 lines
+on purpose: the writer, the rebuild and the reader share the file's private layout, defined below; split by job,
+each part would import the others' private names.)
 
 A lookup answers whole groups as Arrow IPC record batch messages, one per group, behind a schema message: no
 Parquet decoding of neighbours, no per-row Python. Every shard has a lookup file,
@@ -26,9 +28,7 @@ Their directory is not fsynced after the rename: a file lost or torn by a crash 
 and is rebuilt; a shard damaged under it fails its pages' CRC checks (and is quarantined, `queries.py`).
 
 Owns the format (writer, rebuild from a shard, table checks), `ShardReader` (the store's reader of whole
-groups, through these files) and the Arrow IPC stream helpers the API answers with. It is over 600 lines as one
-module on purpose: the writer, the rebuild and the reader share the file's private layout (the trailer, block
-and page tables defined below); split by job, each part would import the others' private names.
+groups, through these files) and the Arrow IPC stream helpers the API answers with.
 """
 
 from __future__ import annotations
