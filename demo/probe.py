@@ -37,7 +37,8 @@ from rollouts.scoring import Scorer
 from schemas import Problem
 from toy.task import completion_text
 from trainer.batch import StepRows, TrainSample, collate, grafted_group_rows, old_logprobs_and_weights, response_logprobs
-from trainer.config import TrainConfig, apply_overrides
+from schemas.overrides import apply_overrides
+from trainer.config import TrainConfig
 from trainer.gate import choose_peer_group, classify_group
 from trainer.learner import load_learner
 from trainer.loss import LossBatch, LossConfig, graft_loss

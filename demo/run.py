@@ -336,7 +336,7 @@ def trainer_config(cfg: DemoConfig, base: dict, dataset: Path, checkpoint: str, 
     """A trainer config (configs/demo_train.yaml's settings, `base`) for one model's RL run: its checkpoint and id,
     the RL prompts, the budget and optimizer of `cfg.rl`, its supervised anchor (None: none), and for GRAFT the store
     and the peers' (model ids, tokenizer dirs); then the run's own overrides."""
-    from trainer.config import apply_overrides
+    from schemas.overrides import apply_overrides
 
     train = json.loads(json.dumps(base))
     train.update(seed=seed, steps=cfg.rl.steps, method=method)

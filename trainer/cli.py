@@ -19,7 +19,8 @@ from typing import Annotated, Optional
 import typer
 from pydantic import ValidationError
 
-from trainer.config import TrainConfig, describe_fields, load_config, missing_inputs
+from schemas.overrides import format_fields
+from trainer.config import TrainConfig, load_config, missing_inputs
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train a policy with GRPO, GRAFT or DAPO (see GRAFT_SPEC.md).")
 
@@ -119,8 +120,7 @@ def show_config(
     sets: Annotated[list[str], typer.Option("--set", help="dotted override (repeatable)")] = [],
 ) -> None:
     """Every field with its default and its one-line doc; with a config, the resolved YAML too."""
-    for name, default, doc in describe_fields():
-        typer.echo(f"{name:38s} {default:>22s}  {doc}")
+    typer.echo(format_fields(TrainConfig))
     if config is not None or sets:
         import yaml
 

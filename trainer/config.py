@@ -13,6 +13,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from schemas.overrides import apply_overrides
+
 
 class _Section(BaseModel):
     # A typo in a YAML key must fail loudly, not silently fall back to a default.
@@ -299,23 +301,6 @@ def missing_inputs(cfg: TrainConfig) -> list[str]:
     return missing
 
 
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Set dotted `key.sub=value` pairs in a nested dict; values are parsed as YAML (so 0, true, null, [a, b] work)."""
-    for item in overrides:
-        if "=" not in item:
-            raise ValueError(f"override {item!r} is not of the form section.field=value (e.g. graft.peer_negative_scale=0)")
-        key, raw = item.split("=", 1)
-        parts = key.strip().split(".")
-        node = data
-        for part in parts[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ValueError(f"override {item!r}: {part!r} is a value, not a section")
-            node = child
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
-    return data
-
-
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
     """A validated TrainConfig from an optional YAML file plus dotted overrides (later wins)."""
     data: dict[str, Any] = {}
@@ -329,16 +314,3 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         data = loaded or {}
     return TrainConfig.model_validate(apply_overrides(data, list(overrides or [])))
 
-
-def describe_fields(model: type[BaseModel] = TrainConfig, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(dotted name, default, description) of every field, for `graft-train show-config`."""
-    rows: list[tuple[str, str, str]] = []
-    for name, info in model.model_fields.items():
-        annotation = info.annotation
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            rows.extend(describe_fields(annotation, f"{prefix}{name}."))
-            continue
-        value = None if info.is_required() else info.get_default(call_default_factory=True)
-        default = "(required)" if info.is_required() else repr(str(value) if isinstance(value, Path) else value)
-        rows.append((f"{prefix}{name}", default, info.description or ""))
-    return rows

@@ -1,4 +1,10 @@
-"""`graft-generate`: fill a store with scored rollout groups (YAML config, flags on top)."""
+"""`graft-generate`: fill a store with scored rollout groups (a YAML config, named flags and `--set` on top).
+
+    graft-generate --config configs/generator_cpu.yaml --model models/peer --model-id smollm2-peer --store stores/local
+    graft-generate --config configs/generator_cpu.yaml --set group_size=4 --set max_tokens=256 ...
+    graft-generate show-config --config configs/generator_cpu.yaml    # every field, its default and its doc line
+
+Every GeneratorConfig field is `--set field=value`; earlier releases' per-field flags (`--group-size 4`) still work."""
 
 from __future__ import annotations
 
@@ -10,7 +16,7 @@ from typing import Optional
 
 import typer
 
-from services.generator.config import GeneratorConfig, load_config
+from services.generator.config import GeneratorConfig, command_line_config, with_show_config
 
 app = typer.Typer(add_completion=False, help=__doc__)
 
@@ -19,45 +25,18 @@ def _help(name: str) -> str:
     return GeneratorConfig.model_fields[name].description or ""
 
 
-@app.command()
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def generate(
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML file with GeneratorConfig fields; flags override it"),
+    ctx: typer.Context,
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML file with GeneratorConfig fields; flags and --set override it"),
     model: Optional[str] = typer.Option(None, help=_help("model")),
     model_id: Optional[str] = typer.Option(None, help=_help("model_id")),
-    model_revision: Optional[str] = typer.Option(None, help=_help("model_revision")),
     backend: Optional[str] = typer.Option(None, help=_help("backend")),
     dataset: Optional[str] = typer.Option(None, help=_help("dataset")),
-    dataset_limit: Optional[int] = typer.Option(None, help=_help("dataset_limit")),
-    problem_field: Optional[str] = typer.Option(None, help=_help("problem_field")),
-    answer_field: Optional[str] = typer.Option(None, help=_help("answer_field")),
-    template: Optional[str] = typer.Option(None, help=_help("template")),
-    few_shot: Optional[int] = typer.Option(None, help=_help("few_shot")),
-    instruction: Optional[str] = typer.Option(None, help=_help("instruction")),
-    system_prompt: Optional[str] = typer.Option(None, help=_help("system_prompt")),
-    group_size: Optional[int] = typer.Option(None, help=_help("group_size")),
-    temperature: Optional[float] = typer.Option(None, help=_help("temperature")),
-    top_p: Optional[float] = typer.Option(None, help=_help("top_p")),
-    top_k: Optional[int] = typer.Option(None, help=_help("top_k")),
-    max_tokens: Optional[int] = typer.Option(None, help=_help("max_tokens")),
-    seed: Optional[int] = typer.Option(None, help=_help("seed")),
-    rounds: Optional[int] = typer.Option(None, help=_help("rounds")),
-    prompts_per_batch: Optional[int] = typer.Option(None, help=_help("prompts_per_batch")),
     store: Optional[str] = typer.Option(None, help=_help("store")),
     store_token: Optional[str] = typer.Option(None, envvar="GRAFT_STORE_TOKEN", help=_help("store_token")),
-    policy_step: Optional[int] = typer.Option(None, help=_help("policy_step")),
-    generator_id: Optional[str] = typer.Option(None, help=_help("generator_id")),
-    std_normalize: Optional[bool] = typer.Option(None, "--std-normalize/--no-std-normalize", help=_help("std_normalize")),
-    score_workers: Optional[int] = typer.Option(None, help=_help("score_workers")),
-    score_timeout_s: Optional[float] = typer.Option(None, help=_help("score_timeout_s")),
-    dtype: Optional[str] = typer.Option(None, help=_help("dtype")),
-    hf_batch_size: Optional[int] = typer.Option(None, help=_help("hf_batch_size")),
-    vllm_max_model_len: Optional[int] = typer.Option(None, help=_help("vllm_max_model_len")),
-    vllm_gpu_memory_utilization: Optional[float] = typer.Option(None, help=_help("vllm_gpu_memory_utilization")),
-    continuous: Optional[bool] = typer.Option(None, "--continuous/--no-continuous", help=_help("continuous")),
-    watch_dir: Optional[str] = typer.Option(None, help=_help("watch_dir")),
-    max_batches: Optional[int] = typer.Option(None, help=_help("max_batches")),
-    idle_sleep_s: Optional[float] = typer.Option(None, help=_help("idle_sleep_s")),
-    progress: Optional[bool] = typer.Option(None, "--progress/--no-progress", help=_help("progress")),
+    sets: list[str] = typer.Option([], "--set", help="any field as field=value, e.g. --set group_size=4 (repeatable; "
+                                   "`graft-generate show-config` lists them)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="validate the configuration and its inputs (model, dataset and "
                                  "its columns), print it as YAML and the first problem's prompt as the model sees it, "
                                  "and exit"),
@@ -71,13 +50,13 @@ def generate(
     A restarted run skips the groups already stored for this model and revision. SIGTERM stops
     it cleanly after the current batch is stored. In continuous mode a store that is down is
     tried again with a growing pause (up to a minute), the sampled batch kept meanwhile.
+
+    Any field: --set field=value (`graft-generate show-config` lists them); the per-field flags of earlier
+    releases (--group-size 4) still work.
     """
-    overrides = {k: v for k, v in locals().items() if k not in ("config", "dry_run", "summary_json", "skip_path_check")}
-    try:
-        cfg = load_config(GeneratorConfig, config, overrides)
-    except (ValueError, FileNotFoundError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from e
+    named = {"model": model, "model_id": model_id, "backend": backend, "dataset": dataset, "store": store,
+             "store_token": store_token}
+    cfg = command_line_config(GeneratorConfig, config, named, ctx.args, sets)
     missing = [] if skip_path_check else cfg.missing_inputs()
     if missing:
         typer.echo("error: the configuration names inputs that are not there or cannot be read:\n"
@@ -135,5 +114,7 @@ def _show_first_prompt(cfg: GeneratorConfig) -> None:
     typer.echo(f"# its gold answer, as the scorer reads it: {problem.answer}")
 
 
+main = with_show_config(app, GeneratorConfig, "graft-generate")
+
 if __name__ == "__main__":
-    app()
+    main()

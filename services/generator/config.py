@@ -1,17 +1,20 @@
-"""Configs of `graft-generate` and `graft-eval`: one pydantic model each, readable from YAML, every
-field settable from the command line (flags override the file)."""
+"""Configs of `graft-generate` and `graft-eval`: one pydantic model each, readable from YAML, every field settable
+from the command line as graft-train's are (a few named flags, `--set field=value` over the file, `show-config`)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rollouts.prompts import MAX_FEW_SHOT, PromptTemplate, check_few_shot
+from schemas.overrides import apply_overrides, flag_overrides, format_fields
 
 
 class GeneratorConfig(BaseModel):
@@ -141,8 +144,9 @@ class EvalConfig(BaseModel):
         return self
 
 
-def load_config(cls: type[BaseModel], yaml_path: Path | None, overrides: dict[str, Any]) -> Any:
-    """`cls` from a YAML file (optional) with command-line values (those not None) on top; a clear error on bad input."""
+def load_config(cls: type[BaseModel], yaml_path: Path | None, overrides: dict[str, Any], sets: list[str] = ()) -> Any:
+    """`cls` from a YAML file (optional), command-line values (those not None) on top, then `--set field=value` pairs
+    (YAML-parsed, as graft-train's), which win; a clear error on bad input."""
     values: dict[str, Any] = {}
     if yaml_path is not None:
         if not yaml_path.exists():
@@ -152,8 +156,49 @@ def load_config(cls: type[BaseModel], yaml_path: Path | None, overrides: dict[st
             raise ValueError(f"{yaml_path} must hold a mapping of field: value, got {type(loaded).__name__}")
         values.update(loaded)
     values.update({k: v for k, v in overrides.items() if v is not None})
+    apply_overrides(values, list(sets))
     try:
         return cls(**values)
     except ValidationError as e:
         problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or cls.__name__}: {err['msg']}" for err in e.errors())
         raise ValueError(f"invalid {cls.__name__} ({yaml_path or 'command line'}): {problems}") from e
+
+
+def command_line_config(cls: type[BaseModel], yaml_path: Path | None, named: dict[str, Any], extra_args: list[str],
+                        sets: list[str]) -> Any:
+    """The config a command line asks for: the YAML file, the named flags and any per-field flag of earlier releases
+    (`--group-size 4`, read by `flag_overrides`), then `--set`. Exits 2 with the reason on bad input."""
+    import typer
+
+    try:
+        return load_config(cls, yaml_path, {**flag_overrides(extra_args, cls), **named}, sets)
+    except (ValueError, FileNotFoundError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+
+
+def with_show_config(app: Any, cls: type[BaseModel], prog_name: str) -> Callable[[], None]:
+    """The entry point: `prog_name show-config [--config F] [--set k=v]` prints every field of `cls` with its default
+    and doc line (and the resolved YAML when given a config), as `graft-train show-config`; anything else runs `app`."""
+    import typer
+
+    show = typer.Typer(add_completion=False)
+
+    @show.command()
+    def show_config(
+        config: Optional[Path] = typer.Option(None, "--config", "-c", help=f"YAML file with {cls.__name__} fields"),
+        sets: list[str] = typer.Option([], "--set", help="field=value (repeatable)"),
+    ) -> None:
+        """Every field with its default and its one-line doc; with a config or --set, the resolved YAML too."""
+        typer.echo(format_fields(cls))
+        if config is not None or sets:
+            cfg = command_line_config(cls, config, {}, [], sets)
+            typer.echo("\n# resolved\n" + yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+
+    def main() -> None:
+        if sys.argv[1:2] == ["show-config"]:
+            show(args=sys.argv[2:], prog_name=f"{prog_name} show-config")
+        else:
+            app(prog_name=prog_name)
+
+    return main

@@ -1,4 +1,9 @@
-"""`graft-eval`: avg@k and pass@k of a model on the math benchmarks, as JSON and a Markdown table."""
+"""`graft-eval`: avg@k and pass@k of a model on the math benchmarks, as JSON and a Markdown table.
+
+    graft-eval --model models/peer -b gsm8k --limit 50 --k 4 --set max_tokens=512
+    graft-eval show-config                  # every field, its default and its doc line
+
+Every EvalConfig field is `--set field=value`; earlier releases' per-field flags (`--max-tokens 512`) still work."""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ from typing import Optional
 
 import typer
 
-from services.generator.config import EvalConfig, load_config
+from services.generator.config import EvalConfig, command_line_config, with_show_config
 
 app = typer.Typer(add_completion=False, help=__doc__)
 
@@ -18,40 +23,27 @@ def _help(name: str) -> str:
     return EvalConfig.model_fields[name].description or ""
 
 
-@app.command()
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def evaluate_model(
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML file with EvalConfig fields; flags override it"),
+    ctx: typer.Context,
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML file with EvalConfig fields; flags and --set override it"),
     model: Optional[str] = typer.Option(None, help=_help("model")),
     model_id: Optional[str] = typer.Option(None, help=_help("model_id")),
     backend: Optional[str] = typer.Option(None, help=_help("backend")),
     benchmark: Optional[list[str]] = typer.Option(None, "--benchmark", "-b", help=_help("benchmarks") + " (repeat the flag)"),
     limit: Optional[int] = typer.Option(None, help=_help("limit")),
     k: Optional[int] = typer.Option(None, "--k", "-k", help=_help("k")),
-    temperature: Optional[float] = typer.Option(None, help=_help("temperature")),
-    top_p: Optional[float] = typer.Option(None, help=_help("top_p")),
-    max_tokens: Optional[int] = typer.Option(None, help=_help("max_tokens")),
-    seed: Optional[int] = typer.Option(None, help=_help("seed")),
-    template: Optional[str] = typer.Option(None, help=_help("template")),
-    few_shot: Optional[int] = typer.Option(None, help=_help("few_shot")),
-    prompts_per_batch: Optional[int] = typer.Option(None, help=_help("prompts_per_batch")),
-    score_workers: Optional[int] = typer.Option(None, help=_help("score_workers")),
-    score_timeout_s: Optional[float] = typer.Option(None, help=_help("score_timeout_s")),
-    dtype: Optional[str] = typer.Option(None, help=_help("dtype")),
-    hf_batch_size: Optional[int] = typer.Option(None, help=_help("hf_batch_size")),
-    vllm_max_model_len: Optional[int] = typer.Option(None, help=_help("vllm_max_model_len")),
-    vllm_gpu_memory_utilization: Optional[float] = typer.Option(None, help=_help("vllm_gpu_memory_utilization")),
-    output_json: Optional[str] = typer.Option(None, help=_help("output_json")),
-    output_md: Optional[str] = typer.Option(None, help=_help("output_md")),
-    progress: Optional[bool] = typer.Option(None, "--progress/--no-progress", help=_help("progress")),
+    sets: list[str] = typer.Option([], "--set", help="any field as field=value, e.g. --set max_tokens=1024 (repeatable; "
+                                   "`graft-eval show-config` lists them)"),
 ) -> None:
-    """Evaluate a model: greedy when k = 1, else temperature 0.6 and top_p 0.95 unless given."""
-    overrides = {k_: v for k_, v in locals().items() if k_ not in ("config", "benchmark")}
-    overrides["benchmarks"] = benchmark or None
-    try:
-        cfg = load_config(EvalConfig, config, overrides)
-    except (ValueError, FileNotFoundError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from e
+    """Evaluate a model: greedy when k = 1, else temperature 0.6 and top_p 0.95 unless given.
+
+    Any field: --set field=value (`graft-eval show-config` lists them); the per-field flags of earlier releases
+    (--max-tokens 512) still work.
+    """
+    named = {"model": model, "model_id": model_id, "backend": backend, "benchmarks": benchmark or None, "limit": limit,
+             "k": k}
+    cfg = command_line_config(EvalConfig, config, named, ctx.args, sets)
 
     from rollouts.backends import load_backend
     from rollouts.datasets import load_problems
@@ -89,5 +81,7 @@ def evaluate_model(
     sys.stdout.write(json.dumps(result) + "\n")
 
 
+main = with_show_config(app, EvalConfig, "graft-eval")
+
 if __name__ == "__main__":
-    app()
+    main()

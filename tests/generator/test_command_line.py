@@ -1,0 +1,71 @@
+"""One command-line style for graft-train, graft-generate and graft-eval (schemas/overrides.py): a few named flags,
+`--set field=value` over the validated config, `show-config`; the per-field flags of earlier releases still read."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from schemas.overrides import flag_overrides
+from services.generator.config import EvalConfig, GeneratorConfig, load_config
+from services.generator.eval_cli import app as eval_app
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_old_per_field_flags_read_as_the_fields_they_name():
+    got = flag_overrides(["--group-size", "4", "--top-p=0.9", "--no-progress", "--continuous", "--instruction", ""],
+                         GeneratorConfig)
+    assert got == {"group_size": "4", "top_p": "0.9", "progress": "false", "continuous": "true", "instruction": ""}
+    cfg = load_config(GeneratorConfig, None, {"model": "m", "dataset": "d", "store": "s", **got}, [])
+    assert (cfg.group_size, cfg.top_p, cfg.progress, cfg.continuous) == (4, 0.9, False, True)
+    assert cfg.instruction == ""  # an empty instruction, as the old flag meant; not "no value"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--group-sise", "4"], "no such option --group-sise: GeneratorConfig has no field 'group_sise'"),
+    (["--top-k"], "option --top-k needs a value"),
+    (["stray"], "unexpected argument 'stray'"),
+])
+def test_a_flag_that_names_no_field_is_refused_with_what_to_write(args, message):
+    with pytest.raises(ValueError, match=message):
+        flag_overrides(args, GeneratorConfig)
+
+
+def test_set_wins_over_flags_and_the_file(tmp_path):
+    config = tmp_path / "gen.yaml"
+    config.write_text("model: m\ndataset: d\nstore: s\ngroup_size: 8\n")
+    cfg = load_config(GeneratorConfig, config, {"group_size": "6"}, ["group_size=3", "top_k=null"])
+    assert (cfg.group_size, cfg.top_k) == (3, None)
+    with pytest.raises(ValueError, match="group_size"):
+        load_config(GeneratorConfig, config, {}, ["group_size=0"])
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("module, field", [("services.generator.cli", "prompts_per_batch"),
+                                           ("services.generator.eval_cli", "output_md"),
+                                           ("trainer.cli", "graft.peer_negative_scale")])
+def test_show_config_lists_every_field_the_same_way(module, field):
+    shown = _cli(module, "show-config")
+    assert shown.returncode == 0, shown.stderr
+    assert any(line.split()[0] == field for line in shown.stdout.splitlines() if line.strip())
+
+
+def test_show_config_resolves_a_config_with_set():
+    shown = _cli("services.generator.cli", "show-config", "--config", "configs/generator_cpu.yaml", "--set", "group_size=3")
+    assert shown.returncode == 0, shown.stderr
+    assert "# resolved" in shown.stdout and "\ngroup_size: 3\n" in shown.stdout
+    bad = _cli("services.generator.cli", "show-config", "--config", "configs/generator_cpu.yaml", "--set", "group_size=x")
+    assert bad.returncode == 2 and "group_size" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_eval_refuses_an_unknown_flag_before_loading_anything(tmp_path):
+    result = CliRunner().invoke(eval_app, ["--model", str(tmp_path), "--max-tokenz", "5"])
+    assert result.exit_code == 2 and "no such option --max-tokenz" in result.output
