@@ -1,8 +1,5 @@
 """The command-line style of `graft-train`, `graft-generate` and `graft-eval`: a few named flags, `--set key=value`
-over the validated pydantic config, and `show-config` listing every field with its default and its doc line.
-
-`graft-generate` and `graft-eval` once had a flag per field (`--group-size 8`, `--no-progress`); scripts that pass
-them still work: `flag_overrides` reads any such flag the command does not name as `field=value`."""
+over the validated pydantic config, and `show-config` listing every field with its default and its doc line."""
 
 from __future__ import annotations
 
@@ -47,33 +44,3 @@ def describe_fields(model: type[BaseModel], prefix: str = "") -> list[tuple[str,
 def format_fields(model: type[BaseModel]) -> str:
     """`show-config`'s table: one line per field."""
     return "\n".join(f"{name:38s} {default:>22s}  {doc}" for name, default, doc in describe_fields(model))
-
-
-def flag_overrides(args: list[str], model: type[BaseModel]) -> dict[str, str]:
-    """Per-field flags left over by the command's parser (`--top-k 5`, `--top-k=5`, `--no-progress`) as
-    {field: value}; the value stays the string given, for pydantic to read as the field's type (as the old flags did:
-    `--instruction ''` is an empty instruction, not none). Anything else is refused with what to write instead."""
-    fields = model.model_fields
-    out: dict[str, str] = {}
-    rest = list(args)
-    while rest:
-        token = rest.pop(0)
-        if not token.startswith("--") or token == "--":
-            raise ValueError(f"unexpected argument {token!r}: settings are --set field=value (see show-config)")
-        name, has_value, value = token[2:].partition("=")
-        field = name.replace("-", "_")
-        negated = field.startswith("no_") and field[3:] in fields and fields[field[3:]].annotation in (bool, bool | None)
-        if negated and not has_value:
-            out[field[3:]] = "false"
-            continue
-        if field not in fields:
-            raise ValueError(f"no such option --{name}: {model.__name__} has no field {field!r} (show-config lists them)")
-        if fields[field].annotation in (bool, bool | None) and not has_value:
-            out[field] = "true"
-            continue
-        if not has_value:
-            if not rest:
-                raise ValueError(f"option --{name} needs a value")
-            value = rest.pop(0)
-        out[field] = value
-    return out

@@ -12,20 +12,18 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
-from services.generator.config import GeneratorConfig, command_line_config, with_show_config
+from services.generator.config import GeneratorConfig, command_line_config, config_app
 
-app = typer.Typer(add_completion=False, help=__doc__)
 
 
 def _help(name: str) -> str:
     return GeneratorConfig.model_fields[name].description or ""
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def generate(
     ctx: typer.Context,
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML file with GeneratorConfig fields; flags and --set override it"),
@@ -44,6 +42,7 @@ def generate(
                                          "another machine's, e.g. a container's mounts)"),
     summary_json: Optional[Path] = typer.Option(
         None, help="also write the run's JSON summary to this file (whole or not at all): stdout may carry an engine's logs"),
+    **fields: Any,
 ) -> None:
     """Sample groups for every prompt of a dataset, score them with math-verify, and store them.
 
@@ -56,7 +55,9 @@ def generate(
     """
     named = {"model": model, "model_id": model_id, "backend": backend, "dataset": dataset, "store": store,
              "store_token": store_token}
-    cfg = command_line_config(GeneratorConfig, config, named, ctx.args, sets)
+    if ctx.invoked_subcommand:  # show-config
+        return
+    cfg = command_line_config(GeneratorConfig, config, {**fields, **named}, sets)
     missing = [] if skip_path_check else cfg.missing_inputs()
     if missing:
         typer.echo("error: the configuration names inputs that are not there or cannot be read:\n"
@@ -114,7 +115,7 @@ def _show_first_prompt(cfg: GeneratorConfig) -> None:
     typer.echo(f"# its gold answer, as the scorer reads it: {problem.answer}")
 
 
-main = with_show_config(app, GeneratorConfig, "graft-generate")
+app = config_app(generate, GeneratorConfig, help=__doc__)
 
 if __name__ == "__main__":
-    main()
+    app()

@@ -4,8 +4,9 @@ from the command line as graft-train's are (a few named flags, `--set field=valu
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
-import sys
+import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -14,7 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rollouts.prompts import MAX_FEW_SHOT, PromptTemplate, check_few_shot
-from schemas.overrides import apply_overrides, flag_overrides, format_fields
+from schemas.overrides import apply_overrides, format_fields
 
 
 class GeneratorConfig(BaseModel):
@@ -164,27 +165,48 @@ def load_config(cls: type[BaseModel], yaml_path: Path | None, overrides: dict[st
         raise ValueError(f"invalid {cls.__name__} ({yaml_path or 'command line'}): {problems}") from e
 
 
-def command_line_config(cls: type[BaseModel], yaml_path: Path | None, named: dict[str, Any], extra_args: list[str],
-                        sets: list[str]) -> Any:
-    """The config a command line asks for: the YAML file, the named flags and any per-field flag of earlier releases
-    (`--group-size 4`, read by `flag_overrides`), then `--set`. Exits 2 with the reason on bad input."""
+def command_line_config(cls: type[BaseModel], yaml_path: Path | None, flags: dict[str, Any], sets: list[str]) -> Any:
+    """The config a command line asks for (the YAML file, the flags given, then `--set`); exits 2 with the reason."""
     import typer
 
     try:
-        return load_config(cls, yaml_path, {**flag_overrides(extra_args, cls), **named}, sets)
+        return load_config(cls, yaml_path, flags, sets)
     except (ValueError, FileNotFoundError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
 
 
-def with_show_config(app: Any, cls: type[BaseModel], prog_name: str) -> Callable[[], None]:
-    """The entry point: `prog_name show-config [--config F] [--set k=v]` prints every field of `cls` with its default
-    and doc line (and the resolved YAML when given a config), as `graft-train show-config`; anything else runs `app`."""
+def _field_flag(name: str, info: Any) -> inspect.Parameter | None:
+    """A hidden `--field-name` option of the field's type (`--x/--no-x` for a bool; a Literal reads as a string);
+    none for a list (never a flag of its own: `--set benchmarks=[a, b]`)."""
     import typer
 
-    show = typer.Typer(add_completion=False)
+    kinds = [a for a in typing.get_args(info.annotation) if a is not type(None)] or [info.annotation]
+    if typing.get_origin(info.annotation) is list or any(typing.get_origin(k) is list for k in kinds):
+        return None
+    kind = kinds[0] if len(kinds) == 1 and kinds[0] in (bool, int, float, str) else str
+    dashed = name.replace("_", "-")
+    declared = [f"--{dashed}/--no-{dashed}"] if kind is bool else [f"--{dashed}"]
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=Optional[kind],
+                             default=typer.Option(None, *declared, hidden=True))
 
-    @show.command()
+
+def config_app(command: Callable[..., None], cls: type[BaseModel], help: str) -> Any:
+    """A typer app in graft-train's style: `command` (a few named flags and `--set`, its `**fields` catching the rest)
+    runs when no subcommand is given; `show-config [--config F] [--set k=v]` prints every field of `cls` with its default
+    and doc line (and the resolved YAML when given a config). Every field `command` does not name also reads as the
+    hidden flag of earlier releases (`--group-size 4`, `--no-progress`), so scripts written for them still run."""
+    import typer
+
+    signature = inspect.signature(command)
+    named = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    taken = {p.name for p in named}
+    hidden = [flag for name, info in cls.model_fields.items() if name not in taken and (flag := _field_flag(name, info))]
+    command.__signature__ = signature.replace(parameters=named + hidden)
+    app = typer.Typer(add_completion=False, invoke_without_command=True, help=help)
+    app.callback()(command)
+
+    @app.command("show-config")
     def show_config(
         config: Optional[Path] = typer.Option(None, "--config", "-c", help=f"YAML file with {cls.__name__} fields"),
         sets: list[str] = typer.Option([], "--set", help="field=value (repeatable)"),
@@ -192,13 +214,7 @@ def with_show_config(app: Any, cls: type[BaseModel], prog_name: str) -> Callable
         """Every field with its default and its one-line doc; with a config or --set, the resolved YAML too."""
         typer.echo(format_fields(cls))
         if config is not None or sets:
-            cfg = command_line_config(cls, config, {}, [], sets)
+            cfg = command_line_config(cls, config, {}, sets)
             typer.echo("\n# resolved\n" + yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
 
-    def main() -> None:
-        if sys.argv[1:2] == ["show-config"]:
-            show(args=sys.argv[2:], prog_name=f"{prog_name} show-config")
-        else:
-            app(prog_name=prog_name)
-
-    return main
+    return app

@@ -10,20 +10,18 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
-from services.generator.config import EvalConfig, command_line_config, with_show_config
+from services.generator.config import EvalConfig, command_line_config, config_app
 
-app = typer.Typer(add_completion=False, help=__doc__)
 
 
 def _help(name: str) -> str:
     return EvalConfig.model_fields[name].description or ""
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def evaluate_model(
     ctx: typer.Context,
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML file with EvalConfig fields; flags and --set override it"),
@@ -35,6 +33,7 @@ def evaluate_model(
     k: Optional[int] = typer.Option(None, "--k", "-k", help=_help("k")),
     sets: list[str] = typer.Option([], "--set", help="any field as field=value, e.g. --set max_tokens=1024 (repeatable; "
                                    "`graft-eval show-config` lists them)"),
+    **fields: Any,
 ) -> None:
     """Evaluate a model: greedy when k = 1, else temperature 0.6 and top_p 0.95 unless given.
 
@@ -43,7 +42,9 @@ def evaluate_model(
     """
     named = {"model": model, "model_id": model_id, "backend": backend, "benchmarks": benchmark or None, "limit": limit,
              "k": k}
-    cfg = command_line_config(EvalConfig, config, named, ctx.args, sets)
+    if ctx.invoked_subcommand:  # show-config
+        return
+    cfg = command_line_config(EvalConfig, config, {**fields, **named}, sets)
 
     from rollouts.backends import load_backend
     from rollouts.datasets import load_problems
@@ -81,7 +82,7 @@ def evaluate_model(
     sys.stdout.write(json.dumps(result) + "\n")
 
 
-main = with_show_config(app, EvalConfig, "graft-eval")
+app = config_app(evaluate_model, EvalConfig, help=__doc__)
 
 if __name__ == "__main__":
-    main()
+    app()
