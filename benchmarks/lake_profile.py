@@ -24,7 +24,7 @@ from pathlib import Path
 
 import psutil
 
-from benchmarks.lake_services import S3_KEY_ID, S3_SECRET, MotoS3, PostgresServer
+from testbed.lake_services import S3_KEY_ID, S3_SECRET, MotoS3, PostgresServer
 from benchmarks.store_bench import cpu_seconds
 from benchmarks.store_data import GROUP, ShardMaker, plan_shards
 from services.store_api.lake.config import LakeConfig

@@ -2,7 +2,7 @@
 
 Each arm is the product's own code path for one batch of rollouts: sample, score with math-verify, assemble groups.
 - `generate`: graft-generate's (`services.generator.generate`: the backend `_load` builds, `_sample_batch`);
-- `train`: graft-train's (`trainer.learner.load_learner` + `make_sampler`, `trainer.rollout.generate_groups` under the
+- `train`: graft-train's (`trainer.learner.load_learner` + `make_sampler`, `trainer.sample.generate_groups` under the
   learner's autocast), which is what a step's `generation_s` times.
 Both sample the same GSM8K prompts with the same G, temperature, max_tokens and seed (graft-train's `sampling_params`
 of the step: in float32 both draw the same tokens), each with its own scorer (a
@@ -53,7 +53,7 @@ def arms(model: Path, prompts: int, group_size: int, max_tokens: int, dtype: str
     from trainer.config import load_config
     from trainer.data import PromptBlock
     from trainer.learner import load_learner, make_sampler
-    from trainer.rollout import generate_groups, sampling_params
+    from trainer.sample import generate_groups, sampling_params
 
     if threads:
         torch.set_num_threads(threads)
@@ -101,7 +101,7 @@ def loop_pairs(model: Path, steps: int, prompts: int, group_size: int, max_token
     from trainer.config import load_config
     from trainer.data import LoopState, PromptStream
     from trainer.loop import train
-    from trainer.rollout import sampling_params
+    from trainer.sample import sampling_params
 
     cfg = load_config(None, [
         f"model.path={model}", "model.device=cpu", f"model.dtype={dtype}", "data.dataset=gsm8k",

@@ -251,7 +251,7 @@ def _lake_writer(lake_env: dict, shards: list[tuple[str, int, int]], prompts: in
 def measure_lake(args: argparse.Namespace, phase) -> dict:
     """The lake backend on the same synthetic data: commit rate of `--lake-writers` processes, commit-to-servable
     time at a replica, lookups at a replica (the local figures' method), replica RSS."""
-    from benchmarks.lake_services import S3_KEY_ID, S3_SECRET, MotoS3, PostgresServer
+    from testbed.lake_services import S3_KEY_ID, S3_SECRET, MotoS3, PostgresServer
     from services.store_api.lake.config import LakeConfig
     from services.store_api.lake.lake import Lake
     from services.store_api.tables import validate_table

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("schemas", "rollouts", "services", "trainer", "demo", "toy", "benchmarks", "integrations")
+PACKAGES = ("schemas", "rollouts", "services", "trainer", "demo", "toy", "benchmarks", "gpu_check", "testbed", "integrations")
 
 
 def _modules() -> dict[str, Path]:

@@ -396,7 +396,7 @@ class RowPlaces:
 
 def row_places(ctx: DistContext, positions: Sequence[int]) -> RowPlaces:
     """This rank's rows among the job's in one process's order, from each row's `position`: its prompt's place
-    among the job's prompts of the step (trainer.rollout.SampledStep.positions). A prompt's rows are on one rank,
+    among the job's prompts of the step (trainer.sample.SampledStep.positions). A prompt's rows are on one rank,
     together and in order. Without refills the ranks' rows laid end to end in rank order are that order already;
     DAPO's refill rounds put a rank's block of round 2 after its block of round 1, so the order is rebuilt from
     every rank's (position, rows) pairs (one all_gather_object)."""

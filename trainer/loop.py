@@ -2,7 +2,7 @@
 
 One step:
   1. draw the step's prompts and start the peer lookup for them in the background (graft)
-  2. sample G rollouts per prompt from the current policy and score them (dapo: refill)      trainer/rollout.py
+  2. sample G rollouts per prompt from the current policy and score them (dapo: refill)      trainer/sample.py
   3. publish the groups to the store (co-training)                                           trainer/peers.py
   4. collect the peer groups (co-training: wait a bounded time for the co-trainer's)         trainer/peers.py
   5. gate: mixed / all-success groups train on-policy; all-fail groups take a peer group
@@ -47,7 +47,7 @@ from trainer.learner import load_learner, load_reference, make_sampler, sync_sam
 from trainer.loss import LossConfig
 from trainer.metrics import MetricsLog, StepClock, StepOutcome, step_metrics
 from trainer.peers import PeerExchange, RefusedTokenizers, peer_candidates
-from trainer.rollout import sample_step
+from trainer.sample import sample_step
 from trainer.update import UpdateContext, make_optimizer, single_pass_forward, update_policy
 
 log = logging.getLogger("trainer")

@@ -26,7 +26,7 @@ from trainer.data import LoopState
 from trainer.distributed import DistContext, gather_lists, reduce_metrics
 from trainer.gate import GateDecision, classify_group
 from trainer.peers import NO_PEER_REASONS, gate_tally
-from trainer.rollout import SampledStep
+from trainer.sample import SampledStep
 from trainer.update import UpdateResult
 
 if TYPE_CHECKING:

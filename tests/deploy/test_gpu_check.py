@@ -1,4 +1,4 @@
-"""The GPU check (benchmarks/gpu_check.py) on this CPU machine.
+"""The GPU check (gpu_check/check.py) on this CPU machine.
 
 - `make gpu-check DRY_RUN=1` (--dry-run): every stage that needs no GPU through the same code as on a GPU (the
   SmolLM2 model from its wheel, the data, a real `graft-store serve`, every stage's command validated by the
@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from benchmarks.gpu_check import (
+from gpu_check.check import (
     NO_VLLM, SIZES, SMOLLM2_WHEEL, Stage, StageFailed, cuda_verdict, eval_verdict, judge_budget, run_generate, sync_verdict,
 )
 from rollouts.models import SMOLLM2_WHEEL as PROJECT_SMOLLM2_WHEEL
@@ -40,7 +40,7 @@ def test_the_check_installs_the_smollm2_wheel_the_project_pins():
 
 
 def dry_run(run_dir: Path, *extra: str) -> tuple[subprocess.CompletedProcess, dict[str, dict]]:
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--dry-run", "--run-dir", str(run_dir), *extra],
+    proc = subprocess.run([sys.executable, "-m", "gpu_check", "--dry-run", "--run-dir", str(run_dir), *extra],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     report = json.loads((run_dir / "gpu_check.json").read_text())
     return proc, {stage["name"]: stage for stage in report["stages"]}
@@ -169,7 +169,7 @@ def test_the_offline_form_runs_every_stage_but_vllms_on_the_cpu(tiny_model_dir, 
     """The stages the GPU machine without vLLM runs, here on the CPU in this environment and in float32 (quicker than
     emulated bf16; the folder's install and bf16 are rehearsed by `make gpu-check-rehearsal`): every one passes; sync
     and eval say why they were skipped."""
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--offline", "--device", "cpu", "--python",
+    proc = subprocess.run([sys.executable, "-m", "gpu_check", "--offline", "--device", "cpu", "--python",
                            sys.executable, "--model", str(tiny_model_dir), "--run-dir", str(tmp_path), "--dtype", "float32"],
                           cwd=ROOT, capture_output=True, text=True, timeout=1500)
     stages = {stage["name"]: stage for stage in json.loads((tmp_path / "gpu_check.json").read_text())["stages"]}

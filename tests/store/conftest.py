@@ -26,7 +26,7 @@ def settings(tmp_path) -> StoreSettings:
 
 @pytest.fixture(scope="session")
 def postgres():
-    from benchmarks.lake_services import PostgresServer
+    from testbed.lake_services import PostgresServer
 
     server = PostgresServer().start()
     yield server
@@ -35,7 +35,7 @@ def postgres():
 
 @pytest.fixture(scope="session")
 def moto_s3():
-    from benchmarks.lake_services import MotoS3
+    from testbed.lake_services import MotoS3
 
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's server logs every request
     with MotoS3() as s3:
@@ -52,7 +52,7 @@ _lake_counter = itertools.count()
 @pytest.fixture
 def pg_s3_lake(postgres, moto_s3, request):
     """A new lake: catalog in PostgreSQL, data files in moto's S3 bucket (the many-hosts setup)."""
-    from benchmarks.lake_services import S3_KEY_ID, S3_SECRET
+    from testbed.lake_services import S3_KEY_ID, S3_SECRET
     from services.store_api.lake.config import LakeConfig
 
     name = _lake_name(request)

@@ -19,7 +19,7 @@ import pytest
 from store_factory import make_group, make_problem, wait_for
 from typer.testing import CliRunner
 
-from benchmarks.lake_services import free_port
+from testbed.lake_services import free_port
 from schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA
 from services.store_api.http.cli import app as cli_app
 from services.store_api.lake import config as lake_module
@@ -220,7 +220,7 @@ def test_unreachable_bucket_fails_the_commit_and_nothing_lands(pg_s3_lake, moto_
 
 def test_wrong_s3_credentials_fail_clearly(postgres, tmp_path):
     """moto with IAM authentication on (its own process: the setting is process-wide in moto)."""
-    from benchmarks.lake_services import MotoS3
+    from testbed.lake_services import MotoS3
 
     with MotoS3(bucket="auth-lake", in_process=False) as s3:
         iam = __import__("boto3").client("iam", endpoint_url=s3.endpoint, aws_access_key_id="x",
@@ -310,7 +310,7 @@ def test_lake_page_plain_duckdb_lines_read_the_lake(pg_s3_lake, moto_s3):
     DuckDB with the extensions installed from their wheels: no project code reads the lake."""
     from duckdb_extensions import import_extension
 
-    from benchmarks.lake_services import S3_KEY_ID, S3_SECRET
+    from testbed.lake_services import S3_KEY_ID, S3_SECRET
 
     with Lake(pg_s3_lake) as lake:
         lake.commit(table_of([make_group(i, "model-a") for i in range(3)] + [make_group(i, "model-b") for i in range(2)]))

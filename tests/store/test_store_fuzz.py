@@ -1,6 +1,6 @@
 """Mutated pushes against a live server in its own process (a crash shows as a dead process): a few hundred
 Arrow bodies (bit flips, truncations, splices, overwritten words) and JSON bodies (schema-aware mutations of
-valid pushes), with the mutators of `benchmarks/store_attack.py`, which runs more of the same. Seeded and
+valid pushes), with the mutators of `testbed/store_attack.py`, which runs more of the same. Seeded and
 bounded. Every answer must be 2xx or 4xx, the server must still be up, and every group a push acknowledged must
 be readable afterwards."""
 
@@ -16,7 +16,7 @@ import pyarrow as pa
 import pytest
 from store_factory import make_group
 
-from benchmarks.store_attack import json_bytes, mutate_bytes, mutate_json
+from testbed.store_attack import json_bytes, mutate_bytes, mutate_json
 from schemas import groups_to_table
 from services.store_api.http.server import StoreServer
 

@@ -1,13 +1,13 @@
 """`make gpu-check`: every GPU path of graft, run once on a machine with one CUDA GPU, in one table. Two forms:
 (One module of over 800 lines on purpose: a GPU machine gets it as one command, and its environment, stages and
-verdicts read top to bottom in run order; the probes that run inside the checked environment live in benchmarks/gpu_probes.py,
-the offline folder's builder in benchmarks/gpu_offline.py.)
+verdicts read top to bottom in run order; the probes that run inside the checked environment live in gpu_check/probes.py,
+the offline folder's builder in gpu_check/offline.py.)
 
-    python -m benchmarks.gpu_check                    # full: builds .venv-gpu-check (PyPI), then every stage
-    python -m benchmarks.gpu_check --wheels .whl      # full, installing from a wheel folder only (no index)
-    python -m benchmarks.gpu_check --python ENV/bin/python   # full, in an environment that already has .[vllm]
-    python -m benchmarks.gpu_check --dry-run          # on CPU, as far as it goes without CUDA
-    python -m benchmarks.gpu_check --offline          # offline: this python3's torch, no network, no vLLM
+    python -m gpu_check                    # full: builds .venv-gpu-check (PyPI), then every stage
+    python -m gpu_check --wheels .whl      # full, installing from a wheel folder only (no index)
+    python -m gpu_check --python ENV/bin/python   # full, in an environment that already has .[vllm]
+    python -m gpu_check --dry-run          # on CPU, as far as it goes without CUDA
+    python -m gpu_check --offline          # offline: this python3's torch, no network, no vLLM
 
 The full form. What a machine needs: one CUDA GPU with its driver (>= 580 for the CUDA 13 build of torch 2.14),
 Python >= 3.11 with venv and pip, and PyPI (or a wheel folder holding the project's dependencies with the vllm
@@ -27,7 +27,7 @@ every model here. Then, each through the console script a user runs, timed, its 
     resume    `graft-train --resume`: one more step of the graft run from its newest checkpoint
     fsdp      `torchrun --nproc-per-node 1 graft-train` with parallel.strategy=fsdp (FSDP2, nccl)
     ddp       the same with parallel.strategy=ddp
-    sync      the engine's logprobs follow the policy after trainer.vllm_sync.sync_weights (gpu_probes.py):
+    sync      the engine's logprobs follow the policy after trainer.vllm_sync.sync_weights (probes.py):
               at start (an engine that loaded other weights fails), and after a change of the weights
     eval      `graft-eval --backend vllm` of the resumed checkpoint on the five benchmarks and GSM8K; a floor
               on the share of GSM8K answers that end (EOS) within the budget
@@ -38,7 +38,7 @@ graph capture would cost each start more than the sampling it does.
 
 The offline form (--offline) is for a GPU machine without network or vLLM that has Python 3.12 with torch,
 transformers, pyarrow, accelerate and safetensors: it installs the rest from build/gpu-offline/ (built here by
-`make gpu-check-offline-folder`, see benchmarks/gpu_offline.py) into .venv-gpu-offline, which keeps the
+`make gpu-check-offline-folder`, see gpu_check/offline.py) into .venv-gpu-offline, which keeps the
 machine's torch, and runs the same stages on the hf backend with the folder's tiny toy-trained Llama on the toy
 task (a+b=): generate, grpo, graft, resume, fsdp and ddp in bf16 on CUDA; the stages that need vLLM (sync,
 eval) are reported "skipped: no vLLM on this machine". Its budget (8 minutes) counts the environment's build.
@@ -50,8 +50,8 @@ The table (pass / fail / skipped, wall seconds, tokens per second, step times) i
 
 This file's top level uses the standard library only: it runs under a bare Python, builds the environment,
 and then runs itself again inside it. It is long for that reason (the stages, their verdicts and the table in
-one driver); the offline form's folder and environment are benchmarks/gpu_offline.py, the two probes that touch
-CUDA from Python benchmarks/gpu_probes.py.
+one driver); the offline form's folder and environment are gpu_check/offline.py, the two probes that touch
+CUDA from Python gpu_check/probes.py.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from benchmarks import gpu_offline
+from gpu_check import offline as gpu_offline
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ENV_DIR = REPO_ROOT / ".venv-gpu-check"
@@ -462,7 +462,7 @@ def run_check(args: argparse.Namespace, stages: dict[str, Stage]) -> None:
             stages["cuda"].status, stages["cuda"].detail = "skipped", "--device cpu: a rehearsal on the CPU"
         else:
             out = logs / "cuda.json"
-            run_logged([python, "-m", "benchmarks.gpu_probes", "cuda", str(out), *(["--no-vllm"] if offline else [])],
+            run_logged([python, "-m", "gpu_check.probes", "cuda", str(out), *(["--no-vllm"] if offline else [])],
                        logs / "cuda.log", timeout_s)
             stages["cuda"].passed(cuda_verdict(json.loads(out.read_text()), offline))
 
@@ -574,7 +574,7 @@ def run_check(args: argparse.Namespace, stages: dict[str, Stage]) -> None:
 
         with timed("sync"):
             out = run_dir / "sync.json"
-            run_logged([python, "-m", "benchmarks.gpu_probes", "sync", str(model_dir), str(out), "--dtype", sizes.dtype,
+            run_logged([python, "-m", "gpu_check.probes", "sync", str(model_dir), str(out), "--dtype", sizes.dtype,
                         "--device", sizes.device], logs / "sync.log", timeout_s)
             stages["sync"].passed(sync_verdict(json.loads(out.read_text())))
 
@@ -760,7 +760,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="build nothing; run the stages that need no GPU, stop before CUDA")
     parser.add_argument("--verl", action="store_true",
-                        help="the verl stage instead (benchmarks/gpu_verl.py): main_ppo steps with GRAFT's trainer, "
+                        help="the verl stage instead (gpu_check/verl_stage.py): main_ppo steps with GRAFT's trainer, "
                              "in --python's environment (verl[vllm]); --dry-run: its rehearsal in .venv-verl")
     parser.add_argument("--offline", action="store_true",
                         help="no network, no vLLM: this python3's torch, the wheels and model of --folder, the hf backend")
@@ -782,7 +782,7 @@ def main() -> int:
     parser.add_argument("--env-detail", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.verl:
-        from benchmarks import gpu_verl
+        from gpu_check import verl_stage as gpu_verl
 
         return gpu_verl.run(args.dry_run, args.python, args.model, args.run_dir or Path("runs/gpu-check-verl"))
     if sys.version_info < (3, 11):
@@ -822,7 +822,7 @@ def main() -> int:
         if python is None:
             raise SystemExit(f"gpu-check: --python {args.python} is not an interpreter")
         python = os.path.abspath(python)
-        argv = [python, "-m", "benchmarks.gpu_check", "--in-env", "--python", python, "--run-dir", str(run_dir),
+        argv = [python, "-m", "gpu_check", "--in-env", "--python", python, "--run-dir", str(run_dir),
                 "--device", args.device, "--stage-timeout-s", str(args.stage_timeout_s), "--budget-s", str(args.budget_s),
                 *(["--dtype", args.dtype] if args.dtype else []),
                 "--folder", str(args.folder), *extra, *(["--dry-run"] if args.dry_run else []),

@@ -1,8 +1,8 @@
 """The verl stage of the GPU check: a few `python -m verl.trainer.main_ppo` steps with GRAFT's trainer
 (`trainer.v1.trainer_mode=graft_sync`) on a small model, a store on loopback, and graft/ metrics recorded.
 
-    python -m benchmarks.gpu_check --verl --dry-run                       # here (CPU): the rehearsal
-    python -m benchmarks.gpu_check --verl --python PY --model HF_DIR      # a GPU machine, PY with verl[vllm]==0.9.1
+    python -m gpu_check --verl --dry-run                       # here (CPU): the rehearsal
+    python -m gpu_check --verl --python PY --model HF_DIR      # a GPU machine, PY with verl[vllm]==0.9.1
 
 The rehearsal writes the run's data (toy addition problems as verl's parquet, with extra_info.prompt_id), the peer's
 groups into a store and serves it, composes verl's own config with the run's settings, builds GraftPPOTrainer from it

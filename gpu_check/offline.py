@@ -1,10 +1,10 @@
-"""The offline form of the GPU check (`python -m benchmarks.gpu_check --offline`): its folder, built here with the
+"""The offline form of the GPU check (`python -m gpu_check --offline`): its folder, built here with the
 network, and the environment it installs on a GPU machine that has none.
 
-    python -m benchmarks.gpu_offline build      # `make gpu-check-offline-folder`: build/gpu-offline/ (about 30 MB)
+    python -m gpu_check.offline build      # `make gpu-check-offline-folder`: build/gpu-offline/ (about 30 MB)
 
 The folder holds
-    wheels/   `pip download` of benchmarks/gpu_offline_requirements.txt for CPython 3.12 on manylinux_2_28 x86_64
+    wheels/   `pip download` of gpu_check/offline_requirements.txt for CPython 3.12 on manylinux_2_28 x86_64
               (binary wheels only), with pip and setuptools (to bootstrap pip and build the project), less sympy
               and mpmath: torch requires them, so a machine with torch has them;
     model/    a tiny Llama (2 layers, d = 64) with a byte-level BPE tokenizer and a chat template, toy-trained here
@@ -33,7 +33,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FOLDER = REPO_ROOT / "build" / "gpu-offline"
 ENV_DIR = REPO_ROOT / ".venv-gpu-offline"
-REQUIREMENTS = REPO_ROOT / "benchmarks" / "gpu_offline_requirements.txt"
+REQUIREMENTS = Path(__file__).resolve().parent / "offline_requirements.txt"
 BOOTSTRAP = ("pip==26.3", "setuptools==81.0.0")  # pip for the new environment; setuptools builds the project
 # glibc >= 2.28 (torch 2.11's own wheel is manylinux_2_28): every manylinux tag up to it, by name (pip takes them as given)
 PLATFORM = ["--only-binary=:all:", "--implementation", "cp", "--python-version", "3.12",

@@ -1,6 +1,6 @@
 """Attack run against a live store on loopback: what an attacker and a careless outside writer would send.
 
-    python -m benchmarks.store_attack --json store_attack.json
+    python -m testbed.store_attack --json store_attack.json
 
 Bounded and seeded. Sections, each against a real `graft-store serve` process (a crash is a dead process):
 1. schemathesis with every check (`--checks all`) on the live /openapi.json;

@@ -1,9 +1,9 @@
-"""The two parts of `make gpu-check` (benchmarks/gpu_check.py) that touch CUDA from Python directly, each run
+"""The two parts of `make gpu-check` (gpu_check/check.py) that touch CUDA from Python directly, each run
 as its own process so that the check's driver never holds the GPU:
 
-    python -m benchmarks.gpu_probes cuda OUT_JSON [--no-vllm]
+    python -m gpu_check.probes cuda OUT_JSON [--no-vllm]
         torch and vLLM versions, the NVIDIA driver's version, the GPU's name and memory, bf16 support.
-    python -m benchmarks.gpu_probes sync MODEL_DIR OUT_JSON --dtype bfloat16 --device cuda
+    python -m gpu_check.probes sync MODEL_DIR OUT_JSON --dtype bfloat16 --device cuda
         the trainer's in-process vLLM engine (trainer.vllm_sync) samples; the policy's weights are changed;
         sync_weights copies them into the engine; its logprobs must then follow the changed policy (a
         teacher-forced float32 forward pass), where before the sync they followed the old one.
