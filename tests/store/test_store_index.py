@@ -32,7 +32,7 @@ def lookup(index: StoreIndex, **kwargs):
 
 
 def index_rows(index: StoreIndex) -> list[tuple]:
-    return index._cursor().execute("""
+    return index.catalog.cursor().execute("""
         SELECT g.group_id, g.prompt_id, g.dataset, g.model_id, g.model_revision, g.policy_step, g.group_size,
                g.successes, g.mean_reward, g.created_us, f.path, g.row_start, g.num_rows
         FROM groups g JOIN files f USING (file_id) ORDER BY g.group_id""").fetchall()
@@ -196,11 +196,11 @@ def test_compaction_swaps_atomically_while_lookups_run(settings):
     assert not errors, errors[:3]
     assert report["files_merged"] == 12 and report["groups_moved"] == 60 and report["files_written"] >= 2
     peer_files = sorted((root / "rollouts" / "model=peer").glob("part-*.parquet"))
-    live = index._cursor().execute(
+    live = index.catalog.cursor().execute(
         "SELECT count(*) FROM files WHERE model_id = 'peer' AND retired_us IS NULL").fetchone()[0]
     assert live == report["files_written"]
     for path in peer_files:
-        if index._cursor().execute("SELECT retired_us FROM files WHERE path = ?",
+        if index.catalog.cursor().execute("SELECT retired_us FROM files WHERE path = ?",
                                    [path.relative_to(root).as_posix()]).fetchone()[0] is None:
             prompts = pq.read_table(path, columns=["prompt_id"]).column("prompt_id").to_pylist()
             assert prompts == sorted(prompts)  # compacted files are sorted by prompt id
