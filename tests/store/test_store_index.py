@@ -270,3 +270,16 @@ def test_rollout_pages_filter_and_follow_the_cursor(settings):
     with pytest.raises(BadCursor):
         index.rollout_page(cursor="not-a-cursor")
     index.close()
+
+
+def test_the_index_keeps_the_methods_its_users_call():
+    """StoreIndex is assembled from parts (catalog, ingest, queries, compaction); the app, the CLI, the browser and
+    the lake replica still call these on it."""
+    used = {"open", "load", "clear", "rebuild", "recreate", "close", "meta", "set_meta", "record_duplicates",
+            "write_manifest", "quarantine", "scan", "ingest_new", "ingest_file", "ingest_problem_file", "push",
+            "add_problems", "delete_orphan_lookup_files", "open_lookup_files", "compact", "delete_retired",
+            "select_peer_groups", "select_prompt_groups", "select_group", "read_selected", "group_count",
+            "rollout_page", "prompt_refs", "prompts_before", "newest_seq", "groups_after", "problem_files",
+            "problems_of_file", "step_bins", "dataset_counts", "stats", "settings", "root", "path", "reader", "mirror",
+            "last_ingest_us"}
+    assert sorted(used - set(dir(StoreIndex))) == []

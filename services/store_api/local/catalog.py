@@ -103,10 +103,6 @@ class Catalog:
 
     # ------------------------------------------------------------------ opening, closing, rebuilding
 
-    @property
-    def is_open(self) -> bool:
-        return self._con is not None
-
     def connect(self) -> None:
         """Open (or create) `<root>/index.duckdb`; IndexLocked when another process holds it."""
         for sub in ("rollouts", "prompts", "quarantine"):

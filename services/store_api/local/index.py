@@ -73,11 +73,16 @@ class StoreIndex:
             self.catalog.clear_files()
             self.ingest.load()
 
-    def rebuild(self) -> int:
-        """Recreate the index from the Parquet files alone; return the number of groups indexed."""
+    def recreate(self) -> None:
+        """Drop every table and start an empty index (`rebuild` then ingests the files anew)."""
         with self.catalog.write_lock:
             self.catalog.recreate()
             self.ingest.load()
+
+    def rebuild(self) -> int:
+        """Recreate the index from the Parquet files alone; return the number of groups indexed."""
+        with self.catalog.write_lock:
+            self.recreate()
             self.ingest.ingest_new()
             self.catalog.write_manifest()
             return len(self.catalog.mirror)
