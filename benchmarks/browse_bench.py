@@ -27,7 +27,7 @@ from benchmarks.store_bench import percentile
 from benchmarks.store_data import MODELS, ShardMaker, bench_problem, bench_prompt_ids, plan_shards
 from schemas import Problem
 from services.store_api.http.server import StoreServer
-from services.store_api.local.shards import write_groups, write_problems
+from services.store_api.local import write_groups, write_problems
 
 
 def write_store(root: Path, n_rollouts: int, seed: int) -> int:

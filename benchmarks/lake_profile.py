@@ -27,8 +27,7 @@ import psutil
 from testbed.lake_services import S3_KEY_ID, S3_SECRET, MotoS3, PostgresServer
 from benchmarks.store_bench import cpu_seconds
 from benchmarks.store_data import GROUP, ShardMaker, plan_shards
-from services.store_api.lake.config import LakeConfig
-from services.store_api.lake.lake import Lake
+from services.store_api.lake import Lake, LakeConfig
 from services.store_api.lake.replica import LakeReplica
 from services.store_api.settings import StoreSettings
 from services.store_api.tables import validate_table

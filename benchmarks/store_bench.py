@@ -62,7 +62,8 @@ from benchmarks.store_data import (
 from schemas import PeerLookupRequest
 from services.store_api.http.client import StoreClient
 from services.store_api.http.server import StoreServer
-from services.store_api.local.shards import write_groups
+from services.store_api.local import write_groups
+
 
 def _writer(root: str, shards: list[tuple[str, int, int]], prompts: int, seed: int, max_rows: int, profile: str,
             done, go) -> None:
@@ -230,8 +231,7 @@ def _lake_writer(lake_env: dict, shards: list[tuple[str, int, int]], prompts: in
                  profile: str, done, go) -> None:
     """A writer process committing each synthetic shard to the lake in one transaction (validated first, as
     graft-generate and write_groups do)."""
-    from services.store_api.lake.config import LakeConfig
-    from services.store_api.lake.lake import Lake
+    from services.store_api.lake import Lake, LakeConfig
     from services.store_api.tables import validate_table
 
     os.environ.update(lake_env)
@@ -251,9 +251,8 @@ def _lake_writer(lake_env: dict, shards: list[tuple[str, int, int]], prompts: in
 def measure_lake(args: argparse.Namespace, phase) -> dict:
     """The lake backend on the same synthetic data: commit rate of `--lake-writers` processes, commit-to-servable
     time at a replica, lookups at a replica (the local figures' method), replica RSS."""
+    from services.store_api.lake import Lake, LakeConfig
     from testbed.lake_services import S3_KEY_ID, S3_SECRET, MotoS3, PostgresServer
-    from services.store_api.lake.config import LakeConfig
-    from services.store_api.lake.lake import Lake
     from services.store_api.tables import validate_table
 
     result: dict = {}

@@ -400,7 +400,7 @@ def generator_job(cfg: DemoConfig, data: dict[str, Path], checkpoint: str, model
         "--score-workers", "1", "--no-progress",
     )
 
-    from services.store_api.local.shards import model_dir
+    from services.store_api.local import model_dir
 
     shards = model_dir(store_root, model_id)  # this model's folder only (a co-training id extends the peer's)
 

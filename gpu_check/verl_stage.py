@@ -41,7 +41,7 @@ def prepare(run_dir: Path) -> dict:
     import pyarrow.parquet as pq
 
     from rollouts.models import tokenizer_fingerprint
-    from services.store_api.local.shards import write_groups
+    from services.store_api.local import write_groups
     from toy.models import build_tiny_model, save_model
     from toy.task import completion_text, sample_problems
     from toy.world import build_group, peer_tokenizer

@@ -192,11 +192,112 @@ def test_the_browser_and_the_replica_read_the_index_through_its_public_functions
     assert [read for path in files for read in _private_reads(path)] == []
 
 
+def test_the_parts_of_the_index_and_the_lake_read_no_private_state_of_another():
+    """Each part of StoreIndex (catalog, ingest, queries, compaction) and of Lake (connection, writing, reading,
+    maintenance) owns its state: a part calls another's public methods, never `other._name`. (A namedtuple's own
+    API, `GroupRef._make`, is public under an underscore.)"""
+    files = [*(ROOT / "services/store_api/local").rglob("*.py"), *(ROOT / "services/store_api/lake").rglob("*.py")]
+    reads = [read for path in files for read in _private_reads(path)]
+    assert [read for read in reads if not read.endswith((" ._make", " ._replace", " ._asdict", " ._fields"))] == []
+
+
+LOCAL = f"{STORE}.local"
+# imports of local/'s own modules from outside it that are allowed, and why (tests are white-box and not checked)
+LOCAL_WHITE_BOX = {
+    ("benchmarks.lookup_format_bench", f"{LOCAL}.shards"): "it measures the shard and lookup file formats themselves: "
+    "it varies the shard writer's internals (its codec, its page plans)",
+    ("benchmarks.lookup_format_bench", f"{LOCAL}.lookup"): "the lookup file's writer and reader, measured as formats",
+    ("benchmarks.lookup_format_bench", f"{LOCAL}.pages"): "the bulk pages' layout, measured as a format",
+    ("benchmarks.store_bench", f"{LOCAL}.shards"): "--codec sets the shard writer's BULK_CODEC, module state that the "
+    "forked writers inherit",
+}
+
+
+def _local_face() -> set[str]:
+    """The names local/__init__.py exports (its `__all__`)."""
+    tree = ast.parse((ROOT / "services/store_api/local/__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    return set()
+
+
+def _imports_past_the_face(face: set[str]) -> list[tuple[str, str]]:
+    """(module, what it imports) for each import of local/'s modules from outside local/: `services.store_api.local.x`
+    in any form, or a name from `services.store_api.local` that its face does not export (a submodule)."""
+    found = []
+    for name, path in _modules().items():
+        if name == LOCAL or name.startswith(LOCAL + "."):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                if node.module.startswith(LOCAL + "."):
+                    found.append((name, node.module))
+                elif node.module == LOCAL:
+                    found.extend((name, f"{LOCAL}.{a.name}") for a in node.names if a.name not in face)
+            elif isinstance(node, ast.Import):
+                found.extend((name, a.name) for a in node.names if a.name.startswith(LOCAL + "."))
+    return sorted(set(found))
+
+
+def test_other_parts_import_the_local_store_only_through_its_face():
+    """HOUSE_REVIEW: `from services.store_api.local import StoreIndex`, never `services.store_api.local.index`:
+    local/'s modules can move inside it without breaking the HTTP face, the browser, the lake or the benchmarks."""
+    face = _local_face()
+    assert "StoreIndex" in face
+    wrong = [found for found in _imports_past_the_face(face) if found not in LOCAL_WHITE_BOX]
+    assert wrong == []
+    assert sorted(set(LOCAL_WHITE_BOX) - set(_imports_past_the_face(face))) == []  # no stale allowance
+
+
+def _store_part_classes() -> list[type]:
+    """Every class defined in a module of local/ or lake/ (imported: the bases are the real ones)."""
+    import importlib
+    import inspect
+
+    classes = []
+    for name in sorted(_modules()):
+        if name.startswith((f"{STORE}.local.", f"{STORE}.lake.")):
+            module = importlib.import_module(name)
+            classes += [c for _, c in inspect.getmembers(module, inspect.isclass) if c.__module__ == name]
+    return classes
+
+
+def _inherited_from_the_parts(classes: list[type]) -> list[str]:
+    """`Class(Base)` where Base (anywhere in its MRO) is a class of local/ or lake/, errors aside: an error kind that
+    extends another (`LakeUnavailable(LakeError)`) shares no state, and is how `except LakeError` catches both."""
+    parts = (f"{STORE}.local", f"{STORE}.lake")
+    return sorted(f"{c.__module__}.{c.__name__}({b.__module__}.{b.__name__})" for c in classes
+                  for b in c.__mro__[1:] if b.__module__.startswith(parts) and not issubclass(c, BaseException))
+
+
+def test_the_parts_of_the_index_and_the_lake_are_composed_not_inherited():
+    """StoreIndex holds its catalog, ingest, queries and compaction, and Lake its connection, writing, reading and
+    maintenance, as objects that own their state: no class of local/ or lake/ inherits from another (a mixin
+    sharing private attributes is one class spread over files)."""
+    classes = _store_part_classes()
+    assert {"StoreIndex", "Catalog", "IndexIngest", "Lake", "LakeConnection"} <= {c.__name__ for c in classes}
+    assert _inherited_from_the_parts(classes) == []
+
+
+def test_the_inheritance_rule_finds_a_mixin():
+    class Part:
+        pass
+
+    Part.__module__ = f"{STORE}.local.part"
+
+    class Joined(Part):
+        pass
+
+    Joined.__module__ = f"{STORE}.local.joined"
+    assert _inherited_from_the_parts([Part, Joined]) == [f"{STORE}.local.joined.Joined({STORE}.local.part.Part)"]
+
+
 def test_the_lake_replica_uses_an_index_rather_than_being_one(tmp_path):
     """Composition: the replica follows the lake into a StoreIndex of its cache; it is no StoreIndex whose
     `ingest_new` means something else."""
     from services.store_api.lake.replica import LakeReplica
-    from services.store_api.local.index import StoreIndex
+    from services.store_api.local import StoreIndex
     from services.store_api.settings import StoreSettings
 
     settings = StoreSettings(root=tmp_path / "cache", backend="lake", lake_catalog=f"ducklake:sqlite:{tmp_path}/c.sqlite")

@@ -140,7 +140,7 @@ def build_toy_world(
     from rollouts.hf_backend import HFBackend
     from rollouts.models import model_fingerprint, tokenizer_fingerprint
     from rollouts.scoring import Scorer
-    from services.store_api.local.shards import write_groups
+    from services.store_api.local import write_groups
 
     world, peer, bpe_tok = _build_models(root, problems_per_family, learner_sft_steps, peer_sft_steps, seed)
     problems, peer_dir = world.learner_problems + world.peer_problems, world.peer_dir

@@ -114,8 +114,7 @@ class GroupSink:
             self.client = StoreClient(store, token=token)
             self.outages = (StoreUnavailable,)
         elif self.is_lake:
-            from services.store_api.lake.config import LakeConfig, LakeUnavailable
-            from services.store_api.lake.lake import Lake
+            from services.store_api.lake import Lake, LakeConfig, LakeUnavailable
 
             self.lake = Lake(LakeConfig(catalog=store)).open()
             self.outages = (LakeUnavailable,)
@@ -145,7 +144,7 @@ class GroupSink:
 
             result = self.lake.commit(validate_table(groups_table(groups)), problems or [])
             return f"lake: {result.accepted_groups} groups committed"
-        from services.store_api.local.shards import write_groups
+        from services.store_api.local import write_groups
 
         return str(write_groups(self.store, groups, problems))
 

@@ -10,7 +10,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 # a writer uploads its data files, then commits; a commit that loses to others' retries for a minute or more
-# (lake/commit.py, COMMIT_ATTEMPTS): an orphan younger than this may be one still being committed, not one left by a crash
+# (lake/writing.py, COMMIT_ATTEMPTS): an orphan younger than this may be one still being committed, not one left by a crash
 MIN_LAKE_FILE_GRACE_S = 600.0
 
 

@@ -23,8 +23,8 @@ from testbed.lake_services import free_port
 from schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA
 from services.store_api.http.cli import app as cli_app
 from services.store_api.lake import config as lake_module
-from services.store_api.lake import windows as lake_windows
-from services.store_api.lake.attach import ALIAS
+from services.store_api.lake import reading as lake_reading
+from services.store_api.lake.connection import ALIAS
 from services.store_api.lake.config import ExtensionMissing, LakeConfig, LakeError, LakeUnavailable
 from services.store_api.lake.lake import Lake
 from services.store_api.local.shards import write_groups
@@ -146,7 +146,7 @@ def test_writer_killed_mid_commit_leaves_no_partial_group(pg_s3_lake, moto_s3, t
         prefix = pg_s3_lake.data_path.removeprefix(f"s3://{moto_s3.bucket}/")
 
         def data_files() -> set[str]:  # both tables': a killed commit may have uploaded its problems too
-            return {p for table in ("rollouts", "problems") for (p,) in lake._cursor().execute(
+            return {p for table in ("rollouts", "problems") for (p,) in lake.cursor().execute(
                 f"SELECT data_file FROM ducklake_list_files('lake', '{table}')").fetchall()}
 
         def stored() -> set[str]:
@@ -348,9 +348,9 @@ def test_snapshots_say_which_tables_they_inserted_into(sqlite_lake):
 
 def test_change_feed_rows_are_put_in_commit_order():
     rows = pa.table({"rowid": [5, 1, 2, 7, 3], "snapshot_id": [3, 2, 2, 3, 2], "row": list("abcde")})
-    assert lake_windows._in_commit_order(rows).column("row").to_pylist() == ["b", "c", "e", "a", "d"]
+    assert lake_reading._in_commit_order(rows).column("row").to_pylist() == ["b", "c", "e", "a", "d"]
     ordered = rows.take([1, 2, 4, 0, 3])
-    assert lake_windows._in_commit_order(ordered) is ordered  # already in order: no copy
+    assert lake_reading._in_commit_order(ordered) is ordered  # already in order: no copy
 
 
 def test_writers_add_their_own_parquet_files_in_the_partition_layout(any_lake):
@@ -359,7 +359,7 @@ def test_writers_add_their_own_parquet_files_in_the_partition_layout(any_lake):
     groups = [make_group(i, model) for i in range(3) for model in ("model-a", "model-b")]
     with Lake(any_lake) as lake:
         lake.commit(table_of(groups))
-        con = lake._cursor()
+        con = lake.cursor()
         files = [path for (path,) in con.execute("SELECT data_file FROM ducklake_list_files('lake', 'rollouts')").fetchall()]
         assert sorted(path.split("/")[-2] for path in files) == ["model_id=model-a", "model_id=model-b"]
         assert all(path.startswith(any_lake.data_path.rstrip("/") + "/main/rollouts/") for path in files)
@@ -463,7 +463,7 @@ def test_data_files_on_storage_only_duckdb_reaches_go_through_the_change_feed(sq
         start = lake.snapshot().id
         lake.commit(table_of([make_group(1)]))
         assert len(lake.files_added(start, lake.snapshot().id)) == 1
-        lake._cursor().execute(f"UPDATE __ducklake_metadata_{ALIAS}.ducklake_data_file "
+        lake.cursor().execute(f"UPDATE __ducklake_metadata_{ALIAS}.ducklake_data_file "
                                "SET path = 'gs://elsewhere/rollouts.parquet', path_is_relative = false")
         assert lake.files_added(start, lake.snapshot().id) is None
 
@@ -474,7 +474,7 @@ def test_data_files_on_storage_only_duckdb_reaches_go_through_the_change_feed(sq
 def insert_plainly(lake: Lake, groups) -> None:
     """Insert groups with plain DuckDB SQL, no duplicate check: what a plain writer, or a writer racing another
     with the same group ids, lands."""
-    con = lake._cursor()
+    con = lake.cursor()
     con.register("plain_rows", table_of(groups))
     con.execute("INSERT INTO lake.rollouts BY NAME SELECT * FROM plain_rows")
     con.unregister("plain_rows")

@@ -250,7 +250,7 @@ def test_corrupt_data_file_is_set_aside_the_rest_served_and_read_once_restored(p
         second = commit(lake, 3, 3, model="model-b")
         broken = lake.snapshot().id
         wait_for(lambda: caught_up(client_a, broken), 60, "replica a read the second commit")
-        path = lake._cursor().execute("SELECT DISTINCT filename FROM lake.rollouts WHERE snapshot_id = ?",
+        path = lake.cursor().execute("SELECT DISTINCT filename FROM lake.rollouts WHERE snapshot_id = ?",
                                       [broken]).fetchall()[0][0]
         key = path.removeprefix(f"s3://{moto_s3.bucket}/")
         s3 = moto_s3.client()
@@ -288,7 +288,7 @@ def test_replica_that_cannot_reach_the_lake_at_start_says_why(postgres, tmp_path
 
 def insert_plainly(lake: Lake, groups) -> None:
     """Commit groups without the duplicate check, as a writer racing another with the same group ids lands."""
-    con = lake._cursor()
+    con = lake.cursor()
     con.register("racing", validate_table(groups_table(groups)))
     con.execute("INSERT INTO lake.rollouts BY NAME SELECT * FROM racing")
     con.unregister("racing")
@@ -347,7 +347,7 @@ def test_a_problem_row_the_model_refuses_is_set_aside_and_later_snapshots_follow
     that snapshot aside, says so in /v1/stats, and follows the snapshots after it."""
     with Lake(sqlite_lake) as lake:
         first = commit(lake, 0, 2)
-        lake._cursor().execute("INSERT INTO lake.problems VALUES ('0123456789abcdef', 'toy-math', 'not its text', '1')")
+        lake.cursor().execute("INSERT INTO lake.problems VALUES ('0123456789abcdef', 'toy-math', 'not its text', '1')")
         bad = lake.snapshot().id
         later = commit(lake, 2, 2)
         with replica(tmp_path / "a", sqlite_lake) as a, StoreClient(a.url) as client:

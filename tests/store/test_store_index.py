@@ -32,7 +32,7 @@ def lookup(index: StoreIndex, **kwargs):
 
 
 def index_rows(index: StoreIndex) -> list[tuple]:
-    return index._cursor().execute("""
+    return index.catalog.cursor().execute("""
         SELECT g.group_id, g.prompt_id, g.dataset, g.model_id, g.model_revision, g.policy_step, g.group_size,
                g.successes, g.mean_reward, g.created_us, f.path, g.row_start, g.num_rows
         FROM groups g JOIN files f USING (file_id) ORDER BY g.group_id""").fetchall()
@@ -196,11 +196,11 @@ def test_compaction_swaps_atomically_while_lookups_run(settings):
     assert not errors, errors[:3]
     assert report["files_merged"] == 12 and report["groups_moved"] == 60 and report["files_written"] >= 2
     peer_files = sorted((root / "rollouts" / "model=peer").glob("part-*.parquet"))
-    live = index._cursor().execute(
+    live = index.catalog.cursor().execute(
         "SELECT count(*) FROM files WHERE model_id = 'peer' AND retired_us IS NULL").fetchone()[0]
     assert live == report["files_written"]
     for path in peer_files:
-        if index._cursor().execute("SELECT retired_us FROM files WHERE path = ?",
+        if index.catalog.cursor().execute("SELECT retired_us FROM files WHERE path = ?",
                                    [path.relative_to(root).as_posix()]).fetchone()[0] is None:
             prompts = pq.read_table(path, columns=["prompt_id"]).column("prompt_id").to_pylist()
             assert prompts == sorted(prompts)  # compacted files are sorted by prompt id
@@ -270,3 +270,16 @@ def test_rollout_pages_filter_and_follow_the_cursor(settings):
     with pytest.raises(BadCursor):
         index.rollout_page(cursor="not-a-cursor")
     index.close()
+
+
+def test_the_index_keeps_the_methods_its_users_call():
+    """StoreIndex is assembled from parts (catalog, ingest, queries, compaction); the app, the CLI, the browser and
+    the lake replica still call these on it."""
+    used = {"open", "load", "clear", "rebuild", "recreate", "close", "meta", "set_meta", "record_duplicates",
+            "write_manifest", "quarantine", "scan", "ingest_new", "ingest_file", "ingest_problem_file", "push",
+            "add_problems", "delete_orphan_lookup_files", "open_lookup_files", "compact", "delete_retired",
+            "select_peer_groups", "select_prompt_groups", "select_group", "read_selected", "group_count",
+            "rollout_page", "prompt_refs", "prompts_before", "newest_seq", "groups_after", "problem_files",
+            "problems_of_file", "step_bins", "dataset_counts", "stats", "settings", "root", "path", "reader", "mirror",
+            "last_ingest_us"}
+    assert sorted(used - set(dir(StoreIndex))) == []

@@ -27,7 +27,7 @@ from schemas.browse import (
 )
 from services.store_api.browser.tokens import TokenizerShelf
 from services.store_api.browser.views import Browse
-from services.store_api.local.index import StoreIndex
+from services.store_api.local import StoreIndex
 from services.store_api.settings import StoreSettings
 
 UI_DIR = Path(__file__).parent / "ui"

@@ -40,9 +40,7 @@ from schemas.browse import (
     StoredProblem,
 )
 from services.store_api.browser.tokens import TokenizerShelf, token_pieces
-from services.store_api.local.index import StoreIndex
-from services.store_api.local.mirror import GroupRef
-from services.store_api.local.queries import decode_cursor, encode_cursor, us_to_datetime
+from services.store_api.local import GroupRef, StoreIndex, decode_cursor, encode_cursor, us_to_datetime
 
 NO_CURSOR = 2**62  # above every seq: the first page
 

@@ -55,9 +55,7 @@ from services.store_api.http.background import Background
 from services.store_api.http.backend import store_backend
 from services.store_api.http.push import PushRejected, parse_arrow_push, parse_json_push
 from services.store_api.lake.config import LakeError, LakeUnavailable
-from services.store_api.local.lookup import arrow_stream, read_stream
-from services.store_api.local.mirror import GroupConflict
-from services.store_api.local.queries import BadCursor
+from services.store_api.local import BadCursor, GroupConflict, arrow_stream, read_stream
 from services.store_api.settings import StoreSettings
 from services.store_api.tables import ShardValidationError
 

@@ -9,7 +9,7 @@ from typing import Protocol
 import pyarrow as pa
 
 from schemas import Problem, StatsResponse
-from services.store_api.local.index import StoreIndex
+from services.store_api.local import StoreIndex
 from services.store_api.settings import StoreSettings
 
 

@@ -53,7 +53,7 @@ def open_store(settings: StoreSettings, what: str = ""):
     """The settings' store (services.store_api.http.backend.store_backend), opened; a clear error and exit 1 if it cannot."""
     from services.store_api.http.backend import store_backend
     from services.store_api.lake.config import LakeError
-    from services.store_api.local.catalog import IndexLocked
+    from services.store_api.local import IndexLocked
 
     try:
         return store_backend(settings).open()
@@ -99,7 +99,7 @@ def serve(
 def _rebuild(settings: StoreSettings) -> dict:
     from services.store_api.http.backend import store_backend
     from services.store_api.lake.config import LakeError
-    from services.store_api.local.catalog import IndexLocked
+    from services.store_api.local import IndexLocked
 
     store = store_backend(settings)
     try:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from services.store_api.lake.attach import ALIAS, LakeConnection
+from services.store_api.lake.connection import ALIAS, LakeConnection
 
 
-class LakeMaintenance(LakeConnection):
-    """Merging small files, expiring old snapshots, deleting files nothing references."""
+class LakeMaintenance:
+    """Merging small files, expiring old snapshots, deleting files nothing references (a part of `Lake`)."""
+
+    def __init__(self, connection: LakeConnection):
+        self.connection = connection
 
     def maintain(self, expire_older_than_s: float, cleanup_older_than_s: float) -> dict[str, int]:
         """DuckLake's maintenance: merge adjacent small files (row ids and snapshot ids kept, so followers see
@@ -28,7 +31,7 @@ class LakeMaintenance(LakeConnection):
             return {"files_before": int(before), "files_after": int(after), "snapshots_expired": int(expired),
                     "files_deleted": int(deleted), "orphans_deleted": int(orphans)}
 
-        return self._run("maintain", work)
+        return self.connection.run("maintain", work)
 
 
 def _interval_ago(seconds: float) -> str:

@@ -18,8 +18,8 @@ from tqdm import tqdm
 
 from schemas import PROBLEM_ARROW_SCHEMA, Problem
 from services.store_api.lake.lake import Lake
-from services.store_api.lake.windows import first_copies
-from services.store_api.local.shards import model_dir, row_group_plan, write_problems, write_rollout_table
+from services.store_api.lake.reading import first_copies
+from services.store_api.local import model_dir, row_group_plan, write_problems, write_rollout_table
 from services.store_api.tables import ShardValidationError, group_runs, validate_problems, validate_table
 
 log = logging.getLogger("graft.store.migrate")

@@ -33,12 +33,16 @@ import pyarrow.compute as pc
 from schemas import PROBLEM_ARROW_SCHEMA, LakeStats, Problem, StatsResponse
 from services.store_api.lake.config import LakeConfig, LakeError, LakeUnavailable, redact
 from services.store_api.lake.lake import Lake
-from services.store_api.lake.windows import ROLLOUT_ROWS_SCHEMA, AddedRows, Snapshot, first_copies, next_window
-from services.store_api.local.index import StoreIndex
-from services.store_api.local.ingest import summarise_groups
-from services.store_api.local.mirror import now_us
-from services.store_api.local.queries import us_to_datetime
-from services.store_api.local.shards import model_dir, row_group_plan, write_rollout_table
+from services.store_api.lake.reading import ROLLOUT_ROWS_SCHEMA, AddedRows, Snapshot, first_copies, next_window
+from services.store_api.local import (
+    StoreIndex,
+    model_dir,
+    now_us,
+    row_group_plan,
+    summarise_groups,
+    us_to_datetime,
+    write_rollout_table,
+)
 from services.store_api.settings import StoreSettings
 from services.store_api.tables import ShardValidationError, group_runs, validate_problems, validate_table
 

@@ -1,11 +1,12 @@
-"""The index's DuckDB tables (files, groups, duplicates, problems) and their lifecycle, and the state every
-part of `StoreIndex` shares.
+"""The index's DuckDB tables (files, groups, duplicates, problems) and their lifecycle: the part of `StoreIndex`
+the other parts (ingest, queries, compaction) work through.
 
-Only the store process opens `<root>/index.duckdb` (DuckDB takes a file lock). `Catalog` owns the schema,
-connecting (setting aside an unusable or other-version index), reconciling the tables with the files on
-disk, loading the mirror (`mirror.py`), per-thread read cursors, quarantine, the readers' manifest
-(`manifest.py`) and closing. Every change commits to DuckDB first and then applies to the mirror and the
-manifest, under the write lock.
+Only the store process opens `<root>/index.duckdb` (DuckDB takes a file lock). `Catalog` owns the connection
+and its write lock, the schema, connecting (setting aside an unusable or other-version index), reconciling the
+tables with the files on disk, the mirror (`mirror.py`) and the paths of the indexed files, the next file id and
+seq, per-thread read cursors, quarantine, the readers' manifest (`manifest.py`) and closing. The other parts
+change the tables through `transaction()` and `execute()`, and tell the catalog what they added (`add_file`).
+Every change commits to DuckDB first and then applies to the mirror and the manifest, under `write_lock`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -81,28 +84,27 @@ class IndexLocked(RuntimeError):
 
 
 class Catalog:
-    """The DuckDB index of one store root and its mirror: the state `StoreIndex` (index.py) is built on."""
+    """The DuckDB index of one store root and its mirror: the part of `StoreIndex` (index.py) that owns the
+    connection; the other parts hold it and call its methods."""
 
     def __init__(self, settings: StoreSettings):
         self.settings = settings
         self.root = Path(settings.root)
         self.path = self.root / "index.duckdb"
         self.reader = ShardReader(self.root, settings.max_open_files)
-        self._write_lock = threading.RLock()  # DuckDB writes, file renames into the index, mirror updates
-        self._compact_lock = threading.Lock()
+        self.write_lock = threading.RLock()  # DuckDB writes, file renames into the index, mirror updates
         self._local = threading.local()
         self.mirror = GroupMirror()
         self._known_files: dict[str, int] = {}  # relative path -> file_id (live or retired)
-        self._known_problems: set[tuple[str, str]] = set()
         self._next_file_id = 1
         self._next_seq = 1
         self.last_ingest_us: int | None = None
-        self._failed_batches: set[tuple[str, frozenset[int]]] = set()  # compaction batches not to retry as they are
         self._con: duckdb.DuckDBPyConnection | None = None
 
     # ------------------------------------------------------------------ opening, closing, rebuilding
 
-    def _connect(self) -> None:
+    def connect(self) -> None:
+        """Open (or create) `<root>/index.duckdb`; IndexLocked when another process holds it."""
         for sub in ("rollouts", "prompts", "quarantine"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         # one thread: the index's statements are small (an ingest inserts ~1000 groups; the largest query
@@ -128,7 +130,7 @@ class Catalog:
         elif version[0] != INDEX_VERSION:
             self._con.close()
             self._set_aside(f"index version {version[0]}, this store writes {INDEX_VERSION}")
-            self._connect()
+            self.connect()
             return
         self._next_file_id = self._con.execute("SELECT coalesce(max(file_id), 0) + 1 FROM files").fetchall()[0][0]
         self._next_seq = self._con.execute("SELECT coalesce(max(seq), 0) + 1 FROM groups").fetchall()[0][0]
@@ -141,7 +143,7 @@ class Catalog:
             if src.exists():
                 shutil.move(src, Path(str(aside) + suffix))
 
-    def _reconcile(self) -> None:
+    def reconcile(self) -> None:
         """Delete shards retired before a restart; drop index entries of files that vanished."""
         con = self._con
         for file_id, rel, retired in con.execute("SELECT file_id, path, retired_us FROM files").fetchall():
@@ -158,19 +160,19 @@ class Catalog:
                 con.execute("DELETE FROM problems WHERE file_id = ?", [file_id])
                 con.execute("DELETE FROM files WHERE file_id = ?", [file_id])
 
-    def _load_mirror(self) -> None:
+    def load_mirror(self) -> None:
+        """Load the mirror and the paths of the indexed files from the tables."""
         rows = self._con.execute("""
             SELECT g.group_id, g.prompt_id, g.model_id, g.policy_step, g.created_us, g.successes, g.group_size,
                    g.seq, f.path, g.row_start, g.num_rows
             FROM groups g JOIN files f USING (file_id)""").fetchall()
         self.mirror.replace(map(GroupRef._make, rows))
         self._known_files = dict((p, i) for i, p in self._con.execute("SELECT file_id, path FROM files").fetchall())
-        self._known_problems = set(self._con.execute("SELECT dataset, prompt_id FROM problems").fetchall())
         last = self._con.execute("SELECT max(indexed_us) FROM files").fetchall()[0][0]
         self.last_ingest_us = last
 
     def close(self) -> None:
-        with self._write_lock:
+        with self.write_lock:
             if self._con is not None:
                 self._con.execute("CHECKPOINT")
                 self._con.close()
@@ -179,34 +181,95 @@ class Catalog:
     def recreate(self) -> None:
         """Drop every table and start an empty index (`StoreIndex.rebuild` then ingests the files anew)."""
         if self._con is None:
-            self._connect()  # takes DuckDB's file lock, or raises IndexLocked: never rebuild under a server
+            self.connect()  # takes DuckDB's file lock, or raises IndexLocked: never rebuild under a server
         self._con.execute("DROP TABLE IF EXISTS groups; DROP TABLE IF EXISTS files; "
                           "DROP TABLE IF EXISTS duplicates; DROP TABLE IF EXISTS problems; DROP TABLE IF EXISTS meta")
         self._con.execute(SCHEMA_SQL)
         self._con.execute("INSERT INTO meta VALUES ('index_version', ?)", [INDEX_VERSION])
         self._next_file_id = self._next_seq = 1
         self._local = threading.local()
-        self._load_mirror()
+        self.load_mirror()
+
+    def clear_files(self) -> None:
+        """Empty the store root: no shards, lookup files, problems or index entries. Opens the index first if it
+        is not open (its file lock, or IndexLocked)."""
+        with self.write_lock:
+            if self._con is None:
+                self.connect()
+            self.reader = ShardReader(self.root, self.settings.max_open_files)  # drops the open lookup files
+            for sub in ("rollouts", "prompts", "lookup"):
+                shutil.rmtree(self.root / sub, ignore_errors=True)
+            self.recreate()
+            for sub in ("rollouts", "prompts", "quarantine"):
+                (self.root / sub).mkdir(parents=True, exist_ok=True)
+
+    # ------------------------------------------------------------------ what the other parts change through
+
+    @contextmanager
+    def transaction(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        """The write connection in one DuckDB transaction, under the write lock: committed when the block ends,
+        rolled back if it raises."""
+        with self.write_lock:
+            con = self._con
+            con.begin()
+            try:
+                yield con
+                con.commit()
+            except BaseException:
+                con.rollback()
+                raise
+
+    def execute(self, sql: str, params: list | None = None) -> list[tuple]:
+        """One statement on the write connection, under the write lock; its rows."""
+        with self.write_lock:
+            return self._con.execute(sql, params or []).fetchall()
+
+    def knows(self, rel: str) -> bool:
+        """Whether a file (relative to the root) is in the index, live or retired."""
+        return rel in self._known_files
+
+    @property
+    def next_file_id(self) -> int:
+        """The id the next file added gets (read it under the write lock, then `add_file`)."""
+        return self._next_file_id
+
+    @property
+    def next_seq(self) -> int:
+        """The seq the next indexed group gets (every group's is below it)."""
+        return self._next_seq
+
+    def add_file(self, rel: str, file_id: int, groups: int = 0) -> None:
+        """Record a file a committed transaction added as `next_file_id`, with `groups` new groups numbered from
+        `next_seq` (the mirror is the caller's to update)."""
+        with self.write_lock:
+            self._next_file_id += 1
+            self._next_seq += groups
+            self._known_files[rel] = file_id
+
+    def forget_file(self, rel: str) -> None:
+        """Drop a file deleted from the files table (a retired shard deleted)."""
+        with self.write_lock:
+            self._known_files.pop(rel, None)
 
     def meta(self, prefix: str) -> dict[str, str]:
         """The index's meta entries whose keys start with `prefix` (a lake replica keeps what it followed there)."""
-        rows = self._cursor().execute("SELECT key, value FROM meta WHERE starts_with(key, ?)", [prefix]).fetchall()
+        rows = self.cursor().execute("SELECT key, value FROM meta WHERE starts_with(key, ?)", [prefix]).fetchall()
         return dict(rows)
 
     def set_meta(self, key: str, value: str) -> None:
-        with self._write_lock:
+        with self.write_lock:
             self._con.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", [key, value])
 
     def record_duplicates(self, copies: list[tuple[str, str, int, bool]]) -> None:
         """Record copies of stored groups met outside a shard, (group id, where, when seen in us since the epoch,
         under another model or prompt), shown in /v1/stats; a copy recorded already (the same group and where)
         is not added again."""
-        with self._write_lock:
+        with self.write_lock:
             self._con.executemany("""
                 INSERT INTO duplicates SELECT $1, $2, $3, $4
                 WHERE NOT EXISTS (SELECT 1 FROM duplicates WHERE group_id = $1 AND path = $2)""", [list(c) for c in copies])
 
-    def _cursor(self) -> duckdb.DuckDBPyConnection:
+    def cursor(self) -> duckdb.DuckDBPyConnection:
         """A DuckDB cursor for reads on this thread (cursors are cheap connections to the same database)."""
         cursor = getattr(self._local, "cursor", None)
         if cursor is None:
@@ -216,7 +279,7 @@ class Catalog:
 
     def write_manifest(self) -> None:
         """Rewrite <root>/manifest.json, the live files for outside readers, from the index."""
-        with self._write_lock:
+        with self.write_lock:
             files = self._con.execute(
                 "SELECT kind, path FROM files WHERE retired_us IS NULL ORDER BY kind, path").fetchall()
             write_manifest(self.root, [p for kind, p in files if kind == "rollouts"],
@@ -226,19 +289,13 @@ class Catalog:
         """Move a bad file or folder to <root>/quarantine/ (with a .reason.txt), drop whatever the index had of it."""
         source = self.root / rel
         target = self.root / "quarantine" / f"{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{rel.replace('/', '__')}"
-        with self._write_lock:
+        with self.write_lock:
             file_id = self._known_files.pop(rel, None)
             if file_id is not None:
-                con = self._con
-                con.begin()
-                try:
+                with self.transaction() as con:
                     con.execute("DELETE FROM groups WHERE file_id = ?", [file_id])
                     con.execute("DELETE FROM problems WHERE file_id = ?", [file_id])
                     con.execute("DELETE FROM files WHERE file_id = ?", [file_id])
-                    con.commit()
-                except BaseException:
-                    con.rollback()
-                    raise
                 self.mirror.drop_file(rel)
                 self.write_manifest()  # before the file leaves: readers of the manifest never miss a listed file
             if not source.is_dir():

@@ -1,5 +1,6 @@
 """How files get into the index: scanning for new shards and problem files, checking and indexing them,
-pushes over HTTP, and cleaning up what dead writers left; methods of `StoreIndex` (index.py).
+pushes over HTTP, and cleaning up what dead writers left: a part of `StoreIndex` (index.py), working through the
+catalog's methods.
 
 A shard from the folder passes the rules a push passes (`validate_shard`, through `tables.validate_table`: whole
 for a foreign shard, its small columns for one its graft writer validated whole); an unreadable or invalid
@@ -26,6 +27,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from schemas import ROLLOUT_ARROW_SCHEMA, Problem
+from services.store_api.local.catalog import Catalog
 from services.store_api.local.compaction import IndexCompaction
 from services.store_api.local.durable import TMP_DIR, TMP_PREFIX
 from services.store_api.local.lookup import (
@@ -146,52 +148,64 @@ def validate_shard(path: Path, expected_model: str) -> pa.Table:
     return pa.concat_tables(summaries)
 
 
-class IndexIngest(IndexCompaction):
-    """The write side of StoreIndex: new files in (a file with skipped groups is rewritten as compaction does)."""
+class IndexIngest:
+    """The write side of StoreIndex: new files in (a file with skipped groups is rewritten by compaction's
+    `compact_files`). Owns the (dataset, prompt id) pairs of the problems indexed."""
+
+    def __init__(self, catalog: Catalog, compaction: IndexCompaction):
+        self.catalog = catalog
+        self.compaction = compaction
+        self._known_problems: set[tuple[str, str]] = set()
+
+    def load(self) -> None:
+        """Read which problems the index holds (after the catalog loaded or recreated its tables)."""
+        self._known_problems = set(self.catalog.execute("SELECT dataset, prompt_id FROM problems"))
 
     def scan(self) -> list[Path]:
         """Final-named shards and problem files not yet in the index, oldest name first; on the way, quarantine
         folders named as the API would refuse and delete writers' temporary files left for tmp_max_age_s."""
+        catalog = self.catalog
         found = []
-        stale_before = time.time() - self.settings.tmp_max_age_s
+        stale_before = time.time() - catalog.settings.tmp_max_age_s
         for kind, prefix in PARTITIONS:
-            base = self.root / kind
+            base = catalog.root / kind
             if not base.is_dir():
                 continue
             for sub in os.scandir(base):
                 if not (sub.name.startswith(prefix) and sub.is_dir()):
                     continue
                 if not SAFE_NAME.match(sub.name.removeprefix(prefix)):
-                    self.quarantine(f"{kind}/{sub.name}", f"folder {kind}/{sub.name}: the name after {prefix!r} must "
-                                    "match [A-Za-z0-9._-]+, as the API requires; nothing in it was indexed")
+                    catalog.quarantine(f"{kind}/{sub.name}", f"folder {kind}/{sub.name}: the name after {prefix!r} "
+                                       "must match [A-Za-z0-9._-]+, as the API requires; nothing in it was indexed")
                     continue
                 for entry in os.scandir(sub.path):
                     name = entry.name
                     if name.startswith("part-") and name.endswith(".parquet"):
                         rel = f"{kind}/{sub.name}/{name}"
-                        if rel not in self._known_files:
-                            found.append(self.root / rel)
+                        if not catalog.knows(rel):
+                            found.append(catalog.root / rel)
                     elif name.startswith(TMP_PREFIX):  # left by a writer of an earlier version
                         self._remove_stale_tmp(Path(entry.path), stale_before)
-        if (self.root / TMP_DIR).is_dir():
-            for entry in os.scandir(self.root / TMP_DIR):
+        if (catalog.root / TMP_DIR).is_dir():
+            for entry in os.scandir(catalog.root / TMP_DIR):
                 self._remove_stale_tmp(Path(entry.path), stale_before)
         return sorted(found, key=lambda p: p.name)
 
     def delete_orphan_lookup_files(self) -> int:
         """Delete lookup files whose shard is neither on disk nor indexed, and temporary ones, once older than
         tmp_max_age_s: a writer that died between its lookup file and its shard leaves them behind."""
-        base = self.root / LOOKUP_DIR
+        catalog = self.catalog
+        base = catalog.root / LOOKUP_DIR
         if not base.is_dir():
             return 0
-        stale_before = time.time() - self.settings.tmp_max_age_s
+        stale_before = time.time() - catalog.settings.tmp_max_age_s
         deleted = 0
         for sub in os.scandir(base):
             if not sub.is_dir():
                 continue
             for entry in os.scandir(sub.path):
                 shard = f"rollouts/{sub.name}/{entry.name.removesuffix(LOOKUP_SUFFIX)}.parquet"
-                in_use = shard in self._known_files or (self.root / shard).exists()
+                in_use = catalog.knows(shard) or (catalog.root / shard).exists()
                 if in_use and not entry.name.startswith(TMP_PREFIX):
                     continue
                 try:
@@ -205,11 +219,11 @@ class IndexIngest(IndexCompaction):
     def open_lookup_files(self) -> None:
         """Open every live shard's lookup file, rebuilding missing ones: after an upgrade or a deleted lookup/
         directory, lookups would otherwise pay for the rebuilds (~0.1 s per 8192 rollouts) one file at a time."""
-        rows = self._cursor().execute(
+        rows = self.catalog.cursor().execute(
             "SELECT path FROM files WHERE kind = 'rollouts' AND retired_us IS NULL ORDER BY path").fetchall()
         for (rel,) in rows:
             try:
-                self.reader.open(rel)
+                self.catalog.reader.open(rel)
             except OSError as exc:  # ShardReadError included: the lookup that meets it quarantines the shard
                 log.warning("cannot open or rebuild the lookup file of %s: %s", rel, exc)
 
@@ -218,7 +232,7 @@ class IndexIngest(IndexCompaction):
             if path.stat().st_mtime < stale_before:
                 path.unlink()
                 log.warning("removed %s: a writer's temporary file untouched for %.0f s (the writer died)",
-                            path, self.settings.tmp_max_age_s)
+                            path, self.catalog.settings.tmp_max_age_s)
         except FileNotFoundError:
             pass
 
@@ -232,7 +246,7 @@ class IndexIngest(IndexCompaction):
             else:
                 total += self.ingest_file(path)
         if found:
-            self.write_manifest()
+            self.catalog.write_manifest()
         return total
 
     def ingest_file(self, path: Path, summary: pa.Table | None = None) -> int:
@@ -241,8 +255,9 @@ class IndexIngest(IndexCompaction):
         `summary`: the writer's own `summarise_groups` of the validated table it just wrote (a push); else the
         shard is read and checked whole (`validate_shard`).
         """
-        rel = path.relative_to(self.root).as_posix()
-        if rel in self._known_files:
+        catalog = self.catalog
+        rel = path.relative_to(catalog.root).as_posix()
+        if catalog.knows(rel):
             return 0
         try:
             stat = path.stat()
@@ -253,27 +268,25 @@ class IndexIngest(IndexCompaction):
             if summary is None:
                 summary = validate_shard(path, expected_model)
             # normally the writer's lookup file, checked against the groups; rebuilt from the shard if not
-            self.reader.check(rel, summary.column("row_start").to_numpy(), summary.column("num_rows").to_numpy())
+            catalog.reader.check(rel, summary.column("row_start").to_numpy(), summary.column("num_rows").to_numpy())
         except (ShardReadError, ShardValidationError) as exc:
-            self.quarantine(rel, str(exc))
+            catalog.quarantine(rel, str(exc))
             return 0
-        with self._write_lock:
-            if rel in self._known_files:
+        with catalog.write_lock:
+            if catalog.knows(rel):
                 return 0
             group_ids = summary.column("group_id").to_pylist()
             duplicates, conflicts = self._stored_already(group_ids, summary.column("prompt_id").to_pylist(),
                                                          expected_model)
             skipped = np.fromiter((g in duplicates or g in conflicts for g in group_ids), bool, len(group_ids))
             fresh = summary.filter(pa.array(~skipped))
-            file_id = self._next_file_id
-            first_seq = self._next_seq
+            file_id = catalog.next_file_id
+            first_seq = catalog.next_seq
             indexed = now_us()
             fresh = fresh.append_column("seq", pa.array(np.arange(first_seq, first_seq + fresh.num_rows, dtype=np.int64)))
             fresh = fresh.append_column("file_id", pa.array(np.full(fresh.num_rows, file_id, np.int32)))
             fresh = fresh.append_column("indexed_us", pa.array(np.full(fresh.num_rows, indexed, np.int64)))
-            con = self._con
-            con.begin()
-            try:
+            with catalog.transaction() as con:
                 con.execute(
                     "INSERT INTO files VALUES (?, ?, 'rollouts', ?, ?, ?, ?, ?, ?, ?, NULL)",
                     [file_id, rel, expected_model, int(summary.column("num_rows").to_numpy().sum()), stat.st_size,
@@ -290,15 +303,9 @@ class IndexIngest(IndexCompaction):
                 if duplicates or conflicts:
                     con.executemany("INSERT INTO duplicates VALUES (?, ?, ?, ?)",
                                     [[g, rel, indexed, g in conflicts] for g in itertools.chain(duplicates, conflicts)])
-                con.commit()
-            except BaseException:
-                con.rollback()
-                raise
-            self._next_file_id += 1
-            self._next_seq += fresh.num_rows
-            self._known_files[rel] = file_id
+            catalog.add_file(rel, file_id, groups=fresh.num_rows)
             self._add_to_mirror(fresh, rel)
-            self.last_ingest_us = indexed
+            catalog.last_ingest_us = indexed
             if duplicates:
                 log.warning("shard %s: %d of %d groups already indexed, kept the first copy and skipped these "
                             "(first few: %s)", rel, len(duplicates), len(group_ids), ", ".join(list(duplicates)[:5]))
@@ -307,9 +314,9 @@ class IndexIngest(IndexCompaction):
             if duplicates or conflicts:
                 # readers of the manifest must not count the skipped groups: the file leaves the live set
                 if fresh.num_rows:
-                    self._compact_batch(expected_model, [file_id])
+                    self.compaction.compact_files(expected_model, [file_id])
                 else:
-                    self._retire([file_id])
+                    self.compaction.retire([file_id])
         log.debug("indexed %s: %d groups", rel, fresh.num_rows)
         return fresh.num_rows
 
@@ -320,7 +327,7 @@ class IndexIngest(IndexCompaction):
         duplicates: dict[str, GroupRef] = {}
         conflicts: dict[str, GroupRef] = {}
         for gid, prompt in zip(group_ids, prompt_ids):
-            ref = self.mirror.get(gid)
+            ref = self.catalog.mirror.get(gid)
             if ref is not None:
                 (duplicates if (ref.model_id, ref.prompt_id) == (model, prompt) else conflicts)[gid] = ref
         return duplicates, conflicts
@@ -329,29 +336,28 @@ class IndexIngest(IndexCompaction):
         columns = [fresh.column(name).to_pylist() for name in (
             "group_id", "prompt_id", "model_id", "policy_step", "created_us", "successes", "group_size", "seq")]
         locations = [fresh.column("row_start").to_pylist(), fresh.column("num_rows").to_pylist()]
-        self.mirror.add(list(map(GroupRef._make, zip(*columns, itertools.repeat(rel), *locations))))
+        self.catalog.mirror.add(list(map(GroupRef._make, zip(*columns, itertools.repeat(rel), *locations))))
 
     def ingest_problem_file(self, path: Path) -> int:
         """Index a problems file of one dataset, each problem checked as a push's are: (dataset, prompt id)
         pairs, first copy wins. Quarantined if unreadable or invalid."""
-        rel = path.relative_to(self.root).as_posix()
-        if rel in self._known_files:
+        catalog = self.catalog
+        rel = path.relative_to(catalog.root).as_posix()
+        if catalog.knows(rel):
             return 0
         try:
             problems = validate_problems(pq.read_table(path), dataset=path.parent.name.removeprefix("dataset="))
             stat = path.stat()
         except (OSError, pa.ArrowException, ShardValidationError) as exc:
-            self.quarantine(rel, str(exc))
+            catalog.quarantine(rel, str(exc))
             return 0
-        with self._write_lock:
-            if rel in self._known_files:
+        with catalog.write_lock:
+            if catalog.knows(rel):
                 return 0
             pairs = [(p.dataset, p.prompt_id) for p in problems]
             fresh = list(dict.fromkeys(pair for pair in pairs if pair not in self._known_problems))
-            file_id = self._next_file_id
-            con = self._con
-            con.begin()
-            try:
+            file_id = catalog.next_file_id
+            with catalog.transaction() as con:
                 con.execute(
                     "INSERT INTO files VALUES (?, ?, 'prompts', NULL, ?, ?, ?, ?, ?, ?, NULL)",
                     [file_id, rel, len(problems), stat.st_size, int(stat.st_mtime * 1e6), now_us(), len(fresh),
@@ -359,12 +365,7 @@ class IndexIngest(IndexCompaction):
                 )
                 if fresh:
                     con.executemany("INSERT INTO problems VALUES (?, ?, ?)", [[d, p, file_id] for d, p in fresh])
-                con.commit()
-            except BaseException:
-                con.rollback()
-                raise
-            self._next_file_id += 1
-            self._known_files[rel] = file_id
+            catalog.add_file(rel, file_id)
             self._known_problems.update(fresh)
         return len(fresh)
 
@@ -379,7 +380,7 @@ class IndexIngest(IndexCompaction):
         starts, lengths = group_runs(table.column("group_id"))
         heads = table.select(["group_id", "prompt_id", "model_id"]).take(pa.array(starts))
         model = heads.column("model_id")[0].as_py()
-        with self._write_lock:
+        with self.catalog.write_lock:
             duplicates, conflicts = self._stored_already(heads.column("group_id").to_pylist(),
                                                          heads.column("prompt_id").to_pylist(), model)
             if conflicts:
@@ -391,19 +392,19 @@ class IndexIngest(IndexCompaction):
                 table = table.filter(keep)
                 starts, lengths = group_runs(table.column("group_id"))
             if table.num_rows:
-                path = write_rollout_table(model_dir(self.root, model), table)
+                path = write_rollout_table(model_dir(self.catalog.root, model), table)
                 accepted = self.ingest_file(path, summary=summarise_groups(table, starts, lengths))
-                shard = path.relative_to(self.root).as_posix()
+                shard = path.relative_to(self.catalog.root).as_posix()
             new_problems = self.add_problems(problems)
             if shard is not None or new_problems:
-                self.write_manifest()  # before the push is acknowledged
+                self.catalog.write_manifest()  # before the push is acknowledged
             return accepted, list(duplicates), shard
 
     def add_problems(self, problems: list[Problem]) -> bool:
         """Write and index, as a problems file per dataset, the problems the store does not hold yet (by dataset
         and prompt id; first copy wins); whether there were any."""
-        with self._write_lock:
+        with self.catalog.write_lock:
             fresh = [p for p in problems if (p.dataset, p.prompt_id) not in self._known_problems]
-            for path in write_problems(self.root, fresh) if fresh else ():
+            for path in write_problems(self.catalog.root, fresh) if fresh else ():
                 self.ingest_problem_file(path)
             return bool(fresh)

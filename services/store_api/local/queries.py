@@ -1,5 +1,6 @@
 """What the index answers: peer, prompt and group lookups (from the mirror), filtered rollout pages and
-stats (from DuckDB), and the reads of the chosen groups' rows; methods of `StoreIndex` (index.py).
+stats (from DuckDB), and the reads of the chosen groups' rows: a part of `StoreIndex` (index.py), reading
+through the catalog's methods.
 
 Everything the API serves from the index goes through here; nothing here changes the index except
 `read_selected` quarantining a shard it finds damaged.
@@ -45,27 +46,31 @@ def decode_cursor(cursor: str) -> tuple[int, int]:
     return seq, row
 
 
-class IndexQueries(Catalog):
-    """The read side of StoreIndex: lookups, pages, stats."""
+class IndexQueries:
+    """The read side of StoreIndex: lookups, pages, stats. It holds no state of its own."""
+
+    def __init__(self, catalog: Catalog):
+        self.catalog = catalog
 
     # ------------------------------------------------------------------ lookups (the mirror)
 
     def select_peer_groups(self, req: PeerLookupRequest) -> tuple[list[GroupRef], dict[str, str]]:
         """The groups a peer lookup returns (by prompt in request order, most recent first) and the misses, each
         with why it got nothing (prompt id -> one of schemas.api.MISS_REASONS)."""
-        return self.mirror.peer_groups(req)
+        return self.catalog.mirror.peer_groups(req)
 
     def select_prompt_groups(self, prompt: str, model: str | None, limit: int) -> list[GroupRef]:
-        return self.mirror.prompt_groups(prompt, model, limit)
+        return self.catalog.mirror.prompt_groups(prompt, model, limit)
 
     def select_group(self, group_id: str) -> list[GroupRef]:
-        return self.mirror.group(group_id)
+        return self.catalog.mirror.group(group_id)
 
     def read_selected(self, select, as_messages: bool = False):
         """Run `select() -> (refs, extra)` and read the refs' rows; on an unreadable shard, quarantine or
         re-resolve (a compacted-away file) and select again. Returns (table, extra), or with `as_messages`
         (one IPC record batch message per group, extra) for `arrow_stream`."""
-        read = self.reader.messages if as_messages else self.reader.read
+        reader = self.catalog.reader
+        read = reader.messages if as_messages else reader.read
         failed: set[str] = set()
         for attempt in range(5):
             refs, extra = select()
@@ -74,20 +79,20 @@ class IndexQueries(Catalog):
             except ShardReadError as exc:
                 if attempt == 4:
                     raise
-                rel = exc.path.relative_to(self.root).as_posix()
+                rel = exc.path.relative_to(self.catalog.root).as_posix()
                 if self._is_retired(rel) or not exc.path.exists():
                     continue  # compacted away meanwhile: the next select() finds the groups' new home
                 if rel in failed:  # failed twice from a freshly opened file: really damaged
-                    self.quarantine(rel, f"unreadable at lookup: {exc.reason}")
+                    self.catalog.quarantine(rel, f"unreadable at lookup: {exc.reason}")
                 failed.add(rel)
         raise AssertionError("unreachable")
 
     def _is_retired(self, rel: str) -> bool:
-        rows = self._cursor().execute("SELECT retired_us FROM files WHERE path = ?", [rel]).fetchall()
+        rows = self.catalog.cursor().execute("SELECT retired_us FROM files WHERE path = ?", [rel]).fetchall()
         return not rows or rows[0][0] is not None
 
     def group_count(self) -> int:
-        return len(self.mirror)
+        return len(self.catalog.mirror)
 
 
     # ------------------------------------------------------------------ filtered pages (DuckDB)
@@ -118,7 +123,7 @@ class IndexQueries(Catalog):
         batch = max(16, min(256, limit // 4 + 1))
         while True:
             def select():
-                rows = self._cursor().execute(sql, params + [batch]).fetchall()
+                rows = self.catalog.cursor().execute(sql, params + [batch]).fetchall()
                 return [GroupRef("", "", "", 0, 0, 0, 0, s, f, r, n) for s, f, r, n in rows], rows
 
             table, rows = self.read_selected(select)
@@ -149,31 +154,31 @@ class IndexQueries(Catalog):
             scanned += len(rows)
             seq, row = rows[-1][0] + 1, 0
             params[0] = seq
-            if scanned >= self.settings.max_scan_groups:
+            if scanned >= self.catalog.settings.max_scan_groups:
                 return _concat(pieces), encode_cursor(seq, 0)
 
     # ------------------------------------------------------------------ the browser's reads (browser/views.py)
 
     def prompt_refs(self, prompt_id: str) -> list[GroupRef]:
         """Every group of a prompt, most recent first (from the mirror: no DuckDB query)."""
-        return self.mirror.prompt_groups(prompt_id, None, INT64_MAX)
+        return self.catalog.mirror.prompt_groups(prompt_id, None, INT64_MAX)
 
     def prompts_before(self, before: int, span: int) -> list[tuple[int, str, str]]:
         """(newest seq, prompt_id, dataset of that group) of each prompt with groups in before - span <= seq <
         before, newest first. Groups are inserted in seq order, so DuckDB's zonemaps skip the row groups outside
         the range: the cost is the span's, not the table's."""
-        return self._cursor().execute("""
+        return self.catalog.cursor().execute("""
             SELECT max(seq) AS newest, prompt_id, arg_max(dataset, seq) FROM groups WHERE seq >= ? AND seq < ?
             GROUP BY prompt_id ORDER BY newest DESC""", [before - span, before]).fetchall()
 
     def newest_seq(self) -> int:
         """The seq the next indexed group gets (every group's is below it)."""
-        return self._next_seq
+        return self.catalog.next_seq
 
     def groups_after(self, seq: int) -> tuple[list[tuple[int, str, str]], int]:
         """(seq, prompt_id, dataset) of the groups with a seq above `seq`, oldest first, and the number of groups
         indexed, read in one transaction (so a reader that adds the first to what it has can check the second)."""
-        cursor = self._cursor()
+        cursor = self.catalog.cursor()
         cursor.begin()
         try:
             rows = cursor.execute("SELECT seq, prompt_id, dataset FROM groups WHERE seq > ? ORDER BY seq",
@@ -185,17 +190,17 @@ class IndexQueries(Catalog):
 
     def problem_files(self) -> dict[int, str]:
         """file id -> path (relative to the root) of every indexed problems file."""
-        return dict(self._cursor().execute("SELECT file_id, path FROM files WHERE kind = 'prompts'").fetchall())
+        return dict(self.catalog.cursor().execute("SELECT file_id, path FROM files WHERE kind = 'prompts'").fetchall())
 
     def problems_of_file(self, file_id: int) -> set[tuple[str, str]]:
         """The (dataset, prompt id) pairs whose first stored copy is in this problems file."""
-        return set(self._cursor().execute("SELECT dataset, prompt_id FROM problems WHERE file_id = ?",
+        return set(self.catalog.cursor().execute("SELECT dataset, prompt_id FROM problems WHERE file_id = ?",
                                           [file_id]).fetchall())
 
     def step_bins(self, bins: int) -> tuple[int, list[tuple]]:
         """Policy steps in `bins` bins of equal width: (width, rows of (model, bin, min step, max step, groups,
         rollouts, success rate, informative groups)), by model then bin. Aggregates every group (an overview)."""
-        cursor = self._cursor()
+        cursor = self.catalog.cursor()
         top = cursor.execute("SELECT coalesce(max(policy_step), 0) FROM groups").fetchall()[0][0]
         width = max(1, -(-(top + 1) // bins))
         rows = cursor.execute(f"""
@@ -207,7 +212,7 @@ class IndexQueries(Catalog):
 
     def dataset_counts(self) -> list[tuple[str, int, int, int, int]]:
         """(dataset, prompts, groups, rollouts, problems) of every dataset with groups or problems."""
-        return self._cursor().execute("""
+        return self.catalog.cursor().execute("""
             WITH g AS (SELECT dataset, count(DISTINCT prompt_id) AS prompts, count(*) AS groups, sum(num_rows) AS rollouts
                        FROM groups GROUP BY dataset),
                  p AS (SELECT dataset, count(*) AS problems FROM problems GROUP BY dataset)
@@ -217,7 +222,7 @@ class IndexQueries(Catalog):
     # ------------------------------------------------------------------ stats
 
     def stats(self) -> StatsResponse:
-        cursor = self._cursor()
+        cursor = self.catalog.cursor()
         rows = cursor.execute(f"""
             SELECT model_id, count(*), sum(num_rows), count(DISTINCT prompt_id),
                    sum(reward_sum) / nullif(sum(scored), 0),
@@ -233,11 +238,11 @@ class IndexQueries(Catalog):
             "SELECT count(*) FROM files WHERE kind = 'rollouts' AND retired_us IS NULL").fetchall()[0][0]
         duplicates, conflicts = cursor.execute(
             "SELECT count(*) FILTER (WHERE NOT conflict), count(*) FILTER (WHERE conflict) FROM duplicates").fetchall()[0]
-        quarantined = sum(1 for p in (self.root / "quarantine").iterdir() if not p.name.endswith(".reason.txt"))
+        quarantined = sum(1 for p in (self.catalog.root / "quarantine").iterdir() if not p.name.endswith(".reason.txt"))
         return StatsResponse(
             models=models, files=files, quarantined_files=quarantined,
             total_groups=sum(m.groups for m in models), total_rollouts=sum(m.rollouts for m in models),
-            last_ingest_at=us_to_datetime(self.last_ingest_us), duplicate_groups=duplicates,
+            last_ingest_at=us_to_datetime(self.catalog.last_ingest_us), duplicate_groups=duplicates,
             conflicting_groups=conflicts,
         )
 

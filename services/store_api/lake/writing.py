@@ -1,4 +1,4 @@
-"""Committing whole groups to a lake (`LakeWriting.commit`), in one transaction each.
+"""Committing whole groups to a lake (`LakeWriting.commit`, a part of `Lake`), in one transaction each.
 
 Writers commit whole groups in one transaction: a DuckLake transaction is one snapshot, and its data files
 are only referenced by the catalog once the commit lands, so a writer killed mid-commit leaves nothing
@@ -28,7 +28,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA, Problem
-from services.store_api.lake.attach import (
+from services.store_api.lake.config import LakeError, LakeUnavailable
+from services.store_api.lake.connection import (
     ALIAS,
     ROW_GROUP_ROWS,
     LakeConnection,
@@ -36,10 +37,7 @@ from services.store_api.lake.attach import (
     _rollback_quietly,
     _storage_error,
 )
-from services.store_api.lake.config import LakeError, LakeUnavailable
-from services.store_api.local.durable import fsync_directory
-from services.store_api.local.mirror import GroupConflict, GroupRef
-from services.store_api.local.shards import encode_shard
+from services.store_api.local import GroupConflict, GroupRef, encode_shard, fsync_directory
 from services.store_api.tables import SMALL_COLUMNS_SCHEMA, group_runs
 
 COMMIT_ATTEMPTS = 40  # a commit that keeps losing to other writers' (see Lake.commit) gives up after these
@@ -62,8 +60,11 @@ def _retryable(exc: LakeError) -> bool:
 
 
 
-class LakeWriting(LakeConnection):
-    """Commits of validated groups and their problems."""
+class LakeWriting:
+    """Commits of validated groups and their problems, through the lake's connection."""
+
+    def __init__(self, connection: LakeConnection):
+        self.connection = connection
 
     def commit(self, table: pa.Table | None, problems: list[Problem] | tuple = ()) -> LakeCommit:
         """Commit a validated table of whole groups (None: problems only) and their problems in one transaction.
@@ -119,7 +120,7 @@ class LakeWriting(LakeConnection):
         # duplicate check included, so nothing lands twice)
         for attempt in itertools.count():
             try:
-                return self._run("commit to", work)
+                return self.connection.run("commit to", work)
             except LakeError as exc:
                 if attempt >= COMMIT_ATTEMPTS - 1 or not _retryable(exc):
                     raise
@@ -133,8 +134,9 @@ class LakeWriting(LakeConnection):
         rename). Until a commit references them they are orphans, which `maintain()` deletes."""
         if not rows.num_rows:
             return
-        if self._encrypted:
-            raise LakeError(f"lake {self.config.describe()} encrypts its data files (DuckLake's 'encrypted' option); "
+        if self.connection.encrypted:
+            lake = self.connection.config.describe()
+            raise LakeError(f"lake {lake} encrypts its data files (DuckLake's 'encrypted' option); "
                             "graft's writers write their own Parquet files and do not encrypt them: write to a lake "
                             "made without encryption")
         models = pc.unique(rows.column("model_id")).to_pylist()
@@ -146,7 +148,7 @@ class LakeWriting(LakeConnection):
             _, lengths = group_runs(of_model.column("group_id"))
             sink = pa.BufferOutputStream()
             encode_shard(of_model, lengths, sink, ROW_GROUP_ROWS, statistics=SMALL_COLUMNS_SCHEMA.names)
-            path = f"{self._rollouts_path}model_id={model}/ducklake-{uuid.uuid4()}.parquet"
+            path = f"{self.connection.rollouts_path}model_id={model}/ducklake-{uuid.uuid4()}.parquet"
             self._put(path, sink.getvalue())
             yield path
 
@@ -166,16 +168,18 @@ class LakeWriting(LakeConnection):
             except OSError as exc:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
-                raise LakeUnavailable(f"cannot commit to lake {self.config.describe()}: writing data file {path} "
+                lake = self.connection.config.describe()
+                raise LakeUnavailable(f"cannot commit to lake {lake}: writing data file {path} "
                                       f"failed: {exc}; nothing was committed") from None
             return
         from botocore.exceptions import BotoCoreError, ClientError  # boto3 is there: _attach made its client
 
         bucket, key = path.removeprefix("s3://").split("/", 1)
         try:
-            self._s3_client().put_object(Bucket=bucket, Key=key, Body=pa.BufferReader(body))
+            self.connection.s3_client().put_object(Bucket=bucket, Key=key, Body=pa.BufferReader(body))
         except (BotoCoreError, ClientError) as exc:  # refused (403, no such bucket) or not reached
-            raise _storage_error(exc, f"cannot commit to lake {self.config.describe()}: uploading data file {path} "
+            lake = self.connection.config.describe()
+            raise _storage_error(exc, f"cannot commit to lake {lake}: uploading data file {path} "
                                       "failed", "; nothing was committed") from None
 
 

@@ -1,4 +1,5 @@
-"""Reading a lake by snapshot windows (`LakeReading`): what snapshots after..upto committed, in commit order.
+"""Reading a lake by snapshot windows (`LakeReading`, a part of `Lake`): what snapshots after..upto committed, in
+commit order.
 
 Readers follow the lake by snapshot: `rollouts_between(after, upto)` returns the rows committed in
 snapshots after..upto. When the catalog says those snapshots only added data files that are still as they
@@ -25,8 +26,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA
-from services.store_api.lake.attach import ALIAS, LakeConnection
 from services.store_api.lake.config import LakeError
+from services.store_api.lake.connection import ALIAS, LakeConnection
 
 # changes a snapshot records (ducklake_snapshot_changes) that add no rows to a table that existed before it
 _ADDS_NO_ROWS = {"created_schema", "created_table", "altered_table", "merge_adjacent"}
@@ -68,8 +69,13 @@ class AddedRows:
 
 
 
-class LakeReading(LakeConnection):
-    """The newest snapshot, and the rows and problems snapshot windows added."""
+class LakeReading:
+    """The newest snapshot, and the rows and problems snapshot windows added, through the lake's connection. Owns
+    the newest snapshot read."""
+
+    def __init__(self, connection: LakeConnection):
+        self.connection = connection
+        self._last_snapshot: Snapshot | None = None  # the newest Snapshot read, kept while it is the newest
 
     def snapshot(self) -> Snapshot:
         """The newest committed snapshot (a replica asks every poll: one catalog query when nothing changed)."""
@@ -85,7 +91,7 @@ class LakeReading(LakeConnection):
             self._last_snapshot = Snapshot(snapshot_id, int(rows[0][0]) if rows else 0)
             return self._last_snapshot
 
-        return self._run("read the snapshot of", work)
+        return self.connection.run("read the snapshot of", work)
 
     def rollouts_between(self, after: int, upto: int, change_feed: bool = False) -> pa.Table:
         """Rows committed in snapshots after+1..upto, in commit order (snapshot id, then row id), in
@@ -140,7 +146,7 @@ class LakeReading(LakeConnection):
                 ORDER BY begin_snapshot, row_id_start""", [int(rollouts_id), upto, after]).fetchall()
             if not all(as_added for *_, as_added in rows) or {row[0] for row in rows} != inserting:
                 return None
-            files = [DataFile(int(snapshot), path if not relative else self._rollouts_path + path, int(count),
+            files = [DataFile(int(snapshot), path if not relative else self.connection.rollouts_path + path, int(count),
                               int(row_id_start)) for snapshot, path, relative, count, row_id_start, _ in rows]
             # only S3 and paths are fetched here: a file on other storage DuckDB reaches (gs://, az://, https://) is
             # read through the change feed
@@ -148,7 +154,7 @@ class LakeReading(LakeConnection):
                 return None
             return files
 
-        return self._run("read the data files of", work)
+        return self.connection.run("read the data files of", work)
 
     def _read_files(self, files: list[DataFile]) -> AddedRows | None:
         """The rows of data files (`files_added`) with their row ids and snapshot ids, in commit order; None when a
@@ -157,12 +163,13 @@ class LakeReading(LakeConnection):
         LakeError / pa.ArrowException, as a damaged file read through DuckDB does."""
         parts, bodies = [ROLLOUT_ROWS_SCHEMA.empty_table()], {}
         for file in files:
-            body = self._get(file.path)
+            body = self.connection.get_file(file.path)
             rows = pq.read_table(pa.BufferReader(body))
             if rows.schema.names != ROLLOUT_ARROW_SCHEMA.names:
                 return None
             if rows.num_rows != file.rows:
-                raise LakeError(f"lake {self.config.describe()}: data file {file.path} of snapshot {file.snapshot_id} "
+                lake = self.connection.config.describe()
+                raise LakeError(f"lake {lake}: data file {file.path} of snapshot {file.snapshot_id} "
                                 f"holds {rows.num_rows} rows, its catalog {file.rows}")
             if rows.schema.equals(ROLLOUT_ARROW_SCHEMA):  # types and nullability; metadata aside
                 bodies[file.row_id_start] = (file.rows, body)
@@ -194,7 +201,7 @@ class LakeReading(LakeConnection):
                     inserted.add(window.tables[table])
             return inserted
 
-        return self._run("read the snapshots of", work)
+        return self.connection.run("read the snapshots of", work)
 
     def _changes(self, table: str, columns: list[str], after: int, upto: int, extra: list[str]) -> pa.Table:
         """Rows a table gained in snapshots after+1..upto (in no particular order).
@@ -235,7 +242,7 @@ class LakeReading(LakeConnection):
                 SELECT {select} FROM {ALIAS}.{table} WHERE snapshot_id > ? AND snapshot_id <= ?""",
                                [after, upto]).arrow().read_all()
 
-        return self._run(f"read {table} from", work)
+        return self.connection.run(f"read {table} from", work)
 
     def iter_rollouts(self, after: int, upto: int, max_rows: int = 32768) -> Iterator[tuple[int, pa.Table]]:
         """The rows of snapshots after+1..upto as (last snapshot id covered, rows of `rollouts_between`) windows
@@ -258,7 +265,7 @@ class LakeReading(LakeConnection):
                                [model_id, model_revision, model_revision, policy_step, policy_step]).arrow().read_all()
             return set(rows.column("group_id").to_pylist())
 
-        return self._run("read group ids from", work)
+        return self.connection.run("read group ids from", work)
 
     def group_prompts(self, model_id: str, model_revision: str, policy_step: int) -> dict[str, str]:
         """group id -> prompt id of the model's stored groups of one revision and policy step (a resuming generator's
@@ -270,7 +277,7 @@ class LakeReading(LakeConnection):
                                [model_id, model_revision, policy_step]).arrow().read_all()
             return dict(zip(rows.column("group_id").to_pylist(), rows.column("prompt_id").to_pylist()))
 
-        return self._run("read group ids from", work)
+        return self.connection.run("read group ids from", work)
 
     def counts(self) -> dict[str, int]:
         """Rows, distinct groups and data files of the rollouts table at the newest snapshot."""
@@ -280,7 +287,7 @@ class LakeReading(LakeConnection):
             files = con.execute(f"SELECT count(*) FROM ducklake_list_files('{ALIAS}', 'rollouts')").fetchall()[0][0]
             return {"rollouts": int(rows), "groups": int(groups), "files": int(files)}
 
-        return self._run("count", work)
+        return self.connection.run("count", work)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """One process's connection to a lake: attaching it (and making its tables), the connection discipline every
-call goes through (`LakeConnection._acquire`/`_release`/`_run`: a reset never closes a connection another thread
-uses), the mapping of DuckDB's and the storage's errors to `LakeError`/`LakeUnavailable`, and the data files'
-storage (a directory or S3)."""
+call goes through (`LakeConnection.run`: a reset never closes a connection another thread uses), the mapping of
+DuckDB's and the storage's errors to `LakeError`/`LakeUnavailable`, and the data files' storage (a directory or
+S3). The part of `Lake` (lake.py) that its other parts (writing.py, reading.py, maintenance.py) work through."""
 
 from __future__ import annotations
 
@@ -93,7 +93,8 @@ class _Attached:
 
 
 class LakeConnection:
-    """The attach of a lake and the calls on it (`_run`); `Lake` adds committing, reading and maintenance.
+    """The attach of a lake and the calls on it (`run`); `Lake` holds it and the parts that commit, read and
+    maintain through it.
 
     Reads and writes go through a DuckDB cursor per thread (cursors share the attached lake and each has its
     own transaction). After an error that says the catalog or the storage cannot be reached, or a `reset()`,
@@ -105,11 +106,20 @@ class LakeConnection:
         self.create = create
         self._attached: _Attached | None = None
         self.data_path: str | None = config.data_path  # the lake's own once attached
-        self._last_snapshot = None  # the newest Snapshot read (windows.py), kept while it is the newest
         self._lock = threading.Lock()  # guards _attached, its users and the making of cursors
         self._encrypted = False
         self._rollouts_path = ""  # where the rollouts table's data files go (DuckLake's table path), once attached
         self._s3 = None  # boto3 S3 client of the data files (S3 data paths), made when attaching
+
+    @property
+    def encrypted(self) -> bool:
+        """Whether the lake encrypts its data files (DuckLake's 'encrypted' option), once attached."""
+        return self._encrypted
+
+    @property
+    def rollouts_path(self) -> str:
+        """Where the rollouts table's data files go (DuckLake's table path, ending in /), once attached."""
+        return self._rollouts_path
 
     # ------------------------------------------------------------------ attaching
 
@@ -156,7 +166,7 @@ class LakeConnection:
             self._encrypted = options.get("encrypted", "false").lower() == "true"
             self._rollouts_path = _rollouts_path(con, self.data_path)
             if self._rollouts_path.startswith("s3://"):
-                self._s3_client()  # importing boto3 and making its client takes ~0.6 s: at start, not in a commit
+                self.s3_client()  # importing boto3 and making its client takes ~0.6 s: at start, not in a commit
         except BaseException:
             con.close()
             raise
@@ -221,9 +231,9 @@ class LakeConnection:
             if attached.detached and not attached.users:
                 attached.close()
 
-    def _cursor(self) -> duckdb.DuckDBPyConnection:
+    def cursor(self) -> duckdb.DuckDBPyConnection:
         """This thread's cursor of the current attach, for one-off statements (tests, plain SQL). Not counted as
-        used: a `reset()` meanwhile closes it; the lake's own calls go through `_run`."""
+        used: a `reset()` meanwhile closes it; the lake's own calls go through `run`."""
         attached, cursor = self._acquire()
         self._release(attached)
         return cursor
@@ -235,7 +245,7 @@ class LakeConnection:
                                    "catalog and the storage are up and the credentials are right; nothing was changed")
         return LakeError(f"cannot {action} lake {self.config.describe()}: {redact(message)}")
 
-    def _run(self, action: str, work):
+    def run(self, action: str, work):
         """Run `work(cursor)`; on a lake that cannot be reached, drop the attach (the next call re-attaches)."""
         attached, cursor = self._acquire()
         try:
@@ -269,7 +279,7 @@ class LakeConnection:
 
     # ------------------------------------------------------------------ the data files' storage
 
-    def _get(self, path: str) -> bytes:
+    def get_file(self, path: str) -> bytes:
         """A whole data file's bytes (s3://bucket/key or a local path); LakeUnavailable when the storage cannot be
         reached, LakeError when the file is missing or refused."""
         if not path.startswith("s3://"):
@@ -283,11 +293,11 @@ class LakeConnection:
 
         bucket, key = path.removeprefix("s3://").split("/", 1)
         try:
-            return self._s3_client().get_object(Bucket=bucket, Key=key)["Body"].read()
+            return self.s3_client().get_object(Bucket=bucket, Key=key)["Body"].read()
         except (BotoCoreError, ClientError) as exc:
             raise _storage_error(exc, f"cannot read rollouts from lake {self.config.describe()}: data file {path}") from None
 
-    def _s3_client(self):
+    def s3_client(self):
         """boto3's S3 client for the data files (made once per Lake; boto3 clients are thread-safe), from the
         config's endpoint, region, credentials and addressing (the ones DuckDB's secret gets, see s3_secret_sql);
         without a key id, unsigned requests, as DuckDB's."""
