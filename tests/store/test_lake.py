@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from benchmarks.lake_services import free_port
 from schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA
-from services.store_api.http.cli import app as cli_app
+from services.store_api.cli import app as cli_app
 from services.store_api.lake import config as lake_module
 from services.store_api.lake import windows as lake_windows
 from services.store_api.lake.attach import ALIAS

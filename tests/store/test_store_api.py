@@ -15,7 +15,7 @@ from store_factory import make_group, make_problem, problem_text
 
 from schemas import ErrorResponse, PeerLookupRequest, RolloutGroup, groups_to_table, prompt_id, table_to_groups
 from services.store_api.http.client import AsyncStoreClient, StoreClient, StoreError, StoreUnavailable
-from services.store_api.http.server import StoreServer, free_port
+from services.store_api.http.testing import StoreServer, free_port
 from services.store_api.local.shards import write_groups
 
 ARROW = "application/vnd.apache.arrow.stream"

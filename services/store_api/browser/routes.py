@@ -26,7 +26,7 @@ from schemas.browse import (
     StepCurves,
 )
 from services.store_api.browser.tokens import TokenizerShelf
-from services.store_api.browser.views import Browse
+from services.store_api.browser.queries import Browse
 from services.store_api.local.index import StoreIndex
 from services.store_api.settings import StoreSettings
 

@@ -52,7 +52,7 @@ from schemas.rollout import INT64_MAX
 from services.store_api.browser.routes import add_browser
 from services.store_api.http.asgi import BodySizeLimit, LookupFastPath
 from services.store_api.http.background import Background
-from services.store_api.http.backend import store_backend
+from services.store_api.backend import store_backend
 from services.store_api.http.push import PushRejected, parse_arrow_push, parse_json_push
 from services.store_api.lake.config import LakeError, LakeUnavailable
 from services.store_api.local.lookup import arrow_stream, read_stream
