@@ -14,7 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Path as PathParam, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi import Path as PathParam
 from fastapi.responses import FileResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException

@@ -153,6 +153,8 @@ async def on_unexpected(request: Request, exc: Exception):
     return error_body(500, f"internal error ({type(exc).__name__}); the store logged the details")
 
 
+# every error the API answers, registered in one place (create_app hands these to FastAPI); Exception's handler is
+# Starlette's last resort, a 500
 EXCEPTION_HANDLERS = {
     RequestValidationError: on_validation_error,
     StarletteHTTPException: on_http_error,
