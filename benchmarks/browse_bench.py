@@ -26,7 +26,7 @@ from tqdm import tqdm
 from benchmarks.store_bench import percentile
 from benchmarks.store_data import MODELS, ShardMaker, bench_problem, bench_prompt_ids, plan_shards
 from schemas import Problem
-from services.store_api.http.server import StoreServer
+from services.store_api.http.testing import StoreServer
 from services.store_api.local import write_groups, write_problems
 
 

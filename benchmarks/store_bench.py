@@ -61,7 +61,7 @@ from benchmarks.store_data import (
 )
 from schemas import PeerLookupRequest
 from services.store_api.http.client import StoreClient
-from services.store_api.http.server import StoreServer
+from services.store_api.http.testing import StoreServer
 from services.store_api.local import write_groups
 
 

@@ -110,7 +110,7 @@ def main() -> None:
     parser.add_argument("--only-ranks", action="store_true", help="with --ranks: skip the GRPO / GRAFT comparison")
     args = parser.parse_args()
 
-    from services.store_api.http.server import StoreServer
+    from services.store_api.http.testing import StoreServer
     from toy.world import build_toy_world
 
     torch.set_num_threads(1)

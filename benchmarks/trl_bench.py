@@ -124,7 +124,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from benchmarks.trainer_bench import _existing_world
-    from services.store_api.http.server import StoreServer
+    from services.store_api.http.testing import StoreServer
     from toy.world import build_toy_world
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

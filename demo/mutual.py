@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     data.update(anchor_files(cfg, out / "data"))
     build_jobs, models = model_jobs(cfg, data, out, kernels, peer_after_learner=False)  # co-training needs both at once
 
-    from services.store_api.http.server import StoreServer
+    from services.store_api.http.testing import StoreServer
 
     store_root = out / f"store-{config_hash(cfg.task, cfg.peer_groups, *(models[r]['checkpoint_hash'] for r in ROLES))}"
     with StoreServer(store_root) as server:

@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     before = heldout_accuracy(str(learner_dir), heldout, args.max_tokens)
 
     from services.store_api.http.client import StoreClient
-    from services.store_api.http.server import StoreServer
+    from services.store_api.http.testing import StoreServer
     from trainer.config import TrainConfig
     from trainer.loop import train
 

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     data = prepare_data(cfg, out / "data")
     build_jobs, models = model_jobs(cfg, data, out, kernels)
 
-    from services.store_api.http.server import StoreServer
+    from services.store_api.http.testing import StoreServer
 
     store_key = config_hash(cfg.task, cfg.peer_groups, models["peer"]["checkpoint_hash"], models["learner"]["checkpoint_hash"])
     store_root = out / f"store-{store_key}"
@@ -436,7 +436,7 @@ def print_serve_instructions(store_root: Path, runs: list[dict], data: dict[str,
     dirs = (next(iter(models["learner"]["start_dirs"].values())), models["peer"]["start_dirs"]["peer"])
     tokenizers = " ".join(f"--tokenizer {os.path.relpath(path, Path.cwd())}" for path in dirs)
     script = Path(sys.executable).parent / "graft-store"
-    graft_store = os.path.relpath(script) if script.exists() else (shutil.which("graft-store") or f"{sys.executable} -m services.store_api.http.cli")
+    graft_store = os.path.relpath(script) if script.exists() else (shutil.which("graft-store") or f"{sys.executable} -m services.store_api.cli")
     print(f"""
 The demo's store is kept in {rel}. Serve it again with
   {graft_store} serve --root {rel} --port 8600 {tokenizers}

@@ -119,7 +119,7 @@ def read_steps(log_path: Path) -> list[dict]:
 
 
 def run(dry_run: bool, python: str | None, model: Path | None, run_dir: Path, timeout_s: float = 1800.0) -> int:
-    from services.store_api.http.server import StoreServer
+    from services.store_api.http.testing import StoreServer
 
     began = time.perf_counter()
     run_dir = run_dir.resolve()  # main_ppo's Ray workers read these paths from their own directories

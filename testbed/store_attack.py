@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 from schemas import PeerLookupRequest, Rollout, RolloutGroup, group_advantages, groups_to_table, prompt_id
 from services.store_api.http.client import StoreClient, StoreError
-from services.store_api.http.server import StoreServer
+from services.store_api.http.testing import StoreServer
 from services.store_api.local import live_files, write_groups
 
 ARROW = "application/vnd.apache.arrow.stream"

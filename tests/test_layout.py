@@ -316,3 +316,46 @@ def test_a_long_store_module_says_why_it_is_one():
         if text.count("\n") > 420 and not re.search(r"(\bover\s+|~\s*)\d+ lines\b", docstring, re.IGNORECASE):
             long.append(f"{path.relative_to(ROOT)}: {text.count(chr(10))} lines")
     assert long == []
+
+
+ROUTE_DECORATORS = {"get", "post", "put", "patch", "delete", "head", "options", "trace", "api_route", "route",
+                    "websocket", "exception_handler", "middleware"}
+
+
+def _nested_routes(source: str, name: str) -> list[str]:
+    """`@x.get(...)`-style route (or exception handler) decorators on a function defined inside another function."""
+    found = set()
+    for outer in ast.walk(ast.parse(source, filename=name)):
+        if isinstance(outer, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for inner in ast.walk(outer):
+                if inner is not outer and isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    found.update(f"{name}:{inner.lineno} {inner.name}" for d in inner.decorator_list
+                                 if isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute)
+                                 and d.func.attr in ROUTE_DECORATORS)
+    return sorted(found)
+
+
+def _imports_of(path: Path) -> set[str]:
+    """Every module a file imports (top-level names: `typer`, `services`, ...)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+    return names
+
+
+def test_the_http_face_routes_on_module_level_routers_and_holds_no_cli():
+    """FastAPI's "bigger applications": the store's routes live on module-level `APIRouter`s (reading the store
+    through a dependency), not in closures of `create_app`; `graft-store` (typer) and the backend chooser are no HTTP
+    and live at the store's top."""
+    files = sorted(path for part in ("http", "browser") for path in (ROOT / "services/store_api" / part).rglob("*.py"))
+    assert [hit for path in files for hit in _nested_routes(path.read_text(), str(path.relative_to(ROOT)))] == []
+    assert [str(path.relative_to(ROOT)) for path in files if "typer" in _imports_of(path)] == []
+
+
+def test_nested_route_finder_finds_a_route_in_a_closure():
+    source = ("def create_app():\n    app = FastAPI()\n\n    @app.get('/x')\n    def x():\n        return 1\n\n"
+              "@router.post('/y')\ndef y():\n    return 2\n")
+    assert _nested_routes(source, "m.py") == ["m.py:5 x"]

@@ -138,7 +138,7 @@ def test_continuous_mode_reloads_a_newer_checkpoint(tiny_model_dir, tmp_path, ca
 
 def test_push_to_a_store_server_and_resume_through_its_api(tiny_model_dir, tmp_path):
     from services.store_api.http.client import StoreClient
-    from services.store_api.http.server import StoreServer
+    from services.store_api.http.testing import StoreServer
 
     dataset = write_problems_jsonl(sample_problems(6, seed=7), tmp_path / "toy.jsonl")
     with StoreServer(tmp_path / "store", token="secret") as server:
@@ -194,7 +194,7 @@ def test_continuous_mode_keeps_its_batch_through_a_store_outage(tiny_model_dir, 
     continuous generator keeps the batch it sampled, retries with a growing pause, and no group is lost."""
 
     from services.store_api.http.client import StoreClient
-    from services.store_api.http.server import StoreServer
+    from services.store_api.http.testing import StoreServer
 
     caplog.set_level(logging.WARNING, logger="graft.generator")
     dataset = write_problems_jsonl(sample_problems(8, seed=7), tmp_path / "toy.jsonl")

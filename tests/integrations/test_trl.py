@@ -20,7 +20,7 @@ from trl import GRPOTrainer  # noqa: E402
 
 from integrations.trl import GraftGRPOTrainer  # noqa: E402
 from schemas import Problem  # noqa: E402
-from services.store_api.http.server import StoreServer  # noqa: E402
+from services.store_api.http.testing import StoreServer  # noqa: E402
 from toy.models import build_tiny_model, save_model  # noqa: E402
 from toy.world import learner_tokenizer  # noqa: E402
 from trainer.batch import build_rows  # noqa: E402

@@ -12,7 +12,7 @@ from store_factory import make_group, make_problem, problem_text
 from schemas import prompt_id
 from services.store_api.browser.tokens import token_pieces
 from services.store_api.http.app import create_app
-from services.store_api.http.server import StoreServer
+from services.store_api.http.testing import StoreServer
 from services.store_api.local.shards import write_groups
 from services.store_api.settings import StoreSettings
 
@@ -195,7 +195,7 @@ def test_the_page_is_served_read_only_beside_the_api(server):
     assert page.status_code == 200 and 'src="/ui/static/app.js"' in page.text
     for asset in ("app.js", "app.css"):
         assert httpx.get(f"{server.url}/ui/static/{asset}").status_code == 200
-    for escape in ("/ui/static/..%2F..%2Ftables.py", "/ui/static/%2e%2e/views.py", "/ui/static/../views.py"):
+    for escape in ("/ui/static/..%2F..%2Ftables.py", "/ui/static/%2e%2e/queries.py", "/ui/static/../queries.py"):
         answer = httpx.get(server.url + escape)  # the page or a 404, never a file outside ui/
         assert answer.status_code == 404 or answer.text == page.text, escape
     assert httpx.get(server.url + "/", follow_redirects=False).headers["location"] == "/ui/"

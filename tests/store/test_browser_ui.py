@@ -20,7 +20,7 @@ import pytest
 from browser_world import FACTORY, LEARNER, PEER, SECOND_PEER, build_browser_world
 from store_factory import make_group, make_problem
 
-from services.store_api.http.server import REPO_ROOT, StoreServer
+from services.store_api.http.testing import REPO_ROOT, StoreServer
 from services.store_api.local.shards import write_groups
 
 SHOTS = REPO_ROOT / "test-artifacts" / "browser"

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from testbed.lake_services import free_port
 from schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA
-from services.store_api.http.cli import app as cli_app
+from services.store_api.cli import app as cli_app
 from services.store_api.lake import config as lake_module
 from services.store_api.lake import reading as lake_reading
 from services.store_api.lake.connection import ALIAS

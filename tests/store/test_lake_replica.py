@@ -19,9 +19,9 @@ from store_factory import make_group, make_problem, wait_for
 from typer.testing import CliRunner
 
 from schemas import PeerLookupRequest
-from services.store_api.http.cli import app as cli_app
+from services.store_api.cli import app as cli_app
 from services.store_api.http.client import StoreClient, StoreError
-from services.store_api.http.server import REPO_ROOT, StoreServer
+from services.store_api.http.testing import REPO_ROOT, StoreServer
 from services.store_api.lake.config import LakeConfig, LakeUnavailable, lake_connection
 from services.store_api.lake.lake import Lake
 from services.store_api.tables import groups_table, validate_table

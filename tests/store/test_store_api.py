@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import io
 import statistics
 import time
@@ -14,8 +13,8 @@ import pytest
 from store_factory import make_group, make_problem, problem_text
 
 from schemas import ErrorResponse, PeerLookupRequest, RolloutGroup, groups_to_table, prompt_id, table_to_groups
-from services.store_api.http.client import AsyncStoreClient, StoreClient, StoreError, StoreUnavailable
-from services.store_api.http.server import StoreServer, free_port
+from services.store_api.http.client import StoreClient, StoreError, StoreUnavailable
+from services.store_api.http.testing import StoreServer, free_port
 from services.store_api.local.shards import write_groups
 
 ARROW = "application/vnd.apache.arrow.stream"
@@ -80,20 +79,6 @@ def test_stats_and_health(client):
     assert (peer.groups, peer.rollouts, peer.prompts, peer.max_policy_step) == (20, 160, 20, 2)
     assert peer.success_rate == pytest.approx(0.5) and peer.informative_groups == 20
     assert stats.files >= 1 and stats.last_ingest_at is not None
-
-
-def test_async_client(server):
-    async def run():
-        async with AsyncStoreClient(server.url) as client:
-            pushed = await client.push_groups([make_group(300, "async-model")])
-            found = await client.lookup_peer_groups(
-                PeerLookupRequest(prompt_ids=[prompt_id(problem_text(300))], learner_model="peer"))
-            health = await client.health()
-            return pushed, found, health
-
-    pushed, found, health = asyncio.run(run())
-    assert pushed.accepted_groups == 1 and [g.model_id for g in found.groups] == ["async-model"]
-    assert health.status == "ok"
 
 
 def test_a_landed_shard_is_queryable_within_a_second(client, server):
@@ -203,17 +188,6 @@ def test_client_errors_carry_status_and_message(client):
     with pytest.raises(StoreUnavailable, match="3 attempts"):
         dead.health()
     assert time.perf_counter() - started < 5
-
-    async def the_same_through_the_async_client():  # the same retry rule
-        async with AsyncStoreClient(client.base_url) as live:
-            with pytest.raises(StoreError) as info:
-                await live.prompt_groups("zz")
-            assert info.value.status_code == 422 and "prompt_id" in info.value.message
-        async with AsyncStoreClient(dead.base_url, retries=2, backoff_s=0.01, timeout_s=1) as gone:
-            with pytest.raises(StoreUnavailable, match="3 attempts"):
-                await gone.health()
-
-    asyncio.run(the_same_through_the_async_client())
 
 
 def test_writes_need_the_token_when_one_is_set(tmp_path):

@@ -18,7 +18,7 @@ import pytest
 from store_factory import make_group, make_problem
 
 from schemas import ROLLOUT_ARROW_SCHEMA, RolloutGroup, groups_to_table
-from services.store_api.http.server import StoreServer
+from services.store_api.http.testing import StoreServer
 from services.store_api.local.index import StoreIndex
 from services.store_api.local.lookup import lookup_path
 from services.store_api.local.shards import write_groups

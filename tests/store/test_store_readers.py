@@ -20,7 +20,7 @@ from store_factory import make_group
 from schemas import ROLLOUT_ARROW_SCHEMA
 
 from services.store_api.http.client import StoreClient, StoreError
-from services.store_api.http.server import StoreServer
+from services.store_api.http.testing import StoreServer
 from services.store_api.local.shards import write_groups
 
 REPOSITORY = Path(__file__).resolve().parents[2]

@@ -20,7 +20,7 @@ from schemathesis.checks import (
 from store_factory import make_group
 
 from services.store_api.http.app import create_app
-from services.store_api.http.server import StoreServer
+from services.store_api.http.testing import StoreServer
 from services.store_api.local.shards import write_groups
 from services.store_api.settings import StoreSettings
 

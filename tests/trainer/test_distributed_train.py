@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 import trainer.batch
 from dist_train_worker import non_finite_grafts
 from schemas import Problem
-from services.store_api.http.server import StoreServer
+from services.store_api.http.testing import StoreServer
 from toy.task import write_problems_jsonl
 from torchrun import torchrun
 from train_configs import make_config

@@ -9,7 +9,7 @@ import statistics
 import orjson
 import pytest
 
-from services.store_api.http.server import StoreServer
+from services.store_api.http.testing import StoreServer
 from toy.task import write_problems_jsonl
 from trainer.config import TrainConfig
 from trainer.loop import train

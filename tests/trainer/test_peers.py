@@ -11,7 +11,7 @@ import pytest
 
 import trainer.peers as peers_module
 from services.store_api.http.client import StoreClient
-from services.store_api.http.server import StoreServer, free_port
+from services.store_api.http.testing import StoreServer, free_port
 from toy.task import sample_problems
 from trainer.config import GraftConfig, StoreConfig
 from trainer.peers import PeerExchange, peer_candidates

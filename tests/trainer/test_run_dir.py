@@ -18,7 +18,7 @@ import yaml
 from typer.testing import CliRunner
 
 from services.store_api.http.client import StoreClient
-from services.store_api.http.server import StoreServer
+from services.store_api.http.testing import StoreServer
 from train_configs import make_config
 from trainer.checkpoint import latest_checkpoint, list_checkpoints, save_checkpoint
 from trainer.cli import app

@@ -13,7 +13,7 @@ import yaml
 from safetensors.torch import load_file
 
 from services.store_api.http.client import StoreClient
-from services.store_api.http.server import StoreServer
+from services.store_api.http.testing import StoreServer
 from train_configs import make_config
 from trainer.checkpoint import latest_checkpoint, load_trainer_state
 from trainer.loop import train

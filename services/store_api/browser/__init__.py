@@ -1,1 +1,1 @@
-"""The read-only trajectory browser: its routes, the views' queries, token text, and the static page (ui/)."""
+"""The read-only trajectory browser: its routes, the aggregate queries behind them, token text, and the static page (ui/)."""

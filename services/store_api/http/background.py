@@ -8,7 +8,7 @@ import time
 
 from prometheus_client import Counter
 
-from services.store_api.http.backend import Store
+from services.store_api.backend import Store
 from services.store_api.settings import StoreSettings
 
 log = logging.getLogger("graft.store")

@@ -1,23 +1,18 @@
-"""HTTP clients of the store (sync and async, httpx), with timeouts and retries; the trainer uses these.
+"""The store's HTTP client (`StoreClient`, httpx), with timeouts and retries: the trainer, the generator and the
+integrations use it.
 
 Bulk data travels as Arrow IPC both ways. Errors raise StoreError (status code and the server's message);
 a store that cannot be reached after the retries raises StoreUnavailable. The sync client's peer lookup,
 the trainer's hot call, goes over kept-alive `http.client` connections instead of httpx: ~0.25 ms of
 client CPU per request on the 2-core VM against ~1 ms through httpx (whose HTTP parsing, h11, is Python).
-
-Over 400 lines because it holds two clients with the same methods: `StoreClient`, which the trainer, the generator
-and the integrations use, and `AsyncStoreClient`, for a caller's own asyncio code (nothing in this repository calls
-it but tests/store/test_store_api.py, which holds it to the sync client's behaviour); they share the retry rule, the
-push encoding and the response decoding above them.
 """
 
 from __future__ import annotations
 
-import asyncio
 import http.client
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import quote, urlsplit
 
@@ -315,97 +310,3 @@ class StoreClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-class AsyncStoreClient:
-    """The same calls as StoreClient, as coroutines."""
-
-    def __init__(self, base_url: str, token: str | None = None, timeout_s: float = 10.0, retries: int = 3,
-                 backoff_s: float = 0.2):
-        self.base_url = base_url.rstrip("/")
-        self.retries = retries
-        self.backoff_s = backoff_s
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._retry = _RetryRule(self.base_url, retries, backoff_s)
-        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, headers=headers)
-
-    async def _request(self, method: str, path: str, **kwargs) -> httpx.Response:
-        """StoreClient._attempt and _request, awaited (the same retry rule)."""
-        last: Exception | str = ""
-        for wait in self._retry.waits():
-            if wait:
-                await asyncio.sleep(wait)
-            try:
-                response = await self._http.request(method, path, **kwargs)
-            except httpx.TransportError as exc:
-                last = exc
-                continue
-            if response.status_code in RETRY_STATUSES:
-                last = _retried_status(response.status_code, response)
-                continue
-            if response.status_code >= 400:
-                raise _error(response)
-            return response
-        raise self._retry.unavailable(f"{method} {path}", last)
-
-    async def health(self) -> HealthResponse:
-        return HealthResponse.model_validate_json((await self._request("GET", "/v1/health")).content)
-
-    async def stats(self) -> StatsResponse:
-        return StatsResponse.model_validate_json((await self._request("GET", "/v1/stats")).content)
-
-    async def lookup_peer_table(self, req: PeerLookupRequest) -> tuple[pa.Table, list[str]]:
-        response = await self._request("POST", "/v1/peer-groups/lookup", content=req.model_dump_json(exclude_none=True),
-                                       headers={"Content-Type": "application/json", "Accept": ARROW_MEDIA_TYPE})
-        table = _read_arrow(response)
-        return table, _metadata_json(table, "misses") or []
-
-    async def lookup_peer_groups(self, req: PeerLookupRequest, validate: bool = False) -> PeerLookupResponse:
-        table, _ = await self.lookup_peer_table(req)
-        return _lookup_response(table, validate)
-
-    async def push_groups(self, groups: list[RolloutGroup] | pa.Table,
-                          problems: list[Problem] | None = None) -> PushGroupsResponse:
-        responses = []
-        for body in _push_bodies(groups, problems):
-            response = await self._request("POST", "/v1/groups", content=body, headers={"Content-Type": ARROW_MEDIA_TYPE})
-            responses.append(PushGroupsResponse.model_validate_json(response.content))
-        return _merge_pushes(responses)
-
-    async def get_group(self, group_id: str) -> RolloutGroup | None:
-        try:
-            response = await self._request("GET", f"/v1/groups/{quote(group_id, safe='')}", headers={"Accept": ARROW_MEDIA_TYPE})
-        except StoreError as exc:
-            if exc.status_code == 404:
-                return None
-            raise
-        return table_to_groups(_read_arrow(response))[0]
-
-    async def prompt_groups(self, prompt_id: str, model: str | None = None, limit: int = 16) -> list[RolloutGroup]:
-        params = {"limit": limit, **({"model": model} if model else {})}
-        response = await self._request("GET", f"/v1/prompts/{prompt_id}/groups", params=params,
-                                       headers={"Accept": ARROW_MEDIA_TYPE})
-        return table_to_groups(_read_arrow(response))
-
-    async def rollouts_page(self, cursor: str | None = None, limit: int = 1000,
-                            **filters) -> tuple[pa.Table, str | None]:
-        response = await self._request("GET", "/v1/rollouts", params=_rollout_params(filters, cursor, limit),
-                                       headers={"Accept": ARROW_MEDIA_TYPE})
-        table = _read_arrow(response)
-        return table, _metadata_json(table, "next_cursor")
-
-    async def iter_rollouts(self, limit: int = 1000, **filters) -> AsyncIterator[pa.Table]:
-        cursor = None
-        while True:
-            table, cursor = await self.rollouts_page(cursor, limit, **filters)
-            yield table
-            if cursor is None:
-                return
-
-    async def close(self) -> None:
-        await self._http.aclose()
-
-    async def __aenter__(self) -> AsyncStoreClient:
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.close()

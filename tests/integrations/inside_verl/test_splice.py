@@ -23,7 +23,7 @@ from verl.workers.utils.losses import ppo_loss  # noqa: E402
 from integrations.verl.trainer import GraftPPOTrainer  # noqa: E402
 from rollouts.models import tokenizer_fingerprint  # noqa: E402
 from schemas import group_advantages  # noqa: E402
-from services.store_api.http.server import StoreServer  # noqa: E402
+from services.store_api.http.testing import StoreServer  # noqa: E402
 from services.store_api.local.shards import write_groups  # noqa: E402
 from toy.models import build_tiny_model, save_model  # noqa: E402
 from toy.task import completion_text, sample_problems  # noqa: E402

@@ -1,4 +1,6 @@
-"""Run `graft-store serve` as a subprocess on a loopback port (tests, the trainer's tests, the demo)."""
+"""A store server for tests (as fastapi.testclient is FastAPI's): `StoreServer` runs `graft-store serve` from this
+checkout (REPO_ROOT) as a subprocess on a loopback port, for the store's and the trainer's tests, benchmarks and the
+demo. Nothing in the served store imports it."""
 
 from __future__ import annotations
 
@@ -61,7 +63,7 @@ class StoreServer:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "services.store_api.http.cli", "serve"], env=env, cwd=REPO_ROOT,
+                [sys.executable, "-m", "services.store_api.cli", "serve"], env=env, cwd=REPO_ROOT,
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             )
         try:

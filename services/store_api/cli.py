@@ -50,8 +50,8 @@ def load_settings(config: Path | None = None, **overrides) -> StoreSettings:
 
 
 def open_store(settings: StoreSettings, what: str = ""):
-    """The settings' store (services.store_api.http.backend.store_backend), opened; a clear error and exit 1 if it cannot."""
-    from services.store_api.http.backend import store_backend
+    """The settings' store (services.store_api.backend.store_backend), opened; a clear error and exit 1 if it cannot."""
+    from services.store_api.backend import store_backend
     from services.store_api.lake.config import LakeError
     from services.store_api.local import IndexLocked
 
@@ -97,7 +97,7 @@ def serve(
 
 
 def _rebuild(settings: StoreSettings) -> dict:
-    from services.store_api.http.backend import store_backend
+    from services.store_api.backend import store_backend
     from services.store_api.lake.config import LakeError
     from services.store_api.local import IndexLocked
 
