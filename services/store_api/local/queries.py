@@ -157,7 +157,7 @@ class IndexQueries:
             if scanned >= self.catalog.settings.max_scan_groups:
                 return _concat(pieces), encode_cursor(seq, 0)
 
-    # ------------------------------------------------------------------ the browser's reads (browser/views.py)
+    # ------------------------------------------------------------------ the browser's reads (browser/queries.py)
 
     def prompt_refs(self, prompt_id: str) -> list[GroupRef]:
         """Every group of a prompt, most recent first (from the mirror: no DuckDB query)."""
