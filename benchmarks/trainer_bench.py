@@ -14,7 +14,7 @@ on the store, over its step time) < 1%. Prints the JSON and writes it to --json.
 
 --ranks N also runs GRAFT on the same global batch (every rollout seeded by its place in the batch) in one
 process (parallel.strategy none) and on N ranks under torchrun with ddp and with fsdp, each through the
-command a user types (`python -m trainer.cli train`, `torchrun --nproc-per-node N -m trainer.cli train`),
+command a user types (`python -m graft.trainer.cli train`, `torchrun --nproc-per-node N -m graft.trainer.cli train`),
 alternating; adds single_step_s, ddp_step_s, fsdp_step_s (median step time of the job: the slowest rank's),
 their CPU seconds per step (all ranks), and the peak resident memory of each process (single_peak_rss_mb,
 ddp_/fsdp_peak_rss_mb_per_rank: the largest rank's; benchmarks/traced_train.py records them).
@@ -39,7 +39,7 @@ import yaml
 
 def run_once(world, store_url: str, method: str, steps: int, run_dir: Path, prompts_per_step: int, group_size: int,
              lr: float, skip_zero_advantage: bool) -> list[dict]:
-    from trainer.loop import train
+    from graft.trainer.loop import train
 
     train(bench_config(world, store_url, method, steps, run_dir, prompts_per_step, group_size, lr, skip_zero_advantage),
           overwrite=True)  # --workdir may hold the runs of an earlier benchmark
@@ -67,7 +67,7 @@ def run_ranked(world, store_url: str, strategy: str, ranks: int, steps: int, run
 
 def bench_config(world, store_url: str, method: str, steps: int, run_dir: Path, prompts_per_step: int, group_size: int,
                  lr: float, skip_zero_advantage: bool):
-    from trainer.config import TrainConfig
+    from graft.trainer.config import TrainConfig
 
     return TrainConfig.model_validate({
         "run_dir": str(run_dir), "seed": 0, "steps": steps, "method": method, "torch_threads": 1,
@@ -110,7 +110,7 @@ def main() -> None:
     parser.add_argument("--only-ranks", action="store_true", help="with --ranks: skip the GRPO / GRAFT comparison")
     args = parser.parse_args()
 
-    from services.store_api.http.testing import StoreServer
+    from graft.services.store_api.http.testing import StoreServer
     from toy.world import build_toy_world
 
     torch.set_num_threads(1)

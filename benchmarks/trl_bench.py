@@ -58,7 +58,7 @@ class StepTimer:
 
 
 def trl_args(workdir: Path, store_url: str | None, peer_dir: Path, steps: int, prompts: int, group_size: int, lr: float):
-    from integrations.trl import GraftConfig
+    from graft.integrations.trl import GraftConfig
 
     return GraftConfig(
         output_dir=str(workdir), per_device_train_batch_size=prompts * group_size, num_generations=group_size,
@@ -73,8 +73,8 @@ def run_trl(world, problems, store_url: str | None, steps: int, run_dir: Path, p
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from integrations.trl import GraftGRPOTrainer
-    from rollouts.scoring import extract_last_boxed
+    from graft.integrations.trl import GraftGRPOTrainer
+    from graft.rollouts.scoring import extract_last_boxed
 
     def accuracy(completions, answer, **_):
         return [float(extract_last_boxed(text) == gold) for text, gold in zip(completions, answer)]
@@ -95,8 +95,8 @@ def run_trl(world, problems, store_url: str | None, steps: int, run_dir: Path, p
 
 def run_graft_train(world, store_url: str, method: str, steps: int, run_dir: Path, prompts: int, group_size: int,
                     lr: float) -> list[dict]:
-    from trainer.config import TrainConfig
-    from trainer.loop import train
+    from graft.trainer.config import TrainConfig
+    from graft.trainer.loop import train
 
     same = trl_args(run_dir, store_url, world.peer_dir, steps, prompts, group_size, lr).train_config(
         str(world.learner_dir), dataset=str(world.problems_path)).model_dump(mode="json")
@@ -124,7 +124,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from benchmarks.trainer_bench import _existing_world
-    from services.store_api.http.testing import StoreServer
+    from graft.services.store_api.http.testing import StoreServer
     from toy.world import build_toy_world
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     if taken and not args.overwrite:
         raise SystemExit(f"{args.out} already holds {', '.join(taken)}: pass --overwrite to replace them, or another --out")
 
-    from services.store_api.http.testing import StoreServer
+    from graft.services.store_api.http.testing import StoreServer
 
     with StoreServer(args.store, env={"GRAFT_STORE_TOKENIZERS": json.dumps([str(p) for p in args.tokenizer])}) as server:
         api = httpx.Client(base_url=server.url, timeout=120)

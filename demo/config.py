@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from toy.sft import SFTConfig
-from schemas.overrides import apply_overrides
+from graft.schemas.overrides import apply_overrides
 
 PEER_MODEL_ID = "toy-peer-qwen2"  # the ids the demo's two models write to the store under
 LEARNER_MODEL_ID = "toy-learner-llama"

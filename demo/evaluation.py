@@ -1,5 +1,5 @@
 """Held-out accuracy per family of a checkpoint, through the project's own evaluation code
-(`rollouts.evaluation.evaluate`: the HF backend, the raw prompt, math-verify in workers)."""
+(`graft.rollouts.evaluation.evaluate`: the HF backend, the raw prompt, math-verify in workers)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ from pathlib import Path
 
 import orjson
 
-from rollouts.evaluation import evaluate
-from rollouts.hf_backend import HFBackend
-from rollouts.models import load_model_and_tokenizer
-from rollouts.sampling import SamplingParams
-from rollouts.scoring import Scorer
-from schemas import Problem
+from graft.rollouts.evaluation import evaluate
+from graft.rollouts.hf_backend import HFBackend
+from graft.rollouts.models import load_model_and_tokenizer
+from graft.rollouts.sampling import SamplingParams
+from graft.rollouts.scoring import Scorer
+from graft.schemas import Problem
 
 MAX_TOKENS = 16  # the longest reference completion, `\boxed{1098}` + EOS, is 13 characters
 

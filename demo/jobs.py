@@ -25,7 +25,7 @@ from typing import Callable
 
 from tqdm import tqdm
 
-from rollouts.files import write_text_atomic
+from graft.rollouts.files import write_text_atomic
 
 
 @dataclass

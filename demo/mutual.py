@@ -33,7 +33,7 @@ from demo.run import (REPO_ROOT, TRAIN_BASE, command_line, generator_job, model_
                       trainer_config)
 from demo.mutual_report import BUDGET_LRS, NAME, OTHER, PILOT_SEED, ROLES, mode_name, strong_family, weak_family
 from demo.stats import MIN_PAIRS_FOR_GAIN
-from rollouts.files import write_jsonl_atomic
+from graft.rollouts.files import write_jsonl_atomic
 from toy.task import completion_text, dataset_name, family_splits
 
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "demo_mutual.yaml"
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     data.update(anchor_files(cfg, out / "data"))
     build_jobs, models = model_jobs(cfg, data, out, kernels, peer_after_learner=False)  # co-training needs both at once
 
-    from services.store_api.http.testing import StoreServer
+    from graft.services.store_api.http.testing import StoreServer
 
     store_root = out / f"store-{config_hash(cfg.task, cfg.peer_groups, *(models[r]['checkpoint_hash'] for r in ROLES))}"
     with StoreServer(store_root) as server:

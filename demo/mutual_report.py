@@ -17,7 +17,7 @@ from demo.config import DemoConfig
 from demo.report import _save_fig, paired_values, primary
 from demo.report import run_record as report_run_record
 from demo.stats import STRONG_MARGIN, VERDICT_RULE, Interval, paired_interval, pct, verdict
-from rollouts.files import write_text_atomic
+from graft.rollouts.files import write_text_atomic
 
 # The pair, and the budget pilot's rule (demo.mutual runs them; this module judges them)
 ROLES = ("learner", "peer")  # DemoConfig's two build slots: A is built in the learner's, B in the peer's

@@ -30,19 +30,19 @@ import orjson
 import torch
 
 from demo.stats import paired_interval
-from rollouts.hf_backend import HFBackend
-from rollouts.prompts import build_prompt
-from rollouts.sampling import SamplingParams
-from rollouts.scoring import Scorer
-from schemas import Problem
+from graft.rollouts.hf_backend import HFBackend
+from graft.rollouts.prompts import build_prompt
+from graft.rollouts.sampling import SamplingParams
+from graft.rollouts.scoring import Scorer
+from graft.schemas import Problem
 from toy.task import completion_text
-from trainer.batch import StepRows, TrainSample, collate, grafted_group_rows, old_logprobs_and_weights, response_logprobs
-from schemas.overrides import apply_overrides
-from trainer.config import TrainConfig
-from trainer.gate import choose_peer_group, classify_group
-from trainer.learner import load_learner
-from trainer.loss import LossBatch, LossConfig, graft_loss
-from trainer.retokenize import DropReason, Projection
+from graft.trainer.batch import StepRows, TrainSample, collate, grafted_group_rows, old_logprobs_and_weights, response_logprobs
+from graft.schemas.overrides import apply_overrides
+from graft.trainer.config import TrainConfig
+from graft.trainer.gate import choose_peer_group, classify_group
+from graft.trainer.learner import load_learner
+from graft.trainer.loss import LossBatch, LossConfig, graft_loss
+from graft.trainer.retokenize import DropReason, Projection
 
 SUPERVISED = "supervised on the peer's correct answers (the ceiling's direction)"
 
@@ -58,8 +58,8 @@ def probe(job: dict, progress=lambda done, total: None) -> dict:
     # 1. the learner's own groups at its start, sampled as RL samples them; the prompts it fails whole
     failed = all_fail_prompts(base, learner, weak)
     # 2. their stored peer groups, chosen as the gate chooses (the most recent informative one)
-    from trainer.data import load_peer_tokenizers
-    from trainer.peers import PeerExchange
+    from graft.trainer.data import load_peer_tokenizers
+    from graft.trainer.peers import PeerExchange
 
     peer_tokenizers = load_peer_tokenizers(base)
     exchange = PeerExchange(base.store, base.graft, learner.model_id)

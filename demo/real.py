@@ -31,7 +31,7 @@ from pathlib import Path
 import orjson
 import torch
 
-from rollouts.files import write_jsonl_atomic
+from graft.rollouts.files import write_jsonl_atomic
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LEARNER_ID = "smollm2-135m-instruct"
@@ -40,7 +40,7 @@ PEER_ID = "tiny-qwen2-bpe-peer"
 
 def pick_problems(n_train_gsm8k: int, n_train_math: int, n_heldout: int) -> dict[str, list]:
     """Training prompts and a disjoint held-out slice, from GSM8K and MATH (short numeric answers)."""
-    from rollouts.datasets import load_problems
+    from graft.rollouts.datasets import load_problems
 
     gsm8k = [p for p in load_problems("gsm8k") if p.answer.lstrip("-").isdigit()]
     math_train = [p for p in load_problems("math_train") if p.answer.lstrip("-").isdigit()]
@@ -76,11 +76,11 @@ def build_peer(train_problems: list, out: Path, steps: int) -> dict:
 
 def heldout_accuracy(model_path: str, heldout: dict[str, list], max_tokens: int) -> dict[str, float]:
     """Greedy accuracy on the held-out slice with the chat template (the graft-eval code path)."""
-    from rollouts.evaluation import evaluate
-    from rollouts.hf_backend import HFBackend
-    from rollouts.models import load_model_and_tokenizer
-    from rollouts.sampling import SamplingParams
-    from rollouts.scoring import Scorer
+    from graft.rollouts.evaluation import evaluate
+    from graft.rollouts.hf_backend import HFBackend
+    from graft.rollouts.models import load_model_and_tokenizer
+    from graft.rollouts.sampling import SamplingParams
+    from graft.rollouts.scoring import Scorer
 
     model, tokenizer = load_model_and_tokenizer(model_path)
     backend = HFBackend(model, tokenizer, LEARNER_ID, batch_size=32)
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out_dir.resolve()
     out.mkdir(parents=True, exist_ok=True)
 
-    from rollouts.models import load_model_and_tokenizer, resolve_model_dir, smollm2_gguf
+    from graft.rollouts.models import load_model_and_tokenizer, resolve_model_dir, smollm2_gguf
 
     try:
         gguf = smollm2_gguf()
@@ -131,15 +131,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"held-out greedy accuracy before ({args.heldout} GSM8K + {args.heldout} MATH-500 problems, max {args.max_tokens} tokens):", flush=True)
     before = heldout_accuracy(str(learner_dir), heldout, args.max_tokens)
 
-    from services.store_api.http.client import StoreClient
-    from services.store_api.http.testing import StoreServer
-    from trainer.config import TrainConfig
-    from trainer.loop import train
+    from graft.services.store_api.http.client import StoreClient
+    from graft.services.store_api.http.testing import StoreServer
+    from graft.trainer.config import TrainConfig
+    from graft.trainer.loop import train
 
     store_root = out / "store"
     with StoreServer(store_root) as server:
         print(f"store API at {server.url} over {store_root}", flush=True)
-        generate = [sys.executable, "-m", "services.generator.cli", "--model", peer["path"], "--model-id", PEER_ID,
+        generate = [sys.executable, "-m", "graft.services.generator.cli", "--model", peer["path"], "--model-id", PEER_ID,
                     "--dataset", str(train_path), "--template", "raw", "--group-size", str(args.group_size), "--max-tokens", "24",
                     "--seed", "0", "--store", server.url, "--score-workers", "1", "--no-progress"]
         result = subprocess.run(generate, capture_output=True, text=True, cwd=REPO_ROOT)
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     for m in metrics:
         print(f"| {m['step']} | " + " | ".join(_fmt(m.get(k)) for k in keys) + " |")
 
-    from trainer.checkpoint import checkpoints_dir
+    from graft.trainer.checkpoint import checkpoints_dir
 
     final = sorted(checkpoints_dir(run_dir).glob("step_*"))[-1]
     after = heldout_accuracy(str(final), heldout, args.max_tokens)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from demo.report import paired_values
 from demo.stats import STRONG_MARGIN, Interval, paired_interval, pct
-from rollouts.files import write_text_atomic
+from graft.rollouts.files import write_text_atomic
 
 # mode -> (what it is, its trainer overrides on top of the demo's offline GRAFT); the first is the spec
 CANDIDATES = {

@@ -19,7 +19,7 @@ import orjson
 
 from demo.config import PEER_MODEL_ID, DemoConfig
 from demo.stats import VERDICT_RULE, Interval, paired_interval, pct, verdict
-from rollouts.files import write_text_atomic
+from graft.rollouts.files import write_text_atomic
 
 MODE_LABEL = {
     "grpo": "GRPO",

@@ -33,9 +33,9 @@ import yaml
 
 from demo.config import LEARNER_MODEL_ID, PEER_MODEL_ID, DemoConfig, config_hash, load_demo_config, warm_start_checkpoint
 from demo.jobs import PORTABLE_KERNELS, Job, child_env, portable_kernels_available, python_module, run_jobs
-from rollouts.files import write_jsonl_atomic, write_text_atomic
+from graft.rollouts.files import write_jsonl_atomic, write_text_atomic
 from toy.task import completion_text, dataset_name, family_splits, write_problems_jsonl
-from trainer.config import TrainConfig
+from graft.trainer.config import TrainConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TRAIN_BASE = REPO_ROOT / "configs" / "demo_train.yaml"
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     data = prepare_data(cfg, out / "data")
     build_jobs, models = model_jobs(cfg, data, out, kernels)
 
-    from services.store_api.http.testing import StoreServer
+    from graft.services.store_api.http.testing import StoreServer
 
     store_key = config_hash(cfg.task, cfg.peer_groups, models["peer"]["checkpoint_hash"], models["learner"]["checkpoint_hash"])
     store_root = out / f"store-{store_key}"
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         # One schedule for everything: while the learner warms up, the other process warms up the
         # peer and fills the store with its groups.
         timings = run_jobs(build_jobs + jobs, cfg.workers, desc="SFT, peer groups, RL runs", env=env)
-        from services.store_api.http.client import StoreClient
+        from graft.services.store_api.http.client import StoreClient
 
         with StoreClient(server.url) as client:
             store_stats = client.stats().model_dump(mode="json")
@@ -336,7 +336,7 @@ def trainer_config(cfg: DemoConfig, base: dict, dataset: Path, checkpoint: str, 
     """A trainer config (configs/demo_train.yaml's settings, `base`) for one model's RL run: its checkpoint and id,
     the RL prompts, the budget and optimizer of `cfg.rl`, its supervised anchor (None: none), and for GRAFT the store
     and the peers' (model ids, tokenizer dirs); then the run's own overrides."""
-    from schemas.overrides import apply_overrides
+    from graft.schemas.overrides import apply_overrides
 
     train = json.loads(json.dumps(base))
     train.update(seed=seed, steps=cfg.rl.steps, method=method)
@@ -392,7 +392,7 @@ def generator_job(cfg: DemoConfig, data: dict[str, Path], checkpoint: str, model
     log = store_root / "logs" / f"generate-{model_id}.log"
     n_prompts = sum(cfg.task.rl_prompts.values())
     command = python_module(
-        "services.generator.cli",
+        "graft.services.generator.cli",
         "--model", checkpoint, "--model-id", model_id, "--dataset", str(data["rl"]),
         "--template", "raw", "--group-size", str(cfg.peer_groups.group_size), "--temperature", "1.0",
         "--max-tokens", "16", "--seed", str(cfg.peer_groups.seed), "--store", str(store_root),
@@ -400,7 +400,7 @@ def generator_job(cfg: DemoConfig, data: dict[str, Path], checkpoint: str, model
         "--score-workers", "1", "--no-progress",
     )
 
-    from services.store_api.local import model_dir
+    from graft.services.store_api.local import model_dir
 
     shards = model_dir(store_root, model_id)  # this model's folder only (a co-training id extends the peer's)
 
@@ -409,7 +409,7 @@ def generator_job(cfg: DemoConfig, data: dict[str, Path], checkpoint: str, model
 
     def after() -> None:
         # The generator wrote shards; wait until the store's ingest loop has indexed every group.
-        from services.store_api.http.client import StoreClient
+        from graft.services.store_api.http.client import StoreClient
 
         summary = json.loads(log.read_text().strip().splitlines()[-1])
         deadline = time.monotonic() + 60
@@ -436,7 +436,7 @@ def print_serve_instructions(store_root: Path, runs: list[dict], data: dict[str,
     dirs = (next(iter(models["learner"]["start_dirs"].values())), models["peer"]["start_dirs"]["peer"])
     tokenizers = " ".join(f"--tokenizer {os.path.relpath(path, Path.cwd())}" for path in dirs)
     script = Path(sys.executable).parent / "graft-store"
-    graft_store = os.path.relpath(script) if script.exists() else (shutil.which("graft-store") or f"{sys.executable} -m services.store_api.cli")
+    graft_store = os.path.relpath(script) if script.exists() else (shutil.which("graft-store") or f"{sys.executable} -m graft.services.store_api.cli")
     print(f"""
 The demo's store is kept in {rel}. Serve it again with
   {graft_store} serve --root {rel} --port 8600 {tokenizers}

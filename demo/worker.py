@@ -1,7 +1,7 @@
 """One demo job in its own process (one torch thread): build and warm-start a model, or one RL run.
 
     python -m demo.worker build <job.json>     # tokenizer + model + SFT + held-out accuracy
-    python -m demo.worker train <job.json>     # trainer.loop.train, then held-out accuracy of its checkpoints
+    python -m demo.worker train <job.json>     # graft.trainer.loop.train, then held-out accuracy of its checkpoints
     python -m demo.worker imitate <job.json>   # the ceiling: supervised training on the peer's correct answers
     python -m demo.worker probe <job.json>     # the mechanism probe at one start (demo.probe)
 
@@ -24,7 +24,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from demo.config import DemoConfig, warm_start_checkpoint
 from demo.evaluation import family_accuracy, load_eval_sets
-from rollouts.files import write_text_atomic
+from graft.rollouts.files import write_text_atomic
 from toy.models import build_learner, build_peer, count_parameters
 from toy.sft import SFTConfig, stop_check, train_sft, write_progress
 from toy.task import alphabet, completion_text, family_splits
@@ -82,7 +82,7 @@ def build(job: dict) -> dict:
     levels = cfg.start_levels(role)
     chosen = choose_starts(curve, cfg.level_family(role), levels, spec.sft.stop_when, stopped or curve[-1]["step"])
 
-    from rollouts.scoring import Scorer
+    from graft.rollouts.scoring import Scorer
 
     eval_sets = load_eval_sets({f: Path(p) for f, p in job["eval_sets"].items()})
     starts = {}
@@ -161,10 +161,10 @@ def finished_checkpoints(folder: Path, steps: int) -> list[Path]:
 
 def train(job: dict) -> dict:
     """One RL run through the project's trainer, then greedy held-out accuracy of every saved checkpoint."""
-    from rollouts.scoring import Scorer
-    from trainer.checkpoint import checkpoints_dir
-    from trainer.config import TrainConfig
-    from trainer.loop import train as run_training
+    from graft.rollouts.scoring import Scorer
+    from graft.trainer.checkpoint import checkpoints_dir
+    from graft.trainer.config import TrainConfig
+    from graft.trainer.loop import train as run_training
 
     started = time.perf_counter()
     cfg = TrainConfig.model_validate(job["train"])
@@ -202,11 +202,11 @@ def imitate(job: dict) -> dict:
 
     import orjson
 
-    from rollouts.models import load_model_and_tokenizer
-    from rollouts.prompts import build_prompt
-    from rollouts.scoring import Scorer
-    from services.store_api.http.client import StoreClient
-    from trainer.batch import TrainSample, collate, response_logprobs
+    from graft.rollouts.models import load_model_and_tokenizer
+    from graft.rollouts.prompts import build_prompt
+    from graft.rollouts.scoring import Scorer
+    from graft.services.store_api.http.client import StoreClient
+    from graft.trainer.batch import TrainSample, collate, response_logprobs
 
     started = time.perf_counter()
     train_cfg = job["train"]

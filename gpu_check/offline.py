@@ -130,7 +130,7 @@ def repository_size() -> int:
 
 def build_folder(folder: Path) -> dict:
     """Download the wheels and build the model into `folder` (replaced); the manifest."""
-    from rollouts.files import write_text_atomic
+    from graft.rollouts.files import write_text_atomic
     from toy.world import cached_chat_model
 
     staging = folder.with_name(folder.name + ".tmp")

@@ -4,7 +4,7 @@ as its own process so that the check's driver never holds the GPU:
     python -m gpu_check.probes cuda OUT_JSON [--no-vllm]
         torch and vLLM versions, the NVIDIA driver's version, the GPU's name and memory, bf16 support.
     python -m gpu_check.probes sync MODEL_DIR OUT_JSON --dtype bfloat16 --device cuda
-        the trainer's in-process vLLM engine (trainer.vllm_sync) samples; the policy's weights are changed;
+        the trainer's in-process vLLM engine (graft.trainer.vllm_sync) samples; the policy's weights are changed;
         sync_weights copies them into the engine; its logprobs must then follow the changed policy (a
         teacher-forced float32 forward pass), where before the sync they followed the old one.
 """
@@ -63,11 +63,11 @@ def probe_cuda(with_vllm: bool = True) -> dict:
 def probe_sync(model_dir: str, dtype: str, device: str) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from rollouts.hf_backend import teacher_forced_logprobs
-    from rollouts.models import load_tokenizer
-    from rollouts.prompts import build_prompt
-    from rollouts.sampling import SamplingParams
-    from trainer.vllm_sync import start_vllm_backend, sync_weights
+    from graft.rollouts.hf_backend import teacher_forced_logprobs
+    from graft.rollouts.models import load_tokenizer
+    from graft.rollouts.prompts import build_prompt
+    from graft.rollouts.sampling import SamplingParams
+    from graft.trainer.vllm_sync import start_vllm_backend, sync_weights
 
     tokenizer = load_tokenizer(model_dir)
     # The policy as the trainer keeps it: float32 master weights on the device.

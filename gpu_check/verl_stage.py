@@ -30,7 +30,7 @@ PEER_ID = "toy-peer"
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **_) -> float:
     """verl's custom reward function: 1 when the completion's last \\boxed{} holds the answer (the toy task's reward)."""
-    from rollouts.scoring import extract_last_boxed
+    from graft.rollouts.scoring import extract_last_boxed
 
     return float(extract_last_boxed(solution_str) == str(ground_truth))
 
@@ -40,8 +40,8 @@ def prepare(run_dir: Path) -> dict:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from rollouts.models import tokenizer_fingerprint
-    from services.store_api.local import write_groups
+    from graft.rollouts.models import tokenizer_fingerprint
+    from graft.services.store_api.local import write_groups
     from toy.models import build_tiny_model, save_model
     from toy.task import completion_text, sample_problems
     from toy.world import build_group, peer_tokenizer
@@ -91,9 +91,9 @@ def rehearse(run_dir: Path, model: Path, store_url: str, prepared: dict, setting
     import verl
     from hydra import compose, initialize_config_dir
 
-    from integrations.verl.trainer import GraftPPOTrainer
-    from schemas import PeerLookupRequest
-    from services.store_api.http.client import StoreClient
+    from graft.integrations.verl.trainer import GraftPPOTrainer
+    from graft.schemas import PeerLookupRequest
+    from graft.services.store_api.http.client import StoreClient
 
     with initialize_config_dir(config_dir=str(Path(verl.__file__).parent / "trainer" / "config"), version_base=None):
         config = compose(config_name="ppo_trainer", overrides=settings)
@@ -119,7 +119,7 @@ def read_steps(log_path: Path) -> list[dict]:
 
 
 def run(dry_run: bool, python: str | None, model: Path | None, run_dir: Path, timeout_s: float = 1800.0) -> int:
-    from services.store_api.http.testing import StoreServer
+    from graft.services.store_api.http.testing import StoreServer
 
     began = time.perf_counter()
     run_dir = run_dir.resolve()  # main_ppo's Ray workers read these paths from their own directories
@@ -141,7 +141,7 @@ def run(dry_run: bool, python: str | None, model: Path | None, run_dir: Path, ti
         else:
             log_path = run_dir / "verl_metrics.jsonl"
             env = dict(os.environ, VERL_FILE_LOGGER_PATH=str(log_path),
-                       VERL_USE_EXTERNAL_MODULES="integrations.verl.plugin",  # a plugin that fails to load fails loudly
+                       VERL_USE_EXTERNAL_MODULES="graft.integrations.verl.plugin",  # a plugin that fails to load fails loudly
                        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
             with open(run_dir / "main_ppo.log", "w") as log:
                 proc = subprocess.run(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)

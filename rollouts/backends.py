@@ -1,6 +1,6 @@
 """A sampling backend by name ('hf' or 'vllm'), for the generator service and `graft-eval`.
 
-The backends import only the types of `rollouts.sampling`; this module imports the backends, so the
+The backends import only the types of `graft.rollouts.sampling`; this module imports the backends, so the
 imports run one way (sampling <- hf_backend, vllm_backend <- backends). The vLLM backend module imports
 without vLLM (the engine is imported when one starts).
 """
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from rollouts.hf_backend import HFBackend
-from rollouts.sampling import Backend
-from rollouts.vllm_backend import VLLMBackend
+from graft.rollouts.hf_backend import HFBackend
+from graft.rollouts.sampling import Backend
+from graft.rollouts.vllm_backend import VLLMBackend
 
 
 def load_backend(

@@ -9,7 +9,7 @@ from pathlib import Path
 import orjson
 import pyarrow.parquet as pq
 
-from schemas import Problem
+from graft.schemas import Problem
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,11 +9,11 @@ from dataclasses import dataclass, field, replace
 
 from tqdm import tqdm
 
-from rollouts.datasets import BENCHMARKS
-from rollouts.prompts import PromptTemplate, build_prompt
-from rollouts.sampling import Backend, SamplingParams
-from rollouts.scoring import Scorer
-from schemas import Problem
+from graft.rollouts.datasets import BENCHMARKS
+from graft.rollouts.prompts import PromptTemplate, build_prompt
+from graft.rollouts.sampling import Backend, SamplingParams
+from graft.rollouts.scoring import Scorer
+from graft.schemas import Problem
 
 
 @dataclass

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import hashlib
 
-from rollouts.sampling import Sample, SamplingParams
-from rollouts.scoring import Score
-from schemas import Problem, Rollout, RolloutGroup, group_advantages
+from graft.rollouts.sampling import Sample, SamplingParams
+from graft.rollouts.scoring import Score
+from graft.schemas import Problem, Rollout, RolloutGroup, group_advantages
 
 
 def make_group_id(model_id: str, model_revision: str, policy_step: int, prompt_id: str, round_index: int,

@@ -19,8 +19,8 @@ from transformers import AttentionInterface, GenerationConfig, LogitsProcessor, 
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from rollouts.models import eos_token_ids, load_model_and_tokenizer, tokenizer_fingerprint
-from rollouts.sampling import Sample, SamplingParams
+from graft.rollouts.models import eos_token_ids, load_model_and_tokenizer, tokenizer_fingerprint
+from graft.rollouts.sampling import Sample, SamplingParams
 
 DEFAULT_LOGITS_BUDGET_BYTES = 2 << 30  # raw logits kept per generate call (steps x sequences x vocab x 4 bytes)
 DEFAULT_STATIC_CACHE_BUDGET_BYTES = 4 << 30  # a preallocated KV cache up to this size, else one that grows
@@ -123,7 +123,7 @@ class HFBackend:
 
     @classmethod
     def from_path(cls, path: str | Path, model_id: str | None = None, dtype: torch.dtype = torch.float32, **kwargs) -> HFBackend:
-        from rollouts.models import default_model_id
+        from graft.rollouts.models import default_model_id
 
         model, tokenizer = load_model_and_tokenizer(path, dtype=dtype)
         if torch.cuda.is_available():

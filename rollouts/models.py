@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from rollouts.files import staged_directory
+from graft.rollouts.files import staged_directory
 
 log = logging.getLogger(__name__)
 

@@ -173,7 +173,7 @@ class _Worker:
     def __init__(self, timeout_s: float):
         parent_end, child_end = socket.socketpair()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
-        code = f"from rollouts.scoring import _worker_main; _worker_main({child_end.fileno()}, {timeout_s!r})"
+        code = f"from graft.rollouts.scoring import _worker_main; _worker_main({child_end.fileno()}, {timeout_s!r})"
         self.process = subprocess.Popen([sys.executable, "-c", code], pass_fds=[child_end.fileno()], env=env)
         child_end.close()
         self.conn = Connection(parent_end.detach())

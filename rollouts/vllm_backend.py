@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from rollouts.models import default_model_id, load_tokenizer, resolve_model_dir, tokenizer_fingerprint
-from rollouts.sampling import Sample, SamplingParams
+from graft.rollouts.models import default_model_id, load_tokenizer, resolve_model_dir, tokenizer_fingerprint
+from graft.rollouts.sampling import Sample, SamplingParams
 
 CPU_KV_CACHE_BYTES = 2 << 30  # on CPU the KV cache is ordinary RAM: reserve a fixed amount, not a fraction
 # "1": engines start with enforce_eager (no CUDA graph capture): quicker starts, for checks that start many engines

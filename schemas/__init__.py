@@ -1,6 +1,6 @@
 """Data definitions shared by every process: the stored rollout, its Arrow schema, API models."""
 
-from schemas.api import (
+from graft.schemas.api import (
     LOOKUP_PATH,
     MAX_LOOKUP_PROMPTS,
     MAX_PAGE_SIZE,
@@ -16,7 +16,7 @@ from schemas.api import (
     RolloutPage,
     StatsResponse,
 )
-from schemas.rollout import (
+from graft.schemas.rollout import (
     ARROW_MEDIA_TYPE,
     GROUP_ID_PATTERN,
     PROMPT_ID_PATTERN,

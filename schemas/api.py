@@ -8,7 +8,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
-from schemas.rollout import INT32_MAX, INT64_MAX, PROMPT_ID_PATTERN, Problem, Rollout, RolloutGroup
+from graft.schemas.rollout import INT32_MAX, INT64_MAX, PROMPT_ID_PATTERN, Problem, Rollout, RolloutGroup
 
 LOOKUP_PATH = "/v1/peer-groups/lookup"  # the trainer's hot call: the client's and the server's fast path
 MAX_LOOKUP_PROMPTS = 1024

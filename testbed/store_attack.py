@@ -39,10 +39,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from schemas import PeerLookupRequest, Rollout, RolloutGroup, group_advantages, groups_to_table, prompt_id
-from services.store_api.http.client import StoreClient, StoreError
-from services.store_api.http.testing import StoreServer
-from services.store_api.local import live_files, write_groups
+from graft.schemas import PeerLookupRequest, Rollout, RolloutGroup, group_advantages, groups_to_table, prompt_id
+from graft.services.store_api.http.client import StoreClient, StoreError
+from graft.services.store_api.http.testing import StoreServer
+from graft.services.store_api.local import live_files, write_groups
 
 ARROW = "application/vnd.apache.arrow.stream"
 CREATED = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)

@@ -115,7 +115,7 @@ def tiny_model_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_backend(tiny_model_dir):
-    from rollouts.hf_backend import HFBackend
+    from graft.rollouts.hf_backend import HFBackend
 
     return HFBackend.from_path(tiny_model_dir)
 

@@ -13,15 +13,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("schemas", "rollouts", "services", "trainer", "demo", "toy", "benchmarks", "gpu_check", "testbed", "integrations")
+INSTALLED = ("schemas", "rollouts", "services", "trainer", "integrations")  # as graft.<folder> (pyproject's package-dir)
+PACKAGES = (*INSTALLED, "demo", "toy", "benchmarks", "gpu_check", "testbed")
 
 
 def _modules() -> dict[str, Path]:
+    """Every first-party module by the name it is imported as: graft.trainer.loop for trainer/loop.py, demo.run."""
     found = {}
     for package in PACKAGES:
         for path in (ROOT / package).rglob("*.py"):
             name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
-            found[name.removesuffix(".__init__")] = path
+            found[("graft." if package in INSTALLED else "") + name.removesuffix(".__init__")] = path
     return found
 
 
@@ -95,12 +97,12 @@ def test_cycle_finder_finds_a_circle():
 def test_trainer_and_rollouts_import_no_service_but_the_store_client():
     graph = _import_graph()
     wrong = sorted(
-        (module, imported) for module, imports in graph.items() if module.startswith(("trainer", "rollouts"))
-        for imported in imports if imported.startswith("services.generator")
+        (module, imported) for module, imports in graph.items() if module.startswith(("graft.trainer", "graft.rollouts"))
+        for imported in imports if imported.startswith("graft.services.generator")
     )
     assert wrong == []
-    assert not any(imported.startswith("services") for module, imports in graph.items()
-                   if module.startswith("rollouts") for imported in imports)
+    assert not any(imported.startswith("graft.services") for module, imports in graph.items()
+                   if module.startswith("graft.rollouts") for imported in imports)
 
 
 def _layout_rows() -> list[list[str]]:
@@ -126,20 +128,49 @@ def test_every_top_level_folder_has_a_row_in_the_one_layout_table():
 
 def test_the_toy_world_imports_nothing_from_the_demo_built_on_it():
     """toy/ (models, task, their setup) is what demo/ runs on: an arrow from toy back up to demo is a layering error
-    (toy.setup_models took the SmolLM2 path from demo.real; it is rollouts.models.smollm2_gguf now)."""
+    (toy.setup_models took the SmolLM2 path from demo.real; it is graft.rollouts.models.smollm2_gguf now)."""
     graph = _import_graph()
     assert sorted((m, i) for m, imports in graph.items() if m.startswith("toy") for i in imports if i.startswith("demo")) == []
 
 
 def test_the_installed_packages_ship_no_test_fixtures():
     graph = _import_graph()
-    for package in ("schemas", "rollouts", "services", "trainer"):
+    for package in (f"graft.{name}" for name in INSTALLED):
         leaks = sorted((m, i) for m, imports in graph.items() if m.startswith(package) for i in imports
                        if i.startswith(("toy", "demo", "tests")))
         assert leaks == [], f"{package} imports the toy world or the demo: {leaks}"
 
 
-STORE = "services.store_api"
+def _imports_of_old_top_level_names(paths: list[Path]) -> list[str]:
+    """`file:line imports name` for each import of an installed part by its top-level folder's name (`trainer.loop`,
+    `from schemas import ...`) instead of through graft.*: it works only from the checkout's root, and makes a second
+    copy of the module beside graft.trainer.loop."""
+    found = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            names = ([node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+                     else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            found += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names if n.split(".")[0] in INSTALLED]
+    return found
+
+
+def test_the_project_imports_its_installed_parts_as_graft():
+    """One installed name (issue 40): the code, the demo, the benchmarks and the tests import graft.trainer, never the
+    folder's bare name `trainer`, which a user's own trainer.py shadowed."""
+    paths = [*_modules().values(), *(ROOT / "tests").rglob("*.py")]
+    assert _imports_of_old_top_level_names(paths) == []
+
+
+def test_the_old_name_finder_finds_one(tmp_path):
+    script = ROOT / "tests" / f"_probe_{tmp_path.name}.py"  # inside the checkout: the finder reports paths under ROOT
+    script.write_text("import json\nfrom trainer.loop import train\nimport graft.schemas\n")
+    try:
+        assert _imports_of_old_top_level_names([script]) == [f"tests/{script.name}:2 imports trainer.loop"]
+    finally:
+        script.unlink()
+
+
+STORE = "graft.services.store_api"
 
 
 def _store_parts(graph: dict[str, set[str]]) -> dict[str, set[str]]:
@@ -223,8 +254,8 @@ def _local_face() -> set[str]:
 
 
 def _imports_past_the_face(face: set[str]) -> list[tuple[str, str]]:
-    """(module, what it imports) for each import of local/'s modules from outside local/: `services.store_api.local.x`
-    in any form, or a name from `services.store_api.local` that its face does not export (a submodule)."""
+    """(module, what it imports) for each import of local/'s modules from outside local/: `graft.services.store_api.local.x`
+    in any form, or a name from `graft.services.store_api.local` that its face does not export (a submodule)."""
     found = []
     for name, path in _modules().items():
         if name == LOCAL or name.startswith(LOCAL + "."):
@@ -241,7 +272,7 @@ def _imports_past_the_face(face: set[str]) -> list[tuple[str, str]]:
 
 
 def test_other_parts_import_the_local_store_only_through_its_face():
-    """HOUSE_REVIEW: `from services.store_api.local import StoreIndex`, never `services.store_api.local.index`:
+    """HOUSE_REVIEW: `from graft.services.store_api.local import StoreIndex`, never `graft.services.store_api.local.index`:
     local/'s modules can move inside it without breaking the HTTP face, the browser, the lake or the benchmarks."""
     face = _local_face()
     assert "StoreIndex" in face
@@ -296,9 +327,9 @@ def test_the_inheritance_rule_finds_a_mixin():
 def test_the_lake_replica_uses_an_index_rather_than_being_one(tmp_path):
     """Composition: the replica follows the lake into a StoreIndex of its cache; it is no StoreIndex whose
     `ingest_new` means something else."""
-    from services.store_api.lake.replica import LakeReplica
-    from services.store_api.local import StoreIndex
-    from services.store_api.settings import StoreSettings
+    from graft.services.store_api.lake.replica import LakeReplica
+    from graft.services.store_api.local import StoreIndex
+    from graft.services.store_api.settings import StoreSettings
 
     settings = StoreSettings(root=tmp_path / "cache", backend="lake", lake_catalog=f"ducklake:sqlite:{tmp_path}/c.sqlite")
     replica = LakeReplica(settings)

@@ -1,6 +1,6 @@
-"""The wheel installs what users import (issue 25): schemas, rollouts, services, trainer and integrations, never
-the checkout-only folders (the demo, the toy world, the benchmarks), which would shadow, or be shadowed by, a user's
-own `demo/` or `benchmarks/`. Built for real, as `pip install .` builds it, from a copy of what a build reads (the
+"""The wheel installs what users import (issues 25, 40): one name, graft, holding schemas, rollouts, services, trainer
+and integrations, never the checkout-only folders (the demo, the toy world, the benchmarks), which would shadow, or be
+shadowed by, a user's own `demo/` or `benchmarks/`; and a user's own trainer.py or schemas.py shadows none of it. Built for real, as `pip install .` builds it, from a copy of what a build reads (the
 project files and every top-level folder of Python modules), so that the checkout's build/ (the GPU check's offline folder)
 is never touched."""
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata
+import os
 import shutil
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
 INSTALLED = {"schemas", "rollouts", "services", "trainer", "integrations"}
-CHECKOUT_ONLY = {"toy", "demo", "benchmarks"}  # run from the checkout: `python -m demo.run`, `python -m benchmarks.x`
+CHECKOUT_ONLY = {"toy", "demo", "benchmarks", "gpu_check", "testbed"}  # run from the checkout: `python -m demo.run`
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +53,42 @@ def _build_needs_another_setuptools() -> bool:
         return True
 
 
-def test_wheel_holds_only_what_users_import(wheel):
-    top_level = {name.split("/")[0] for name in wheel.namelist() if not name.split("/")[0].endswith(".dist-info")}
-    assert top_level == INSTALLED, f"the wheel's top-level names: {sorted(top_level)}"
+def test_wheel_holds_only_what_users_import_under_one_name(wheel):
+    names = [n for n in wheel.namelist() if not n.split("/")[0].endswith(".dist-info")]
+    assert {n.split("/")[0] for n in names} == {"graft"}, "the wheel's top-level names"
+    assert {n.split("/")[1] for n in names if n.count("/") >= 2} == INSTALLED
+    assert "graft/services/store_api/browser/ui/index.html" in names  # the browser's page, package data
+
+
+def test_pyproject_lists_every_folder_of_modules_it_installs():
+    """pyproject names its packages one by one (graft.* mapped from the folders): a new sub-folder must be added there,
+    or the wheel would silently leave it out."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {"graft." + ".".join(p.parent.relative_to(ROOT).parts) for top in INSTALLED for p in (ROOT / top).rglob("*.py")}
+    assert listed == folders
+
+
+SHADOWS = {"trainer.py": "raise SystemExit('the user trainer.py was imported')",
+           "schemas.py": "raise SystemExit('the user schemas.py was imported')",
+           "services.py": "", "rollouts.py": "", "integrations.py": ""}
+
+
+def test_a_users_own_trainer_py_and_schemas_py_do_not_break_the_imports(tmp_path):
+    """A script's folder comes first on sys.path: with the old top-level names, a trainer.py beside a TRL script made
+    `from integrations.trl import GraftGRPOTrainer` fail ('trainer' is not a package). Run as a user runs a script,
+    in this environment (make install-dev's editable install of the checkout), from a folder holding all five names."""
+    pytest.importorskip("trl")
+    for name, text in SHADOWS.items():
+        (tmp_path / name).write_text(text + "\n")
+    script = tmp_path / "train_with_trl.py"
+    script.write_text("from graft.integrations.trl import GraftConfig, GraftGRPOTrainer\n"
+                      "from graft.schemas import PeerLookupRequest\n"
+                      "from graft.trainer.config import TrainConfig\n"
+                      "import graft.services.store_api.http.client\n"
+                      "print('ok')\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # no checkout on the path
+    run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
 
 
 def test_console_scripts_are_in_the_wheel(wheel):

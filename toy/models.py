@@ -44,7 +44,7 @@ def build_tiny_model(
     vLLM's CPU attention needs head_dim = hidden / heads >= 32. Saved to disk, prefer 'qwen3' over 'qwen2'
     with a locally trained tokenizer: transformers 5's AutoTokenizer loads any directory whose config says
     qwen2 as Qwen2Tokenizer, which replaces the saved pre-tokenizer with Qwen's regex split
-    (`rollouts.models.load_tokenizer` undoes that)."""
+    (`graft.rollouts.models.load_tokenizer` undoes that)."""
     if arch not in ("llama", "qwen2", "qwen3"):
         raise ValueError(f"arch {arch!r}: use 'llama', 'qwen2' or 'qwen3'")
     torch.manual_seed(seed)

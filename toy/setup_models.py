@@ -49,9 +49,9 @@ def build(folder: Path, problems_per_family: int, sft_steps: int, seed: int) -> 
 
 def lay_out_smollm2(folder: Path) -> None:
     """SmolLM2-135M-Instruct as learner/ and peer/: the wheel's GGUF dequantised once into the cache
-    (rollouts.models.resolve_model_dir), its files hard-linked into learner/ (copied across file systems) and
+    (graft.rollouts.models.resolve_model_dir), its files hard-linked into learner/ (copied across file systems) and
     learner's into peer/ (one 0.5 GB copy on disk, not two)."""
-    from rollouts.models import resolve_model_dir, smollm2_gguf
+    from graft.rollouts.models import resolve_model_dir, smollm2_gguf
 
     source = resolve_model_dir(smollm2_gguf())
     folder.mkdir(parents=True, exist_ok=True)

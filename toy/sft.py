@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-from rollouts.files import write_text_atomic
+from graft.rollouts.files import write_text_atomic
 
 
 class SFTConfig(BaseModel):

@@ -16,8 +16,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from rollouts.files import write_jsonl_atomic
-from schemas.rollout import Problem
+from graft.rollouts.files import write_jsonl_atomic
+from graft.schemas.rollout import Problem
 
 
 @dataclass(frozen=True)

@@ -18,12 +18,12 @@ from pathlib import Path
 
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-from rollouts.files import staged_directory
-from rollouts.hf_backend import teacher_forced_logprobs
-from rollouts.models import cache_dir
-from rollouts.prompts import INSTRUCTION
-from rollouts.sampling import SamplingParams
-from schemas import Problem, Rollout, RolloutGroup, group_advantages
+from graft.rollouts.files import staged_directory
+from graft.rollouts.hf_backend import teacher_forced_logprobs
+from graft.rollouts.models import cache_dir
+from graft.rollouts.prompts import INSTRUCTION
+from graft.rollouts.sampling import SamplingParams
+from graft.schemas import Problem, Rollout, RolloutGroup, group_advantages
 from toy.models import build_tiny_model, save_model
 from toy.sft import train_quick
 from toy.task import completion_text, sample_problems, write_problems_jsonl
@@ -136,11 +136,11 @@ def build_toy_world(
     The learner gets partial skill on its own family and none on the peer's; the peer gets partial
     skill on its family, so its stored groups there are mostly informative while the learner's
     groups there are all-fail: exactly where GRAFT grafts."""
-    from rollouts.groups import assemble_group, make_group_id
-    from rollouts.hf_backend import HFBackend
-    from rollouts.models import model_fingerprint, tokenizer_fingerprint
-    from rollouts.scoring import Scorer
-    from services.store_api.local import write_groups
+    from graft.rollouts.groups import assemble_group, make_group_id
+    from graft.rollouts.hf_backend import HFBackend
+    from graft.rollouts.models import model_fingerprint, tokenizer_fingerprint
+    from graft.rollouts.scoring import Scorer
+    from graft.services.store_api.local import write_groups
 
     world, peer, bpe_tok = _build_models(root, problems_per_family, learner_sft_steps, peer_sft_steps, seed)
     problems, peer_dir = world.learner_problems + world.peer_problems, world.peer_dir

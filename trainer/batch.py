@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from schemas import Problem, RolloutGroup, group_advantages
-from trainer.config import TrainConfig
-from trainer.distributed import collective_passes, padding_pass
-from trainer.gate import (
+from graft.schemas import Problem, RolloutGroup, group_advantages
+from graft.trainer.config import TrainConfig
+from graft.trainer.distributed import collective_passes, padding_pass
+from graft.trainer.gate import (
     GateDecision,
     behaviour_ratio,
     compat_weights,
@@ -29,10 +29,10 @@ from trainer.gate import (
     effective_sample_size,
     peer_group_advantages,
 )
-from trainer.retokenize import drop_counts, projection_counts, retokenize_peer_rollout
+from graft.trainer.retokenize import drop_counts, projection_counts, retokenize_peer_rollout
 
 if TYPE_CHECKING:
-    from trainer.learner import Learner
+    from graft.trainer.learner import Learner
 
 NAN = float("nan")
 
@@ -252,7 +252,7 @@ def needs_forward(row: TrainSample, cfg: TrainConfig) -> bool:
 
 @dataclass
 class FirstPass:
-    """The update's own forward pass, taken before pi_old is needed (`trainer.update.single_pass_forward`)."""
+    """The update's own forward pass, taken before pi_old is needed (`graft.trainer.update.single_pass_forward`)."""
 
     # the rows with signal when the pass ran, in the order of `logprobs` (none: a data-parallel rank's padding); the
     # non-finite grafted rows dropped after it stay here, so rows the update trains on may be fewer
@@ -305,7 +305,7 @@ class WeightStats:
 @dataclass
 class GraftedWeights:
     """What the step's WeightStats are computed from, per finite grafted row of this rank (data parallel: gathered
-    from every rank first, trainer.metrics)."""
+    from every rank first, graft.trainer.metrics)."""
 
     weights: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))  # (g,) w
     log_rho: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))  # (g,) per-byte log rho
@@ -338,7 +338,7 @@ def forward_logprobs(
     model: torch.nn.Module, rows: list[TrainSample], learner: Learner, micro: int, temperature: float
 ) -> list[Tensor]:
     """Per row (n_i,) float32 logprobs of its completion tokens, computed in micro-batches. Under fsdp every rank
-    runs as many passes as the rank with the most (trainer.distributed.collective_passes), the rest padding."""
+    runs as many passes as the rank with the most (graft.trainer.distributed.collective_passes), the rest padding."""
     out: list[Tensor] = []
     chunks = [rows[begin : begin + micro] for begin in range(0, len(rows), micro)]
     passes = collective_passes(learner.dist, len(chunks))  # agreed before any pass: each is a collective under fsdp

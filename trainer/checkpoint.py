@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import yaml
 
-from trainer.distributed import DistContext, barrier, broadcast_object, full_state_dict, sum_over_ranks, unwrap
+from graft.trainer.distributed import DistContext, barrier, broadcast_object, full_state_dict, sum_over_ranks, unwrap
 
 log = logging.getLogger("trainer")
 

@@ -6,7 +6,7 @@
     graft-train train configs/train_toy.yaml --overwrite       # delete the run in the run directory, start afresh
     graft-train show-config configs/train_toy.yaml             # every field, its value and its doc line
 
-Also runs as `python -m trainer.cli`, which is how torchrun starts ranks (`torchrun ... -m trainer.cli train CONFIG`).
+Also runs as `python -m graft.trainer.cli`, which is how torchrun starts ranks (`torchrun ... -m graft.trainer.cli train CONFIG`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Annotated, Optional
 import typer
 from pydantic import ValidationError
 
-from schemas.overrides import format_fields
-from trainer.config import TrainConfig, load_config, missing_inputs
+from graft.schemas.overrides import format_fields
+from graft.trainer.config import TrainConfig, load_config, missing_inputs
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train a policy with GRPO, GRAFT or DAPO (see GRAFT_SPEC.md).")
 
@@ -104,8 +104,8 @@ def train(
     _check_inputs(cfg, skip_path_check)
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the trainer's own messages
-    from trainer.checkpoint import RunDirInUse
-    from trainer.loop import train as run_training
+    from graft.trainer.checkpoint import RunDirInUse
+    from graft.trainer.loop import train as run_training
 
     try:
         out = run_training(cfg, resume=resume, overwrite=overwrite)

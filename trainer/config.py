@@ -13,7 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from schemas.overrides import apply_overrides
+from graft.schemas.overrides import apply_overrides
 
 
 class _Section(BaseModel):
@@ -47,14 +47,14 @@ class DataConfig(_Section):
 
     @model_validator(mode="after")
     def _prompt_settings_apply(self) -> DataConfig:
-        from rollouts.prompts import check_few_shot
+        from graft.rollouts.prompts import check_few_shot
 
         check_few_shot(self.prompt_template, 0, self.instruction, self.system_prompt)
         return self
 
     def prompt(self, tokenizer: Any, problem: str) -> str:
         """The learner's prompt for `problem` (its rollouts', its grafted rows', the anchor's and the evaluations')."""
-        from rollouts.prompts import build_prompt
+        from graft.rollouts.prompts import build_prompt
 
         return build_prompt(tokenizer, problem, self.prompt_template, 0, self.instruction, self.system_prompt)
 
@@ -275,7 +275,7 @@ def missing_inputs(cfg: TrainConfig) -> list[str]:
     """Each input the config names that is not there (or, the training data, cannot be read), as `field: path (what
     was looked for)`: a run would fail on it only after loading the model, and a dry run that passed would have said
     nothing."""
-    from rollouts.datasets import load_problems, resolve_dataset
+    from graft.rollouts.datasets import load_problems, resolve_dataset
 
     missing = []
     if not Path(cfg.model.path).expanduser().exists():

@@ -12,11 +12,11 @@ from typing import Any
 
 import orjson
 
-from rollouts.datasets import load_problems
-from rollouts.models import load_tokenizer_of, tokenizer_fingerprint
-from schemas import Problem
-from trainer.config import TrainConfig
-from trainer.distributed import DistContext, rank_block
+from graft.rollouts.datasets import load_problems
+from graft.rollouts.models import load_tokenizer_of, tokenizer_fingerprint
+from graft.schemas import Problem
+from graft.trainer.config import TrainConfig
+from graft.trainer.distributed import DistContext, rank_block
 
 log = logging.getLogger("trainer")
 
@@ -74,7 +74,7 @@ class PromptStream:
 
     def take_block(self, count: int, ctx: DistContext) -> PromptBlock:
         """The next `count` prompts of the job, every rank taking them alike (the streams stay in step); this
-        rank's block of them (trainer.distributed.split_for_rank)."""
+        rank's block of them (graft.trainer.distributed.split_for_rank)."""
         taken = self.take(count)
         begin, end = rank_block(len(taken), ctx.rank, ctx.world_size)
         return PromptBlock(taken[begin:end], begin)

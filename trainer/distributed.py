@@ -3,9 +3,9 @@ FSDP2 (`fully_shard`), and the few collectives that make N ranks take the update
 on the same global batch.
 
     graft-train train CONFIG                                    # one process, as always
-    torchrun --nproc-per-node N -m trainer.cli train CONFIG     # N ranks on this machine
+    torchrun --nproc-per-node N -m graft.trainer.cli train CONFIG     # N ranks on this machine
     torchrun --nnodes M --nproc-per-node N --rdzv-backend c10d --rdzv-endpoint HOST:29400 \\
-        --rdzv-id RUN -m trainer.cli train CONFIG               # on each of M machines
+        --rdzv-id RUN -m graft.trainer.cli train CONFIG               # on each of M machines
 
 What a training step does with these parts so that N ranks equal one process:
 - The step's prompts are global: every rank draws the same `prompts_per_step` from the same stream
@@ -24,7 +24,7 @@ What a training step does with these parts so that N ranks equal one process:
 - No-grad passes under fsdp are collectives too: `collective_passes` agrees on their number first, the
   rest are padding. Sampling with transformers' generate() runs inside `gathered_weights` (the full
   weights on every rank, no collective per forward); each rollout is seeded by its place in the global
-  batch (rollouts.sampling.SamplingParams.seed_per_sample), so the ranks draw what one process draws.
+  batch (graft.rollouts.sampling.SamplingParams.seed_per_sample), so the ranks draw what one process draws.
 - Counts the step decides on globally come from `rank_spans` / `sum_over_ranks` (the graft cap, DAPO's refill,
   the single pass); lists are joined in rank order with `gather_lists` (grafted prompts, the grafted
   rows' weights for their statistics).
@@ -50,9 +50,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
-    from trainer.config import ParallelConfig
+    from graft.trainer.config import ParallelConfig
 
-log = logging.getLogger("trainer.distributed")
+log = logging.getLogger("graft.trainer.distributed")
 
 Strategy = Literal["none", "ddp", "fsdp"]
 T = TypeVar("T")
@@ -396,7 +396,7 @@ class RowPlaces:
 
 def row_places(ctx: DistContext, positions: Sequence[int]) -> RowPlaces:
     """This rank's rows among the job's in one process's order, from each row's `position`: its prompt's place
-    among the job's prompts of the step (trainer.sample.SampledStep.positions). A prompt's rows are on one rank,
+    among the job's prompts of the step (graft.trainer.sample.SampledStep.positions). A prompt's rows are on one rank,
     together and in order. Without refills the ranks' rows laid end to end in rank order are that order already;
     DAPO's refill rounds put a rank's block of round 2 after its block of round 1, so the order is rebuilt from
     every rank's (position, rows) pairs (one all_gather_object)."""

@@ -1,5 +1,5 @@
 """The trainer's periodic evaluation: accuracy on the configured benchmarks through graft-eval's code
-(`rollouts.evaluation`), with the learner's own sampler, each data-parallel rank scoring its block of the
+(`graft.rollouts.evaluation`), with the learner's own sampler, each data-parallel rank scoring its block of the
 problems; appended to `<run_dir>/eval.jsonl`."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from pathlib import Path
 import orjson
 import torch
 
-from rollouts.datasets import load_problems
-from rollouts.evaluation import ProblemScores, score_problems, summarise
-from rollouts.sampling import SamplingParams
-from trainer.config import TrainConfig
-from trainer.distributed import DistContext, gather_lists, rank_block
-from trainer.learner import whole_weights
+from graft.rollouts.datasets import load_problems
+from graft.rollouts.evaluation import ProblemScores, score_problems, summarise
+from graft.rollouts.sampling import SamplingParams
+from graft.trainer.config import TrainConfig
+from graft.trainer.distributed import DistContext, gather_lists, rank_block
+from graft.trainer.learner import whole_weights
 
 log = logging.getLogger("trainer")
 
@@ -31,7 +31,7 @@ def evaluate_policy(cfg: TrainConfig, sampler, scorer, run_dir: Path, step: int,
     """avg@k and pass@k per benchmark (GRAFT_SPEC section 10: greedy for k = 1, else T = 0.6, top_p = 0.95), appended
     to eval.jsonl by the main process.
 
-    Data parallel: each rank scores its block of every benchmark's problems (trainer.distributed.rank_block) and
+    Data parallel: each rank scores its block of every benchmark's problems (graft.trainer.distributed.rank_block) and
     the blocks are gathered in order, so N ranks evaluate in about 1/N of the time and find what one process
     finds (sampled evaluations draw from per-problem seeds then, as the rollouts do: rollout.seed_per_sample).
     Under fsdp the full weights are gathered once for the whole evaluation, so that the ranks' differing numbers

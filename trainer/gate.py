@@ -18,10 +18,10 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from schemas import PeerLookupRequest, RolloutGroup, group_advantages
-from schemas.api import group_created_us, now_us
-from schemas.rollout import ADVANTAGE_TOLERANCE
-from trainer.distributed import DistContext, rank_spans
+from graft.schemas import PeerLookupRequest, RolloutGroup, group_advantages
+from graft.schemas.api import group_created_us, now_us
+from graft.schemas.rollout import ADVANTAGE_TOLERANCE
+from graft.trainer.distributed import DistContext, rank_spans
 
 GroupKind = Literal["all_fail", "all_success", "mixed"]
 Action = Literal[

@@ -1,6 +1,6 @@
 """The policy being trained: its weights, tokenizer and identities, the frozen reference, and the sampler
 that draws its rollouts (transformers on the policy object itself, or a vLLM engine fed the new weights
-after every update). Data parallel (trainer.distributed): the policy is wrapped for the strategy (DDP,
+after every update). Data parallel (graft.trainer.distributed): the policy is wrapped for the strategy (DDP,
 or FSDP2-sharded) on the rank's device; under fsdp the transformers sampler gathers the full weights for
 each generate call."""
 
@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from rollouts.hf_backend import HFBackend
-from rollouts.models import (
+from graft.rollouts.hf_backend import HFBackend
+from graft.rollouts.models import (
     default_model_id,
     eos_token_ids,
     load_model_and_tokenizer,
@@ -25,9 +25,9 @@ from rollouts.models import (
     resolve_model_dir,
     tokenizer_fingerprint,
 )
-from trainer.config import TrainConfig
-from trainer.distributed import DistContext, gathered_weights, wrap_model, wrap_reference
-from trainer.retokenize import learner_stop_token
+from graft.trainer.config import TrainConfig
+from graft.trainer.distributed import DistContext, gathered_weights, wrap_model, wrap_reference
+from graft.trainer.retokenize import learner_stop_token
 
 
 @dataclass
@@ -138,7 +138,7 @@ def make_sampler(cfg: TrainConfig, learner: Learner, weights_path: str | Path) -
         cfg.rollout.backend == "auto" and on_gpu and importlib.util.find_spec("vllm") is not None
     )
     if use_vllm:
-        from trainer.vllm_sync import make_vllm_backend
+        from graft.trainer.vllm_sync import make_vllm_backend
 
         return make_vllm_backend(cfg, learner, weights_path), True
     if cfg.rollout.hf_sampler_copy:
@@ -150,7 +150,7 @@ def make_sampler(cfg: TrainConfig, learner: Learner, weights_path: str | Path) -
 
 class GatheredSampler:
     """The transformers sampler over an FSDP2-sharded policy: each generate call runs with the full weights
-    gathered on every rank (trainer.distributed.gathered_weights), so that its forwards, whose number depends on
+    gathered on every rank (graft.trainer.distributed.gathered_weights), so that its forwards, whose number depends on
     the rank's prompts, need no collective. Every rank calls generate together, with no prompts too."""
 
     def __init__(self, backend: HFBackend):
@@ -177,7 +177,7 @@ def whole_weights(sampler: Any) -> Iterator[Any]:
 
 def sync_sampler(sampler: Any, learner: Learner) -> None:
     """Give a vLLM engine the updated weights, so that it samples the next step from the new policy."""
-    from trainer.vllm_sync import sync_weights
+    from graft.trainer.vllm_sync import sync_weights
 
     sync_weights(sampler, learner.hf_model)
 

@@ -32,23 +32,23 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from rollouts.hf_backend import report_tokens_on
-from rollouts.scoring import Scorer
-from trainer.batch import build_rows, old_logprobs_and_weights
-from trainer.checkpoint import (RunDirInUse, check_run_dir, clear_run, latest_checkpoint, restore_training_state,
+from graft.rollouts.hf_backend import report_tokens_on
+from graft.rollouts.scoring import Scorer
+from graft.trainer.batch import build_rows, old_logprobs_and_weights
+from graft.trainer.checkpoint import (RunDirInUse, check_run_dir, clear_run, latest_checkpoint, restore_training_state,
                                 save_checkpoint, write_run_config)
-from trainer.config import TrainConfig
-from trainer.data import LoopState, load_anchor, load_peer_tokenizers, training_prompts
-from trainer.distributed import (DistContext, barrier, broadcast_object, close_distributed, gather_lists, init_distributed,
+from graft.trainer.config import TrainConfig
+from graft.trainer.data import LoopState, load_anchor, load_peer_tokenizers, training_prompts
+from graft.trainer.distributed import (DistContext, barrier, broadcast_object, close_distributed, gather_lists, init_distributed,
                                  reduce_metrics)
-from trainer.evaluation import due, evaluate_policy
-from trainer.gate import gate_groups
-from trainer.learner import load_learner, load_reference, make_sampler, sync_sampler
-from trainer.loss import LossConfig
-from trainer.metrics import MetricsLog, StepClock, StepOutcome, step_metrics
-from trainer.peers import PeerExchange, RefusedTokenizers, peer_candidates
-from trainer.sample import sample_step
-from trainer.update import UpdateContext, make_optimizer, single_pass_forward, update_policy
+from graft.trainer.evaluation import due, evaluate_policy
+from graft.trainer.gate import gate_groups
+from graft.trainer.learner import load_learner, load_reference, make_sampler, sync_sampler
+from graft.trainer.loss import LossConfig
+from graft.trainer.metrics import MetricsLog, StepClock, StepOutcome, step_metrics
+from graft.trainer.peers import PeerExchange, RefusedTokenizers, peer_candidates
+from graft.trainer.sample import sample_step
+from graft.trainer.update import UpdateContext, make_optimizer, single_pass_forward, update_policy
 
 log = logging.getLogger("trainer")
 
@@ -61,7 +61,7 @@ def train(cfg: TrainConfig, resume: bool = False, on_step: Callable[[dict[str, A
     delete the run cfg.run_dir holds and start afresh; without either, a run directory holding a run is refused
     (RunDirInUse, a FileExistsError). on_step: called with each step's metrics line after it is written (progress reporting in the
     demo, fault injection in tests). Under torchrun every rank calls this (parallel.strategy ddp or fsdp;
-    trainer.distributed)."""
+    graft.trainer.distributed)."""
     dist = init_distributed(cfg.parallel, cfg.model.device)
     stop = StopAtStepBoundary()
     stop.install()
@@ -245,7 +245,7 @@ def _setup_logging(run_dir: Path, cfg: TrainConfig, dist: DistContext) -> None:
     configured; transformers' bars off with ours."""
     handler = logging.FileHandler(run_dir / ("train.log" if dist.is_main else f"train.rank{dist.rank}.log"))
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    trainer_log = logging.getLogger("trainer")  # its children (trainer.peers, ...) propagate to it: one handler
+    trainer_log = logging.getLogger("trainer")  # its children (graft.trainer.peers, ...) propagate to it: one handler
     trainer_log.setLevel(logging.INFO)
     trainer_log.handlers = [h for h in trainer_log.handlers if not isinstance(h, logging.FileHandler)] + [handler]
     if not cfg.logging.progress:  # transformers' own bars (loading, saving checkpoints) too

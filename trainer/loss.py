@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from trainer.config import GraftConfig, PPOConfig, RolloutConfig, TrainConfig
+from graft.trainer.config import GraftConfig, PPOConfig, RolloutConfig, TrainConfig
 
 KL_CLAMP = 10.0  # per-token k3 KL bound (verl's low_var_kl)
 

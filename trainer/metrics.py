@@ -3,7 +3,7 @@ grafted rows weighed, what the update did, where the time went.
 
 `step_metrics` is a function of the step's outcome (and, data parallel, of the other ranks'); `MetricsLog` writes
 the lines and counts the store client's calls. Every fraction and mean is derived from counts and sums (groups,
-rollouts, rows), which data parallelism adds over the ranks (`trainer.distributed.reduce_metrics`) first.
+rollouts, rows), which data parallelism adds over the ranks (`graft.trainer.distributed.reduce_metrics`) first.
 """
 
 from __future__ import annotations
@@ -19,18 +19,18 @@ import orjson
 
 import torch
 
-from rollouts.files import write_text_atomic
-from trainer.batch import StepRows, WeightedRows, WeightStats
-from trainer.config import TrainConfig
-from trainer.data import LoopState
-from trainer.distributed import DistContext, gather_lists, reduce_metrics
-from trainer.gate import GateDecision, classify_group
-from trainer.peers import NO_PEER_REASONS, gate_tally
-from trainer.sample import SampledStep
-from trainer.update import UpdateResult
+from graft.rollouts.files import write_text_atomic
+from graft.trainer.batch import StepRows, WeightedRows, WeightStats
+from graft.trainer.config import TrainConfig
+from graft.trainer.data import LoopState
+from graft.trainer.distributed import DistContext, gather_lists, reduce_metrics
+from graft.trainer.gate import GateDecision, classify_group
+from graft.trainer.peers import NO_PEER_REASONS, gate_tally
+from graft.trainer.sample import SampledStep
+from graft.trainer.update import UpdateResult
 
 if TYPE_CHECKING:
-    from trainer.peers import LookupResult, PeerExchange
+    from graft.trainer.peers import LookupResult, PeerExchange
 
 # The keys every metrics line has (the issue's list); more keys follow them.
 METRIC_KEYS = (

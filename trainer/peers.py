@@ -26,10 +26,10 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Callable
 
-from schemas import MAX_LOOKUP_PROMPTS, MAX_PUSH_GROUPS, PeerLookupRequest, Problem, RolloutGroup
-from services.store_api.http.client import StoreClient, StoreError
-from trainer.config import GraftConfig, StoreConfig
-from trainer.gate import GRAFT_ACTIONS, GateDecision, choose_peer_group, classify_group
+from graft.schemas import MAX_LOOKUP_PROMPTS, MAX_PUSH_GROUPS, PeerLookupRequest, Problem, RolloutGroup
+from graft.services.store_api.http.client import StoreClient, StoreError
+from graft.trainer.config import GraftConfig, StoreConfig
+from graft.trainer.gate import GRAFT_ACTIONS, GateDecision, choose_peer_group, classify_group
 
 log = logging.getLogger(__name__)
 OUTBOX_LIMIT = 4096  # groups kept for publishing while the store is down; older ones are dropped (counted)
@@ -45,7 +45,7 @@ class LookupResult:
     # Co-training: steps in a row (this one included) whose wait ran out with no group from the co-trainer; NaN when
     # not co-training or before anything is known (the store down)
     peer_silent_steps: float = NAN
-    # prompt id -> why the store had no group of it to give (schemas.api.MISS_REASONS); empty from an older store
+    # prompt id -> why the store had no group of it to give (graft.schemas.api.MISS_REASONS); empty from an older store
     miss_reasons: dict[str, str] = field(default_factory=dict)
 
 
@@ -349,7 +349,7 @@ def peer_candidates(
 
 
 # Why an all-fail group that the gate found no peer group for (skip_no_peer) got none: the store's miss reasons
-# (schemas.api.MISS_REASONS) but only_uninformative, which counts as groups_peer_uninformative; `unanswered`: the step's
+# (graft.schemas.api.MISS_REASONS) but only_uninformative, which counts as groups_peer_uninformative; `unanswered`: the step's
 # lookup failed, was late (store.lookup_wait_s) or was not sent (backing off); `unknown`: the store gave no reason (a
 # store older than miss_reasons). Metrics groups_no_peer_<reason>; they add up to groups_no_peer.
 NO_PEER_REASONS = ("nothing_stored", "only_learner", "peers_not_admitted", "unanswered", "unknown")

@@ -26,7 +26,7 @@ from typing import Literal, get_args
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from schemas import Rollout
+from graft.schemas import Rollout
 
 # peer_decode: the peer's stored ids do not decode to its stored text with the tokenizer configured for its id
 DropReason = Literal["round_trip", "overlength", "non_finite", "peer_decode"]

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rollouts.groups import assemble_group, make_group_id
-from rollouts.sampling import SamplingParams
-from rollouts.scoring import Scorer
-from schemas import Problem, RolloutGroup
-from trainer.config import TrainConfig
-from trainer.data import PromptBlock, PromptStream
-from trainer.distributed import sum_over_ranks
-from trainer.learner import Learner
+from graft.rollouts.groups import assemble_group, make_group_id
+from graft.rollouts.sampling import SamplingParams
+from graft.rollouts.scoring import Scorer
+from graft.schemas import Problem, RolloutGroup
+from graft.trainer.config import TrainConfig
+from graft.trainer.data import PromptBlock, PromptStream
+from graft.trainer.distributed import sum_over_ranks
+from graft.trainer.learner import Learner
 
 
 @dataclass
@@ -23,7 +23,7 @@ class SampledStep:
     generated: list[RolloutGroup]  # every group sampled (the rollout budget; dapo: refills and dropped groups too)
     problems: list[Problem]  # the step's problems, refills included
     # each group's place among the job's prompts of the step as one process takes them (round after round, each
-    # round's prompts in stream order): the order the update draws mini-batches in (trainer.distributed.row_places)
+    # round's prompts in stream order): the order the update draws mini-batches in (graft.trainer.distributed.row_places)
     positions: list[int]
     dapo_rounds: int | None = None  # generation rounds (dapo only)
 

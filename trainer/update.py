@@ -1,14 +1,14 @@
 """The policy update of a step: PPO epoch(s) over mini-batches of the step's rows, micro-batched, each mini-batch
 one optimizer step, plus the optional supervised anchor (GRAFT_SPEC section 6).
 
-The update is written on `trainer.distributed`'s parts, so that N data-parallel ranks take the update one
+The update is written on `graft.trainer.distributed`'s parts, so that N data-parallel ranks take the update one
 process takes on the job's rows (in one process they run no collective): where this rank's rows sit among
 the job's in one process's order (`row_places`), the mini-batches (`mini_batch_rows` of one permutation of
 all ranks' rows), the global loss normaliser and micro-batch count (`plan_mini_batches`), a padding pass for
 a rank that has run out of rows, `gradient_sync` around each backward (DDP all-reduces in the mini-batch's last
 one: the anchor's when there is an anchor term), and the gradient norm over all ranks (`clip_grad_norm`).
 `UpdateResult.totals` are sums the metrics add over ranks. Every forward here is backpropagated: each calls
-`learner.grad_model` (trainer.learner.Learner says why).
+`learner.grad_model` (graft.trainer.learner.Learner says why).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from trainer.batch import FirstPass, TrainSample, collate, needs_forward, response_logprobs
-from trainer.config import TrainConfig
-from trainer.distributed import (
+from graft.trainer.batch import FirstPass, TrainSample, collate, needs_forward, response_logprobs
+from graft.trainer.config import TrainConfig
+from graft.trainer.distributed import (
     clip_grad_norm,
     gradient_sync,
     mini_batch_rows,
@@ -32,8 +32,8 @@ from trainer.distributed import (
     sum_over_ranks,
     zero_backward,
 )
-from trainer.learner import Learner
-from trainer.loss import LossBatch, LossConfig, agg_denominator, graft_loss
+from graft.trainer.learner import Learner
+from graft.trainer.loss import LossBatch, LossConfig, agg_denominator, graft_loss
 
 NAN = float("nan")
 
@@ -185,7 +185,7 @@ def update_policy(
 def _padding(learner: Learner, first_pass: FirstPass | None) -> None:
     """A rank without rows in this micro-batch: the zero backward of its first pass when there is one (its padding
     forward's, or its rows' whose every row was dropped after it: another forward would be one more than the other
-    ranks run, which misaligns fsdp's all-gathers), else a whole padding pass (trainer.distributed.padding_pass)."""
+    ranks run, which misaligns fsdp's all-gathers), else a whole padding pass (graft.trainer.distributed.padding_pass)."""
     if first_pass is not None:
         zero_backward(first_pass.logprobs)
         return

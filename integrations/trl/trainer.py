@@ -3,7 +3,7 @@
 It wraps two of TRL's methods and copies none (TRL's replay-buffer GRPO was a copied
 `_generate_and_score_completions` that drifted from its parent; this calls the parent and splices its output):
 - `_calculate_rewards`: the parent's, whose rewards (gathered over processes) are kept: TRL does not return them,
-  and the all-fail groups are found from them (`trainer.gate.classify_group`: no reward > 0).
+  and the all-fail groups are found from them (`graft.trainer.gate.classify_group`: no reward > 0).
 - `_generate_and_score_completions`, per generation batch:
   1. the peer lookup for the batch's prompts starts in the background on the main process      trainer/peers.py
   2. the parent generates, scores, and computes its advantages
@@ -38,17 +38,17 @@ from trl import GRPOTrainer
 from trl.data_utils import is_conversational
 from trl.models.utils import disable_gradient_checkpointing
 
-from rollouts.models import default_model_id, model_fingerprint, tokenizer_fingerprint
-from schemas import PeerLookupRequest
-from trainer.batch import FirstPass, TrainSample, WeightedRows, WeightStats, grafted_group_rows, old_logprobs_and_weights
-from trainer.config import TrainConfig
-from trainer.data import load_peer_tokenizers
-from trainer.gate import GateDecision, gate_groups
-from trainer.learner import Learner
-from trainer.peers import LookupResult, PeerExchange, RefusedTokenizers, gate_tally
-from trainer.retokenize import drop_counts, learner_stop_token, projection_counts
+from graft.rollouts.models import default_model_id, model_fingerprint, tokenizer_fingerprint
+from graft.schemas import PeerLookupRequest
+from graft.trainer.batch import FirstPass, TrainSample, WeightedRows, WeightStats, grafted_group_rows, old_logprobs_and_weights
+from graft.trainer.config import TrainConfig
+from graft.trainer.data import load_peer_tokenizers
+from graft.trainer.gate import GateDecision, gate_groups
+from graft.trainer.learner import Learner
+from graft.trainer.peers import LookupResult, PeerExchange, RefusedTokenizers, gate_tally
+from graft.trainer.retokenize import drop_counts, learner_stop_token, projection_counts
 
-from integrations.trl.config import GraftConfig
+from graft.integrations.trl.config import GraftConfig
 
 log = logging.getLogger(__name__)
 NAN = float("nan")

@@ -1,5 +1,5 @@
 """GRAFT inside verl (0.9.1): `GraftPPOTrainer`, verl's synchronous v1 trainer grafting peer groups from the store into
 its all-fail groups, registered as `trainer.v1.trainer_mode=graft_sync` by the `verl.plugins` entry point
-(`integrations.verl.plugin`). Runs in verl's own environment (`make install-verl`: .venv-verl); docs/verl.md.
+(`graft.integrations.verl.plugin`). Runs in verl's own environment (`make install-verl`: .venv-verl); docs/verl.md.
 
-Nothing is imported here: `python -m integrations.verl.requirements` runs before verl is installed."""
+Nothing is imported here: `python -m graft.integrations.verl.requirements` runs before verl is installed."""

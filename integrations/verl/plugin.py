@@ -2,9 +2,9 @@
 `trainer.v1.trainer_mode=graft_sync` in every verl process that imports verl.
 
 verl loads entry-point plugins at `import verl` and logs a failed one at DEBUG only (the run then stops with
-"Unknown trainer 'graft_sync'"); `VERL_USE_EXTERNAL_MODULES=integrations.verl.plugin` imports it so that a failure
+"Unknown trainer 'graft_sync'"); `VERL_USE_EXTERNAL_MODULES=graft.integrations.verl.plugin` imports it so that a failure
 raises with its cause (docs/verl.md)."""
 
-from integrations.verl.trainer import GraftPPOTrainer
+from graft.integrations.verl.trainer import GraftPPOTrainer
 
 __all__ = ["GraftPPOTrainer"]

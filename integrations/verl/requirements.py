@@ -8,7 +8,7 @@ together with verl's. Two of pyproject's requirements cannot hold next to verl 0
   only satisfy both with a hydra-core from 2019 that verl cannot run on. math-verify itself stays (the scorer imports);
   verl computes rewards with its own reward functions, never with graft's scorer.
 
-Usage: `python -m integrations.verl.requirements pyproject.toml` (the Makefile's install-verl)."""
+Usage: `python -m graft.integrations.verl.requirements pyproject.toml` (the Makefile's install-verl)."""
 
 from __future__ import annotations
 

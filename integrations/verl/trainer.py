@@ -44,16 +44,16 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 from verl.workers.utils.padding import response_to_nested
 
-from integrations.verl.config import TRAINER_MODE, check_config, graft_section, train_config
-from rollouts.models import default_model_id, model_fingerprint, tokenizer_fingerprint
-from trainer.batch import FirstPass, TrainSample, WeightedRows, WeightStats, grafted_group_rows, old_logprobs_and_weights
-from trainer.config import TrainConfig
-from trainer.data import load_peer_tokenizers
-from trainer.gate import GateDecision, gate_groups
-from trainer.learner import Learner
-from trainer.metrics import MetricsLog
-from trainer.peers import LookupResult, PeerExchange, RefusedTokenizers, gate_tally
-from trainer.retokenize import drop_counts, learner_stop_token, projection_counts
+from graft.integrations.verl.config import TRAINER_MODE, check_config, graft_section, train_config
+from graft.rollouts.models import default_model_id, model_fingerprint, tokenizer_fingerprint
+from graft.trainer.batch import FirstPass, TrainSample, WeightedRows, WeightStats, grafted_group_rows, old_logprobs_and_weights
+from graft.trainer.config import TrainConfig
+from graft.trainer.data import load_peer_tokenizers
+from graft.trainer.gate import GateDecision, gate_groups
+from graft.trainer.learner import Learner
+from graft.trainer.metrics import MetricsLog
+from graft.trainer.peers import LookupResult, PeerExchange, RefusedTokenizers, gate_tally
+from graft.trainer.retokenize import drop_counts, learner_stop_token, projection_counts
 
 log = logging.getLogger(__name__)
 NAN = float("nan")
@@ -65,7 +65,7 @@ UNSUPPORTED_FIELDS = ("routed_experts", "teacher_ids", "teacher_logprobs")
 class GraftSetup:
     """What every batch's GRAFT works with (built once, in verl's driver process)."""
 
-    cfg: TrainConfig  # graft-train's configuration of this run (integrations.verl.config.train_config)
+    cfg: TrainConfig  # graft-train's configuration of this run (graft.integrations.verl.config.train_config)
     learner: Learner  # the learner's identities as graft-train's shared functions take them (no model: verl has it)
     peer_tokenizers: dict[str, Any]
     refused: RefusedTokenizers

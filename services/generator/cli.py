@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import typer
 
-from services.generator.config import GeneratorConfig, command_line_config, config_app
+from graft.services.generator.config import GeneratorConfig, command_line_config, config_app
 
 
 
@@ -71,7 +71,7 @@ def generate(
             _show_first_prompt(cfg)
         return
 
-    from services.generator.generate import OtherSettingsStored, run_generator
+    from graft.services.generator.generate import OtherSettingsStored, run_generator
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -98,16 +98,16 @@ def generate(
     }
     sys.stdout.write(json.dumps(summary) + "\n")
     if summary_json is not None:
-        from rollouts.files import write_text_atomic
+        from graft.rollouts.files import write_text_atomic
 
         write_text_atomic(summary_json, json.dumps(summary) + "\n")
 
 
 def _show_first_prompt(cfg: GeneratorConfig) -> None:
     """The first problem's prompt as the model sees it (the tokenizer's chat template applied), and its gold."""
-    from rollouts.datasets import load_problems
-    from rollouts.models import load_tokenizer_of
-    from services.generator.generate import render_prompt
+    from graft.rollouts.datasets import load_problems
+    from graft.rollouts.models import load_tokenizer_of
+    from graft.services.generator.generate import render_prompt
 
     problem = load_problems(cfg.dataset, limit=1, problem_field=cfg.problem_field, answer_field=cfg.answer_field)[0]
     prompt = render_prompt(cfg, load_tokenizer_of(cfg.model), problem.problem)

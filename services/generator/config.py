@@ -14,8 +14,8 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from rollouts.prompts import MAX_FEW_SHOT, PromptTemplate, check_few_shot
-from schemas.overrides import apply_overrides, format_fields
+from graft.rollouts.prompts import MAX_FEW_SHOT, PromptTemplate, check_few_shot
+from graft.schemas.overrides import apply_overrides, format_fields
 
 
 class GeneratorConfig(BaseModel):
@@ -72,7 +72,7 @@ class GeneratorConfig(BaseModel):
         """12 hex chars of every setting that changes what a group holds besides the model: the prompt (template,
         worked examples, instruction, system prompt), the gold (answer column), the sampling (G, temperature, top_p,
         top_k, max_tokens) and the advantages. Part of each group id, so that a re-run with other settings never
-        takes the groups of the first for its own (`services.generator.generate`). Not in it: backend, dtype, seed
+        takes the groups of the first for its own (`graft.services.generator.generate`). Not in it: backend, dtype, seed
         and batch sizes, which change which samples are drawn but not the distribution they come from."""
         settings = {
             "template": self.template, "few_shot": self.few_shot, "instruction": self.instruction,
@@ -85,8 +85,8 @@ class GeneratorConfig(BaseModel):
     def missing_inputs(self) -> list[str]:
         """Each input that is not there or cannot be read, as `field: what is wrong` (as graft-train's dry run checks
         its paths): the model and the dataset (read whole, with its columns)."""
-        from rollouts.datasets import load_problems
-        from rollouts.models import find_gguf
+        from graft.rollouts.datasets import load_problems
+        from graft.rollouts.models import find_gguf
 
         problems = []
         model = Path(self.model).expanduser()

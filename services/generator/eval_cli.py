@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import typer
 
-from services.generator.config import EvalConfig, command_line_config, config_app
+from graft.services.generator.config import EvalConfig, command_line_config, config_app
 
 
 
@@ -46,13 +46,13 @@ def evaluate_model(
         return
     cfg = command_line_config(EvalConfig, config, {**fields, **named}, sets)
 
-    from rollouts.backends import load_backend
-    from rollouts.datasets import load_problems
-    from rollouts.evaluation import evaluate, markdown_table
-    from rollouts.files import write_text_atomic
-    from rollouts.models import default_model_id
-    from rollouts.sampling import SamplingParams
-    from rollouts.scoring import Scorer
+    from graft.rollouts.backends import load_backend
+    from graft.rollouts.datasets import load_problems
+    from graft.rollouts.evaluation import evaluate, markdown_table
+    from graft.rollouts.files import write_text_atomic
+    from graft.rollouts.models import default_model_id
+    from graft.rollouts.sampling import SamplingParams
+    from graft.rollouts.scoring import Scorer
 
     greedy = cfg.k == 1
     temperature_ = cfg.temperature if cfg.temperature is not None else (0.0 if greedy else 0.6)

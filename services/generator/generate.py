@@ -24,16 +24,16 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from rollouts.backends import load_backend
-from rollouts.datasets import load_problems
-from rollouts.groups import assemble_group, make_group_id
-from rollouts.hf_backend import report_tokens_on
-from rollouts.models import default_model_id, default_model_revision
-from rollouts.prompts import build_prompt
-from rollouts.sampling import Backend, SamplingParams
-from rollouts.scoring import Scorer
-from schemas import Problem, RolloutGroup
-from services.generator.config import GeneratorConfig
+from graft.rollouts.backends import load_backend
+from graft.rollouts.datasets import load_problems
+from graft.rollouts.groups import assemble_group, make_group_id
+from graft.rollouts.hf_backend import report_tokens_on
+from graft.rollouts.models import default_model_id, default_model_revision
+from graft.rollouts.prompts import build_prompt
+from graft.rollouts.sampling import Backend, SamplingParams
+from graft.rollouts.scoring import Scorer
+from graft.schemas import Problem, RolloutGroup
+from graft.services.generator.config import GeneratorConfig
 
 CHECKPOINT_DIR = re.compile(r"^step_(\d+)$")  # the trainer's layout: <run>/checkpoints/step_000010/
 RETRY_INITIAL_S = 1.0  # continuous mode, store down: first pause before the call is tried again; doubles per failure
@@ -102,19 +102,19 @@ class GroupSink:
     one transaction per batch; data path and S3 settings from GRAFT_LAKE_* / AWS_*)."""
 
     def __init__(self, store: str, token: str | None):
-        from services.store_api.targets import is_lake_target  # no DuckDB import unless the target is a lake
+        from graft.services.store_api.targets import is_lake_target  # no DuckDB import unless the target is a lake
 
         self.is_url = store.startswith(("http://", "https://"))
         self.is_lake = is_lake_target(store)
         self.store = store
         self.outages: tuple[type[Exception], ...] = ()  # what a store that is down (for now) raises
         if self.is_url:
-            from services.store_api.http.client import StoreClient, StoreUnavailable
+            from graft.services.store_api.http.client import StoreClient, StoreUnavailable
 
             self.client = StoreClient(store, token=token)
             self.outages = (StoreUnavailable,)
         elif self.is_lake:
-            from services.store_api.lake import Lake, LakeConfig, LakeUnavailable
+            from graft.services.store_api.lake import Lake, LakeConfig, LakeUnavailable
 
             self.lake = Lake(LakeConfig(catalog=store)).open()
             self.outages = (LakeUnavailable,)
@@ -140,11 +140,11 @@ class GroupSink:
             response = self.client.push_groups(groups, problems)
             return response.shard or ""
         if self.is_lake:
-            from services.store_api.tables import groups_table, validate_table
+            from graft.services.store_api.tables import groups_table, validate_table
 
             result = self.lake.commit(validate_table(groups_table(groups)), problems or [])
             return f"lake: {result.accepted_groups} groups committed"
-        from services.store_api.local import write_groups
+        from graft.services.store_api.local import write_groups
 
         return str(write_groups(self.store, groups, problems))
 

@@ -8,9 +8,9 @@ from typing import Protocol
 
 import pyarrow as pa
 
-from schemas import Problem, StatsResponse
-from services.store_api.local import StoreIndex
-from services.store_api.settings import StoreSettings
+from graft.schemas import Problem, StatsResponse
+from graft.services.store_api.local import StoreIndex
+from graft.services.store_api.settings import StoreSettings
 
 
 class Store(Protocol):
@@ -55,7 +55,7 @@ class LocalStore:
 def store_backend(settings: StoreSettings) -> Store:
     """`settings.root`'s LocalStore, or a LakeReplica when settings.backend is 'lake' (its lake modules load then)."""
     if settings.backend == "lake":
-        from services.store_api.lake.replica import LakeReplica
+        from graft.services.store_api.lake.replica import LakeReplica
 
         return LakeReplica(settings)
     return LocalStore(settings)

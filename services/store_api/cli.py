@@ -16,7 +16,7 @@ import httpx
 import typer
 import yaml
 
-from services.store_api.settings import StoreSettings
+from graft.services.store_api.settings import StoreSettings
 
 app = typer.Typer(help="The graft trajectory store: Parquet shards, a DuckDB index and an HTTP API.",
                   no_args_is_help=True, add_completion=False)
@@ -50,10 +50,10 @@ def load_settings(config: Path | None = None, **overrides) -> StoreSettings:
 
 
 def open_store(settings: StoreSettings, what: str = ""):
-    """The settings' store (services.store_api.backend.store_backend), opened; a clear error and exit 1 if it cannot."""
-    from services.store_api.backend import store_backend
-    from services.store_api.lake.config import LakeError
-    from services.store_api.local import IndexLocked
+    """The settings' store (graft.services.store_api.backend.store_backend), opened; a clear error and exit 1 if it cannot."""
+    from graft.services.store_api.backend import store_backend
+    from graft.services.store_api.lake.config import LakeError
+    from graft.services.store_api.local import IndexLocked
 
     try:
         return store_backend(settings).open()
@@ -85,7 +85,7 @@ def serve(
     <root>/index.duckdb (backend lake: a replica of a lake, its cache under --root)."""
     import uvicorn
 
-    from services.store_api.http.app import create_app
+    from graft.services.store_api.http.app import create_app
 
     settings = load_settings(config, root=root, host=host, port=port, tokenizers=tokenizer or None, backend=backend,
                              lake_catalog=lake_catalog, lake_data_path=lake_data_path)
@@ -97,9 +97,9 @@ def serve(
 
 
 def _rebuild(settings: StoreSettings) -> dict:
-    from services.store_api.backend import store_backend
-    from services.store_api.lake.config import LakeError
-    from services.store_api.local import IndexLocked
+    from graft.services.store_api.backend import store_backend
+    from graft.services.store_api.lake.config import LakeError
+    from graft.services.store_api.local import IndexLocked
 
     store = store_backend(settings)
     try:
@@ -137,8 +137,8 @@ def compact(
     settings = load_settings(config, root=root, backend=backend, lake_catalog=lake_catalog)
     configure_logging(settings.log_level)
     if settings.backend == "lake":
-        from services.store_api.lake.config import LakeConfig, LakeError
-        from services.store_api.lake.lake import Lake
+        from graft.services.store_api.lake.config import LakeConfig, LakeError
+        from graft.services.store_api.lake.lake import Lake
 
         if model is not None:
             typer.echo("error: --model applies to the local backend; DuckLake merges every table's files", err=True)
@@ -201,10 +201,10 @@ def migrate(
     Idempotent: groups and problems the target holds are skipped, so an interrupted migration is run again.
     Stop a local store's server first, or migrate what its shards hold at the moment they are read.
     """
-    from services.store_api.lake.config import LakeConfig, LakeError
-    from services.store_api.lake.lake import Lake
-    from services.store_api.lake.migrate import lake_to_local, local_to_lake
-    from services.store_api.targets import is_lake_target
+    from graft.services.store_api.lake.config import LakeConfig, LakeError
+    from graft.services.store_api.lake.lake import Lake
+    from graft.services.store_api.lake.migrate import lake_to_local, local_to_lake
+    from graft.services.store_api.targets import is_lake_target
 
     configure_logging("info")
     if is_lake_target(source) == is_lake_target(target):

@@ -22,8 +22,8 @@ import pyarrow.compute as pc
 
 from pydantic import ValidationError
 
-from schemas import PROBLEM_ARROW_SCHEMA, PROMPT_ID_PATTERN, ROLLOUT_ARROW_SCHEMA, Problem, RolloutGroup
-from schemas.rollout import (
+from graft.schemas import PROBLEM_ARROW_SCHEMA, PROMPT_ID_PATTERN, ROLLOUT_ARROW_SCHEMA, Problem, RolloutGroup
+from graft.schemas.rollout import (
     ADVANTAGE_EPS,
     ADVANTAGE_TOLERANCE,
     CLOCK_SKEW_S,

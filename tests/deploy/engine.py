@@ -24,7 +24,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rollouts.models import cache_dir
+from graft.rollouts.models import cache_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 # Debian's docker client: with DOCKER_BUILDKIT it builds with BuildKit; a newer client earlier on the PATH may lack

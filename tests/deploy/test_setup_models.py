@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rollouts.models import load_model_and_tokenizer
+from graft.rollouts.models import load_model_and_tokenizer
 from toy import setup_models
 
 

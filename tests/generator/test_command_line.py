@@ -13,9 +13,9 @@ from typer.testing import CliRunner
 
 import yaml
 
-from services.generator.cli import app as generate_app
-from services.generator.config import GeneratorConfig, load_config
-from services.generator.eval_cli import app as eval_app
+from graft.services.generator.cli import app as generate_app
+from graft.services.generator.config import GeneratorConfig, load_config
+from graft.services.generator.eval_cli import app as eval_app
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,9 +60,9 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("module, field", [("services.generator.cli", "prompts_per_batch"),
-                                           ("services.generator.eval_cli", "output_md"),
-                                           ("trainer.cli", "graft.peer_negative_scale")])
+@pytest.mark.parametrize("module, field", [("graft.services.generator.cli", "prompts_per_batch"),
+                                           ("graft.services.generator.eval_cli", "output_md"),
+                                           ("graft.trainer.cli", "graft.peer_negative_scale")])
 def test_show_config_lists_every_field_the_same_way(module, field):
     shown = _cli(module, "show-config")
     assert shown.returncode == 0, shown.stderr
@@ -70,10 +70,10 @@ def test_show_config_lists_every_field_the_same_way(module, field):
 
 
 def test_show_config_resolves_a_config_with_set():
-    shown = _cli("services.generator.cli", "show-config", "--config", "configs/generator_cpu.yaml", "--set", "group_size=3")
+    shown = _cli("graft.services.generator.cli", "show-config", "--config", "configs/generator_cpu.yaml", "--set", "group_size=3")
     assert shown.returncode == 0, shown.stderr
     assert "# resolved" in shown.stdout and "\ngroup_size: 3\n" in shown.stdout
-    bad = _cli("services.generator.cli", "show-config", "--config", "configs/generator_cpu.yaml", "--set", "group_size=x")
+    bad = _cli("graft.services.generator.cli", "show-config", "--config", "configs/generator_cpu.yaml", "--set", "group_size=x")
     assert bad.returncode == 2 and "group_size" in bad.stderr and "Traceback" not in bad.stderr
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rollouts.datasets import KNOWN_DATASETS, data_dir, load_problems
+from graft.rollouts.datasets import KNOWN_DATASETS, data_dir, load_problems
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "data"

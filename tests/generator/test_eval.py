@@ -6,12 +6,12 @@ import json
 
 from typer.testing import CliRunner
 
-from rollouts.evaluation import evaluate, markdown_table
-from rollouts.prompts import build_prompt
-from rollouts.sampling import SamplingParams
-from rollouts.scoring import Scorer
-from schemas import Problem
-from services.generator.eval_cli import app
+from graft.rollouts.evaluation import evaluate, markdown_table
+from graft.rollouts.prompts import build_prompt
+from graft.rollouts.sampling import SamplingParams
+from graft.rollouts.scoring import Scorer
+from graft.schemas import Problem
+from graft.services.generator.eval_cli import app
 from toy.task import sample_problems, write_problems_jsonl
 
 

@@ -19,12 +19,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rollouts.datasets import load_problems
-from rollouts.groups import make_group_id
-from rollouts.models import default_model_revision
-from schemas import ROLLOUT_ARROW_SCHEMA, table_to_groups
-from services.generator.config import GeneratorConfig
-from services.generator.generate import StopFlag, run_generator
+from graft.rollouts.datasets import load_problems
+from graft.rollouts.groups import make_group_id
+from graft.rollouts.models import default_model_revision
+from graft.schemas import ROLLOUT_ARROW_SCHEMA, table_to_groups
+from graft.services.generator.config import GeneratorConfig
+from graft.services.generator.generate import StopFlag, run_generator
 from toy.task import sample_problems, write_problems_jsonl
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.slow
 
 
 def generator_command(model: Path, dataset: Path, store: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "services.generator.cli", "--model", str(model), "--model-id", "tiny",
+    return [sys.executable, "-m", "graft.services.generator.cli", "--model", str(model), "--model-id", "tiny",
             "--dataset", str(dataset), "--template", "raw", "--group-size", "4", "--max-tokens", "12",
             "--store", store, "--score-workers", "1", "--no-progress", *extra]
 
@@ -137,8 +137,8 @@ def test_continuous_mode_reloads_a_newer_checkpoint(tiny_model_dir, tmp_path, ca
 
 
 def test_push_to_a_store_server_and_resume_through_its_api(tiny_model_dir, tmp_path):
-    from services.store_api.http.client import StoreClient
-    from services.store_api.http.testing import StoreServer
+    from graft.services.store_api.http.client import StoreClient
+    from graft.services.store_api.http.testing import StoreServer
 
     dataset = write_problems_jsonl(sample_problems(6, seed=7), tmp_path / "toy.jsonl")
     with StoreServer(tmp_path / "store", token="secret") as server:
@@ -156,8 +156,8 @@ def test_push_to_a_store_server_and_resume_through_its_api(tiny_model_dir, tmp_p
 
 def test_commit_to_a_lake_and_resume_from_it(tiny_model_dir, tmp_path, monkeypatch):
     """A lake target (SQLite catalog, data on a local path): one transaction per batch, resumable from the lake."""
-    from services.store_api.lake.config import LakeConfig
-    from services.store_api.lake.lake import Lake
+    from graft.services.store_api.lake.config import LakeConfig
+    from graft.services.store_api.lake.lake import Lake
 
     dataset = write_problems_jsonl(sample_problems(6, seed=7), tmp_path / "toy.jsonl")
     catalog = f"ducklake:sqlite:{tmp_path / 'catalog.sqlite'}"
@@ -184,7 +184,7 @@ def test_bad_input_gets_a_clear_error(tiny_model_dir, tmp_path):
     assert missing.returncode != 0 and "nope.jsonl" in missing.stderr
     config = tmp_path / "gen.yaml"
     config.write_text("model: x\ndataset: y\nstore: z\ngroup_sizes: 3\n")
-    bad = subprocess.run([sys.executable, "-m", "services.generator.cli", "--config", str(config)],
+    bad = subprocess.run([sys.executable, "-m", "graft.services.generator.cli", "--config", str(config)],
                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "group_sizes" in bad.stderr
 
@@ -193,8 +193,8 @@ def test_continuous_mode_keeps_its_batch_through_a_store_outage(tiny_model_dir, 
     """The store server stops mid-run (far longer than the client's own retries) and starts again on its port: the
     continuous generator keeps the batch it sampled, retries with a growing pause, and no group is lost."""
 
-    from services.store_api.http.client import StoreClient
-    from services.store_api.http.testing import StoreServer
+    from graft.services.store_api.http.client import StoreClient
+    from graft.services.store_api.http.testing import StoreServer
 
     caplog.set_level(logging.WARNING, logger="graft.generator")
     dataset = write_problems_jsonl(sample_problems(8, seed=7), tmp_path / "toy.jsonl")
@@ -282,7 +282,7 @@ def test_a_rerun_with_other_settings_is_refused_and_names_the_flag_that_starts_a
     other = run_generator(GeneratorConfig(**{**settings, "model_id": "tiny-fs3"}, few_shot=3))
     assert other.groups == 4 and other.skipped_already_stored == 0
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), HF_HUB_OFFLINE="1")  # the CLI: one line, exit 2, no traceback
-    cli = subprocess.run([sys.executable, "-m", "services.generator.cli", "--model", str(tiny_model_dir), "--model-id",
+    cli = subprocess.run([sys.executable, "-m", "graft.services.generator.cli", "--model", str(tiny_model_dir), "--model-id",
                           "tiny", "--dataset", str(dataset), "--group-size", "2", "--max-tokens", "16", "--store", str(root),
                           "--score-workers", "1", "--no-progress"], cwd=REPO_ROOT, env=env, capture_output=True,
                          text=True, timeout=300)
@@ -307,7 +307,7 @@ def test_dry_run_checks_the_inputs_and_shows_the_prompt_as_the_model_sees_it(tin
     raw.write_text(json.dumps({"question": "Tom has 3 apples and buys 4 more. How many?", "answer": "3+4=7\n#### 7"}) + "\n")
 
     def dry(*flags: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "services.generator.cli", "--store", str(tmp_path / "s"), "--dry-run",
+        return subprocess.run([sys.executable, "-m", "graft.services.generator.cli", "--store", str(tmp_path / "s"), "--dry-run",
                                *flags], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
 
     missing = dry("--model", str(tmp_path / "no-model"), "--dataset", str(raw))

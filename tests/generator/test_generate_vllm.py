@@ -12,9 +12,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from schemas import table_to_groups
-from services.store_api.local.index import StoreIndex
-from services.store_api.settings import StoreSettings
+from graft.schemas import table_to_groups
+from graft.services.store_api.local.index import StoreIndex
+from graft.services.store_api.settings import StoreSettings
 from toy.task import sample_problems, write_problems_jsonl
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # skipped when .venv-vllm is 
 def test_the_vllm_generator_writes_groups_the_store_serves(tiny_model_dir, vllm_python, tmp_path):
     dataset = write_problems_jsonl(sample_problems(6, seed=7), tmp_path / "toy.jsonl")
     store = tmp_path / "store"
-    command = [str(vllm_python), "-m", "services.generator.cli", "--backend", "vllm", "--model", str(tiny_model_dir),
+    command = [str(vllm_python), "-m", "graft.services.generator.cli", "--backend", "vllm", "--model", str(tiny_model_dir),
                "--model-id", "tiny", "--dataset", str(dataset), "--template", "raw", "--group-size", "4",
                "--max-tokens", "12", "--vllm-max-model-len", "128", "--prompts-per-batch", "3", "--store", str(store),
                "--score-workers", "1", "--no-progress"]

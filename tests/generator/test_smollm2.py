@@ -23,15 +23,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rollouts.datasets import data_dir, load_problems
-from rollouts.hf_backend import teacher_forced_logprobs
-from rollouts.models import load_model_and_tokenizer, smollm2_gguf
-from rollouts.prompts import build_prompt
-from rollouts.sampling import SamplingParams
-from rollouts.scoring import extract_last_boxed
-from schemas import ROLLOUT_ARROW_SCHEMA, table_to_groups
-from services.generator.config import GeneratorConfig
-from services.generator.generate import run_generator
+from graft.rollouts.datasets import data_dir, load_problems
+from graft.rollouts.hf_backend import teacher_forced_logprobs
+from graft.rollouts.models import load_model_and_tokenizer, smollm2_gguf
+from graft.rollouts.prompts import build_prompt
+from graft.rollouts.sampling import SamplingParams
+from graft.rollouts.scoring import extract_last_boxed
+from graft.schemas import ROLLOUT_ARROW_SCHEMA, table_to_groups
+from graft.services.generator.config import GeneratorConfig
+from graft.services.generator.generate import run_generator
 
 GSM8K_PROBLEMS = 16
 GSM8K_SAMPLES = 12
@@ -68,9 +68,9 @@ def small_number_gsm8k(count: int) -> list[dict]:
 # 2-core host and 700+ s on a slower or shared one (measured 2026-12-01), near the suite's 900 s default.
 @pytest.mark.timeout(2400)
 def test_smollm2_generates_groups_and_finds_correct_gsm8k_answers(tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="rollouts.models"):
+    with caplog.at_level(logging.WARNING, logger="graft.rollouts.models"):
         model, tokenizer = load_model_and_tokenizer(GGUF)
-    assert not [r for r in caplog.records if r.name == "rollouts.models"], \
+    assert not [r for r in caplog.records if r.name == "graft.rollouts.models"], \
         "SmolLM2's tokenizer should load as saved, without the tokenizer.json fallback"
     assert model.config.model_type == "llama" and next(model.parameters()).dtype.is_floating_point
     assert 130e6 < sum(p.numel() for p in model.parameters()) < 140e6

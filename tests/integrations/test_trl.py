@@ -18,15 +18,15 @@ pytest.importorskip("trl", reason="the trl extra is not installed: pip install '
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
 
-from integrations.trl import GraftGRPOTrainer  # noqa: E402
-from schemas import Problem  # noqa: E402
-from services.store_api.http.testing import StoreServer  # noqa: E402
+from graft.integrations.trl import GraftGRPOTrainer  # noqa: E402
+from graft.schemas import Problem  # noqa: E402
+from graft.services.store_api.http.testing import StoreServer  # noqa: E402
 from toy.models import build_tiny_model, save_model  # noqa: E402
 from toy.world import learner_tokenizer  # noqa: E402
-from trainer.batch import build_rows  # noqa: E402
-from trainer.data import load_peer_tokenizers  # noqa: E402
-from trainer.learner import load_learner  # noqa: E402
-from trainer.loss import LossBatch, LossConfig, graft_loss  # noqa: E402
+from graft.trainer.batch import build_rows  # noqa: E402
+from graft.trainer.data import load_peer_tokenizers  # noqa: E402
+from graft.trainer.learner import load_learner  # noqa: E402
+from graft.trainer.loss import LossBatch, LossConfig, graft_loss  # noqa: E402
 from trl_run import accuracy, dataset, make_args, make_trainer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))  # the trainer tests' torchrun launcher
@@ -101,7 +101,7 @@ def test_a_store_that_is_down_leaves_trl_training_as_plain_grpo(toy_world, tmp_p
     assert all(line["graft/frac_grafted"] == 0 for line in lines)
     assert sum(line["graft/store_lookup_failures"] + line["graft/store_lookups_skipped_backoff"] for line in lines) >= 1
     assert all(line["graft/frac_all_fail"] < 1 for line in lines)
-    # the gate's tally is graft-train's (trainer.peers.gate_tally): every all-fail group without a peer group counted
+    # the gate's tally is graft-train's (graft.trainer.peers.gate_tally): every all-fail group without a peer group counted
     # by why, here the lookups that failed
     assert all(line["graft/groups_no_peer"] == line["graft/groups_no_peer_unanswered"]
                == round(line["graft/frac_all_fail"] * 4) for line in lines)  # 4 groups a batch
@@ -302,7 +302,7 @@ def test_graft_config_defaults_to_graft_trains_clip_and_takes_trls_when_asked(tm
     """Where the user sets no clip, the TRL run's loss is graft-train's (eps_high 0.28, dual clip 3), not TRL's
     (epsilon_high = epsilon, no dual clip): GRAFT and its GRPO arm then train as graft-train's do."""
     defaults = make_args(tmp_path, "http://127.0.0.1:8600", None).train_config("/models/learner").ppo
-    from trainer.config import PPOConfig
+    from graft.trainer.config import PPOConfig
 
     assert (defaults.eps_low, defaults.eps_high, defaults.dual_clip_c) == (PPOConfig().eps_low, PPOConfig().eps_high,
                                                                           PPOConfig().dual_clip_c)

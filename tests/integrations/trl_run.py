@@ -12,9 +12,9 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from integrations.trl import GraftConfig, GraftGRPOTrainer
-from rollouts.scoring import extract_last_boxed
-from schemas import Problem
+from graft.integrations.trl import GraftConfig, GraftGRPOTrainer
+from graft.rollouts.scoring import extract_last_boxed
+from graft.schemas import Problem
 
 
 def accuracy(completions: list[str], answer: list[str], **_: Any) -> list[float]:

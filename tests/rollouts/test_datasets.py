@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from rollouts.datasets import gold_answer, load_problems
-from rollouts.prompts import INSTRUCTION, build_prompt
+from graft.rollouts.datasets import gold_answer, load_problems
+from graft.rollouts.prompts import INSTRUCTION, build_prompt
 
 
 def write_jsonl(path, rows):

@@ -16,8 +16,8 @@ import re
 
 import pytest
 
-from rollouts.datasets import BENCHMARKS, load_problems
-from rollouts.scoring import Scorer
+from graft.rollouts.datasets import BENCHMARKS, load_problems
+from graft.rollouts.scoring import Scorer
 
 EXPECTED_COUNTS = {"math500": 500, "aime24": 30, "amc23": 40, "minerva_math": 272, "olympiadbench": 675}
 SCI = re.compile(r"^(-?\d+(?:\.\d+)?)\s*\\times\s*10\^\{?(-?\d+)\}?$")

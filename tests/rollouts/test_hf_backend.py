@@ -11,12 +11,12 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from rollouts.groups import assemble_group, make_group_id
-from rollouts.hf_backend import HFBackend, processed_logprobs, teacher_forced_logprobs
-from rollouts.prompts import build_prompt
-from rollouts.sampling import SamplingParams
-from rollouts.scoring import Scorer
-from schemas import RolloutGroup, groups_to_table, table_to_groups
+from graft.rollouts.groups import assemble_group, make_group_id
+from graft.rollouts.hf_backend import HFBackend, processed_logprobs, teacher_forced_logprobs
+from graft.rollouts.prompts import build_prompt
+from graft.rollouts.sampling import SamplingParams
+from graft.rollouts.scoring import Scorer
+from graft.schemas import RolloutGroup, groups_to_table, table_to_groups
 from toy.task import sample_problems
 
 
@@ -221,8 +221,8 @@ def test_prompt_templates(tiny_backend):
 
 
 def test_few_shot_prompts(tiny_backend):
-    from rollouts.prompts import FEW_SHOT_EXAMPLES, INSTRUCTION, MAX_FEW_SHOT
-    from services.generator.config import GeneratorConfig
+    from graft.rollouts.prompts import FEW_SHOT_EXAMPLES, INSTRUCTION, MAX_FEW_SHOT
+    from graft.services.generator.config import GeneratorConfig
 
     tok = tiny_backend.tokenizer
     assert build_prompt(tok, "1+1=", "chat", few_shot=0) == build_prompt(tok, "1+1=", "chat")  # the default is zero-shot

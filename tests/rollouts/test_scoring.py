@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollouts.scoring import Scorer, extract_last_boxed
+from graft.rollouts.scoring import Scorer, extract_last_boxed
 
 
 @pytest.mark.parametrize(

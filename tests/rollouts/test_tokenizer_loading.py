@@ -14,7 +14,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from rollouts.models import TOKENIZER_PROBE, load_model_and_tokenizer, load_tokenizer
+from graft.rollouts.models import TOKENIZER_PROBE, load_model_and_tokenizer, load_tokenizer
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
 TEXTS = [
@@ -57,11 +57,11 @@ def test_qwen2_directory_with_a_local_bpe_tokenises_as_saved(tmp_path, caplog):
         f"{type(auto).__name__} now keeps the saved pre-tokenizer: load_tokenizer's fallback is no longer exercised here"
     )
 
-    with caplog.at_level(logging.WARNING, logger="rollouts.models"):
+    with caplog.at_level(logging.WARNING, logger="graft.rollouts.models"):
         model, tokenizer = load_model_and_tokenizer(model_dir)
     assert model.config.model_type == "qwen2"
     assert [tokenizer(text, add_special_tokens=False)["input_ids"] for text in TEXTS] == expected
-    warnings = [r.getMessage() for r in caplog.records if r.name == "rollouts.models"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "graft.rollouts.models"]
     assert len(warnings) == 1 and "tokenizer.json" in warnings[0] and ("pre-tokenizer" in warnings[0] or "normalizer" in warnings[0])
     # What the rest of the code reads from the tokenizer survives the fallback.
     assert (tokenizer.eos_token, tokenizer.pad_token, tokenizer.unk_token) == ("<|endoftext|>", "<|pad|>", "<unk>")
@@ -72,9 +72,9 @@ def test_qwen2_directory_with_a_local_bpe_tokenises_as_saved(tmp_path, caplog):
 
 def test_faithful_tokenizers_load_unchanged(tiny_model_dir, caplog):
     # The generator tests' Llama directory (byte-level BPE) loads as AutoTokenizer loads it, without a warning.
-    with caplog.at_level(logging.WARNING, logger="rollouts.models"):
+    with caplog.at_level(logging.WARNING, logger="graft.rollouts.models"):
         tokenizer = load_tokenizer(tiny_model_dir)
-    assert not [r for r in caplog.records if r.name == "rollouts.models"]
+    assert not [r for r in caplog.records if r.name == "graft.rollouts.models"]
     assert type(tokenizer) is type(AutoTokenizer.from_pretrained(tiny_model_dir))
     saved = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
     for text in TEXTS:
@@ -86,7 +86,7 @@ def test_a_changed_component_alone_is_noticed(tmp_path, component):
     # Even when the probe text happens to encode alike, a different normalizer or pre-tokenizer is a difference.
     from tokenizers import normalizers
 
-    from rollouts.models import _tokenisation_difference
+    from graft.rollouts.models import _tokenisation_difference
 
     saved = Tokenizer.from_file(str(_qwen2_with_local_bpe(tmp_path / "m") / "tokenizer.json"))
     assert _tokenisation_difference(saved, Tokenizer.from_str(saved.to_str())) is None

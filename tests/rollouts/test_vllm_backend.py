@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollouts.groups import assemble_group, make_group_id
-from rollouts.hf_backend import teacher_forced_logprobs
-from rollouts.sampling import Sample, SamplingParams
-from rollouts.scoring import Scorer
-from schemas import Problem, groups_to_table, table_to_groups
+from graft.rollouts.groups import assemble_group, make_group_id
+from graft.rollouts.hf_backend import teacher_forced_logprobs
+from graft.rollouts.sampling import Sample, SamplingParams
+from graft.rollouts.scoring import Scorer
+from graft.schemas import Problem, groups_to_table, table_to_groups
 
 class _EngineStarted(Exception):
     """Raised by the stand-in `vllm.LLM`: what the parent process had done when the engine would start."""
@@ -52,7 +52,7 @@ def cuda_machine(monkeypatch, tmp_path):
 
 
 def _start(model_dir: Path) -> _EngineStarted:
-    from rollouts.vllm_backend import VLLMBackend
+    from graft.rollouts.vllm_backend import VLLMBackend
 
     with pytest.raises(_EngineStarted) as started:
         VLLMBackend.from_path(model_dir, gpu_memory_utilization=0.3)

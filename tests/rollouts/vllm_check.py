@@ -18,8 +18,8 @@ PARAM_SETS = [
 
 
 def main() -> None:
-    from rollouts.sampling import SamplingParams
-    from rollouts.vllm_backend import VLLMBackend
+    from graft.rollouts.sampling import SamplingParams
+    from graft.rollouts.vllm_backend import VLLMBackend
 
     model_dir, out_path = sys.argv[1], sys.argv[2]
     backend = VLLMBackend.from_path(model_dir, model_id="tiny", max_model_len=128)

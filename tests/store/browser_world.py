@@ -9,12 +9,12 @@ from pathlib import Path
 
 from store_factory import make_group, make_problem
 
-from rollouts.groups import assemble_group, make_group_id
-from rollouts.hf_backend import HFBackend
-from rollouts.sampling import SamplingParams
-from rollouts.scoring import Scorer
-from schemas import Problem, RolloutGroup
-from services.store_api.local.shards import write_groups
+from graft.rollouts.groups import assemble_group, make_group_id
+from graft.rollouts.hf_backend import HFBackend
+from graft.rollouts.sampling import SamplingParams
+from graft.rollouts.scoring import Scorer
+from graft.schemas import Problem, RolloutGroup
+from graft.services.store_api.local.shards import write_groups
 from toy.world import build_toy_world
 
 LEARNER = "toy-learner"

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from services.store_api.settings import StoreSettings
+from graft.services.store_api.settings import StoreSettings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -53,7 +53,7 @@ _lake_counter = itertools.count()
 def pg_s3_lake(postgres, moto_s3, request):
     """A new lake: catalog in PostgreSQL, data files in moto's S3 bucket (the many-hosts setup)."""
     from testbed.lake_services import S3_KEY_ID, S3_SECRET
-    from services.store_api.lake.config import LakeConfig
+    from graft.services.store_api.lake.config import LakeConfig
 
     name = _lake_name(request)
     return LakeConfig(catalog=f"ducklake:postgres:{postgres.create_database(name)}",
@@ -64,7 +64,7 @@ def pg_s3_lake(postgres, moto_s3, request):
 @pytest.fixture
 def sqlite_lake(tmp_path):
     """A new lake: catalog in SQLite, data files on a local path (the one-host setup)."""
-    from services.store_api.lake.config import LakeConfig
+    from graft.services.store_api.lake.config import LakeConfig
 
     return LakeConfig(catalog=f"ducklake:sqlite:{tmp_path / 'catalog.sqlite'}", data_path=f"{tmp_path / 'lake-data'}/")
 

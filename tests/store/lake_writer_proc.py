@@ -15,9 +15,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from store_factory import make_group, make_problem  # noqa: E402
 
-from services.store_api.lake.config import LakeConfig  # noqa: E402
-from services.store_api.lake.lake import Lake  # noqa: E402
-from services.store_api.tables import groups_table, validate_table  # noqa: E402
+from graft.services.store_api.lake.config import LakeConfig  # noqa: E402
+from graft.services.store_api.lake.lake import Lake  # noqa: E402
+from graft.services.store_api.tables import groups_table, validate_table  # noqa: E402
 
 
 def main() -> None:

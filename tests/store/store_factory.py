@@ -9,7 +9,7 @@ from datetime import datetime, timedelta, timezone
 
 import numpy as np
 
-from schemas import Problem, Rollout, RolloutGroup, group_advantages, prompt_id
+from graft.schemas import Problem, Rollout, RolloutGroup, group_advantages, prompt_id
 
 DATASET = "toy-math"
 
@@ -72,7 +72,7 @@ def wait_for(predicate, timeout_s: float = 20.0, what: str = "condition"):
 
 def blocks_of(lookup_file) -> np.ndarray:
     """The block table of a lookup file, (groups, 12) int64: column 5 is a group's first page, -1 for a copy."""
-    from services.store_api.local.lookup import _LookupFile
+    from graft.services.store_api.local.lookup import _LookupFile
 
     shard = lookup_file.parent.parent.parent / "rollouts" / lookup_file.parent.name / (lookup_file.stem + ".parquet")
     return _LookupFile(lookup_file, shard).blocks

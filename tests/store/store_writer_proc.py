@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from store_factory import make_group  # noqa: E402
 
-from services.store_api.local.shards import write_groups  # noqa: E402
+from graft.services.store_api.local.shards import write_groups  # noqa: E402
 
 
 def main() -> None:

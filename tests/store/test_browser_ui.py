@@ -20,8 +20,8 @@ import pytest
 from browser_world import FACTORY, LEARNER, PEER, SECOND_PEER, build_browser_world
 from store_factory import make_group, make_problem
 
-from services.store_api.http.testing import REPO_ROOT, StoreServer
-from services.store_api.local.shards import write_groups
+from graft.services.store_api.http.testing import REPO_ROOT, StoreServer
+from graft.services.store_api.local.shards import write_groups
 
 SHOTS = REPO_ROOT / "test-artifacts" / "browser"
 LOGPROB_FULL_COLOUR = math.log(1000)  # app.js: p <= 0.001 gets the full colour

@@ -1,4 +1,4 @@
-"""The lake itself (services.store_api.lake.lake): writers' transactions against a real PostgreSQL catalog with data on
+"""The lake itself (graft.services.store_api.lake.lake): writers' transactions against a real PostgreSQL catalog with data on
 moto's S3 server, and a SQLite catalog with data on a local path."""
 
 from __future__ import annotations
@@ -20,15 +20,15 @@ from store_factory import make_group, make_problem, wait_for
 from typer.testing import CliRunner
 
 from testbed.lake_services import free_port
-from schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA
-from services.store_api.cli import app as cli_app
-from services.store_api.lake import config as lake_module
-from services.store_api.lake import reading as lake_reading
-from services.store_api.lake.connection import ALIAS
-from services.store_api.lake.config import ExtensionMissing, LakeConfig, LakeError, LakeUnavailable
-from services.store_api.lake.lake import Lake
-from services.store_api.local.shards import write_groups
-from services.store_api.tables import conform_table, groups_table, validate_table
+from graft.schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA
+from graft.services.store_api.cli import app as cli_app
+from graft.services.store_api.lake import config as lake_module
+from graft.services.store_api.lake import reading as lake_reading
+from graft.services.store_api.lake.connection import ALIAS
+from graft.services.store_api.lake.config import ExtensionMissing, LakeConfig, LakeError, LakeUnavailable
+from graft.services.store_api.lake.lake import Lake
+from graft.services.store_api.local.shards import write_groups
+from graft.services.store_api.tables import conform_table, groups_table, validate_table
 
 WRITER = Path(__file__).resolve().parent / "lake_writer_proc.py"
 
@@ -254,7 +254,7 @@ def test_a_lake_of_another_layout_is_refused(sqlite_lake):
 
 def local_rows(root: Path) -> pa.Table:
     """A local store's rows as its index serves them: the first copy of each group, by rollout id."""
-    from services.store_api.lake.migrate import local_shards
+    from graft.services.store_api.lake.migrate import local_shards
 
     seen, pieces = set(), []
     for shard in local_shards(root):
@@ -288,7 +288,7 @@ def test_migrate_root_to_lake_and_back_is_identical(any_lake, tmp_path):
     assert to_root.exit_code == 0, to_root.output
     assert json.loads(to_root.output.strip().splitlines()[-1])["groups"] == 27
     assert local_rows(back).equals(local_rows(root))
-    from services.store_api.lake.migrate import local_problems
+    from graft.services.store_api.lake.migrate import local_problems
 
     assert sorted(local_problems(back), key=str) == sorted(local_problems(root), key=str)
     with Lake(any_lake) as lake:  # the lake holds exactly the root's rows, in the root's order
@@ -482,7 +482,7 @@ def insert_plainly(lake: Lake, groups) -> None:
 
 def test_a_group_id_stored_under_another_model_or_prompt_is_refused(any_lake):
     """As the local store: a group id is unique in the lake, whatever model or prompt the batch is of."""
-    from services.store_api.local.mirror import GroupConflict
+    from graft.services.store_api.local.mirror import GroupConflict
 
     stored = make_group(1, "model-a")
     with Lake(any_lake) as lake:
@@ -502,8 +502,8 @@ def test_a_group_id_stored_under_another_model_or_prompt_is_refused(any_lake):
 def test_migrate_from_a_lake_keeps_the_first_copy_of_a_group_committed_twice(sqlite_lake, tmp_path):
     """Writers racing with one group id both land (no unique keys); migrate keeps the first copy and counts
     the rest, as a replica does."""
-    from services.store_api.local.index import StoreIndex
-    from services.store_api.settings import StoreSettings
+    from graft.services.store_api.local.index import StoreIndex
+    from graft.services.store_api.settings import StoreSettings
 
     first = make_group(1, rewards=[1.0, 0.0, 0.0, 0.0], seed=1)
     with Lake(sqlite_lake) as lake:
@@ -566,7 +566,7 @@ def test_lake_file_grace_has_a_floor_of_minutes():
     committed yet (a commit retries for a minute or more)."""
     from pydantic import ValidationError
 
-    from services.store_api.settings import StoreSettings
+    from graft.services.store_api.settings import StoreSettings
 
     for too_short in (0, 1, 299):
         with pytest.raises(ValidationError, match="lake_file_grace_s"):

@@ -18,13 +18,13 @@ import pytest
 from store_factory import make_group, make_problem, wait_for
 from typer.testing import CliRunner
 
-from schemas import PeerLookupRequest
-from services.store_api.cli import app as cli_app
-from services.store_api.http.client import StoreClient, StoreError
-from services.store_api.http.testing import REPO_ROOT, StoreServer
-from services.store_api.lake.config import LakeConfig, LakeUnavailable, lake_connection
-from services.store_api.lake.lake import Lake
-from services.store_api.tables import groups_table, validate_table
+from graft.schemas import PeerLookupRequest
+from graft.services.store_api.cli import app as cli_app
+from graft.services.store_api.http.client import StoreClient, StoreError
+from graft.services.store_api.http.testing import REPO_ROOT, StoreServer
+from graft.services.store_api.lake.config import LakeConfig, LakeUnavailable, lake_connection
+from graft.services.store_api.lake.lake import Lake
+from graft.services.store_api.tables import groups_table, validate_table
 
 WRITER = Path(__file__).resolve().parent / "lake_writer_proc.py"
 
@@ -361,8 +361,8 @@ def test_a_problem_row_the_model_refuses_is_set_aside_and_later_snapshots_follow
 def test_any_error_in_the_follow_loop_shows_in_the_lake_stats(sqlite_lake, tmp_path):
     """Not only the lake's own errors: a cache the replica cannot write (here a file where a model's folder
     goes) is said in /v1/stats' lake.error, and the replica reads on once it can."""
-    from services.store_api.lake.replica import LakeReplica
-    from services.store_api.settings import StoreSettings
+    from graft.services.store_api.lake.replica import LakeReplica
+    from graft.services.store_api.settings import StoreSettings
 
     settings = StoreSettings(root=tmp_path / "a", backend="lake", lake_catalog=sqlite_lake.catalog,
                              lake_data_path=sqlite_lake.data_path, compact_interval_s=0)

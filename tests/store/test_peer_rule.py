@@ -12,11 +12,11 @@ import pytest
 from pydantic import ValidationError
 from store_factory import make_group, problem_text
 
-from schemas import PeerLookupRequest, prompt_id
-from schemas.api import now_us
-from services.store_api.local.index import StoreIndex
-from services.store_api.local.shards import write_groups
-from trainer.gate import GRAFT_ACTIONS, choose_peer_group
+from graft.schemas import PeerLookupRequest, prompt_id
+from graft.schemas.api import now_us
+from graft.services.store_api.local.index import StoreIndex
+from graft.services.store_api.local.shards import write_groups
+from graft.trainer.gate import GRAFT_ACTIONS, choose_peer_group
 
 MODELS = ("learner", "peer-a", "peer-b")
 STEPS = (0, 3, 5)  # 3: the requests' min_policy_step, so that the boundary is tested

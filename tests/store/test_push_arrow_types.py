@@ -13,9 +13,9 @@ import pyarrow.compute as pc
 import pytest
 from store_factory import make_group
 
-from schemas import ROLLOUT_ARROW_SCHEMA, groups_to_table
-from services.store_api.http.testing import StoreServer
-from services.store_api.tables import conform_table
+from graft.schemas import ROLLOUT_ARROW_SCHEMA, groups_to_table
+from graft.services.store_api.http.testing import StoreServer
+from graft.services.store_api.tables import conform_table
 
 ARROW = "application/vnd.apache.arrow.stream"
 

@@ -12,10 +12,10 @@ import pyarrow as pa
 import pytest
 from store_factory import make_group, make_problem, problem_text
 
-from schemas import ErrorResponse, PeerLookupRequest, RolloutGroup, groups_to_table, prompt_id, table_to_groups
-from services.store_api.http.client import StoreClient, StoreError, StoreUnavailable
-from services.store_api.http.testing import StoreServer, free_port
-from services.store_api.local.shards import write_groups
+from graft.schemas import ErrorResponse, PeerLookupRequest, RolloutGroup, groups_to_table, prompt_id, table_to_groups
+from graft.services.store_api.http.client import StoreClient, StoreError, StoreUnavailable
+from graft.services.store_api.http.testing import StoreServer, free_port
+from graft.services.store_api.local.shards import write_groups
 
 ARROW = "application/vnd.apache.arrow.stream"
 
@@ -209,7 +209,7 @@ def test_an_empty_token_is_refused_at_start(monkeypatch):
     lock every writer out with 401s: refused when the settings are read, naming the field."""
     from pydantic import ValidationError
 
-    from services.store_api.settings import StoreSettings
+    from graft.services.store_api.settings import StoreSettings
 
     monkeypatch.setenv("GRAFT_STORE_TOKEN", "")
     with pytest.raises(ValidationError, match="token"):

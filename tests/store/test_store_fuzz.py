@@ -17,8 +17,8 @@ import pytest
 from store_factory import make_group
 
 from testbed.store_attack import json_bytes, mutate_bytes, mutate_json
-from schemas import groups_to_table
-from services.store_api.http.testing import StoreServer
+from graft.schemas import groups_to_table
+from graft.services.store_api.http.testing import StoreServer
 
 ARROW = "application/vnd.apache.arrow.stream"
 SEED = 13

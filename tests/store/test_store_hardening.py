@@ -17,11 +17,11 @@ import pyarrow.parquet as pq
 import pytest
 from store_factory import make_group, make_problem
 
-from schemas import ROLLOUT_ARROW_SCHEMA, RolloutGroup, groups_to_table
-from services.store_api.http.testing import StoreServer
-from services.store_api.local.index import StoreIndex
-from services.store_api.local.lookup import lookup_path
-from services.store_api.local.shards import write_groups
+from graft.schemas import ROLLOUT_ARROW_SCHEMA, RolloutGroup, groups_to_table
+from graft.services.store_api.http.testing import StoreServer
+from graft.services.store_api.local.index import StoreIndex
+from graft.services.store_api.local.lookup import lookup_path
+from graft.services.store_api.local.shards import write_groups
 
 ARROW = "application/vnd.apache.arrow.stream"
 

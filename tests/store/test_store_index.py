@@ -12,13 +12,13 @@ import pyarrow.parquet as pq
 import pytest
 from store_factory import make_group, problem_text
 
-from schemas import PeerLookupRequest, prompt_id, table_to_groups
-from services.store_api.local.durable import TMP_PREFIX
-from services.store_api.local.index import StoreIndex
-from services.store_api.local.lookup import LOOKUP_SUFFIX, lookup_path
-from services.store_api.local.manifest import live_files
-from services.store_api.local.queries import BadCursor
-from services.store_api.local.shards import write_groups
+from graft.schemas import PeerLookupRequest, prompt_id, table_to_groups
+from graft.services.store_api.local.durable import TMP_PREFIX
+from graft.services.store_api.local.index import StoreIndex
+from graft.services.store_api.local.lookup import LOOKUP_SUFFIX, lookup_path
+from graft.services.store_api.local.manifest import live_files
+from graft.services.store_api.local.queries import BadCursor
+from graft.services.store_api.local.shards import write_groups
 
 
 def pid(i: int) -> str:

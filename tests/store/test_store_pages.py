@@ -11,15 +11,15 @@ import pyarrow.parquet as pq
 import pytest
 from store_factory import blocks_of, make_group
 
-from schemas import ROLLOUT_ARROW_SCHEMA, PeerLookupRequest, groups_to_table, table_to_groups
-from services.store_api.local import lookup as lookup_files
-from services.store_api.local import shards
-from services.store_api.local.index import StoreIndex
-from services.store_api.local.lookup import ShardReader, ShardReadError, lookup_path, rebuild_lookup_file
-from services.store_api.local.pages import BULK_BUFFERS, PageLayoutError, bulk_pages, message_buffers
-from services.store_api.local.splice import footer_span
-from services.store_api.local.thrift import decode_struct, encode_struct, read_struct
-from services.store_api.tables import BULK_COLUMNS, SMALL_COLUMNS_SCHEMA, group_runs
+from graft.schemas import ROLLOUT_ARROW_SCHEMA, PeerLookupRequest, groups_to_table, table_to_groups
+from graft.services.store_api.local import lookup as lookup_files
+from graft.services.store_api.local import shards
+from graft.services.store_api.local.index import StoreIndex
+from graft.services.store_api.local.lookup import ShardReader, ShardReadError, lookup_path, rebuild_lookup_file
+from graft.services.store_api.local.pages import BULK_BUFFERS, PageLayoutError, bulk_pages, message_buffers
+from graft.services.store_api.local.splice import footer_span
+from graft.services.store_api.local.thrift import decode_struct, encode_struct, read_struct
+from graft.services.store_api.tables import BULK_COLUMNS, SMALL_COLUMNS_SCHEMA, group_runs
 
 
 def _groups(sizes: list[int], tokens: int = 40) -> list:

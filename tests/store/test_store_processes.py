@@ -15,12 +15,12 @@ import pyarrow.parquet as pq
 from store_factory import make_group, wait_for
 from typer.testing import CliRunner
 
-from schemas import PeerLookupRequest, table_to_groups
-from services.store_api.cli import app as cli_app
-from services.store_api.http.client import StoreClient
-from services.store_api.http.testing import StoreServer, free_port
-from services.store_api.local.durable import TMP_DIR
-from services.store_api.local.shards import write_groups
+from graft.schemas import PeerLookupRequest, table_to_groups
+from graft.services.store_api.cli import app as cli_app
+from graft.services.store_api.http.client import StoreClient
+from graft.services.store_api.http.testing import StoreServer, free_port
+from graft.services.store_api.local.durable import TMP_DIR
+from graft.services.store_api.local.shards import write_groups
 
 WRITER = Path(__file__).with_name("store_writer_proc.py")
 
@@ -170,7 +170,7 @@ def test_command_line_rebuild_compact_stats(tmp_path):
     stats = json.loads(result.output.strip().splitlines()[-1])
     assert stats["total_groups"] == 15 and stats["files"] == 1
     with StoreServer(root) as server:
-        out = subprocess.run([sys.executable, "-m", "services.store_api.cli", "stats", "--port", str(server.port)],
+        out = subprocess.run([sys.executable, "-m", "graft.services.store_api.cli", "stats", "--port", str(server.port)],
                              capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[2])
         assert out.returncode == 0 and json.loads(out.stdout)["total_rollouts"] == 60
         locked = runner.invoke(cli_app, ["rebuild", "--root", str(root)])

@@ -17,11 +17,11 @@ import duckdb
 import pyarrow.parquet as pq
 from store_factory import make_group
 
-from schemas import ROLLOUT_ARROW_SCHEMA
+from graft.schemas import ROLLOUT_ARROW_SCHEMA
 
-from services.store_api.http.client import StoreClient, StoreError
-from services.store_api.http.testing import StoreServer
-from services.store_api.local.shards import write_groups
+from graft.services.store_api.http.client import StoreClient, StoreError
+from graft.services.store_api.http.testing import StoreServer
+from graft.services.store_api.local.shards import write_groups
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 README = REPOSITORY / "README.md"

@@ -19,10 +19,10 @@ from schemathesis.checks import (
 )
 from store_factory import make_group
 
-from services.store_api.http.app import create_app
-from services.store_api.http.testing import StoreServer
-from services.store_api.local.shards import write_groups
-from services.store_api.settings import StoreSettings
+from graft.services.store_api.http.app import create_app
+from graft.services.store_api.http.testing import StoreServer
+from graft.services.store_api.local.shards import write_groups
+from graft.services.store_api.settings import StoreSettings
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
           response_headers_conformance]

@@ -12,13 +12,13 @@ import pytest
 from pydantic import ValidationError
 from store_factory import blocks_of, make_group, make_problem
 
-from schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA, Rollout, RolloutGroup, groups_to_table, table_to_groups
-from services.store_api.local import lookup as lookup_files
-from services.store_api.local.durable import TMP_PREFIX
-from services.store_api.local.lookup import ShardReader, ShardReadError, lookup_path
-from services.store_api.local.pages import bulk_pages
-from services.store_api.local.shards import BULK_COLUMNS, ROW_GROUP_ROWS, write_groups
-from services.store_api.tables import ShardValidationError, groups_table, validate_table
+from graft.schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA, Rollout, RolloutGroup, groups_to_table, table_to_groups
+from graft.services.store_api.local import lookup as lookup_files
+from graft.services.store_api.local.durable import TMP_PREFIX
+from graft.services.store_api.local.lookup import ShardReader, ShardReadError, lookup_path
+from graft.services.store_api.local.pages import bulk_pages
+from graft.services.store_api.local.shards import BULK_COLUMNS, ROW_GROUP_ROWS, write_groups
+from graft.services.store_api.tables import ShardValidationError, groups_table, validate_table
 
 
 def test_round_trip_through_a_shard(tmp_path):
@@ -298,7 +298,7 @@ def test_validator_rejects_what_the_models_reject(name):
 
 
 def test_validator_accepts_null_rewards_dr_grpo_and_names_the_bad_row():
-    from schemas import group_advantages
+    from graft.schemas import group_advantages
 
     group = make_group(3, rewards=[1.0, None, 0.0, 0.0])
     validate_table(groups_to_table([group]))

@@ -1,9 +1,9 @@
-"""A policy update over a hand-built batch, written with trainer.distributed's parts the way the
+"""A policy update over a hand-built batch, written with graft.trainer.distributed's parts the way the
 training step uses them: the same code runs in one process (the reference) and in every rank of a
 torchrun job (dist_worker.py), so the tests compare N ranks with one process on the same global batch.
 
-The batch goes through the real path: TrainSample rows, trainer.batch.collate and response_logprobs,
-trainer.loss.graft_loss and agg_denominator.
+The batch goes through the real path: TrainSample rows, graft.trainer.batch.collate and response_logprobs,
+graft.trainer.loss.graft_loss and agg_denominator.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Callable
 
 import torch
 
-from trainer.batch import TrainSample, collate, response_logprobs
-from trainer.distributed import (
+from graft.trainer.batch import TrainSample, collate, response_logprobs
+from graft.trainer.distributed import (
     DistContext,
     clip_grad_norm,
     gradient_sync,
@@ -27,7 +27,7 @@ from trainer.distributed import (
 )
 from toy.models import build_tiny_model
 from toy.world import TEST_CHARS, learner_tokenizer
-from trainer.loss import LossBatch, LossConfig, agg_denominator, graft_loss
+from graft.trainer.loss import LossBatch, LossConfig, agg_denominator, graft_loss
 
 SEED = 5
 GROUPS_PER_STEP = 7  # prompts of the global batch; 2 ranks get 4 and 3
@@ -169,7 +169,7 @@ def update(
 
 def full_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter's whole gradient (FSDP: gathered from the shards, a collective), by HF name."""
-    from trainer.distributed import unwrap
+    from graft.trainer.distributed import unwrap
 
     out = {}
     for name, param in unwrap(model).named_parameters():

@@ -6,7 +6,7 @@ grafted rows that come out non-finite.
 
 Loads CONFIG, sets parallel.strategy, gives the listed ranks another store.url (test_distributed_train.py: a
 dead one), makes the rows grafted for the listed prompts non-finite (`non_finite_grafts`), and runs the real training
-loop (trainer.loop.train), as `python -m trainer.cli train` does.
+loop (graft.trainer.loop.train), as `python -m graft.trainer.cli train` does.
 """
 
 from __future__ import annotations
@@ -15,16 +15,16 @@ import argparse
 import os
 from typing import Callable
 
-import trainer.batch
-from trainer.batch import GraftedWeights, TrainSample, _weigh_grafted_rows
-from trainer.config import load_config
-from trainer.loop import train
+import graft.trainer.batch
+from graft.trainer.batch import GraftedWeights, TrainSample, _weigh_grafted_rows
+from graft.trainer.config import load_config
+from graft.trainer.loop import train
 
 
 def non_finite_grafts(prompt_ids: set[str]) -> Callable[..., GraftedWeights]:
-    """trainer.batch's weighing of grafted rows, but the rows grafted for `prompt_ids` come out non-finite (their
+    """graft.trainer.batch's weighing of grafted rows, but the rows grafted for `prompt_ids` come out non-finite (their
     w or pi_old, as when the learner's forward overflows on a peer's text), so the batch drops them after pi_old
-    (trainer.batch.old_logprobs_and_weights). The store and the re-tokenisation refuse a peer's non-finite
+    (graft.trainer.batch.old_logprobs_and_weights). The store and the re-tokenisation refuse a peer's non-finite
     logprobs, and a tiny fp32 model does not overflow on chosen rows: the fault is set where the batch decides.
     The ranks install it here, the one-process reference in its own process."""
 
@@ -49,7 +49,7 @@ def main() -> None:
     overrides += [f"store.url={url}" for rank_url in args.store_urls
                   for who, url in [rank_url.split("=", 1)] if who == rank]
     if args.non_finite_grafts:
-        trainer.batch._weigh_grafted_rows = non_finite_grafts(set(args.non_finite_grafts.split(",")))
+        graft.trainer.batch._weigh_grafted_rows = non_finite_grafts(set(args.non_finite_grafts.split(",")))
     train(load_config(args.config, overrides))
 
 

@@ -25,9 +25,9 @@ from dist_step import (
     tiny_policy,
     update,
 )
-from trainer.checkpoint import load_sharded_checkpoint, save_checkpoint
-from trainer.config import ParallelConfig
-from trainer.distributed import (
+from graft.trainer.checkpoint import load_sharded_checkpoint, save_checkpoint
+from graft.trainer.config import ParallelConfig
+from graft.trainer.distributed import (
     DistContext,
     close_distributed,
     full_state_dict,
@@ -37,8 +37,8 @@ from trainer.distributed import (
     reduce_metrics,
     wrap_model,
 )
-from trainer.config import PPOConfig
-from trainer.loss import LossConfig
+from graft.trainer.config import PPOConfig
+from graft.trainer.loss import LossConfig
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 PROBE = torch.tensor([[5, 9, 12, 7, 3, 14]])  # (1, 6) token ids whose logits the export must reproduce

@@ -8,14 +8,14 @@ import random
 import pytest
 import torch
 
-from rollouts.hf_backend import HFBackend, teacher_forced_logprobs
-from rollouts.sampling import SamplingParams
-from schemas import Problem, RolloutGroup
+from graft.rollouts.hf_backend import HFBackend, teacher_forced_logprobs
+from graft.rollouts.sampling import SamplingParams
+from graft.schemas import Problem, RolloutGroup
 from toy.world import build_group
-from trainer.batch import TrainSample, build_rows, collate, old_logprobs_and_weights, response_logprobs
-from trainer.config import TrainConfig
-from trainer.gate import GateDecision
-from trainer.learner import Learner
+from graft.trainer.batch import TrainSample, build_rows, collate, old_logprobs_and_weights, response_logprobs
+from graft.trainer.config import TrainConfig
+from graft.trainer.gate import GateDecision
+from graft.trainer.learner import Learner
 
 PROBLEMS = [Problem.from_text("12+7=", "19", "toy_add"), Problem.from_text("3+4=", "7", "toy_add")]
 
@@ -205,11 +205,11 @@ def test_a_chat_learner_ends_grafted_and_anchor_rows_with_its_end_of_turn(tmp_pa
                                                                          bpe_tokenizer):
     """A learner whose chat turns end with <|im_end|> (one of the tokens its sampling stops on) stops its own
     rollouts there; grafted rows and anchor completions must end the same way, not with eos_token_id."""
-    from rollouts.models import tokenizer_fingerprint
+    from graft.rollouts.models import tokenizer_fingerprint
     from toy.models import build_tiny_model, save_model
     from toy.world import learner_tokenizer
-    from trainer.learner import load_learner
-    from trainer.update import anchor_batch
+    from graft.trainer.learner import load_learner
+    from graft.trainer.update import anchor_batch
 
     tokenizer = learner_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_end|>"]})

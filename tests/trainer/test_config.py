@@ -8,9 +8,9 @@ import pytest
 from pydantic import ValidationError
 from typer.testing import CliRunner
 
-from trainer.cli import app
-from schemas.overrides import apply_overrides, describe_fields
-from trainer.config import TrainConfig, load_config
+from graft.trainer.cli import app
+from graft.schemas.overrides import apply_overrides, describe_fields
+from graft.trainer.config import TrainConfig, load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

@@ -17,9 +17,9 @@ import torch
 
 from dist_step import global_groups, make_optimizer, tiny_policy, update
 from torchrun import REPO_ROOT, torchrun
-from trainer.checkpoint import is_sharded_checkpoint, list_checkpoints, load_sharded_checkpoint, restore_rng_state, rng_state
-from trainer.config import ParallelConfig, TrainConfig
-from trainer.distributed import (
+from graft.trainer.checkpoint import is_sharded_checkpoint, list_checkpoints, load_sharded_checkpoint, restore_rng_state, rng_state
+from graft.trainer.config import ParallelConfig, TrainConfig
+from graft.trainer.distributed import (
     DistContext,
     MiniBatchPlan,
     RowPlaces,
@@ -33,7 +33,7 @@ from trainer.distributed import (
     row_places,
     split_for_rank,
 )
-from trainer.loss import LossConfig
+from graft.trainer.loss import LossConfig
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 ONE_PROCESS = DistContext("none", torch.device("cpu"))
@@ -283,14 +283,14 @@ def test_parallel_config_is_validated():
 
 
 def test_the_cli_runs_as_a_module_and_refuses_ranks_without_a_strategy(tmp_path, monkeypatch):
-    """torchrun starts `python -m trainer.cli`; ranks launched with parallel.strategy none would each train a model
+    """torchrun starts `python -m graft.trainer.cli`; ranks launched with parallel.strategy none would each train a model
     of its own on the same data: refused, saying what to set. A strategy and rollout.seed_per_sample false are refused
     by the config (N ranks would not draw what one process draws)."""
     from typer.testing import CliRunner
 
-    from trainer.cli import app
+    from graft.trainer.cli import app
 
-    proc = subprocess.run([sys.executable, "-m", "trainer.cli", "show-config"], cwd=REPO_ROOT, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "graft.trainer.cli", "show-config"], cwd=REPO_ROOT, capture_output=True,
                           text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
     assert proc.returncode == 0 and "parallel.strategy" in proc.stdout
     config = tmp_path / "c.yaml"

@@ -1,5 +1,5 @@
 """graft-train data parallel through the real training loop: 2 ranks under torchrun (CPU, gloo), launched as a user
-launches them (`torchrun --nproc-per-node 2 -m trainer.cli train CONFIG`), against one process on the same global
+launches them (`torchrun --nproc-per-node 2 -m graft.trainer.cli train CONFIG`), against one process on the same global
 batch, with the toy world's learner and a real store server on loopback holding the peer's groups.
 
 The one-process reference samples with rollout.seed_per_sample (each rollout seeded by its place in the step's
@@ -19,15 +19,15 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-import trainer.batch
+import graft.trainer.batch
 from dist_train_worker import non_finite_grafts
-from schemas import Problem
-from services.store_api.http.testing import StoreServer
+from graft.schemas import Problem
+from graft.services.store_api.http.testing import StoreServer
 from toy.task import write_problems_jsonl
 from torchrun import torchrun
 from train_configs import make_config
-from trainer.config import TrainConfig
-from trainer.loop import train
+from graft.trainer.config import TrainConfig
+from graft.trainer.loop import train
 
 pytestmark = pytest.mark.slow
 ATOL = 1e-5  # fp32: the ranks' micro-batches sum in another order than one process's
@@ -58,10 +58,10 @@ def config(world, run_dir: Path, store_url: str | None, **overrides) -> TrainCon
 
 
 def two_ranks(cfg: TrainConfig, strategy: str, *extra: str) -> Path:
-    """`torchrun --nproc-per-node 2 -m trainer.cli train CONFIG --set parallel.strategy=STRATEGY`."""
+    """`torchrun --nproc-per-node 2 -m graft.trainer.cli train CONFIG --set parallel.strategy=STRATEGY`."""
     path = Path(cfg.run_dir).with_suffix(".yaml")
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-    torchrun(["-m", "trainer.cli", "train", str(path), "--set", f"parallel.strategy={strategy}", *extra])
+    torchrun(["-m", "graft.trainer.cli", "train", str(path), "--set", f"parallel.strategy={strategy}", *extra])
     return Path(cfg.run_dir)
 
 
@@ -74,7 +74,7 @@ def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
 
 
 def rank_steps(run_dir: Path, rank: int) -> list[dict[str, int]]:
-    """The rank's own step lines (trainer.loop: 'step N: G groups, K grafted, R rows trained on')."""
+    """The rank's own step lines (graft.trainer.loop: 'step N: G groups, K grafted, R rows trained on')."""
     log = run_dir / ("train.log" if rank == 0 else f"train.rank{rank}.log")
     pattern = re.compile(r"step (\d+): (\d+) groups, (\d+) grafted, (\d+) rows trained on")
     return [dict(zip(("step", "groups", "grafted", "rows"), map(int, m.groups()))) for m in pattern.finditer(log.read_text())]
@@ -265,9 +265,9 @@ def test_the_hf_export_loads_with_transformers_and_gives_the_sharded_logits(rank
     rank's shards), loaded into one process: the same logits."""
     from transformers import AutoModelForCausalLM
 
-    from trainer.checkpoint import load_sharded_checkpoint
-    from trainer.distributed import DistContext
-    from trainer.update import make_optimizer
+    from graft.trainer.checkpoint import load_sharded_checkpoint
+    from graft.trainer.distributed import DistContext
+    from graft.trainer.update import make_optimizer
 
     checkpoint = ranked("graft", strategy) / "checkpoints" / "step_000003"
     exported = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
@@ -372,7 +372,7 @@ def test_a_rank_whose_grafted_rows_are_all_dropped_backpropagates_its_first_pass
                  "checkpoint.every_steps": 0, "parallel.timeout_s": 120.0}  # a collective that hangs fails in 2 minutes
     poisoned = ",".join(p.prompt_id for p in peer)
     with monkeypatch.context() as patch:
-        patch.setattr(trainer.batch, "_weigh_grafted_rows", non_finite_grafts(set(poisoned.split(","))))
+        patch.setattr(graft.trainer.batch, "_weigh_grafted_rows", non_finite_grafts(set(poisoned.split(","))))
         one = train(config(toy_world, tmp_path / "one", store.url, **overrides))
     cfg = config(toy_world, tmp_path / "ranks", store.url, **overrides)
     path = tmp_path / "ranks.yaml"

@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from schemas import PeerLookupRequest, Problem, Rollout, RolloutGroup
-from trainer.gate import (
+from graft.schemas import PeerLookupRequest, Problem, Rollout, RolloutGroup
+from graft.trainer.gate import (
     behaviour_ratio,
     choose_peer_group,
     classify_group,
@@ -24,7 +24,7 @@ PROBLEMS = [Problem.from_text(f"{a}+1=", str(a + 1), "toy_add") for a in range(6
 
 
 def group(problem, rewards, model_id="peer", policy_step=0, std_normalize=True, advantages=None, tokenizer_id="tok"):
-    from schemas import group_advantages
+    from graft.schemas import group_advantages
 
     gid = f"{model_id}-{problem.prompt_id}-{policy_step}-{len(rewards)}-{sum(rewards)}"
     adv = advantages if advantages is not None else group_advantages(rewards, std_normalize)

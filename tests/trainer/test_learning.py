@@ -9,10 +9,10 @@ import statistics
 import orjson
 import pytest
 
-from services.store_api.http.testing import StoreServer
+from graft.services.store_api.http.testing import StoreServer
 from toy.task import write_problems_jsonl
-from trainer.config import TrainConfig
-from trainer.loop import train
+from graft.trainer.config import TrainConfig
+from graft.trainer.loop import train
 
 pytestmark = pytest.mark.slow
 STEPS = 150

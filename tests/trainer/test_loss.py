@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from schemas import group_advantages
-from trainer.config import GraftConfig, PPOConfig
-from trainer.loss import LossBatch, LossConfig, agg_denominator, graft_loss
+from graft.schemas import group_advantages
+from graft.trainer.config import GraftConfig, PPOConfig
+from graft.trainer.loss import LossBatch, LossConfig, agg_denominator, graft_loss
 
 CFG = LossConfig()
 

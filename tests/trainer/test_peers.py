@@ -9,12 +9,12 @@ import threading
 
 import pytest
 
-import trainer.peers as peers_module
-from services.store_api.http.client import StoreClient
-from services.store_api.http.testing import StoreServer, free_port
+import graft.trainer.peers as peers_module
+from graft.services.store_api.http.client import StoreClient
+from graft.services.store_api.http.testing import StoreServer, free_port
 from toy.task import sample_problems
-from trainer.config import GraftConfig, StoreConfig
-from trainer.peers import PeerExchange, peer_candidates
+from graft.trainer.config import GraftConfig, StoreConfig
+from graft.trainer.peers import PeerExchange, peer_candidates
 
 LEARNER = "learner"
 
@@ -94,7 +94,7 @@ def test_a_silent_co_trainer_is_warned_about_and_counted(store, groups, caplog):
     is the step's metric, and a warning says so after PEER_SILENT_WARN_STEPS of them."""
     config = StoreConfig(url=store.url, mode="cotrain", cotrain_wait_s=0.3, cotrain_poll_s=0.1)
     peers = PeerExchange(config, GraftConfig(peer_models=["nobody"]), LEARNER)
-    caplog.set_level(logging.WARNING, logger="trainer.peers")
+    caplog.set_level(logging.WARNING, logger="graft.trainer.peers")
     try:
         silent = []
         for step in range(peers_module.PEER_SILENT_WARN_STEPS):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from schemas import Problem, Rollout
-from trainer.retokenize import (
+from graft.schemas import Problem, Rollout
+from graft.trainer.retokenize import (
     PeerTokens,
     learner_stop_token,
     project_logprobs,

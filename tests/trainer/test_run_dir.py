@@ -17,12 +17,12 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
-from services.store_api.http.client import StoreClient
-from services.store_api.http.testing import StoreServer
+from graft.services.store_api.http.client import StoreClient
+from graft.services.store_api.http.testing import StoreServer
 from train_configs import make_config
-from trainer.checkpoint import latest_checkpoint, list_checkpoints, save_checkpoint
-from trainer.cli import app
-from trainer.loop import train
+from graft.trainer.checkpoint import latest_checkpoint, list_checkpoints, save_checkpoint
+from graft.trainer.cli import app
+from graft.trainer.loop import train
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -82,7 +82,7 @@ def test_sigterm_stops_at_a_step_boundary_and_resume_continues(toy_world, tmp_pa
                           **{"store.publish": True, "model.model_id": "sigterm"})
         config = tmp_path / "run.yaml"
         config.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-        command = [sys.executable, "-m", "trainer.cli", "train", str(config)]
+        command = [sys.executable, "-m", "graft.trainer.cli", "train", str(config)]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
         proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         try:

@@ -12,12 +12,12 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from services.store_api.http.client import StoreClient
-from services.store_api.http.testing import StoreServer
+from graft.services.store_api.http.client import StoreClient
+from graft.services.store_api.http.testing import StoreServer
 from train_configs import make_config
-from trainer.checkpoint import latest_checkpoint, load_trainer_state
-from trainer.loop import train
-from trainer.metrics import METRIC_KEYS
+from graft.trainer.checkpoint import latest_checkpoint, load_trainer_state
+from graft.trainer.loop import train
+from graft.trainer.metrics import METRIC_KEYS
 
 pytestmark = pytest.mark.slow
 DETERMINISTIC_KEYS = [
@@ -195,7 +195,7 @@ def test_peer_groups_without_their_tokenizer_are_refused_with_one_warning(toy_wo
     """No tokenizer for the peer's tokenizer_id: its groups are refused at the gate (counted), with one warning
     naming the id and the setting, never grafted with a made-up mu~. The map {id: dir} finds it; the uniform
     projection grafts only when opted in."""
-    from rollouts.models import load_tokenizer, tokenizer_fingerprint
+    from graft.rollouts.models import load_tokenizer, tokenizer_fingerprint
 
     run_dir = train(make_config(toy_world, tmp_path / "none", store.url, steps=3, **{"graft.peer_tokenizers": []}))
     metrics = read_metrics(run_dir)
@@ -346,7 +346,7 @@ def test_cotraining_two_processes_through_one_store(toy_world, tmp_path):
             "peer": ["--model", str(toy_world.peer_dir), "--run-dir", str(tmp_path / "b"), "--peer-models", "learner",
                      "--set", f"graft.peer_tokenizers=[{toy_world.learner_dir}]"],
         }
-        procs = {name: subprocess.Popen([sys.executable, "-m", "trainer.cli", "train", *common, *args],
+        procs = {name: subprocess.Popen([sys.executable, "-m", "graft.trainer.cli", "train", *common, *args],
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for name, args in runs.items()}
         outputs = {name: p.communicate(timeout=600)[0].decode(errors="replace") for name, p in procs.items()}
         for name, p in procs.items():
@@ -377,9 +377,9 @@ def test_the_metrics_say_why_an_all_fail_group_had_no_peer_group(toy_world, stor
     """Nothing stored, peers the run does not admit, only all-fail peer groups, only the learner's own groups: each
     all-fail group counted under its reason (groups_no_peer_<reason>, or groups_peer_uninformative), never all of
     them as groups_no_peer alike."""
-    from schemas import table_to_groups
-    from services.store_api.local.manifest import live_files
-    from services.store_api.local.shards import write_groups
+    from graft.schemas import table_to_groups
+    from graft.services.store_api.local.manifest import live_files
+    from graft.services.store_api.local.shards import write_groups
 
     import pyarrow.parquet as pq
 
@@ -406,7 +406,7 @@ def test_the_metrics_say_why_an_all_fail_group_had_no_peer_group(toy_world, stor
 def test_a_bfloat16_sampler_copy_samples_the_updated_policy(toy_world, store, tmp_path):
     """rollout.hf_sampler_copy: the hf sampler holds the policy in bfloat16 (no autocast around it) and takes every
     update's weights; its groups are the policy's (the store's informative ones are grafted as with autocast)."""
-    from trainer.learner import load_learner, make_sampler
+    from graft.trainer.learner import load_learner, make_sampler
 
     cfg = make_config(toy_world, tmp_path / "copy", store.url, steps=2, **{
         "model.dtype": "bfloat16", "rollout.hf_sampler_copy": True})

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainer.config import TrainConfig
+from graft.trainer.config import TrainConfig
 
 
 def make_config(world, run_dir, store_url, **overrides) -> TrainConfig:

@@ -25,8 +25,8 @@ def teacher_forced(model, tokenizer, prompt: str, completion: list[int]) -> list
 def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rollouts.sampling import SamplingParams
-    from trainer.vllm_sync import start_vllm_backend, sync_weights
+    from graft.rollouts.sampling import SamplingParams
+    from graft.trainer.vllm_sync import start_vllm_backend, sync_weights
 
     model_dir, out_path = sys.argv[1], sys.argv[2]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

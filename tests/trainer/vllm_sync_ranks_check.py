@@ -22,10 +22,10 @@ PROMPTS = ["12+7=", "3+40=", "1+1=", "8+8="]
 def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rollouts.sampling import SamplingParams
-    from trainer.config import ParallelConfig
-    from trainer.distributed import close_distributed, init_distributed, iter_full_weights, split_for_rank, wrap_model
-    from trainer.vllm_sync import start_vllm_backend, sync_weights
+    from graft.rollouts.sampling import SamplingParams
+    from graft.trainer.config import ParallelConfig
+    from graft.trainer.distributed import close_distributed, init_distributed, iter_full_weights, split_for_rank, wrap_model
+    from graft.trainer.vllm_sync import start_vllm_backend, sync_weights
 
     model_dir, out_dir = sys.argv[1], Path(sys.argv[2])
     ctx = init_distributed(ParallelConfig(strategy="fsdp", timeout_s=600), "cpu")

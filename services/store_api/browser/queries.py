@@ -23,8 +23,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from schemas import MAX_LOOKUP_PROMPTS, PROBLEM_ARROW_SCHEMA, PeerLookupRequest
-from schemas.browse import (
+from graft.schemas import MAX_LOOKUP_PROMPTS, PROBLEM_ARROW_SCHEMA, PeerLookupRequest
+from graft.schemas.browse import (
     DatasetsResponse,
     DatasetSummary,
     GroupTokens,
@@ -39,8 +39,8 @@ from schemas.browse import (
     StepPoint,
     StoredProblem,
 )
-from services.store_api.browser.tokens import TokenizerShelf, token_pieces
-from services.store_api.local import GroupRef, StoreIndex, decode_cursor, encode_cursor, us_to_datetime
+from graft.services.store_api.browser.tokens import TokenizerShelf, token_pieces
+from graft.services.store_api.local import GroupRef, StoreIndex, decode_cursor, encode_cursor, us_to_datetime
 
 NO_CURSOR = 2**62  # above every seq: the first page
 

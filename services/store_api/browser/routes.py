@@ -20,8 +20,8 @@ from fastapi.responses import FileResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
-from schemas import GROUP_ID_PATTERN, PROMPT_ID_PATTERN
-from schemas.browse import (
+from graft.schemas import GROUP_ID_PATTERN, PROMPT_ID_PATTERN
+from graft.schemas.browse import (
     MAX_PROMPT_PAGE,
     MAX_STEP_BINS,
     DatasetsResponse,
@@ -31,9 +31,9 @@ from schemas.browse import (
     PromptPage,
     StepCurves,
 )
-from services.store_api.browser.queries import Browse
-from services.store_api.browser.tokens import TokenizerShelf
-from services.store_api.local import StoreIndex
+from graft.services.store_api.browser.queries import Browse
+from graft.services.store_api.browser.tokens import TokenizerShelf
+from graft.services.store_api.local import StoreIndex
 
 UI_DIR = Path(__file__).parent / "ui"
 UI_FILES = StaticFiles(directory=UI_DIR)

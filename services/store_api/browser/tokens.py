@@ -63,7 +63,7 @@ class TokenizerShelf:
         with self._lock:
             if self._by_id is None:
                 # the generator's own loader and fingerprint: the ids it stored are the ones these decode
-                from rollouts.models import load_tokenizer_of, tokenizer_fingerprint
+                from graft.rollouts.models import load_tokenizer_of, tokenizer_fingerprint
 
                 found: dict[str, tuple[Any, Path]] = {}
                 for path in self.paths:

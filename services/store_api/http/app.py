@@ -17,20 +17,20 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from schemas import PushGroupsRequest
-from services.store_api.backend import store_backend
-from services.store_api.browser import routes as browser
-from services.store_api.http import VERSION
-from services.store_api.http.asgi import BodySizeLimit, LookupFastPath
-from services.store_api.http.background import Background
-from services.store_api.http.errors import ERROR_RESPONSES, StoreHTTPError, error_body, readable_errors
-from services.store_api.http.metrics import StoreMetrics
-from services.store_api.http.push import PushRejected
-from services.store_api.http.routes import groups, meta, rollouts
-from services.store_api.lake.config import LakeError, LakeUnavailable
-from services.store_api.local import BadCursor, GroupConflict
-from services.store_api.settings import StoreSettings
-from services.store_api.tables import ShardValidationError
+from graft.schemas import PushGroupsRequest
+from graft.services.store_api.backend import store_backend
+from graft.services.store_api.browser import routes as browser
+from graft.services.store_api.http import VERSION
+from graft.services.store_api.http.asgi import BodySizeLimit, LookupFastPath
+from graft.services.store_api.http.background import Background
+from graft.services.store_api.http.errors import ERROR_RESPONSES, StoreHTTPError, error_body, readable_errors
+from graft.services.store_api.http.metrics import StoreMetrics
+from graft.services.store_api.http.push import PushRejected
+from graft.services.store_api.http.routes import groups, meta, rollouts
+from graft.services.store_api.lake.config import LakeError, LakeUnavailable
+from graft.services.store_api.local import BadCursor, GroupConflict
+from graft.services.store_api.settings import StoreSettings
+from graft.services.store_api.tables import ShardValidationError
 
 log = logging.getLogger("graft.store")
 

@@ -8,7 +8,7 @@ import orjson
 from fastapi import HTTPException
 from pydantic import ValidationError
 
-from schemas import ARROW_MEDIA_TYPE, LOOKUP_PATH, PeerLookupRequest
+from graft.schemas import ARROW_MEDIA_TYPE, LOOKUP_PATH, PeerLookupRequest
 
 
 # ------------------------------------------------------------------------------------------ body size limit

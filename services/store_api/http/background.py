@@ -8,8 +8,8 @@ import time
 
 from prometheus_client import Counter
 
-from services.store_api.backend import Store
-from services.store_api.settings import StoreSettings
+from graft.services.store_api.backend import Store
+from graft.services.store_api.settings import StoreSettings
 
 log = logging.getLogger("graft.store")
 

@@ -21,7 +21,7 @@ import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from schemas import (
+from graft.schemas import (
     ARROW_MEDIA_TYPE,
     LOOKUP_PATH,
     MAX_PUSH_GROUPS,
@@ -34,7 +34,7 @@ from schemas import (
     StatsResponse,
     table_to_groups,
 )
-from services.store_api.tables import groups_table
+from graft.services.store_api.tables import groups_table
 
 RETRY_STATUSES = {502, 503, 504}
 # the server closed a kept-alive connection (idle timeout, restart): go again on a new one, no attempt lost

@@ -10,9 +10,9 @@ from typing import Annotated
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from services.store_api.backend import Store
-from services.store_api.http.errors import StoreHTTPError
-from services.store_api.http.metrics import StoreMetrics
+from graft.services.store_api.backend import Store
+from graft.services.store_api.http.errors import StoreHTTPError
+from graft.services.store_api.http.metrics import StoreMetrics
 
 
 async def get_store(request: Request) -> Store:

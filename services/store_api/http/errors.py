@@ -8,7 +8,7 @@ from typing import Any
 
 from fastapi.responses import Response
 
-from schemas import ErrorResponse
+from graft.schemas import ErrorResponse
 
 
 class StoreHTTPError(Exception):

@@ -20,8 +20,8 @@ import pyarrow.compute as pc
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from schemas import MAX_PUSH_GROUPS, Problem, PushGroupsRequest
-from services.store_api.tables import ColumnTypeError, conform_table, groups_table, validate_table
+from graft.schemas import MAX_PUSH_GROUPS, Problem, PushGroupsRequest
+from graft.services.store_api.tables import ColumnTypeError, conform_table, groups_table, validate_table
 
 PROBLEMS_METADATA_KEY = b"graft_problems"  # Arrow push: problems as JSON in the stream's schema metadata
 MAX_STREAM_MESSAGES = 65536  # record batches of one push (512 groups); each costs a Python step to check

@@ -12,8 +12,8 @@ import pyarrow as pa
 from fastapi import Request
 from fastapi.responses import Response
 
-from schemas import ARROW_MEDIA_TYPE, ROLLOUT_ARROW_SCHEMA
-from services.store_api.local import arrow_stream
+from graft.schemas import ARROW_MEDIA_TYPE, ROLLOUT_ARROW_SCHEMA
+from graft.services.store_api.local import arrow_stream
 
 ARROW_CONTENT = {ARROW_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}  # OpenAPI: a 200's Arrow body
 

@@ -63,7 +63,7 @@ class StoreServer:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "services.store_api.cli", "serve"], env=env, cwd=REPO_ROOT,
+                [sys.executable, "-m", "graft.services.store_api.cli", "serve"], env=env, cwd=REPO_ROOT,
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             )
         try:

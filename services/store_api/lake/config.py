@@ -15,10 +15,10 @@ import duckdb
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from services.store_api.targets import LAKE_PREFIX
+from graft.services.store_api.targets import LAKE_PREFIX
 
 if TYPE_CHECKING:
-    from services.store_api.settings import StoreSettings
+    from graft.services.store_api.settings import StoreSettings
 
 PINNED_DUCKDB = "1.5.5"
 # module name of duckdb_extensions' wheel -> the name the extension loads as

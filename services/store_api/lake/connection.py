@@ -15,8 +15,8 @@ from typing import Self
 import duckdb
 import pyarrow as pa
 
-from schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA
-from services.store_api.lake.config import (
+from graft.schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA
+from graft.services.store_api.lake.config import (
     NO_PROGRESS_BAR,
     ExtensionMissing,
     LakeConfig,

@@ -28,12 +28,12 @@ from typing import Self
 import duckdb
 import pyarrow as pa
 
-from schemas import Problem
-from services.store_api.lake.config import LakeConfig
-from services.store_api.lake.connection import LakeConnection
-from services.store_api.lake.maintenance import LakeMaintenance
-from services.store_api.lake.reading import AddedRows, DataFile, LakeReading, Snapshot
-from services.store_api.lake.writing import LakeCommit, LakeWriting
+from graft.schemas import Problem
+from graft.services.store_api.lake.config import LakeConfig
+from graft.services.store_api.lake.connection import LakeConnection
+from graft.services.store_api.lake.maintenance import LakeMaintenance
+from graft.services.store_api.lake.reading import AddedRows, DataFile, LakeReading, Snapshot
+from graft.services.store_api.lake.writing import LakeCommit, LakeWriting
 
 
 class Lake:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.store_api.lake.connection import ALIAS, LakeConnection
+from graft.services.store_api.lake.connection import ALIAS, LakeConnection
 
 
 class LakeMaintenance:

@@ -16,11 +16,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from schemas import PROBLEM_ARROW_SCHEMA, Problem
-from services.store_api.lake.lake import Lake
-from services.store_api.lake.reading import first_copies
-from services.store_api.local import model_dir, row_group_plan, write_problems, write_rollout_table
-from services.store_api.tables import ShardValidationError, group_runs, validate_problems, validate_table
+from graft.schemas import PROBLEM_ARROW_SCHEMA, Problem
+from graft.services.store_api.lake.lake import Lake
+from graft.services.store_api.lake.reading import first_copies
+from graft.services.store_api.local import model_dir, row_group_plan, write_problems, write_rollout_table
+from graft.services.store_api.tables import ShardValidationError, group_runs, validate_problems, validate_table
 
 log = logging.getLogger("graft.store.migrate")
 

@@ -25,9 +25,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA
-from services.store_api.lake.config import LakeError
-from services.store_api.lake.connection import ALIAS, LakeConnection
+from graft.schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA
+from graft.services.store_api.lake.config import LakeError
+from graft.services.store_api.lake.connection import ALIAS, LakeConnection
 
 # changes a snapshot records (ducklake_snapshot_changes) that add no rows to a table that existed before it
 _ADDS_NO_ROWS = {"created_schema", "created_table", "altered_table", "merge_adjacent"}

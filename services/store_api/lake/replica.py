@@ -30,11 +30,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from schemas import PROBLEM_ARROW_SCHEMA, LakeStats, Problem, StatsResponse
-from services.store_api.lake.config import LakeConfig, LakeError, LakeUnavailable, redact
-from services.store_api.lake.lake import Lake
-from services.store_api.lake.reading import ROLLOUT_ROWS_SCHEMA, AddedRows, Snapshot, first_copies, next_window
-from services.store_api.local import (
+from graft.schemas import PROBLEM_ARROW_SCHEMA, LakeStats, Problem, StatsResponse
+from graft.services.store_api.lake.config import LakeConfig, LakeError, LakeUnavailable, redact
+from graft.services.store_api.lake.lake import Lake
+from graft.services.store_api.lake.reading import ROLLOUT_ROWS_SCHEMA, AddedRows, Snapshot, first_copies, next_window
+from graft.services.store_api.local import (
     StoreIndex,
     model_dir,
     now_us,
@@ -43,8 +43,8 @@ from services.store_api.local import (
     us_to_datetime,
     write_rollout_table,
 )
-from services.store_api.settings import StoreSettings
-from services.store_api.tables import ShardValidationError, group_runs, validate_problems, validate_table
+from graft.services.store_api.settings import StoreSettings
+from graft.services.store_api.tables import ShardValidationError, group_runs, validate_problems, validate_table
 
 log = logging.getLogger("graft.store.replica")
 

@@ -27,9 +27,9 @@ import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA, Problem
-from services.store_api.lake.config import LakeError, LakeUnavailable
-from services.store_api.lake.connection import (
+from graft.schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA, Problem
+from graft.services.store_api.lake.config import LakeError, LakeUnavailable
+from graft.services.store_api.lake.connection import (
     ALIAS,
     ROW_GROUP_ROWS,
     LakeConnection,
@@ -37,8 +37,8 @@ from services.store_api.lake.connection import (
     _rollback_quietly,
     _storage_error,
 )
-from services.store_api.local import GroupConflict, GroupRef, encode_shard, fsync_directory
-from services.store_api.tables import SMALL_COLUMNS_SCHEMA, group_runs
+from graft.services.store_api.local import GroupConflict, GroupRef, encode_shard, fsync_directory
+from graft.services.store_api.tables import SMALL_COLUMNS_SCHEMA, group_runs
 
 COMMIT_ATTEMPTS = 40  # a commit that keeps losing to other writers' (see Lake.commit) gives up after these
 

@@ -1,18 +1,18 @@
 """The local store: Parquet shards under a root, their lookup files, and the DuckDB index over them (`StoreIndex`).
 
 What the other parts (the HTTP face, the browser, the lake, generators, benchmarks) use of it, imported from here
-(`from services.store_api.local import StoreIndex`); its modules are its own (tests/test_layout.py checks it).
+(`from graft.services.store_api.local import StoreIndex`); its modules are its own (tests/test_layout.py checks it).
 """
 
-from services.store_api.local.catalog import IndexLocked
-from services.store_api.local.durable import fsync_directory
-from services.store_api.local.index import StoreIndex
-from services.store_api.local.ingest import summarise_groups
-from services.store_api.local.lookup import arrow_stream, read_stream
-from services.store_api.local.manifest import live_files
-from services.store_api.local.mirror import GroupConflict, GroupRef, now_us
-from services.store_api.local.queries import BadCursor, decode_cursor, encode_cursor, us_to_datetime
-from services.store_api.local.shards import (
+from graft.services.store_api.local.catalog import IndexLocked
+from graft.services.store_api.local.durable import fsync_directory
+from graft.services.store_api.local.index import StoreIndex
+from graft.services.store_api.local.ingest import summarise_groups
+from graft.services.store_api.local.lookup import arrow_stream, read_stream
+from graft.services.store_api.local.manifest import live_files
+from graft.services.store_api.local.mirror import GroupConflict, GroupRef, now_us
+from graft.services.store_api.local.queries import BadCursor, decode_cursor, encode_cursor, us_to_datetime
+from graft.services.store_api.local.shards import (
     encode_shard,
     model_dir,
     row_group_plan,

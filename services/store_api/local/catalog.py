@@ -21,10 +21,10 @@ from pathlib import Path
 
 import duckdb
 
-from services.store_api.local.lookup import ShardReader
-from services.store_api.local.manifest import write_manifest
-from services.store_api.local.mirror import GroupMirror, GroupRef
-from services.store_api.settings import StoreSettings
+from graft.services.store_api.local.lookup import ShardReader
+from graft.services.store_api.local.manifest import write_manifest
+from graft.services.store_api.local.mirror import GroupMirror, GroupRef
+from graft.services.store_api.settings import StoreSettings
 
 log = logging.getLogger("graft.store")
 

@@ -15,12 +15,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from services.store_api.local.catalog import Catalog
-from services.store_api.local.durable import publish
-from services.store_api.local.lookup import ShardReadError
-from services.store_api.local.mirror import now_us
-from services.store_api.local.shards import ROW_GROUP_ROWS, discard, model_dir, write_rollout_table
-from services.store_api.tables import group_runs
+from graft.services.store_api.local.catalog import Catalog
+from graft.services.store_api.local.durable import publish
+from graft.services.store_api.local.lookup import ShardReadError
+from graft.services.store_api.local.mirror import now_us
+from graft.services.store_api.local.shards import ROW_GROUP_ROWS, discard, model_dir, write_rollout_table
+from graft.services.store_api.tables import group_runs
 
 log = logging.getLogger("graft.store")
 

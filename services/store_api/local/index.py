@@ -28,14 +28,14 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from schemas import PeerLookupRequest, Problem, StatsResponse
-from services.store_api.local.catalog import Catalog
-from services.store_api.local.compaction import IndexCompaction
-from services.store_api.local.ingest import IndexIngest
-from services.store_api.local.lookup import ShardReader
-from services.store_api.local.mirror import GroupMirror, GroupRef
-from services.store_api.local.queries import IndexQueries
-from services.store_api.settings import StoreSettings
+from graft.schemas import PeerLookupRequest, Problem, StatsResponse
+from graft.services.store_api.local.catalog import Catalog
+from graft.services.store_api.local.compaction import IndexCompaction
+from graft.services.store_api.local.ingest import IndexIngest
+from graft.services.store_api.local.lookup import ShardReader
+from graft.services.store_api.local.mirror import GroupMirror, GroupRef
+from graft.services.store_api.local.queries import IndexQueries
+from graft.services.store_api.settings import StoreSettings
 
 
 class StoreIndex:

@@ -26,11 +26,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from schemas import ROLLOUT_ARROW_SCHEMA, Problem
-from services.store_api.local.catalog import Catalog
-from services.store_api.local.compaction import IndexCompaction
-from services.store_api.local.durable import TMP_DIR, TMP_PREFIX
-from services.store_api.local.lookup import (
+from graft.schemas import ROLLOUT_ARROW_SCHEMA, Problem
+from graft.services.store_api.local.catalog import Catalog
+from graft.services.store_api.local.compaction import IndexCompaction
+from graft.services.store_api.local.durable import TMP_DIR, TMP_PREFIX
+from graft.services.store_api.local.lookup import (
     CHUNK_ROWS,
     LOOKUP_DIR,
     LOOKUP_SUFFIX,
@@ -42,9 +42,9 @@ from services.store_api.local.lookup import (
     shard_pages,
     write_lookup_file,
 )
-from services.store_api.local.mirror import GroupConflict, GroupRef, now_us
-from services.store_api.local.shards import model_dir, write_problems, write_rollout_table
-from services.store_api.tables import (
+from graft.services.store_api.local.mirror import GroupConflict, GroupRef, now_us
+from graft.services.store_api.local.shards import model_dir, write_problems, write_rollout_table
+from graft.services.store_api.tables import (
     GROUP_SHARED_FIELDS,
     SAFE_NAME,
     SMALL_COLUMNS_SCHEMA,

@@ -50,9 +50,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from schemas import ROLLOUT_ARROW_SCHEMA
-from services.store_api.local.durable import HAS_FADVISE, TMP_PREFIX, drop_cached_pages
-from services.store_api.local.pages import (
+from graft.schemas import ROLLOUT_ARROW_SCHEMA
+from graft.services.store_api.local.durable import HAS_FADVISE, TMP_PREFIX, drop_cached_pages
+from graft.services.store_api.local.pages import (
     BULK_BUFFERS,
     CODECS,
     PAGE_CODECS,
@@ -61,7 +61,7 @@ from services.store_api.local.pages import (
     bulk_pages,
     message_buffers,
 )
-from services.store_api.tables import (
+from graft.services.store_api.tables import (
     BULK_COLUMNS,
     SMALL_COLUMNS_SCHEMA,
     ShardValidationError,

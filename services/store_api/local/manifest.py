@@ -20,7 +20,7 @@ from pathlib import Path
 
 import orjson
 
-from services.store_api.local.durable import publish, write_temporary
+from graft.services.store_api.local.durable import publish, write_temporary
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "graft-store-manifest"

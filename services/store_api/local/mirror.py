@@ -15,8 +15,8 @@ import threading
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from schemas import PeerLookupRequest
-from schemas.api import now_us
+from graft.schemas import PeerLookupRequest
+from graft.schemas.api import now_us
 
 __all__ = ["GroupMirror", "GroupRef", "now_us"]
 
@@ -127,7 +127,7 @@ class GroupMirror:
         return chosen, misses
 
     def _miss_reason(self, req: PeerLookupRequest, prompt: str, now: int) -> str:
-        """Why a missed prompt got nothing (`schemas.api.MISS_REASONS`): nothing stored; only the learner's own
+        """Why a missed prompt got nothing (`graft.schemas.api.MISS_REASONS`): nothing stored; only the learner's own
         groups; other models' groups, none from an admitted peer (peer_models, min_policy_step, max_age_s); admitted
         peers' groups, none with an admitted outcome (all-fail or all-success when informative_only). Under the lock."""
         refs = self._by_prompt.get(prompt, ())

@@ -26,9 +26,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from schemas import ROLLOUT_ARROW_SCHEMA
-from services.store_api.local.thrift import read_struct
-from services.store_api.tables import BULK_COLUMNS
+from graft.schemas import ROLLOUT_ARROW_SCHEMA
+from graft.services.store_api.local.thrift import read_struct
+from graft.services.store_api.tables import BULK_COLUMNS
 
 # pyarrow's names of Parquet codecs (ColumnChunkMetaData.compression: "LZ4" is Parquet's LZ4_RAW, raw LZ4 blocks;
 # it names Parquet's deprecated Hadoop-framed LZ4 "UNKNOWN", which is left to the copying path) -> its codec

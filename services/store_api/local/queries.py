@@ -16,11 +16,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from schemas import ROLLOUT_ARROW_SCHEMA, ModelStats, PeerLookupRequest, StatsResponse
-from schemas.rollout import INT64_MAX
-from services.store_api.local.catalog import Catalog
-from services.store_api.local.lookup import ShardReadError
-from services.store_api.local.mirror import GroupRef
+from graft.schemas import ROLLOUT_ARROW_SCHEMA, ModelStats, PeerLookupRequest, StatsResponse
+from graft.schemas.rollout import INT64_MAX
+from graft.services.store_api.local.catalog import Catalog
+from graft.services.store_api.local.lookup import ShardReadError
+from graft.services.store_api.local.mirror import GroupRef
 
 
 def us_to_datetime(us: int | None) -> datetime | None:
@@ -56,7 +56,7 @@ class IndexQueries:
 
     def select_peer_groups(self, req: PeerLookupRequest) -> tuple[list[GroupRef], dict[str, str]]:
         """The groups a peer lookup returns (by prompt in request order, most recent first) and the misses, each
-        with why it got nothing (prompt id -> one of schemas.api.MISS_REASONS)."""
+        with why it got nothing (prompt id -> one of graft.schemas.api.MISS_REASONS)."""
         return self.catalog.mirror.peer_groups(req)
 
     def select_prompt_groups(self, prompt: str, model: str | None, limit: int) -> list[GroupRef]:

@@ -31,12 +31,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from schemas import PROBLEM_ARROW_SCHEMA, Problem, RolloutGroup
-from services.store_api.local.durable import Pending, drop_cached_pages, drop_written_pages, publish, write_temporary
-from services.store_api.local.lookup import lookup_path, shard_footer, write_lookup_file
-from services.store_api.local.pages import PageLayoutError, bulk_pages
-from services.store_api.local.splice import footer_span, splice_footer
-from services.store_api.tables import (
+from graft.schemas import PROBLEM_ARROW_SCHEMA, Problem, RolloutGroup
+from graft.services.store_api.local.durable import Pending, drop_cached_pages, drop_written_pages, publish, write_temporary
+from graft.services.store_api.local.lookup import lookup_path, shard_footer, write_lookup_file
+from graft.services.store_api.local.pages import PageLayoutError, bulk_pages
+from graft.services.store_api.local.splice import footer_span, splice_footer
+from graft.services.store_api.tables import (
     BULK_COLUMNS,
     SAFE_NAME,
     SMALL_COLUMNS_SCHEMA,

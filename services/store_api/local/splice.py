@@ -20,9 +20,9 @@ import functools
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from schemas import ROLLOUT_ARROW_SCHEMA
-from services.store_api.local.thrift import decode_struct, encode_struct
-from services.store_api.tables import BULK_COLUMNS
+from graft.schemas import ROLLOUT_ARROW_SCHEMA
+from graft.services.store_api.local.thrift import decode_struct, encode_struct
+from graft.services.store_api.tables import BULK_COLUMNS
 
 _I16, _I64, _STRUCT, _LIST = 4, 6, 12, 9
 # FileMetaData: row_groups, num_rows; RowGroup: columns, total_byte_size, num_rows, file_offset,

@@ -12,8 +12,8 @@ import pytest
 
 pytest.importorskip("verl.trainer", reason="verl runs in its own environment: make install-verl, then .venv-verl/bin/python -m pytest")
 
-from integrations.verl.config import train_config  # noqa: E402
-from integrations.verl.trainer import GraftPPOTrainer  # noqa: E402
+from graft.integrations.verl.config import train_config  # noqa: E402
+from graft.integrations.verl.trainer import GraftPPOTrainer  # noqa: E402
 from verl_world import graft_overrides, verl_config  # noqa: E402
 
 STORE = "http://127.0.0.1:8600"
@@ -69,7 +69,7 @@ def test_importing_verl_registers_graft_sync_through_the_entry_point():
             "print(get_trainer_cls('graft_sync').__module__)")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     found = subprocess.run([sys.executable, "-c", code], cwd="/", env=env, capture_output=True, text=True, timeout=300)
-    assert found.returncode == 0 and found.stdout.strip().endswith("integrations.verl.trainer"), found.stderr[-2000:]
+    assert found.returncode == 0 and found.stdout.strip().endswith("graft.integrations.verl.trainer"), found.stderr[-2000:]
     loud = subprocess.run([sys.executable, "-c", "import verl"], cwd="/", capture_output=True, text=True, timeout=300,
-                          env=dict(env, VERL_USE_EXTERNAL_MODULES="integrations.verl.no_such_module"))
+                          env=dict(env, VERL_USE_EXTERNAL_MODULES="graft.integrations.verl.no_such_module"))
     assert loud.returncode != 0 and "no_such_module" in loud.stderr

@@ -20,16 +20,16 @@ from verl.utils.config import omega_conf_to_dataclass  # noqa: E402
 from verl.workers.engine.utils import prepare_micro_batches  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
-from integrations.verl.trainer import GraftPPOTrainer  # noqa: E402
-from rollouts.models import tokenizer_fingerprint  # noqa: E402
-from schemas import group_advantages  # noqa: E402
-from services.store_api.http.testing import StoreServer  # noqa: E402
-from services.store_api.local.shards import write_groups  # noqa: E402
+from graft.integrations.verl.trainer import GraftPPOTrainer  # noqa: E402
+from graft.rollouts.models import tokenizer_fingerprint  # noqa: E402
+from graft.schemas import group_advantages  # noqa: E402
+from graft.services.store_api.http.testing import StoreServer  # noqa: E402
+from graft.services.store_api.local.shards import write_groups  # noqa: E402
 from toy.models import build_tiny_model, save_model  # noqa: E402
 from toy.task import completion_text, sample_problems  # noqa: E402
 from toy.world import build_group, cached_chat_model, peer_tokenizer  # noqa: E402
-from trainer.batch import FirstPass, grafted_group_rows, old_logprobs_and_weights  # noqa: E402
-from trainer.loss import LossBatch, LossConfig, graft_loss  # noqa: E402
+from graft.trainer.batch import FirstPass, grafted_group_rows, old_logprobs_and_weights  # noqa: E402
+from graft.trainer.loss import LossBatch, LossConfig, graft_loss  # noqa: E402
 from verl_world import GROUP, Planned, RecordedRollouts, graft_overrides, prompt_batch, verl_config  # noqa: E402
 
 PEER_SIZES = (4, 3)  # the two failed prompts' peer groups: the second leaves one of the G slots empty
@@ -187,7 +187,7 @@ def test_all_fail_groups_take_the_peer_rows_with_graft_trains_weights(world, ste
     assert metrics["graft/peer_hit_rate"] == 1 and metrics["graft/peer_rollouts_consumed"] == sum(PEER_SIZES)
     assert metrics["graft/projection_spans"] == sum(PEER_SIZES) and metrics["graft/store_lookup_failures"] == 0
     assert 0 < metrics["graft/compat_weight_mean"] <= 1 and metrics["graft/learner_reward_mean"] == pytest.approx(1 / 12)
-    # the gate's tally is graft-train's (trainer.peers.gate_tally), reasons included: both failed groups grafted
+    # the gate's tally is graft-train's (graft.trainer.peers.gate_tally), reasons included: both failed groups grafted
     assert metrics["graft/groups_no_peer"] == metrics["graft/groups_no_peer_nothing_stored"] == 0
 
 

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from rollouts.hf_backend import teacher_forced_logprobs
-from rollouts.sampling import SamplingParams
-from schemas import Problem
+from graft.rollouts.hf_backend import teacher_forced_logprobs
+from graft.rollouts.sampling import SamplingParams
+from graft.schemas import Problem
 
 GROUP = 4  # rollout.n
 

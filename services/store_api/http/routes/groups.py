@@ -16,7 +16,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
-from schemas import (
+from graft.schemas import (
     ARROW_MEDIA_TYPE,
     GROUP_ID_PATTERN,
     LOOKUP_PATH,
@@ -26,13 +26,13 @@ from schemas import (
     PushGroupsResponse,
     RolloutGroup,
 )
-from services.store_api.backend import Store
-from services.store_api.http.dependencies import MetricsDep, StoreDep, require_token
-from services.store_api.http.errors import ERROR_RESPONSES, StoreHTTPError, error_responses
-from services.store_api.http.metrics import StoreMetrics
-from services.store_api.http.push import parse_arrow_push, parse_json_push
-from services.store_api.http.responses import ARROW_CONTENT, json_response, rows_as_groups, stream_response, wants_arrow
-from services.store_api.local import arrow_stream, read_stream
+from graft.services.store_api.backend import Store
+from graft.services.store_api.http.dependencies import MetricsDep, StoreDep, require_token
+from graft.services.store_api.http.errors import ERROR_RESPONSES, StoreHTTPError, error_responses
+from graft.services.store_api.http.metrics import StoreMetrics
+from graft.services.store_api.http.push import parse_arrow_push, parse_json_push
+from graft.services.store_api.http.responses import ARROW_CONTENT, json_response, rows_as_groups, stream_response, wants_arrow
+from graft.services.store_api.local import arrow_stream, read_stream
 
 router = APIRouter(tags=["groups"])
 

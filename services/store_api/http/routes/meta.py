@@ -6,9 +6,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from schemas import HealthResponse, StatsResponse
-from services.store_api.http import VERSION
-from services.store_api.http.dependencies import MetricsDep, StoreDep
+from graft.schemas import HealthResponse, StatsResponse
+from graft.services.store_api.http import VERSION
+from graft.services.store_api.http.dependencies import MetricsDep, StoreDep
 
 router = APIRouter()
 

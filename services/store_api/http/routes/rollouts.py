@@ -8,11 +8,11 @@ import orjson
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
-from schemas import MAX_PAGE_SIZE, PROMPT_ID_PATTERN, RolloutPage
-from schemas.rollout import INT64_MAX
-from services.store_api.http.dependencies import StoreDep
-from services.store_api.http.errors import ERROR_RESPONSES, StoreHTTPError
-from services.store_api.http.responses import ARROW_CONTENT, arrow_response, json_response, wants_arrow
+from graft.schemas import MAX_PAGE_SIZE, PROMPT_ID_PATTERN, RolloutPage
+from graft.schemas.rollout import INT64_MAX
+from graft.services.store_api.http.dependencies import StoreDep
+from graft.services.store_api.http.errors import ERROR_RESPONSES, StoreHTTPError
+from graft.services.store_api.http.responses import ARROW_CONTENT, arrow_response, json_response, wants_arrow
 
 router = APIRouter()
 
