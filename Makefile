@@ -50,7 +50,7 @@ $(VERL_STAMP): pyproject.toml
 	test -x $(VERL_VENV)/bin/python || $(PY) -m venv $(VERL_VENV)
 	$(VERL_VENV)/bin/pip install -q --upgrade pip
 	$(VERL_VENV)/bin/pip install -q torch==2.13.0
-	$(VERL_VENV)/bin/python -m graft.integrations.verl.requirements pyproject.toml > $(VERL_VENV)/requirements-core.txt
+	$(VERL_VENV)/bin/python integrations/verl/requirements.py pyproject.toml > $(VERL_VENV)/requirements-core.txt
 	$(VERL_VENV)/bin/pip install -q verl==$(VERL_VERSION) "TransferQueue>=0.1.10,<0.2" cachetools "pytest>=8" "pytest-timeout>=2.3" \
 	  -r $(VERL_VENV)/requirements-core.txt
 	$(VERL_VENV)/bin/pip install -q --no-deps -e .
