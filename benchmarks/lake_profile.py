@@ -24,13 +24,13 @@ from pathlib import Path
 
 import psutil
 
-from testbed.lake_services import S3_KEY_ID, S3_SECRET, MotoS3, PostgresServer
 from benchmarks.store_bench import cpu_seconds
 from benchmarks.store_data import GROUP, ShardMaker, plan_shards
 from graft.services.store_api.lake import Lake, LakeConfig
 from graft.services.store_api.lake.replica import LakeReplica
 from graft.services.store_api.settings import StoreSettings
 from graft.services.store_api.tables import validate_table
+from testbed.lake_services import S3_KEY_ID, S3_SECRET, MotoS3, PostgresServer
 
 
 def timed(work, rollouts: int, s3: psutil.Process, profile: Path | None) -> dict:

@@ -252,8 +252,8 @@ def measure_lake(args: argparse.Namespace, phase) -> dict:
     """The lake backend on the same synthetic data: commit rate of `--lake-writers` processes, commit-to-servable
     time at a replica, lookups at a replica (the local figures' method), replica RSS."""
     from graft.services.store_api.lake import Lake, LakeConfig
-    from testbed.lake_services import S3_KEY_ID, S3_SECRET, MotoS3, PostgresServer
     from graft.services.store_api.tables import validate_table
+    from testbed.lake_services import S3_KEY_ID, S3_SECRET, MotoS3, PostgresServer
 
     result: dict = {}
     plan, prompts = plan_shards(args.rollouts, args.shard_rollouts)

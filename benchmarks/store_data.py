@@ -15,7 +15,6 @@ import pyarrow as pa
 
 from graft.schemas import ROLLOUT_ARROW_SCHEMA, prompt_id
 
-
 MODELS = ("model-a", "model-b", "model-c", "model-d")
 SUCCESS_RATE = {"model-a": 0.3, "model-b": 0.45, "model-c": 0.6, "model-d": 0.75}
 GROUP = 8

@@ -14,8 +14,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from toy.sft import SFTConfig
 from graft.schemas.overrides import apply_overrides
+from toy.sft import SFTConfig
 
 PEER_MODEL_ID = "toy-peer-qwen2"  # the ids the demo's two models write to the store under
 LEARNER_MODEL_ID = "toy-learner-llama"

@@ -29,9 +29,18 @@ import yaml
 
 from demo.config import DemoConfig, config_hash
 from demo.jobs import Job, python_module, run_jobs
-from demo.run import (REPO_ROOT, TRAIN_BASE, command_line, generator_job, model_jobs, prepare_data, progress_file, train_job,
-                      trainer_config)
 from demo.mutual_report import BUDGET_LRS, NAME, OTHER, PILOT_SEED, ROLES, mode_name, strong_family, weak_family
+from demo.run import (
+    REPO_ROOT,
+    TRAIN_BASE,
+    command_line,
+    generator_job,
+    model_jobs,
+    prepare_data,
+    progress_file,
+    train_job,
+    trainer_config,
+)
 from demo.stats import MIN_PAIRS_FOR_GAIN
 from graft.rollouts.files import write_jsonl_atomic
 from toy.task import completion_text, dataset_name, family_splits

@@ -35,14 +35,21 @@ from graft.rollouts.prompts import build_prompt
 from graft.rollouts.sampling import SamplingParams
 from graft.rollouts.scoring import Scorer
 from graft.schemas import Problem
-from toy.task import completion_text
-from graft.trainer.batch import StepRows, TrainSample, collate, grafted_group_rows, old_logprobs_and_weights, response_logprobs
 from graft.schemas.overrides import apply_overrides
+from graft.trainer.batch import (
+    StepRows,
+    TrainSample,
+    collate,
+    grafted_group_rows,
+    old_logprobs_and_weights,
+    response_logprobs,
+)
 from graft.trainer.config import TrainConfig
 from graft.trainer.gate import choose_peer_group, classify_group
 from graft.trainer.learner import load_learner
 from graft.trainer.loss import LossBatch, LossConfig, graft_loss
 from graft.trainer.retokenize import DropReason, Projection
+from toy.task import completion_text
 
 SUPERVISED = "supervised on the peer's correct answers (the ceiling's direction)"
 

@@ -31,11 +31,18 @@ from pathlib import Path
 import orjson
 import yaml
 
-from demo.config import LEARNER_MODEL_ID, PEER_MODEL_ID, DemoConfig, config_hash, load_demo_config, warm_start_checkpoint
+from demo.config import (
+    LEARNER_MODEL_ID,
+    PEER_MODEL_ID,
+    DemoConfig,
+    config_hash,
+    load_demo_config,
+    warm_start_checkpoint,
+)
 from demo.jobs import PORTABLE_KERNELS, Job, child_env, portable_kernels_available, python_module, run_jobs
 from graft.rollouts.files import write_jsonl_atomic, write_text_atomic
-from toy.task import completion_text, dataset_name, family_splits, write_problems_jsonl
 from graft.trainer.config import TrainConfig
+from toy.task import completion_text, dataset_name, family_splits, write_problems_jsonl
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TRAIN_BASE = REPO_ROOT / "configs" / "demo_train.yaml"

@@ -27,7 +27,6 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-
 ALPHA = 0.05  # two-sided, for the 95% intervals and the permutation test
 STRONG_MARGIN = 0.02  # the strong family may lose at most 2 points (the interval's lower bound above -0.02)
 WEAK_MIN_GAIN = 0.02  # the smallest weak-family gain that matters: an interval below it says "no gain"

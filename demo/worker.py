@@ -30,7 +30,6 @@ from toy.sft import SFTConfig, stop_check, train_sft, write_progress
 from toy.task import alphabet, completion_text, family_splits
 from toy.tokenization import build_bpe_tokenizer, build_char_tokenizer
 
-
 EVAL_SEED = 20261203  # the seed of every held-out sampled evaluation (a problem's samples: EVAL_SEED + its place)
 
 

@@ -19,8 +19,8 @@ from graft.schemas.api import (
 from graft.schemas.rollout import (
     ARROW_MEDIA_TYPE,
     GROUP_ID_PATTERN,
-    PROMPT_ID_PATTERN,
     PROBLEM_ARROW_SCHEMA,
+    PROMPT_ID_PATTERN,
     ROLLOUT_ARROW_SCHEMA,
     SCHEMA_VERSION,
     Problem,

@@ -11,7 +11,6 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-
 MAX_PROMPT_PAGE = 200  # prompts per page of GET /v1/prompts
 MAX_STEP_BINS = 1000  # points per model of GET /v1/stats/steps
 

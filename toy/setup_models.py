@@ -81,8 +81,9 @@ def _link_or_copy(source: str, target: str) -> None:
 
 
 def _report(folder: Path) -> None:
-    from toy.models import count_parameters
     from transformers import AutoModelForCausalLM
+
+    from toy.models import count_parameters
 
     for name in MODELS:
         parameters = count_parameters(AutoModelForCausalLM.from_pretrained(folder / name))

@@ -24,8 +24,8 @@ from graft.trainer.distributed import collective_passes, padding_pass
 from graft.trainer.gate import (
     GateDecision,
     behaviour_ratio,
-    compat_weights,
     centre_under_weights,
+    compat_weights,
     effective_sample_size,
     peer_group_advantages,
 )

@@ -35,12 +35,26 @@ from tqdm import tqdm
 from graft.rollouts.hf_backend import report_tokens_on
 from graft.rollouts.scoring import Scorer
 from graft.trainer.batch import build_rows, old_logprobs_and_weights
-from graft.trainer.checkpoint import (RunDirInUse, check_run_dir, clear_run, latest_checkpoint, restore_training_state,
-                                save_checkpoint, write_run_config)
+from graft.trainer.checkpoint import (
+    RunDirInUse,
+    check_run_dir,
+    clear_run,
+    latest_checkpoint,
+    restore_training_state,
+    save_checkpoint,
+    write_run_config,
+)
 from graft.trainer.config import TrainConfig
 from graft.trainer.data import LoopState, load_anchor, load_peer_tokenizers, training_prompts
-from graft.trainer.distributed import (DistContext, barrier, broadcast_object, close_distributed, gather_lists, init_distributed,
-                                 reduce_metrics)
+from graft.trainer.distributed import (
+    DistContext,
+    barrier,
+    broadcast_object,
+    close_distributed,
+    gather_lists,
+    init_distributed,
+    reduce_metrics,
+)
 from graft.trainer.evaluation import due, evaluate_policy
 from graft.trainer.gate import gate_groups
 from graft.trainer.learner import load_learner, load_reference, make_sampler, sync_sampler

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 import orjson
-
 import torch
 
 from graft.rollouts.files import write_text_atomic

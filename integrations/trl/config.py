@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+
 from trl import GRPOConfig
 
 from graft.trainer.config import GraftConfig as GraftOptions

@@ -38,17 +38,23 @@ from trl import GRPOTrainer
 from trl.data_utils import is_conversational
 from trl.models.utils import disable_gradient_checkpointing
 
+from graft.integrations.trl.config import GraftConfig
 from graft.rollouts.models import default_model_id, model_fingerprint, tokenizer_fingerprint
 from graft.schemas import PeerLookupRequest
-from graft.trainer.batch import FirstPass, TrainSample, WeightedRows, WeightStats, grafted_group_rows, old_logprobs_and_weights
+from graft.trainer.batch import (
+    FirstPass,
+    TrainSample,
+    WeightedRows,
+    WeightStats,
+    grafted_group_rows,
+    old_logprobs_and_weights,
+)
 from graft.trainer.config import TrainConfig
 from graft.trainer.data import load_peer_tokenizers
 from graft.trainer.gate import GateDecision, gate_groups
 from graft.trainer.learner import Learner
 from graft.trainer.peers import LookupResult, PeerExchange, RefusedTokenizers, gate_tally
 from graft.trainer.retokenize import drop_counts, learner_stop_token, projection_counts
-
-from graft.integrations.trl.config import GraftConfig
 
 log = logging.getLogger(__name__)
 NAN = float("nan")

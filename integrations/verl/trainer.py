@@ -46,7 +46,14 @@ from verl.workers.utils.padding import response_to_nested
 
 from graft.integrations.verl.config import TRAINER_MODE, check_config, graft_section, train_config
 from graft.rollouts.models import default_model_id, model_fingerprint, tokenizer_fingerprint
-from graft.trainer.batch import FirstPass, TrainSample, WeightedRows, WeightStats, grafted_group_rows, old_logprobs_and_weights
+from graft.trainer.batch import (
+    FirstPass,
+    TrainSample,
+    WeightedRows,
+    WeightStats,
+    grafted_group_rows,
+    old_logprobs_and_weights,
+)
 from graft.trainer.config import TrainConfig
 from graft.trainer.data import load_peer_tokenizers
 from graft.trainer.gate import GateDecision, gate_groups

@@ -19,7 +19,6 @@ import typer
 from graft.services.generator.config import GeneratorConfig, command_line_config, config_app
 
 
-
 def _help(name: str) -> str:
     return GeneratorConfig.model_fields[name].description or ""
 

@@ -17,7 +17,6 @@ import typer
 from graft.services.generator.config import EvalConfig, command_line_config, config_app
 
 
-
 def _help(name: str) -> str:
     return EvalConfig.model_fields[name].description or ""
 

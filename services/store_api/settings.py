@@ -8,7 +8,6 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-
 # a writer uploads its data files, then commits; a commit that loses to others' retries for a minute or more
 # (lake/writing.py, COMMIT_ATTEMPTS): an orphan younger than this may be one still being committed, not one left by a crash
 MIN_LAKE_FILE_GRACE_S = 600.0

@@ -19,7 +19,6 @@ from datetime import datetime, timedelta, timezone
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-
 from pydantic import ValidationError
 
 from graft.schemas import PROBLEM_ARROW_SCHEMA, PROMPT_ID_PATTERN, ROLLOUT_ARROW_SCHEMA, Problem, RolloutGroup

@@ -21,7 +21,16 @@ import httpx
 import pytest
 
 from gpu_check.check import (
-    NO_VLLM, SIZES, SMOLLM2_WHEEL, Stage, StageFailed, cuda_verdict, eval_verdict, judge_budget, run_generate, sync_verdict,
+    NO_VLLM,
+    SIZES,
+    SMOLLM2_WHEEL,
+    Stage,
+    StageFailed,
+    cuda_verdict,
+    eval_verdict,
+    judge_budget,
+    run_generate,
+    sync_verdict,
 )
 from graft.rollouts.models import SMOLLM2_WHEEL as PROJECT_SMOLLM2_WHEEL
 

@@ -9,9 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
-
 import yaml
+from typer.testing import CliRunner
 
 from graft.services.generator.cli import app as generate_app
 from graft.services.generator.config import GeneratorConfig, load_config

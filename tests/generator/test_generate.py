@@ -10,10 +10,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
-
-import threading
 
 import pyarrow as pa
 import pyarrow.parquet as pq

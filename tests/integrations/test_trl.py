@@ -17,17 +17,17 @@ pytest.importorskip("trl", reason="the trl extra is not installed: pip install '
 
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
+from trl_run import accuracy, dataset, make_args, make_trainer  # noqa: E402
 
 from graft.integrations.trl import GraftGRPOTrainer  # noqa: E402
 from graft.schemas import Problem  # noqa: E402
 from graft.services.store_api.http.testing import StoreServer  # noqa: E402
-from toy.models import build_tiny_model, save_model  # noqa: E402
-from toy.world import learner_tokenizer  # noqa: E402
 from graft.trainer.batch import build_rows  # noqa: E402
 from graft.trainer.data import load_peer_tokenizers  # noqa: E402
 from graft.trainer.learner import load_learner  # noqa: E402
 from graft.trainer.loss import LossBatch, LossConfig, graft_loss  # noqa: E402
-from trl_run import accuracy, dataset, make_args, make_trainer  # noqa: E402
+from toy.models import build_tiny_model, save_model  # noqa: E402
+from toy.world import learner_tokenizer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))  # the trainer tests' torchrun launcher
 from torchrun import torchrun  # noqa: E402

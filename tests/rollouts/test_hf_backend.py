@@ -19,7 +19,6 @@ from graft.rollouts.scoring import Scorer
 from graft.schemas import RolloutGroup, groups_to_table, table_to_groups
 from toy.task import sample_problems
 
-
 PROMPTS = ["12+7=", "3+40=", "1+1=", "44+44="]  # different lengths: rows are left-padded together
 
 

@@ -18,6 +18,7 @@ from graft.rollouts.sampling import Sample, SamplingParams
 from graft.rollouts.scoring import Scorer
 from graft.schemas import Problem, groups_to_table, table_to_groups
 
+
 class _EngineStarted(Exception):
     """Raised by the stand-in `vllm.LLM`: what the parent process had done when the engine would start."""
 

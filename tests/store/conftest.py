@@ -52,8 +52,8 @@ _lake_counter = itertools.count()
 @pytest.fixture
 def pg_s3_lake(postgres, moto_s3, request):
     """A new lake: catalog in PostgreSQL, data files in moto's S3 bucket (the many-hosts setup)."""
-    from testbed.lake_services import S3_KEY_ID, S3_SECRET
     from graft.services.store_api.lake.config import LakeConfig
+    from testbed.lake_services import S3_KEY_ID, S3_SECRET
 
     name = _lake_name(request)
     return LakeConfig(catalog=f"ducklake:postgres:{postgres.create_database(name)}",

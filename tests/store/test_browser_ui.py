@@ -159,8 +159,9 @@ def grafted_by_lookup(api, learner: str, peer: str | None) -> set[str]:
 
 
 def test_failed_by_a_solved_by_b_lists_exactly_what_the_lookup_grafts(browser, server, api):
-    from demo.browser_shots import open_view
     from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    from demo.browser_shots import open_view
 
     show(browser, server, "/ui/prompts")
     for name, model in (("failed_by", LEARNER), ("solved_by", PEER)):  # as a person would: the two menus

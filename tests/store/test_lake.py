@@ -19,16 +19,16 @@ import pytest
 from store_factory import make_group, make_problem, wait_for
 from typer.testing import CliRunner
 
-from testbed.lake_services import free_port
 from graft.schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA
 from graft.services.store_api.cli import app as cli_app
 from graft.services.store_api.lake import config as lake_module
 from graft.services.store_api.lake import reading as lake_reading
-from graft.services.store_api.lake.connection import ALIAS
 from graft.services.store_api.lake.config import ExtensionMissing, LakeConfig, LakeError, LakeUnavailable
+from graft.services.store_api.lake.connection import ALIAS
 from graft.services.store_api.lake.lake import Lake
 from graft.services.store_api.local.shards import write_groups
 from graft.services.store_api.tables import conform_table, groups_table, validate_table
+from testbed.lake_services import free_port
 
 WRITER = Path(__file__).resolve().parent / "lake_writer_proc.py"
 

@@ -16,9 +16,9 @@ import pyarrow as pa
 import pytest
 from store_factory import make_group
 
-from testbed.store_attack import json_bytes, mutate_bytes, mutate_json
 from graft.schemas import groups_to_table
 from graft.services.store_api.http.testing import StoreServer
+from testbed.store_attack import json_bytes, mutate_bytes, mutate_json
 
 ARROW = "application/vnd.apache.arrow.stream"
 SEED = 13

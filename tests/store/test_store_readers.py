@@ -18,7 +18,6 @@ import pyarrow.parquet as pq
 from store_factory import make_group
 
 from graft.schemas import ROLLOUT_ARROW_SCHEMA
-
 from graft.services.store_api.http.client import StoreClient, StoreError
 from graft.services.store_api.http.testing import StoreServer
 from graft.services.store_api.local.shards import write_groups

@@ -12,7 +12,14 @@ import pytest
 from pydantic import ValidationError
 from store_factory import blocks_of, make_group, make_problem
 
-from graft.schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA, Rollout, RolloutGroup, groups_to_table, table_to_groups
+from graft.schemas import (
+    PROBLEM_ARROW_SCHEMA,
+    ROLLOUT_ARROW_SCHEMA,
+    Rollout,
+    RolloutGroup,
+    groups_to_table,
+    table_to_groups,
+)
 from graft.services.store_api.local import lookup as lookup_files
 from graft.services.store_api.local.durable import TMP_PREFIX
 from graft.services.store_api.local.lookup import ShardReader, ShardReadError, lookup_path

@@ -25,9 +25,9 @@ from graft.trainer.distributed import (
     row_places,
     split_for_rank,
 )
+from graft.trainer.loss import LossBatch, LossConfig, agg_denominator, graft_loss
 from toy.models import build_tiny_model
 from toy.world import TEST_CHARS, learner_tokenizer
-from graft.trainer.loss import LossBatch, LossConfig, agg_denominator, graft_loss
 
 SEED = 5
 GROUPS_PER_STEP = 7  # prompts of the global batch; 2 ranks get 4 and 3

@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import torch
-
 from dist_step import (
     SEED,
     full_gradients,
@@ -25,8 +24,9 @@ from dist_step import (
     tiny_policy,
     update,
 )
+
 from graft.trainer.checkpoint import load_sharded_checkpoint, save_checkpoint
-from graft.trainer.config import ParallelConfig
+from graft.trainer.config import ParallelConfig, PPOConfig
 from graft.trainer.distributed import (
     DistContext,
     close_distributed,
@@ -37,7 +37,6 @@ from graft.trainer.distributed import (
     reduce_metrics,
     wrap_model,
 )
-from graft.trainer.config import PPOConfig
 from graft.trainer.loss import LossConfig
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")

@@ -11,11 +11,11 @@ import torch
 from graft.rollouts.hf_backend import HFBackend, teacher_forced_logprobs
 from graft.rollouts.sampling import SamplingParams
 from graft.schemas import Problem, RolloutGroup
-from toy.world import build_group
 from graft.trainer.batch import TrainSample, build_rows, collate, old_logprobs_and_weights, response_logprobs
 from graft.trainer.config import TrainConfig
 from graft.trainer.gate import GateDecision
 from graft.trainer.learner import Learner
+from toy.world import build_group
 
 PROBLEMS = [Problem.from_text("12+7=", "19", "toy_add"), Problem.from_text("3+4=", "7", "toy_add")]
 
@@ -206,10 +206,10 @@ def test_a_chat_learner_ends_grafted_and_anchor_rows_with_its_end_of_turn(tmp_pa
     """A learner whose chat turns end with <|im_end|> (one of the tokens its sampling stops on) stops its own
     rollouts there; grafted rows and anchor completions must end the same way, not with eos_token_id."""
     from graft.rollouts.models import tokenizer_fingerprint
-    from toy.models import build_tiny_model, save_model
-    from toy.world import learner_tokenizer
     from graft.trainer.learner import load_learner
     from graft.trainer.update import anchor_batch
+    from toy.models import build_tiny_model, save_model
+    from toy.world import learner_tokenizer
 
     tokenizer = learner_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_end|>"]})

@@ -8,8 +8,8 @@ import pytest
 from pydantic import ValidationError
 from typer.testing import CliRunner
 
-from graft.trainer.cli import app
 from graft.schemas.overrides import apply_overrides, describe_fields
+from graft.trainer.cli import app
 from graft.trainer.config import TrainConfig, load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

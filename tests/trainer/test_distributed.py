@@ -14,10 +14,16 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from dist_step import global_groups, make_optimizer, tiny_policy, update
 from torchrun import REPO_ROOT, torchrun
-from graft.trainer.checkpoint import is_sharded_checkpoint, list_checkpoints, load_sharded_checkpoint, restore_rng_state, rng_state
+
+from graft.trainer.checkpoint import (
+    is_sharded_checkpoint,
+    list_checkpoints,
+    load_sharded_checkpoint,
+    restore_rng_state,
+    rng_state,
+)
 from graft.trainer.config import ParallelConfig, TrainConfig
 from graft.trainer.distributed import (
     DistContext,
@@ -162,9 +168,8 @@ def test_a_two_rank_checkpoint_loads_and_continues_in_one_process(ranks):
 
 
 def test_the_hf_export_loads_with_transformers_and_gives_the_sharded_logits(ranks):
-    from transformers import AutoModelForCausalLM
-
     from dist_worker import PROBE
+    from transformers import AutoModelForCausalLM
 
     strategy, results = ranks
     saved = results[0]["checkpoint"]

@@ -17,17 +17,17 @@ import orjson
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
-
-import graft.trainer.batch
 from dist_train_worker import non_finite_grafts
-from graft.schemas import Problem
-from graft.services.store_api.http.testing import StoreServer
-from toy.task import write_problems_jsonl
+from safetensors.torch import load_file
 from torchrun import torchrun
 from train_configs import make_config
+
+import graft.trainer.batch
+from graft.schemas import Problem
+from graft.services.store_api.http.testing import StoreServer
 from graft.trainer.config import TrainConfig
 from graft.trainer.loop import train
+from toy.task import write_problems_jsonl
 
 pytestmark = pytest.mark.slow
 ATOL = 1e-5  # fp32: the ranks' micro-batches sum in another order than one process's

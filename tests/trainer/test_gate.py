@@ -11,12 +11,12 @@ import torch
 from graft.schemas import PeerLookupRequest, Problem, Rollout, RolloutGroup
 from graft.trainer.gate import (
     behaviour_ratio,
+    centre_under_weights,
     choose_peer_group,
     classify_group,
     compat_weights,
     effective_sample_size,
     gate_groups,
-    centre_under_weights,
     peer_group_advantages,
 )
 

@@ -10,9 +10,9 @@ import orjson
 import pytest
 
 from graft.services.store_api.http.testing import StoreServer
-from toy.task import write_problems_jsonl
 from graft.trainer.config import TrainConfig
 from graft.trainer.loop import train
+from toy.task import write_problems_jsonl
 
 pytestmark = pytest.mark.slow
 STEPS = 150

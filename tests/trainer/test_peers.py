@@ -12,9 +12,9 @@ import pytest
 import graft.trainer.peers as peers_module
 from graft.services.store_api.http.client import StoreClient
 from graft.services.store_api.http.testing import StoreServer, free_port
-from toy.task import sample_problems
 from graft.trainer.config import GraftConfig, StoreConfig
 from graft.trainer.peers import PeerExchange, peer_candidates
+from toy.task import sample_problems
 
 LEARNER = "learner"
 

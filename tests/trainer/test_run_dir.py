@@ -15,11 +15,11 @@ import orjson
 import pytest
 import torch
 import yaml
+from train_configs import make_config
 from typer.testing import CliRunner
 
 from graft.services.store_api.http.client import StoreClient
 from graft.services.store_api.http.testing import StoreServer
-from train_configs import make_config
 from graft.trainer.checkpoint import latest_checkpoint, list_checkpoints, save_checkpoint
 from graft.trainer.cli import app
 from graft.trainer.loop import train

@@ -11,10 +11,10 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+from train_configs import make_config
 
 from graft.services.store_api.http.client import StoreClient
 from graft.services.store_api.http.testing import StoreServer
-from train_configs import make_config
 from graft.trainer.checkpoint import latest_checkpoint, load_trainer_state
 from graft.trainer.loop import train
 from graft.trainer.metrics import METRIC_KEYS
@@ -377,11 +377,11 @@ def test_the_metrics_say_why_an_all_fail_group_had_no_peer_group(toy_world, stor
     """Nothing stored, peers the run does not admit, only all-fail peer groups, only the learner's own groups: each
     all-fail group counted under its reason (groups_no_peer_<reason>, or groups_peer_uninformative), never all of
     them as groups_no_peer alike."""
+    import pyarrow.parquet as pq
+
     from graft.schemas import table_to_groups
     from graft.services.store_api.local.manifest import live_files
     from graft.services.store_api.local.shards import write_groups
-
-    import pyarrow.parquet as pq
 
     stored = [g for path in live_files(toy_world.store_root)
               for g in table_to_groups(pq.read_table(toy_world.store_root / path))]

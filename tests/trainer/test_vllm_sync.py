@@ -9,10 +9,10 @@ import json
 from pathlib import Path
 
 import pytest
+from torchrun import torchrun
 
 from toy.models import build_tiny_model, save_model
 from toy.world import learner_tokenizer
-from torchrun import torchrun
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # skipped when .venv-vllm is not built (tests/conftest.py)
 

@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import torch
-
 from vllm_sync_check import teacher_forced
 
 PROMPTS = ["12+7=", "3+40=", "1+1=", "8+8="]
@@ -24,7 +23,13 @@ def main() -> None:
 
     from graft.rollouts.sampling import SamplingParams
     from graft.trainer.config import ParallelConfig
-    from graft.trainer.distributed import close_distributed, init_distributed, iter_full_weights, split_for_rank, wrap_model
+    from graft.trainer.distributed import (
+        close_distributed,
+        init_distributed,
+        iter_full_weights,
+        split_for_rank,
+        wrap_model,
+    )
     from graft.trainer.vllm_sync import start_vllm_backend, sync_weights
 
     model_dir, out_dir = sys.argv[1], Path(sys.argv[2])

@@ -10,7 +10,6 @@ from pydantic import ValidationError
 
 from graft.schemas import ARROW_MEDIA_TYPE, LOOKUP_PATH, PeerLookupRequest
 
-
 # ------------------------------------------------------------------------------------------ body size limit
 
 

@@ -17,8 +17,8 @@ owns its state and calls the others' public methods (none inherits from another)
 `StoreIndex` only assembles them and keeps the one set of methods the API, the CLI, the browser and the lake
 replica call; each passes to the part that does it.
 
-`backend.store_backend` (services/store_api/backend.py) picks the store behind the API and the CLI: this index, or a lake replica
-(`lake/replica.py`), which uses an index of its own over its cache.
+`store_backend` (services/store_api/backend.py) picks the store behind the API and the CLI: this index, or a
+lake replica (`lake/replica.py`), which uses an index of its own over its cache.
 """
 
 from __future__ import annotations

@@ -32,7 +32,13 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from graft.schemas import PROBLEM_ARROW_SCHEMA, Problem, RolloutGroup
-from graft.services.store_api.local.durable import Pending, drop_cached_pages, drop_written_pages, publish, write_temporary
+from graft.services.store_api.local.durable import (
+    Pending,
+    drop_cached_pages,
+    drop_written_pages,
+    publish,
+    write_temporary,
+)
 from graft.services.store_api.local.lookup import lookup_path, shard_footer, write_lookup_file
 from graft.services.store_api.local.pages import PageLayoutError, bulk_pages
 from graft.services.store_api.local.splice import footer_span, splice_footer

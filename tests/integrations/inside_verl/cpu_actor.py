@@ -94,7 +94,6 @@ def main(source: str, target: str) -> None:
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
     from verl.workers.engine_workers import TrainingWorker
     from verl.workers.utils.losses import ppo_loss
-
     from verl_world import verl_config
 
     torch.set_num_threads(1)

@@ -12,9 +12,10 @@ import pytest
 
 pytest.importorskip("verl.trainer", reason="verl runs in its own environment: make install-verl, then .venv-verl/bin/python -m pytest")
 
+from verl_world import graft_overrides, verl_config  # noqa: E402
+
 from graft.integrations.verl.config import train_config  # noqa: E402
 from graft.integrations.verl.trainer import GraftPPOTrainer  # noqa: E402
-from verl_world import graft_overrides, verl_config  # noqa: E402
 
 STORE = "http://127.0.0.1:8600"
 

@@ -13,24 +13,24 @@ pytest.importorskip("verl.trainer", reason="verl runs in its own environment: ma
 import torch  # noqa: E402
 import transfer_queue as tq  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.utils.config import omega_conf_to_dataclass  # noqa: E402
 from verl.workers.engine.utils import prepare_micro_batches  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
+from verl_world import GROUP, Planned, RecordedRollouts, graft_overrides, prompt_batch, verl_config  # noqa: E402
 
 from graft.integrations.verl.trainer import GraftPPOTrainer  # noqa: E402
 from graft.rollouts.models import tokenizer_fingerprint  # noqa: E402
 from graft.schemas import group_advantages  # noqa: E402
 from graft.services.store_api.http.testing import StoreServer  # noqa: E402
 from graft.services.store_api.local.shards import write_groups  # noqa: E402
+from graft.trainer.batch import FirstPass, grafted_group_rows, old_logprobs_and_weights  # noqa: E402
+from graft.trainer.loss import LossBatch, LossConfig, graft_loss  # noqa: E402
 from toy.models import build_tiny_model, save_model  # noqa: E402
 from toy.task import completion_text, sample_problems  # noqa: E402
 from toy.world import build_group, cached_chat_model, peer_tokenizer  # noqa: E402
-from graft.trainer.batch import FirstPass, grafted_group_rows, old_logprobs_and_weights  # noqa: E402
-from graft.trainer.loss import LossBatch, LossConfig, graft_loss  # noqa: E402
-from verl_world import GROUP, Planned, RecordedRollouts, graft_overrides, prompt_batch, verl_config  # noqa: E402
 
 PEER_SIZES = (4, 3)  # the two failed prompts' peer groups: the second leaves one of the G slots empty
 

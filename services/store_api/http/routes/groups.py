@@ -31,7 +31,13 @@ from graft.services.store_api.http.dependencies import MetricsDep, StoreDep, req
 from graft.services.store_api.http.errors import ERROR_RESPONSES, StoreHTTPError, error_responses
 from graft.services.store_api.http.metrics import StoreMetrics
 from graft.services.store_api.http.push import parse_arrow_push, parse_json_push
-from graft.services.store_api.http.responses import ARROW_CONTENT, json_response, rows_as_groups, stream_response, wants_arrow
+from graft.services.store_api.http.responses import (
+    ARROW_CONTENT,
+    json_response,
+    rows_as_groups,
+    stream_response,
+    wants_arrow,
+)
 from graft.services.store_api.local import arrow_stream, read_stream
 
 router = APIRouter(tags=["groups"])
