@@ -36,7 +36,7 @@ import yaml
 
 from graft.trainer.distributed import DistContext, barrier, broadcast_object, full_state_dict, sum_over_ranks, unwrap
 
-log = logging.getLogger("trainer")
+log = logging.getLogger("graft.trainer")
 
 STATE_FILE = "trainer_state.pt"
 SHARDED_DIR = "dcp"  # torch.distributed.checkpoint of a data-parallel run (its .metadata is written last)

@@ -18,7 +18,7 @@ from graft.schemas import Problem
 from graft.trainer.config import TrainConfig
 from graft.trainer.distributed import DistContext, rank_block
 
-log = logging.getLogger("trainer")
+log = logging.getLogger("graft.trainer")
 
 
 @dataclass

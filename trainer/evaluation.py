@@ -19,7 +19,7 @@ from graft.trainer.config import TrainConfig
 from graft.trainer.distributed import DistContext, gather_lists, rank_block
 from graft.trainer.learner import whole_weights
 
-log = logging.getLogger("trainer")
+log = logging.getLogger("graft.trainer")
 
 
 def due(cfg: TrainConfig, step: int) -> bool:

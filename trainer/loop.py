@@ -64,7 +64,7 @@ from graft.trainer.peers import PeerExchange, RefusedTokenizers, peer_candidates
 from graft.trainer.sample import sample_step
 from graft.trainer.update import UpdateContext, make_optimizer, single_pass_forward, update_policy
 
-log = logging.getLogger("trainer")
+log = logging.getLogger("graft.trainer")
 
 
 def train(cfg: TrainConfig, resume: bool = False, on_step: Callable[[dict[str, Any]], None] | None = None,
@@ -259,7 +259,7 @@ def _setup_logging(run_dir: Path, cfg: TrainConfig, dist: DistContext) -> None:
     configured; transformers' bars off with ours."""
     handler = logging.FileHandler(run_dir / ("train.log" if dist.is_main else f"train.rank{dist.rank}.log"))
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    trainer_log = logging.getLogger("trainer")  # its children (graft.trainer.peers, ...) propagate to it: one handler
+    trainer_log = logging.getLogger("graft.trainer")  # its children (graft.trainer.peers, ...) propagate to it
     trainer_log.setLevel(logging.INFO)
     trainer_log.handlers = [h for h in trainer_log.handlers if not isinstance(h, logging.FileHandler)] + [handler]
     if not cfg.logging.progress:  # transformers' own bars (loading, saving checkpoints) too
