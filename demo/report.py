@@ -351,6 +351,13 @@ def markdown(summary: dict, cfg: DemoConfig) -> str:
                          for f in (weak, strong)}
             lines.append(f"| {r['start']}, {r['seed']} | {by_family[weak]} | {by_family[strong]} | "
                          f"{_num(p['frac_all_fail_mean'])} | {_num(p['frac_grafted_mean'])} | {_num(r['peer_hit_rate_mean'])} |")
+    else:
+        lines += ["", "## Co-training, the peer's side", "",
+                  "Not run in this invocation (`rl.cotrain_seeds` is empty: a co-training pair costs two processes for a "
+                  "run). `make demo-study` runs the pairs; on their own, after this run, "
+                  "`.venv/bin/python -m demo.run --set 'rl.cotrain_seeds=[0,1,2,3]' --report-dir report/cotrain`, whose "
+                  "report shows the co-training peer's held-out accuracy at every evaluation beside the learner's peer "
+                  "hit rate (docs/demo.md, \"Co-training in the demo's design\")."]
 
     lines += ["", "## Every run", "",
               f"| run | `{weak}` primary | `{strong}` primary | `{weak}` greedy, last | all-fail | hit rate | grafted | "
