@@ -197,3 +197,20 @@ def test_a_run_stopped_before_its_last_step_is_not_marked_done(tmp_path):
     assert [p.name for p in finished_checkpoints(tmp_path, 100)] == ["step_000025", "step_000050", "step_000062", "step_000100"]
     with pytest.raises(SystemExit, match="stopped at step 0 of 3"):
         finished_checkpoints(tmp_path / "none", 3)
+
+
+@pytest.mark.parametrize("report_dir, ran_pairs", [("report", False), ("report/cotrain", True)])
+def test_the_report_says_where_the_cotraining_peer_is(report_dir, ran_pairs):
+    """The committed reports re-rendered: with co-training pairs, the peer's accuracy per evaluation beside the
+    learner's hit rate; without (make demo), a line that says none ran and where to get them."""
+    import json
+
+    from demo.report import markdown
+
+    summary = json.loads((REPO / report_dir / "summary.json").read_text())
+    text = markdown(summary, DemoConfig.model_validate(summary["config"]))
+    section = text.split("## Co-training, the peer's side", 1)[1].split("\n## ", 1)[0]
+    assert ("Not run in this invocation" in section) is not ran_pairs
+    assert ("learner's peer hit rate |" in section) is ran_pairs
+    if not ran_pairs:
+        assert "rl.cotrain_seeds=[0,1,2,3]" in section and "make demo-study" in section
