@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: install install-dev install-vllm install-verl system-deps test check demo demo-real clean-venv demo-study demo-mutual demo-choose gpu-check
+.PHONY: install install-dev install-vllm install-verl install-verl-pins system-deps test check demo demo-real clean-venv demo-study demo-mutual demo-choose gpu-check
 .PHONY: gpu-check-offline gpu-check-offline-folder gpu-check-rehearsal gpu-check-verl
 
 install: $(STAMP)
@@ -46,15 +46,31 @@ VERL_VERSION := 0.9.1
 VERL_STAMP := $(VERL_VENV)/.installed-verl$(VERL_VERSION)-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 install-verl: $(VERL_STAMP)
 
+# The same with the transformers that verl[vllm]==0.9.1 pins (a GPU user's install: docs/verl.md): the verl tests run in it
+# too. verl[vllm]'s torch 2.11 and vLLM 0.24 are CUDA builds this machine cannot take; torch 2.13 (CPU) stands in.
+VERL_GPU_TRANSFORMERS := 5.9.0
+VERL_PINS_VENV := .venv-verl-pins
+VERL_PINS_STAMP := $(VERL_PINS_VENV)/.installed-verl$(VERL_VERSION)-tf$(VERL_GPU_TRANSFORMERS)-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+install-verl-pins: $(VERL_PINS_STAMP)
+
+# $(1): the environment, $(2): extra requirements
+define verl_env
+	test -x $(1)/bin/python || $(PY) -m venv $(1)
+	$(1)/bin/pip install -q --upgrade pip
+	$(1)/bin/pip install -q torch==2.13.0
+	$(1)/bin/python integrations/verl/requirements.py pyproject.toml > $(1)/requirements-core.txt
+	$(1)/bin/pip install -q verl==$(VERL_VERSION) "TransferQueue>=0.1.10,<0.2" cachetools "pytest>=8" "pytest-timeout>=2.3" \
+	  -r $(1)/requirements-core.txt $(2)
+	$(1)/bin/pip install -q --no-deps -e .
+	rm -f $(1)/.installed-*
+endef
+
 $(VERL_STAMP): pyproject.toml
-	test -x $(VERL_VENV)/bin/python || $(PY) -m venv $(VERL_VENV)
-	$(VERL_VENV)/bin/pip install -q --upgrade pip
-	$(VERL_VENV)/bin/pip install -q torch==2.13.0
-	$(VERL_VENV)/bin/python integrations/verl/requirements.py pyproject.toml > $(VERL_VENV)/requirements-core.txt
-	$(VERL_VENV)/bin/pip install -q verl==$(VERL_VERSION) "TransferQueue>=0.1.10,<0.2" cachetools "pytest>=8" "pytest-timeout>=2.3" \
-	  -r $(VERL_VENV)/requirements-core.txt
-	$(VERL_VENV)/bin/pip install -q --no-deps -e .
-	rm -f $(VERL_VENV)/.installed-*
+	$(call verl_env,$(VERL_VENV),)
+	touch $@
+
+$(VERL_PINS_STAMP): pyproject.toml
+	$(call verl_env,$(VERL_PINS_VENV),transformers==$(VERL_GPU_TRANSFORMERS))
 	touch $@
 
 # torch==2.13.0 first: the CPU wheel on disk. A bare `torch` requirement would pull a CUDA build.
@@ -90,9 +106,10 @@ system-deps:
 	fi
 
 # The verl tests (tests/integrations/inside_verl) skip in .venv and run in .venv-verl, where a missing verl fails them.
-test: install-dev install-vllm install-verl system-deps
+test: install-dev install-vllm install-verl install-verl-pins system-deps
 	$(BIN)/python -m pytest -q
 	GRAFT_REQUIRE_VERL=1 $(VERL_VENV)/bin/python -m pytest -q tests/integrations/inside_verl
+	GRAFT_REQUIRE_VERL=1 $(VERL_PINS_VENV)/bin/python -m pytest -q tests/integrations/inside_verl
 
 # A contributor's quick check, in minutes: the suite without the slow end-to-end runs, the vLLM engine's tests and the
 # tests that need Debian packages (marker `system`: PostgreSQL, Chromium, Docker). No apt-get, no .venv-vllm, no

@@ -12,6 +12,7 @@ boundary otherwise, and then the completion's tokens would not be the ones that 
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -132,6 +133,8 @@ class StepRows:
     same_tokenizer_id_mismatch: int  # same-tokenizer rows whose text does not re-tokenise to the stored ids
     grafted_groups_short: int = 0  # grafted groups that lost rows on the way (advantages recomputed over the rest)
     peer_samples: int = 0  # peer rollouts of the grafted groups (union: the peer's successes)
+    grafted_groups_subsampled: int = 0  # grafted groups larger than a host's slots, picked down (pick_rows)
+    grafted_groups_no_signal: int = 0  # grafted groups whose rows that train have one reward: all advantages 0
 
 
 def build_rows(
@@ -187,21 +190,45 @@ def build_rows(
 def grafted_group_rows(
     cfg: TrainConfig, learner: Learner, peer: RolloutGroup, group: int, prompt_ids: list[int],
     peer_tokenizers: dict[str, Any], stop_token_id: int | None, counts: Any, max_rows: int | None = None,
+    pick_seed: int = 0,
 ) -> list[TrainSample]:
     """A grafted peer group as learner rows (GRAFT_SPEC sections 2, 3): re-tokenised (`peer_rows`), at most
-    `max_rows` of them (a host with G slots per group: TRL), with the group advantages recomputed from the stored
-    rewards of the rows that train, so that they still sum to zero when a row was dropped, and negatives scaled.
+    `max_rows` of them (a host with G slots per group: TRL, verl; `pick_rows` chooses which, seeded by `pick_seed` and
+    the group's id), with the group advantages recomputed from the stored rewards of the rows that train, so that they
+    still sum to zero when a row was dropped, and negatives scaled.
 
-    counts (StepRows, or a host's plan) also gets: peer_samples, whether the stored advantages match the rewards
-    (peer_advantage_mismatch, over the whole stored group) and whether the group lost rows (grafted_groups_short)."""
+    counts (StepRows, or a host's tally) also gets: peer_samples, whether the stored advantages match the rewards
+    (peer_advantage_mismatch, over the whole stored group), whether the group lost rows (grafted_groups_short), was
+    picked down (grafted_groups_subsampled) or kept rows of one reward only (grafted_groups_no_signal)."""
     std_normalize = cfg.ppo.advantage == "grpo"
     _, agrees = peer_group_advantages(peer, std_normalize=std_normalize)
     counts.peer_advantage_mismatch += int(not agrees)
     counts.peer_samples += len(peer.rollouts)
     rows = peer_rows(cfg, learner, list(peer.rollouts), peer.prompt_id, group, prompt_ids, peer_tokenizers, stop_token_id,
-                     counts)[:max_rows]
+                     counts)
+    if max_rows is not None and len(rows) > max_rows:
+        rows = pick_rows(rows, max_rows, random.Random(f"{pick_seed}:{peer.group_id}"))
+        counts.grafted_groups_subsampled += 1
     counts.grafted_groups_short += int(len(rows) < len(peer.rollouts))
+    counts.grafted_groups_no_signal += int(len({row.reward for row in rows}) < 2)
     return _with_advantages(cfg, rows, group_advantages([row.reward for row in rows], std_normalize=std_normalize))
+
+
+def pick_rows(rows: list[TrainSample], max_rows: int, rng: random.Random) -> list[TrainSample]:
+    """`max_rows` of a grafted group's rows, drawn with `rng`, keeping one of the best-rewarded and one of the
+    worst-rewarded rows when max_rows >= 2 (a plain cut, or a plain draw, can keep only failures: advantages 0, the
+    group grafted for nothing). The rows keep their stored order."""
+    if max_rows < 1:
+        raise ValueError(f"max_rows = {max_rows}: a grafted group needs at least one slot")
+    rewards = [row.reward or 0.0 for row in rows]
+    best = [i for i, r in enumerate(rewards) if r == max(rewards)]
+    worst = [i for i, r in enumerate(rewards) if r == min(rewards)]
+    chosen = {rng.choice(best)}
+    if max_rows >= 2 and worst != best:
+        chosen.add(rng.choice(worst))
+    rest = [i for i in range(len(rows)) if i not in chosen]
+    chosen.update(rng.sample(rest, max_rows - len(chosen)))
+    return [rows[i] for i in sorted(chosen)]
 
 
 def _with_advantages(cfg: TrainConfig, rows: list[TrainSample], advantages: list[float]) -> list[TrainSample]:

@@ -155,6 +155,7 @@ def step_metrics(
     metrics["peer_advantage_mismatch"] = count["peer_advantage_mismatch"]
     metrics["same_tokenizer_id_mismatch"] = count["same_tokenizer_id_mismatch"]
     metrics["grafted_groups_short"] = count["grafted_groups_short"]  # lost rows: advantages over the kept ones
+    metrics["grafted_groups_no_signal"] = count["grafted_groups_no_signal"]  # kept rows of one reward: advantages 0
     if "weight_sync_s" in clock.laps:
         metrics["weight_sync_s"] = job["weight_sync_s"]
     for name in store or {}:
@@ -165,7 +166,7 @@ def step_metrics(
 
 # Tally names that are counts (written as integers); the others are sums of floats.
 COUNTED = ("rollouts_generated", "peer_rollouts_consumed", "groups_", "dropped_", "dapo_groups_kept", "projection_",
-           "peer_advantage_mismatch", "same_tokenizer_id_mismatch", "grafted_groups_short", "store_", "rows",
+           "peer_advantage_mismatch", "same_tokenizer_id_mismatch", "grafted_groups_short", "grafted_groups_no_signal", "store_", "rows",
            "completion_tokens")
 
 
@@ -209,6 +210,7 @@ def _rank_tally(
         "peer_advantage_mismatch": rows.peer_advantage_mismatch,
         "same_tokenizer_id_mismatch": rows.same_tokenizer_id_mismatch,
         "grafted_groups_short": rows.grafted_groups_short,
+        "grafted_groups_no_signal": rows.grafted_groups_no_signal,
         **{name: value for name, value in store.items()},
     }
     for name, (total, weight) in update.totals.items():

@@ -99,6 +99,8 @@ class _Plan:
     peer_advantage_mismatch: int = 0
     same_tokenizer_id_mismatch: int = 0
     grafted_groups_short: int = 0  # grafted groups that lost rows (dropped, or beyond G): advantages over the rest
+    grafted_groups_subsampled: int = 0  # grafted groups larger than G, picked down to G (graft.trainer.batch.pick_rows)
+    grafted_groups_no_signal: int = 0  # grafted groups whose kept rows have one reward (advantages 0)
     peer_rollouts_unused: int = 0  # rows of peer groups larger than G, beyond the G slots
     store: dict[str, float] = field(default_factory=dict)  # the gate's tally, the store client's counts and wait
 
@@ -201,9 +203,9 @@ class GraftGRPOTrainer(GRPOTrainer):
                 plan.slots[group * G + slot] = rows[slot] if slot < len(rows) else None
         if plan.peer_rollouts_unused and not self.graft.warned_unused:
             self.graft.warned_unused = True
-            log.warning("peer groups larger than num_generations = %d: only their first %d rows fit the failed group's "
-                        "slots (the rest counted as graft/peer_rollouts_unused); graft-train would train on them all",
-                        G, G)
+            log.warning("peer groups larger than num_generations = %d: a seeded pick of %d of their rows (a success and a "
+                        "failure among them) fills the failed group's slots (the rest counted as "
+                        "graft/peer_rollouts_unused); graft-train would train on them all", G, G)
         return plan
 
     def _group_rewards(self, prompt_ids: list[str]) -> list[tuple[str, list[float | None]]]:
@@ -235,9 +237,11 @@ class GraftGRPOTrainer(GRPOTrainer):
 
     def _peer_rows(self, decision: GateDecision, group: int, plan: _Plan, stop_token: int) -> list[TrainSample]:
         """The peer group's rollouts as learner rows, as graft-train's build_rows makes them, less the dropped ones
-        and at most G (the failed group's slots), with advantages recomputed over those (counted in the plan)."""
+        and at most G (the failed group's slots: a seeded pick), with advantages recomputed over those (counted in the
+        plan)."""
         return grafted_group_rows(self.graft.cfg, self.graft.learner, decision.peer_group, group, [],
-                                  self.graft.peer_tokenizers, stop_token, plan, max_rows=self.num_generations)
+                                  self.graft.peer_tokenizers, stop_token, plan, max_rows=self.num_generations,
+                                  pick_seed=self.args.seed * 7_919 + self.state.global_step)
 
     # ---- 5, 6. pi_old, the weights and the splice -------------------------------------------------------------
     def _splice(self, output: dict[str, Any], plan: _Plan) -> tuple[dict[str, Any], WeightedRows | None, int]:
@@ -386,6 +390,8 @@ class GraftGRPOTrainer(GRPOTrainer):
             "peer_advantage_mismatch": plan.peer_advantage_mismatch,
             "same_tokenizer_id_mismatch": plan.same_tokenizer_id_mismatch,
             "grafted_groups_short": plan.grafted_groups_short,
+            "grafted_groups_subsampled": plan.grafted_groups_subsampled,
+            "grafted_groups_no_signal": plan.grafted_groups_no_signal,
             **plan.store,
             "graft_s": graft_s,
         }

@@ -14,6 +14,7 @@ the same defaults, the same errors. What verl cannot do the way graft-train does
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -25,6 +26,7 @@ from graft.trainer.config import StoreConfig, TrainConfig
 TRAINER_MODE = "graft_sync"
 # verl's loss aggregations that graft-train's loss has (the parity test compares them); verl's others it has not
 LOSS_AGG = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+DEFAULT_LOOKUP_WAIT_S = 30.0  # a step's wait for its lookup after generation (it runs while verl generates)
 
 
 class VerlGraftSection(BaseModel):
@@ -40,8 +42,10 @@ class VerlGraftSection(BaseModel):
                                        "fingerprints are their ids), or ID=DIR for a peer that stored another id")
     prompt_id_key: str = Field(default="prompt_id", description="key of each dataset row's extra_info holding its store "
                                "prompt id (schemas.prompt_id of the problem text, as the generator stored it)")
-    lookup_wait_s: float = Field(default=0.0, ge=0.0, description="after generation, wait at most this long for the "
-                                 "batch's peer lookup (it runs while verl generates); 0: graft only what is back")
+    lookup_wait_s: float = Field(default=DEFAULT_LOOKUP_WAIT_S, ge=0.0, description="after generation, wait at most "
+                                 "this long (one deadline per step) for the batch's peer lookup, which runs while verl "
+                                 "generates; 0: graft only what is back. A step whose lookup was later trains as GRPO "
+                                 "(graft/store_lookups_late; a warning after a few such steps in a row)")
     options: dict[str, Any] = Field(default_factory=dict, description="graft-train's graft section: kappa, is_cap, "
                                     "token_is, max_grafted_fraction, peer_models, ...")
     store_options: dict[str, Any] = Field(default_factory=dict, description="graft-train's store section but url: "
@@ -138,16 +142,35 @@ def check_config(config: DictConfig) -> None:
     if graft.token_is == "luffy":
         refusals.append("graft.options.token_is=luffy replaces the PPO ratio inside the loss, which verl computes; use "
                         "'tis' or 'none'")
+    group_size = int(_value(config, "actor_rollout_ref.rollout.n", 1) or 1)
+    if group_size < 2:
+        refusals.append(f"actor_rollout_ref.rollout.n={group_size}: GRPO and GRAFT learn from reward differences inside "
+                        "a prompt's group of rollouts; set rollout.n to the peers' group size G (graft-generate's "
+                        "default is 8), at least 2")
+    attention = _value(config, "actor_rollout_ref.model.override_config.attn_implementation", None)
+    if attention is None and importlib.util.find_spec("flash_attn") is None:
+        refusals.append("actor_rollout_ref.model.override_config.attn_implementation is unset, so verl's actor asks "
+                        "transformers for flash_attention_2, and flash-attn is not installed here (verl[vllm] does not "
+                        "bring it): add +actor_rollout_ref.model.override_config.attn_implementation=sdpa, or install "
+                        "flash-attn")
+    if _value(config, "actor_rollout_ref.rollout.enable_rollout_routing_replay", False):
+        refusals.append("actor_rollout_ref.rollout.enable_rollout_routing_replay=true: the replayed expert routes are "
+                        "the learner's rollout's, and a peer row has none for its tokens")
+    if _value(config, "skip.rollout_tq.enable", False):
+        refusals.append("skip.rollout_tq.enable=true: verl then replays dumped rollouts without submitting their "
+                        "prompts through the trainer, so no peer lookup is started for them")
     if graft.union_all_success:
         refusals.append("graft.options.union_all_success: a union group has more rows than the rollout.n slots verl's "
                         "batch holds for the prompt; leave it off under verl")
     if _value(config, "actor_rollout_ref.rollout.multi_turn.enable", False):
         refusals.append("actor_rollout_ref.rollout.multi_turn.enable=true: a peer group is single-turn text; a "
                         "multi-turn trajectory's turns cannot be replaced by it")
-    sync_steps = _value(config, f"trainer.v1.{TRAINER_MODE}.parameter_sync_step", 1)
-    if sync_steps != 1:
-        refusals.append(f"trainer.v1.{TRAINER_MODE}.parameter_sync_step={sync_steps}: several updates per weight sync "
-                        "are verl's async trainers' (colocate_async, separate_async); GRAFT runs in the sync trainer")
+    # verl reads trainer.v1.<mode>.parameter_sync_step, and the trainer runs as mode "sync" (GraftPPOTrainer.__init__)
+    for mode in ("sync", TRAINER_MODE):
+        sync_steps = _value(config, f"trainer.v1.{mode}.parameter_sync_step", 1)
+        if sync_steps != 1:
+            refusals.append(f"trainer.v1.{mode}.parameter_sync_step={sync_steps}: several updates per weight sync are "
+                            "verl's async trainers' (colocate_async, separate_async); GRAFT runs in the sync trainer")
     if _value(config, "distillation.enabled", False) or _value(config, "distillation.enable", False):
         refusals.append("distillation: a teacher's logprobs are of the learner's own tokens, which grafted rows replace")
     if refusals:

@@ -36,11 +36,14 @@ import numpy as np
 import torch
 import transfer_queue as tq
 from omegaconf import DictConfig, open_dict
-from tensordict import TensorDict
+from tensordict import NonTensorData, TensorDict
 from transfer_queue import KVBatchMeta
 from verl.trainer.ppo.padding_utils import build_padding_position_ids
+from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+from verl.protocol import DataProto
+from verl.utils.debug.metrics import calculate_debug_metrics
 from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 from verl.workers.utils.padding import response_to_nested
 
@@ -66,6 +69,9 @@ log = logging.getLogger(__name__)
 NAN = float("nan")
 # fields of a rollout that carry more than text tokens: a peer row has nothing for them
 UNSUPPORTED_FIELDS = ("routed_experts", "teacher_ids", "teacher_logprobs")
+# fields of a prompt batch that carry images, video or audio: a peer group is text
+MULTI_MODAL_FIELDS = ("multi_modal_data", "multi_modal_inputs", "images", "videos", "audios")
+LATE_WARN_STEPS = 3  # steps in a row whose lookup was not back within graft.lookup_wait_s before a warning
 
 
 @dataclass
@@ -104,6 +110,8 @@ class Splice:
     same_tokenizer_id_mismatch: int = 0
     peer_rollouts_unused: int = 0  # rows of peer groups larger than rollout.n, beyond its slots
     grafted_groups_short: int = 0  # grafted groups that lost rows (dropped, or beyond n): advantages over the rest
+    grafted_groups_subsampled: int = 0  # grafted groups larger than rollout.n, picked down to n (batch.pick_rows)
+    grafted_groups_no_signal: int = 0  # grafted groups whose kept rows have one reward (advantages 0)
     store: dict[str, float] = field(default_factory=dict)
     graft_s: float = 0.0
 
@@ -124,6 +132,7 @@ class GraftPPOTrainer(PPOTrainerSync):
         self.graft: GraftSetup | None = None
         self.graft_lookups: list[Lookup] = []
         self.graft_splice: Splice | None = None
+        self.graft_late_steps = 0  # steps in a row whose lookup came back too late to graft from
 
     # ---- set-up -------------------------------------------------------------------------------------------------
     def _setup(self):
@@ -171,6 +180,10 @@ class GraftPPOTrainer(PPOTrainerSync):
             raise KeyError(f"GRAFT finds peer groups by each prompt's store id: rows {missing[:5]} of the dataset have "
                            f"no extra_info.{key} (add schemas.prompt_id(problem text) to each row's extra_info, or "
                            "name the key in graft.prompt_id_key)")
+        images = [name for name in MULTI_MODAL_FIELDS if name in batch.keys() and any(_plain(v) for v in batch[name])]
+        if images:
+            raise NotImplementedError(f"GRAFT grafts text completions; this batch's prompts carry {images}: a peer's text "
+                                      "group cannot stand in for a multi-modal trajectory")
         prompt_of = {str(uid): str(info[key]) for uid, info in zip(list(batch["uid"]), extra, strict=True)}
         request = self.graft.peers.request(list(prompt_of.values()), self.global_steps)
         lookup = Lookup(prompt_of, self.graft.peers.start_lookup(request))
@@ -218,8 +231,10 @@ class GraftPPOTrainer(PPOTrainerSync):
         the rule the gate applies (the lookup request of the batch's prompts)."""
         wanted, prompt_of, found = set(uids), {}, LookupResult(ok=True)
         waited = time.perf_counter()
+        deadline = waited + self.graft_section.lookup_wait_s  # one wait per step, however many lookups it spans
+        late_before = self.graft.peers.counters.lookups_late
         for lookup in [lookup for lookup in self.graft_lookups if wanted & lookup.prompt_of.keys()]:
-            result = self.graft.peers.collect(lookup.pending, self.graft_section.lookup_wait_s)
+            result = self.graft.peers.collect(lookup.pending, max(0.0, deadline - time.perf_counter()))
             found.ok &= result.ok
             for prompt_id, peer_groups in result.groups.items():
                 found.groups.setdefault(prompt_id, []).extend(peer_groups)
@@ -228,11 +243,22 @@ class GraftPPOTrainer(PPOTrainerSync):
             if lookup.prompt_of.keys() <= wanted:
                 self.graft_lookups.remove(lookup)
         found.wait_s = time.perf_counter() - waited
+        self.graft_note_late(self.graft.peers.counters.lookups_late > late_before)
         unknown = [uid for uid in uids if uid not in prompt_of]
         if unknown:
             raise RuntimeError(f"groups {unknown[:3]} were not submitted through this trainer: no prompt id is known")
         request = self.graft.peers.request([prompt_of[uid] for uid in uids], self.global_steps)
         return prompt_of, found, request
+
+    def graft_note_late(self, late: bool) -> None:
+        """Count steps in a row whose lookup was not back within graft.lookup_wait_s, and say so (they train as GRPO)."""
+        self.graft_late_steps = self.graft_late_steps + 1 if late else 0
+        if self.graft_late_steps == LATE_WARN_STEPS or (late and self.graft_late_steps % (10 * LATE_WARN_STEPS) == 0):
+            log.warning("GRAFT: the store's answer came too late to graft from in %d steps in a row (each waited up to "
+                        "graft.lookup_wait_s = %g s after generation; metric graft/store_lookups_late): those steps' "
+                        "all-fail groups train as GRPO. Is the store %s slow or overloaded? Raise graft.lookup_wait_s, "
+                        "or serve it closer", self.graft_late_steps, self.graft_section.lookup_wait_s,
+                        self.graft.cfg.store.url)
 
     def graft_write_rows(self, batch: KVBatchMeta, grafted: list[tuple[str, list[int], GateDecision]],
                          splice: Splice) -> None:
@@ -248,14 +274,15 @@ class GraftPPOTrainer(PPOTrainerSync):
                                       "which peer rows have nothing")
         position = {key: k for k, key in enumerate(keys)}
         samples, tags = [], []
-        for uid, rows, decision in grafted:
+        for group, (uid, rows, decision) in enumerate(grafted):
             peer = decision.peer_group
             source = sources[position[batch.keys[rows[0]]]]
             prompt = source["prompts"].tolist()
             splice.peer_rollouts_unused += max(0, len(peer.rollouts) - n)
-            # graft-train's rows of the group: re-tokenised, at most n (the failed group's slots), advantages over them
-            made = grafted_group_rows(cfg, learner, peer, 0, prompt, self.graft.peer_tokenizers, self.graft.stop_token,
-                                      splice, max_rows=n)
+            # graft-train's rows of the group: re-tokenised, at most n (the failed group's slots: a seeded pick keeping a
+            # success and a failure), advantages over them; `group` keeps each group's own centring (group_normalized_weight)
+            made = grafted_group_rows(cfg, learner, peer, group, prompt, self.graft.peer_tokenizers, self.graft.stop_token,
+                                      splice, max_rows=n, pick_seed=cfg.seed * 7_919 + self.global_steps)
             for slot, i in enumerate(rows):
                 row = made[slot] if slot < len(made) else None
                 reward = (row.reward or 0.0) if row is not None else 0.0  # the peer's reward of its text
@@ -274,8 +301,7 @@ class GraftPPOTrainer(PPOTrainerSync):
         masked out, as verl's padding rows carry)."""
         sample = {name: value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
                   for name, value in source.items()}
-        multi_modal = sample.get("multi_modal_inputs")
-        if isinstance(multi_modal, dict) and multi_modal:
+        if any(_plain(sample.get(name)) for name in MULTI_MODAL_FIELDS):
             raise NotImplementedError("GRAFT grafts text completions; this prompt has multi-modal inputs")
         if row is None:
             completion, mask, behaviour = [self.graft.stop_token], [0], [0.0]
@@ -301,20 +327,75 @@ class GraftPPOTrainer(PPOTrainerSync):
             tag["is_padding"] = True  # no token: out of verl's response-length and score metrics, as its padding rows
         return sample, tag
 
-    # ---- 3. advantages and c, after verl computed pi_old and its own advantages ---------------------------------
+    # ---- 3. pi_old: verl's; its rollout-vs-actor metrics over the learner's own rows -----------------------------
+    def _compute_old_log_prob(self, batch: KVBatchMeta, metrics: dict) -> KVBatchMeta:
+        before = set(metrics)
+        batch = super()._compute_old_log_prob(batch, metrics)
+        if self.graft_grafted(batch):
+            # verl's training/rollout_probs_diff_* compare the sampler's logprobs with pi_old: on a grafted row those
+            # are the peer's (mu~), so the comparison would measure the peer, not verl's rollout engine
+            own = self.graft_own_rows(batch, self.graft_splice,
+                                      ["responses", "rollout_log_probs", "old_log_probs", "response_mask"])
+            added = [name for name in metrics if name not in before and name.startswith("training/rollout_")]
+            for name in added:
+                del metrics[name]
+            if added and own is not None:
+                metrics.update(calculate_debug_metrics(DataProto(batch=own)))
+        return batch
+
+    # ---- 4. advantages and c, after verl computed pi_old and its own advantages ---------------------------------
     def _compute_advantage(self, batch: KVBatchMeta, metrics: dict) -> KVBatchMeta:
+        before = set(metrics)
         batch = super()._compute_advantage(batch, metrics)
         splice, self.graft_splice = self.graft_splice, None
         if self.graft is not None and splice is not None:
             began = time.perf_counter()
-            weighted = self.graft_weigh(batch, splice) if splice.slots else None
+            weighted = None
+            if splice.slots:
+                self.graft_own_rollout_corr(batch, splice, metrics, [name for name in metrics if name not in before])
+                # the meta that goes on to the actor: its field list must hold rollout_is_weights, or verl's
+                # _update_actor dispatches the batch without them (TransferQueue's meta lists the fields it carries)
+                batch, weighted = self.graft_weigh(batch, splice)
             splice.graft_s += time.perf_counter() - began
             metrics.update(self.graft_metrics(splice, weighted))
         return batch
 
-    def graft_weigh(self, batch: KVBatchMeta, splice: Splice) -> WeightedRows:
+    def graft_grafted(self, batch: KVBatchMeta) -> bool:
+        """Whether this batch holds grafted rows (the splice of the batch verl is working on)."""
+        return self.graft is not None and self.graft_splice is not None and any(
+            key in self.graft_splice.slots for key in batch.keys)
+
+    @staticmethod
+    def graft_own_rows(batch: KVBatchMeta, splice: Splice, fields: list[str]) -> TensorDict | None:
+        """`fields` of the learner's own rows (neither grafted nor padding), padded; None when there are none."""
+        keys = [key for key, tag in zip(batch.keys, batch.tags) if key not in splice.slots and not tag.get("is_padding")]
+        if not keys:
+            return None
+        return tq.kv_batch_get(keys=keys, partition_id=batch.partition_id, select_fields=fields).to_padded_tensor()
+
+    def graft_own_rollout_corr(self, batch: KVBatchMeta, splice: Splice, metrics: dict, added: list[str]) -> None:
+        """verl's rollout_corr/* metrics (pi_old against the sampler's logprobs) over the learner's own rows: on grafted
+        rows the sampler is the peer. verl's own function, on those rows, as its _compute_advantage calls it."""
+        names = [name for name in added if name.startswith("rollout_corr/")]
+        if not names:
+            return
+        for name in names:
+            del metrics[name]
+        own = self.graft_own_rows(batch, splice, ["old_log_probs", "rollout_log_probs", "response_mask"])
+        if own is None:
+            return
+        settings = self.config.algorithm.rollout_correction
+        _, _, own_metrics = compute_rollout_correction_and_rejection_mask(
+            old_log_prob=own["old_log_probs"].float(), rollout_log_prob=own["rollout_log_probs"].float(),
+            response_mask=own["response_mask"], rollout_is=settings.get("rollout_is", None),
+            rollout_is_threshold=settings.get("rollout_is_threshold", 2.0), rollout_is_batch_normalize=False,
+            rollout_rs=None, rollout_rs_threshold=None)  # the two refused settings (integrations/verl/config.py)
+        metrics.update(own_metrics)
+
+    def graft_weigh(self, batch: KVBatchMeta, splice: Splice) -> tuple[KVBatchMeta, WeightedRows]:
         """Peer advantages and c = peer_loss_scale * w * b on the grafted rows (graft-train's functions, pi_old as the
-        "first pass"); `rollout_is_weights` of every row written (1, or verl's own, on the learner's rows)."""
+        "first pass"); `rollout_is_weights` of every row written (1, or verl's own, on the learner's rows). Returns
+        TransferQueue's meta of the batch after that write (it lists rollout_is_weights) and the weighted rows."""
         fields = ["response_mask", "advantages", "old_log_probs", "rollout_is_weights"]
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
         response_mask = data["response_mask"]  # nested (B, j)
@@ -346,8 +427,7 @@ class GraftPPOTrainer(PPOTrainerSync):
             "response_mask": response_to_nested(mask.long(), response_mask),
         }, batch_size=len(batch))
         output["loss_mask"] = output["response_mask"]
-        tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=output)
-        return weighted
+        return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=output), weighted
 
     # ---- metrics -----------------------------------------------------------------------------------------------
     def graft_store_counts(self, wait_s: float) -> dict[str, float]:
@@ -382,6 +462,8 @@ class GraftPPOTrainer(PPOTrainerSync):
             "peer_rollouts_consumed": sum(1 for row in (weighted.rows if weighted else []) if row.grafted),
             "peer_rollouts_unused": splice.peer_rollouts_unused,
             "grafted_groups_short": splice.grafted_groups_short,
+            "grafted_groups_subsampled": splice.grafted_groups_subsampled,
+            "grafted_groups_no_signal": splice.grafted_groups_no_signal,
             **{f"dropped_{reason}": value for reason, value in drops.items()},
             **{f"projection_{kind}": value for kind, value in splice.projections.items()},
             "peer_advantage_mismatch": splice.peer_advantage_mismatch,
@@ -390,3 +472,8 @@ class GraftPPOTrainer(PPOTrainerSync):
             "graft_s": splice.graft_s,
         }
         return {f"graft/{name}": float(value) for name, value in metrics.items()}
+
+
+def _plain(value: Any) -> Any:
+    """A TensorDict entry's value (a non-tensor entry comes wrapped in NonTensorData)."""
+    return value.data if isinstance(value, NonTensorData) else value

@@ -11,7 +11,16 @@ import torch
 from graft.rollouts.hf_backend import HFBackend, teacher_forced_logprobs
 from graft.rollouts.sampling import SamplingParams
 from graft.schemas import Problem, RolloutGroup
-from graft.trainer.batch import TrainSample, build_rows, collate, old_logprobs_and_weights, response_logprobs
+from graft.trainer.batch import (
+    StepRows,
+    TrainSample,
+    build_rows,
+    collate,
+    grafted_group_rows,
+    old_logprobs_and_weights,
+    response_logprobs,
+)
+from graft.trainer.retokenize import drop_counts, projection_counts
 from graft.trainer.config import TrainConfig
 from graft.trainer.gate import GateDecision
 from graft.trainer.learner import Learner
@@ -117,6 +126,41 @@ def test_a_grafted_group_that_lost_a_row_gets_advantages_over_the_rows_that_trai
     std = math.sqrt(1 / 3)
     assert [r.advantage for r in step_rows.rows] == pytest.approx([(1 / 3) / std, -(2 / 3) / std, (1 / 3) / std], rel=1e-4)
     assert sum(r.advantage for r in step_rows.rows) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_a_peer_group_larger_than_a_hosts_slots_keeps_a_success_and_a_failure(char_model, char_tokenizer, bpe_model,
+                                                                             bpe_tokenizer):
+    """A host with G slots per group (TRL's num_generations, verl's rollout.n) and a peer group of 8 whose only
+    success is its last row: its first 4 rows would all fail (advantages 0: grafted for nothing). The pick keeps
+    the success and a failure, is the same for the same seed, and is counted."""
+    problem = PROBLEMS[0]
+    texts = ["\\boxed{18}"] * 7 + ["\\boxed{19}"]
+    peer = build_group(problem, texts, [0.0] * 7 + [1.0], bpe_tokenizer, bpe_model, model_id="peer", tokenizer_id="tok-bpe")
+    learner = learner_of(char_model, char_tokenizer)
+
+    def pick(seed: int) -> tuple[list[TrainSample], StepRows]:
+        counts = StepRows([], [], drop_counts(), projection_counts(), 0, 0)
+        rows = grafted_group_rows(config(), learner, peer, 0, [1, 2], {"tok-bpe": bpe_tokenizer}, None, counts,
+                                  max_rows=4, pick_seed=seed)
+        return rows, counts
+
+    rows, counts = pick(0)
+    assert len(rows) == 4 and sorted(row.reward for row in rows) == [0.0, 0.0, 0.0, 1.0]
+    assert max(row.advantage for row in rows) > 0 and sum(row.advantage for row in rows) == pytest.approx(0, abs=1e-6)
+    assert (counts.grafted_groups_subsampled, counts.grafted_groups_short, counts.grafted_groups_no_signal) == (1, 1, 0)
+    assert [row.completion_ids for row in pick(0)[0]] == [row.completion_ids for row in rows]  # seeded
+    two = build_group(problem, ["\\boxed{18}", "\\boxed{19}"] * 4, [0.0, 1.0] * 4, bpe_tokenizer, bpe_model,
+                      model_id="peer", tokenizer_id="tok-bpe")
+    for seed in range(8):  # two slots: always one of each reward
+        counts = StepRows([], [], drop_counts(), projection_counts(), 0, 0)
+        kept = grafted_group_rows(config(), learner, two, 0, [1, 2], {"tok-bpe": bpe_tokenizer}, None, counts,
+                                  max_rows=2, pick_seed=seed)
+        assert sorted(row.reward for row in kept) == [0.0, 1.0]
+    counts = StepRows([], [], drop_counts(), projection_counts(), 0, 0)
+    lone = build_group(problem, ["\\boxed{18}"] * 3, [0.0] * 3, bpe_tokenizer, bpe_model, model_id="peer",
+                       tokenizer_id="tok-bpe")
+    grafted_group_rows(config(), learner, lone, 0, [1, 2], {"tok-bpe": bpe_tokenizer}, None, counts, max_rows=2)
+    assert counts.grafted_groups_no_signal == 1  # one reward among the rows that train: counted, not hidden
 
 
 def test_group_normalized_weight_leaves_no_net_push_on_the_tokens_a_group_shares(char_model, char_tokenizer, bpe_model,

@@ -14,7 +14,7 @@ pytest.importorskip("verl.trainer", reason="verl runs in its own environment: ma
 
 from verl_world import graft_overrides, verl_config  # noqa: E402
 
-from graft.integrations.verl.config import train_config  # noqa: E402
+from graft.integrations.verl.config import check_config, train_config  # noqa: E402
 from graft.integrations.verl.trainer import GraftPPOTrainer  # noqa: E402
 
 STORE = "http://127.0.0.1:8600"
@@ -37,6 +37,10 @@ def config(*extra: str):
     (["actor_rollout_ref.actor.entropy_coeff=0.01"], "entropy"),
     (["actor_rollout_ref.rollout.multi_turn.enable=true"], "multi_turn"),
     (["+trainer.v1.graft_sync.parameter_sync_step=4"], "async"),
+    (["+trainer.v1.sync.parameter_sync_step=4"], "trainer.v1.sync.parameter_sync_step"),  # the key verl reads
+    (["actor_rollout_ref.rollout.n=1"], "rollout.n=1"),
+    (["actor_rollout_ref.rollout.enable_rollout_routing_replay=true"], "routing_replay"),
+    (["skip.rollout_tq.enable=true"], "rollout_tq"),
     (["+graft.options.token_is=luffy"], "luffy"),
     (["+graft.options.union_all_success=true"], "union_all_success"),
     (["+graft.store_options.mode=cotrain"], "co-training"),
@@ -47,6 +51,18 @@ def config(*extra: str):
 def test_the_trainer_refuses_what_graft_cannot_do_inside_verl(settings, named):
     with pytest.raises(ValueError, match=named):
         GraftPPOTrainer(config(*settings))
+
+
+def test_verls_default_attention_without_flash_attn_is_refused_with_the_fix():
+    """verl's actor asks for flash_attention_2 unless told otherwise; verl[vllm] brings no flash-attn."""
+    import importlib.util
+
+    if importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("flash-attn is installed here: verl's default attention works")
+    unset = [o for o in graft_overrides(Path("/models/learner"), STORE, None) if "attn_implementation" not in o]
+    with pytest.raises(ValueError, match="attn_implementation=sdpa"):
+        GraftPPOTrainer(verl_config(unset))
+    check_config(verl_config(unset + ["+actor_rollout_ref.model.override_config.attn_implementation=sdpa"]))
 
 
 def test_what_graft_accepts_with_its_reason_to():
@@ -68,7 +84,10 @@ def test_importing_verl_registers_graft_sync_through_the_entry_point():
     checkout too; with VERL_USE_EXTERNAL_MODULES a module that fails to import stops verl loudly."""
     code = ("import verl; from verl.trainer.ppo.v1 import get_trainer_cls; "
             "print(get_trainer_cls('graft_sync').__module__)")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # a fresh user's environment: none of the test-only CPU shim's settings (cpu_actor.py sets VERL_PLATFORM=cpu and
+    # the torch.distributed variables when pytest imports it, e.g. `pytest tests/integrations/inside_verl/*.py`)
+    shim = {"PYTHONPATH", "VERL_PLATFORM", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
+    env = {k: v for k, v in os.environ.items() if k not in shim}
     found = subprocess.run([sys.executable, "-c", code], cwd="/", env=env, capture_output=True, text=True, timeout=300)
     assert found.returncode == 0 and found.stdout.strip().endswith("graft.integrations.verl.trainer"), found.stderr[-2000:]
     loud = subprocess.run([sys.executable, "-c", "import verl"], cwd="/", capture_output=True, text=True, timeout=300,

@@ -98,18 +98,42 @@ def build_trainer(world, store_url: str | None, learner) -> GraftPPOTrainer:
     return trainer
 
 
-def write_old_logprobs(batch, learner) -> None:
-    """pi_old of every row from the learner's forward pass at the rollout temperature (1), written back as verl's
-    `_compute_old_log_prob` writes it (nested, one value per response token)."""
-    data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["prompts", "responses"])
-    rows = []
-    with torch.no_grad():
-        for prompt, response in zip(data["prompts"].unbind(), data["responses"].unbind()):
-            ids = torch.cat([prompt, response])[None]
-            logits = learner(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
-            rows.append(logits.log_softmax(-1).gather(1, response[:, None])[:, 0])
-    old = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
-    tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=TensorDict({"old_log_probs": old}, batch_size=len(rows)))
+class LearnerLogProbs:
+    """verl's actor worker group in the tests (its `compute_log_prob(batch)`): the learner's forward pass at the rollout
+    temperature (1), written to TransferQueue as verl's worker writes it: `log_probs` and `entropy` in the model's
+    output layout (one value per sequence token, the response's shifted left by one), which verl's
+    `_compute_old_log_prob` turns into `old_log_probs` (response_from_nested)."""
+
+    def __init__(self, learner):
+        self.learner = learner
+
+    def compute_log_prob(self, batch):
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["prompts", "responses"])
+        rows = []
+        with torch.no_grad():
+            for prompt, response in zip(data["prompts"].unbind(), data["responses"].unbind()):
+                ids = torch.cat([prompt, response])[None]
+                logits = self.learner(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+                values = logits.log_softmax(-1).gather(1, response[:, None])[:, 0]
+                rows.append(torch.cat([torch.zeros(len(prompt) - 1), values, torch.zeros(1)]))
+        log_probs = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+        entropy = torch.nested.as_nested_tensor([torch.zeros_like(r) for r in rows], layout=torch.jagged)
+        return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
+                               fields=TensorDict({"log_probs": log_probs, "entropy": entropy}, batch_size=len(rows)))
+
+
+def step_to_the_actor(trainer, learner, problems):
+    """One step of `trainer` as verl's `_step_once` runs it, up to the actor's update: submit (the lookup starts),
+    sample from verl's replay buffer, balance (the splice), verl's pi_old, verl's advantages and GRAFT's weights.
+    Returns (the batch as sampled, the meta `_compute_advantage` hands to `_update_actor`, the splice, the metrics)."""
+    trainer.actor_rollout_wg = LearnerLogProbs(learner)
+    trainer._submit_batch_to_rollout(prompt_batch(problems))
+    batch, _ = trainer.replay_buffer.sample(global_steps=1, partition_id="train", batch_size=len(problems))
+    trainer.graft_splice = splice = trainer.graft_splice_batch(batch)
+    metrics: dict = {}
+    batch = trainer._compute_old_log_prob(batch, metrics)
+    meta = trainer._compute_advantage(batch, metrics)
+    return batch, meta, splice, metrics
 
 
 @pytest.fixture(scope="module")
@@ -117,16 +141,11 @@ def stepped(world, store, learner, transfer_queue):
     """One step of the trainer up to the loss: submit (the lookup starts), sample from verl's replay buffer, splice,
     pi_old, verl's advantages and GRAFT's weights."""
     trainer = build_trainer(world, store.url, learner)
-    trainer._submit_batch_to_rollout(prompt_batch(world["problems"]))
-    batch, _ = trainer.replay_buffer.sample(global_steps=1, partition_id="train", batch_size=3)
-    trainer.graft_splice = splice = trainer.graft_splice_batch(batch)
-    write_old_logprobs(batch, learner)
-    metrics: dict = {}
-    trainer._compute_advantage(batch, metrics)
+    batch, meta, splice, metrics = step_to_the_actor(trainer, learner, world["problems"])
     fields = ["prompts", "responses", "response_mask", "loss_mask", "rm_scores", "rollout_log_probs", "advantages",
               "rollout_is_weights", "old_log_probs", "uid", "extra_info"]
     data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
-    yield {"trainer": trainer, "batch": batch, "splice": splice, "metrics": metrics, "data": data}
+    yield {"trainer": trainer, "batch": batch, "meta": meta, "splice": splice, "metrics": metrics, "data": data}
     tq.kv_clear(keys=batch.keys, partition_id=batch.partition_id)
 
 
@@ -244,9 +263,9 @@ def test_without_a_store_the_trainer_is_verls_sync_trainer(world, learner, trans
     tq.kv_clear(keys=batch.keys, partition_id=batch.partition_id)
 
 
-def update_actor(batch: TensorDict, overrides: list[str], tmp_path, name: str) -> float:
+def update_actor(batch: TensorDict, overrides: list[str], tmp_path, name: str) -> dict[str, torch.Tensor]:
     """One `train_mini_batch` of verl's actor on `batch` through the test-only CPU shim (cpu_actor.py, its own process:
-    the shim must register verl's cpu platform before anything resolves it); the largest parameter change."""
+    the shim must register verl's cpu platform before anything resolves it); each parameter's change."""
     import os
     import subprocess
     import sys
@@ -260,27 +279,153 @@ def update_actor(batch: TensorDict, overrides: list[str], tmp_path, name: str) -
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     out = torch.load(target, weights_only=False)
-    return max(float((out["after"][k] - out["before"][k]).abs().max()) for k in out["before"])
+    return {k: out["after"][k] - out["before"][k] for k in out["before"]}
 
 
-def test_verls_actor_update_moves_the_parameters_on_the_grafted_rows_alone(world, stepped, tmp_path):
-    """verl's actor (TrainingWorker, FSDP2, ppo_loss with rollout_is_weights) on the spliced batch with the learner's
-    own rows' advantages zeroed: the grafted rows alone move the parameters; with their c zeroed too, nothing moves
-    (weight decay 0: AdamW's decay would move them without a gradient)."""
-    fields = ["input_ids", "position_ids", "prompts", "responses", "response_mask", "loss_mask", "old_log_probs",
-              "advantages", "rollout_is_weights"]
-    data = tq.kv_batch_get(keys=stepped["batch"].keys, partition_id="train", select_fields=fields)
-    grafted = [tag.get("graft") == "peer" for tag in stepped["batch"].tags]
-    advantages = [a if g else torch.zeros_like(a) for a, g in zip(data["advantages"].unbind(), grafted)]
-    batch = TensorDict({name: data[name] for name in fields}, batch_size=len(grafted))
-    batch["advantages"] = torch.nested.as_nested_tensor(advantages, layout=torch.jagged)
+def test_verls_actor_trains_the_grafted_rows_by_their_weights_through_verls_dispatch(world, stepped, tmp_path):
+    """The meta `_compute_advantage` returns lists rollout_is_weights, so the batch verl's dispatch builds from it for
+    the actor's worker (tqbridge: kv_batch_meta2batch_meta, then the fields it lists) carries c; verl's actor
+    (TrainingWorker, FSDP2, ppo_loss; SGD, one step, no clipping) with the learner's own rows' advantages zeroed then
+    moves the parameters by the grafted rows' weights: not at all with their c zeroed, half as far with c halved."""
+    from verl.utils.transferqueue_utils import _meta_to_realdata, kv_batch_meta2batch_meta
+
+    meta = stepped["meta"]
+    assert "rollout_is_weights" in kv_batch_meta2batch_meta(meta).field_names
+    batch = _meta_to_realdata(meta)  # the actor's batch, as verl's worker receives it
+    grafted = [tag.get("graft") == "peer" for tag in meta.tags]
+    assert sum(grafted) == sum(PEER_SIZES)
+    batch["advantages"] = torch.nested.as_nested_tensor(
+        [a if g else torch.zeros_like(a) for a, g in zip(batch["advantages"].unbind(), grafted)], layout=torch.jagged)
+    weights = batch["rollout_is_weights"].unbind()
+
+    def scaled(factor: float) -> TensorDict:
+        out = batch.clone()
+        out["rollout_is_weights"] = torch.nested.as_nested_tensor(
+            [w * factor if g else w for w, g in zip(weights, grafted)], layout=torch.jagged)
+        return out
+
     overrides = graft_overrides(world["learner_dir"], None, None) + [
-        "actor_rollout_ref.actor.strategy=fsdp2", "+actor_rollout_ref.model.override_config.attn_implementation=eager",
-        "actor_rollout_ref.actor.optim.lr=0.01", "actor_rollout_ref.actor.optim.weight_decay=0",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4"]
-    moved = update_actor(batch, overrides, tmp_path, "grafted")
-    weights = [w if not g else torch.zeros_like(w) for w, g in zip(data["rollout_is_weights"].unbind(), grafted)]
-    batch["rollout_is_weights"] = torch.nested.as_nested_tensor(weights, layout=torch.jagged)
-    still = update_actor(batch, overrides, tmp_path, "none")
-    print(f"\nlargest parameter change: grafted rows {moved:.3e}, grafted rows' c zeroed {still:.3e}")
-    assert moved > 1e-4 and still == 0.0, (moved, still)
+        "actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.actor.optim.optimizer=SGD",
+        "actor_rollout_ref.actor.optim.lr=1.0", "actor_rollout_ref.actor.optim.weight_decay=0",
+        "actor_rollout_ref.actor.optim.clip_grad=1e9", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4"]
+    full = update_actor(batch, overrides, tmp_path, "full")
+    none = update_actor(scaled(0.0), overrides, tmp_path, "zeroed")
+    half = update_actor(scaled(0.5), overrides, tmp_path, "halved")
+    largest = max(float(d.abs().max()) for d in full.values())
+    off_half = max(float((half[k] - 0.5 * full[k]).abs().max()) for k in full)
+    print(f"\nlargest parameter change: c {largest:.3e}, c zeroed "
+          f"{max(float(d.abs().max()) for d in none.values()):.3e}, |c halved - half of c| {off_half:.3e}")
+    assert largest > 1e-4
+    assert all(float(d.abs().max()) == 0.0 for d in none.values())
+    assert off_half <= 1e-3 * largest, (off_half, largest)
+
+
+def test_verls_rollout_health_metrics_cover_the_learners_own_rows(stepped):
+    """verl's rollout-vs-actor metrics (training/rollout_*, from `_compute_old_log_prob`) and rollout_corr/* (from
+    `_compute_advantage`) compare pi_old with the sampler's logprobs: over the learner's own rows only, since a grafted
+    row's sampler is the peer (its mu~ rides in rollout_log_probs)."""
+    from verl.protocol import DataProto
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+    from verl.utils.debug.metrics import calculate_debug_metrics
+
+    metrics, batch = stepped["metrics"], stepped["batch"]
+    own = [key for key, tag in zip(batch.keys, batch.tags) if not tag.get("graft")]
+    assert len(own) == GROUP  # the mixed group
+    rows = tq.kv_batch_get(keys=own, partition_id="train", select_fields=[
+        "responses", "rollout_log_probs", "old_log_probs", "response_mask"]).to_padded_tensor()
+    expected = calculate_debug_metrics(DataProto(batch=rows))
+    assert expected["training/rollout_probs_diff_max"] < 1e-4  # the learner's own sampler is pi_old here
+    for name, value in expected.items():
+        assert metrics[name] == pytest.approx(value, abs=1e-6), name
+    _, _, corr = compute_rollout_correction_and_rejection_mask(
+        old_log_prob=rows["old_log_probs"].float(), rollout_log_prob=rows["rollout_log_probs"].float(),
+        response_mask=rows["response_mask"], rollout_is=None, rollout_is_threshold=2.0)
+    corr_names = [name for name in metrics if name.startswith("rollout_corr/")]
+    assert corr_names
+    for name in corr_names:
+        assert metrics[name] == pytest.approx(corr[name], abs=1e-6, nan_ok=True), name
+
+
+def test_a_peer_group_larger_than_n_keeps_a_success_and_a_failure(world, learner, transfer_queue, tmp_path):
+    """A peer group of 8 (graft-generate's default G) for a learner with rollout.n = 4, whose one success is its last
+    row: the first n rows would all fail (advantages 0, grafted for nothing); the seeded pick keeps the success."""
+    problems = world["problems"]
+    peer_tok = peer_tokenizer()
+    peer = AutoModelForCausalLM.from_pretrained(world["peer_dir"]).eval()
+    failed = problems[1]
+    texts = [completion_text("0")] * 7 + [completion_text(failed.answer)]
+    group = build_group(failed, texts, [0.0] * 7 + [1.0], peer_tok, peer, model_id="toy-peer",
+                        tokenizer_id=tokenizer_fingerprint(peer_tok))
+    root = tmp_path / "store"
+    write_groups(root, [group], problems)
+    with StoreServer(root) as server:
+        trainer = build_trainer(world, server.url, learner)
+        batch, meta, splice, metrics = step_to_the_actor(trainer, learner, problems)
+    rows = [row for key, row in splice.slots.items() if row is not None]
+    assert len(rows) == GROUP and sorted(row.reward for row in rows) == [0.0, 0.0, 0.0, 1.0]
+    assert metrics["graft/grafted_groups_subsampled"] == 1 and metrics["graft/grafted_groups_no_signal"] == 0
+    assert metrics["graft/peer_rollouts_unused"] == 8 - GROUP
+    assert max(row.advantage for row in rows) > 0
+    tq.kv_clear(keys=batch.keys, partition_id=batch.partition_id)
+
+
+def test_group_normalized_weights_centre_each_grafted_group_on_its_own(world, store, learner, transfer_queue):
+    """graft.group_normalized_weight centres each grafted group's advantages under its rows' w: per group,
+    sum_k w_k A'_k = 0 (the spec's cancellation on shared tokens), not across the step's grafted groups."""
+    config = verl_config(graft_overrides(world["learner_dir"], store.url, world["peer_dir"])
+                         + ["+graft.options.group_normalized_weight=true"])
+    trainer = GraftPPOTrainer(config)
+    trainer._init_tokenizer()
+    trainer.graft = trainer.graft_setup()
+    trainer.global_steps = 1
+    trainer.agent_loop_manager = RecordedRollouts(learner, trainer.tokenizer, world["plans"])
+    batch, _, splice, _ = step_to_the_actor(trainer, learner, world["problems"])
+    groups: dict[int, list] = {}
+    for row in splice.slots.values():
+        if row is not None:
+            groups.setdefault(row.group, []).append(row)
+    assert len(groups) == 2
+    for rows in groups.values():
+        assert abs(sum(row.compat_weight * row.advantage for row in rows)) < 1e-9
+    tq.kv_clear(keys=batch.keys, partition_id=batch.partition_id)
+
+
+def test_a_late_store_waits_once_per_step_and_is_said(world, store, learner, caplog):
+    """graft.lookup_wait_s (30 s by default) is one deadline per step, however many lookups the step spans; a step
+    whose lookup is still out after it is counted, and a few such steps in a row are warned about."""
+    import time
+    from concurrent.futures import Future
+
+    from graft.integrations.verl.config import DEFAULT_LOOKUP_WAIT_S, graft_section
+    from graft.integrations.verl.trainer import LATE_WARN_STEPS, Lookup
+
+    defaults = [o for o in graft_overrides(world["learner_dir"], store.url, None) if "lookup_wait_s" not in o]
+    assert graft_section(verl_config(defaults)).lookup_wait_s == DEFAULT_LOOKUP_WAIT_S > 0
+    trainer = build_trainer(world, store.url, learner)
+    trainer.graft_section.lookup_wait_s = 0.3
+    for step in range(LATE_WARN_STEPS):
+        ids = [p.prompt_id for p in world["problems"]]
+        trainer.graft_lookups = [Lookup({"a": ids[0]}, Future()), Lookup({"b": ids[1]}, Future())]  # never answered
+        began = time.perf_counter()
+        with caplog.at_level("WARNING", logger="graft.integrations.verl.trainer"):
+            _, found, _ = trainer.graft_collect(["a", "b"])
+        assert time.perf_counter() - began < 0.55 and not found.groups  # one 0.3 s wait, not one per lookup
+    assert trainer.graft.peers.counters.lookups_late == 2 * LATE_WARN_STEPS
+    assert trainer.graft_late_steps == LATE_WARN_STEPS
+    assert any("too late to graft" in r.getMessage() for r in caplog.records)
+
+
+def test_multi_modal_prompts_are_refused_before_generation(world, store, learner):
+    """A prompt batch with images stops before verl generates, saying why (a peer's group is text), and so does a
+    trajectory whose fields carry multi-modal inputs (TensorDict hands them over wrapped: NonTensorData)."""
+    from verl.utils import tensordict_utils as tu
+
+    trainer = build_trainer(world, store.url, learner)
+    batch = prompt_batch(world["problems"])
+    tu.assign_non_tensor_stack(batch, "multi_modal_data", [{"images": ["img"]}] * len(world["problems"]))
+    with pytest.raises(NotImplementedError, match="multi_modal_data"):
+        trainer._submit_batch_to_rollout(batch)
+    row = TensorDict({"prompts": torch.tensor([1, 2]), "position_ids": torch.arange(3)}, batch_size=[])
+    row["multi_modal_inputs"] = tu.NonTensorData({"pixel_values": torch.zeros(1)})
+    with pytest.raises(NotImplementedError, match="multi-modal"):
+        trainer.graft_row_fields(row, {}, [1, 2], None, 0.0)

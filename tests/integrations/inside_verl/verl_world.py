@@ -45,6 +45,8 @@ def graft_overrides(learner_dir: Path, store_url: str | None, peer_dir: Path | N
         f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts}",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
         "data.max_response_length=16",
+        # transformers' own attention: verl's default asks for flash_attention_2, which needs flash-attn (a GPU build)
+        "+actor_rollout_ref.model.override_config.attn_implementation=eager",
     ]
     if store_url is not None:
         settings += [f"+graft.store_url={store_url}", "+graft.lookup_wait_s=30",
