@@ -1,7 +1,7 @@
 """`GraftPPOTrainer`: verl's synchronous v1 trainer (`PPOTrainerSync`), grafting peer groups from the store into its
 all-fail groups (GRAFT_SPEC), registered as `trainer.v1.trainer_mode=graft_sync`.
 
-It wraps four of verl's methods and copies none (a copied loop drifts from its parent; HACPO and LUFFY replaced
+It wraps five of verl's methods and copies none (a copied loop drifts from its parent; HACPO and LUFFY replaced
 verl's `fit`); each calls its parent:
 - `_submit_batch_to_rollout`: the peer lookup for the submitted prompts (their `extra_info.prompt_id`) starts in a
   background thread, then verl dispatches generation: the lookup hides behind it.           trainer/peers.py
@@ -10,11 +10,15 @@ verl's `fit`); each calls its parent:
   group's peer rollouts, re-tokenised into the learner's tokens, are written over the failed group's rollout.n rows
   in TransferQueue (an unfilled slot keeps one token, masked out, as verl's own padding rows), then verl balances.
   verl then computes pi_old (and pi_ref) on them itself.                    trainer/gate.py, trainer/batch.py
+- `_compute_old_log_prob`: verl's; its rollout-vs-actor metrics recomputed over the learner's own rows (on a grafted
+  row the sampler is the peer).
 - `_compute_advantage`: verl's, then on grafted rows the peer group's advantages (graft-train's recomputation from the
   stored rewards, negative ones scaled) and the per-token weight c = peer_loss_scale * w * b from pi_old and the
   peer's projected logprobs mu~ (graft-train's `old_logprobs_and_weights`). c goes into `rollout_is_weights`, which
   verl's vanilla loss multiplies into the clipped per-token loss, as graft-train's loss does; the learner's rows keep
-  1 (or verl's own rollout correction weight when `rollout_is` is set). graft-train's metrics go under `graft/`.
+  1 (or verl's own rollout correction weight when `rollout_is` is set). It returns TransferQueue's record of the batch
+  after that write: `_update_actor` sends the actor the fields that record lists. graft-train's metrics go under
+  `graft/`; verl's rollout_corr/* are recomputed over the learner's own rows.
 - `_setup` builds the learner's identities and the store client after verl's; `fit` closes the client.
 verl's trainer runs in its own sync mode underneath (`trainer.v1.trainer_mode` reads `sync` once the trainer is
 built): its replay buffer, checkpoints and weight sync are the sync trainer's.
