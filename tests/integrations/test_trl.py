@@ -309,3 +309,13 @@ def test_graft_config_defaults_to_graft_trains_clip_and_takes_trls_when_asked(tm
     trls = make_args(tmp_path, "http://127.0.0.1:8600", None, epsilon_high=None, delta=None).train_config("/m").ppo
     assert (trls.eps_high, trls.dual_clip_c) == (0.2, None)
 
+
+
+def test_the_trl_adapter_runs_graft_trains_default_graft(tmp_path):
+    """With no graft_options the TRL run grafts with graft-train's default GRAFT, field for field (verl's trainer: the
+    same check in tests/integrations/inside_verl/test_config.py): a change of the default moves every trainer at once."""
+    from graft.trainer.config import GraftConfig as GraftOptions
+
+    graft = make_args(tmp_path, "http://127.0.0.1:8600", None).train_config("/models/learner").graft
+    mine = {"peer_tokenizers"}  # the run's own (an empty list or map: none)
+    assert graft.model_dump(exclude=mine) == GraftOptions().model_dump(exclude=mine)

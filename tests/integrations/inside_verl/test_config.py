@@ -93,3 +93,13 @@ def test_importing_verl_registers_graft_sync_through_the_entry_point():
     loud = subprocess.run([sys.executable, "-c", "import verl"], cwd="/", capture_output=True, text=True, timeout=300,
                           env=dict(env, VERL_USE_EXTERNAL_MODULES="graft.integrations.verl.no_such_module"))
     assert loud.returncode != 0 and "no_such_module" in loud.stderr
+
+
+def test_the_verl_trainer_runs_graft_trains_default_graft():
+    """With no graft.options the verl run grafts with graft-train's default GRAFT, field for field (TRL's adapter: the
+    same check in tests/integrations/test_trl.py): a change of the default moves every trainer at once."""
+    from graft.trainer.config import GraftConfig as GraftOptions
+
+    bare = [o for o in graft_overrides(Path("/models/learner"), STORE, None) if not o.startswith("+graft.options")]
+    mine = {"peer_tokenizers"}  # the run's own (an empty list or map: none)
+    assert train_config(verl_config(bare)).graft.model_dump(exclude=mine) == GraftOptions().model_dump(exclude=mine)
