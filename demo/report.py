@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 
 from demo.config import PEER_MODEL_ID, DemoConfig
-from demo.stats import VERDICT_RULE, Interval, paired_interval, pct, verdict
+from demo.stats import VERDICT_RULE, Interval, paired_interval, pct, stratified_interval, verdict
 from graft.rollouts.files import write_text_atomic
 
 MODE_LABEL = {
@@ -102,32 +102,32 @@ def run_record(run: dict, families: list[str], steps: int) -> dict[str, Any]:
     return record
 
 
-def paired_values(records: list[dict], mode: str, family: str, key: str = "primary", baseline: str = "grpo",
-                  start: str | None = None) -> list[float]:
-    """mode minus baseline on `family` (`key`: primary or greedy_late), one value per (start, seed) both ran."""
+def paired_values(records: list[dict], mode: str, family: str, key: str = "primary",
+                  baseline: str = "grpo") -> dict[str, list[float]]:
+    """mode minus baseline on `family` (`key`: primary or greedy_late), by start: one value per seed both ran there
+    (demo.stats.stratified_interval pools the starts)."""
     def by_pair(m: str) -> dict[tuple, float]:
-        return {(r["start"], r["seed"]): r[key][family] for r in records if r["mode"] == m and (start is None or r["start"] == start)}
+        return {(r["start"], r["seed"]): r[key][family] for r in records if r["mode"] == m}
 
     base, mine = by_pair(baseline), by_pair(mode)
-    return [mine[k] - base[k] for k in sorted(set(base) & set(mine))]
-
-
-def comparison(records: list[dict], mode: str, weak: str, strong: str, starts: list[str]) -> dict:
-    """A method against GRPO: the weak and strong families' paired intervals (primary metric), the verdict, the greedy
-    intervals (secondary) and the same per start (for reading, not for the verdict)."""
-    weak_i = paired_interval(paired_values(records, mode, weak))
-    strong_i = paired_interval(paired_values(records, mode, strong))
-    out = {
-        "weak": weak_i.as_dict(), "strong": strong_i.as_dict(), "verdict": verdict(weak_i, strong_i),
-        "weak_greedy": paired_interval(paired_values(records, mode, weak, "greedy_late")).as_dict(),
-        "strong_greedy": paired_interval(paired_values(records, mode, strong, "greedy_late")).as_dict(),
-        "per_start": {},
-    }
-    for start in starts:
-        values = paired_values(records, mode, weak, start=start)
-        if values:
-            out["per_start"][start] = paired_interval(values).as_dict()
+    out: dict[str, list[float]] = {}
+    for start, seed in sorted(set(base) & set(mine)):
+        out.setdefault(start, []).append(mine[start, seed] - base[start, seed])
     return out
+
+
+def comparison(records: list[dict], mode: str, weak: str, strong: str) -> dict:
+    """A method against GRPO: the weak and strong families' paired intervals (primary metric, stratified by start), the
+    verdict, the greedy intervals (secondary) and each start's own intervals (for reading, not for the verdict)."""
+    weak_by_start, strong_by_start = paired_values(records, mode, weak), paired_values(records, mode, strong)
+    weak_i, strong_i = stratified_interval(weak_by_start), stratified_interval(strong_by_start)
+    return {
+        "weak": weak_i.as_dict(), "strong": strong_i.as_dict(), "verdict": verdict(weak_i, strong_i),
+        "weak_greedy": stratified_interval(paired_values(records, mode, weak, "greedy_late")).as_dict(),
+        "strong_greedy": stratified_interval(paired_values(records, mode, strong, "greedy_late")).as_dict(),
+        "per_start": {start: paired_interval(values).as_dict() for start, values in weak_by_start.items()},
+        "strong_per_start": {start: paired_interval(values).as_dict() for start, values in strong_by_start.items()},
+    }
 
 
 def write_report(cfg: DemoConfig, models: dict, runs: list[dict], data: dict, store_stats: dict, timings: dict,
@@ -141,7 +141,7 @@ def write_report(cfg: DemoConfig, models: dict, runs: list[dict], data: dict, st
                  for r in runs if r["mode"] == "peer_imitation"]
     starts = list(cfg.starts)
     modes = [m for m in dict.fromkeys(r["mode"] for r in records) if m != "grpo"]
-    comparisons = {mode: comparison(records, mode, weak, strong, starts) for mode in modes}
+    comparisons = {mode: comparison(records, mode, weak, strong) for mode in modes}
     for alias, target in aliases.items():
         comparisons[alias] = {"same_as": target}
     peer_groups_done = store_root / f"groups-done-{PEER_MODEL_ID}.json"
@@ -279,11 +279,14 @@ def markdown(summary: dict, cfg: DemoConfig) -> str:
                   f"{pg['wall_s']:.0f} s); {pg['informative_groups']} informative "
                   f"({pg['informative_groups'] / max(1, pg['indexed_groups']):.0%}); success rate {_pct(pg['success_rate'])}%."]
 
-    lines += ["", "## Per start (for reading; the verdicts pool both)", "",
-              f"| method | start | `{weak}` gain over GRPO [95% CI] |", "|---|---|---|"]
+    lines += ["", "## Per start (the verdicts pool them: the mean of the per-start means, stratified intervals)", "",
+              f"| method | start | pairs | `{weak}` gain over GRPO [95% CI] | p | `{strong}` change [95% CI] |",
+              "|---|---|---|---|---|---|"]
     for mode, c in summary["comparisons"].items():
         for start, interval in c.get("per_start", {}).items():
-            lines.append(f"| {label(mode)} | {start} | {pct(Interval(**interval))} |")
+            weak_i, strong_i = Interval(**interval), c.get("strong_per_start", {}).get(start)  # none before issue 48
+            lines.append(f"| {label(mode)} | {start} | {weak_i.pairs} | {pct(weak_i)} | {weak_i.p_value:.3f} | "
+                         f"{pct(Interval(**strong_i)) if strong_i else '-'} |")
 
     lines += ["", "## What each run did (means over its runs)", "",
               f"| run | pairs | `{weak}` primary | `{strong}` primary | `{weak}` greedy (late) | all-fail frac | peer hit rate | "

@@ -71,6 +71,21 @@ def test_a_stratified_interval_by_hand():
     assert 1.02 < df < 1.03 and stratified_interval({"early": [0.1], "late": [0.0, 0.2]}).high == math.inf
 
 
+def test_the_reports_comparison_is_stratified_by_start():
+    """Through the path the report uses (demo.report.comparison over run records): the by-hand case above."""
+    from demo.report import comparison
+
+    def run(mode, start, seed, weak):
+        return {"mode": mode, "start": start, "seed": seed, "primary": {"add3": weak, "add2": 0.9},
+                "greedy_late": {"add3": weak, "add2": 0.9}}
+
+    gains = {("early", 0): 0.1, ("early", 1): 0.3, ("late", 0): 0.0, ("late", 1): 0.2}
+    records = [run("grpo", start, seed, 0.3) for start, seed in gains]
+    records += [run("graft", start, seed, 0.3 + gain) for (start, seed), gain in gains.items()]
+    weak = Interval(**comparison(records, "graft", "add3", "add2")["weak"])
+    assert weak.high - weak.mean == pytest.approx(4.3027 * math.sqrt(0.005), rel=1e-4)
+
+
 @pytest.mark.parametrize("weak, strong, expected", [
     ((0.10, 0.05, 0.15, 0.01), (0.0, -0.01, 0.01, 0.5), "gain"),
     ((0.10, 0.05, 0.15, 0.01), (-0.01, -0.03, 0.01, 0.5), "undecided"),  # strong family's non-inferiority not shown
@@ -88,3 +103,17 @@ def test_a_stratified_interval_by_hand():
 ])
 def test_verdicts(weak, strong, expected):
     assert verdict(Interval(*weak, pairs=8), Interval(*strong, pairs=8)) == expected
+
+
+def test_docs_state_the_amended_rules_as_the_code_has_them():
+    """docs/demo.md's "The rule, amended (issue 48)" quotes VERDICT_RULE and demo.recommend's RULE word for word (line
+    breaks aside): a change to either shows in the page, with its commit, before a run reads it."""
+    from pathlib import Path
+
+    from demo.recommend import RULE
+    from demo.stats import VERDICT_RULE
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "demo.md").read_text()
+    section = page.split("## The rule, amended (issue 48)", 1)[1].split("\n## ", 1)[0]
+    section = " ".join(section.replace("\n> ", " ").split())
+    assert " ".join(VERDICT_RULE.split()) in section and " ".join(RULE.split()) in section
