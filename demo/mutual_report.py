@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from demo.config import DemoConfig
-from demo.report import _save_fig, paired_values, primary
+from demo.report import LOCAL_FILE, _save_fig, paired_values, primary, write_summary
 from demo.report import run_record as report_run_record
 from demo.stats import STRONG_MARGIN, VERDICT_RULE, Interval, pct, stratified_interval, verdict
 from graft.rollouts.files import write_text_atomic
@@ -127,10 +127,9 @@ def write_report(cfg: DemoConfig, models: dict, runs: list[dict], stored: dict, 
         "runs": records, "job_wall_s": {k: round(v, 1) for k, v in timings.items()}, "wall_time_s": wall_time_s,
         "config": cfg.model_dump(mode="json"),
     }
-    cfg.report_dir.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(cfg.report_dir / "summary.json", json.dumps(summary, indent=2, default=str))
-    _plot(summary, cfg.report_dir)
-    write_text_atomic(cfg.report_dir / "REPORT.md", markdown(summary))
+    committed = write_summary(cfg.report_dir, summary)
+    _plot(committed, cfg.report_dir)
+    write_text_atomic(cfg.report_dir / "REPORT.md", markdown(committed))
     return summary
 
 
@@ -187,7 +186,8 @@ def markdown(summary: dict) -> str:
                      f"{stored['informative_groups']} informative, success rate {100 * stored['success_rate']:.1f}%.")
     if summary["budget"]:
         lines += ["", "## The budget, chosen before any GRAFT run", "", *budget_lines(summary["budget"])]
-    lines += ["", "![accuracy per family and step](accuracy_vs_step.png)", "", f"Wall time {summary['wall_time_s']:.0f} s.", ""]
+    lines += ["", "![accuracy per family and step](accuracy_vs_step.png)", "",
+              f"The run's times (every job's, and its own) are in `{LOCAL_FILE}` beside this file, which git ignores.", ""]
     return "\n".join(lines)
 
 
@@ -260,8 +260,7 @@ def write_budget(cfg: DemoConfig, models: dict, runs: list[dict], timings: dict,
     result = {"rule": BUDGET_RULE, "rows": rows, "chosen_lr": chosen["lr"] if chosen else None,
               "moves_weak_family": bool(moving), "wall_time_s": wall_time_s, "job_wall_s": {k: round(v, 1) for k, v in timings.items()}}
     out = cfg.report_dir / "budget"
-    out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out / "summary.json", json.dumps(result, indent=2))
+    write_summary(out, result)
     write_text_atomic(out / "REPORT.md", "# The mutual demo's budget\n\n" + "\n".join(budget_lines(result)) + "\n")
     return result
 

@@ -3,6 +3,10 @@
 Nothing here is tuned: every number is read from the runs' outputs, and every verdict is demo.stats's rule, written
 before the runs. The primary metric of a run is its weak family's sampled accuracy averaged over its late evaluations
 (`primary`); comparisons are paired with GRPO by (start, seed).
+
+The committed files hold what was computed, nothing the invocation measured about itself: times, clock times and paths
+go to local.json beside them, which git ignores (`write_summary`), so `make demo` on a fresh clone leaves the tree as it
+was (issue 51). The times are printed at the end of the run (`time_lines`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 
 import orjson
 
+from demo.compare_runs import measured_here
 from demo.config import PEER_MODEL_ID, DemoConfig
 from demo.stats import VERDICT_RULE, Interval, paired_interval, pct, stratified_interval, verdict
 from graft.rollouts.files import write_text_atomic
@@ -168,13 +173,45 @@ def write_report(cfg: DemoConfig, models: dict, runs: list[dict], data: dict, st
         "config": cfg.model_dump(mode="json"),
     }
     report_dir = cfg.report_dir
-    report_dir.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(report_dir / "summary.json", json.dumps(summary, indent=2, default=str))
+    committed = write_summary(report_dir, summary)
     _plots(records, report_dir, weak, strong, models, starts)
     if any(probe["batches"] for probe in (probes or {}).values()):
         _probe_plot({start: probe for start, probe in probes.items() if probe["batches"]}, report_dir)
-    write_text_atomic(report_dir / "REPORT.md", markdown(summary, cfg))
+    write_text_atomic(report_dir / "REPORT.md", markdown(committed, cfg))
     return summary
+
+
+LOCAL_FILE = "local.json"  # beside summary.json; .gitignore lists it
+
+
+def write_summary(report_dir: Path, summary: dict) -> dict:
+    """`summary` as report_dir/summary.json without what only this invocation says (times, clock times, paths:
+    demo.compare_runs.measured_here; the config as it is), and those fields at their places in local.json. Two
+    invocations that computed the same write the same summary.json. Returns what summary.json holds."""
+    committed, local = split_local(summary)
+    report_dir.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(report_dir / "summary.json", json.dumps(committed, indent=2, default=str))
+    write_text_atomic(report_dir / LOCAL_FILE, json.dumps(local or {}, indent=2, default=str))
+    return committed
+
+
+def split_local(value: Any) -> tuple[Any, Any]:
+    """(value without its `measured_here` fields, those fields in the same nesting; None if none), `config` kept whole."""
+    if isinstance(value, dict):
+        kept, local = {}, {}
+        for key, item in value.items():
+            if key != "config" and measured_here(key):
+                local[key] = item
+                continue
+            kept[key], inner = (item, None) if key == "config" else split_local(item)
+            if inner:
+                local[key] = inner
+        return kept, local or None
+    if isinstance(value, list):
+        parts = [split_local(item) for item in value]
+        inner = [inner for _, inner in parts]
+        return [kept for kept, _ in parts], (inner if any(inner) else None)
+    return value, None
 
 
 def per_mode(records: list[dict], weak: str, strong: str) -> dict[str, dict]:
@@ -253,8 +290,6 @@ def markdown(summary: dict, cfg: DemoConfig) -> str:
         "",
         *verdict_lines(summary),
         "",
-        f"Wall time {summary['wall_time_s']:.0f} s.",
-        "",
         "<!-- table-end -->",
         "",
         "![accuracy vs step](accuracy_vs_step.png)",
@@ -275,8 +310,8 @@ def markdown(summary: dict, cfg: DemoConfig) -> str:
               f"greedy {_pct(p['acc_greedy'][weak])}%."]
     pg = summary["peer_groups"]
     if pg:
-        lines += [f"Its groups in the store: {pg['indexed_groups']} ({pg['rollouts']} rollouts, written by `graft-generate` in "
-                  f"{pg['wall_s']:.0f} s); {pg['informative_groups']} informative "
+        lines += [f"Its groups in the store: {pg['indexed_groups']} ({pg['rollouts']} rollouts, written by "
+                  f"`graft-generate`); {pg['informative_groups']} informative "
                   f"({pg['informative_groups'] / max(1, pg['indexed_groups']):.0%}); success rate {_pct(pg['success_rate'])}%."]
 
     lines += ["", "## Per start (the verdicts pool them: the mean of the per-start means, stratified intervals)", "",
@@ -364,24 +399,30 @@ def markdown(summary: dict, cfg: DemoConfig) -> str:
 
     lines += ["", "## Every run", "",
               f"| run | `{weak}` primary | `{strong}` primary | `{weak}` greedy, last | all-fail | hit rate | grafted | "
-              "capped/step | peer rollouts | train s |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "capped/step | peer rollouts |", "|---|---|---|---|---|---|---|---|---|"]
     for r in summary["runs"]:
         lines.append(f"| {r['name']} | {_pct(r['primary'][weak])} | {_pct(r['primary'][strong])} | "
                      f"{_pct(r['final_greedy'][weak])} | {_num(r['frac_all_fail_mean'])} | {_num(r['peer_hit_rate_mean'])} | "
-                     f"{_num(r['frac_grafted_mean'])} | {_num(r['groups_capped_per_step'])} | {r['peer_rollouts_consumed']} | "
-                     f"{r['train_s']:.0f} |")
+                     f"{_num(r['frac_grafted_mean'])} | {_num(r['groups_capped_per_step'])} | {r['peer_rollouts_consumed']} |")
+    lines += ["", "## Time", "",
+              f"The run prints its times when it ends; every job's wall and CPU seconds are in `{LOCAL_FILE}` beside this "
+              "file, with the store's clock times and where the files went. They differ between two runs that compute the "
+              f"same, so git ignores `{LOCAL_FILE}` and a rerun leaves this report and summary.json as committed."]
+    lines += ["", "Produced by `make demo` (`python -m demo.run`); every number is read from the runs' outputs in `demo_out/`.", ""]
+    return "\n".join(lines)
+
+
+def time_lines(summary: dict, workers: int) -> list[str]:
+    """What the run took (`summary` as write_report returns it, times included): printed when `make demo` ends."""
     job_cpu = [r.get("cpu_s") for r in summary["runs"]] + [r.get("cotrain_peer", {}).get("cpu_s") for r in summary["runs"]]
     job_cpu += [info.get("cpu_s") for info in summary["models"].values()]
     job_cpu += [run.get("cpu_s") for run in summary["peer_imitation"]]
     total_cpu = sum(c for c in job_cpu if c)
-    lines += ["", "## Time", "",
-              f"Wall time of this invocation {summary['wall_time_s']:.0f} s with {cfg.workers} processes at once (jobs found "
-              f"done in `demo_out/` from an earlier invocation are not rerun; their times below are the ones they took then); "
-              f"the jobs used {total_cpu:.0f} CPU seconds (warm starts and RL runs, evaluation included; the generator, the "
-              "probes and the store server not counted). Job wall times (s): "
-              + ", ".join(f"{k} {v:.0f}" for k, v in summary["job_wall_s"].items()) + "."]
-    lines += ["", "Produced by `make demo` (`python -m demo.run`); every number is read from the runs' outputs in `demo_out/`.", ""]
-    return "\n".join(lines)
+    return [f"Wall time of this invocation {summary['wall_time_s']:.0f} s with {workers} processes at once (jobs found "
+            "done in `demo_out/` from an earlier invocation are not rerun; their times below are the ones they took then); "
+            f"the jobs used {total_cpu:.0f} CPU seconds (warm starts and RL runs, evaluation included; the generator, the "
+            "probes and the store server not counted). Job wall times (s): "
+            + ", ".join(f"{k} {v:.0f}" for k, v in summary["job_wall_s"].items()) + "."]
 
 
 def _plots(records: list[dict], report_dir: Path, weak: str, strong: str, models: dict, starts: list[str]) -> None:

@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         models[role].update(json.loads((Path(models[role]["dir"]) / "done.json").read_text()))
 
     probes = {start: json.loads((Path(job.done[0])).read_text()) for start, job in probe_jobs(jobs).items()}
-    from demo.report import verdict_lines, write_report
+    from demo.report import LOCAL_FILE, time_lines, verdict_lines, write_report
 
     summary = write_report(cfg, models, runs, data, store_stats, timings, wall_time_s=time.perf_counter() - started,
                            server_stopped=server_stopped, store_root=store_root, probes=probes,
@@ -87,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     print_serve_instructions(store_root, runs, data, models)
     print(f"Each GRAFT against GRPO ({summary['primary_metric']}; {summary['rule']}):")
     print("\n".join(verdict_lines(summary)))
-    print(f"wall time {summary['wall_time_s']:.0f} s; report written to {cfg.report_dir}/", flush=True)
+    print("\n".join(time_lines(summary, cfg.workers)))
+    print(f"wall time {summary['wall_time_s']:.0f} s; report written to {cfg.report_dir}/ (the times in "
+          f"{cfg.report_dir / LOCAL_FILE}, which git ignores)", flush=True)
     return 0
 
 
