@@ -77,3 +77,20 @@ def test_git_ignores_the_local_file_of_every_report():
     for folder in ("report", "report/avx2", "report/mutual/budget"):
         checked = subprocess.run(["git", "check-ignore", "-q", f"{folder}/{LOCAL_FILE}"], cwd=repo)
         assert checked.returncode == 0, f"{folder}/{LOCAL_FILE} is not ignored"
+
+
+def test_the_committed_reports_are_the_current_rules_reading_of_their_runs(tmp_path):
+    """demo.rerender on a copy of every committed report changes nothing: each REPORT.md, summary.json (and the choose
+    run's recommendation) is what demo.stats and demo.recommend say now of the runs it holds."""
+    import shutil
+
+    from demo.rerender import rerender
+
+    repo = Path(__file__).resolve().parents[2]
+    for folder in ("report", "report/avx2", "report/portable", "report/choose", "report/cotrain", "report/mutual"):
+        copy = tmp_path / folder.replace("/", "_")
+        shutil.copytree(repo / folder, copy, ignore=shutil.ignore_patterns("*.png", LOCAL_FILE, "avx2", "portable",
+                                                                             "choose", "cotrain", "mutual"))
+        rerender(copy)
+        for path in sorted(p for p in copy.rglob("*") if p.is_file() and p.name != LOCAL_FILE):
+            assert path.read_bytes() == (repo / folder / path.relative_to(copy)).read_bytes(), f"{folder}: {path.name}"
