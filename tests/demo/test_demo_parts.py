@@ -189,21 +189,7 @@ def test_starts_that_are_not_at_their_levels_stop_the_demo_with_the_reason():
 def test_the_warm_start_job_stops_on_a_start_off_its_level(tmp_path):
     """Through `demo.worker build`, the job `make demo` runs: a few steps of SFT leave add3 near 0, 15 points from the
     early start's level; with the demo's check on (a tolerance of 5 points) the job fails and says why, in one line."""
-    import json
-
-    from demo.run import prepare_data
-
-    data = quick(DemoConfig()).model_dump()
-    data["task"].update(n_eval={"add2": 4, "add3": 4}, n_dev=4)
-    data["learner"]["sft"].update(steps=4, check_every=2, batch_size=8)
-    data["start_tolerance"] = 0.05
-    cfg = DemoConfig.model_validate(data)
-    paths = prepare_data(cfg, tmp_path / "data")
-    job = tmp_path / "job.json"
-    job.write_text(json.dumps({"role": "learner", "out": str(tmp_path / "out"), "demo": cfg.model_dump(mode="json"),
-                               "eval_sets": {f: str(paths[f"eval_{f}"]) for f in cfg.task.n_eval}, "threads": 1}))
-    proc = subprocess.run([sys.executable, "-m", "demo.worker", "build", str(job)], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+    proc = _build_learner(tmp_path, {"steps": 4, "check_every": 2, "batch_size": 8}, start_tolerance=0.05)
     assert proc.returncode != 0 and not (tmp_path / "out" / "done.json").exists()
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("the warm start has no checkpoint at its starts' levels (tolerance 5 points): start early")
@@ -234,21 +220,30 @@ def test_the_kernel_line_says_what_the_environment_sets(monkeypatch, capsys):
         assert kernel_label(kernels, env) == f"portable: {pinned}"
 
 
-def test_a_warm_start_that_misses_its_level_stops_the_demo_and_says_so(tmp_path):
+def _build_learner(tmp_path: Path, sft: dict, **demo) -> subprocess.CompletedProcess:
+    """`demo.worker build` of the demo's learner, small (4 held-out and dev problems per family), as `make demo` runs it:
+    the quick config with `sft` and `demo` on top."""
     import json
 
     from demo.run import prepare_data
 
     data = quick(DemoConfig()).model_dump()
     data["task"].update(n_eval={"add2": 4, "add3": 4}, n_dev=4)
-    data["learner"]["sft"].update(steps=6, check_every=3, batch_size=8, stop_when_sampled={"add3": 0.99})
+    data["learner"]["sft"].update(sft)
+    data.update(demo)
     cfg = DemoConfig.model_validate(data)
     paths = prepare_data(cfg, tmp_path / "data")
     job = tmp_path / "job.json"
     job.write_text(json.dumps({"role": "learner", "out": str(tmp_path / "out"), "demo": cfg.model_dump(mode="json"),
                                "eval_sets": {f: str(paths[f"eval_{f}"]) for f in cfg.task.n_eval}, "threads": 1}))
-    proc = subprocess.run([sys.executable, "-m", "demo.worker", "build", str(job)], cwd=REPO, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "demo.worker", "build", str(job)], cwd=REPO, capture_output=True, text=True,
                           timeout=300)
+
+
+def test_a_warm_start_that_misses_its_level_stops_the_demo_and_says_so(tmp_path):
+    import json
+
+    proc = _build_learner(tmp_path, {"steps": 6, "check_every": 3, "batch_size": 8, "stop_when_sampled": {"add3": 0.99}})
     assert proc.returncode != 0 and not (tmp_path / "out" / "done.json").exists()
     assert "reached its last step, 6, without its levels (add3 99% sampled on 2 checks in a row" in proc.stderr
     assert json.loads((tmp_path / "out" / "curve.json").read_text())["stop_step"] is None  # the curve is kept to look at
