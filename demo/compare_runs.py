@@ -18,10 +18,17 @@ from pathlib import Path
 NOT_COMPUTED = {"run_dir", "checkpoint", "dir", "peer_dir", "out", "outside_sampling_share", "tokens_per_s"}
 
 
+def measured_here(key: str) -> bool:
+    """Whether a field says something about this invocation, not about what it computed: a time (every `*_s` and
+    `*_s_total` field), a clock time (`*_at`: the store's ingest times), a path or a throughput. demo.report keeps
+    such fields out of the committed summary.json (issue 51)."""
+    return key in NOT_COMPUTED or key.endswith(("_s", "_s_total", "_at"))
+
+
 def computed(value):
-    """The value without its timings (every `*_s` and `*_s_total` field) and paths."""
+    """The value without its timings, clock times and paths (`measured_here`)."""
     if isinstance(value, dict):
-        return {k: computed(v) for k, v in value.items() if k not in NOT_COMPUTED and not k.endswith(("_s", "_s_total"))}
+        return {k: computed(v) for k, v in value.items() if not measured_here(k)}
     if isinstance(value, list):
         return [computed(v) for v in value]
     return value

@@ -209,6 +209,13 @@ def python_module(module: str, *args: str) -> list[str]:
 # Measured (docs/demo.md, "Numbers across x86-64 CPUs"): the same bits under every choice one machine offers, but an AMD
 # EPYC and an Intel Xeon, both pinned, still train other weights; what differs between them is not one of these switches.
 PORTABLE_KERNELS = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"}
+# What chooses the kernels besides the CPU: ATen's kernel set, and MKL's instruction set and code branch.
+KERNEL_VARIABLES = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR")
+
+
+def kernel_settings(env: dict[str, str]) -> dict[str, str]:
+    """The KERNEL_VARIABLES that `env` sets (a job's environment: child_env), in that order."""
+    return {name: env[name] for name in KERNEL_VARIABLES if env.get(name)}
 
 
 def portable_kernels_available() -> bool:

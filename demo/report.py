@@ -3,6 +3,10 @@
 Nothing here is tuned: every number is read from the runs' outputs, and every verdict is demo.stats's rule, written
 before the runs. The primary metric of a run is its weak family's sampled accuracy averaged over its late evaluations
 (`primary`); comparisons are paired with GRPO by (start, seed).
+
+The committed files hold what was computed, nothing the invocation measured about itself: times, clock times and paths
+go to local.json beside them, which git ignores (`write_summary`), so `make demo` on a fresh clone leaves the tree as it
+was (issue 51). The times are printed at the end of the run (`time_lines`).
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ from typing import Any
 
 import orjson
 
+from demo.compare_runs import measured_here
 from demo.config import PEER_MODEL_ID, DemoConfig
-from demo.stats import VERDICT_RULE, Interval, paired_interval, pct, verdict
+from demo.stats import VERDICT_RULE, Interval, paired_interval, pct, stratified_interval, verdict
 from graft.rollouts.files import write_text_atomic
 
 MODE_LABEL = {
@@ -102,32 +107,32 @@ def run_record(run: dict, families: list[str], steps: int) -> dict[str, Any]:
     return record
 
 
-def paired_values(records: list[dict], mode: str, family: str, key: str = "primary", baseline: str = "grpo",
-                  start: str | None = None) -> list[float]:
-    """mode minus baseline on `family` (`key`: primary or greedy_late), one value per (start, seed) both ran."""
+def paired_values(records: list[dict], mode: str, family: str, key: str = "primary",
+                  baseline: str = "grpo") -> dict[str, list[float]]:
+    """mode minus baseline on `family` (`key`: primary or greedy_late), by start: one value per seed both ran there
+    (demo.stats.stratified_interval pools the starts)."""
     def by_pair(m: str) -> dict[tuple, float]:
-        return {(r["start"], r["seed"]): r[key][family] for r in records if r["mode"] == m and (start is None or r["start"] == start)}
+        return {(r["start"], r["seed"]): r[key][family] for r in records if r["mode"] == m}
 
     base, mine = by_pair(baseline), by_pair(mode)
-    return [mine[k] - base[k] for k in sorted(set(base) & set(mine))]
-
-
-def comparison(records: list[dict], mode: str, weak: str, strong: str, starts: list[str]) -> dict:
-    """A method against GRPO: the weak and strong families' paired intervals (primary metric), the verdict, the greedy
-    intervals (secondary) and the same per start (for reading, not for the verdict)."""
-    weak_i = paired_interval(paired_values(records, mode, weak))
-    strong_i = paired_interval(paired_values(records, mode, strong))
-    out = {
-        "weak": weak_i.as_dict(), "strong": strong_i.as_dict(), "verdict": verdict(weak_i, strong_i),
-        "weak_greedy": paired_interval(paired_values(records, mode, weak, "greedy_late")).as_dict(),
-        "strong_greedy": paired_interval(paired_values(records, mode, strong, "greedy_late")).as_dict(),
-        "per_start": {},
-    }
-    for start in starts:
-        values = paired_values(records, mode, weak, start=start)
-        if values:
-            out["per_start"][start] = paired_interval(values).as_dict()
+    out: dict[str, list[float]] = {}
+    for start, seed in sorted(set(base) & set(mine)):
+        out.setdefault(start, []).append(mine[start, seed] - base[start, seed])
     return out
+
+
+def comparison(records: list[dict], mode: str, weak: str, strong: str) -> dict:
+    """A method against GRPO: the weak and strong families' paired intervals (primary metric, stratified by start), the
+    verdict, the greedy intervals (secondary) and each start's own intervals (for reading, not for the verdict)."""
+    weak_by_start, strong_by_start = paired_values(records, mode, weak), paired_values(records, mode, strong)
+    weak_i, strong_i = stratified_interval(weak_by_start), stratified_interval(strong_by_start)
+    return {
+        "weak": weak_i.as_dict(), "strong": strong_i.as_dict(), "verdict": verdict(weak_i, strong_i),
+        "weak_greedy": stratified_interval(paired_values(records, mode, weak, "greedy_late")).as_dict(),
+        "strong_greedy": stratified_interval(paired_values(records, mode, strong, "greedy_late")).as_dict(),
+        "per_start": {start: paired_interval(values).as_dict() for start, values in weak_by_start.items()},
+        "strong_per_start": {start: paired_interval(values).as_dict() for start, values in strong_by_start.items()},
+    }
 
 
 def write_report(cfg: DemoConfig, models: dict, runs: list[dict], data: dict, store_stats: dict, timings: dict,
@@ -141,7 +146,7 @@ def write_report(cfg: DemoConfig, models: dict, runs: list[dict], data: dict, st
                  for r in runs if r["mode"] == "peer_imitation"]
     starts = list(cfg.starts)
     modes = [m for m in dict.fromkeys(r["mode"] for r in records) if m != "grpo"]
-    comparisons = {mode: comparison(records, mode, weak, strong, starts) for mode in modes}
+    comparisons = {mode: comparison(records, mode, weak, strong) for mode in modes}
     for alias, target in aliases.items():
         comparisons[alias] = {"same_as": target}
     peer_groups_done = store_root / f"groups-done-{PEER_MODEL_ID}.json"
@@ -168,13 +173,45 @@ def write_report(cfg: DemoConfig, models: dict, runs: list[dict], data: dict, st
         "config": cfg.model_dump(mode="json"),
     }
     report_dir = cfg.report_dir
-    report_dir.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(report_dir / "summary.json", json.dumps(summary, indent=2, default=str))
+    committed = write_summary(report_dir, summary)
     _plots(records, report_dir, weak, strong, models, starts)
     if any(probe["batches"] for probe in (probes or {}).values()):
         _probe_plot({start: probe for start, probe in probes.items() if probe["batches"]}, report_dir)
-    write_text_atomic(report_dir / "REPORT.md", markdown(summary, cfg))
+    write_text_atomic(report_dir / "REPORT.md", markdown(committed, cfg))
     return summary
+
+
+LOCAL_FILE = "local.json"  # beside summary.json; .gitignore lists it
+
+
+def write_summary(report_dir: Path, summary: dict) -> dict:
+    """`summary` as report_dir/summary.json without what only this invocation says (times, clock times, paths:
+    demo.compare_runs.measured_here; the config as it is), and those fields at their places in local.json. Two
+    invocations that computed the same write the same summary.json. Returns what summary.json holds."""
+    committed, local = split_local(summary)
+    report_dir.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(report_dir / "summary.json", json.dumps(committed, indent=2, default=str))
+    write_text_atomic(report_dir / LOCAL_FILE, json.dumps(local or {}, indent=2, default=str))
+    return committed
+
+
+def split_local(value: Any) -> tuple[Any, Any]:
+    """(value without its `measured_here` fields, those fields in the same nesting; None if none), `config` kept whole."""
+    if isinstance(value, dict):
+        kept, local = {}, {}
+        for key, item in value.items():
+            if key != "config" and measured_here(key):
+                local[key] = item
+                continue
+            kept[key], inner = (item, None) if key == "config" else split_local(item)
+            if inner:
+                local[key] = inner
+        return kept, local or None
+    if isinstance(value, list):
+        parts = [split_local(item) for item in value]
+        inner = [inner for _, inner in parts]
+        return [kept for kept, _ in parts], (inner if any(inner) else None)
+    return value, None
 
 
 def per_mode(records: list[dict], weak: str, strong: str) -> dict[str, dict]:
@@ -253,8 +290,6 @@ def markdown(summary: dict, cfg: DemoConfig) -> str:
         "",
         *verdict_lines(summary),
         "",
-        f"Wall time {summary['wall_time_s']:.0f} s.",
-        "",
         "<!-- table-end -->",
         "",
         "![accuracy vs step](accuracy_vs_step.png)",
@@ -275,15 +310,18 @@ def markdown(summary: dict, cfg: DemoConfig) -> str:
               f"greedy {_pct(p['acc_greedy'][weak])}%."]
     pg = summary["peer_groups"]
     if pg:
-        lines += [f"Its groups in the store: {pg['indexed_groups']} ({pg['rollouts']} rollouts, written by `graft-generate` in "
-                  f"{pg['wall_s']:.0f} s); {pg['informative_groups']} informative "
+        lines += [f"Its groups in the store: {pg['indexed_groups']} ({pg['rollouts']} rollouts, written by "
+                  f"`graft-generate`); {pg['informative_groups']} informative "
                   f"({pg['informative_groups'] / max(1, pg['indexed_groups']):.0%}); success rate {_pct(pg['success_rate'])}%."]
 
-    lines += ["", "## Per start (for reading; the verdicts pool both)", "",
-              f"| method | start | `{weak}` gain over GRPO [95% CI] |", "|---|---|---|"]
+    lines += ["", "## Per start (the verdicts pool them: the mean of the per-start means, stratified intervals)", "",
+              f"| method | start | pairs | `{weak}` gain over GRPO [95% CI] | p | `{strong}` change [95% CI] |",
+              "|---|---|---|---|---|---|"]
     for mode, c in summary["comparisons"].items():
         for start, interval in c.get("per_start", {}).items():
-            lines.append(f"| {label(mode)} | {start} | {pct(Interval(**interval))} |")
+            weak_i, strong_i = Interval(**interval), c.get("strong_per_start", {}).get(start)  # none before issue 48
+            lines.append(f"| {label(mode)} | {start} | {weak_i.pairs} | {pct(weak_i)} | {weak_i.p_value:.3f} | "
+                         f"{pct(Interval(**strong_i)) if strong_i else '-'} |")
 
     lines += ["", "## What each run did (means over its runs)", "",
               f"| run | pairs | `{weak}` primary | `{strong}` primary | `{weak}` greedy (late) | all-fail frac | peer hit rate | "
@@ -361,24 +399,30 @@ def markdown(summary: dict, cfg: DemoConfig) -> str:
 
     lines += ["", "## Every run", "",
               f"| run | `{weak}` primary | `{strong}` primary | `{weak}` greedy, last | all-fail | hit rate | grafted | "
-              "capped/step | peer rollouts | train s |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "capped/step | peer rollouts |", "|---|---|---|---|---|---|---|---|---|"]
     for r in summary["runs"]:
         lines.append(f"| {r['name']} | {_pct(r['primary'][weak])} | {_pct(r['primary'][strong])} | "
                      f"{_pct(r['final_greedy'][weak])} | {_num(r['frac_all_fail_mean'])} | {_num(r['peer_hit_rate_mean'])} | "
-                     f"{_num(r['frac_grafted_mean'])} | {_num(r['groups_capped_per_step'])} | {r['peer_rollouts_consumed']} | "
-                     f"{r['train_s']:.0f} |")
+                     f"{_num(r['frac_grafted_mean'])} | {_num(r['groups_capped_per_step'])} | {r['peer_rollouts_consumed']} |")
+    lines += ["", "## Time", "",
+              f"The run prints its times when it ends; every job's wall and CPU seconds are in `{LOCAL_FILE}` beside this "
+              "file, with the store's clock times and where the files went. They differ between two runs that compute the "
+              f"same, so git ignores `{LOCAL_FILE}` and a rerun leaves this report and summary.json as committed."]
+    lines += ["", "Produced by `make demo` (`python -m demo.run`); every number is read from the runs' outputs in `demo_out/`.", ""]
+    return "\n".join(lines)
+
+
+def time_lines(summary: dict, workers: int) -> list[str]:
+    """What the run took (`summary` as write_report returns it, times included): printed when `make demo` ends."""
     job_cpu = [r.get("cpu_s") for r in summary["runs"]] + [r.get("cotrain_peer", {}).get("cpu_s") for r in summary["runs"]]
     job_cpu += [info.get("cpu_s") for info in summary["models"].values()]
     job_cpu += [run.get("cpu_s") for run in summary["peer_imitation"]]
     total_cpu = sum(c for c in job_cpu if c)
-    lines += ["", "## Time", "",
-              f"Wall time of this invocation {summary['wall_time_s']:.0f} s with {cfg.workers} processes at once (jobs found "
-              f"done in `demo_out/` from an earlier invocation are not rerun; their times below are the ones they took then); "
-              f"the jobs used {total_cpu:.0f} CPU seconds (warm starts and RL runs, evaluation included; the generator, the "
-              "probes and the store server not counted). Job wall times (s): "
-              + ", ".join(f"{k} {v:.0f}" for k, v in summary["job_wall_s"].items()) + "."]
-    lines += ["", "Produced by `make demo` (`python -m demo.run`); every number is read from the runs' outputs in `demo_out/`.", ""]
-    return "\n".join(lines)
+    return [f"Wall time of this invocation {summary['wall_time_s']:.0f} s with {workers} processes at once (jobs found "
+            "done in `demo_out/` from an earlier invocation are not rerun; their times below are the ones they took then); "
+            f"the jobs used {total_cpu:.0f} CPU seconds (warm starts and RL runs, evaluation included; the generator, the "
+            "probes and the store server not counted). Job wall times (s): "
+            + ", ".join(f"{k} {v:.0f}" for k, v in summary["job_wall_s"].items()) + "."]
 
 
 def _plots(records: list[dict], report_dir: Path, weak: str, strong: str, models: dict, starts: list[str]) -> None:

@@ -39,7 +39,15 @@ from demo.config import (
     load_demo_config,
     warm_start_checkpoint,
 )
-from demo.jobs import PORTABLE_KERNELS, Job, child_env, portable_kernels_available, python_module, run_jobs
+from demo.jobs import (
+    PORTABLE_KERNELS,
+    Job,
+    child_env,
+    kernel_settings,
+    portable_kernels_available,
+    python_module,
+    run_jobs,
+)
 from graft.rollouts.files import write_jsonl_atomic, write_text_atomic
 from graft.trainer.config import TrainConfig
 from toy.task import completion_text, dataset_name, family_splits, write_problems_jsonl
@@ -77,17 +85,19 @@ def main(argv: list[str] | None = None) -> int:
         models[role].update(json.loads((Path(models[role]["dir"]) / "done.json").read_text()))
 
     probes = {start: json.loads((Path(job.done[0])).read_text()) for start, job in probe_jobs(jobs).items()}
-    from demo.report import verdict_lines, write_report
+    from demo.report import LOCAL_FILE, time_lines, verdict_lines, write_report
 
     summary = write_report(cfg, models, runs, data, store_stats, timings, wall_time_s=time.perf_counter() - started,
                            server_stopped=server_stopped, store_root=store_root, probes=probes,
-                           kernels=kernel_label(kernels))
+                           kernels=kernel_label(kernels, env))
     print()
     print((cfg.report_dir / "REPORT.md").read_text().split("<!-- table-end -->")[0])
     print_serve_instructions(store_root, runs, data, models)
     print(f"Each GRAFT against GRPO ({summary['primary_metric']}; {summary['rule']}):")
     print("\n".join(verdict_lines(summary)))
-    print(f"wall time {summary['wall_time_s']:.0f} s; report written to {cfg.report_dir}/", flush=True)
+    print("\n".join(time_lines(summary, cfg.workers)))
+    print(f"wall time {summary['wall_time_s']:.0f} s; report written to {cfg.report_dir}/ (the times in "
+          f"{cfg.report_dir / LOCAL_FILE}, which git ignores)", flush=True)
     return 0
 
 
@@ -96,12 +106,13 @@ def probe_jobs(jobs: list[Job]) -> dict[str, Job]:
     return {job.name.removeprefix("probe "): job for job in jobs if job.name.startswith("probe ")}
 
 
-def kernel_label(kernels: dict[str, str] | None) -> str:
-    """Which kernels the jobs ran on, as the report names them."""
+def kernel_label(kernels: dict[str, str] | None, env: dict[str, str]) -> str:
+    """Which kernels the jobs ran on, as the report names them: the pin (`kernels`), else the CPU's own but for what
+    the jobs' environment `env` sets (demo.jobs.KERNEL_VARIABLES)."""
+    settings = " ".join(f"{k}={v}" for k, v in kernel_settings(env).items())
     if kernels:
-        return "portable: " + " ".join(f"{k}={v}" for k, v in kernels.items())
-    chosen = os.environ.get("ATEN_CPU_CAPABILITY")
-    return f"the CPU's own, ATEN_CPU_CAPABILITY={chosen}" if chosen else "the CPU's own"
+        return f"portable: {settings}"
+    return f"set by the environment: {settings} (the rest the CPU's own)" if settings else "the CPU's own"
 
 
 def command_line(prog: str, description: str, default_config: Path | None,
@@ -140,13 +151,21 @@ def kernel_environment(portable: bool) -> tuple[dict[str, str], dict[str, str] |
     if portable and not portable_kernels_available():
         raise SystemExit(f"--portable-kernels: this CPU is {platform.machine()}, not x86-64; it has neither ATen's x86 "
                          "baseline kernels nor MKL: run without the flag (its own kernels, its own numbers)")
+    env = child_env(portable_kernels=portable)
+    # what the jobs' environment sets, the caller's included (issue 48: ATEN_CPU_CAPABILITY=default was run as "this
+    # CPU's own")
+    settings = " ".join(f"{k}={v}" for k, v in kernel_settings(env).items())
     if portable:
-        print(f"kernels: {' '.join(f'{k}={v}' for k, v in PORTABLE_KERNELS.items())} (--portable-kernels: the same numbers under "
-              "every kernel choice of this machine; another CPU model still gives others, docs/demo.md)", flush=True)
+        print(f"kernels: {settings} (--portable-kernels: the same numbers under every kernel choice of this machine; "
+              "another CPU model still gives others, docs/demo.md)", flush=True)
+    elif settings:
+        print(f"kernels: as the environment sets them, {settings}; ATen and MKL pick the rest by the CPU: the warm starts "
+              "and the table move with these settings and the machine (docs/demo.md, \"Numbers across x86-64 CPUs\")",
+              flush=True)
     else:
         print("kernels: this CPU's own (ATen and MKL pick them by the CPU): the warm starts and the table move with the "
               "machine (docs/demo.md, \"Numbers across x86-64 CPUs\")", flush=True)
-    return child_env(portable_kernels=portable), (dict(PORTABLE_KERNELS) if portable else None)
+    return env, (dict(PORTABLE_KERNELS) if portable else None)
 
 
 def _exit_on_signal(signum, frame) -> None:

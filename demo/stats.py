@@ -1,49 +1,67 @@
-"""The demo's decision rule, written before the runs it judges (issue 35): paired intervals, a permutation test, verdicts.
+"""The demo's decision rule, written before the runs it judges (issue 35), amended before any new run (issue 48):
+paired intervals stratified by start, a permutation test, verdicts.
 
 Every comparison is paired: a method's run and GRPO's run share a start (the learner's warm-start checkpoint) and a seed
 (prompt order, sampling seeds: both arms draw the same random numbers where their policies agree), and the unit of
-evidence is their difference. For a method M against GRPO, over the n pairs (start, seed):
+evidence is their difference. For a method M against GRPO, over the pairs (start, seed):
 
-- weak family: d_i = M's primary metric minus GRPO's on the learner's weak family. The primary metric is sampled
+- weak family: d = M's primary metric minus GRPO's on the learner's weak family. The primary metric is sampled
   accuracy (EVAL_SAMPLES samples at T = 1 per held-out problem), averaged over the late evaluations (step >= half the
-  run): a seed that happens to learn the family late or early moves it less than one greedy endpoint. Reported: the
-  mean, its 95% t-interval, and the two-sided p-value of a sign-flip permutation test (exact over all 2^n sign
-  patterns: no normality assumed).
+  run): a seed that happens to learn the family late or early moves it less than one greedy endpoint.
 - strong family: the same difference; non-inferiority when the interval's lower bound is above -STRONG_MARGIN.
 
-The verdict (VERDICT_RULE below, the words the report prints):
-- gain: the weak family's interval lies above 0 and p < ALPHA, and the strong family is non-inferior;
-- harm: the weak family's interval lies below 0, or the strong family's lies below -STRONG_MARGIN;
-- no gain: the weak family's interval lies below +WEAK_MIN_GAIN (a gain of that size is ruled out), and not harm;
-- undecided: anything else (too few pairs or too much spread to tell, or a weak-family gain with the strong family's
-  non-inferiority not shown).
+Stratified by start (`stratified_interval`): two starts can differ in effect (issue 48: b = 1 with peer negatives x0
+gained +29.5 from the early start, +11.8 from the late one), and pooling them as one sample would count that
+difference as noise. With S starts, start s holding n_s pairs of mean m_s and sample variance v_s:
+
+    estimate  = (1 / S) * sum_s m_s                                   (every start weighs the same)
+    SE^2      = (1 / S^2) * sum_s v_s / n_s                           (the starts are independent)
+    df        = (sum_s v_s / n_s)^2 / sum_s (v_s / n_s)^2 / (n_s - 1)  (Welch-Satterthwaite)
+    interval  = estimate -+ t_{0.975, df} * SE                        (t quantile exact for any df: `t_quantile`)
+
+One start gives the plain paired t-interval (df = n - 1). A start with one pair has no variance: the interval is
+(-inf, +inf). The p-value is a two-sided sign-flip permutation test of the same estimate (each pair's difference
+weighted 1 / (S n_s)): exact over all 2^n sign patterns up to EXACT_PERMUTATIONS_UP_TO pairs, else MONTE_CARLO_SAMPLES
+seeded patterns with the observed one counted in, (count + 1) / (samples + 1), so it is never 0. No normality assumed.
+
+The verdict (VERDICT_RULE below, the words the report prints), W = WEAK_MIN_GAIN, M = STRONG_MARGIN, "shown" meaning
+the weak family's interval excludes 0 on that side and p < ALPHA:
+- harm: the strong family's interval lies below -M, or a weak-family loss is shown with its mean at most -W (the same
+  bar as a gain, mirrored: -0.8 [-1.3, -0.3] is a loss smaller than the one that matters, not harm);
+- gain: a weak-family gain is shown with its mean at least +W, and the strong family is non-inferior;
+- small gain: a weak-family gain is shown and its whole interval lies below +W (real, and smaller than what matters);
+- no gain: the weak family's interval lies below +W (a gain that matters is ruled out);
+- undecided: anything else (too few pairs or too much spread to tell, a shown gain whose size is not, or a gain with
+  the strong family's non-inferiority not shown).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import random
 import statistics
 from dataclasses import asdict, dataclass
 from typing import Literal
 
 ALPHA = 0.05  # two-sided, for the 95% intervals and the permutation test
 STRONG_MARGIN = 0.02  # the strong family may lose at most 2 points (the interval's lower bound above -0.02)
-WEAK_MIN_GAIN = 0.02  # the smallest weak-family gain that matters: an interval below it says "no gain"
+WEAK_MIN_GAIN = 0.02  # the smallest weak-family change that matters, gain or loss
 # The fewest pairs with which the sign-flip test can reach p < ALPHA at all: its smallest two-sided p is 2 / 2^n
 # (every pair on one side), 0.125 with 4 pairs, 0.0625 with 5, 0.031 with 6. With fewer, "gain" is out of reach.
 MIN_PAIRS_FOR_GAIN = next(n for n in range(1, 64) if 2 / 2 ** n < ALPHA)
 EXACT_PERMUTATIONS_UP_TO = 16  # pairs; beyond, a seeded Monte Carlo sample of sign patterns
-# Student's t, 0.975 quantile, by degrees of freedom (the standard table; beyond 30 the normal's 1.960 is within 2%)
-T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228, 11: 2.201,
-         12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086, 21: 2.080,
-         22: 2.074, 23: 2.069, 24: 2.064, 25: 2.060, 26: 2.056, 27: 2.052, 28: 2.048, 29: 2.045, 30: 2.042}
-Verdict = Literal["gain", "no gain", "harm", "undecided"]
+MONTE_CARLO_SAMPLES = 20_000
+Verdict = Literal["gain", "small gain", "no gain", "harm", "undecided"]
 VERDICT_RULE = (
-    f"paired by (start, seed) with GRPO; 95% t-intervals; gain: the weak family's interval above 0, sign-flip permutation "
-    f"p < {ALPHA} and the strong family's interval above -{100 * STRONG_MARGIN:.0f} points; harm: the weak family's interval "
-    f"below 0 or the strong family's below -{100 * STRONG_MARGIN:.0f} points; no gain: the weak family's interval below "
-    f"+{100 * WEAK_MIN_GAIN:.0f} points; otherwise undecided"
+    f"paired by (start, seed) with GRPO; the estimate is the mean of the per-start means, its 95% t-interval stratified "
+    f"by start (Welch-Satterthwaite df), its p a sign-flip permutation test of the same estimate; gain: the weak "
+    f"family's interval above 0, p < {ALPHA}, its mean at least +{100 * WEAK_MIN_GAIN:.0f} points, and the strong "
+    f"family's interval above -{100 * STRONG_MARGIN:.0f} points; small gain: the weak family's interval inside (0, "
+    f"+{100 * WEAK_MIN_GAIN:.0f}) points with p < {ALPHA}; harm: the strong family's interval below "
+    f"-{100 * STRONG_MARGIN:.0f} points, or the weak family's below 0 with p < {ALPHA} and its mean at most "
+    f"-{100 * WEAK_MIN_GAIN:.0f} points; no gain: the weak family's interval below +{100 * WEAK_MIN_GAIN:.0f} points; "
+    f"otherwise undecided"
 )
 
 
@@ -62,44 +80,117 @@ class Interval:
 
 
 def paired_interval(differences: list[float]) -> Interval:
-    """The mean of `differences` with its 95% t-interval (n - 1 degrees of freedom) and its permutation p-value. One
-    pair gives an interval from -inf to +inf (nothing can be said), none raises."""
-    n = len(differences)
-    if n == 0:
+    """The mean of `differences` (one start) with its 95% t-interval (n - 1 degrees of freedom) and its permutation
+    p-value. One pair gives an interval from -inf to +inf (nothing can be said), none raises."""
+    return stratified_interval({None: differences})
+
+
+def stratified_interval(strata: dict[object, list[float]]) -> Interval:
+    """The paired differences of several starts (start -> its pairs' differences) pooled as the module says: the mean
+    of the per-start means, its stratified 95% t-interval and the sign-flip p-value of that estimate."""
+    strata = {name: list(values) for name, values in strata.items() if values}
+    if not strata:
         raise ValueError("no pairs to compare")
-    mean = statistics.fmean(differences)
-    if n == 1:
-        return Interval(mean, -math.inf, math.inf, 1.0, 1)
-    half = T_975.get(n - 1, 1.960) * statistics.stdev(differences) / math.sqrt(n)
-    return Interval(mean, mean - half, mean + half, sign_flip_p_value(differences), n)
-
-
-def sign_flip_p_value(differences: list[float], samples: int = 20_000, seed: int = 0) -> float:
-    """Two-sided p-value of the mean difference under the null that each pair's sign is a coin flip: the share of sign
-    patterns whose |mean| is at least the observed one (exact over all 2^n patterns for n <= 16, else sampled)."""
-    import random
-
-    observed = abs(statistics.fmean(differences))
-    tolerance = 1e-12 * max(1.0, observed)
-    n = len(differences)
-    if n <= EXACT_PERMUTATIONS_UP_TO:
-        patterns = itertools.product((1.0, -1.0), repeat=n)
-        total = 2 ** n
+    count = len(strata)
+    estimate = statistics.fmean(statistics.fmean(values) for values in strata.values())
+    differences = [d for values in strata.values() for d in values]
+    weights = [1 / (count * len(values)) for values in strata.values() for _ in values]
+    if any(len(values) < 2 for values in strata.values()):  # a start with one pair: its variance is unknown
+        return Interval(estimate, -math.inf, math.inf, 1.0, len(differences))
+    per_start = [statistics.variance(values) / len(values) for values in strata.values()]  # v_s / n_s
+    spread = math.sqrt(sum(per_start)) / count  # SE
+    if spread == 0:
+        half = 0.0
     else:
-        rng = random.Random(seed)
-        patterns = ([rng.choice((1.0, -1.0)) for _ in range(n)] for _ in range(samples))
-        total = samples
-    extreme = sum(abs(sum(s * d for s, d in zip(signs, differences)) / n) >= observed - tolerance for signs in patterns)
-    return extreme / total
+        df = sum(per_start) ** 2 / sum(v ** 2 / (len(values) - 1) for v, values in zip(per_start, strata.values()))
+        half = t_quantile(1 - ALPHA / 2, df) * spread
+    return Interval(estimate, estimate - half, estimate + half, sign_flip_p_value(differences, weights), len(differences))
+
+
+def sign_flip_p_value(differences: list[float], weights: list[float] | None = None, samples: int = MONTE_CARLO_SAMPLES,
+                      seed: int = 0) -> float:
+    """Two-sided p-value of the weighted sum of `differences` (weights: 1 / n each, the mean, by default) under the null
+    that each pair's sign is a coin flip: the share of sign patterns whose |sum| is at least the observed one. Exact over
+    all 2^n patterns for n <= EXACT_PERMUTATIONS_UP_TO; else `samples` seeded patterns plus the observed one,
+    (count + 1) / (samples + 1): a sampled p of 0 would claim more than any sample can show."""
+    n = len(differences)
+    weighted = [d * w for d, w in zip(differences, weights or [1 / n] * n)]
+    observed = abs(sum(weighted))
+    tolerance = 1e-12 * max(1.0, observed)
+
+    def extreme(patterns) -> int:
+        return sum(abs(sum(s * x for s, x in zip(signs, weighted))) >= observed - tolerance for signs in patterns)
+
+    if n <= EXACT_PERMUTATIONS_UP_TO:
+        return extreme(itertools.product((1.0, -1.0), repeat=n)) / 2 ** n
+    rng = random.Random(seed)
+    sampled = ([rng.choice((1.0, -1.0)) for _ in range(n)] for _ in range(samples))
+    return (extreme(sampled) + 1) / (samples + 1)
+
+
+def t_quantile(probability: float, df: float) -> float:
+    """Student's t quantile for any df > 0 (not only integers: the stratified interval's df is not), by bisection on
+    the exact CDF: P(T <= t) = 1 - I_x(df / 2, 1 / 2) / 2 for t >= 0, x = df / (df + t^2), I the regularized
+    incomplete beta function. Accurate to ~1e-10; t(0.975, 31) = 2.0395, where a table that stops at 30 says 1.960."""
+    if not 0 < probability < 1 or not df > 0:
+        raise ValueError(f"t quantile of probability {probability} at df {df}: need 0 < p < 1 and df > 0")
+    if probability < 0.5:
+        return -t_quantile(1 - probability, df)
+
+    def cdf(t: float) -> float:
+        return 1 - 0.5 * _incomplete_beta(df / 2, 0.5, df / (df + t * t))
+
+    low, high = 0.0, 1.0
+    while cdf(high) < probability:
+        low, high = high, 2 * high
+    for _ in range(200):
+        middle = (low + high) / 2
+        if cdf(middle) < probability:
+            low = middle
+        else:
+            high = middle
+        if high - low <= 1e-12 * high:
+            break
+    return (low + high) / 2
+
+
+def _incomplete_beta(a: float, b: float, x: float) -> float:
+    """I_x(a, b), the regularized incomplete beta function: its continued fraction (Lentz's method, as in Numerical
+    Recipes' betacf), on the side of x where it converges fast."""
+    if x <= 0:
+        return 0.0
+    if x >= 1:
+        return 1.0
+    if x > (a + 1) / (a + b + 2):
+        return 1 - _incomplete_beta(b, a, 1 - x)
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)) / a
+    tiny = 1e-300
+    c, d = 1.0, 1 - (a + b) * x / (a + 1)
+    d = 1 / (d if abs(d) > tiny else tiny)
+    fraction = d
+    for m in range(1, 500):
+        for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                          -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1 + numerator * d
+            d = 1 / (d if abs(d) > tiny else tiny)
+            c = 1 + numerator / c
+            c = c if abs(c) > tiny else tiny
+            fraction *= c * d
+        if abs(c * d - 1) < 1e-15:
+            break
+    return front * fraction
 
 
 def verdict(weak: Interval, strong: Interval) -> Verdict:
     """VERDICT_RULE on a method's weak-family and strong-family intervals against GRPO."""
-    strong_kept = strong.low > -STRONG_MARGIN
-    if weak.high < 0 or strong.high < -STRONG_MARGIN:
+    significant = weak.p_value < ALPHA
+    if strong.high < -STRONG_MARGIN or (weak.high < 0 and significant and weak.mean <= -WEAK_MIN_GAIN):
         return "harm"
-    if weak.low > 0 and weak.p_value < ALPHA and strong_kept:
-        return "gain"
+    if weak.low > 0 and significant:
+        if weak.mean >= WEAK_MIN_GAIN and strong.low > -STRONG_MARGIN:
+            return "gain"
+        if weak.high < WEAK_MIN_GAIN:
+            return "small gain"
     if weak.high < WEAK_MIN_GAIN:
         return "no gain"
     return "undecided"

@@ -79,7 +79,8 @@ def build(job: dict) -> dict:
                 "trained after it. Look at the curve in " + str(out / "curve.json") + "; a longer schedule (--set "
                 f"{role}.sft.stop_at=..., {role}.sft.steps=...) may reach it")
     levels = cfg.start_levels(role)
-    chosen = choose_starts(curve, cfg.level_family(role), levels, spec.sft.stop_when, stopped or curve[-1]["step"])
+    chosen = choose_starts(curve, cfg.level_family(role), levels, spec.sft.stop_when, stopped or curve[-1]["step"],
+                           cfg.start_tolerance)
 
     from graft.rollouts.scoring import Scorer
 
@@ -125,15 +126,40 @@ def stop_step(sft: SFTConfig, curve: list[dict]) -> int | None:
 
 
 def choose_starts(curve: list[dict], family: str, levels: dict[str, float], required: dict[str, float],
-                  last_step: int) -> dict[str, int]:
+                  last_step: int, tolerance: float | None = None) -> dict[str, int]:
     """name -> the step of the check (up to `last_step`) whose sampled accuracy on `family` is nearest each level
-    (the earlier one on a tie), among the checks where every family of `required` was at its greedy level."""
+    (the earlier one on a tie), among the checks where every family of `required` was at its greedy level.
+
+    With a `tolerance` (DemoConfig.start_tolerance), a start further than it from its level, or two starts at one
+    check, stop the demo with the reason in one line: its runs would measure another setting than the one they are
+    named for (issue 48: a learner that learnt `family` before `required` had both starts at one step, 25 points off)."""
     eligible = [c for c in curve if c["step"] <= last_step and all(c["greedy"][f] >= v for f, v in required.items())]
     if not eligible:
         raise SystemExit(f"no check of the warm start up to step {last_step} had {required} (greedy): nothing to start from")
     # distances rounded: 0.38 and 0.42 are as far from 0.40, whatever the floats say
-    return {name: min(eligible, key=lambda c: (round(abs(c["sampled"][family] - level), 9), c["step"]))["step"]
-            for name, level in levels.items()}
+    chosen = {name: min(eligible, key=lambda c: (round(abs(c["sampled"][family] - level), 9), c["step"]))
+              for name, level in levels.items()}
+    if tolerance is None:
+        return {name: check["step"] for name, check in chosen.items()}
+    among = f" with {', '.join(f'{f} at {100 * v:.0f}% greedy' for f, v in required.items())}" if required else ""
+    problems = []
+    for name, check in chosen.items():
+        off = abs(check["sampled"][family] - levels[name])
+        if round(off, 9) > tolerance:
+            problems.append(f"start {name} (level {100 * levels[name]:.0f}% {family} sampled on dev) is {100 * off:.1f} "
+                            f"points off: the nearest check{among} is step {check['step']} at "
+                            f"{100 * check['sampled'][family]:.1f}%")
+    by_step: dict[int, list[str]] = {}
+    for name, check in chosen.items():
+        by_step.setdefault(check["step"], []).append(name)
+    problems += [f"starts {' and '.join(names)} are one checkpoint (step {step})" for step, names in by_step.items()
+                 if len(names) > 1]
+    if problems:
+        raise SystemExit(f"the warm start has no checkpoint at its starts' levels (tolerance {100 * tolerance:.0f} points): "
+                         + "; ".join(problems) + f". Runs from there would not be the starts they are named for; the "
+                         "curve (every check) is in the warm start's curve.json: another seed or kernel choice, or "
+                         "--set start_tolerance=..., decides")
+    return {name: check["step"] for name, check in chosen.items()}
 
 
 def level_text(sft: SFTConfig) -> str:

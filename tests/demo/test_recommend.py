@@ -40,10 +40,13 @@ def test_a_candidate_that_beats_the_spec_and_keeps_the_strong_family_becomes_the
                         "graft_no_peer_neg": (0.45, 0.90), "graft_b1_no_peer_neg": (0.30, 0.95)}, CHOOSE_SEEDS)
     result = choose(summary)
     table = result["candidates"]
-    # peer negatives x0 gains most but loses 5 points of add2: not kept; b = 1 beats the spec by more than b = 1 + x0
-    assert not table["graft_no_peer_neg"]["strong_kept"] and table["graft_b1"]["beats_spec"]
+    # peer negatives x0 gains most but loses 5 points of add2 against the spec: harm; b = 1 beats the spec by more than
+    # b = 1 + x0
+    assert table["graft_no_peer_neg"]["verdict_over_spec"] == "harm" and not table["graft_no_peer_neg"]["beats_spec"]
+    assert table["graft_b1"]["beats_spec"] and table["graft_b1_no_peer_neg"]["beats_spec"]
     assert result["chosen"] == "graft_b1" and result["overrides"] == CANDIDATES["graft_b1"][1]
     assert table["graft_b1"]["weak_gain"]["mean"] == pytest.approx(0.25, abs=0.01)
+    assert table["graft_b1"]["weak_over_spec"]["mean"] == pytest.approx(0.23, abs=0.01)
 
 
 def test_without_a_clear_win_over_the_spec_the_spec_stays_the_default():
@@ -52,6 +55,31 @@ def test_without_a_clear_win_over_the_spec_the_spec_stays_the_default():
                         "graft_no_peer_neg": (0.15, 0.95), "graft_b1_no_peer_neg": (0.19, 0.95)}, CHOOSE_SEEDS, noise=0.03)
     result = choose(summary)
     assert not any(row["beats_spec"] for row in result["candidates"].values()) and result["chosen"] == SPEC
+
+
+def test_the_incumbent_takes_the_strong_familys_test_too():
+    """issue 48: the spec and b = 1 both lose 3 points of add2 to GRPO. The old rule asked that of the challenger only
+    and kept the spec; head to head, b = 1 loses nothing to the spec and gains 23 points on add3: it beats it."""
+    summary = _summary({"grpo": (0.10, 0.95), SPEC: (0.12, 0.92), "graft_b1": (0.35, 0.92),
+                        "graft_no_peer_neg": (0.12, 0.92), "graft_b1_no_peer_neg": (0.12, 0.92)}, CHOOSE_SEEDS)
+    result = choose(summary)
+    assert result["candidates"][SPEC]["strong_change"]["high"] < -0.02  # the spec fails the GRPO test it never took
+    assert result["chosen"] == "graft_b1" and result["candidates"]["graft_b1"]["verdict_over_spec"] == "gain"
+
+
+def test_beating_the_spec_needs_the_permutation_tests_p_too():
+    """issue 48: 4 pairs (one start) all +10 points over the spec: a t-interval well above 0, but the sign-flip test's
+    smallest p with 4 pairs is 2/16 = 0.125, so the demo's own verdict could never call it a gain; nor may the rule."""
+    runs = []
+    for seed in CHOOSE_SEEDS:
+        wobble = 0.002 * (seed % 3)
+        for mode, weak in (("grpo", 0.10), (SPEC, 0.12), ("graft_b1", 0.22 + wobble), ("graft_no_peer_neg", 0.12),
+                           ("graft_b1_no_peer_neg", 0.12)):
+            runs.append({"mode": mode, "start": "early", "seed": seed, "primary": {"add3": weak, "add2": 0.95}})
+    result = choose({"weak_family": "add3", "strong_family": "add2", "runs": runs})
+    over = result["candidates"]["graft_b1"]["weak_over_spec"]
+    assert over["low"] > 0.05 and over["p_value"] == pytest.approx(0.125)
+    assert not result["candidates"]["graft_b1"]["beats_spec"] and result["chosen"] == SPEC
 
 
 def test_the_rule_refuses_runs_on_other_seeds_or_without_a_candidate(tmp_path):

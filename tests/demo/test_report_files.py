@@ -1,0 +1,96 @@
+"""The committed report files hold what was computed, not what the invocation measured about itself (issue 51):
+`make demo` on a fresh clone rewrote report/REPORT.md and summary.json with its own wall times, leaving the tree dirty.
+Rendered through demo.report.write_report, the function `make demo` calls, from hand-made run folders."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from demo.config import DemoConfig, quick
+from demo.report import LOCAL_FILE, write_report
+
+COMMITTED = ("summary.json", "REPORT.md", "accuracy_vs_step.png")
+METRIC_KEYS = ("frac_all_fail", "peer_hit_rate", "frac_grafted", "compat_weight_mean", "log_rho_p50", "frac_dropped_retokenize")
+
+
+def _start(level: float, step: int, checkpoint: Path) -> dict:
+    acc = {"add2": 0.9, "add3": level}
+    return {"level": level, "step": step, "checkpoint": str(checkpoint), "dev_greedy": acc, "dev_sampled": acc,
+            "acc_greedy": acc, "acc_sampled": acc}
+
+
+def render(cfg: DemoConfig, where: Path, seconds: float) -> dict:
+    """write_report over 2 starts x 2 seeds of GRPO and one GRAFT whose run folders live under `where` (another clone),
+    every time `seconds` apart from another call's, and the store's clock times with them."""
+    runs = []
+    for start in cfg.starts:
+        for seed in (0, 1):
+            for mode, gain in (("grpo", 0.0), ("graft", 0.05 + 0.01 * seed)):
+                run_dir = where / "runs" / f"{mode}-{start}-s{seed}"
+                (run_dir / "train").mkdir(parents=True)
+                acc = {"add2": 0.9, "add3": 0.2 + gain + 0.01 * seed}
+                evals = [{"step": step, "acc_greedy": acc, "acc_sampled": acc} for step in (2, 4)]
+                (run_dir / "done.json").write_text(json.dumps({"train_s": 30 + seconds, "cpu_s": 29 + seconds, "evals": evals,
+                                                               "wall_s": 31 + seconds}))
+                metrics = {key: 0.5 for key in METRIC_KEYS} | {"rollouts_generated": 16, "peer_rollouts_consumed": 8}
+                (run_dir / "train" / "metrics.jsonl").write_text("\n".join(json.dumps(metrics) for _ in range(4)) + "\n")
+                runs.append({"name": run_dir.name, "mode": mode, "start": start, "seed": seed, "dir": str(run_dir)})
+    models = {role: {"dir": str(where / "models" / role), "checkpoint_hash": f"{role}-0123", "architecture": arch,
+                     "parameters": 1000, "vocab_size": 30, "sft_steps": 40, "sft_s": 50 + seconds, "cpu_s": 60 + seconds,
+                     "wall_s": 70 + seconds, "starts": starts}
+              for role, arch, starts in (
+                  ("learner", "LlamaForCausalLM", {name: _start(level, 20, where / "starts" / name) for name, level in cfg.starts.items()}),
+                  ("peer", "Qwen2ForCausalLM", {"peer": _start(0.5, 30, where / "starts" / "peer")}))}
+    store_root = where / "store"
+    store_root.mkdir()
+    (store_root / "groups-done-toy-peer-qwen2.json").write_text(json.dumps(
+        {"indexed_groups": 16, "rollouts": 128, "informative_groups": 10, "success_rate": 0.4, "wall_s": 5 + seconds,
+         "tokens_per_s": 1000 / (5 + seconds), "outside_sampling_share": 0.4 + seconds / 100}))
+    store_stats = {"models": [{"model_id": "toy-peer-qwen2", "groups": 16, "newest_created_at": f"2026-12-0{1 + int(seconds)}T07:19:45Z"}],
+                   "last_ingest_at": f"2026-12-0{1 + int(seconds)}T07:19:46Z"}
+    timings = {run["name"]: 40 + seconds for run in runs}
+    return write_report(cfg, models, runs, {}, store_stats, timings, wall_time_s=600 + seconds, server_stopped=True,
+                        store_root=store_root, probes={}, kernels="the CPU's own")
+
+
+def test_two_runs_that_computed_the_same_write_the_same_committed_files(tmp_path):
+    cfg = quick(DemoConfig()).model_copy(update={"report_dir": tmp_path / "report"})
+    first = render(cfg, tmp_path / "clone_a", seconds=0.0)
+    kept = {name: (cfg.report_dir / name).read_bytes() for name in COMMITTED}
+    second = render(cfg, tmp_path / "clone_b", seconds=7.3)
+    assert first["wall_time_s"] != second["wall_time_s"]  # the run still has its times (it prints them)
+    assert {name: (cfg.report_dir / name).read_bytes() for name in COMMITTED} == kept
+    # ... and they are beside the report, in the file git ignores
+    local = json.loads((cfg.report_dir / LOCAL_FILE).read_text())
+    assert local["wall_time_s"] == 607.3 and local["runs"][0]["train_s"] == 37.3 and "clone_b" in local["starts"]["early"]["checkpoint"]
+    assert local["store_stats"]["last_ingest_at"].startswith("2026-12-08")
+    summary = json.loads((cfg.report_dir / "summary.json").read_text())
+    assert "wall_time_s" not in summary and "train_s" not in summary["runs"][0] and "clone" not in json.dumps(summary)
+    assert "## Time" in (cfg.report_dir / "REPORT.md").read_text()
+
+
+def test_git_ignores_the_local_file_of_every_report():
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[2]
+    for folder in ("report", "report/avx2", "report/mutual/budget"):
+        checked = subprocess.run(["git", "check-ignore", "-q", f"{folder}/{LOCAL_FILE}"], cwd=repo)
+        assert checked.returncode == 0, f"{folder}/{LOCAL_FILE} is not ignored"
+
+
+def test_the_committed_reports_are_the_current_rules_reading_of_their_runs(tmp_path):
+    """demo.rerender on a copy of every committed report changes nothing: each REPORT.md, summary.json (and the choose
+    run's recommendation) is what demo.stats and demo.recommend say now of the runs it holds."""
+    import shutil
+
+    from demo.rerender import rerender
+
+    repo = Path(__file__).resolve().parents[2]
+    for folder in ("report", "report/avx2", "report/portable", "report/choose", "report/cotrain", "report/mutual"):
+        copy = tmp_path / folder.replace("/", "_")
+        shutil.copytree(repo / folder, copy, ignore=shutil.ignore_patterns("*.png", LOCAL_FILE, "avx2", "portable",
+                                                                             "choose", "cotrain", "mutual"))
+        rerender(copy)
+        for path in sorted(p for p in copy.rglob("*") if p.is_file() and p.name != LOCAL_FILE):
+            assert path.read_bytes() == (repo / folder / path.relative_to(copy)).read_bytes(), f"{folder}: {path.name}"
