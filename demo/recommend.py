@@ -23,6 +23,12 @@ when the spec fails it, and asks a question (GRAFT or GRPO) the demo's verdict t
 against GRPO stay in the table, for reading.
 
     python -m demo.recommend report/choose/summary.json
+
+The confirmatory run (issue 48, `make demo-confirm`: configs/demo_confirm.yaml) reads its runs with the same rule, on
+seeds no run had used (CONFIRM_SEEDS) from a warm start of its own, between the spec and the candidate the choose run's
+figures favoured (CONFIRM_CANDIDATES); what it picks is what the trainers ship:
+
+    python -m demo.recommend report/confirm/summary.json --confirm
 """
 
 from __future__ import annotations
@@ -49,7 +55,15 @@ CANDIDATES = {
 }
 SPEC = "graft_spec"
 CHOOSE_SEEDS = [10, 11, 12, 13]
-RULE = (f"on seeds {CHOOSE_SEEDS} at every start, each candidate paired with the spec's GRAFT by (start, seed) and judged "
+# The confirmatory run: 8 seeds at each of 2 starts (16 pairs), from warm starts initialised with seed 1 (every earlier
+# run's warm starts used 0), between the spec and the one challenger (report/choose: +17.7 over the spec on add3)
+CONFIRM_SEEDS = list(range(20, 28))
+CONFIRM_CANDIDATES = [SPEC, "graft_b1_no_peer_neg"]
+
+
+def rule(seeds: list[int]) -> str:
+    """RULE on `seeds`."""
+    return (f"on seeds {seeds} at every start, each candidate paired with the spec's GRAFT by (start, seed) and judged "
         f"against it by the demo's rule with the spec in GRPO's place ({VERDICT_RULE}); a candidate beats the spec when "
         f"that verdict is gain (its weak-family gain over the spec above 0 with p < {ALPHA} and at least "
         f"+{100 * WEAK_MIN_GAIN:.0f} points, its strong-family change against the spec above -{100 * STRONG_MARGIN:.0f} "
@@ -57,15 +71,21 @@ RULE = (f"on seeds {CHOOSE_SEEDS} at every start, each candidate paired with the
         f"listed first, with fewer changes); if none beats the spec, the spec stays the default")
 
 
-def choose(summary: dict) -> dict:
+RULE = rule(CHOOSE_SEEDS)
+
+
+def choose(summary: dict, expected_seeds: list[int] = CHOOSE_SEEDS, candidates: list[str] | None = None,
+           make: str = "make demo-choose") -> dict:
+    """The default by RULE from `summary`'s runs, which must be on `expected_seeds` and hold every candidate."""
     weak, strong, runs = summary["weak_family"], summary["strong_family"], summary["runs"]
+    candidates = candidates or list(CANDIDATES)
     seeds = sorted({r["seed"] for r in runs})
-    if seeds != CHOOSE_SEEDS:
-        raise SystemExit(f"the summary's runs are on seeds {seeds}, not the dev seeds {CHOOSE_SEEDS}: run `make demo-choose`")
+    if seeds != expected_seeds:
+        raise SystemExit(f"the summary's runs are on seeds {seeds}, not the seeds {expected_seeds} of this rule: run `{make}`")
     table = {}
-    for mode in CANDIDATES:
+    for mode in candidates:
         if not any(r["mode"] == mode for r in runs):
-            raise SystemExit(f"no {mode} runs in this summary: run `make demo-choose` (configs/demo_choose.yaml)")
+            raise SystemExit(f"no {mode} runs in this summary: run `{make}`")
         row = {"weak_gain": stratified_interval(paired_values(runs, mode, weak)).as_dict(),
                "strong_change": stratified_interval(paired_values(runs, mode, strong)).as_dict(),
                "weak_over_spec": None, "strong_over_spec": None, "verdict_over_spec": None, "beats_spec": False}
@@ -76,10 +96,10 @@ def choose(summary: dict) -> dict:
                        verdict_over_spec=verdict(weak_over, strong_over))
             row["beats_spec"] = row["verdict_over_spec"] == "gain"
         table[mode] = row
-    winners = [m for m in CANDIDATES if table[m]["beats_spec"]]
+    winners = [m for m in candidates if table[m]["beats_spec"]]
     # max keeps the first of a tie
     chosen = max(winners, key=lambda m: table[m]["weak_over_spec"]["mean"]) if winners else SPEC
-    return {"rule": RULE, "weak_family": weak, "strong_family": strong, "candidates": table, "chosen": chosen,
+    return {"rule": rule(expected_seeds), "weak_family": weak, "strong_family": strong, "candidates": table, "chosen": chosen,
             "overrides": CANDIDATES[chosen][1]}
 
 
@@ -107,8 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m demo.recommend", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("choose", type=Path, help="summary.json of the dev-seed runs (make demo-choose)")
     parser.add_argument("--out", type=Path, default=None, help="write the result as JSON here (default: recommendation.json beside it)")
+    parser.add_argument("--confirm", action="store_true", help="the confirmatory run's summary (make demo-confirm): "
+                        f"seeds {CONFIRM_SEEDS[0]}-{CONFIRM_SEEDS[-1]}, candidates {', '.join(CONFIRM_CANDIDATES)}")
     args = parser.parse_args(argv)
-    result = choose(json.loads(args.choose.read_text()))
+    summary = json.loads(args.choose.read_text())
+    result = choose(summary, CONFIRM_SEEDS, CONFIRM_CANDIDATES, "make demo-confirm") if args.confirm else choose(summary)
     text = "\n".join(lines(result))
     print(text)
     out = args.out or args.choose.with_name("recommendation.json")
