@@ -115,7 +115,21 @@ class PPOConfig(_Section):
     kl_beta: float = Field(default=0.0, ge=0.0, description="weight of the k3 KL to the initial policy (0: off, no reference model kept)")
 
 
+# Named sets of the fields that make GRAFT's per-token weight (GRAFT_SPEC sections 4-5, 11): graft.preset picks one.
+# spec: GRAFT_SPEC's formulas as written (b = min(pi_old / mu~, C), the peer's negative advantages kept);
+# b1_no_peer_neg: b = 1 and the peer's negative advantages x0 (docs/training.md, "Which GRAFT runs by default").
+GRAFT_PRESETS: dict[str, dict[str, Any]] = {
+    "spec": {"token_is": "tis", "kappa": 1.0, "peer_negative_scale": 1.0, "peer_loss_scale": 1.0},
+    "b1_no_peer_neg": {"token_is": "none", "kappa": 1.0, "peer_negative_scale": 0.0, "peer_loss_scale": 1.0},
+}
+
+
 class GraftConfig(_Section):
+    preset: Literal["spec", "b1_no_peer_neg"] | None = Field(
+        default=None,
+        description="a named GRAFT: spec (GRAFT_SPEC's formulas as written: token_is tis, peer negatives x1) or "
+                    "b1_no_peer_neg (token_is none, peer_negative_scale 0); sets token_is, kappa, peer_negative_scale "
+                    "and peer_loss_scale, and refuses another value of them beside it. None: the fields as given")
     peer_models: list[str] | None = Field(default=None, min_length=1, description="accept peer groups only from these model ids (None: any model but the learner; an empty list would accept none and is refused)")
     union_all_success: bool = Field(default=False, description="all-fail learner + all-success peer: advantages over the union of learner failures and peer successes instead of skipping")
     kappa: float = Field(default=1.0, ge=0.0, description="exponent of the sequence compatibility weight w = min(1, rho) ** kappa")
@@ -142,6 +156,19 @@ class GraftConfig(_Section):
         description="opt-in: graft peer groups whose tokenizer is not in peer_tokenizers, spreading their logprob_sum evenly "
                     "over the text's characters (mu~ per token, so b, then carries little); off: such groups are refused",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        preset = data.get("preset") if isinstance(data, dict) else None
+        if preset not in GRAFT_PRESETS:
+            return data  # no preset, or a name the field's own validation refuses
+        named = GRAFT_PRESETS[preset]
+        clash = {name: data[name] for name in named if name in data and data[name] != named[name]}
+        if clash:
+            raise ValueError(f"graft.preset = {preset} sets {named}, but the config also gives {clash}: drop the preset "
+                             "to set these fields one by one, or drop the fields")
+        return {**data, **named}
 
     @model_validator(mode="after")
     def _consistent(self) -> GraftConfig:

@@ -132,3 +132,19 @@ def test_dry_run_reads_the_training_data_and_names_its_columns(tmp_path, monkeyp
     plain = _toy_dry_run(*args, "--set", "data.problem_field=question", "--set", "data.prompt_template=plain",
                          "--set", "data.system_prompt=Be brief.")
     assert plain.exit_code != 0 and "system_prompt" in plain.output
+
+
+def test_a_graft_preset_names_the_formulas_and_refuses_a_clash():
+    """graft.preset sets the fields of GRAFT's per-token weight by name (the spec's formulas stay one name away
+    whatever the default is) and refuses another value of them beside it, saying which."""
+    from graft.trainer.config import GRAFT_PRESETS, GraftConfig
+
+    for name, fields in GRAFT_PRESETS.items():
+        graft = GraftConfig(preset=name)
+        assert {field: getattr(graft, field) for field in fields} == fields
+        assert GraftConfig.model_validate(graft.model_dump()) == graft  # a saved config loads back
+    assert GraftConfig(preset="spec").token_is == "tis" and GraftConfig(preset="b1_no_peer_neg").token_is == "none"
+    with pytest.raises(ValueError, match="peer_negative_scale"):
+        GraftConfig(preset="spec", peer_negative_scale=0.0)
+    with pytest.raises(ValueError):
+        GraftConfig(preset="no_such_preset")
