@@ -239,7 +239,7 @@ def test_the_configuration_says_what_backend_openai_needs(tmp_path):
                         openai={"base_url": "http://h:1"})
     assert server_root("http://h:8000/v1/") == server_root("http://h:8000") == "http://h:8000"
     # raw logprobs are other rows: another key; the default leaves earlier runs' keys as they were
-    base = dict(model="m", dataset="d", store="s", openai={"base_url": "http://h:1"})
+    base = {"model": "m", "dataset": "d", "store": "s", "openai": {"base_url": "http://h:1"}}
     assert GeneratorConfig(**base, backend="openai").sampling_key() == GeneratorConfig(**base).sampling_key()
     raw = GeneratorConfig(**{**base, "openai": {"base_url": "http://h:1", "logprobs_mode": "raw_logprobs"}},
                           backend="openai")
