@@ -131,7 +131,8 @@ class OpenAIBackend:
         return cls(config, tokenizer, model_id=model_id or default_model_id(path), eos_ids=generation_eos_ids(path, tokenizer))
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        """Drop the requests not yet sent; those in flight after a failed call end as the connections close."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
         self._http.close()
 
     def generate(self, prompts: list[str], params: SamplingParams) -> list[list[Sample]]:
@@ -172,14 +173,14 @@ class OpenAIBackend:
             # as the vllm backend seeds its requests: the n samples of a request draw from seed, seed + 1, ...
             body["seed"] = params.sample_seed(index, 0)
         answer = self._request("POST", "/v1/completions", body, f"prompt {index}")
-        samples = self._parse_choices(answer, params.n, f"prompt {index}")
+        samples = self._parse_choices(answer, params.n, prompt_ids, f"prompt {index}")
         usage = answer.get("usage") if isinstance(answer.get("usage"), dict) else {}
         with self._lock:
             self.counts.prompt_tokens += int(usage.get("prompt_tokens") or len(prompt_ids))
             self.counts.completion_tokens += int(usage.get("completion_tokens") or sum(len(s.token_ids) for s in samples))
         return samples
 
-    def _parse_choices(self, answer: dict, n: int, what: str) -> list[Sample]:
+    def _parse_choices(self, answer: dict, n: int, prompt_ids: list[int], what: str) -> list[Sample]:
         """The n samples of one answer, each checked: every failure is a one-line ServerError."""
         choices = answer.get("choices")
         if not isinstance(choices, list):
@@ -193,6 +194,9 @@ class OpenAIBackend:
             where = f"{what}, choice {position}"
             if not isinstance(choice, dict):
                 raise ServerError(f"{self.root}: {where} is not an object: {_excerpt(choice)}")
+            if choice.get("prompt_token_ids") not in (None, prompt_ids):  # vLLM echoes the prompt it ran
+                raise ServerError(f"{self.root}: {where} ran another prompt than the token ids sent (a server that "
+                                  "re-tokenises or adds tokens): its samples do not continue the stored prompt")
             token_ids = choice.get("token_ids")
             if token_ids is None:
                 raise ServerError(

@@ -1,7 +1,7 @@
 """The served backend's faults, against a stub completions server on loopback (the real server's answers are
 tests/generator/test_generate_openai.py's): a 429 is tried again and the run stores everything; a timeout, a cut
 answer, fewer than G choices, logprobs of another length than the ids, ids outside the tokenizer, an answer without
-token ids and one that is not JSON each end `graft-generate` with one line saying what to do, and nothing stored.
+token ids, one for another prompt than the one sent and one that is not JSON each end `graft-generate` with one line saying what to do, and nothing stored.
 The API key travels from the environment to the server and nowhere else."""
 
 from __future__ import annotations
@@ -109,6 +109,9 @@ class StubServer:
             choices[0]["logprobs"]["token_logprobs"] = [-0.5]
         elif behaviour == "bad_ids":
             choices[1]["token_ids"] = [40, 99999, 42]
+        elif behaviour == "other_prompt":  # a server that re-tokenised or added a BOS
+            for choice in choices:
+                choice["prompt_token_ids"] = [2, *body["prompt"]]
         elif behaviour == "no_token_ids":
             for choice in choices:
                 del choice["token_ids"]
@@ -172,6 +175,7 @@ def test_a_429_is_tried_again_and_the_run_stores_every_group(stub, tiny_model_di
     ("bad_ids", "holds token id 99999, outside the tokenizer's 315 tokens"),
     ("no_token_ids", "has no 'token_ids': the server ignored return_token_ids"),
     ("not_json", "the answer is not JSON"),
+    ("other_prompt", "ran another prompt than the token ids sent"),
 ])
 def test_a_bad_answer_stops_the_run_in_one_line_and_stores_nothing(stub, tiny_model_dir, toy_dataset, tmp_path,
                                                                    behaviour, message):
