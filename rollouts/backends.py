@@ -1,8 +1,8 @@
-"""A sampling backend by name ('hf' or 'vllm'), for the generator service and `graft-eval`.
+"""A sampling backend by name ('hf', 'vllm' or 'openai'), for the generator service and `graft-eval`.
 
 The backends import only the types of `graft.rollouts.sampling`; this module imports the backends, so the
-imports run one way (sampling <- hf_backend, vllm_backend <- backends). The vLLM backend module imports
-without vLLM (the engine is imported when one starts).
+imports run one way (sampling <- hf_backend, vllm_backend, openai_backend <- backends). The vLLM backend module
+imports without vLLM (the engine is imported when one starts).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from graft.rollouts.hf_backend import HFBackend
+from graft.rollouts.openai_backend import OpenAIBackend, OpenAIBackendConfig
 from graft.rollouts.sampling import Backend
 from graft.rollouts.vllm_backend import VLLMBackend
 
@@ -23,8 +24,10 @@ def load_backend(
     vllm_max_model_len: int | None = None,
     vllm_gpu_memory_utilization: float | None = None,
     seed: int = 0,
+    openai: OpenAIBackendConfig | None = None,
 ) -> Backend:
-    """A backend of `kind` ('hf' or 'vllm') on the model at `path` (HF directory or GGUF)."""
+    """A backend of `kind` ('hf', 'vllm' or 'openai') on the model at `path` (HF directory or GGUF; for 'openai',
+    the served model's folder or its tokenizer's: the server named in `openai` samples)."""
     if kind == "hf":
         torch_dtype = getattr(torch, dtype if dtype != "auto" else "float32", None)
         if not isinstance(torch_dtype, torch.dtype):
@@ -40,4 +43,6 @@ def load_backend(
             ) from e
         engine_kwargs = {} if vllm_gpu_memory_utilization is None else {"gpu_memory_utilization": vllm_gpu_memory_utilization}
         return VLLMBackend.from_path(path, model_id=model_id, dtype=dtype, max_model_len=vllm_max_model_len, seed=seed, **engine_kwargs)
-    raise ValueError(f"unknown backend {kind!r}: use 'hf' or 'vllm'")
+    if kind == "openai":
+        return OpenAIBackend.from_path(path, openai or OpenAIBackendConfig(), model_id=model_id)
+    raise ValueError(f"unknown backend {kind!r}: use 'hf', 'vllm' or 'openai'")

@@ -20,10 +20,11 @@ def make_group_id(model_id: str, model_revision: str, policy_step: int, prompt_i
     return hashlib.sha256(key.encode("utf-8")).hexdigest()[:32]
 
 
-def logprobs_mode(params: SamplingParams) -> str:
+def logprobs_mode(params: SamplingParams, engine_mode: str = "processed_logprobs") -> str:
     """'processed': logprobs of the distribution sampled from (after temperature, top-k, top-p).
-    'raw': greedy decoding, where the stored logprobs are the model's own (temperature 1) distribution."""
-    return "raw" if params.greedy else "processed"
+    'raw': the model's own (temperature 1) distribution: greedy decoding, or a server that reports raw logprobs
+    (engine_mode, vLLM's `--logprobs-mode` name: 'processed_logprobs' or 'raw_logprobs')."""
+    return "raw" if params.greedy or engine_mode == "raw_logprobs" else "processed"
 
 
 def assemble_group(
@@ -40,12 +41,14 @@ def assemble_group(
     eos_token_ids: set[int],
     group_id: str,
     std_normalize: bool = True,
+    engine_logprobs_mode: str = "processed_logprobs",
 ) -> RolloutGroup:
     """One validated group: rewards, group advantages, and logprob sums with the EOS token excluded.
 
     The EOS token stays in completion_token_ids and token_logprobs (the trainer trains on it), but
     not in logprob_sum: another tokenizer's re-tokenisation has its own EOS, so a sequence-level
-    likelihood compared across models covers the text only (GRAFT_SPEC section 4).
+    likelihood compared across models covers the text only (GRAFT_SPEC section 4). engine_logprobs_mode: what the
+    sampler's logprobs are (`Backend.logprobs_mode`), recorded in the rows' logprobs_mode.
     """
     if len(samples) != len(scores):
         raise ValueError(f"assemble_group got {len(samples)} samples but {len(scores)} scores: one score per sample")
@@ -71,7 +74,7 @@ def assemble_group(
                 top_p=params.top_p,
                 top_k=params.effective_top_k,
                 max_tokens=params.max_tokens,
-                logprobs_mode=logprobs_mode(params),
+                logprobs_mode=logprobs_mode(params, engine_logprobs_mode),
                 completion_text=sample.text,
                 completion_token_ids=sample.token_ids,
                 token_logprobs=sample.token_logprobs,

@@ -90,6 +90,8 @@ def teacher_forced_logprobs(model, prompt_ids: list[int], completion_ids: list[i
 class HFBackend:
     """transformers sampler over a model already in memory (the trainer's policy) or loaded from a path."""
 
+    logprobs_mode = "processed_logprobs"  # processed_logprobs() below
+
     def __init__(
         self,
         model,

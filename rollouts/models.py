@@ -248,6 +248,22 @@ def eos_token_ids(model, tokenizer) -> set[int]:
     return ids
 
 
+def generation_eos_ids(path: str | Path, tokenizer) -> set[int]:
+    """`eos_token_ids` without loading the weights: the tokenizer's EOS and the EOS ids of the folder's
+    generation_config.json (what vLLM stops on), for the model or tokenizer folder (or GGUF) at `path`."""
+    from transformers import GenerationConfig
+
+    path = Path(path).expanduser()
+    folder = resolve_model_dir(path) if find_gguf(path) else path
+    ids = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
+    if (folder / "generation_config.json").exists():
+        config_eos = GenerationConfig.from_pretrained(folder).eos_token_id
+        ids |= {config_eos} if isinstance(config_eos, int) else {int(i) for i in config_eos or []}
+    if not ids:
+        raise ValueError(f"{path}: the tokenizer and generation config define no EOS token: completions could never finish")
+    return ids
+
+
 def default_model_revision(path: str | Path) -> str:
     """The revision stored when none is given: the fingerprint of the GGUF file or HF directory."""
     path = Path(path).expanduser()

@@ -74,13 +74,16 @@ class Sample:
 
 
 class Backend(Protocol):
-    """A sampler: the HF (`hf_backend.HFBackend`) and vLLM (`vllm_backend.VLLMBackend`) backends."""
+    """A sampler: the HF (`hf_backend.HFBackend`), vLLM (`vllm_backend.VLLMBackend`) and served
+    (`openai_backend.OpenAIBackend`) backends."""
 
     tokenizer: Any  # a transformers tokenizer: prompts are built with its chat template
     model_id: str  # path-safe name of the model, stored with every row
     tokenizer_id: str  # identity of the tokenizer the token ids belong to
     eos_token_ids: set[int]  # tokens that end a completion
-    logprobs_mode: str  # what token_logprobs holds: "processed" (behaviour policy) or "raw" (greedy)
+    # what token_logprobs holds, in vLLM's names: "processed_logprobs" (after temperature, top-k and top-p: the
+    # behaviour policy; the hf and vllm backends) or "raw_logprobs" (the model's own: a server started so)
+    logprobs_mode: str
 
     def generate(self, prompts: list[str], params: SamplingParams) -> list[list[Sample]]:
         """Outer list: one entry per prompt, in order; inner list: params.n samples."""

@@ -10,7 +10,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from graft.rollouts.models import default_model_id, load_tokenizer, resolve_model_dir, tokenizer_fingerprint
+from graft.rollouts.models import (
+    default_model_id,
+    generation_eos_ids,
+    load_tokenizer,
+    resolve_model_dir,
+    tokenizer_fingerprint,
+)
 from graft.rollouts.sampling import Sample, SamplingParams
 
 CPU_KV_CACHE_BYTES = 2 << 30  # on CPU the KV cache is ordinary RAM: reserve a fixed amount, not a fraction
@@ -20,6 +26,8 @@ ENFORCE_EAGER_ENV = "GRAFT_VLLM_ENFORCE_EAGER"
 
 class VLLMBackend:
     """A `Backend` over a `vllm.LLM` engine."""
+
+    logprobs_mode = "processed_logprobs"  # the engine is started so (from_path)
 
     def __init__(self, llm, tokenizer, model_id: str, tokenizer_id: str | None = None, eos_ids: set[int] | None = None):
         self.llm = llm
@@ -43,8 +51,6 @@ class VLLMBackend:
         dtype: default float32 on CPU, the checkpoint's own ("auto") on GPU. engine_kwargs go to
         `vllm.LLM` unchanged (gpu_memory_utilization, tensor_parallel_size, ...).
         """
-        from transformers import GenerationConfig
-
         model_dir = resolve_model_dir(path)
         on_cpu = not _cuda_available()
         if on_cpu:
@@ -73,13 +79,7 @@ class VLLMBackend:
         # The tokenizer and EOS ids come from transformers, as for the HF backend, so both backends
         # agree on prompts, stop tokens and tokenizer ids.
         tokenizer = load_tokenizer(model_dir)
-        eos_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-        if (model_dir / "generation_config.json").exists():
-            config_eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
-            eos_ids |= {config_eos} if isinstance(config_eos, int) else set(config_eos or [])
-        if not eos_ids:
-            raise ValueError(f"{model_dir}: the tokenizer and generation config define no EOS token")
-        return cls(llm, tokenizer, model_id=model_id or default_model_id(path), eos_ids=eos_ids)
+        return cls(llm, tokenizer, model_id=model_id or default_model_id(path), eos_ids=generation_eos_ids(model_dir, tokenizer))
 
     def generate(self, prompts: list[str], params: SamplingParams) -> list[list[Sample]]:
         from vllm import SamplingParams as VLLMSamplingParams

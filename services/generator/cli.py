@@ -70,12 +70,13 @@ def generate(
             _show_first_prompt(cfg)
         return
 
+    from graft.rollouts.openai_backend import ServerError
     from graft.services.generator.generate import OtherSettingsStored, run_generator
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         stats = run_generator(cfg)
-    except OtherSettingsStored as e:  # a refusal to say in one line, not a crash
+    except (OtherSettingsStored, ServerError) as e:  # a refusal, or a served model's failure: one line, not a crash
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
     summary = {
@@ -95,6 +96,8 @@ def generate(
         "outside_sampling_share": stats.outside_sampling_share,
         "wall_s": round(stats.wall_s, 3),
     }
+    if stats.server is not None:  # backend openai: what was asked of the server
+        summary["server"] = stats.server
     sys.stdout.write(json.dumps(summary) + "\n")
     if summary_json is not None:
         from graft.rollouts.files import write_text_atomic

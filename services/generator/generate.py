@@ -29,6 +29,7 @@ from graft.rollouts.datasets import load_problems
 from graft.rollouts.groups import assemble_group, make_group_id
 from graft.rollouts.hf_backend import report_tokens_on
 from graft.rollouts.models import default_model_id, default_model_revision
+from graft.rollouts.openai_backend import OpenAIBackend
 from graft.rollouts.prompts import build_prompt
 from graft.rollouts.sampling import Backend, SamplingParams
 from graft.rollouts.scoring import Scorer
@@ -59,6 +60,7 @@ class RunStats:
     reloads: int = 0
     store_retries: int = 0  # store calls tried again after an outage (continuous mode)
     stored_ids_held: int = 0  # ids of stored groups the run still checked against at its end (one round's, at most)
+    server: dict[str, float] | None = None  # backend openai: requests, retries, tokens and time (RequestCounts)
     sampling_s: float = 0.0
     scoring_s: float = 0.0
     assembly_s: float = 0.0
@@ -370,6 +372,8 @@ def _run(config: GeneratorConfig, stop: StopFlag) -> RunStats:
                 round_index += 1
     finally:
         stats.stored_ids_held = len(stored)
+        if isinstance(backend, OpenAIBackend):
+            stats.server = backend.counts.as_dict()
         # the engine stops here, before the caller prints its summary (vLLM logs its shutdown to stdout)
         if backend is not None and getattr(backend, "close", None) is not None:
             backend.close()
@@ -384,7 +388,7 @@ def _load(config: GeneratorConfig, model_path: str, model_id: str, bar: tqdm | N
     backend = load_backend(
         config.backend, model_path, model_id=model_id, dtype=config.dtype, hf_batch_size=config.hf_batch_size,
         vllm_max_model_len=config.vllm_max_model_len, vllm_gpu_memory_utilization=config.vllm_gpu_memory_utilization,
-        seed=config.seed or 0,
+        seed=config.seed or 0, openai=config.openai,
     )
     if bar is not None and not bar.disable and hasattr(backend, "on_tokens"):  # the HF sampler: progress within a batch
         backend.on_tokens = report_tokens_on(bar)
@@ -410,7 +414,7 @@ def _sample_batch(
             problem, group_samples, scores[i * params.n : (i + 1) * params.n],
             model_id=model_id, model_revision=revision, tokenizer_id=backend.tokenizer_id, policy_step=policy_step,
             generator_id=generator_id, params=params, eos_token_ids=backend.eos_token_ids, group_id=group_ids[i],
-            std_normalize=config.std_normalize,
+            std_normalize=config.std_normalize, engine_logprobs_mode=backend.logprobs_mode,
         ))
     t3 = time.perf_counter()
     stats.sampling_s += t1 - t0
