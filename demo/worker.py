@@ -156,7 +156,7 @@ def choose_starts(curve: list[dict], family: str, levels: dict[str, float], requ
                  if len(names) > 1]
     if problems:
         raise SystemExit(f"the warm start has no checkpoint at its starts' levels (tolerance {100 * tolerance:.0f} points): "
-                         + "; ".join(problems) + f". Runs from there would not be the starts they are named for; the "
+                         + "; ".join(problems) + ". Runs from there would not be the starts they are named for; the "
                          "curve (every check) is in the warm start's curve.json: another seed or kernel choice, or "
                          "--set start_tolerance=..., decides")
     return {name: check["step"] for name, check in chosen.items()}

@@ -42,11 +42,11 @@ import transfer_queue as tq
 from omegaconf import DictConfig, open_dict
 from tensordict import NonTensorData, TensorDict
 from transfer_queue import KVBatchMeta
+from verl.protocol import DataProto
 from verl.trainer.ppo.padding_utils import build_padding_position_ids
 from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
-from verl.protocol import DataProto
 from verl.utils.debug.metrics import calculate_debug_metrics
 from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 from verl.workers.utils.padding import response_to_nested
