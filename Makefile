@@ -136,7 +136,7 @@ demo-choose: install
 # Which GRAFT the trainers ship: the confirmatory run (issue 48), the amended rule on seeds 20-27 from warm starts of
 # their own (initialisation seed 1); docs/demo.md, "The confirmatory run"
 demo-confirm: install
-	$(BIN)/python -m demo.run --config configs/demo_confirm.yaml --set learner.seed=1 --set peer.seed=1
+	$(BIN)/python -m demo.run --config configs/demo_confirm.yaml --set learner.seed=1 --set peer.seed=1 --set learner_sft_threads=1
 	$(BIN)/python -m demo.recommend report/confirm/summary.json --confirm
 
 demo-real: install-dev
