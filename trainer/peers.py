@@ -160,7 +160,7 @@ class PeerExchange:
 
     def start_lookup(self, request: PeerLookupRequest | None) -> Future | None:
         """Ask for the request's peer groups in the background; None while backing off (or with no request)."""
-        if request is None or self.replay is not None or self.store.cotrain_lockstep:
+        if request is None or self.replay is not None or self.store.lockstep:
             return None  # lockstep looks up after sampling (an early lookup sees the step before); replay fetches by id
         if not self.available:
             with self._lock:
@@ -383,7 +383,7 @@ def peer_candidates(
     started = time.monotonic()
     if peers.replay is not None:
         return peers.replay.lookup(policy_step + 1)  # recorded under the metrics' step, policy step + 1
-    if peers.store.cotrain_lockstep:
+    if peers.store.lockstep:
         found = peers.wait_for_step(request, policy_step, started + peers.store.cotrain_wait_s)
         found.wait_s = time.monotonic() - started
         return found

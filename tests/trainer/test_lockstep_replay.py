@@ -149,15 +149,23 @@ def test_a_replay_equals_its_run_and_refuses_changed_or_missing_groups(toy_world
 
 
 @pytest.mark.parametrize(("overrides", "says"), [
-    ({"store.mode": "cotrain", "store.lookup_wait_s": 0.0}, "needs store.mode 'cotrain' and graft.peer_models"),
+    ({"store.mode": "cotrain", "store.lookup_wait_s": 0.0}, "needs graft.peer_models"),
     ({"store.mode": "cotrain", "store.lookup_wait_s": 0.0, "graft.peer_models": ["peer"], "graft.max_peer_age_s": 60.0},
      "wall-clock bound"),
-    ({"store.mode": "cotrain", "store.lookup_wait_s": 0.0, "graft.peer_models": ["peer"], "method": "grpo"},
-     "needs method 'graft'"),
+    ({"store.replay_from": "runs/graft", "method": "grpo"}, "needs method 'graft'"),
+    ({"store.replay_from": "runs/graft", "parallel.strategy": "ddp"}, "not supported under parallel.strategy 'ddp'"),
 ])
-def test_lockstep_is_refused_where_it_could_not_hold(toy_world, tmp_path, overrides, says):
+def test_lockstep_and_replay_are_refused_where_they_could_not_hold(toy_world, tmp_path, overrides, says):
     with pytest.raises(ValueError, match=says):
         make_config(toy_world, tmp_path, "http://127.0.0.1:1", **{"store.cotrain_lockstep": True, **overrides})
+
+
+def test_lockstep_applies_in_cotrain_mode_only(toy_world, tmp_path):
+    """As the other cotrain_* fields: a config shared by offline and co-training runs (the demo's) may set it."""
+    offline = make_config(toy_world, tmp_path, "http://127.0.0.1:1", **{"store.cotrain_lockstep": True})
+    grpo = make_config(toy_world, tmp_path, "http://127.0.0.1:1", method="grpo",
+                       **{"store.cotrain_lockstep": True, "store.mode": "cotrain", "store.lookup_wait_s": 0.0})
+    assert not offline.store.lockstep and grpo.store.lockstep
 
 
 def test_graft_train_replay_names_what_is_missing(toy_world, tmp_path):
