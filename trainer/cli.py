@@ -129,13 +129,15 @@ def replay(
     recorded: Annotated[Path, typer.Argument(help="the run directory to replay (its config.yaml and peer_groups.jsonl)")],
     run_dir: Annotated[Path, typer.Option("--run-dir", help="where the replay writes (not the recorded run's directory)")],
     store_url: Annotated[Optional[str], typer.Option("--store-url", help="the store holding the run's peer groups (default: the run's store.url)")] = None,
+    steps: Annotated[Optional[int], typer.Option("--steps", help="replay only the run's first N steps")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="delete a run already in --run-dir first")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="log INFO messages to stderr")] = False,
 ) -> None:
     """Rerun a GRAFT run from its recorded peer groups (the run's config with store.replay_from set): each step grafts
     exactly the groups the run did, fetched from the store by id and checked by hash; no lookup, no partner, nothing
     published. Its metrics equal the run's but for the times (*_s) and the store call counts (store_*)."""
-    sets = [f"run_dir={run_dir}", f"store.replay_from={recorded}"] + ([f"store.url={store_url}"] if store_url else [])
+    sets = [f"run_dir={run_dir}", f"store.replay_from={recorded}"] + ([f"store.url={store_url}"] if store_url else []) \
+        + ([f"steps={steps}"] if steps is not None else [])
     cfg = _load(recorded / "config.yaml", sets)
     _check_inputs(cfg, False)
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

@@ -28,7 +28,8 @@ from graft.trainer.metrics import truncate_lines
 from graft.trainer.peers import LookupResult
 
 RECORD_NAME = "peer_groups.jsonl"
-# What a replay may change from the recorded run's config: where it writes and logs, and where the store answers.
+# What a replay may change from the recorded run's config: where it writes and logs, and where the store answers (and
+# `steps`, to fewer: the run's first steps).
 REPLAY_MAY_CHANGE = ("run_dir", "store.replay_from", "store.url", "store.token", "logging")
 
 
@@ -125,10 +126,12 @@ def check_replay_config(cfg: TrainConfig, run_dir: Path) -> None:
     if Path(cfg.run_dir).resolve() == run_dir.resolve():
         raise ReplayMismatch(f"the replay's run_dir is the recorded run's ({run_dir}): give it another (--run-dir)")
     recorded = TrainConfig.model_validate(yaml.safe_load(path.read_text())).model_dump(mode="json")
-    changed = changed_fields(_without(recorded), _without(cfg.model_dump(mode="json")))
+    replaying = cfg.model_dump(mode="json")
+    replaying["steps"] = max(replaying["steps"], recorded["steps"])  # fewer steps: the run's first, a prefix of it
+    changed = changed_fields(_without(recorded), _without(replaying))
     if changed:
         raise ReplayMismatch(f"the replay's config differs from the recorded run's ({path}) in {'; '.join(changed)}: a "
-                             "replay reruns that run as it was (only " + ", ".join(REPLAY_MAY_CHANGE) + " may change); "
+                             "replay reruns that run as it was (only " + ", ".join(REPLAY_MAY_CHANGE) + " may change, and steps to fewer); "
                              f"start it with: graft-train replay {run_dir} --run-dir NEW_DIR")
 
 

@@ -129,6 +129,8 @@ def test_a_replay_equals_its_run_and_refuses_changed_or_missing_groups(toy_world
         with pytest.raises(ReplayMismatch, match=r"optim\.lr: 0\.002 -> 0\.001"):
             train(make_config(toy_world, tmp_path / "other", server.url, steps=2,
                               **{"store.replay_from": str(run_dir), "optim.lr": 1e-3}))
+        with pytest.raises(ReplayMismatch, match=r"steps: 2 -> 3"):  # fewer steps replay a prefix; more cannot
+            train(make_config(toy_world, tmp_path / "longer", server.url, steps=3, **{"store.replay_from": str(run_dir)}))
     run, replayed = read_lines(run_dir / "metrics.jsonl"), read_lines(replay_dir / "metrics.jsonl")
     assert [m["step"] for m in replayed] == [1, 2] and any(m["frac_grafted"] > 0 for m in run)
     assert same_lines(run, replayed)
