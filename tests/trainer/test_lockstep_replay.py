@@ -93,6 +93,17 @@ def test_lockstep_cotraining_gives_the_same_metrics_twice(toy_world, tmp_path):
     assert any(m["frac_grafted"] > 0 for m in learner)
     assert all(m["peer_group_age_steps"] == 0 for m in learner if m["frac_grafted"] > 0)
 
+    # `graft-train replay` of the learner's run, on the store it ran against and without its partner: the same metrics
+    from typer.testing import CliRunner
+
+    from graft.trainer.cli import app
+
+    with StoreServer(tmp_path / "first" / "store") as server:
+        result = CliRunner().invoke(app, ["replay", str(first["learner"]), "--run-dir", str(tmp_path / "replay"),
+                                          "--store-url", server.url])
+    assert result.exit_code == 0, result.output
+    assert same_lines(learner, read_lines(tmp_path / "replay" / "metrics.jsonl"))
+
 
 def test_lockstep_stops_naming_the_partner_that_stopped(toy_world, tmp_path):
     """The peer trains one step and exits; the learner's second step waits store.cotrain_wait_s, then fails naming it
