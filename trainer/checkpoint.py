@@ -168,7 +168,7 @@ class RunDirInUse(FileExistsError):
     """A fresh start was asked for in a run directory that holds a run."""
 
 
-RUN_FILES = ("metrics.jsonl", "eval.jsonl")  # a run's history beside its checkpoints (tb/ too, when logged)
+RUN_FILES = ("metrics.jsonl", "eval.jsonl", "peer_groups.jsonl")  # a run's history beside its checkpoints (tb/ too, when logged)
 
 
 def previous_run(run_dir: Path) -> list[str]:
@@ -263,7 +263,7 @@ def write_run_config(run_dir: Path, config: dict[str, Any], checkpoint: Path | N
         first.write_text(text)
         return
     before = yaml.safe_load(first.read_text()) or {}
-    changed = _changed_fields(before, config)
+    changed = changed_fields(before, config)
     if changed:
         resumed = run_dir / f"config.resumed_at_{checkpoint.name.removeprefix('step_')}.yaml"
         resumed.write_text(text)
@@ -271,13 +271,13 @@ def write_run_config(run_dir: Path, config: dict[str, Any], checkpoint: Path | N
                     ", ".join(changed), resumed.name)
 
 
-def _changed_fields(before: dict[str, Any], after: dict[str, Any], prefix: str = "") -> list[str]:
+def changed_fields(before: dict[str, Any], after: dict[str, Any], prefix: str = "") -> list[str]:
     """Dotted names of the fields whose values differ, as `name: old -> new`."""
     changed = []
     for key in sorted(set(before) | set(after)):
         old, new = before.get(key), after.get(key)
         if isinstance(old, dict) and isinstance(new, dict):
-            changed += _changed_fields(old, new, f"{prefix}{key}.")
+            changed += changed_fields(old, new, f"{prefix}{key}.")
         elif old != new:
             changed.append(f"{prefix}{key}: {old!r} -> {new!r}")
     return changed

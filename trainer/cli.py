@@ -5,6 +5,7 @@
     graft-train train configs/train_toy.yaml --resume          # continue from the newest checkpoint (none: start)
     graft-train train configs/train_toy.yaml --overwrite       # delete the run in the run directory, start afresh
     graft-train show-config configs/train_toy.yaml             # every field, its value and its doc line
+    graft-train replay runs/graft --run-dir runs/graft-replay  # rerun a run from its recorded peer groups
 
 Also runs as `python -m graft.trainer.cli`, which is how torchrun starts ranks (`torchrun ... -m graft.trainer.cli train CONFIG`).
 """
@@ -104,14 +105,44 @@ def train(
     _check_inputs(cfg, skip_path_check)
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the trainer's own messages
+    _run(cfg, resume, overwrite)
+
+
+def _run(cfg: TrainConfig, resume: bool, overwrite: bool) -> None:
     from graft.trainer.checkpoint import RunDirInUse
     from graft.trainer.loop import train as run_training
+    from graft.trainer.peers import PartnerGone
+    from graft.trainer.replay import ReplayMismatch
 
     try:
         out = run_training(cfg, resume=resume, overwrite=overwrite)
     except RunDirInUse as error:
         raise typer.BadParameter(str(error)) from None
+    except (PartnerGone, ReplayMismatch) as error:  # said in a line, without a traceback: nothing in the code failed
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(1) from None
     typer.echo(f"run directory: {out}")
+
+
+@app.command()
+def replay(
+    recorded: Annotated[Path, typer.Argument(help="the run directory to replay (its config.yaml and peer_groups.jsonl)")],
+    run_dir: Annotated[Path, typer.Option("--run-dir", help="where the replay writes (not the recorded run's directory)")],
+    store_url: Annotated[Optional[str], typer.Option("--store-url", help="the store holding the run's peer groups (default: the run's store.url)")] = None,
+    steps: Annotated[Optional[int], typer.Option("--steps", help="replay only the run's first N steps")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="delete a run already in --run-dir first")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="log INFO messages to stderr")] = False,
+) -> None:
+    """Rerun a GRAFT run from its recorded peer groups (the run's config with store.replay_from set): each step grafts
+    exactly the groups the run did, fetched from the store by id and checked by hash; no lookup, no partner, nothing
+    published. Its metrics equal the run's but for the times (*_s) and the store call counts (store_*)."""
+    sets = [f"run_dir={run_dir}", f"store.replay_from={recorded}"] + ([f"store.url={store_url}"] if store_url else []) \
+        + ([f"steps={steps}"] if steps is not None else [])
+    cfg = _load(recorded / "config.yaml", sets)
+    _check_inputs(cfg, False)
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    _run(cfg, resume=False, overwrite=overwrite)
 
 
 @app.command("show-config")

@@ -197,6 +197,15 @@ class StoreConfig(_Section):
     cotrain_wait_s: float = Field(default=30.0, ge=0.0, description="cotrain: longest wait per step for peer groups of this step's all-fail prompts")
     cotrain_poll_s: float = Field(default=0.25, gt=0.0, description="cotrain: pause between lookups while waiting")
     groups_per_prompt: int = Field(default=4, ge=1, le=16, description="peer groups asked per prompt (most recent first)")
+    cotrain_lockstep: bool = Field(default=False, description="cotrain (ignored offline): every step waits (up to store.cotrain_wait_s, then fails naming the partner) for each peer model's group of this very step for each of the step's prompts, and grafts only those: the same command gives the same metrics. Both trainers must draw the same prompts (same seed, data, rollout.prompts_per_step) and name each other in graft.peer_models")
+    replay_from: Path | None = Field(default=None, description="rerun the run in this run directory from its peer_groups.jsonl: each step's peer groups are fetched from the store by id and checked against their recorded sha256 (no lookup, no wait, nothing published); the config must equal that run's but for run_dir, store.url/token and logging")
+
+
+    @property
+    def lockstep(self) -> bool:
+        """Whether co-training runs in lockstep: cotrain_lockstep, like the other cotrain_* fields, applies in cotrain mode
+        only (so that a config shared by offline and co-training runs, as the demo's, can set it)."""
+        return self.mode == "cotrain" and self.cotrain_lockstep
 
 
 class AnchorConfig(_Section):
@@ -265,6 +274,8 @@ class TrainConfig(_Section):
             raise ValueError(
                 f"store.lookup_wait_s = {self.store.lookup_wait_s} with store.mode 'cotrain': co-training waits for the "
                 "step's lookup up to store.cotrain_wait_s; set that one instead (lookup_wait_s is offline mode's wait)")
+        if (self.store.lockstep and self.method == "graft") or self.store.replay_from is not None:
+            self._check_reproducible_peers()
         if self.parallel.strategy != "none" and self.rollout.seed_per_sample is False:
             raise ValueError(
                 f"rollout.seed_per_sample false with parallel.strategy {self.parallel.strategy!r}: each rank would seed its "
@@ -290,9 +301,28 @@ class TrainConfig(_Section):
             )
         return self
 
+    def _check_reproducible_peers(self) -> None:
+        """store.cotrain_lockstep and store.replay_from promise a step's peer groups that do not depend on timing."""
+        # A replay of a lockstep run keeps cotrain_lockstep as recorded (the configs must match) and does not wait.
+        what = "store.replay_from" if self.store.replay_from is not None else "store.cotrain_lockstep"
+        if self.method != "graft":
+            raise ValueError(f"{what} replays peer groups: it needs method 'graft' (here {self.method!r})")
+        if self.store.lockstep and not self.graft.peer_models:
+            raise ValueError("store.cotrain_lockstep waits for named partners: it needs graft.peer_models (the "
+                             "co-trainers' model ids, e.g. --peer-models peer)")
+        if self.graft.max_peer_age_s is not None:
+            raise ValueError(f"graft.max_peer_age_s = {self.graft.max_peer_age_s} is a wall-clock bound: with {what} "
+                             "the groups a step admits would depend on timing; bound the lag in steps instead "
+                             "(graft.max_peer_policy_lag)")
+        if self.parallel.strategy != "none":
+            raise ValueError(f"{what} is not supported under parallel.strategy {self.parallel.strategy!r} yet: run one "
+                             "process")
+
     @property
     def publishes(self) -> bool:
-        """Whether sampled groups are pushed to the store."""
+        """Whether sampled groups are pushed to the store (never by a replay: its groups are the recorded run's)."""
+        if self.store.replay_from is not None:
+            return False
         if self.store.publish is not None:
             return self.store.publish and self.store.url is not None
         return self.store.mode == "cotrain"

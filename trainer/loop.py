@@ -4,9 +4,10 @@ One step:
   1. draw the step's prompts and start the peer lookup for them in the background (graft)
   2. sample G rollouts per prompt from the current policy and score them (dapo: refill)      trainer/sample.py
   3. publish the groups to the store (co-training)                                           trainer/peers.py
-  4. collect the peer groups (co-training: wait a bounded time for the co-trainer's)         trainer/peers.py
+  4. collect the peer groups (co-training: wait a bounded time for the co-trainer's; lockstep:
+     for its groups of this step; replay: the recorded run's, by id)                       trainer/peers.py
   5. gate: mixed / all-success groups train on-policy; all-fail groups take a peer group
-     the step's lookup rule accepts, else are skipped                                        trainer/gate.py
+     the step's lookup rule accepts, else are skipped; the groups it chose from are recorded trainer/gate.py
   6. build the rows: the learner's and the re-tokenised peer rollouts                        trainer/batch.py
   7. pi_old on every row with signal (or the update's own forward, detached, when it is the
      only one), compatibility weights w and token ratios b on grafted rows                  trainer/batch.py
@@ -61,6 +62,7 @@ from graft.trainer.learner import load_learner, load_reference, make_sampler, sy
 from graft.trainer.loss import LossConfig
 from graft.trainer.metrics import MetricsLog, StepClock, StepOutcome, step_metrics
 from graft.trainer.peers import PeerExchange, RefusedTokenizers, peer_candidates
+from graft.trainer.replay import PeerGroupRecord, ReplaySource
 from graft.trainer.sample import sample_step
 from graft.trainer.update import UpdateContext, make_optimizer, single_pass_forward, update_policy
 
@@ -135,6 +137,7 @@ def _train(cfg: TrainConfig, dist: DistContext, resume: bool, overwrite: bool,
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     _setup_logging(run_dir, cfg, dist)  # before the check: its refusal goes to train.log too
+    replay = ReplaySource(cfg) if cfg.store.replay_from is not None else None  # refuses another config: first
     _claim_run_dir(run_dir, resume, overwrite, dist)
     checkpoint = latest_checkpoint(run_dir) if resume else None
     if resume and checkpoint is None:
@@ -164,7 +167,10 @@ def _train(cfg: TrainConfig, dist: DistContext, resume: bool, overwrite: bool,
     graft = cfg.method == "graft"
     peers = PeerExchange(cfg.store, cfg.graft, learner.model_id, stopping=lambda: stop.requested) \
         if graft or cfg.publishes else None
+    if peers is not None:
+        peers.replay = replay
     metrics_log = MetricsLog(cfg, run_dir, state.step, peers, writes=dist.is_main)
+    peer_record = PeerGroupRecord(run_dir, state.step, dist.rank) if graft else None  # what a replay gives back
     progress = tqdm(total=cfg.steps, initial=state.step, disable=not (cfg.logging.progress and dist.is_main),
                     desc=cfg.method, unit="step")
     hf_sampler = getattr(sampler, "backend", sampler)  # under fsdp, the HF sampler inside GatheredSampler
@@ -181,12 +187,14 @@ def _train(cfg: TrainConfig, dist: DistContext, resume: bool, overwrite: bool,
             if cfg.publishes:
                 peers.publish(sampled.generated, [sampled.problem_of[g.prompt_id] for g in sampled.generated])
             with clock("gate_s"):
-                found = peer_candidates(peers, pending, request, sampled.groups, refused.usable) if graft else None
+                found = peer_candidates(peers, pending, request, sampled.groups, refused.usable, policy_step) if graft else None
                 candidates = found.groups if found else {}
                 decisions = gate_groups(sampled.rewards, candidates, request, max_grafted_fraction=cfg.graft.max_grafted_fraction,
                                         rng=random.Random(cfg.seed * 7_919 + policy_step), usable_tokenizers=refused.usable,
                                         ranks=dist)
                 refused.warn(decisions, candidates)
+                if peer_record is not None:
+                    peer_record.write(policy_step + 1, found, decisions)
                 rows = build_rows(cfg, learner, decisions, sampled.groups, sampled.problem_of, peer_tokenizers)
             with clock("update_s"):
                 first_pass = single_pass_forward(update, rows.rows)
@@ -233,6 +241,8 @@ def _train(cfg: TrainConfig, dist: DistContext, resume: bool, overwrite: bool,
             peers.close()
         metrics_log.close()
         scorer.close()
+        if replay is not None:
+            replay.close()
         if uses_vllm:  # before the process group ends (under torchrun the engine's groups live in it)
             sampler.close()
     return run_dir

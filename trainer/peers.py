@@ -7,6 +7,11 @@
   (co-training: waits a bounded time for the co-trainer's groups of the step's all-fail prompts).
 - `publish`: in co-training mode every sampled group is pushed in the background; groups that
   could not be pushed wait in a bounded outbox and go with the next push.
+- Lockstep co-training (store.cotrain_lockstep): every step waits for each partner's group of that very step for
+  each of its prompts (`wait_for_step`), whatever the store's health, and fails naming the partner at the deadline
+  (PartnerGone): what a step grafts does not depend on timing. Both trainers wait every step, so neither runs more than
+  one step ahead, and the groups of the step are found among the most recent few.
+- Replay (store.replay_from): `peer_candidates` hands the recorded groups instead (graft.trainer.replay).
 - Co-training does not wait for the co-trainer while the store is known to be down, and counts
   (metric `cotrain_peer_silent_steps`) and warns about steps whose wait ran out with nothing from it.
 - A store that is down, slow or erroring, or a response that is malformed in any way: the call fails
@@ -47,6 +52,10 @@ class LookupResult:
     peer_silent_steps: float = NAN
     # prompt id -> why the store had no group of it to give (graft.schemas.api.MISS_REASONS); empty from an older store
     miss_reasons: dict[str, str] = field(default_factory=dict)
+
+
+class PartnerGone(RuntimeError):
+    """Lockstep co-training: a partner's groups of the step did not come before store.cotrain_wait_s ran out."""
 
 
 @dataclass
@@ -100,6 +109,7 @@ class PeerExchange:
         self.counters = StoreCounters()
         self.stopping = stopping  # True once the trainer is asked to stop: co-training's wait ends early
         self.silent_steps = 0  # co-training: steps in a row whose wait ran out without a group from the co-trainer
+        self.replay = None  # store.replay_from: the recorded run's groups (graft.trainer.replay.ReplaySource)
 
     # ---- store health -------------------------------------------------------------------------
     @property
@@ -150,8 +160,8 @@ class PeerExchange:
 
     def start_lookup(self, request: PeerLookupRequest | None) -> Future | None:
         """Ask for the request's peer groups in the background; None while backing off (or with no request)."""
-        if request is None:
-            return None
+        if request is None or self.replay is not None or self.store.lockstep:
+            return None  # lockstep looks up after sampling (an early lookup sees the step before); replay fetches by id
         if not self.available:
             with self._lock:
                 self.counters.lookups_skipped_backoff += 1
@@ -219,6 +229,45 @@ class PeerExchange:
                 if self.outbox_size and (self._publishing is None or self._publishing.done()):
                     self._publishing = self._publish_pool.submit(self._flush)
                 time.sleep(min(self.store.cotrain_poll_s, max(0.0, deadline - time.monotonic())))
+        return found
+
+    def wait_for_step(self, request: PeerLookupRequest, policy_step: int, deadline: float) -> LookupResult:
+        """Lockstep co-training: look up the request's prompts until every model of graft.peer_models has published
+        its group of `policy_step` for each (informative or not), through store trouble, until `deadline`; then
+        PartnerGone, naming the partners and the prompts they owe. Returns exactly the groups of that step, by
+        prompt, in group id order (the gate's choice among them depends on nothing else)."""
+        partners = list(self.graft.peer_models or [])
+        of_step = request.model_copy(update={
+            "informative_only": False, "min_successes": 0, "min_policy_step": policy_step, "groups_per_prompt": 16})
+        found = LookupResult(ok=True, peer_silent_steps=0.0)
+        missing = list(dict.fromkeys(request.prompt_ids))
+        while missing:
+            if self.stopping():
+                raise PartnerGone(f"lockstep co-training: asked to stop while waiting for the groups of step {policy_step} "
+                                  f"of {', '.join(partners)}; the step is not trained (its groups would depend on when "
+                                  "the signal came): continue with --resume")
+            answer = self._lookup_pool.submit(self._lookup, of_step.model_copy(update={"prompt_ids": missing})).result()
+            for prompt_id in list(missing):
+                groups = sorted((g for g in answer.groups.get(prompt_id, [])
+                                 if g.policy_step == policy_step and g.model_id in partners), key=lambda g: g.group_id)
+                if {g.model_id for g in groups} >= set(partners):
+                    found.groups[prompt_id] = groups
+                    missing.remove(prompt_id)
+            if not missing:
+                break
+            if time.monotonic() >= deadline:
+                raise PartnerGone(
+                    f"lockstep co-training: {', '.join(partners)} published no group of step {policy_step} for {len(missing)} "
+                    f"of this step's {len(request.prompt_ids)} prompts (e.g. {', '.join(missing[:3])}) within "
+                    f"store.cotrain_wait_s = {self.store.cotrain_wait_s:g} s (store {self.store.url}"
+                    + ("" if answer.ok else ", whose last lookup failed: see the warning above") + "). Is the partner "
+                    "running, pushing to this store, and drawing the same prompts (same seed, data and "
+                    "rollout.prompts_per_step)? The run stops rather than train the step without them; once the partner "
+                    "is back, continue both with --resume")
+            # Our groups of the step may still be queued (a failed push): the partner waits for them as we wait for its.
+            if self.outbox_size and (self._publishing is None or self._publishing.done()):
+                self._publishing = self._publish_pool.submit(self._flush)
+            time.sleep(min(self.store.cotrain_poll_s, max(0.0, deadline - time.monotonic())))
         return found
 
     def note_cotrain_wait(self, waited: LookupResult | None, delivered: bool) -> float:
@@ -322,15 +371,22 @@ class PeerExchange:
 
 def peer_candidates(
     peers: PeerExchange, pending: Future | None, request: PeerLookupRequest | None, groups: list[RolloutGroup],
-    usable_tokenizers: set[str] | None,
+    usable_tokenizers: set[str] | None, policy_step: int | None = None,
 ) -> LookupResult:
     """The peer groups the step's gate chooses from: the background lookup's answer (offline: if back within
     store.lookup_wait_s, by default only if already back) and, in co-training, what arrives within
     store.cotrain_wait_s for the all-fail prompts that have no group the gate would graft yet (the co-trainer may
-    still be sampling them). No request (no prompts): nothing asked, nothing failed."""
+    still be sampling them). Lockstep co-training: the partners' groups of `policy_step` for every prompt
+    (`wait_for_step`); replay: the recorded run's groups of the step. No request (no prompts): nothing asked."""
     if request is None:
         return LookupResult(ok=True)
     started = time.monotonic()
+    if peers.replay is not None:
+        return peers.replay.lookup(policy_step + 1)  # recorded under the metrics' step, policy step + 1
+    if peers.store.lockstep:
+        found = peers.wait_for_step(request, policy_step, started + peers.store.cotrain_wait_s)
+        found.wait_s = time.monotonic() - started
+        return found
     cotrain = peers.store.mode == "cotrain"
     lookup = peers.collect(pending, wait_s=peers.store.cotrain_wait_s if cotrain else peers.store.lookup_wait_s)
     if cotrain:
