@@ -145,6 +145,7 @@ class PeerExchange:
             min_policy_step=max(0, learner_step - lag) if lag is not None else None,
             max_age_s=self.graft.max_peer_age_s,
             groups_per_prompt=self.store.groups_per_prompt,
+            require_behaviour_logprobs=self.graft.require_behaviour_logprobs,
         )
         return request.model_copy(update={"prompt_ids": unique})
 

@@ -30,7 +30,8 @@ log = logging.getLogger("graft.store")
 
 # 2: every shard passes validate_table at ingest, duplicates tell conflicts apart (an index of version 1 is set
 # aside and rebuilt from the files, so shards indexed under the old rules are checked again)
-INDEX_VERSION = "2"
+# 3: groups.has_mu (rows without behaviour logprobs, schema version 2): an index of version 2 is rebuilt likewise
+INDEX_VERSION = "3"
 
 SCHEMA_SQL = """
 CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR);
@@ -58,6 +59,7 @@ CREATE TABLE IF NOT EXISTS groups (
     policy_step BIGINT NOT NULL,
     group_size INTEGER NOT NULL,
     successes INTEGER NOT NULL,
+    has_mu BOOLEAN NOT NULL,           -- its rows carry behaviour logprobs (logprobs_mode is not 'none')
     scored INTEGER NOT NULL,           -- rollouts with a non-null reward
     reward_sum DOUBLE NOT NULL,
     mean_reward DOUBLE,
@@ -164,7 +166,7 @@ class Catalog:
         """Load the mirror and the paths of the indexed files from the tables."""
         rows = self._con.execute("""
             SELECT g.group_id, g.prompt_id, g.model_id, g.policy_step, g.created_us, g.successes, g.group_size,
-                   g.seq, f.path, g.row_start, g.num_rows
+                   g.seq, f.path, g.row_start, g.num_rows, g.has_mu
             FROM groups g JOIN files f USING (file_id)""").fetchall()
         self.mirror.replace(map(GroupRef._make, rows))
         self._known_files = dict((p, i) for i, p in self._con.execute("SELECT file_id, path FROM files").fetchall())
