@@ -118,6 +118,8 @@ def step_metrics(
         **asdict(stats),
         "clip_frac_onpolicy": _ratio(job, "update_clip_frac_onpolicy"),
         "clip_frac_grafted": _ratio(job, "update_clip_frac_grafted"),
+        # of grafted tokens without mu (GRAFT_SPEC section 11; NaN when none trained)
+        "clip_frac_grafted_without_mu": _ratio(job, "update_clip_frac_grafted_without_mu"),
         "peer_group_age_steps": _ratio(job, "peer_group_age_steps"),
         "peer_group_age_s": _ratio(job, "peer_group_age_s"),
         "rollouts_generated": rollouts_generated,
