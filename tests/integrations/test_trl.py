@@ -309,3 +309,31 @@ def test_graft_config_defaults_to_graft_trains_clip_and_takes_trls_when_asked(tm
     trls = make_args(tmp_path, "http://127.0.0.1:8600", None, epsilon_high=None, delta=None).train_config("/m").ppo
     assert (trls.eps_high, trls.dual_clip_c) == (0.2, None)
 
+
+
+def test_peer_groups_without_mu_graft_in_trl_with_w_one_and_are_counted(toy_world, fresh_learner, tmp_path):
+    """The toy peer's groups stored without behaviour logprobs (logprobs_mode 'none'): TRL grafts them with b = 1 and
+    w = 1 (GRAFT_SPEC section 11) and counts them in graft/peer_rollouts_without_mu."""
+    import pyarrow.parquet as pq
+
+    from graft.schemas import RolloutGroup, table_to_groups
+    from graft.services.store_api.local.shards import write_groups
+
+    no_mu = {"logprobs_mode": "none", "token_logprobs": [], "logprob_sum": 0.0}
+    stored = [g for path in sorted((toy_world.store_root / "rollouts").rglob("*.parquet"))
+              for g in table_to_groups(pq.read_table(path))]
+    write_groups(tmp_path / "text-only", [RolloutGroup(rollouts=[r.model_copy(update=no_mu) for r in g.rollouts])
+                                          for g in stored])
+    with StoreServer(tmp_path / "text-only") as server:
+        trainer = make_trainer(fresh_learner, toy_world.peer_problems,
+                               make_args(tmp_path / "graft", server.url, toy_world.peer_dir))
+        start = weights(trainer.model)
+        trainer.train()
+    lines = graft_lines(trainer)
+    assert len(lines) == 2
+    for line in lines:
+        assert line["graft/frac_grafted"] > 0 and line["graft/peer_rollouts_consumed"] > 0
+        assert line["graft/peer_rollouts_without_mu"] == line["graft/peer_rollouts_consumed"]
+        assert line["graft/projection_none"] > 0 and line["graft/projection_spans"] == 0
+        assert line["graft/compat_weight_mean"] == 1.0
+    assert any(not torch.equal(start[k], v) for k, v in weights(trainer.model).items())
