@@ -15,7 +15,15 @@ import pytest
 from pydantic import ValidationError
 from store_factory import blocks_of, make_group, problem_text
 
-from graft.schemas import ARROW_MEDIA_TYPE, PeerLookupRequest, Rollout, RolloutGroup, groups_to_table, prompt_id
+from graft.schemas import (
+    ARROW_MEDIA_TYPE,
+    PeerLookupRequest,
+    Rollout,
+    RolloutGroup,
+    groups_to_table,
+    prompt_id,
+    table_to_groups,
+)
 from graft.services.store_api.http.client import StoreClient
 from graft.services.store_api.http.testing import StoreServer
 from graft.services.store_api.local.lookup import lookup_path
@@ -116,3 +124,31 @@ def test_a_shard_of_schema_version_1_reads_validates_and_is_served_unchanged(tmp
                for g in found.groups for r in g.rollouts)
     served = groups_to_table(found.groups)
     assert served.to_pylist() == table.to_pylist()  # every value as the version-1 writer stored it
+
+
+def test_compaction_and_a_rebuild_keep_groups_without_mu_whole_and_known(settings):
+    """Shards of groups with and without mu merged into one (compaction), then the index rebuilt from the files: every
+    group served as written, and the lookup still tells the two kinds apart."""
+    from graft.services.store_api.local.index import StoreIndex
+
+    groups = [make_group(600 + i, "mixed-peer", step=i, without_mu=i % 2 == 1) for i in range(6)]
+    for start in range(0, 6, 2):
+        write_groups(settings.root, groups[start:start + 2])
+    ids = [g.prompt_id for g in groups]
+    index = StoreIndex(settings).open()
+    try:
+        report = index.compact(model_id="mixed-peer", min_files=2)
+        index.delete_retired(grace_s=0)
+        assert report["files_merged"] == 3 and report["groups_moved"] == 6
+        for _ in range(2):  # after the compaction, and after a rebuild of the index from the files
+            every, _ = index.read_selected(lambda: index.select_peer_groups(
+                PeerLookupRequest(prompt_ids=ids, learner_model="learner")))
+            with_mu, misses = index.read_selected(lambda: index.select_peer_groups(
+                PeerLookupRequest(prompt_ids=ids, learner_model="learner", require_behaviour_logprobs=True)))
+            assert sorted(g.group_id for g in table_to_groups(every)) == sorted(g.group_id for g in groups)
+            assert {g.group_id: g for g in table_to_groups(every)} == {g.group_id: g for g in groups}
+            assert {g.group_id for g in table_to_groups(with_mu)} == {g.group_id for g in groups[0::2]}
+            assert set(misses) == {g.prompt_id for g in groups[1::2]}
+            assert index.rebuild() == 6
+    finally:
+        index.close()
