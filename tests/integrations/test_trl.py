@@ -311,20 +311,13 @@ def test_graft_config_defaults_to_graft_trains_clip_and_takes_trls_when_asked(tm
 
 
 
-def test_peer_groups_without_mu_graft_in_trl_with_w_one_and_are_counted(toy_world, fresh_learner, tmp_path):
+def test_peer_groups_without_mu_graft_in_trl_with_w_one_and_are_counted(toy_world, text_only_store_root, fresh_learner,
+                                                                          tmp_path):
     """The toy peer's groups stored without behaviour logprobs (logprobs_mode 'none'): TRL grafts them with b = 1 and
     w = 1 (GRAFT_SPEC section 11) and counts them in graft/peer_rollouts_without_mu."""
-    import pyarrow.parquet as pq
-
-    from graft.schemas import RolloutGroup, table_to_groups
-    from graft.services.store_api.local.shards import write_groups
-
-    no_mu = {"logprobs_mode": "none", "token_logprobs": [], "logprob_sum": 0.0}
-    stored = [g for path in sorted((toy_world.store_root / "rollouts").rglob("*.parquet"))
-              for g in table_to_groups(pq.read_table(path))]
-    write_groups(tmp_path / "text-only", [RolloutGroup(rollouts=[r.model_copy(update=no_mu) for r in g.rollouts])
-                                          for g in stored])
-    with StoreServer(tmp_path / "text-only") as server:
+    root = shutil.copytree(text_only_store_root, tmp_path / "store",
+                           ignore=shutil.ignore_patterns("index.duckdb*", "logs"))
+    with StoreServer(root) as server:
         trainer = make_trainer(fresh_learner, toy_world.peer_problems,
                                make_args(tmp_path / "graft", server.url, toy_world.peer_dir))
         start = weights(trainer.model)

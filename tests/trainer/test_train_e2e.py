@@ -426,21 +426,13 @@ def test_a_bfloat16_sampler_copy_samples_the_updated_policy(toy_world, store, tm
         make_config(toy_world, tmp_path / "f32", store.url, **{"rollout.hf_sampler_copy": True})  # float32: nothing to copy
 
 
-def test_peer_groups_without_mu_graft_with_b_and_w_one_and_are_counted(toy_world, tmp_path):
+def test_peer_groups_without_mu_graft_with_b_and_w_one_and_are_counted(toy_world, text_only_store_root, tmp_path):
     """The toy peer's groups stored as a text-only source stores them (logprobs_mode 'none'): graft-train grafts them
     with c = 1 (b = 1, w = 1), counts them (peer_rollouts_without_mu, projection_none, their clip fraction apart) and
     moves the weights; with graft.require_behaviour_logprobs the store leaves them out and says why."""
-    import pyarrow.parquet as pq
-
-    from graft.schemas import RolloutGroup, table_to_groups
-    from graft.services.store_api.local.shards import write_groups
-
-    no_mu = {"logprobs_mode": "none", "token_logprobs": [], "logprob_sum": 0.0}
-    stored = [g for path in sorted((toy_world.store_root / "rollouts").rglob("*.parquet"))
-              for g in table_to_groups(pq.read_table(path))]
-    write_groups(tmp_path / "text-only", [RolloutGroup(rollouts=[r.model_copy(update=no_mu) for r in g.rollouts])
-                                          for g in stored])
-    with StoreServer(tmp_path / "text-only") as server:
+    root = shutil.copytree(text_only_store_root, tmp_path / "store",
+                           ignore=shutil.ignore_patterns("index.duckdb*", "logs"))
+    with StoreServer(root) as server:
         run_dir = train(make_config(toy_world, tmp_path / "run", server.url, steps=2))
         refused_dir = train(make_config(toy_world, tmp_path / "mu-only", server.url, steps=1,
                                         **{"graft.require_behaviour_logprobs": True}))
