@@ -152,3 +152,36 @@ def test_compaction_and_a_rebuild_keep_groups_without_mu_whole_and_known(setting
             assert index.rebuild() == 6
     finally:
         index.close()
+
+
+def test_an_index_of_version_2_gains_has_mu_in_place_instead_of_a_rebuild(tmp_path):
+    """An index written before groups.has_mu (version 2: it indexed only rows with mu) is kept, the column added as
+    true for every group; nothing is set aside and rebuilt from the files."""
+    import duckdb
+
+    from graft.services.store_api.local.index import StoreIndex
+    from graft.services.store_api.settings import StoreSettings
+
+    root = tmp_path / "store"
+    shutil.copytree(V1_STORE, root)
+    settings = StoreSettings(root=root, compact_interval_s=0)
+    StoreIndex(settings).open().close()
+    with duckdb.connect(str(root / "index.duckdb")) as con:  # the index as version 2 had it
+        con.execute("ALTER TABLE groups DROP COLUMN has_mu")
+        con.execute("UPDATE meta SET value = '2' WHERE key = 'index_version'")
+    index = StoreIndex(settings).open()
+    try:
+        ids = [prompt_id(problem_text(900 + i)) for i in range(3)]
+        refs, misses = index.select_peer_groups(PeerLookupRequest(prompt_ids=ids, learner_model="learner",
+                                                                  require_behaviour_logprobs=True))
+        assert len(refs) == 3 and misses == {} and all(ref.has_mu for ref in refs)
+        version = index.catalog.cursor().execute("SELECT value FROM meta WHERE key = 'index_version'").fetchone()
+        assert version == ("3",)
+        write_groups(root, [make_group(910, "text-peer", without_mu=True)])  # new groups index with their own value
+        assert index.ingest_new() == 1
+        refs, misses = index.select_peer_groups(PeerLookupRequest(prompt_ids=[prompt_id(problem_text(910))],
+                                                                  learner_model="learner"))
+        assert [ref.has_mu for ref in refs] == [False]
+    finally:
+        index.close()
+    assert not list(root.glob("index.duckdb.broken-*"))

@@ -30,7 +30,8 @@ log = logging.getLogger("graft.store")
 
 # 2: every shard passes validate_table at ingest, duplicates tell conflicts apart (an index of version 1 is set
 # aside and rebuilt from the files, so shards indexed under the old rules are checked again)
-# 3: groups.has_mu (rows without behaviour logprobs, schema version 2): an index of version 2 is rebuilt likewise
+# 3: groups.has_mu (rows without behaviour logprobs, schema version 2). An index of version 2 gains the column in
+# place, true for every group: it indexed only rows checked under rules that required behaviour logprobs
 INDEX_VERSION = "3"
 
 SCHEMA_SQL = """
@@ -59,7 +60,6 @@ CREATE TABLE IF NOT EXISTS groups (
     policy_step BIGINT NOT NULL,
     group_size INTEGER NOT NULL,
     successes INTEGER NOT NULL,
-    has_mu BOOLEAN NOT NULL,           -- its rows carry behaviour logprobs (logprobs_mode is not 'none')
     scored INTEGER NOT NULL,           -- rollouts with a non-null reward
     reward_sum DOUBLE NOT NULL,
     mean_reward DOUBLE,
@@ -69,7 +69,8 @@ CREATE TABLE IF NOT EXISTS groups (
     file_id INTEGER NOT NULL,
     row_start BIGINT NOT NULL,         -- first row of the group in its file
     num_rows INTEGER NOT NULL,
-    indexed_us BIGINT NOT NULL
+    indexed_us BIGINT NOT NULL,
+    has_mu BOOLEAN NOT NULL DEFAULT true  -- its rows carry behaviour logprobs (logprobs_mode is not 'none')
 );
 CREATE TABLE IF NOT EXISTS duplicates (
     group_id VARCHAR NOT NULL, path VARCHAR NOT NULL, seen_us BIGINT NOT NULL,
@@ -129,6 +130,9 @@ class Catalog:
         version = next(iter(self._con.execute("SELECT value FROM meta WHERE key = 'index_version'").fetchall()), None)
         if version is None:
             self._con.execute("INSERT INTO meta VALUES ('index_version', ?)", [INDEX_VERSION])
+        elif version[0] == "2":  # every group it holds has mu (see INDEX_VERSION)
+            self._con.execute("ALTER TABLE groups ADD COLUMN has_mu BOOLEAN DEFAULT true")
+            self._con.execute("UPDATE meta SET value = ? WHERE key = 'index_version'", [INDEX_VERSION])
         elif version[0] != INDEX_VERSION:
             self._con.close()
             self._set_aside(f"index version {version[0]}, this store writes {INDEX_VERSION}")

@@ -298,8 +298,8 @@ class IndexIngest:
                     con.register("fresh_groups", fresh)
                     con.execute("""
                         INSERT INTO groups SELECT group_id, seq, prompt_id, dataset, model_id, model_revision,
-                            tokenizer_id, policy_step, group_size, successes, has_mu, scored, reward_sum, mean_reward,
-                            min_reward, max_reward, created_us, file_id, row_start, num_rows, indexed_us
+                            tokenizer_id, policy_step, group_size, successes, scored, reward_sum, mean_reward,
+                            min_reward, max_reward, created_us, file_id, row_start, num_rows, indexed_us, has_mu
                         FROM fresh_groups""")
                     con.unregister("fresh_groups")
                 if duplicates or conflicts:
