@@ -52,7 +52,7 @@ class TrainSample:
     num_bytes: int  # UTF-8 length of the completion text
     reward: float | None = None  # grafted: the peer rollout's stored reward (its advantage is recomputed from these)
     behaviour_logprobs: list[float] | None = None  # grafted: log mu~ per completion token (len(completion_ids))
-    peer_logprob_sum: float = 0.0  # grafted: the stored l_peer (EOS excluded)
+    peer_logprob_sum: float = 0.0  # grafted: the stored l_peer (EOS excluded); NaN when the peer row has no mu
     # grafted: the peer row has no behaviour logprobs (logprobs_mode 'none'): b = 1 and w = 1 (GRAFT_SPEC section 11)
     without_mu: bool = False
     # Filled in by the no-grad pass before the update (rows without signal keep None):
@@ -263,8 +263,9 @@ def peer_rows(
             prompt_id=prompt_id, group=group, prompt_ids=prompt_ids, completion_ids=tokens.token_ids,
             num_content_tokens=tokens.num_content_tokens, advantage=0.0, grafted=True,
             num_bytes=len(rollout.completion_text.encode("utf-8")), reward=rollout.reward,
-            behaviour_logprobs=tokens.behaviour_logprobs, peer_logprob_sum=float(rollout.logprob_sum),
-            without_mu=tokens.behaviour_logprobs is None,
+            behaviour_logprobs=tokens.behaviour_logprobs, without_mu=tokens.behaviour_logprobs is None,
+            # a row without mu stores logprob_sum 0.0: NaN here, so that no sum can take it for an l_peer
+            peer_logprob_sum=NAN if tokens.behaviour_logprobs is None else float(rollout.logprob_sum),
         ))
     return rows
 
@@ -424,7 +425,7 @@ def _weigh_grafted_rows(cfg: TrainConfig, grafted: list[TrainSample]) -> Grafted
     num_bytes = torch.tensor([row.num_bytes for row in grafted])  # (g,)
     weights, log_rho = compat_weights(learner_sums, peer_sums, num_bytes, cfg.graft.kappa, cfg.graft.log_rho_min)
     without_mu = torch.tensor([row.without_mu for row in grafted])  # (g,) bool
-    weights = torch.where(without_mu, torch.ones_like(weights), weights)  # never a ratio to a missing l_peer
+    weights = torch.where(without_mu, torch.ones_like(weights), weights)  # their l_peer is NaN: w = 1 instead
     finite = torch.isfinite(learner_sums) & torch.isfinite(weights)
     if cfg.graft.group_normalized_weight:  # over the rows that train (the non-finite ones are dropped below)
         kept = [row for row, ok in zip(grafted, finite.tolist()) if ok]

@@ -305,6 +305,7 @@ def test_a_peer_group_without_mu_grafts_with_b_and_w_one_and_is_counted(char_mod
         rows = step_rows.rows
         assert [r.completion_ids for r in rows] == [r.completion_ids for r in with_mu_rows]  # the same learner tokens
         assert all(r.grafted and r.without_mu and r.behaviour_logprobs is None for r in rows)
+        assert all(math.isnan(r.peer_logprob_sum) for r in rows)  # never the stored 0.0 taken for an l_peer
         weighted = old_logprobs_and_weights(cfg, learner, None, rows)
         assert weighted.dropped_non_finite == 0 and len(weighted.rows) == 4
         for row in weighted.rows:
