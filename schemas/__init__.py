@@ -19,6 +19,7 @@ from graft.schemas.api import (
 from graft.schemas.rollout import (
     ARROW_MEDIA_TYPE,
     GROUP_ID_PATTERN,
+    NO_LOGPROBS,
     PROBLEM_ARROW_SCHEMA,
     PROMPT_ID_PATTERN,
     ROLLOUT_ARROW_SCHEMA,
@@ -34,7 +35,7 @@ from graft.schemas.rollout import (
 )
 
 __all__ = [
-    "ARROW_MEDIA_TYPE", "GROUP_ID_PATTERN", "LOOKUP_PATH", "MAX_LOOKUP_PROMPTS", "PROMPT_ID_PATTERN", "MAX_PAGE_SIZE", "MAX_PUSH_GROUPS", "PROBLEM_ARROW_SCHEMA", "ROLLOUT_ARROW_SCHEMA",
+    "ARROW_MEDIA_TYPE", "GROUP_ID_PATTERN", "LOOKUP_PATH", "MAX_LOOKUP_PROMPTS", "PROMPT_ID_PATTERN", "MAX_PAGE_SIZE", "MAX_PUSH_GROUPS", "NO_LOGPROBS", "PROBLEM_ARROW_SCHEMA", "ROLLOUT_ARROW_SCHEMA",
     "SCHEMA_VERSION", "ErrorResponse", "HealthResponse", "LakeStats", "ModelStats", "PeerLookupRequest", "PeerLookupResponse",
     "Problem", "PushGroupsRequest", "PushGroupsResponse", "Rollout", "RolloutGroup", "RolloutPage", "StatsResponse",
     "group_advantages", "groups_to_table", "prompt_id", "rollout_id", "table_to_groups",

@@ -39,6 +39,9 @@ class PeerLookupRequest(BaseModel):
     min_policy_step: int | None = Field(default=None, ge=0, le=INT64_MAX, description="only groups from peer policy step >= this")
     max_age_s: float | None = Field(default=None, gt=0, description="only groups created at most this many seconds ago")
     groups_per_prompt: int = Field(default=1, ge=1, le=16, description="most recent first: highest policy step, then newest")
+    require_behaviour_logprobs: StrictBool = Field(
+        default=False,
+        description="only groups whose rows carry behaviour logprobs (mu): none with logprobs_mode 'none'")
 
     def admits_source(self, model_id: str, policy_step: int, created_us: int, now_us: int) -> bool:
         """Who sampled the group and when: another model (one of peer_models when given), from a recent enough
@@ -49,6 +52,10 @@ class PeerLookupRequest(BaseModel):
             and (self.min_policy_step is None or policy_step >= self.min_policy_step)
             and (self.max_age_s is None or created_us >= now_us - self.max_age_s * 1e6)
         )
+
+    def admits_behaviour(self, has_behaviour_logprobs: bool) -> bool:
+        """Whether the group's mu is known when the request requires it (require_behaviour_logprobs)."""
+        return has_behaviour_logprobs or not self.require_behaviour_logprobs
 
     def admits_outcome(self, successes: int, group_size: int) -> bool:
         """What the group scored: informative (0 < successes < group size) when asked, and enough successes."""
@@ -65,14 +72,17 @@ class PeerLookupRequest(BaseModel):
         informative = [self.informative_sql(successes, group_size)] if self.informative_only else []
         return " AND ".join([*informative, f"{successes} >= {int(self.min_successes)}"])
 
-    def accepts(self, model_id: str, policy_step: int, successes: int, group_size: int, created_us: int, now_us: int) -> bool:
-        """Whether a stored group with these properties answers this request (`admits_source` and `admits_outcome`)."""
-        return self.admits_source(model_id, policy_step, created_us, now_us) and self.admits_outcome(successes, group_size)
+    def accepts(self, model_id: str, policy_step: int, successes: int, group_size: int, created_us: int, now_us: int,
+                has_behaviour_logprobs: bool) -> bool:
+        """Whether a stored group with these properties answers this request (`admits_source`, `admits_behaviour`
+        and `admits_outcome`)."""
+        return (self.admits_source(model_id, policy_step, created_us, now_us)
+                and self.admits_behaviour(has_behaviour_logprobs) and self.admits_outcome(successes, group_size))
 
     def accepts_group(self, group: RolloutGroup, now_us: int) -> bool:
         """`accepts` for a group in hand."""
         return self.accepts(group.model_id, group.policy_step, group.successes, len(group.rollouts),
-                            group_created_us(group), now_us)
+                            group_created_us(group), now_us, group.has_behaviour_logprobs)
 
 
 def now_us() -> int:
@@ -92,6 +102,7 @@ MISS_REASONS = {
     "only_learner": "every stored group is the learner's own (its model id is learner_model)",
     "peers_not_admitted": "other models' groups are stored, none from a peer the request admits (peer_models, "
                           "min_policy_step, max_age_s)",
+    "only_without_mu": "admitted peers' groups are stored, none with behaviour logprobs (require_behaviour_logprobs)",
     "only_uninformative": "admitted peers' groups are stored, none with an outcome the request admits (all-fail, or "
                           "all-success under informative_only, or fewer than min_successes)",
 }

@@ -103,5 +103,9 @@ class GroupTokens(BaseModel):
     group_id: str
     tokenizer_id: str
     decoded: bool = Field(description="whether `pieces` come from the tokenizer with this fingerprint")
-    note: str = Field(description="what the pieces are, or why there are none")
+    note: str = Field(description="what the pieces are, or why there are none; and when the rows have no behaviour "
+                                  "logprobs, that they have none")
+    behaviour_logprobs: bool = Field(
+        default=True, description="whether the rows carry behaviour logprobs (false: logprobs_mode 'none', mu unknown: "
+                                  "no token has a probability to show)")
     rollouts: list[RolloutTokens]

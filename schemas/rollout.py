@@ -1,5 +1,10 @@
 """One stored rollout, a rollout group, a problem, and the one Arrow schema they map to.
 
+A row's behaviour logprobs (mu, GRAFT_SPEC section 5) may be unknown: a text-only trace or an API without logprobs
+(GRAFT_SPEC section 11). Such a row says so with `logprobs_mode = "none"`, an empty `token_logprobs` and
+`logprob_sum = 0.0` (no placeholder a reader could take for a logprob); a group is all with mu or all without.
+Schema version 2 added that value; rows of version 1 read unchanged (they all carry mu).
+
 Every writer and reader of the store uses `ROLLOUT_ARROW_SCHEMA`, which is derived from the
 `Rollout` model below (each field carries its Arrow type as annotation metadata), so the pydantic
 model and the Parquet files cannot drift apart. Data only: no I/O, no torch.
@@ -15,7 +20,7 @@ from typing import Annotated, Any, Literal
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: logprobs_mode 'none' (no behaviour logprobs); version-1 rows read unchanged
 ADVANTAGE_EPS = 1e-6  # GRAFT_SPEC section 2: A = (r - mean) / (std + eps)
 ADVANTAGE_TOLERANCE = 1e-3  # stored advantages are float32; recomputed ones must agree to this
 LOGPROB_TOLERANCE = 1e-6  # a logprob may exceed 0 by this much (rounding in the sampler)
@@ -31,6 +36,7 @@ INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
 FLOAT32_MAX = 3.4028234663852886e38  # larger finite floats become inf in a float32 column
 FLOAT32_TINY = 1.401298464324817e-45  # smaller positive floats become 0 in a float32 column
+NO_LOGPROBS = "none"  # logprobs_mode of a row whose behaviour logprobs (mu) are unknown
 
 
 def rollout_id(group_id: str, position: int) -> str:
@@ -100,15 +106,18 @@ class Rollout(BaseModel):
     top_k: Annotated[int | None, Arrow(pa.int32(), nullable=True)] = Field(default=None, ge=-INT32_MAX - 1, le=INT32_MAX, description="top-k, null for none")
     max_tokens: Annotated[int, Arrow(pa.int32())] = Field(gt=0, le=INT32_MAX, description="completion token budget")
     logprobs_mode: Annotated[str, Arrow(pa.string())] = Field(
-        default="processed", description="'processed': logprobs after temperature/top-p (the behaviour policy)"
-    )
+        default="processed",
+        description="'processed': logprobs after temperature/top-p (the behaviour policy); 'raw': the model's own "
+                    "distribution (greedy); 'none': mu unknown (text-only traces, APIs without logprobs), token_logprobs "
+                    "empty and logprob_sum 0.0")
     # content
     completion_text: Annotated[str, Arrow(pa.string())] = Field(description="decoded completion, special tokens excluded")
     completion_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Arrow(pa.list_(pa.int32()))] = Field(
         description="sampled token ids (EOS included when finished)")
     token_logprobs: Annotated[list[Annotated[float, Field(ge=-FLOAT32_MAX, le=LOGPROB_TOLERANCE)]], Arrow(pa.list_(pa.float32()))] = Field(
-        description="behaviour logprob of each sampled token (finite, <= 0)")
-    logprob_sum: Annotated[float, Arrow(pa.float64())] = Field(le=0.0, description="sum of token_logprobs, EOS excluded")
+        description="behaviour logprob of each sampled token (finite, <= 0); empty when logprobs_mode is 'none'")
+    logprob_sum: Annotated[float, Arrow(pa.float64())] = Field(
+        le=0.0, description="sum of token_logprobs, EOS excluded; 0.0 when logprobs_mode is 'none'")
     num_tokens: Annotated[int, Arrow(pa.int32())] = Field(ge=0, le=INT32_MAX, description="len(completion_token_ids)")
     num_bytes: Annotated[int, Arrow(pa.int32())] = Field(ge=0, le=INT32_MAX, description="UTF-8 length of completion_text")
     finish_reason: Annotated[FinishReason, Arrow(pa.string())] = Field(description="'stop' (EOS or stop string), 'length' or 'abort'")
@@ -147,7 +156,12 @@ class Rollout(BaseModel):
     @model_validator(mode="after")
     def _consistent_lengths(self) -> Rollout:
         n_ids, n_lps = len(self.completion_token_ids), len(self.token_logprobs)
-        if n_ids != n_lps:
+        if self.logprobs_mode == NO_LOGPROBS:
+            if n_lps or self.logprob_sum != 0.0:
+                raise ValueError(f"logprobs_mode = 'none' (mu unknown) but token_logprobs has {n_lps} entries and "
+                                 f"logprob_sum = {self.logprob_sum!r}: a row without behaviour logprobs stores an "
+                                 "empty token_logprobs and logprob_sum 0.0")
+        elif n_ids != n_lps:
             raise ValueError(f"completion_token_ids has {n_ids} entries but token_logprobs has {n_lps}: they must be equal")
         if self.num_tokens != n_ids:
             raise ValueError(f"num_tokens = {self.num_tokens} but completion_token_ids has {n_ids} entries")
@@ -179,6 +193,10 @@ class RolloutGroup(BaseModel):
                         f"rollout {r.rollout_id}: {name} = {getattr(r, name)!r} but the group's first rollout has "
                         f"{getattr(first, name)!r}; a group's rollouts share {', '.join(shared)}"
                     )
+        without_mu = [r.logprobs_mode == NO_LOGPROBS for r in self.rollouts]
+        if any(without_mu) and not all(without_mu):
+            raise ValueError(f"group {first.group_id} mixes rows with logprobs_mode 'none' and rows with behaviour "
+                             "logprobs: a group is all with behaviour logprobs or all without")
         if len(self.rollouts) != first.group_size:
             raise ValueError(f"group {first.group_id} has {len(self.rollouts)} rollouts but group_size = {first.group_size}")
         for position, r in enumerate(self.rollouts):
@@ -210,6 +228,11 @@ class RolloutGroup(BaseModel):
     @property
     def policy_step(self) -> int:
         return self.rollouts[0].policy_step
+
+    @property
+    def has_behaviour_logprobs(self) -> bool:
+        """Whether the group's rows carry mu (logprobs_mode is not 'none'; a group is all one or the other)."""
+        return self.rollouts[0].logprobs_mode != NO_LOGPROBS
 
     @property
     def successes(self) -> int:

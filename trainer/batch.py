@@ -52,7 +52,9 @@ class TrainSample:
     num_bytes: int  # UTF-8 length of the completion text
     reward: float | None = None  # grafted: the peer rollout's stored reward (its advantage is recomputed from these)
     behaviour_logprobs: list[float] | None = None  # grafted: log mu~ per completion token (len(completion_ids))
-    peer_logprob_sum: float = 0.0  # grafted: the stored l_peer (EOS excluded)
+    peer_logprob_sum: float = 0.0  # grafted: the stored l_peer (EOS excluded); NaN when the peer row has no mu
+    # grafted: the peer row has no behaviour logprobs (logprobs_mode 'none'): b = 1 and w = 1 (GRAFT_SPEC section 11)
+    without_mu: bool = False
     # Filled in by the no-grad pass before the update (rows without signal keep None):
     old_logprobs: Tensor | None = None  # (n,) float32, log pi_old of each completion token
     ref_logprobs: Tensor | None = None  # (n,) float32, log pi_ref (only when the KL is on)
@@ -261,7 +263,9 @@ def peer_rows(
             prompt_id=prompt_id, group=group, prompt_ids=prompt_ids, completion_ids=tokens.token_ids,
             num_content_tokens=tokens.num_content_tokens, advantage=0.0, grafted=True,
             num_bytes=len(rollout.completion_text.encode("utf-8")), reward=rollout.reward,
-            behaviour_logprobs=tokens.behaviour_logprobs, peer_logprob_sum=float(rollout.logprob_sum),
+            behaviour_logprobs=tokens.behaviour_logprobs, without_mu=tokens.behaviour_logprobs is None,
+            # a row without mu stores logprob_sum 0.0: NaN here, so that no sum can take it for an l_peer
+            peer_logprob_sum=NAN if tokens.behaviour_logprobs is None else float(rollout.logprob_sum),
         ))
     return rows
 
@@ -317,7 +321,8 @@ class WeightStats:
         if not weights.numel():
             return cls()
         levels = torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)
-        quantiles = torch.quantile(_joined([part.log_rho for part in parts]), levels).tolist()
+        log_rho = _joined([part.log_rho for part in parts])  # (g',) rows without mu have none
+        quantiles = torch.quantile(log_rho, levels).tolist() if log_rho.numel() else [NAN] * 3
         ratios = [b for part in parts for b in part.ratios]
         hardest = [b for part in parts for b in part.hardest]
         return cls(
@@ -335,7 +340,8 @@ class GraftedWeights:
     from every rank first, graft.trainer.metrics)."""
 
     weights: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))  # (g,) w
-    log_rho: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))  # (g,) per-byte log rho
+    # (g',) per-byte log rho of the rows with mu
+    log_rho: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
     ratios: list[Tensor] = field(default_factory=list)  # b of every token (tis), one (n,) tensor per row
     hardest: list[float] = field(default_factory=list)  # b at the least likely token of each positive row (tis)
 
@@ -411,12 +417,15 @@ def old_logprobs_and_weights(
 
 def _weigh_grafted_rows(cfg: TrainConfig, grafted: list[TrainSample]) -> GraftedWeights:
     """Set w, finiteness and c = peer_loss_scale * w * b on the grafted rows (pi_old filled in); what their
-    statistics are computed from."""
+    statistics are computed from. A row without mu gets w = 1 and b = 1 (GRAFT_SPEC section 11: l_peer and mu~ are
+    unknown), under every token_is; its log rho is left out of the statistics, its w = 1 is not."""
     # l_old: the learner's log-likelihood of the text, EOS excluded
     learner_sums = torch.stack([r.old_logprobs[: r.num_content_tokens].double().sum() for r in grafted])  # (g,)
     peer_sums = torch.tensor([row.peer_logprob_sum for row in grafted], dtype=torch.float64)  # (g,)
     num_bytes = torch.tensor([row.num_bytes for row in grafted])  # (g,)
     weights, log_rho = compat_weights(learner_sums, peer_sums, num_bytes, cfg.graft.kappa, cfg.graft.log_rho_min)
+    without_mu = torch.tensor([row.without_mu for row in grafted])  # (g,) bool
+    weights = torch.where(without_mu, torch.ones_like(weights), weights)  # their l_peer is NaN: w = 1 instead
     finite = torch.isfinite(learner_sums) & torch.isfinite(weights)
     if cfg.graft.group_normalized_weight:  # over the rows that train (the non-finite ones are dropped below)
         kept = [row for row, ok in zip(grafted, finite.tolist()) if ok]
@@ -433,7 +442,7 @@ def _weigh_grafted_rows(cfg: TrainConfig, grafted: list[TrainSample]) -> Grafted
         # b, the token-level correction, exists under tis only (luffy's shaping replaces the PPO ratio and needs
         # no peer probabilities); the sequence weight w applies under every token_is, as kappa etc. say.
         b = torch.ones_like(row.old_logprobs)  # (n,)
-        if cfg.graft.token_is == "tis":
+        if cfg.graft.token_is == "tis" and not row.without_mu:
             behaviour = torch.tensor(row.behaviour_logprobs, dtype=torch.float32)  # (n,) log mu~
             b = behaviour_ratio(row.old_logprobs, behaviour, cfg.graft.is_cap)
             if row.finite:
@@ -441,4 +450,4 @@ def _weigh_grafted_rows(cfg: TrainConfig, grafted: list[TrainSample]) -> Grafted
                 if row.advantage > 0 and row.num_content_tokens > 0:
                     hardest.append(float(b[int(torch.argmin(row.old_logprobs[: row.num_content_tokens]))]))
         row.token_weight = cfg.graft.peer_loss_scale * w * b  # (n,)
-    return GraftedWeights(weights[finite], log_rho[finite].double(), ratios, hardest)
+    return GraftedWeights(weights[finite], log_rho[finite & ~without_mu].double(), ratios, hardest)

@@ -151,6 +151,10 @@ class GraftConfig(_Section):
                     "project peer logprobs by character spans. Peers with the learner's tokenizer id need no entry; groups in "
                     "another id without an entry are refused (groups_no_peer_tokenizer)",
     )
+    require_behaviour_logprobs: bool = Field(
+        default=False,
+        description="ask the store for peer groups with behaviour logprobs (mu) only; off: groups without mu (text-only "
+                    "traces, APIs without logprobs) are grafted too, with b = 1 and w = 1 (GRAFT_SPEC section 11)")
     uniform_projection: bool = Field(
         default=False,
         description="opt-in: graft peer groups whose tokenizer is not in peer_tokenizers, spreading their logprob_sum evenly "

@@ -69,17 +69,21 @@ def choose_peer_group(
 
     An all-success group is accepted when the rule asks for no informative groups only (graft.union_all_success)
     and is grafted as "graft_union". usable_tokenizers: the tokenizer ids whose text the learner can weigh (its
-    own and the peers' it has); a group in another one is refused, and when that leaves nothing, the most recent
-    refused group comes back with "skip_no_peer_tokenizer". None: any tokenizer. now: microseconds since the
+    own and the peers' it has); a group in another one is refused (one without behaviour logprobs is not: nothing of
+    it is projected), and when that leaves nothing, the most recent refused group comes back with
+    "skip_no_peer_tokenizer". None: any tokenizer. now: microseconds since the
     epoch, for the rule's max_age_s (default: now)."""
     now = now_us() if now is None else now
-    eligible = [g for g in candidates if rule.admits_source(g.model_id, g.policy_step, group_created_us(g), now)]
+    eligible = [g for g in candidates if rule.admits_source(g.model_id, g.policy_step, group_created_us(g), now)
+                and rule.admits_behaviour(g.has_behaviour_logprobs)]
     if not eligible:
         return None, "skip_no_peer"
     useful = [g for g in eligible if rule.admits_outcome(g.successes, len(g.rollouts))]
     if not useful:
         return None, "skip_uninformative"
-    usable = [g for g in useful if usable_tokenizers is None or g.rollouts[0].tokenizer_id in usable_tokenizers]
+    # a group without mu has nothing to project: its text is tokenised by the learner, whatever the peer's tokenizer
+    usable = [g for g in useful if usable_tokenizers is None or g.rollouts[0].tokenizer_id in usable_tokenizers
+              or not g.has_behaviour_logprobs]
     if not usable:
         return _most_recent(useful), "skip_no_peer_tokenizer"
     best = _most_recent(usable)

@@ -44,6 +44,8 @@ class LossBatch:
     token_weight: Tensor  # (B, T) float32, c = w_j * b_jt on grafted rows, 1 on on-policy rows; no grad
     is_grafted: Tensor  # (B,) bool, True for rows that came from a peer group
     ref_logprobs: Tensor | None = None  # (B, T) float32, log pi_ref(token); needed only when kl_beta > 0
+    # (B,) bool, True for grafted rows whose peer row had no behaviour logprobs (b = 1, w = 1); metrics only
+    without_mu: Tensor | None = None
 
     def __post_init__(self) -> None:
         B, T = self.logprobs.shape
@@ -54,6 +56,8 @@ class LossBatch:
             actual = tuple(getattr(self, name).shape)
             if actual != shape:
                 raise ValueError(f"LossBatch.{name} has shape {actual}; expected {shape} (logprobs is {(B, T)})")
+        if self.without_mu is not None and (tuple(self.without_mu.shape) != (B,) or self.without_mu.dtype != torch.bool):
+            raise ValueError(f"LossBatch.without_mu must be a bool tensor of shape {(B,)}")
         if self.ref_logprobs is not None and tuple(self.ref_logprobs.shape) != (B, T):
             raise ValueError(f"LossBatch.ref_logprobs has shape {tuple(self.ref_logprobs.shape)}; expected {(B, T)}")
         if self.mask.dtype != torch.bool or self.is_grafted.dtype != torch.bool:
@@ -149,6 +153,10 @@ def graft_loss(batch: LossBatch, cfg: LossConfig) -> tuple[Tensor, dict[str, flo
             "tokens_onpolicy": float(onpolicy_mask.sum()),
             "tokens_grafted": float(grafted_mask.sum()),
         }
+        if batch.without_mu is not None:  # GRAFT_SPEC section 11: grafted tokens without mu, logged apart
+            without_mu_mask = grafted_mask & batch.without_mu[:, None]  # (B, T)
+            metrics["clip_frac_grafted_without_mu"] = _masked_mean(is_clipped.float(), without_mu_mask)
+            metrics["tokens_grafted_without_mu"] = float(without_mu_mask.sum())
     return loss, metrics
 
 

@@ -64,6 +64,11 @@ class StepOutcome:
     def peer_rollouts_consumed(self) -> int:
         return sum(1 for row in self.weighted.rows if row.grafted)
 
+    @property
+    def peer_rollouts_without_mu(self) -> int:
+        """Grafted rows the update trains on whose peer row had no behaviour logprobs (b = 1, w = 1)."""
+        return sum(1 for row in self.weighted.rows if row.grafted and row.without_mu)
+
 
 @dataclass
 class StepClock:
@@ -113,10 +118,14 @@ def step_metrics(
         **asdict(stats),
         "clip_frac_onpolicy": _ratio(job, "update_clip_frac_onpolicy"),
         "clip_frac_grafted": _ratio(job, "update_clip_frac_grafted"),
+        # of grafted tokens without mu (GRAFT_SPEC section 11; NaN when none trained)
+        "clip_frac_grafted_without_mu": _ratio(job, "update_clip_frac_grafted_without_mu"),
         "peer_group_age_steps": _ratio(job, "peer_group_age_steps"),
         "peer_group_age_s": _ratio(job, "peer_group_age_s"),
         "rollouts_generated": rollouts_generated,
         "peer_rollouts_consumed": peer_rollouts_consumed,
+        # of them, rows whose peer row had no behaviour logprobs (b = 1, w = 1: GRAFT_SPEC section 11)
+        "peer_rollouts_without_mu": count["peer_rollouts_without_mu"],
         "store_wait_s": job["store_wait_s"],
         "step_time_s": job["step_time_s"],
         "step_cpu_s": job["step_cpu_s"],  # the ranks' processes, all threads (not the scorers')
@@ -165,7 +174,8 @@ def step_metrics(
 
 
 # Tally names that are counts (written as integers); the others are sums of floats.
-COUNTED = ("rollouts_generated", "peer_rollouts_consumed", "groups_", "dropped_", "dapo_groups_kept", "projection_",
+COUNTED = ("rollouts_generated", "peer_rollouts_consumed", "peer_rollouts_without_mu", "groups_", "dropped_",
+           "dapo_groups_kept", "projection_",
            "peer_advantage_mismatch", "same_tokenizer_id_mismatch", "grafted_groups_short", "grafted_groups_no_signal", "store_", "rows",
            "completion_tokens")
 
@@ -199,6 +209,7 @@ def _rank_tally(
         "peer_group_age_s": sum(time.time() - d.peer_group.rollouts[0].created_at.timestamp() for d in grafted),
         "peer_group_age_s_n": len(grafted),
         "rollouts_generated": outcome.rollouts_generated, "peer_rollouts_consumed": outcome.peer_rollouts_consumed,
+        "peer_rollouts_without_mu": outcome.peer_rollouts_without_mu,
         "step_cpu_s": time.process_time() - clock.cpu_started,
         "reward_previously_grafted": sum(previously), "reward_previously_grafted_n": len(previously),
         **gate_tally(decisions, outcome.peers),

@@ -155,6 +155,7 @@ class PeerExchange:
             min_policy_step=max(0, learner_step - lag) if lag is not None else None,
             max_age_s=self.graft.max_peer_age_s,
             groups_per_prompt=self.store.groups_per_prompt,
+            require_behaviour_logprobs=self.graft.require_behaviour_logprobs,
         )
         return request.model_copy(update={"prompt_ids": unique})
 
@@ -408,7 +409,7 @@ def peer_candidates(
 # (graft.schemas.api.MISS_REASONS) but only_uninformative, which counts as groups_peer_uninformative; `unanswered`: the step's
 # lookup failed, was late (store.lookup_wait_s) or was not sent (backing off); `unknown`: the store gave no reason (a
 # store older than miss_reasons). Metrics groups_no_peer_<reason>; they add up to groups_no_peer.
-NO_PEER_REASONS = ("nothing_stored", "only_learner", "peers_not_admitted", "unanswered", "unknown")
+NO_PEER_REASONS = ("nothing_stored", "only_learner", "peers_not_admitted", "only_without_mu", "unanswered", "unknown")
 
 
 def no_peer_reasons(decisions: list[GateDecision], found: LookupResult | None) -> tuple[dict[str, int], int]:

@@ -15,6 +15,9 @@ GRAFT_SPEC section 3 (re-tokenisation) and section 5 (mu~, the projected behavio
   canonical encoding would not, and then the stored ids are the ones whose probabilities we know).
 - without the peer's tokenizer there is no projection: the gate refuses such groups, unless
   `graft.uniform_projection` opts in to spreading the peer's log-mass evenly over characters.
+- a row without behaviour logprobs (logprobs_mode 'none', GRAFT_SPEC section 11) is re-tokenised the same way and
+  has nothing to project: its PeerTokens carry no behaviour logprobs (projection "none"), and the trainer grafts it
+  with b = 1 and w = 1.
 """
 
 from __future__ import annotations
@@ -26,11 +29,11 @@ from typing import Literal, get_args
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from graft.schemas import Rollout
+from graft.schemas import NO_LOGPROBS, Rollout
 
 # peer_decode: the peer's stored ids do not decode to its stored text with the tokenizer configured for its id
 DropReason = Literal["round_trip", "overlength", "non_finite", "peer_decode"]
-Projection = Literal["exact", "spans", "uniform"]
+Projection = Literal["exact", "spans", "uniform", "none"]  # none: the row has no behaviour logprobs to project
 
 
 def drop_counts() -> dict[str, int]:
@@ -48,9 +51,11 @@ class PeerTokens:
     """One peer rollout as learner tokens."""
 
     token_ids: list[int]  # (n,) learner token ids of the completion, plus the learner's EOS when the peer stopped
-    behaviour_logprobs: list[float]  # (n,) log mu~ per learner token (the EOS gets the peer's EOS logprob)
+    # (n,) log mu~ per learner token (the EOS gets the peer's EOS logprob); None: the peer row has no mu
+    behaviour_logprobs: list[float] | None
     num_content_tokens: int  # tokens before the EOS (n - 1 with EOS, n without)
-    projection: Projection  # exact: same tokenizer; spans: character-span projection; uniform: peer tokenizer unknown
+    projection: Projection  # exact: same tokenizer; spans: character-span projection; uniform: peer tokenizer unknown;
+    # none: the peer row has no behaviour logprobs (logprobs_mode 'none')
     # exact only: encoding the text gives the stored ids (False: the sampler's own split, kept)
     canonical: bool = True
 
@@ -197,7 +202,12 @@ def retokenize_peer_rollout(
     peer_tokenizer: the tokenizer of `rollout.tokenizer_id` (not needed when it is the learner's).
     stop_token_id: what a finished row ends with (`learner_stop_token`; default the learner's EOS).
     uniform_projection: without `peer_tokenizer`, spread the peer's log-mass evenly over characters
-    (an explicit opt-in; otherwise a missing peer tokenizer is an error: the gate refuses such groups)."""
+    (an explicit opt-in; otherwise a missing peer tokenizer is an error: the gate refuses such groups).
+    A row without behaviour logprobs (logprobs_mode 'none') needs no peer tokenizer: its text is tokenised and nothing
+    is projected (behaviour_logprobs None)."""
+    if rollout.logprobs_mode == NO_LOGPROBS:
+        return _retokenize_without_mu(rollout, learner_tokenizer, learner_tokenizer_id, max_response_tokens,
+                                      stop_token_id)
     peer_logprobs = list(rollout.token_logprobs)
     if not math.isfinite(rollout.logprob_sum) or not all(math.isfinite(lp) and lp <= 1e-6 for lp in peer_logprobs):
         return "non_finite"
@@ -253,6 +263,36 @@ def retokenize_peer_rollout(
     if not all(math.isfinite(lp) for lp in behaviour):
         return "non_finite"
     return PeerTokens(learner_ids, behaviour, num_content_tokens=num_content, projection=projection, canonical=canonical)
+
+
+def _retokenize_without_mu(
+    rollout: Rollout, learner_tokenizer: PreTrainedTokenizerBase, learner_tokenizer_id: str, max_response_tokens: int,
+    stop_token_id: int | None,
+) -> PeerTokens | DropReason:
+    """The learner's tokens for a peer row whose mu is unknown: the stored ids (EOS stripped) under the learner's
+    tokenizer id, else the text encoded; the learner's stop token appended when the peer stopped; no logprobs."""
+    text = rollout.completion_text
+    finished = rollout.finish_reason == "stop"
+    learner_eos = learner_tokenizer.eos_token_id if stop_token_id is None else stop_token_id
+    if finished and learner_eos is None:
+        raise ValueError(
+            "the learner's tokenizer has no eos_token; set one (tokenizer.eos_token) before grafting finished peer texts"
+        )
+    canonical = True
+    if rollout.tokenizer_id == learner_tokenizer_id:
+        special_ids = set(learner_tokenizer.all_special_ids)
+        content = list(rollout.completion_token_ids)
+        while content and content[-1] in special_ids:
+            content.pop()
+        canonical = encode(learner_tokenizer, text)[0] == content
+    else:
+        content = encode(learner_tokenizer, text)[0]
+    if decode(learner_tokenizer, content) != text:
+        return "round_trip"
+    token_ids = content + [learner_eos] if finished else content
+    if len(token_ids) > max_response_tokens:
+        return "overlength"
+    return PeerTokens(token_ids, None, num_content_tokens=len(content), projection="none", canonical=canonical)
 
 
 def _project(

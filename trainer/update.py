@@ -161,6 +161,8 @@ def update_policy(
                 mini_loss += float(loss.detach()) * scale
                 means.add("clip_frac_onpolicy", metrics["clip_frac_onpolicy"], metrics["tokens_onpolicy"])
                 means.add("clip_frac_grafted", metrics["clip_frac_grafted"], metrics["tokens_grafted"])
+                means.add("clip_frac_grafted_without_mu", metrics["clip_frac_grafted_without_mu"],
+                          metrics["tokens_grafted_without_mu"])
                 means.add("ratio_mean", metrics["ratio_mean"], metrics["tokens_onpolicy"] + metrics["tokens_grafted"])
                 means.add("kl", metrics["kl"], micro_denominator)
             if anchor_rows:
@@ -174,7 +176,8 @@ def update_policy(
             ctx.scheduler.step()
             means.add("loss", mini_loss, 1.0 / dist.world_size)  # the weights of one optimizer step add up to 1
     ctx.optimizer.zero_grad(set_to_none=True)
-    names = ("loss", "clip_frac_onpolicy", "clip_frac_grafted", "ratio_mean", "kl") + (("anchor_nll",) if anchor_rows else ())
+    names = ("loss", "clip_frac_onpolicy", "clip_frac_grafted", "clip_frac_grafted_without_mu", "ratio_mean", "kl") + (
+        ("anchor_nll",) if anchor_rows else ())
     return UpdateResult(
         totals={name: means.total(name) for name in names},
         grad_norm=sum(grad_norms) / len(grad_norms) if grad_norms else NAN, optimizer_updates=len(grad_norms),
@@ -214,6 +217,7 @@ def _micro_batch_loss(
         mask=mask,
         token_weight=_pad([r.token_weight for r in chunk], width).to(learner.device),
         is_grafted=torch.tensor([r.grafted for r in chunk], dtype=torch.bool, device=learner.device),
+        without_mu=torch.tensor([r.without_mu for r in chunk], dtype=torch.bool, device=learner.device),
         ref_logprobs=None if ctx.reference is None else _pad([r.ref_logprobs for r in chunk], width).to(learner.device),
     )
     loss, metrics = graft_loss(batch, ctx.loss_cfg)

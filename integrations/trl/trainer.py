@@ -365,10 +365,13 @@ class GraftGRPOTrainer(GRPOTrainer):
         all_fail = [d for d in decisions if d.kind == "all_fail"]
         grafted_groups = [d for d in decisions if d.grafts]
         groups = max(len(decisions), 1)
-        stats, consumed = WeightStats(), 0
+        stats, consumed, without_mu = WeightStats(), 0, 0
         if plan.slots:  # every process has grafted groups' slots to count (or none has): the collectives match
-            local = torch.tensor([[float(kept), float(weighted.dropped_non_finite)]], device=self.accelerator.device)
-            consumed, non_finite = (int(v) for v in self.accelerator.gather(local).sum(dim=0).tolist())
+            # grafted rows whose peer row had no behaviour logprobs (b = 1, w = 1: GRAFT_SPEC section 11)
+            local_without_mu = sum(1 for row in weighted.rows if row.grafted and row.without_mu)
+            local = torch.tensor([[float(kept), float(weighted.dropped_non_finite), float(local_without_mu)]],
+                                 device=self.accelerator.device)
+            consumed, non_finite, without_mu = (int(v) for v in self.accelerator.gather(local).sum(dim=0).tolist())
             plan.drops["non_finite"] += non_finite
             stats = WeightStats.of(gather_object([weighted.grafted]))
         hits = sum(1 for d in all_fail if d.peer_group is not None and d.peer_group.informative)
@@ -384,6 +387,7 @@ class GraftGRPOTrainer(GRPOTrainer):
             "peer_group_age_steps": (sum(self.state.global_step - d.peer_group.policy_step for d in grafted_groups)
                                      / len(grafted_groups)) if grafted_groups else NAN,
             "peer_rollouts_consumed": consumed,
+            "peer_rollouts_without_mu": without_mu,
             "peer_rollouts_unused": plan.peer_rollouts_unused,
             **{f"dropped_{reason}": count for reason, count in plan.drops.items()},
             **{f"projection_{kind}": count for kind, count in plan.projections.items()},

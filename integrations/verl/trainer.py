@@ -311,6 +311,8 @@ class GraftPPOTrainer(PPOTrainerSync):
             completion, mask, behaviour = [self.graft.stop_token], [0], [0.0]
         else:
             completion, mask, behaviour = row.completion_ids, [1] * len(row.completion_ids), row.behaviour_logprobs
+            if behaviour is None:  # mu unknown: verl's field needs a value per token, and nothing reads it on a grafted
+                behaviour = [0.0] * len(completion)  # row (its c is GRAFT's, verl's rollout_corr/* skip grafted rows)
         responses = torch.tensor(completion, dtype=torch.int64)
         input_ids = torch.cat([torch.tensor(prompt, dtype=torch.int64), responses])
         attention_mask = torch.ones_like(input_ids)
@@ -464,6 +466,9 @@ class GraftPPOTrainer(PPOTrainerSync):
             "peer_group_age_steps": float(np.mean([self.global_steps - d.peer_group.policy_step for d in grafted]))
             if grafted else NAN,
             "peer_rollouts_consumed": sum(1 for row in (weighted.rows if weighted else []) if row.grafted),
+            # of them, rows whose peer row had no behaviour logprobs (b = 1, w = 1: GRAFT_SPEC section 11)
+            "peer_rollouts_without_mu": sum(1 for row in (weighted.rows if weighted else [])
+                                            if row.grafted and row.without_mu),
             "peer_rollouts_unused": splice.peer_rollouts_unused,
             "grafted_groups_short": splice.grafted_groups_short,
             "grafted_groups_subsampled": splice.grafted_groups_subsampled,

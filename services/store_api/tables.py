@@ -28,6 +28,7 @@ from graft.schemas.rollout import (
     CLOCK_SKEW_S,
     GROUP_ID_PATTERN,
     LOGPROB_TOLERANCE,
+    NO_LOGPROBS,
     SAFE_NAME_PATTERN,
 )
 
@@ -227,6 +228,10 @@ def validate_table(table: pa.Table, bulk: bool = True) -> pa.Table:
                 "finish_reason must be 'stop', 'length' or 'abort'", col("finish_reason"))
     _fail_first(pc.and_(pc.is_finite(col("logprob_sum")), pc.less_equal(col("logprob_sum"), 0)), table,
                 "logprob_sum must be finite and <= 0", col("logprob_sum"))
+    without_mu = pc.equal(col("logprobs_mode"), NO_LOGPROBS)
+    _fail_first(pc.or_(pc.invert(without_mu), pc.equal(col("logprob_sum"), 0.0)), table,
+                "logprobs_mode is 'none' (mu unknown) but logprob_sum is not 0.0: a row without behaviour logprobs "
+                "stores logprob_sum 0.0 and an empty token_logprobs", col("logprob_sum"))
     _fail_first(pc.is_finite(col("advantage")), table, "advantage must be finite", col("advantage"))
     reward = col("reward")
     _fail_first(pc.or_kleene(pc.is_null(reward), pc.and_(pc.greater_equal(reward, 0), pc.less_equal(reward, 1))),
@@ -237,6 +242,11 @@ def validate_table(table: pa.Table, bulk: bool = True) -> pa.Table:
         _check_bulk_columns(table)
     starts, lengths = group_runs(col("group_id"))
     check_groups(table, starts, lengths)
+    without_mu_rows = without_mu.to_numpy(zero_copy_only=False).astype(np.int64)  # (rows,)
+    without_mu_count = np.add.reduceat(without_mu_rows, starts)  # (groups,)
+    _fail_first(np.repeat((without_mu_count == 0) | (without_mu_count == lengths), lengths), table,
+                "the group mixes rows with logprobs_mode 'none' and rows with behaviour logprobs: a group is all "
+                "with behaviour logprobs or all without")
     # the fields a group shares are now known equal within it: check them on its first row only (8x fewer
     # strings through the regexes), reporting that row
     heads = table.select(["group_id", "dataset", "model_id", "tokenizer_id", "prompt_id"]).take(pa.array(starts))
@@ -276,8 +286,13 @@ def _check_bulk_columns(table: pa.Table) -> None:
     if len(ids_flat) and ids_flat.min() < 0:
         _fail_first_item(col("completion_token_ids"), ids_flat >= 0, table, "completion_token_ids must be >= 0")
     n_ids = pc.list_value_length(col("completion_token_ids"))
-    _fail_first(pc.equal(n_ids, pc.list_value_length(col("token_logprobs"))), table,
+    n_logprobs = pc.list_value_length(col("token_logprobs"))
+    without_mu = pc.equal(col("logprobs_mode"), NO_LOGPROBS)
+    _fail_first(pc.or_(without_mu, pc.equal(n_ids, n_logprobs)), table,
                 "completion_token_ids and token_logprobs must have the same length")
+    _fail_first(pc.or_(pc.invert(without_mu), pc.equal(n_logprobs, 0)), table,
+                "logprobs_mode is 'none' (mu unknown) but token_logprobs is not empty: a row without behaviour "
+                "logprobs stores none (and logprob_sum 0.0)", n_logprobs)
     _fail_first(pc.equal(col("num_tokens"), n_ids), table, "num_tokens must equal len(completion_token_ids)", col("num_tokens"))
     _fail_first(pc.equal(col("num_bytes"), pc.binary_length(col("completion_text"))), table,
                 "num_bytes must equal the UTF-8 length of completion_text", col("num_bytes"))

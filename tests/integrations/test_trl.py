@@ -319,3 +319,24 @@ def test_the_trl_adapter_runs_graft_trains_default_graft(tmp_path):
     graft = make_args(tmp_path, "http://127.0.0.1:8600", None).train_config("/models/learner").graft
     mine = {"peer_tokenizers"}  # the run's own (an empty list or map: none)
     assert graft.model_dump(exclude=mine) == GraftOptions().model_dump(exclude=mine)
+
+
+def test_peer_groups_without_mu_graft_in_trl_with_w_one_and_are_counted(toy_world, text_only_store_root, fresh_learner,
+                                                                          tmp_path):
+    """The toy peer's groups stored without behaviour logprobs (logprobs_mode 'none'): TRL grafts them with b = 1 and
+    w = 1 (GRAFT_SPEC section 11) and counts them in graft/peer_rollouts_without_mu."""
+    root = shutil.copytree(text_only_store_root, tmp_path / "store",
+                           ignore=shutil.ignore_patterns("index.duckdb*", "logs"))
+    with StoreServer(root) as server:
+        trainer = make_trainer(fresh_learner, toy_world.peer_problems,
+                               make_args(tmp_path / "graft", server.url, toy_world.peer_dir))
+        start = weights(trainer.model)
+        trainer.train()
+    lines = graft_lines(trainer)
+    assert len(lines) == 2
+    for line in lines:
+        assert line["graft/frac_grafted"] > 0 and line["graft/peer_rollouts_consumed"] > 0
+        assert line["graft/peer_rollouts_without_mu"] == line["graft/peer_rollouts_consumed"]
+        assert line["graft/projection_none"] > 0 and line["graft/projection_spans"] == 0
+        assert line["graft/compat_weight_mean"] == 1.0
+    assert any(not torch.equal(start[k], v) for k, v in weights(trainer.model).items())

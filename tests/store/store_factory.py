@@ -33,8 +33,10 @@ def make_group(
     created_at: datetime | None = None,
     dataset: str = DATASET,
     group_id: str | None = None,
+    without_mu: bool = False,
 ) -> RolloutGroup:
-    """A group of `size` rollouts for problem `prompt`; rewards default to a mixed (informative) pattern."""
+    """A group of `size` rollouts for problem `prompt`; rewards default to a mixed (informative) pattern. without_mu:
+    rows without behaviour logprobs (logprobs_mode 'none', token_logprobs empty, logprob_sum 0.0)."""
     rng = random.Random(seed if seed is not None else hash((prompt, model, step)) & 0xFFFF)
     rewards = rewards if rewards is not None else [1.0 if i % 2 == 0 else 0.0 for i in range(size)]
     size = len(rewards)
@@ -51,8 +53,10 @@ def make_group(
             rollout_id=f"{gid}-{i}", group_id=gid, prompt_id=prompt_id(problem_text(prompt)), dataset=dataset,
             model_id=model, model_revision="rev1", tokenizer_id=f"tok-{model}", policy_step=step,
             generator_id="tests", created_at=created + timedelta(microseconds=i), temperature=1.0, top_p=1.0,
-            max_tokens=64, completion_text=text, completion_token_ids=ids, token_logprobs=logprobs,
-            logprob_sum=sum(logprobs[:-1]), num_tokens=tokens, num_bytes=len(text.encode()), finish_reason="stop",
+            max_tokens=64, completion_text=text, completion_token_ids=ids,
+            token_logprobs=[] if without_mu else logprobs,
+            logprob_sum=0.0 if without_mu else sum(logprobs[:-1]), logprobs_mode="none" if without_mu else "processed",
+            num_tokens=tokens, num_bytes=len(text.encode()), finish_reason="stop",
             reward=reward, correct=reward is not None and reward > 0, extracted_answer="1", advantage=advantage,
             group_size=size,
         ))

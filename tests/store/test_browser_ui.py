@@ -13,6 +13,7 @@ import math
 import os
 import re
 import shutil
+import time
 from urllib.parse import urlencode
 
 import httpx
@@ -285,6 +286,30 @@ def test_without_the_tokenizer_the_view_says_what_it_shows(browser, server, api)
     assert "token text not shown" in text(browser, "#token-note")
     assert text(browser, "#completion") == rollout["completion_text"]
     assert [t.text for t in all_of(browser, "#tokens .tok")] == [str(i) for i in rollout["completion_token_ids"]]
+
+
+def test_a_rollout_without_behaviour_logprobs_shows_its_tokens_without_probabilities(browser, server, api, world):
+    """logprobs_mode 'none' (GRAFT_SPEC section 11): the tokens uncoloured, a note saying why, no probability in the
+    tooltip and no least-likely table; the console clean."""
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    group = make_group(960, FACTORY, step=6, without_mu=True)
+    write_groups(world.root, [group], [make_problem(960)])
+    gid = group.group_id
+    deadline = time.monotonic() + 60
+    while api.get(f"/v1/groups/{gid}").status_code != 200:
+        assert time.monotonic() < deadline, "the group was not indexed"
+        time.sleep(0.1)
+    rollout = group.rollouts[1]
+    show(browser, server, f"/ui/rollout/{gid}/1", "rollout-no-mu")
+    assert "No behaviour logprobs" in text(browser, "#no-mu-note")
+    tokens = all_of(browser, "#tokens .tok")
+    assert [int(t.get_attribute("data-id")) for t in tokens] == rollout.completion_token_ids
+    assert all(t.get_attribute("data-logprob") is None for t in tokens)
+    assert "Least likely tokens" not in browser.page_source
+    ActionChains(browser).move_to_element(tokens[0]).perform()
+    assert "no behaviour logprob" in text(browser, "#tip") and "p = " not in text(browser, "#tip")
+    assert_clean_console(browser)
 
 
 # ---------------------------------------------------------------------------------------------- errors, freshness

@@ -381,3 +381,26 @@ def test_any_error_in_the_follow_loop_shows_in_the_lake_stats(sqlite_lake, tmp_p
             assert cache.stats().total_groups == len(first) + 2
         finally:
             cache.close()
+
+
+def test_groups_without_mu_go_through_the_lake_and_a_replica_leaves_them_out_when_asked(sqlite_lake, tmp_path):
+    """Rows without behaviour logprobs (logprobs_mode 'none') commit to the lake, read back with plain DuckDB, and a
+    replica serves them whole, or, under require_behaviour_logprobs, the group with mu (or a miss that says why)."""
+    text_only = make_group(70, "text-peer", step=4, without_mu=True)
+    newer_text = make_group(71, "text-peer", step=4, without_mu=True)
+    older_mu = make_group(71, "peer", step=1)
+    with Lake(sqlite_lake) as lake:
+        lake.commit(validate_table(groups_table([text_only, newer_text])), [make_problem(70), make_problem(71)])
+        lake.commit(validate_table(groups_table([older_mu])))
+        stored = lake.rollouts_between(-1, lake.snapshot().id)
+        snapshot = lake.snapshot().id
+    none_rows = stored.filter(pc.equal(stored.column("logprobs_mode"), "none"))
+    assert none_rows.num_rows == 8 and set(map(len, none_rows.column("token_logprobs").to_pylist())) == {0}
+    prompts = [text_only.prompt_id, newer_text.prompt_id]
+    with replica(tmp_path / "a", sqlite_lake) as a, StoreClient(a.url) as client:
+        wait_for(lambda: caught_up(client, snapshot), 120, "the replica caught up")
+        found = client.lookup_peer_groups(PeerLookupRequest(prompt_ids=prompts, learner_model="learner"), validate=True)
+        mu_only = client.lookup_peer_groups(PeerLookupRequest(prompt_ids=prompts, learner_model="learner",
+                                                              require_behaviour_logprobs=True), validate=True)
+    assert found.groups == [text_only, newer_text]
+    assert mu_only.groups == [older_mu] and mu_only.miss_reasons == {text_only.prompt_id: "only_without_mu"}

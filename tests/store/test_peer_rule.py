@@ -24,23 +24,26 @@ STEPS = (0, 3, 5)  # 3: the requests' min_policy_step, so that the boundary is t
 OUTCOMES = {"all_fail": [0.0] * 4, "one": [1.0, 0.0, 0.0, 0.0], "mixed": [1.0, 0.0, 1.0, 0.0],
             "three": [1.0, 1.0, 1.0, 0.0], "all_success": [1.0] * 4}
 AGES_H = (0, 2)
+WITH_MU = (True, False)  # rows with behaviour logprobs, or without (logprobs_mode 'none')
 
 
 def grid_groups():
     """One group per cell of the grid, each on a prompt of its own."""
     now = datetime.now(timezone.utc)
-    cells = itertools.product(MODELS, STEPS, OUTCOMES, AGES_H)
-    return [make_group(i, model, step=step, rewards=OUTCOMES[outcome], created_at=now - timedelta(hours=age))
-            for i, (model, step, outcome, age) in enumerate(cells)]
+    cells = itertools.product(MODELS, STEPS, OUTCOMES, AGES_H, WITH_MU)
+    return [make_group(i, model, step=step, rewards=OUTCOMES[outcome], created_at=now - timedelta(hours=age),
+                       without_mu=not mu)
+            for i, (model, step, outcome, age, mu) in enumerate(cells)]
 
 
 def requests(prompt_ids):
-    for peer_models, informative_only, min_successes, min_policy_step, max_age_s in itertools.product(
-        (None, ["peer-a"], ["peer-a", "peer-b"]), (True, False), (0, 1, 3), (None, 3), (None, 3600.0)
+    for peer_models, informative_only, min_successes, min_policy_step, max_age_s, require_mu in itertools.product(
+        (None, ["peer-a"], ["peer-a", "peer-b"]), (True, False), (0, 1, 3), (None, 3), (None, 3600.0), (False, True)
     ):
         yield PeerLookupRequest(prompt_ids=prompt_ids, learner_model="learner", peer_models=peer_models,
                                 informative_only=informative_only, min_successes=min_successes,
-                                min_policy_step=min_policy_step, max_age_s=max_age_s)
+                                min_policy_step=min_policy_step, max_age_s=max_age_s,
+                                require_behaviour_logprobs=require_mu)
 
 
 def test_store_lookup_and_gate_apply_the_same_rule(settings):
@@ -63,7 +66,7 @@ def test_store_lookup_and_gate_apply_the_same_rule(settings):
             checked += 1
     finally:
         with_store.close()
-    assert checked == 72
+    assert checked == 144
 
 
 def test_the_rule_by_hand():
@@ -71,14 +74,19 @@ def test_the_rule_by_hand():
     now = now_us()
     any_prompt = [prompt_id(problem_text(0))]
     accepted = [g for g in groups if PeerLookupRequest(prompt_ids=any_prompt, learner_model="learner").accepts_group(g, now)]
-    # the defaults: informative groups (1, 2 or 3 successes of 4) of any other model, any step, any age
-    assert len(accepted) == 2 * 3 * 3 * 2 and {g.model_id for g in accepted} == {"peer-a", "peer-b"}
+    # the defaults: informative groups (1, 2 or 3 successes of 4) of any other model, any step, any age, with mu or not
+    assert len(accepted) == 2 * 3 * 3 * 2 * 2 and {g.model_id for g in accepted} == {"peer-a", "peer-b"}
     assert all(g.informative for g in accepted)
+    require_mu = PeerLookupRequest(prompt_ids=any_prompt, learner_model="learner", require_behaviour_logprobs=True)
+    with_mu = [g for g in accepted if g.has_behaviour_logprobs]
+    assert [g for g in accepted if require_mu.accepts_group(g, now)] == with_mu
+    assert len([g for g in accepted if g.has_behaviour_logprobs]) == 2 * 3 * 3 * 2
     union = PeerLookupRequest(prompt_ids=any_prompt, learner_model="learner", informative_only=False, min_policy_step=3,
                               max_age_s=3600.0, peer_models=["peer-b"])
     accepted = [g for g in groups if union.accepts_group(g, now)]
     # graft.union_all_success's request: groups of peer-b with a success, from step 3 on, made within the hour
-    assert sorted(g.successes for g in accepted) == [1, 1, 2, 2, 3, 3, 4, 4] and {g.policy_step for g in accepted} == {3, 5}
+    assert sorted(g.successes for g in accepted) == [1] * 4 + [2] * 4 + [3] * 4 + [4] * 4
+    assert {g.policy_step for g in accepted} == {3, 5}
     with pytest.raises(ValidationError, match="peer_models"):  # an empty list of peers would admit none: refused
         PeerLookupRequest(prompt_ids=any_prompt, learner_model="learner", peer_models=[])
 
@@ -107,4 +115,4 @@ def test_store_stats_count_the_informative_groups_the_lookup_accepts(settings):
     finally:
         index.close()
     assert counted == {model: sum(g.informative for g in groups if g.model_id == model) for model in MODELS} == {
-        model: 3 * 3 * 2 for model in MODELS}
+        model: 3 * 3 * 2 * 2 for model in MODELS}

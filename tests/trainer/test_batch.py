@@ -24,6 +24,7 @@ from graft.trainer.retokenize import drop_counts, projection_counts
 from graft.trainer.config import TrainConfig
 from graft.trainer.gate import GateDecision
 from graft.trainer.learner import Learner
+from graft.trainer.metrics import StepOutcome
 from toy.world import build_group
 
 PROBLEMS = [Problem.from_text("12+7=", "19", "toy_add"), Problem.from_text("3+4=", "7", "toy_add")]
@@ -277,3 +278,50 @@ def test_a_chat_learner_ends_grafted_and_anchor_rows_with_its_end_of_turn(tmp_pa
     assert [row.completion_ids[-1] for row in rows] == [im_end, im_end]
     anchor = anchor_batch(cfg, learner, [("12+7=", "\\boxed{19}")], random.Random(0))
     assert anchor[0].completion_ids[-1] == im_end
+
+
+def without_mu(group: RolloutGroup) -> RolloutGroup:
+    """The same group as a source without behaviour logprobs stores it (logprobs_mode 'none', GRAFT_SPEC section 11)."""
+    no_mu = {"logprobs_mode": "none", "token_logprobs": [], "logprob_sum": 0.0}
+    return RolloutGroup(rollouts=[r.model_copy(update=no_mu) for r in group.rollouts])
+
+
+def test_a_peer_group_without_mu_grafts_with_b_and_w_one_and_is_counted(char_model, char_tokenizer, bpe_model,
+                                                                         bpe_tokenizer):
+    """GRAFT_SPEC section 11: no mu, so b = 1 and w = 1 (w needs l_peer): c = peer_loss_scale on every token, exactly,
+    under tis as under none; log rho is not computed for such rows; the rows are counted apart."""
+    problem, peer, learner, _ = grafting(char_model, char_tokenizer, bpe_model, bpe_tokenizer)
+    text_only = without_mu(peer)
+    own = build_group(problem, ["1", "2", "3", "4"], [0.0] * 4, char_tokenizer, char_model, model_id="learner",
+                      tokenizer_id="tok-char")
+    for token_is in ("tis", "none"):
+        cfg = config(token_is=token_is, peer_loss_scale=3.0)
+        # no peer tokenizer needed: there is nothing to project
+        step_rows = build_rows(cfg, learner, [GateDecision(problem.prompt_id, "all_fail", "graft", text_only)], [own],
+                               {problem.prompt_id: problem}, {})
+        assert step_rows.projections["none"] == 4 and sum(step_rows.drops.values()) == 0
+        with_mu_rows = build_rows(cfg, learner, [GateDecision(problem.prompt_id, "all_fail", "graft", peer)], [own],
+                                  {problem.prompt_id: problem}, {"tok-bpe": bpe_tokenizer}).rows
+        rows = step_rows.rows
+        assert [r.completion_ids for r in rows] == [r.completion_ids for r in with_mu_rows]  # the same learner tokens
+        assert all(r.grafted and r.without_mu and r.behaviour_logprobs is None for r in rows)
+        assert all(math.isnan(r.peer_logprob_sum) for r in rows)  # never the stored 0.0 taken for an l_peer
+        weighted = old_logprobs_and_weights(cfg, learner, None, rows)
+        assert weighted.dropped_non_finite == 0 and len(weighted.rows) == 4
+        for row in weighted.rows:
+            assert row.compat_weight == 1.0
+            assert row.token_weight.tolist() == [3.0] * len(row.completion_ids)  # b = 1, w = 1, exactly
+        stats = weighted.stats
+        assert stats.compat_weight_mean == 1.0
+        assert math.isnan(stats.log_rho_p50) and math.isnan(stats.behaviour_ratio_p50)
+        # the step's count (graft-train's metric peer_rollouts_without_mu; TRL and verl count the same rows)
+        outcome = StepOutcome(sampled=None, peers=None, decisions=[], rows=step_rows, weighted=weighted, update=None)
+        assert outcome.peer_rollouts_without_mu == 4 == outcome.peer_rollouts_consumed
+    # a row with mu keeps its weights beside one without (the statistics over the rows with mu only)
+    cfg = config(peer_loss_scale=1.0)
+    mixed_rows = build_rows(cfg, learner, [GateDecision(problem.prompt_id, "all_fail", "graft", peer)], [own],
+                            {problem.prompt_id: problem}, {"tok-bpe": bpe_tokenizer}).rows[:2] + rows[2:]
+    weighted = old_logprobs_and_weights(cfg, learner, None, mixed_rows)
+    assert [r.without_mu for r in weighted.rows] == [False, False, True, True]
+    assert any(t != 1.0 for t in weighted.rows[0].token_weight.tolist())
+    assert weighted.grafted.log_rho.numel() == 2 and not math.isnan(weighted.stats.log_rho_p50)

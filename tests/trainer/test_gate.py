@@ -92,6 +92,22 @@ def test_peer_groups_in_a_tokenizer_the_learner_lacks_are_refused():
     assert [(d.action, d.peer_group) for d in decisions] == [("skip_no_peer_tokenizer", unknown_newer)]
 
 
+def test_a_group_without_mu_needs_no_peer_tokenizer_and_is_left_out_when_the_rule_requires_mu():
+    p = PROBLEMS[0]
+    with_mu = group(p, [1.0, 0.0], policy_step=2, tokenizer_id="tok-peer")
+    text_only = RolloutGroup(rollouts=[
+        r.model_copy(update={"logprobs_mode": "none", "token_logprobs": [], "logprob_sum": 0.0})
+        for r in group(p, [0.0, 1.0], policy_step=5, model_id="traces", tokenizer_id="tok-unknown").rollouts])
+    usable = {"tok-learner", "tok-peer"}
+    # nothing of it is projected, so a tokenizer the learner lacks does not refuse it; the newest wins as ever
+    assert choose_peer_group([with_mu, text_only], rule(), usable) == (text_only, "graft")
+    require_mu = rule().model_copy(update={"require_behaviour_logprobs": True})
+    assert choose_peer_group([with_mu, text_only], require_mu, usable) == (with_mu, "graft")
+    assert choose_peer_group([text_only], require_mu, usable) == (None, "skip_no_peer")
+    now = 0
+    assert rule().accepts_group(text_only, now) and not require_mu.accepts_group(text_only, now)
+
+
 def test_gate_groups_and_the_grafted_fraction_cap():
     rewards = {
         PROBLEMS[0].prompt_id: [0.0, 0.0],  # all fail, peer informative -> graft

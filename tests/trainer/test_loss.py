@@ -206,3 +206,17 @@ def test_shape_errors_are_reported():
     batch, _ = make_batch([2, 2], [0.0, 0.0])
     with pytest.raises(ValueError, match="advantages has shape"):
         LossBatch(batch.logprobs, batch.old_logprobs, torch.zeros(3), batch.mask, batch.token_weight, batch.is_grafted)
+
+
+def test_clip_fraction_of_grafted_tokens_without_mu_is_logged_apart():
+    # rows: on-policy, grafted with mu, grafted without mu (GRAFT_SPEC section 11); ratios e^0.5 > 1 + eps_high clip
+    # on positive advantages, e^0 does not
+    log_ratio = [[0.5, 0.0], [0.0, 0.0], [0.5, 0.5]]
+    batch, logprobs = make_batch([2, 2, 2], [1.0, 1.0, 1.0], grafted=[False, True, True], log_ratio=log_ratio)
+    batch.without_mu = torch.tensor([False, False, True])
+    _, _, metrics = loss_and_grad(batch, logprobs)
+    assert metrics["clip_frac_onpolicy"] == 0.5 and metrics["clip_frac_grafted"] == 0.5
+    assert metrics["clip_frac_grafted_without_mu"] == 1.0 and metrics["tokens_grafted_without_mu"] == 2
+    with pytest.raises(ValueError, match="without_mu"):
+        LossBatch(batch.logprobs, batch.old_logprobs, batch.advantages, batch.mask, batch.token_weight,
+                  batch.is_grafted, without_mu=torch.tensor([True]))

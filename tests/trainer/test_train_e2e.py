@@ -424,3 +424,28 @@ def test_a_bfloat16_sampler_copy_samples_the_updated_policy(toy_world, store, tm
     assert [m["step"] for m in metrics] == [1, 2] and all("weight_sync_s" in m and m["frac_grafted"] > 0 for m in metrics)
     with pytest.raises(ValueError, match="hf_sampler_copy"):
         make_config(toy_world, tmp_path / "f32", store.url, **{"rollout.hf_sampler_copy": True})  # float32: nothing to copy
+
+
+def test_peer_groups_without_mu_graft_with_b_and_w_one_and_are_counted(toy_world, text_only_store_root, tmp_path):
+    """The toy peer's groups stored as a text-only source stores them (logprobs_mode 'none'): graft-train grafts them
+    with c = 1 (b = 1, w = 1), counts them (peer_rollouts_without_mu, projection_none, their clip fraction apart) and
+    moves the weights; with graft.require_behaviour_logprobs the store leaves them out and says why."""
+    root = shutil.copytree(text_only_store_root, tmp_path / "store",
+                           ignore=shutil.ignore_patterns("index.duckdb*", "logs"))
+    with StoreServer(root) as server:
+        run_dir = train(make_config(toy_world, tmp_path / "run", server.url, steps=2))
+        refused_dir = train(make_config(toy_world, tmp_path / "mu-only", server.url, steps=1,
+                                        **{"graft.require_behaviour_logprobs": True}))
+    metrics = read_metrics(run_dir)
+    for m in metrics:
+        assert m["frac_grafted"] > 0 and m["peer_rollouts_consumed"] > 0
+        assert m["peer_rollouts_without_mu"] == m["peer_rollouts_consumed"] == m["projection_none"]
+        # NaN (written as null): no row had a log rho or a b
+        assert m["compat_weight_mean"] == 1.0 and m["log_rho_p50"] is None and m["behaviour_ratio_p50"] is None
+        assert 0 <= m["clip_frac_grafted_without_mu"] <= 1 and m["clip_frac_grafted_without_mu"] == pytest.approx(
+            m["clip_frac_grafted"])  # every grafted token is one without mu
+    before, after = weights(toy_world.learner_dir), weights(run_dir / "checkpoints" / "step_000002")
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    refused = read_metrics(refused_dir)[0]
+    all_fail = round(refused["frac_all_fail"] * 8)
+    assert all_fail > 0 and refused["frac_grafted"] == 0 and refused["groups_no_peer_only_without_mu"] == all_fail

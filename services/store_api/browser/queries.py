@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from graft.schemas import MAX_LOOKUP_PROMPTS, PROBLEM_ARROW_SCHEMA, PeerLookupRequest
+from graft.schemas import MAX_LOOKUP_PROMPTS, NO_LOGPROBS, PROBLEM_ARROW_SCHEMA, PeerLookupRequest
 from graft.schemas.browse import (
     DatasetsResponse,
     DatasetSummary,
@@ -257,13 +257,17 @@ class Browse:
         table, _ = self.index.read_selected(lambda: (self.index.select_group(group_id), None))
         if table.num_rows == 0:
             return None
-        rows = table.select(["rollout_id", "tokenizer_id", "completion_token_ids"]).to_pylist()
+        rows = table.select(["rollout_id", "tokenizer_id", "completion_token_ids", "logprobs_mode"]).to_pylist()
         if rollout_id is not None:
             rows = [r for r in rows if r["rollout_id"] == rollout_id]
             if not rows:
                 return None
         tokenizer_id = rows[0]["tokenizer_id"]
         tokenizer, note = self.tokenizers.find(tokenizer_id)
+        with_mu = rows[0]["logprobs_mode"] != NO_LOGPROBS  # a group is all with mu or all without
+        if not with_mu:
+            note += ("; no behaviour logprobs: the rows' source gave none (logprobs_mode 'none'), so no token has a "
+                     "probability")
         rollouts = []
         for row in rows:
             pieces = special = None
@@ -271,7 +275,7 @@ class Browse:
                 pieces, special = token_pieces(tokenizer, row["completion_token_ids"])
             rollouts.append(RolloutTokens(rollout_id=row["rollout_id"], pieces=pieces, special=special))
         return GroupTokens(group_id=group_id, tokenizer_id=tokenizer_id, decoded=tokenizer is not None, note=note,
-                           rollouts=rollouts)
+                           behaviour_logprobs=with_mu, rollouts=rollouts)
 
 
 def _passes(refs: list[GroupRef], newest: int, model: str | None, outcome: Outcome | None, failed_by: str | None,

@@ -246,7 +246,9 @@ class StoreClient:
 
     def lookup_peer_table(self, req: PeerLookupRequest) -> tuple[pa.Table, list[str]]:
         """Peer groups as an Arrow table of rollout rows (fastest), and the missed prompt ids."""
-        body = req.model_dump_json(exclude_none=True).encode()
+        # the field left out at its default, so that a store older than it still answers
+        leave_out = set() if req.require_behaviour_logprobs else {"require_behaviour_logprobs"}
+        body = req.model_dump_json(exclude_none=True, exclude=leave_out).encode()
         status, data = self._attempt(f"POST {LOOKUP_PATH}",
                                      lambda: self._lookups.post(LOOKUP_PATH, body, self._lookup_headers),
                                      (OSError, http.client.HTTPException))

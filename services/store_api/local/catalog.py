@@ -30,7 +30,9 @@ log = logging.getLogger("graft.store")
 
 # 2: every shard passes validate_table at ingest, duplicates tell conflicts apart (an index of version 1 is set
 # aside and rebuilt from the files, so shards indexed under the old rules are checked again)
-INDEX_VERSION = "2"
+# 3: groups.has_mu (rows without behaviour logprobs, schema version 2). An index of version 2 gains the column in
+# place, true for every group: it indexed only rows checked under rules that required behaviour logprobs
+INDEX_VERSION = "3"
 
 SCHEMA_SQL = """
 CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR);
@@ -67,7 +69,8 @@ CREATE TABLE IF NOT EXISTS groups (
     file_id INTEGER NOT NULL,
     row_start BIGINT NOT NULL,         -- first row of the group in its file
     num_rows INTEGER NOT NULL,
-    indexed_us BIGINT NOT NULL
+    indexed_us BIGINT NOT NULL,
+    has_mu BOOLEAN NOT NULL DEFAULT true  -- its rows carry behaviour logprobs (logprobs_mode is not 'none')
 );
 CREATE TABLE IF NOT EXISTS duplicates (
     group_id VARCHAR NOT NULL, path VARCHAR NOT NULL, seen_us BIGINT NOT NULL,
@@ -127,6 +130,9 @@ class Catalog:
         version = next(iter(self._con.execute("SELECT value FROM meta WHERE key = 'index_version'").fetchall()), None)
         if version is None:
             self._con.execute("INSERT INTO meta VALUES ('index_version', ?)", [INDEX_VERSION])
+        elif version[0] == "2":  # every group it holds has mu (see INDEX_VERSION)
+            self._con.execute("ALTER TABLE groups ADD COLUMN has_mu BOOLEAN DEFAULT true")
+            self._con.execute("UPDATE meta SET value = ? WHERE key = 'index_version'", [INDEX_VERSION])
         elif version[0] != INDEX_VERSION:
             self._con.close()
             self._set_aside(f"index version {version[0]}, this store writes {INDEX_VERSION}")
@@ -164,7 +170,7 @@ class Catalog:
         """Load the mirror and the paths of the indexed files from the tables."""
         rows = self._con.execute("""
             SELECT g.group_id, g.prompt_id, g.model_id, g.policy_step, g.created_us, g.successes, g.group_size,
-                   g.seq, f.path, g.row_start, g.num_rows
+                   g.seq, f.path, g.row_start, g.num_rows, g.has_mu
             FROM groups g JOIN files f USING (file_id)""").fetchall()
         self.mirror.replace(map(GroupRef._make, rows))
         self._known_files = dict((p, i) for i, p in self._con.execute("SELECT file_id, path FROM files").fetchall())

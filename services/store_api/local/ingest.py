@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from graft.schemas import ROLLOUT_ARROW_SCHEMA, Problem
+from graft.schemas import NO_LOGPROBS, ROLLOUT_ARROW_SCHEMA, Problem
 from graft.services.store_api.local.catalog import Catalog
 from graft.services.store_api.local.compaction import IndexCompaction
 from graft.services.store_api.local.durable import TMP_DIR, TMP_PREFIX
@@ -75,6 +75,8 @@ def summarise_groups(table: pa.Table, starts: np.ndarray, lengths: np.ndarray, f
     return pa.table({
         **{name: table.column(name).take(first) for name in GROUP_SHARED_FIELDS},
         "successes": pa.array(np.add.reduceat(correct, starts).astype(np.int32)),
+        # a group is all with mu or all without: its first row says which
+        "has_mu": pc.not_equal(table.column("logprobs_mode").take(first), NO_LOGPROBS),
         "scored": pa.array(n_scored.astype(np.int32)),
         "reward_sum": pa.array(reward_sum),
         "mean_reward": pa.array(np.where(none, np.nan, reward_sum / np.maximum(n_scored, 1)), mask=none),
@@ -297,7 +299,7 @@ class IndexIngest:
                     con.execute("""
                         INSERT INTO groups SELECT group_id, seq, prompt_id, dataset, model_id, model_revision,
                             tokenizer_id, policy_step, group_size, successes, scored, reward_sum, mean_reward,
-                            min_reward, max_reward, created_us, file_id, row_start, num_rows, indexed_us
+                            min_reward, max_reward, created_us, file_id, row_start, num_rows, indexed_us, has_mu
                         FROM fresh_groups""")
                     con.unregister("fresh_groups")
                 if duplicates or conflicts:
@@ -335,7 +337,7 @@ class IndexIngest:
     def _add_to_mirror(self, fresh: pa.Table, rel: str) -> None:
         columns = [fresh.column(name).to_pylist() for name in (
             "group_id", "prompt_id", "model_id", "policy_step", "created_us", "successes", "group_size", "seq")]
-        locations = [fresh.column("row_start").to_pylist(), fresh.column("num_rows").to_pylist()]
+        locations = [fresh.column(name).to_pylist() for name in ("row_start", "num_rows", "has_mu")]
         self.catalog.mirror.add(list(map(GroupRef._make, zip(*columns, itertools.repeat(rel), *locations))))
 
     def ingest_problem_file(self, path: Path) -> int:

@@ -50,7 +50,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from graft.schemas import ROLLOUT_ARROW_SCHEMA
+from graft.schemas import NO_LOGPROBS, ROLLOUT_ARROW_SCHEMA
 from graft.services.store_api.local.durable import HAS_FADVISE, TMP_PREFIX, drop_cached_pages
 from graft.services.store_api.local.pages import (
     BULK_BUFFERS,
@@ -163,19 +163,26 @@ def _zero_based(lengths: np.ndarray) -> np.ndarray:
     return offsets
 
 
+def list_lengths(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+    """Items per row of completion_token_ids and of token_logprobs, from the small columns: num_tokens, and none of
+    the logprobs of a row without behaviour logprobs (logprobs_mode 'none')."""
+    tokens = table.column("num_tokens").to_numpy(zero_copy_only=False).astype(np.int64)  # (rows,)
+    without_mu = pc.equal(table.column("logprobs_mode"), NO_LOGPROBS).to_numpy(zero_copy_only=False)  # (rows,)
+    return tokens, np.where(without_mu, 0, tokens)
+
+
 def template_table(table: pa.Table) -> pa.Table:
-    """Rows of whole groups with their bulk values zeroed (their sizes from `num_tokens` and `num_bytes`: only the
-    small columns are read), so that each group's IPC message has the layout of the real one."""
+    """Rows of whole groups with their bulk values zeroed (sizes from `num_tokens`, `num_bytes`, `logprobs_mode`: only
+    the small columns are read), so that each group's IPC message has the layout of the real one."""
     n = table.num_rows
     text_offsets = _zero_based(table.column("num_bytes").to_numpy(zero_copy_only=False)).astype(np.int32)
-    token_offsets = _zero_based(table.column("num_tokens").to_numpy(zero_copy_only=False)).astype(np.int32)
     bulk = {"completion_text": pa.Array.from_buffers(pa.string(), n, [None, pa.py_buffer(text_offsets),
                                                                        _ZEROS.take(int(text_offsets[-1]))])}
-    for name in BULK_COLUMNS[1:]:
+    for name, counts in zip(BULK_COLUMNS[1:], list_lengths(table)):
+        offsets = _zero_based(counts).astype(np.int32)
         kind = ROLLOUT_ARROW_SCHEMA.field(name).type
-        values = pa.Array.from_buffers(kind.value_type, int(token_offsets[-1]),
-                                       [None, _ZEROS.take(4 * int(token_offsets[-1]))])
-        bulk[name] = pa.Array.from_buffers(kind, n, [None, pa.py_buffer(token_offsets)], children=[values])
+        values = pa.Array.from_buffers(kind.value_type, int(offsets[-1]), [None, _ZEROS.take(4 * int(offsets[-1]))])
+        bulk[name] = pa.Array.from_buffers(kind, n, [None, pa.py_buffer(offsets)], children=[values])
     columns = [bulk[f.name] if f.name in bulk else table.column(f.name) for f in ROLLOUT_ARROW_SCHEMA]
     return pa.Table.from_arrays(columns, schema=ROLLOUT_ARROW_SCHEMA)
 
@@ -199,14 +206,13 @@ class _PageIndex:
         exactly whole pages in each column, its first page and page count per column, and the value bytes of
         the group per column; and the page table rows (skip filled in) per column."""
         group_starts, group_ends = first_row + starts, first_row + starts + lengths
-        per_row = (chunk.column("num_bytes").to_numpy(zero_copy_only=False),
-                   4 * chunk.column("num_tokens").to_numpy(zero_copy_only=False).astype(np.int64))
-        sizes = np.stack([np.add.reduceat(per_row[0].astype(np.int64), starts) if len(starts) else starts,
-                          np.add.reduceat(per_row[1], starts) if len(starts) else starts], 1)
+        per_row = (chunk.column("num_bytes").to_numpy(zero_copy_only=False).astype(np.int64),
+                   *(4 * counts for counts in list_lengths(chunk)))  # value bytes per row of each bulk column
+        sizes = np.stack([np.add.reduceat(values, starts) if len(starts) else starts for values in per_row], 1)
         ok = np.ones(len(starts), bool)
         firsts, counts, tables = [], [], []
         for c, (rows, page_firsts, page_counts) in enumerate(self.columns):
-            values = _zero_based(per_row[min(c, 1)])  # (chunk rows + 1,) bytes of values before each row
+            values = _zero_based(per_row[c])  # (chunk rows + 1,) bytes of values before each row
             i0 = np.searchsorted(page_firsts, group_starts)
             i1 = np.searchsorted(page_firsts, group_ends)
             last = np.maximum(i1 - 1, 0)
@@ -293,7 +299,7 @@ def write_lookup_file(path: Path, chunks: Iterable[tuple[int, pa.Table]], footer
                     continue
                 for c in range(len(BULK_COLUMNS)):
                     page_rows.append(tables[c][firsts[g, c]:firsts[g, c] + counts[g, c]])
-                extra = (page_count, tuple(counts[g].tolist()), (int(sizes[g, 0]), int(sizes[g, 1]), int(sizes[g, 1])))
+                extra = (page_count, tuple(counts[g].tolist()), tuple(int(size) for size in sizes[g]))
                 page_count += int(counts[g].sum())
                 yield first_row + start, templates.slice(start, length), extra
 

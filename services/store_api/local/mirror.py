@@ -36,6 +36,7 @@ class GroupRef(NamedTuple):
     file: str  # relative to the store root
     row_start: int
     num_rows: int
+    has_mu: bool = True  # its rows carry behaviour logprobs (logprobs_mode is not 'none')
 
     def recency_key(self) -> tuple[int, int, str]:
         """Most recent first: highest policy step, then newest, then group id for a stable order."""
@@ -88,7 +89,7 @@ class GroupMirror:
             for gid, start in zip(group_ids, row_starts):
                 old = self._by_group[gid]
                 new = GroupRef(old.group_id, old.prompt_id, old.model_id, old.policy_step, old.created_us,
-                               old.successes, old.group_size, old.seq, file, start, old.num_rows)
+                               old.successes, old.group_size, old.seq, file, start, old.num_rows, old.has_mu)
                 self._by_group[gid] = new
                 refs = self._by_prompt[old.prompt_id]
                 refs[refs.index(old)] = new
@@ -116,7 +117,8 @@ class GroupMirror:
                 found = 0
                 for ref in self._by_prompt.get(prompt, ()):
                     # the one rule of which peer group may be grafted (the trainer's gate applies the same)
-                    if not req.accepts(ref.model_id, ref.policy_step, ref.successes, ref.group_size, ref.created_us, now):
+                    if not req.accepts(ref.model_id, ref.policy_step, ref.successes, ref.group_size, ref.created_us,
+                                       now, ref.has_mu):
                         continue
                     chosen.append(ref)
                     found += 1
@@ -129,14 +131,18 @@ class GroupMirror:
     def _miss_reason(self, req: PeerLookupRequest, prompt: str, now: int) -> str:
         """Why a missed prompt got nothing (`graft.schemas.api.MISS_REASONS`): nothing stored; only the learner's own
         groups; other models' groups, none from an admitted peer (peer_models, min_policy_step, max_age_s); admitted
-        peers' groups, none with an admitted outcome (all-fail or all-success when informative_only). Under the lock."""
+        peers' groups, none with behaviour logprobs when the request requires them; none with an admitted outcome
+        (all-fail or all-success when informative_only). Under the lock."""
         refs = self._by_prompt.get(prompt, ())
         if not refs:
             return "nothing_stored"
         if all(ref.model_id == req.learner_model for ref in refs):
             return "only_learner"
-        if not any(req.admits_source(ref.model_id, ref.policy_step, ref.created_us, now) for ref in refs):
+        admitted = [ref for ref in refs if req.admits_source(ref.model_id, ref.policy_step, ref.created_us, now)]
+        if not admitted:
             return "peers_not_admitted"
+        if not any(req.admits_behaviour(ref.has_mu) for ref in admitted):
+            return "only_without_mu"
         return "only_uninformative"
 
     def prompt_groups(self, prompt: str, model: str | None, limit: int) -> list[GroupRef]:

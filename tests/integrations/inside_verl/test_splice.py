@@ -23,7 +23,7 @@ from verl_world import GROUP, Planned, RecordedRollouts, graft_overrides, prompt
 
 from graft.integrations.verl.trainer import GraftPPOTrainer  # noqa: E402
 from graft.rollouts.models import tokenizer_fingerprint  # noqa: E402
-from graft.schemas import group_advantages  # noqa: E402
+from graft.schemas import RolloutGroup, group_advantages  # noqa: E402
 from graft.services.store_api.http.testing import StoreServer  # noqa: E402
 from graft.services.store_api.local.shards import write_groups  # noqa: E402
 from graft.trainer.batch import FirstPass, grafted_group_rows, old_logprobs_and_weights  # noqa: E402
@@ -429,3 +429,29 @@ def test_multi_modal_prompts_are_refused_before_generation(world, store, learner
     row["multi_modal_inputs"] = tu.NonTensorData({"pixel_values": torch.zeros(1)})
     with pytest.raises(NotImplementedError, match="multi-modal"):
         trainer.graft_row_fields(row, {}, [1, 2], None, 0.0)
+
+
+def test_peer_groups_without_mu_graft_with_c_one_and_are_counted(world, learner, transfer_queue, tmp_path):
+    """The peer's groups stored without behaviour logprobs (logprobs_mode 'none', GRAFT_SPEC section 11): verl's rows
+    get c = peer_loss_scale (b = 1, w = 1) in rollout_is_weights, zeros in the rollout_log_probs field that nothing
+    reads on grafted rows, and graft/peer_rollouts_without_mu counts them."""
+    no_mu = {"logprobs_mode": "none", "token_logprobs": [], "logprob_sum": 0.0}
+    groups = [RolloutGroup(rollouts=[r.model_copy(update=no_mu) for r in g.rollouts]) for g in world["groups"]]
+    root = tmp_path / "store"
+    write_groups(root, groups, world["problems"])
+    with StoreServer(root) as server:
+        trainer = build_trainer(world, server.url, learner)
+        batch, meta, splice, metrics = step_to_the_actor(trainer, learner, world["problems"])
+    data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
+                           select_fields=["response_mask", "rollout_is_weights", "rollout_log_probs", "extra_info"])
+    scale = trainer.graft.cfg.graft.peer_loss_scale
+    grafted = [i for i, tag in enumerate(batch.tags) if tag.get("graft") == "peer"]
+    assert len(grafted) == sum(PEER_SIZES)
+    masks, weights = data["response_mask"].unbind(), data["rollout_is_weights"].unbind()
+    behaviour = data["rollout_log_probs"].unbind()
+    for i in grafted:
+        n = int(masks[i].sum())
+        assert weights[i].tolist() == [scale] * n and behaviour[i].tolist() == [0.0] * n
+    assert metrics["graft/peer_rollouts_without_mu"] == metrics["graft/peer_rollouts_consumed"] == sum(PEER_SIZES)
+    assert metrics["graft/projection_none"] == sum(PEER_SIZES) and metrics["graft/compat_weight_mean"] == 1.0
+    tq.kv_clear(keys=batch.keys, partition_id=batch.partition_id)

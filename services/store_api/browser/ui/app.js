@@ -380,20 +380,22 @@ async function rolloutPage(match) {
   const pieces = tokens.rollouts[0].pieces;
   const special = tokens.rollouts[0].special;
   const problem = detail?.problems?.[0];
+  // logprobs_mode "none": the row's source gave no behaviour logprobs (mu unknown), so no token has a probability
+  const hasMu = rollout.logprobs_mode !== "none";
   const logprobs = rollout.token_logprobs;
-  const meanLogprob = logprobs.length ? logprobs.reduce((a, b) => a + b, 0) / logprobs.length : null;
+  const meanLogprob = hasMu && logprobs.length ? logprobs.reduce((a, b) => a + b, 0) / logprobs.length : null;
   const base = `/ui/rollout/${encodeURIComponent(groupId)}/`;
   const stream = h("div", { class: `tokens${pieces ? "" : " ids"}`, id: "tokens" },
     rollout.completion_token_ids.map((id, i) => {
-      const colour = tokenColour(logprobs[i]);
+      const colour = hasMu ? tokenColour(logprobs[i]) : { dark: false, background: "transparent" };
       const text = pieces ? (special[i] ? pieces[i] : visible(pieces[i])) : `${id}`;
       return h("span", {
         class: `tok${colour.dark ? " dark" : ""}${pieces && special[i] ? " special" : ""}${pieces && pieces[i] === "" ? " partial" : ""}`,
         style: `background-color:${colour.background}`,
-        dataset: { i, id, logprob: logprobs[i] },
+        dataset: hasMu ? { i, id, logprob: logprobs[i] } : { i, id },
       }, text);
     }));
-  const unlikely = logprobs.map((lp, i) => [lp, i]).sort((a, b) => a[0] - b[0]).slice(0, 8);
+  const unlikely = hasMu ? logprobs.map((lp, i) => [lp, i]).sort((a, b) => a[0] - b[0]).slice(0, 8) : [];
   return [
     h("div", { class: "crumbs" }, link("/ui/prompts", "Prompts"), " › ",
       link(`/ui/prompt/${rollout.prompt_id}`, h("code", {}, rollout.prompt_id)), " › ",
@@ -408,19 +410,21 @@ async function rolloutPage(match) {
     h("div", { class: "facts card", id: "facts" },
       [["reward", rollout.reward === null ? "unscored" : rollout.reward.toFixed(3)], ["advantage", signed(rollout.advantage)],
        ["finish", rollout.finish_reason], ["tokens", rollout.num_tokens], ["bytes", rollout.num_bytes],
-       ["logprob sum (no EOS)", rollout.logprob_sum.toFixed(3)], ["mean token logprob", meanLogprob === null ? "–" : meanLogprob.toFixed(3)],
+       ["logprob sum (no EOS)", hasMu ? rollout.logprob_sum.toFixed(3) : "–"], ["mean token logprob", meanLogprob === null ? "–" : meanLogprob.toFixed(3)],
        ["temperature", rollout.temperature], ["top_p", rollout.top_p], ["logprobs", rollout.logprobs_mode],
        ["created", utc(rollout.created_at)], ["tokenizer", rollout.tokenizer_id]]
         .map(([k, v]) => h("span", {}, h("small", {}, k), h("b", {}, String(v))))),
     problem ? h("details", { class: "card", open: true }, h("summary", {}, "Problem"), h("div", { class: "problem-text" }, problem.problem)) : null,
     h("section", { class: "card" },
-      h("h2", {}, "Tokens, coloured by the behaviour policy's probability"),
-      legend(),
+      h("h2", {}, hasMu ? "Tokens, coloured by the behaviour policy's probability" : "Tokens"),
+      hasMu ? legend() : h("p", { class: "warn", id: "no-mu-note" },
+        "No behaviour logprobs: this row's source gave none (logprobs mode 'none'), so no token has a probability."),
       h("p", { class: tokens.decoded ? "muted small" : "warn", id: "token-note" }, tokens.note,
-        pieces ? ". Hover a token for its text, id and probability." : ". Each box is a token id; the completion text follows."),
+        pieces ? (hasMu ? ". Hover a token for its text, id and probability." : ". Hover a token for its text and id.")
+          : ". Each box is a token id; the completion text follows."),
       stream,
       pieces ? null : h("pre", { class: "completion", id: "completion" }, rollout.completion_text)),
-    h("section", { class: "card" }, h("h2", {}, "Least likely tokens"),
+    !hasMu ? null : h("section", { class: "card" }, h("h2", {}, "Least likely tokens"),
       h("table", { class: "unlikely" },
         headRow(["position", "token", "id", "probability", "logprob"], ["position", "id", "probability", "logprob"]),
         h("tbody", {}, unlikely.map(([lp, i]) => h("tr", { onclick: () => flash(i) },
@@ -461,13 +465,14 @@ function showTip(event) {
   const node = event.target.closest?.("#tokens .tok");
   if (!node) { tip.hidden = true; return; }
   const rollout = node.closest("#tokens");
-  const lp = Number(node.dataset.logprob);
+  const lp = node.dataset.logprob === undefined ? null : Number(node.dataset.logprob);
   const hasText = !rollout.classList.contains("ids");
   const piece = hasText ? node.textContent.replace(/↵\n/g, "\n") : null;
   tip.replaceChildren(
     hasText ? h("div", {}, h("code", {}, quoteToken(piece)), node.classList.contains("partial") ? h("span", { class: "muted" }, " (part of a character the next token completes)") : null) : null,
     h("div", {}, `id ${node.dataset.id} · position ${node.dataset.i}`),
-    h("div", {}, h("b", {}, `p = ${Math.exp(lp).toFixed(4)}`), ` · logprob ${lp.toFixed(4)}`));
+    lp === null ? h("div", { class: "muted" }, "no behaviour logprob")
+      : h("div", {}, h("b", {}, `p = ${Math.exp(lp).toFixed(4)}`), ` · logprob ${lp.toFixed(4)}`));
   tip.hidden = false;
   const box = node.getBoundingClientRect();
   tip.style.left = `${Math.min(window.innerWidth - tip.offsetWidth - 8, Math.max(8, box.left))}px`;

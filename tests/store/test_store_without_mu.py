@@ -1,0 +1,187 @@
+"""Rows without behaviour logprobs (logprobs_mode 'none', GRAFT_SPEC section 11) through the real store: refused when
+malformed, stored, served whole, filtered out by require_behaviour_logprobs with a reason, shown by the browser API;
+and a shard written by schema version 1 read, validated and served unchanged."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import httpx
+import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from pydantic import ValidationError
+from store_factory import blocks_of, make_group, problem_text
+
+from graft.schemas import (
+    ARROW_MEDIA_TYPE,
+    PeerLookupRequest,
+    Rollout,
+    RolloutGroup,
+    groups_to_table,
+    prompt_id,
+    table_to_groups,
+)
+from graft.services.store_api.http.client import StoreClient
+from graft.services.store_api.http.testing import StoreServer
+from graft.services.store_api.local.lookup import lookup_path
+from graft.services.store_api.local.shards import write_groups
+from graft.services.store_api.tables import ShardValidationError, validate_table
+
+V1_STORE = Path(__file__).parent / "data" / "v1_store"  # written by the store of e5bf61a (schema version 1)
+
+
+def test_a_row_without_mu_that_holds_logprobs_or_a_group_mixing_modes_is_refused():
+    good = make_group(1, "text-peer", without_mu=True)
+    row = good.rollouts[0].model_dump()
+    with pytest.raises(ValidationError, match="logprobs_mode = 'none'.*token_logprobs has 12 entries"):
+        Rollout(**{**row, "token_logprobs": [-0.5] * 12})
+    with pytest.raises(ValidationError, match="logprob_sum = -1.0"):
+        Rollout(**{**row, "logprob_sum": -1.0})
+    with_mu = make_group(1, "text-peer")
+    mixed = [with_mu.rollouts[0], *(r.model_copy(update={"group_id": with_mu.group_id,
+                                                        "rollout_id": f"{with_mu.group_id}-{i}"})
+                                     for i, r in enumerate(good.rollouts[1:], start=1))]
+    with pytest.raises(ValidationError, match="mixes rows with logprobs_mode 'none'"):
+        RolloutGroup(rollouts=mixed)
+
+    # the store's vectorised check (every push, shard and lake commit) says the same, naming the row
+    table = groups_to_table([good])
+    assert validate_table(table).num_rows == 4
+    lists = table.column("token_logprobs").to_pylist()
+    lists[2] = [-0.5] * 12
+    bad = table.set_column(table.schema.get_field_index("token_logprobs"), "token_logprobs",
+                           pa.array(lists, pa.list_(pa.float32())))
+    with pytest.raises(ShardValidationError, match=r"row 2 .*logprobs_mode is 'none' .*token_logprobs is not empty"):
+        validate_table(bad)
+    sums = table.column("logprob_sum").to_pylist()
+    sums[1] = -3.0
+    bad = table.set_column(table.schema.get_field_index("logprob_sum"), "logprob_sum", pa.array(sums, pa.float64()))
+    with pytest.raises(ShardValidationError, match=r"row 1 .*logprob_sum is not 0.0"):
+        validate_table(bad)
+    table = groups_to_table([with_mu])
+    changes = {"logprobs_mode": ["processed", "processed", "none", "processed"],
+               "token_logprobs": [r.token_logprobs if i != 2 else [] for i, r in enumerate(with_mu.rollouts)],
+               "logprob_sum": [r.logprob_sum if i != 2 else 0.0 for i, r in enumerate(with_mu.rollouts)]}
+    for name, values in changes.items():
+        index = table.schema.get_field_index(name)
+        table = table.set_column(index, name, pa.array(values, table.schema.field(name).type))
+    with pytest.raises(ShardValidationError, match="mixes rows with logprobs_mode 'none' and rows with behaviour"):
+        validate_table(table)
+
+
+def test_groups_without_mu_are_stored_served_and_left_out_when_the_learner_asks_for_mu(tmp_path):
+    root = tmp_path / "store"
+    only_text = make_group(500, "text-peer", step=5, size=8, without_mu=True)
+    newer_text = make_group(502, "text-peer", step=5, without_mu=True)
+    older_mu = make_group(502, "peer", step=3)
+    write_groups(root, [only_text, newer_text])
+    second = write_groups(root, [older_mu])
+    lookup_path(second).unlink()  # this shard's groups are decoded whole at ingest and its lookup file rebuilt
+    ids = [prompt_id(problem_text(i)) for i in (500, 502)]
+    with StoreServer(root) as srv, StoreClient(srv.url) as client:
+        found = client.lookup_peer_groups(PeerLookupRequest(prompt_ids=ids, learner_model="learner"), validate=True)
+        assert found.groups == [only_text, newer_text] and found.misses == []  # every stored field, empty logprobs too
+        assert all(r.token_logprobs == [] and r.logprob_sum == 0.0 for g in found.groups for r in g.rollouts)
+        assert client.get_group(only_text.group_id) == only_text
+
+        body = {"prompt_ids": ids, "learner_model": "learner", "require_behaviour_logprobs": True}
+        mu_only = client.lookup_peer_groups(PeerLookupRequest(**body), validate=True)
+        as_json = httpx.post(f"{srv.url}/v1/peer-groups/lookup", json=body).json()
+        as_arrow = pa.ipc.open_stream(httpx.post(f"{srv.url}/v1/peer-groups/lookup", json=body,
+                                                 headers={"accept": ARROW_MEDIA_TYPE}).content).read_all()
+        tokens = httpx.get(f"{srv.url}/v1/groups/{only_text.group_id}/tokens").json()
+        with_mu_tokens = httpx.get(f"{srv.url}/v1/groups/{older_mu.group_id}/tokens").json()
+    assert mu_only.groups == [older_mu] and mu_only.misses == [ids[0]]
+    assert mu_only.miss_reasons == {ids[0]: "only_without_mu"} == as_json["miss_reasons"]
+    assert orjson.loads(as_arrow.schema.metadata[b"miss_reasons"]) == {ids[0]: "only_without_mu"}
+    assert [RolloutGroup.model_validate(g) for g in as_json["groups"]] == [older_mu]
+    # the browser's token view says there is nothing to colour instead of showing a probability
+    assert tokens["behaviour_logprobs"] is False and "no behaviour logprobs" in tokens["note"]
+    assert with_mu_tokens["behaviour_logprobs"] is True and "no behaviour logprobs" not in with_mu_tokens["note"]
+    # both shards' lookup files hold templates (the bulk values read from the shard's pages), the rebuilt one too
+    for shard in (root / "rollouts").rglob("*.parquet"):
+        assert (blocks_of(lookup_path(shard))[:, 5] >= 0).all(), shard
+
+
+def test_a_shard_of_schema_version_1_reads_validates_and_is_served_unchanged(tmp_path):
+    root = tmp_path / "store"
+    shutil.copytree(V1_STORE, root)
+    shard = next((root / "rollouts").rglob("*.parquet"))
+    table = pq.read_table(shard)
+    assert table.schema.metadata[b"graft_schema_version"] == b"1"
+    assert set(table.column("schema_version").to_pylist()) == {1}
+    assert validate_table(table).num_rows == 12
+    stored = set(table.column("group_id").to_pylist())
+    ids = [prompt_id(problem_text(900 + i)) for i in range(3)]
+    with StoreServer(root) as srv, StoreClient(srv.url) as client:
+        found = client.lookup_peer_groups(PeerLookupRequest(prompt_ids=ids, learner_model="learner",
+                                                            require_behaviour_logprobs=True), validate=True)
+    assert {g.group_id for g in found.groups} == stored and found.misses == []
+    assert all(r.schema_version == 1 and r.logprobs_mode == "processed" and len(r.token_logprobs) == r.num_tokens
+               for g in found.groups for r in g.rollouts)
+    served = groups_to_table(found.groups)
+    assert served.to_pylist() == table.to_pylist()  # every value as the version-1 writer stored it
+
+
+def test_compaction_and_a_rebuild_keep_groups_without_mu_whole_and_known(settings):
+    """Shards of groups with and without mu merged into one (compaction), then the index rebuilt from the files: every
+    group served as written, and the lookup still tells the two kinds apart."""
+    from graft.services.store_api.local.index import StoreIndex
+
+    groups = [make_group(600 + i, "mixed-peer", step=i, without_mu=i % 2 == 1) for i in range(6)]
+    for start in range(0, 6, 2):
+        write_groups(settings.root, groups[start:start + 2])
+    ids = [g.prompt_id for g in groups]
+    index = StoreIndex(settings).open()
+    try:
+        report = index.compact(model_id="mixed-peer", min_files=2)
+        index.delete_retired(grace_s=0)
+        assert report["files_merged"] == 3 and report["groups_moved"] == 6
+        for _ in range(2):  # after the compaction, and after a rebuild of the index from the files
+            every, _ = index.read_selected(lambda: index.select_peer_groups(
+                PeerLookupRequest(prompt_ids=ids, learner_model="learner")))
+            with_mu, misses = index.read_selected(lambda: index.select_peer_groups(
+                PeerLookupRequest(prompt_ids=ids, learner_model="learner", require_behaviour_logprobs=True)))
+            assert sorted(g.group_id for g in table_to_groups(every)) == sorted(g.group_id for g in groups)
+            assert {g.group_id: g for g in table_to_groups(every)} == {g.group_id: g for g in groups}
+            assert {g.group_id for g in table_to_groups(with_mu)} == {g.group_id for g in groups[0::2]}
+            assert set(misses) == {g.prompt_id for g in groups[1::2]}
+            assert index.rebuild() == 6
+    finally:
+        index.close()
+
+
+def test_an_index_of_version_2_gains_has_mu_in_place_instead_of_a_rebuild(tmp_path):
+    """An index written before groups.has_mu (version 2: it indexed only rows with mu) is kept, the column added as
+    true for every group; nothing is set aside and rebuilt from the files."""
+    import duckdb
+
+    from graft.services.store_api.local.index import StoreIndex
+    from graft.services.store_api.settings import StoreSettings
+
+    root = tmp_path / "store"
+    shutil.copytree(V1_STORE, root)
+    settings = StoreSettings(root=root, compact_interval_s=0)
+    StoreIndex(settings).open().close()
+    with duckdb.connect(str(root / "index.duckdb")) as con:  # the index as version 2 had it
+        con.execute("ALTER TABLE groups DROP COLUMN has_mu")
+        con.execute("UPDATE meta SET value = '2' WHERE key = 'index_version'")
+    index = StoreIndex(settings).open()
+    try:
+        ids = [prompt_id(problem_text(900 + i)) for i in range(3)]
+        refs, misses = index.select_peer_groups(PeerLookupRequest(prompt_ids=ids, learner_model="learner",
+                                                                  require_behaviour_logprobs=True))
+        assert len(refs) == 3 and misses == {} and all(ref.has_mu for ref in refs)
+        version = index.catalog.cursor().execute("SELECT value FROM meta WHERE key = 'index_version'").fetchone()
+        assert version == ("3",)
+        write_groups(root, [make_group(910, "text-peer", without_mu=True)])  # new groups index with their own value
+        assert index.ingest_new() == 1
+        refs, misses = index.select_peer_groups(PeerLookupRequest(prompt_ids=[prompt_id(problem_text(910))],
+                                                                  learner_model="learner"))
+        assert [ref.has_mu for ref in refs] == [False]
+    finally:
+        index.close()
+    assert not list(root.glob("index.duckdb.broken-*"))
