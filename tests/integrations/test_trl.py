@@ -310,7 +310,6 @@ def test_graft_config_defaults_to_graft_trains_clip_and_takes_trls_when_asked(tm
     assert (trls.eps_high, trls.dual_clip_c) == (0.2, None)
 
 
-
 def test_the_trl_adapter_runs_graft_trains_default_graft(tmp_path):
     """With no graft_options the TRL run grafts with graft-train's default GRAFT, field for field (verl's trainer: the
     same check in tests/integrations/inside_verl/test_config.py): a change of the default moves every trainer at once."""
