@@ -82,9 +82,18 @@ def test_beating_the_spec_needs_the_permutation_tests_p_too():
     assert not result["candidates"]["graft_b1"]["beats_spec"] and result["chosen"] == SPEC
 
 
+def _write(tmp_path, summary: dict):
+    path = tmp_path / "other" / "summary.json"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(summary))
+    return path
+
+
 def test_the_rule_refuses_runs_on_other_seeds_or_without_a_candidate(tmp_path):
-    with pytest.raises(SystemExit, match="not the dev seeds"):
+    with pytest.raises(SystemExit, match=r"not the seeds \[10, 11, 12, 13\] of this rule: run `make demo-choose`"):
         choose(_summary({m: (0.1, 0.9) for m in ["grpo", *CANDIDATES]}, [0, 1, 2, 3]))
+    with pytest.raises(SystemExit, match="make demo-confirm"):  # the confirmatory run's seeds are its own
+        main([str(_write(tmp_path, _summary({m: (0.1, 0.9) for m in ["grpo", *CANDIDATES]}, CHOOSE_SEEDS))), "--confirm"])
     with pytest.raises(SystemExit, match="no graft_b1 runs"):
         choose(_summary({m: (0.1, 0.9) for m in ["grpo", SPEC]}, CHOOSE_SEEDS))
     (tmp_path / "summary.json").write_text(json.dumps(_summary({"grpo": (0.1, 0.95), **{m: (0.1, 0.95) for m in CANDIDATES}},
@@ -92,3 +101,18 @@ def test_the_rule_refuses_runs_on_other_seeds_or_without_a_candidate(tmp_path):
     assert main([str(tmp_path / "summary.json")]) == 0
     assert json.loads((tmp_path / "recommendation.json").read_text())["chosen"] == SPEC
     assert "chosen: **graft_spec**" in (tmp_path / "RECOMMENDATION.md").read_text()
+
+
+def test_the_confirmatory_run_reads_its_own_seeds_and_two_candidates(tmp_path):
+    """make demo-confirm: its config runs the spec and b = 1 with peer negatives x0 on seeds no other run uses, and
+    demo.recommend --confirm applies the same rule to them."""
+    from demo.recommend import CONFIRM_CANDIDATES, CONFIRM_SEEDS
+
+    cfg = load_demo_config(REPO / "configs" / "demo_confirm.yaml", [], use_quick=False)
+    assert sorted(cfg.rl.methods) == sorted(CONFIRM_CANDIDATES) and cfg.rl.seeds == CONFIRM_SEEDS
+    assert not set(CONFIRM_SEEDS) & (set(CHOOSE_SEEDS) | set(load_demo_config(None, [], use_quick=False).rl.seeds))
+    for variant, chosen in (((0.40, 0.95), "graft_b1_no_peer_neg"), ((0.12, 0.95), SPEC)):
+        path = _write(tmp_path, _summary({"grpo": (0.10, 0.95), SPEC: (0.12, 0.95), "graft_b1_no_peer_neg": variant},
+                                         CONFIRM_SEEDS))
+        assert main([str(path), "--confirm"]) == 0
+        assert json.loads(path.with_name("recommendation.json").read_text())["chosen"] == chosen
