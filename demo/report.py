@@ -265,7 +265,7 @@ def verdict_lines(summary: dict) -> list[str]:
              "|---|---|---|---|---|---|---|"]
     for mode, c in summary["comparisons"].items():
         if "same_as" in c:
-            lines.append(f"| {label(mode)} | = {label(c['same_as'])} (the same runs: the default is the spec's) | | | | | |")
+            lines.append(f"| {label(mode)} | = {label(c['same_as'])} (the same runs: the same trainer settings) | | | | | |")
             continue
         weak_i, strong_i = Interval(**c["weak"]), Interval(**c["strong"])
         lines.append(f"| {label(mode)} | {weak_i.pairs} | {pct(weak_i)} | {weak_i.p_value:.3f} | {pct(strong_i)} | "

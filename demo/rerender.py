@@ -47,8 +47,9 @@ def rerender(report_dir: Path) -> dict:
     summary["rule"] = report.VERDICT_RULE
     committed = report.write_summary(report_dir, summary)
     write_text_atomic(report_dir / "REPORT.md", report.markdown(committed, cfg))
-    if (report_dir / "recommendation.json").exists():
-        recommend.main([str(report_dir / "summary.json")])
+    if (report_dir / "recommendation.json").exists():  # the choose run's, or the confirmatory run's (its own seeds)
+        seeds = sorted({run["seed"] for run in summary["runs"]})
+        recommend.main([str(report_dir / "summary.json")] + (["--confirm"] if seeds == recommend.CONFIRM_SEEDS else []))
     return committed
 
 

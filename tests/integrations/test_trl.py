@@ -196,7 +196,7 @@ def test_two_processes_take_the_same_decisions_and_update_as_one(toy_world, stor
     problems = [p for p in toy_world.peer_problems if len(p.problem) == 6]
     assert len(problems) >= 6
     common = {"max_steps": 2, "optim": "sgd", "learning_rate": 1.0, "generation_kwargs": {"do_sample": False},
-              "graft_options": {"max_grafted_fraction": 1.0}}
+              "graft_options": {"max_grafted_fraction": 1.0, "token_is": "tis", "peer_negative_scale": 1.0}}
     results = {}
     for nproc, per_device in ((1, 24), (2, 12)):
         out = tmp_path / f"nproc{nproc}"
@@ -315,7 +315,7 @@ def test_the_trl_adapter_runs_graft_trains_default_graft(tmp_path):
     same check in tests/integrations/inside_verl/test_config.py): a change of the default moves every trainer at once."""
     from graft.trainer.config import GraftConfig as GraftOptions
 
-    graft = make_args(tmp_path, "http://127.0.0.1:8600", None).train_config("/models/learner").graft
+    graft = make_args(tmp_path, "http://127.0.0.1:8600", None, graft_options=None).train_config("/models/learner").graft
     mine = {"peer_tokenizers"}  # the run's own (an empty list or map: none)
     assert graft.model_dump(exclude=mine) == GraftOptions().model_dump(exclude=mine)
 

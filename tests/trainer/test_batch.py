@@ -42,6 +42,8 @@ def forced(model, tokenizer, prompt: str, completion_ids: list[int]) -> list[flo
 
 
 def config(**graft):
+    """These cases are GRAFT_SPEC's formulas (b, peer negatives) unless they say otherwise."""
+    graft = {"token_is": "tis", "peer_negative_scale": 1.0, **graft}
     return TrainConfig(model={"path": "unused"}, data={"dataset": "unused", "prompt_template": "raw"}, store={"url": "http://x"},
                        rollout={"max_response_tokens": 32}, graft=graft)
 

@@ -10,16 +10,18 @@ from typer.testing import CliRunner
 
 from graft.schemas.overrides import apply_overrides, describe_fields
 from graft.trainer.cli import app
-from graft.trainer.config import TrainConfig, load_config
+from graft.trainer.config import GRAFT_PRESETS, TrainConfig, load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
-def test_defaults_follow_the_spec():
+def test_defaults_follow_the_spec_but_b_and_peer_negatives():
+    """GRAFT_SPEC's defaults, but b = 1 and peer negatives x0: the confirmatory run's choice (docs/demo.md)."""
     cfg = TrainConfig(model={"path": "m"}, data={"dataset": "d"}, store={"url": "http://x"})
     assert (cfg.ppo.eps_low, cfg.ppo.eps_high, cfg.ppo.dual_clip_c) == (0.2, 0.28, 3.0)
     assert cfg.graft.is_cap == 2.0 and cfg.graft.kappa == 1.0 and cfg.graft.log_rho_min is None
-    assert cfg.graft.token_is == "tis" and cfg.graft.peer_negative_scale == 1.0
+    assert cfg.graft.token_is == "none" and cfg.graft.peer_negative_scale == 0.0 and cfg.graft.preset is None
+    assert {name: getattr(cfg.graft, name) for name in GRAFT_PRESETS["b1_no_peer_neg"]} == GRAFT_PRESETS["b1_no_peer_neg"]
     assert not cfg.graft.union_all_success and not cfg.graft.group_normalized_weight and not cfg.graft.kl_on_peer
     assert cfg.graft.max_grafted_fraction == 0.5 and cfg.ppo.kl_beta == 0.0 and cfg.ppo.loss_agg == "token-mean"
     assert (cfg.rollout.group_size, cfg.rollout.prompts_per_step, cfg.optim.mini_batch_prompts) == (8, 128, 64)

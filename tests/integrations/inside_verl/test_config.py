@@ -41,7 +41,7 @@ def config(*extra: str):
     (["actor_rollout_ref.rollout.n=1"], "rollout.n=1"),
     (["actor_rollout_ref.rollout.enable_rollout_routing_replay=true"], "routing_replay"),
     (["skip.rollout_tq.enable=true"], "rollout_tq"),
-    (["+graft.options.token_is=luffy"], "luffy"),
+    (["graft.options.token_is=luffy"], "luffy"),  # the tests' settings name token_is already (verl_world)
     (["+graft.options.union_all_success=true"], "union_all_success"),
     (["+graft.store_options.mode=cotrain"], "co-training"),
     (["+graft.options.kapa=1.0"], "kapa"),  # graft-train's own validation: a typo fails
