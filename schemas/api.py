@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 from datetime import datetime, timedelta, timezone
-from typing import Annotated
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 from graft.schemas.rollout import INT32_MAX, INT64_MAX, PROMPT_ID_PATTERN, Problem, Rollout, RolloutGroup
 
@@ -14,8 +14,12 @@ LOOKUP_PATH = "/v1/peer-groups/lookup"  # the trainer's hot call: the client's a
 MAX_LOOKUP_PROMPTS = 1024
 MAX_PAGE_SIZE = 1000
 MAX_PUSH_GROUPS = 512
+MAX_WANTS = 1024  # wants or ledger entries in one POST /v1/wanted or /v1/served
+WANTED_PATH = "/v1/wanted"
+SERVED_PATH = "/v1/served"
 
 PromptId = Annotated[str, Field(pattern=PROMPT_ID_PATTERN, description="prompt_id(problem text)")]
+ServeOrder = Literal["freshest", "most_successes", "least_served"]
 EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 
@@ -42,6 +46,14 @@ class PeerLookupRequest(BaseModel):
     require_behaviour_logprobs: StrictBool = Field(
         default=False,
         description="only groups whose rows carry behaviour logprobs (mu): none with logprobs_mode 'none'")
+    max_times_served: int | None = Field(
+        default=None, ge=1, le=INT32_MAX,
+        description="serving policy: skip groups the store's served ledger (POST /v1/served) holds this many times for "
+                    "learner_model already; null: no cap. 0 would serve nothing and is refused")
+    order: ServeOrder = Field(
+        default="freshest",
+        description="which accepted groups come first: freshest (highest policy step, then newest: the default), "
+                    "most_successes (then freshest), least_served (fewest ledger entries for learner_model, then freshest)")
 
     def admits_source(self, model_id: str, policy_step: int, created_us: int, now_us: int) -> bool:
         """Who sampled the group and when: another model (one of peer_models when given), from a recent enough
@@ -105,6 +117,7 @@ MISS_REASONS = {
     "only_without_mu": "admitted peers' groups are stored, none with behaviour logprobs (require_behaviour_logprobs)",
     "only_uninformative": "admitted peers' groups are stored, none with an outcome the request admits (all-fail, or "
                           "all-success under informative_only, or fewer than min_successes)",
+    "served_out": "groups the request accepts are stored, each served to the learner max_times_served times already",
 }
 
 
@@ -164,6 +177,92 @@ class LakeStats(BaseModel):
                                                                              "read (retried); their groups are missing here")
 
 
+class Want(BaseModel):
+    """One prompt a learner missed: the generators' work (POST /v1/wanted)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt_id: PromptId
+    reason: str = Field(default="nothing_stored", description="why the learner's lookup missed it: one of MISS_REASONS")
+    problem: Problem | None = Field(
+        default=None, description="the problem, so that a generator can sample it; required the first time the store "
+                                  "hears of the prompt (its prompt_id must be prompt_id(problem))")
+
+    @model_validator(mode="after")
+    def _known_reason_and_problem(self) -> Want:
+        if self.reason not in MISS_REASONS:
+            raise ValueError(f"reason {self.reason!r} is none of {', '.join(MISS_REASONS)}")
+        if self.problem is not None and self.problem.prompt_id != self.prompt_id:
+            raise ValueError(f"the problem's prompt_id is {self.problem.prompt_id}, not {self.prompt_id}: send the "
+                             "problem whose text hashes to the wanted id")
+        return self
+
+
+class WantedRequest(BaseModel):
+    """A learner's misses, to become the generators' work."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    learner_model: str = Field(min_length=1, description="the learner that missed them (groups of its own never clear a want)")
+    policy_step: int = Field(ge=0, le=INT64_MAX, description="the learner's policy step at the miss")
+    wants: list[Want] = Field(min_length=1, max_length=MAX_WANTS)
+
+
+class WantedResponse(BaseModel):
+    recorded: int = Field(description="wants recorded (new or seen again)")
+    backlog: int = Field(description="prompts wanted now, all learners")
+
+
+class WantedPrompt(BaseModel):
+    """A wanted prompt, as a generator sees it (GET /v1/wanted)."""
+
+    prompt_id: str
+    dataset: str
+    problem: str = Field(description="the problem text to sample")
+    answer: str = Field(description="its gold answer, to score with")
+    learners: list[str] = Field(description="the learners that want it (its wanted-by count is their number)")
+    reasons: list[str] = Field(description="why their lookups missed it, one per learner")
+    first_wanted_at: datetime = Field(description="when the first of them first missed it")
+    last_wanted_at: datetime = Field(description="when one of them last missed it")
+    misses: int = Field(description="lookups that missed it, all learners together")
+
+
+class WantedList(BaseModel):
+    prompts: list[WantedPrompt]
+    backlog: int = Field(description="prompts wanted now by a learner other than the asking model")
+
+
+class ServedRequest(BaseModel):
+    """Ledger entries: the groups a learner grafted at a step (the serving policy of later lookups reads them)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    learner_model: str = Field(min_length=1)
+    policy_step: int = Field(ge=0, le=INT64_MAX, description="the learner's policy step that grafted them")
+    group_ids: list[str] = Field(min_length=1, max_length=MAX_WANTS, description="groups of this store")
+
+
+class ServedResponse(BaseModel):
+    recorded: int = Field(description="ledger entries added")
+
+
+class BrokerStats(BaseModel):
+    """Wanted prompts and the served ledger (`graft-store stats`, /v1/stats, the browser)."""
+
+    backlog_prompts: int = Field(description="prompts wanted now")
+    backlog_wants: int = Field(description="(prompt, learner) wants open now")
+    wants_recorded: int = Field(description="wants ever recorded (a want seen again counts once)")
+    wants_cleared: int = Field(description="wants an informative group from another model cleared")
+    wants_evicted: int = Field(description="wants dropped, oldest first, to keep at most max_wanted open")
+    want_to_group_s_p50: float | None = Field(description="median seconds from a want to the group that cleared it (recent wants)")
+    want_to_group_s_p90: float | None
+    within_steps: int = Field(description="N of served_within_steps_share")
+    served_within_steps_share: float | None = Field(
+        description="of the recent wants the learner has had N steps to see served: the share cleared within N of its steps")
+    ledger_entries: int = Field(description="served ledger entries, all learners")
+    ledger_groups: int = Field(description="distinct groups in the ledger")
+
+
 class StatsResponse(BaseModel):
     models: list[ModelStats]
     files: int
@@ -177,6 +276,7 @@ class StatsResponse(BaseModel):
                                "the other skipped and logged as an error")
     backend: str = Field(default="local", description="'local' (shards on this disk) or 'lake' (a replica of a DuckLake)")
     lake: LakeStats | None = Field(default=None, description="the lake this replica follows (backend 'lake')")
+    broker: BrokerStats | None = Field(default=None, description="wanted prompts and the served ledger")
 
 
 class HealthResponse(BaseModel):

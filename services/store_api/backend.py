@@ -9,6 +9,7 @@ from typing import Protocol
 import pyarrow as pa
 
 from graft.schemas import Problem, StatsResponse
+from graft.services.store_api.broker import Broker, root_broker
 from graft.services.store_api.local import StoreIndex
 from graft.services.store_api.settings import StoreSettings
 
@@ -16,6 +17,7 @@ from graft.services.store_api.settings import StoreSettings
 class Store(Protocol):
     settings: StoreSettings
     index: StoreIndex  # what lookups, rollout pages, the browser and maintenance run on
+    broker: Broker  # wanted prompts and the served ledger
 
     def open(self) -> Store: ...
     def close(self) -> None: ...
@@ -31,25 +33,30 @@ class LocalStore:
     def __init__(self, settings: StoreSettings):
         self.settings = settings
         self.index = StoreIndex(settings)
+        self.broker = root_broker(settings)
 
     def open(self) -> LocalStore:
         self.index.open()
+        self.broker.open(self.index)
         return self
 
     def close(self) -> None:
+        self.broker.close()
         self.index.close()
 
     def rebuild(self) -> int:
         return self.index.rebuild()
 
     def poll(self) -> int:
-        return self.index.ingest_new()
+        added = self.index.ingest_new()
+        self.broker.clear_landed(self.index)
+        return added
 
     def push(self, table: pa.Table, problems: list[Problem]) -> tuple[int, list[str], str | None]:
         return self.index.push(table, problems)
 
     def stats(self) -> StatsResponse:
-        return self.index.stats()
+        return self.index.stats().model_copy(update={"broker": self.broker.stats()})
 
 
 def store_backend(settings: StoreSettings) -> Store:

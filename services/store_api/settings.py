@@ -56,6 +56,10 @@ class StoreSettings(BaseSettings):
     tokenizers: list[Path] = Field(default_factory=list, description="model paths (HF or tokenizer directories, GGUF) "
                                    "whose tokenizers the browser decodes token ids with, matched by fingerprint to "
                                    "each row's tokenizer_id")
+    max_wanted: int = Field(default=100_000, ge=1, description="wanted prompts kept open, (prompt, learner) pairs; past "
+                            "it the least recently missed is dropped (counted as evicted)")
+    wanted_within_steps: int = Field(default=10, ge=1, description="N of the broker's metric: the share of wants "
+                                     "cleared within N of the learner's steps")
     log_level: str = Field(default="info", description="debug, info, warning or error")
 
     @model_validator(mode="after")

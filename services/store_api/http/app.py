@@ -26,7 +26,7 @@ from graft.services.store_api.http.background import Background
 from graft.services.store_api.http.errors import ERROR_RESPONSES, StoreHTTPError, error_body, readable_errors
 from graft.services.store_api.http.metrics import StoreMetrics
 from graft.services.store_api.http.push import PushRejected
-from graft.services.store_api.http.routes import groups, meta, rollouts
+from graft.services.store_api.http.routes import broker, groups, meta, rollouts
 from graft.services.store_api.lake.config import LakeError, LakeUnavailable
 from graft.services.store_api.local import BadCursor, GroupConflict
 from graft.services.store_api.settings import StoreSettings
@@ -71,7 +71,7 @@ def create_app(settings: StoreSettings) -> FastAPI:
     app.add_middleware(BodySizeLimit, push_limit=int(settings.max_body_mb * 2**20),
                        other_limit=int(settings.max_request_kb * 2**10))
 
-    for router in (meta.router, groups.router, rollouts.router):
+    for router in (meta.router, groups.router, rollouts.router, broker.router):
         app.include_router(router)
     app.mount("/ui/static", browser.UI_FILES, name="ui-static")  # before the browser's /ui/{view:path} page route
     app.include_router(browser.router, responses=ERROR_RESPONSES)

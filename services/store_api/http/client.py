@@ -29,9 +29,16 @@ from graft.schemas import (
     PeerLookupRequest,
     PeerLookupResponse,
     Problem,
+    SERVED_PATH,
+    WANTED_PATH,
     PushGroupsResponse,
     RolloutGroup,
+    ServedRequest,
+    ServedResponse,
     StatsResponse,
+    WantedList,
+    WantedRequest,
+    WantedResponse,
     table_to_groups,
 )
 from graft.services.store_api.tables import groups_table
@@ -246,8 +253,9 @@ class StoreClient:
 
     def lookup_peer_table(self, req: PeerLookupRequest) -> tuple[pa.Table, list[str]]:
         """Peer groups as an Arrow table of rollout rows (fastest), and the missed prompt ids."""
-        # the field left out at its default, so that a store older than it still answers
+        # the fields left out at their defaults, so that a store older than them still answers
         leave_out = set() if req.require_behaviour_logprobs else {"require_behaviour_logprobs"}
+        leave_out |= set() if req.order != "freshest" else {"order"}
         body = req.model_dump_json(exclude_none=True, exclude=leave_out).encode()
         status, data = self._attempt(f"POST {LOOKUP_PATH}",
                                      lambda: self._lookups.post(LOOKUP_PATH, body, self._lookup_headers),
@@ -270,6 +278,26 @@ class StoreClient:
             for body in _push_bodies(groups, problems)
         ]
         return _merge_pushes(responses)
+
+    def post_wanted(self, req: WantedRequest) -> WantedResponse:
+        """Tell the store which prompts a learner missed (they become the generators' work)."""
+        return WantedResponse.model_validate_json(self._request(
+            "POST", WANTED_PATH, content=req.model_dump_json(exclude_none=True),
+            headers={"Content-Type": "application/json"}).content)
+
+    def wanted(self, model: str | None = None, order: str = "oldest", limit: int = 64) -> WantedList:
+        """The prompts learners other than `model` want, with their problems (a generator's work)."""
+        params = {"order": order, "limit": limit} | ({"model": model} if model else {})
+        return WantedList.model_validate_json(self._request("GET", WANTED_PATH, params=params).content)
+
+    def record_served(self, req: ServedRequest) -> ServedResponse:
+        """Ledger entries: the groups a learner grafted at a step."""
+        return ServedResponse.model_validate_json(self._request(
+            "POST", SERVED_PATH, content=req.model_dump_json(), headers={"Content-Type": "application/json"}).content)
+
+    def times_served(self, group_id: str) -> dict[str, int]:
+        """learner -> times the group was served to it."""
+        return orjson.loads(self._request("GET", f"/v1/groups/{quote(group_id, safe='')}/served").content)
 
     def get_group(self, group_id: str) -> RolloutGroup | None:
         try:

@@ -31,6 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from graft.schemas import PROBLEM_ARROW_SCHEMA, LakeStats, Problem, StatsResponse
+from graft.services.store_api.broker import root_broker
 from graft.services.store_api.lake.config import LakeConfig, LakeError, LakeUnavailable, redact
 from graft.services.store_api.lake.lake import Lake
 from graft.services.store_api.lake.reading import ROLLOUT_ROWS_SCHEMA, AddedRows, Snapshot, first_copies, next_window
@@ -62,6 +63,7 @@ class LakeReplica:
     def __init__(self, settings: StoreSettings):
         self.settings = settings
         self.index = StoreIndex(settings)  # the cache's: lookups, pages and stats are answered from it
+        self.broker = root_broker(settings)  # wanted prompts and the served ledger of this replica, beside its cache
         self.lake = Lake(LakeConfig.of_replica(settings))
         self.followed = -1  # the newest snapshot whose groups the cache holds (-1: none read)
         self.followed_time_us: int | None = None
@@ -92,6 +94,7 @@ class LakeReplica:
                 raise LakeError(self.error)
         self.index.write_manifest()  # the cache's live files, as a local store's (manifest.py)
         self.index.delete_orphan_lookup_files()
+        self.broker.open(self.index)
         return self
 
     def _load_follow_state(self) -> None:
@@ -124,14 +127,18 @@ class LakeReplica:
         return len(self.index.mirror)
 
     def close(self) -> None:
+        self.broker.close()
         self.index.close()
         self.lake.close()
 
     # ------------------------------------------------------------------ following the lake
 
     def poll(self) -> int:
-        """The ingest loop's call: follow the lake (the cache has no other writer to scan for)."""
-        return self.follow()
+        """The ingest loop's call: follow the lake (the cache has no other writer to scan for), then clear the wants
+        the new groups serve."""
+        added = self.follow()
+        self.broker.clear_landed(self.index)
+        return added
 
     def follow(self) -> int:
         """Read the snapshots newer than the cache's into the cache; return the groups added."""
@@ -312,6 +319,7 @@ class LakeReplica:
         stats = self.index.stats()
         age = None if self.followed_time_us is None else round((now_us() - self.followed_time_us) / 1e6, 3)
         stats.backend = "lake"
+        stats.broker = self.broker.stats()
         stats.lake = LakeStats(
             catalog=redact(self.lake.config.catalog), data_path=self.lake.data_path,
             snapshot_id=None if self.followed < 0 else self.followed,

@@ -5,7 +5,7 @@ What the other parts (the HTTP face, the browser, the lake, generators, benchmar
 """
 
 from graft.services.store_api.local.catalog import IndexLocked
-from graft.services.store_api.local.durable import fsync_directory
+from graft.services.store_api.local.durable import fsync_directory, publish, write_temporary
 from graft.services.store_api.local.index import StoreIndex
 from graft.services.store_api.local.ingest import summarise_groups
 from graft.services.store_api.local.lookup import arrow_stream, read_stream
@@ -35,6 +35,7 @@ __all__ = [
     "live_files",
     "model_dir",
     "now_us",
+    "publish",
     "read_stream",
     "row_group_plan",
     "summarise_groups",
@@ -42,4 +43,5 @@ __all__ = [
     "write_groups",
     "write_problems",
     "write_rollout_table",
+    "write_temporary",
 ]

@@ -24,6 +24,7 @@ lake replica (`lake/replica.py`), which uses an index of its own over its cache.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from pathlib import Path
 
 import pyarrow as pa
@@ -171,8 +172,9 @@ class StoreIndex:
 
     # ------------------------------------------------------------------ the queries'
 
-    def select_peer_groups(self, req: PeerLookupRequest) -> tuple[list[GroupRef], dict[str, str]]:
-        return self.queries.select_peer_groups(req)
+    def select_peer_groups(self, req: PeerLookupRequest,
+                           served: Mapping[str, int] | None = None) -> tuple[list[GroupRef], dict[str, str]]:
+        return self.queries.select_peer_groups(req, served)
 
     def select_prompt_groups(self, prompt: str, model: str | None, limit: int) -> list[GroupRef]:
         return self.queries.select_prompt_groups(prompt, model, limit)

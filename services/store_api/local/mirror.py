@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import bisect
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
 from graft.schemas import PeerLookupRequest
@@ -105,27 +105,39 @@ class GroupMirror:
 
     # ------------------------------------------------------------------ lookups
 
-    def peer_groups(self, req: PeerLookupRequest) -> tuple[list[GroupRef], dict[str, str]]:
-        """The groups a peer lookup returns (by prompt in request order, most recent first) and the misses, in
-        request order, each with why it missed: read in one pass under the lock, so a group ingested meanwhile
-        cannot make a miss's reason contradict the answer."""
+    def peer_groups(self, req: PeerLookupRequest,
+                    served: Mapping[str, int] | None = None) -> tuple[list[GroupRef], dict[str, str]]:
+        """The groups a peer lookup returns (by prompt in request order, in the request's order: most recent first by
+        default) and the misses, in request order, each with why it missed: read in one pass under the lock, so a
+        group ingested meanwhile cannot make a miss's reason contradict the answer. `served`: group id -> times
+        served to the learner (the broker's ledger), which req.max_times_served and order least_served read."""
         now = now_us()
         chosen: list[GroupRef] = []
         misses: dict[str, str] = {}
+        cap = req.max_times_served
+        served = served if served is not None else {}
         with self._lock:
             for prompt in dict.fromkeys(req.prompt_ids):
-                found = 0
+                found: list[GroupRef] = []
+                served_out = False
                 for ref in self._by_prompt.get(prompt, ()):
                     # the one rule of which peer group may be grafted (the trainer's gate applies the same)
                     if not req.accepts(ref.model_id, ref.policy_step, ref.successes, ref.group_size, ref.created_us,
                                        now, ref.has_mu):
                         continue
-                    chosen.append(ref)
-                    found += 1
-                    if found == req.groups_per_prompt:
-                        break
+                    if cap is not None and served.get(ref.group_id, 0) >= cap:
+                        served_out = True
+                        continue
+                    found.append(ref)
+                    if len(found) == req.groups_per_prompt and req.order == "freshest":
+                        break  # the list is freshest first: the rest cannot come before these
+                if req.order == "most_successes":  # stable: freshest first among equals
+                    found.sort(key=lambda ref: -ref.successes)
+                elif req.order == "least_served":
+                    found.sort(key=lambda ref: served.get(ref.group_id, 0))
+                chosen += found[:req.groups_per_prompt]
                 if not found:
-                    misses[prompt] = self._miss_reason(req, prompt, now)
+                    misses[prompt] = "served_out" if served_out else self._miss_reason(req, prompt, now)
         return chosen, misses
 
     def _miss_reason(self, req: PeerLookupRequest, prompt: str, now: int) -> str:

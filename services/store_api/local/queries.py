@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+from collections.abc import Mapping
 from datetime import datetime, timezone
 
 import numpy as np
@@ -54,10 +55,12 @@ class IndexQueries:
 
     # ------------------------------------------------------------------ lookups (the mirror)
 
-    def select_peer_groups(self, req: PeerLookupRequest) -> tuple[list[GroupRef], dict[str, str]]:
-        """The groups a peer lookup returns (by prompt in request order, most recent first) and the misses, each
-        with why it got nothing (prompt id -> one of graft.schemas.api.MISS_REASONS)."""
-        return self.catalog.mirror.peer_groups(req)
+    def select_peer_groups(self, req: PeerLookupRequest,
+                           served: Mapping[str, int] | None = None) -> tuple[list[GroupRef], dict[str, str]]:
+        """The groups a peer lookup returns (by prompt in request order, in the request's order) and the misses, each
+        with why it got nothing (prompt id -> one of graft.schemas.api.MISS_REASONS); `served`: the learner's ledger
+        counts (group id -> times), for req.max_times_served and order least_served."""
+        return self.catalog.mirror.peer_groups(req, served)
 
     def select_prompt_groups(self, prompt: str, model: str | None, limit: int) -> list[GroupRef]:
         return self.catalog.mirror.prompt_groups(prompt, model, limit)

@@ -54,7 +54,8 @@ class PromptGroupsResponse(BaseModel):
 def read_lookup(store: Store, metrics: StoreMetrics, req: PeerLookupRequest) -> tuple[list[bytes], dict[str, Any]]:
     """The lookup's group messages and its answer's other fields: misses, and why each missed."""
     index = store.index
-    messages, misses = index.read_selected(lambda: index.select_peer_groups(req), as_messages=True)
+    served = store.broker.served_counts(req.learner_model) if store.broker.needs_ledger(req) else None
+    messages, misses = index.read_selected(lambda: index.select_peer_groups(req, served), as_messages=True)
     metrics.lookups.inc()
     metrics.lookup_misses.inc(len(misses))
     return messages, {"misses": list(misses), "miss_reasons": misses}

@@ -1,0 +1,70 @@
+"""The store as a broker: learners' misses in (POST /v1/wanted), generators' work out (GET /v1/wanted), and the served
+ledger that the lookup's serving policy reads (POST /v1/served, GET /v1/groups/{id}/served)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Depends, Path, Query
+from fastapi.concurrency import run_in_threadpool
+
+from graft.schemas import (
+    GROUP_ID_PATTERN,
+    SERVED_PATH,
+    WANTED_PATH,
+    ServedRequest,
+    ServedResponse,
+    WantedList,
+    WantedRequest,
+    WantedResponse,
+)
+from graft.services.store_api.broker import UnknownGroups, UnknownPrompts
+from graft.services.store_api.http.dependencies import StoreDep, require_token
+from graft.services.store_api.http.errors import StoreHTTPError, error_responses
+
+router = APIRouter(tags=["broker"])
+
+
+@router.post(WANTED_PATH, response_model=WantedResponse, dependencies=[Depends(require_token)],
+             responses=error_responses(401, 404, 413, 422))
+async def post_wanted(req: WantedRequest, store: StoreDep) -> WantedResponse:
+    """A learner's misses (its all-fail prompts with no peer group to graft): they become the generators' work until an
+    informative group of another model lands for each. The first want of a prompt brings its problem; a want for a
+    prompt the store has no problem of is refused (404), and nothing of the request is recorded."""
+    try:
+        return await run_in_threadpool(store.broker.want, req)  # fsync: off the event loop
+    except UnknownPrompts as exc:
+        raise StoreHTTPError(404, str(exc)) from exc
+
+
+@router.get(WANTED_PATH, response_model=WantedList, responses=error_responses(422))
+def get_wanted(
+    store: StoreDep,
+    model: Annotated[str | None, Query(min_length=1, description="the asking generator's model id: wants of that "
+                                                                 "model as a learner are left out (its own groups "
+                                                                 "never serve them)")] = None,
+    order: Annotated[Literal["oldest", "most_wanted"], Query(description="oldest want first, or most learners "
+                                                                         "(then most misses) first")] = "oldest",
+    limit: Annotated[int, Query(ge=1, le=1024, description="at most this many prompts")] = 64,
+) -> WantedList:
+    """Work for a generator: the prompts learners want, with each problem's text and answer."""
+    return store.broker.wanted(model, order, limit)
+
+
+@router.post(SERVED_PATH, response_model=ServedResponse, dependencies=[Depends(require_token)],
+             responses=error_responses(401, 404, 413, 422))
+async def post_served(req: ServedRequest, store: StoreDep) -> ServedResponse:
+    """Ledger entries: the groups a learner grafted at a step. Lookups with max_times_served or order least_served
+    read them. A group this store never had is refused (404), and nothing of the request is recorded."""
+    try:
+        return await run_in_threadpool(store.broker.serve, req, store.index)
+    except UnknownGroups as exc:
+        raise StoreHTTPError(404, str(exc)) from exc
+
+
+@router.get("/v1/groups/{group_id}/served", response_model=dict[str, int], responses=error_responses(404, 422))
+def group_served(store: StoreDep, group_id: Annotated[str, Path(pattern=GROUP_ID_PATTERN)]) -> dict[str, int]:
+    """How often the group was served, per learner (its ledger entries)."""
+    if not store.index.select_group(group_id):
+        raise StoreHTTPError(404, f"no group {group_id!r} in this store")
+    return store.broker.times_served(group_id)

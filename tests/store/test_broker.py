@@ -1,0 +1,189 @@
+"""The store as a broker (issue 50): wanted prompts and the served ledger, over a real store server on loopback
+(`graft-store serve` in a subprocess): recorded, listed for a generator, cleared by an informative group of another
+model, kept through a kill -9 and a restart, bounded; the ledger's cap and orders in the lookup; bad input refused."""
+
+from __future__ import annotations
+
+import httpx
+import orjson
+import pytest
+from store_factory import make_group, make_problem, wait_for
+
+from graft.schemas import PeerLookupRequest, ServedRequest, Want, WantedRequest, prompt_id
+from graft.services.store_api.broker import Broker, Journal
+from graft.services.store_api.http.client import StoreClient, StoreError
+from graft.services.store_api.http.testing import StoreServer
+
+
+def want(i: int, reason: str = "nothing_stored", with_problem: bool = True) -> Want:
+    problem = make_problem(i)
+    return Want(prompt_id=problem.prompt_id, reason=reason, problem=problem if with_problem else None)
+
+
+def wants(learner: str, step: int, *items: Want) -> WantedRequest:
+    return WantedRequest(learner_model=learner, policy_step=step, wants=list(items))
+
+
+@pytest.fixture
+def server(tmp_path):
+    with StoreServer(tmp_path / "store", env={"GRAFT_STORE_MAX_WANTED": "6"}) as server:
+        yield server
+
+
+@pytest.fixture
+def client(server):
+    with StoreClient(server.url, retries=0) as client:
+        yield client
+
+
+def test_a_want_is_listed_for_other_models_and_cleared_by_their_informative_group(client):
+    assert client.post_wanted(wants("learner", 3, want(1), want(2, "only_uninformative"))).backlog == 2
+    assert client.post_wanted(wants("other-learner", 7, want(2, with_problem=False))).backlog == 2  # known now
+
+    listed = client.wanted(model="peer", order="most_wanted")
+    assert [p.prompt_id for p in listed.prompts] == [make_problem(2).prompt_id, make_problem(1).prompt_id]
+    assert listed.prompts[0].learners == ["learner", "other-learner"]
+    assert listed.prompts[0].problem == make_problem(2).problem and listed.prompts[0].answer == make_problem(2).answer
+    assert [p.prompt_id for p in client.wanted(model="peer", order="oldest").prompts][0] == make_problem(1).prompt_id
+    # the learner's own model is never asked to serve its own wants
+    assert [p.learners for p in client.wanted(model="learner").prompts] == [["other-learner"]]
+
+    # an all-fail group of a peer and an informative group of the learner itself clear nothing
+    client.push_groups([make_group(1, model="peer", rewards=[0.0, 0.0, 0.0, 0.0])])
+    client.push_groups([make_group(1, model="learner")])
+    client.push_groups([make_group(3, model="peer")])  # a prompt nobody wants: another group must land after these
+    wait_for(lambda: client.stats().total_groups == 3, what="three groups indexed")
+    wait_for(lambda: client.stats().broker is not None, what="stats")
+    assert client.stats().broker.backlog_wants == 3
+    # an informative group of the peer for prompt 2 serves both learners
+    client.push_groups([make_group(2, model="peer")])
+    wait_for(lambda: client.stats().broker.backlog_prompts == 1, what="the wants of prompt 2 cleared")
+    stats = client.stats().broker
+    assert (stats.wants_recorded, stats.wants_cleared, stats.backlog_wants) == (3, 2, 1)
+    assert stats.want_to_group_s_p50 is not None and stats.want_to_group_s_p50 >= 0
+    assert [p.prompt_id for p in client.wanted(model="peer").prompts] == [make_problem(1).prompt_id]
+
+
+def test_bad_wants_and_ledger_entries_are_refused_and_change_nothing(client, server):
+    with pytest.raises(StoreError) as unknown:
+        client.post_wanted(wants("learner", 0, want(1), want(5, with_problem=False)))
+    assert unknown.value.status_code == 404 and make_problem(5).prompt_id in str(unknown.value)
+    assert client.wanted().backlog == 0  # the good want of the same request was not recorded either
+
+    body = {"learner_model": "l", "policy_step": 0,
+            "wants": [{"prompt_id": make_problem(1).prompt_id, "problem": make_problem(2).model_dump()}]}
+    answer = httpx.post(f"{server.url}/v1/wanted", json=body)
+    assert answer.status_code == 422 and "prompt_id" in answer.json()["error"]
+    body["wants"] = [{"prompt_id": make_problem(1).prompt_id, "reason": "bored", "problem": make_problem(1).model_dump()}]
+    assert httpx.post(f"{server.url}/v1/wanted", json=body).status_code == 422
+
+    group = make_group(1, model="peer")
+    client.push_groups([group])
+    with pytest.raises(StoreError) as never_had:
+        client.record_served(ServedRequest(learner_model="l", policy_step=1, group_ids=[group.group_id, "no-such-group"]))
+    assert never_had.value.status_code == 404 and "no-such-group" in str(never_had.value)
+    assert client.times_served(group.group_id) == {}
+
+    lookup = {"prompt_ids": [make_problem(1).prompt_id], "learner_model": "l", "max_times_served": 0}
+    refused = httpx.post(f"{server.url}/v1/peer-groups/lookup", json=lookup)
+    assert refused.status_code == 422 and "max_times_served" in refused.json()["error"]
+    lookup |= {"max_times_served": 1, "order": "random"}
+    assert httpx.post(f"{server.url}/v1/peer-groups/lookup", json=lookup).status_code == 422
+
+
+def test_the_lookup_caps_and_orders_by_the_ledger(client):
+    older = make_group(1, model="peer", step=1, rewards=[1.0, 1.0, 1.0, 0.0])
+    newest = make_group(1, model="peer", step=2, rewards=[1.0, 0.0, 0.0, 0.0])
+    client.push_groups([older, newest])
+    prompt = make_problem(1).prompt_id
+
+    def lookup(**policy):
+        request = PeerLookupRequest(prompt_ids=[prompt], learner_model="l", groups_per_prompt=2, **policy)
+        found = client.lookup_peer_groups(request)
+        return [g.group_id for g in found.groups], found.miss_reasons
+
+    assert lookup() == ([newest.group_id, older.group_id], {})
+    assert lookup(order="most_successes") == ([older.group_id, newest.group_id], {})
+    client.record_served(ServedRequest(learner_model="l", policy_step=5, group_ids=[newest.group_id]))
+    client.record_served(ServedRequest(learner_model="other", policy_step=5, group_ids=[older.group_id] * 3))
+    assert client.times_served(newest.group_id) == {"l": 1}
+    assert client.times_served(older.group_id) == {"other": 3}
+    assert lookup(order="least_served") == ([older.group_id, newest.group_id], {})
+    assert lookup(max_times_served=1) == ([older.group_id], {})
+    client.record_served(ServedRequest(learner_model="l", policy_step=6, group_ids=[older.group_id]))
+    assert lookup(max_times_served=1) == ([], {prompt: "served_out"})
+    assert lookup(max_times_served=2) == ([newest.group_id, older.group_id], {})
+    # the ledger is the learner's: another learner's entries do not cap l's lookups, nor l's its
+    request = PeerLookupRequest(prompt_ids=[prompt], learner_model="other", groups_per_prompt=2, max_times_served=3)
+    assert [g.group_id for g in client.lookup_peer_groups(request).groups] == [newest.group_id]
+    assert client.stats().broker.ledger_entries == 5
+
+
+def test_wants_and_the_ledger_survive_a_kill_and_a_torn_journal(tmp_path):
+    root = tmp_path / "store"
+    with StoreServer(root) as server, StoreClient(server.url, retries=0) as client:
+        group = make_group(4, model="peer")
+        client.push_groups([group])
+        client.post_wanted(wants("learner", 2, want(1), want(2)))
+        client.record_served(ServedRequest(learner_model="learner", policy_step=2, group_ids=[group.group_id] * 2))
+        server.kill()  # SIGKILL: no shutdown, nothing flushed but what was acknowledged
+        journal = root / "broker" / "journal.jsonl"
+        with open(journal, "ab") as f:
+            f.write(b'{"k": "want", "learner": "learner", "prom')  # what a crash in the middle of an append leaves
+        server.start()
+        assert [p.prompt_id for p in client.wanted().prompts] == [make_problem(1).prompt_id, make_problem(2).prompt_id]
+        assert client.times_served(group.group_id) == {"learner": 2}
+        assert journal.read_bytes().endswith(b"\n")  # the torn record cut off, the journal rewritten whole
+        stats = client.stats().broker
+        assert (stats.backlog_wants, stats.ledger_entries, stats.wants_recorded) == (2, 2, 2)
+        # a group that landed while the store was down clears its want at the restart
+        server.stop()
+        from graft.services.store_api.local import write_groups
+
+        write_groups(root, [make_group(1, model="peer")])
+        server.start()
+        assert [p.prompt_id for p in client.wanted().prompts] == [make_problem(2).prompt_id]
+        assert client.stats().broker.wants_cleared == 1
+
+
+def test_the_backlog_is_bounded_least_recently_missed_first(client):
+    client.post_wanted(wants("learner", 0, *[want(i) for i in range(5)]))
+    client.post_wanted(wants("learner", 1, want(0, with_problem=False)))  # missed again: now the most recent
+    client.post_wanted(wants("learner", 2, want(10), want(11)))
+    listed = {p.prompt_id for p in client.wanted(limit=100).prompts}
+    assert listed == {make_problem(i).prompt_id for i in (0, 2, 3, 4, 10, 11)}  # max_wanted 6: prompt 1 went
+    stats = client.stats().broker
+    assert (stats.backlog_wants, stats.wants_evicted, stats.wants_recorded) == (6, 1, 7)
+    with pytest.raises(StoreError) as evicted:  # its problem went with it: a want for it must bring it again
+        client.post_wanted(wants("learner", 3, want(1, with_problem=False)))
+    assert evicted.value.status_code == 404
+
+
+def test_a_damaged_journal_line_is_kept_aside_not_skipped(tmp_path, caplog):
+    journal = Journal(tmp_path / "broker", tmp_path)
+    journal.append([{"k": "step", "learner": "a", "step": 1}, {"k": "step", "learner": "a", "step": 2}])
+    data = journal.path.read_bytes()
+    journal.close()
+    journal.path.write_bytes(data.replace(b'"step":1}', b'"step":1?', 1))
+    assert Journal(tmp_path / "broker", tmp_path).read() == []
+    aside = list((tmp_path / "broker").glob("journal.jsonl.damaged-*"))
+    assert len(aside) == 1 and aside[0].read_bytes() == data.replace(b'"step":1}', b'"step":1?', 1)
+    assert "damaged" in caplog.text
+
+
+def test_a_journal_grown_past_its_state_is_compacted(tmp_path):
+    class NoGroups:
+        def prompt_refs(self, prompt_id): return []
+        def select_group(self, group_id): return []
+        def groups_after(self, seq): return [], 0
+        def newest_seq(self): return 1
+
+    broker = Broker(Journal(tmp_path / "broker", tmp_path), max_wanted=10, within_steps=2).open(NoGroups())
+    for step in range(12_000):
+        broker.want(wants("learner", step, want(step % 3)))
+    lines = broker.journal.path.read_bytes().splitlines()
+    assert len(lines) < 12_000  # rewritten to the state along the way
+    again = Broker(Journal(tmp_path / "broker", tmp_path), max_wanted=10, within_steps=2).open(NoGroups())
+    assert again.stats() == broker.stats()
+    assert [p.misses for p in again.wanted(None, "oldest", 10).prompts] == [4000, 4000, 4000]
+    assert orjson.loads(lines[-1])["k"] in ("want", "step")
