@@ -9,7 +9,7 @@ from graft.rollouts.scoring import Score
 from graft.schemas import Problem, Rollout, RolloutGroup, group_advantages
 
 
-def make_group_id(model_id: str, model_revision: str, policy_step: int, prompt_id: str, round_index: int,
+def make_group_id(model_id: str, model_revision: str, policy_step: int, prompt_id: str, round_index: int | str,
                   sampling_key: str = "") -> str:
     """Deterministic group id: a restarted generator recomputes the ids it already stored and skips them.
 

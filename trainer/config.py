@@ -13,6 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from graft.schemas.api import ServeOrder
 from graft.schemas.overrides import apply_overrides
 
 
@@ -202,8 +203,16 @@ class StoreConfig(_Section):
     cotrain_poll_s: float = Field(default=0.25, gt=0.0, description="cotrain: pause between lookups while waiting")
     groups_per_prompt: int = Field(default=4, ge=1, le=16, description="peer groups asked per prompt (most recent first)")
     cotrain_lockstep: bool = Field(default=False, description="cotrain (ignored offline): every step waits (up to store.cotrain_wait_s, then fails naming the partner) for each peer model's group of this very step for each of the step's prompts, and grafts only those: the same command gives the same metrics. Both trainers must draw the same prompts (same seed, data, rollout.prompts_per_step) and name each other in graft.peer_models")
+    want_misses: bool = Field(default=False, description="post each step's all-fail prompts that got no peer group to graft to the store's wanted prompts (POST /v1/wanted), with their problems: generators with follow_wanted sample them first, and later lookups find their groups")
+    max_times_served: int | None = Field(default=None, ge=1, description="serving policy: the store serves a group to this learner at most this many times (its served ledger, which the trainer then fills with what it grafts); None: no cap")
+    serve_order: ServeOrder = Field(default="freshest", description="serving policy: which accepted groups the lookup gives first: freshest (highest policy step, then newest), most_successes, or least_served (fewest grafts by this learner; the trainer then fills the ledger)")
     replay_from: Path | None = Field(default=None, description="rerun the run in this run directory from its peer_groups.jsonl: each step's peer groups are fetched from the store by id and checked against their recorded sha256 (no lookup, no wait, nothing published); the config must equal that run's but for run_dir, store.url/token and logging")
 
+
+    @property
+    def records_served(self) -> bool:
+        """Whether the trainer posts what it grafts to the store's served ledger: when the serving policy reads it."""
+        return self.max_times_served is not None or self.serve_order == "least_served"
 
     @property
     def lockstep(self) -> bool:
@@ -278,6 +287,17 @@ class TrainConfig(_Section):
             raise ValueError(
                 f"store.lookup_wait_s = {self.store.lookup_wait_s} with store.mode 'cotrain': co-training waits for the "
                 "step's lookup up to store.cotrain_wait_s; set that one instead (lookup_wait_s is offline mode's wait)")
+        broker = [f"store.{name}" for name, on in (("want_misses", self.store.want_misses),
+                  ("max_times_served", self.store.max_times_served is not None),
+                  ("serve_order", self.store.serve_order != "freshest")) if on]
+        if broker and self.method != "graft":
+            raise ValueError(f"{', '.join(broker)} with method {self.method!r}: only GRAFT looks peer groups up, so it would "
+                             "do nothing; drop it, or use method 'graft'")
+        # (a replay keeps its run's settings, as recorded, and neither looks up nor posts: graft.trainer.replay)
+        if broker and self.store.lockstep:
+            raise ValueError(f"{', '.join(broker)} with store.cotrain_lockstep: a lockstep step grafts the partner's "
+                             "groups of that very step whatever the serving policy, and the partner samples every "
+                             "prompt anyway, so it would do nothing or stall the step; drop it")
         if (self.store.lockstep and self.method == "graft") or self.store.replay_from is not None:
             self._check_reproducible_peers()
         if self.parallel.strategy != "none" and self.rollout.seed_per_sample is False:

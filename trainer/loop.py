@@ -195,6 +195,7 @@ def _train(cfg: TrainConfig, dist: DistContext, resume: bool, overwrite: bool,
                 refused.warn(decisions, candidates)
                 if peer_record is not None:
                     peer_record.write(policy_step + 1, found, decisions)
+                    peers.report(policy_step, decisions, found, sampled.problem_of)  # wants and the served ledger
                 rows = build_rows(cfg, learner, decisions, sampled.groups, sampled.problem_of, peer_tokenizers)
             with clock("update_s"):
                 first_pass = single_pass_forward(update, rows.rows)

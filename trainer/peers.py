@@ -31,7 +31,17 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Callable
 
-from graft.schemas import MAX_LOOKUP_PROMPTS, MAX_PUSH_GROUPS, PeerLookupRequest, Problem, RolloutGroup
+from graft.schemas import (
+    MAX_LOOKUP_PROMPTS,
+    MAX_PUSH_GROUPS,
+    MAX_WANTS,
+    PeerLookupRequest,
+    Problem,
+    RolloutGroup,
+    ServedRequest,
+    Want,
+    WantedRequest,
+)
 from graft.services.store_api.http.client import StoreClient, StoreError
 from graft.trainer.config import GraftConfig, StoreConfig
 from graft.trainer.gate import GRAFT_ACTIONS, GateDecision, choose_peer_group, classify_group
@@ -70,6 +80,9 @@ class StoreCounters:
     publish_failures: int = 0
     groups_dropped_from_outbox: int = 0
     cotrain_waits_skipped: int = 0  # co-training waits not started: the store was known to be down
+    wants_posted: int = 0  # all-fail prompts without a peer group posted to the store's wanted prompts (store.want_misses)
+    served_posted: int = 0  # grafted groups posted to the store's served ledger (store.max_times_served, serve_order)
+    broker_failures: int = 0  # those posts that failed (logged; the step went on)
 
     def since(self, previous: dict[str, int]) -> dict[str, int]:
         """The counts since `previous` (an earlier `dataclasses.asdict` of these), under their metric names store_*."""
@@ -156,6 +169,8 @@ class PeerExchange:
             max_age_s=self.graft.max_peer_age_s,
             groups_per_prompt=self.store.groups_per_prompt,
             require_behaviour_logprobs=self.graft.require_behaviour_logprobs,
+            max_times_served=self.store.max_times_served,
+            order=self.store.serve_order,
         )
         return request.model_copy(update={"prompt_ids": unique})
 
@@ -292,6 +307,46 @@ class PeerExchange:
                 self.graft.peer_models or "any", self.silent_steps, self.store.cotrain_wait_s, self.store.url)
         return float(self.silent_steps)
 
+    # ---- the store as a broker: wants and the served ledger -----------------------------------
+    def report(self, policy_step: int, decisions: list[GateDecision], found: LookupResult | None,
+               problem_of: dict[str, Problem]) -> None:
+        """After the gate: post the step's all-fail prompts that got no peer group to graft to the store's wanted
+        prompts (store.want_misses), and the peer groups grafted to its served ledger (when the serving policy reads
+        it), in the background, in order with the pushes; a failure is counted and logged, never fatal. Nothing
+        when the lookup was not answered (the store down: its reasons are unknown) or in a replay."""
+        if self.replay is not None or found is None or not found.ok:
+            return
+        wants = []
+        if self.store.want_misses:
+            for decision in decisions:
+                if decision.action not in ("skip_no_peer", "skip_uninformative"):
+                    continue
+                reason = found.miss_reasons.get(decision.prompt_id) or (
+                    "only_uninformative" if decision.action == "skip_uninformative" else "peers_not_admitted")
+                wants.append(Want(prompt_id=decision.prompt_id, reason=reason, problem=problem_of[decision.prompt_id]))
+        served = [d.peer_group.group_id for d in decisions if d.grafts] if self.store.records_served else []
+        if not wants and not served:
+            return
+        self._publishing = self._publish_pool.submit(self._post_broker, policy_step, wants, served)
+
+    def _post_broker(self, policy_step: int, wants: list[Want], served: list[str]) -> None:
+        try:
+            for begin in range(0, len(wants), MAX_WANTS):
+                self._publish_client.post_wanted(WantedRequest(
+                    learner_model=self.learner_model, policy_step=policy_step, wants=wants[begin:begin + MAX_WANTS]))
+                with self._lock:
+                    self.counters.wants_posted += len(wants[begin:begin + MAX_WANTS])
+            for begin in range(0, len(served), MAX_WANTS):
+                self._publish_client.record_served(ServedRequest(
+                    learner_model=self.learner_model, policy_step=policy_step, group_ids=served[begin:begin + MAX_WANTS]))
+                with self._lock:
+                    self.counters.served_posted += len(served[begin:begin + MAX_WANTS])
+        except Exception as error:  # noqa: BLE001 - as for pushes: counted, logged, never fatal
+            with self._lock:
+                self.counters.broker_failures += 1
+            self._record_failure("posting wants and served groups", error,
+                                 unexpected=not isinstance(error, (StoreError, OSError)))
+
     # ---- publishing ---------------------------------------------------------------------------
     def publish(self, groups: list[RolloutGroup], problems: list[Problem | None]) -> None:
         """Queue groups for the store and push the queue in the background (never blocks)."""
@@ -409,7 +464,8 @@ def peer_candidates(
 # (graft.schemas.api.MISS_REASONS) but only_uninformative, which counts as groups_peer_uninformative; `unanswered`: the step's
 # lookup failed, was late (store.lookup_wait_s) or was not sent (backing off); `unknown`: the store gave no reason (a
 # store older than miss_reasons). Metrics groups_no_peer_<reason>; they add up to groups_no_peer.
-NO_PEER_REASONS = ("nothing_stored", "only_learner", "peers_not_admitted", "only_without_mu", "unanswered", "unknown")
+NO_PEER_REASONS = ("nothing_stored", "only_learner", "peers_not_admitted", "only_without_mu", "served_out", "unanswered",
+                   "unknown")
 
 
 def no_peer_reasons(decisions: list[GateDecision], found: LookupResult | None) -> tuple[dict[str, int], int]:

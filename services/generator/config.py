@@ -63,6 +63,8 @@ class GeneratorConfig(BaseModel):
     continuous: bool = Field(default=False, description="keep sampling (rounds without end); reload when watch_dir has a newer checkpoint")
     watch_dir: str | None = Field(default=None, description="continuous mode: a folder of step_<N>/ HF checkpoints (a trainer's checkpoints/)")
     max_batches: int | None = Field(default=None, ge=1, description="stop after this many batches (default: when done, or never in continuous mode)")
+    follow_wanted: bool = Field(default=False, description="continuous mode with a store URL: before each batch of the dataset, sample a batch of the prompts learners want (GET /v1/wanted: all-fail prompts no peer group served yet), their problems as the store has them")
+    wanted_order: Literal["oldest", "most_wanted"] = Field(default="oldest", description="follow_wanted: oldest want first, or most learners (then most misses) first")
     idle_sleep_s: float = Field(default=5.0, gt=0, description="continuous mode: wait between checks when nothing is left to sample")
     progress: bool = Field(default=True, description="show a progress bar")
 
@@ -73,6 +75,11 @@ class GeneratorConfig(BaseModel):
         if self.watch_dir is not None and self.backend == "openai":
             raise ValueError("watch_dir reloads a local checkpoint; backend openai samples what the server serves: drop "
                              "watch_dir (restart the server on a new checkpoint, and the run with its model_revision)")
+        if self.follow_wanted and not (self.continuous and self.store.startswith(("http://", "https://"))):
+            raise ValueError("follow_wanted asks a store server for wanted prompts between batches: it needs continuous: "
+                             f"true and store set to the server's URL (here continuous={self.continuous}, store={self.store})")
+        if self.wanted_order != "oldest" and not self.follow_wanted:
+            raise ValueError("wanted_order orders wanted prompts, read only with follow_wanted: set follow_wanted, or drop it")
         check_few_shot(self.template, self.few_shot, self.instruction, self.system_prompt)
         check_served(self.backend, self.openai)
         return self

@@ -59,6 +59,8 @@ class RunStats:
     skipped_already_stored: int = 0
     reloads: int = 0
     store_retries: int = 0  # store calls tried again after an outage (continuous mode)
+    wanted_groups: int = 0  # groups sampled for wanted prompts (follow_wanted)
+    wanted_informative: int = 0  # of those, informative ones (each clears its prompt's wants)
     stored_ids_held: int = 0  # ids of stored groups the run still checked against at its end (one round's, at most)
     server: dict[str, float] | None = None  # backend openai: requests, retries, tokens and time (RequestCounts)
     sampling_s: float = 0.0
@@ -308,6 +310,7 @@ def _run(config: GeneratorConfig, stop: StopFlag) -> RunStats:
             problems, model_id, revision, policy_step, key, config.rounds)
         problems_written = False
         round_index = 0
+        wanted: set[str] = set()  # wanted prompts this run sent an informative group for, until the store clears them
         with scorer:
             while not stop.requested:
                 if not config.continuous and round_index >= config.rounds:
@@ -317,6 +320,11 @@ def _run(config: GeneratorConfig, stop: StopFlag) -> RunStats:
                 bar.update((len(problems) - len(pending)) * config.group_size)
                 reload_to = None
                 for start in range(0, len(pending), config.prompts_per_batch):
+                    if config.follow_wanted:  # learners' misses first: one batch of them before each of the dataset's
+                        _serve_wanted(sink, wanted, backend, scorer, params, config, model_id, revision, policy_step,
+                                      generator_id, key, stop, stats)
+                        if stop.requested:
+                            break
                     batch = pending[start : start + config.prompts_per_batch]
                     group_ids = [make_group_id(model_id, revision, policy_step, p.prompt_id, round_index, key) for p in batch]
                     if config.seed is not None:
@@ -382,6 +390,37 @@ def _run(config: GeneratorConfig, stop: StopFlag) -> RunStats:
         sink.close()
         stats.wall_s = time.perf_counter() - started
     return stats
+
+
+def _serve_wanted(sink: GroupSink, served: set[str], backend: Backend, scorer: Scorer, params: SamplingParams,
+                  config: GeneratorConfig, model_id: str, revision: str, policy_step: int, generator_id: str, key: str,
+                  stop: StopFlag, stats: RunStats) -> None:
+    """follow_wanted: sample and store one batch of the prompts learners want (`served`: those this run sent an
+    informative group for, left out until the store has cleared them, so a want is not sampled twice meanwhile). A
+    group that is not informative leaves its want open: it comes again in a later batch."""
+    limit = min(1024, config.prompts_per_batch + len(served))
+    listed = through_outages(sink, lambda: sink.client.wanted(model=model_id, order=config.wanted_order, limit=limit),
+                             "asking for wanted prompts", config, stop, stats)
+    served.intersection_update(p.prompt_id for p in listed.prompts)  # the others are cleared: forget them
+    batch = [Problem(prompt_id=p.prompt_id, dataset=p.dataset, problem=p.problem, answer=p.answer)
+             for p in listed.prompts if p.prompt_id not in served][: config.prompts_per_batch]
+    if not batch:
+        return
+    # a fresh id per draw: a want whose first group was all-fail is sampled again under another id
+    draw = f"wanted-{time.time_ns()}"
+    group_ids = [make_group_id(model_id, revision, policy_step, p.prompt_id, draw, key) for p in batch]
+    groups = _sample_batch(backend, scorer, batch, group_ids, params, config, model_id, revision, policy_step,
+                           generator_id, stats)
+    t0 = time.perf_counter()
+    stats.shards.append(through_outages(sink, lambda: sink.write(groups, batch),
+                                        f"the batch of {len(groups)} groups for wanted prompts", config, stop, stats))
+    stats.writing_s += time.perf_counter() - t0
+    stats.batches += 1
+    stats.wanted_groups += len(groups)
+    informative = [g.prompt_id for g in groups if g.informative]
+    stats.wanted_informative += len(informative)
+    served.update(informative)
+    log.info("sampled %d wanted prompts: %d informative groups", len(groups), len(informative))
 
 
 def _load(config: GeneratorConfig, model_path: str, model_id: str, bar: tqdm | None = None) -> Backend:

@@ -21,6 +21,7 @@ import pytest
 from browser_world import FACTORY, LEARNER, PEER, SECOND_PEER, build_browser_world
 from store_factory import make_group, make_problem
 
+from graft.schemas import prompt_id
 from graft.services.store_api.http.testing import REPO_ROOT, StoreServer
 from graft.services.store_api.local.shards import write_groups
 
@@ -235,6 +236,38 @@ def test_the_prompt_page_shows_every_stored_group_newest_first(browser, server, 
     open_view(browser, more[0].get_attribute("href"))
     assert len(all_of(browser, "article.group")) > len({r["model_id"] for r in rows})
     assert_clean_console(browser)
+
+
+def test_the_prompt_page_shows_how_often_each_group_was_served_and_the_overview_the_wants(browser, server, api):
+    prompt = sorted(grafted_by_lookup(api, LEARNER, PEER))[0]
+    served, never = list(dict.fromkeys(r["group_id"] for r in every_rollout(api, prompt_id=prompt)))[:2]
+    token = {"Authorization": "Bearer secret"}
+    for learner, times in (("learner-a", 2), ("learner-b", 1)):
+        answer = api.post("/v1/served", json={"learner_model": learner, "policy_step": 3, "group_ids": [served] * times},
+                          headers=token)
+        assert answer.status_code == 200, answer.text
+    show(browser, server, f"/ui/prompt/{prompt}")
+
+    def note(group_id):
+        return browser.execute_script(
+            f"const n = document.querySelector('article.group[data-group=\"{group_id}\"] .served');"
+            "return n && n.dataset.served ? [n.dataset.served, n.textContent, n.title] : null")
+
+    deadline = time.monotonic() + 30
+    while (note(served) is None or note(never) is None) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert note(served) == ["3", "served 3×", "learner-a: 2, learner-b: 1"]
+    assert note(never) == ["0", "never served", ""]
+
+    problem = {"prompt_id": prompt_id("What is 1 + 1?"), "dataset": "wanted", "problem": "What is 1 + 1?", "answer": "2"}
+    answer = api.post("/v1/wanted", headers=token, json={"learner_model": "learner-a", "policy_step": 3, "wants": [
+        {"prompt_id": problem["prompt_id"], "reason": "nothing_stored", "problem": problem}]})
+    assert answer.status_code == 200, answer.text
+    broker = api.get("/v1/stats").json()["broker"]
+    show(browser, server, "/ui/", "overview-broker")
+    assert text(browser, '[data-broker="wanted now"] b') == f"{broker['backlog_prompts']:,}" != "0"
+    assert text(browser, '[data-broker="ledger entries"] b') == f"{broker['ledger_entries']:,}"
+    assert text(browser, '[data-broker="groups served"] b') == f"{broker['ledger_groups']:,}"
 
 
 # ---------------------------------------------------------------------------------------------- rollout view

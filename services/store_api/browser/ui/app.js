@@ -165,6 +165,7 @@ async function overview() {
     h("section", { class: "card" }, h("h2", {}, "Models"), models.length ? table : h("p", { class: "empty" }, "No groups stored yet.")),
     h("section", { class: "card" }, h("h2", {}, "Success rate over policy step"), successPlot(curves)),
     pairs,
+    brokerCard(stats.broker),
     h("section", { class: "card" }, h("h2", {}, "Datasets"),
       datasets.datasets.length ? h("table", { class: "datasets" },
         headRow(["dataset", "prompts with groups", "groups", "rollouts", "problems stored"],
@@ -175,6 +176,21 @@ async function overview() {
           h("td", { class: "n" }, num(d.rollouts)), h("td", { class: "n" }, num(d.problems))))))
         : h("p", { class: "empty" }, "No datasets yet.")),
   ];
+}
+
+// wanted prompts (learners' misses, the generators' work) and the served ledger: /v1/stats's broker
+function brokerCard(broker) {
+  if (!broker) return null;
+  const seconds = (x) => (x === null || x === undefined ? "–" : `${x.toFixed(1)} s`);
+  return h("section", { class: "card", id: "broker" }, h("h2", {}, "Wanted prompts and the served ledger"),
+    h("p", { class: "muted" }, "Prompts learners failed with no peer group to graft, until an informative group of another model lands; groups served to learners (what they grafted)."),
+    h("div", { class: "totals" },
+      [["wanted now", num(broker.backlog_prompts)], ["wants recorded", num(broker.wants_recorded)],
+       ["wants served", num(broker.wants_cleared)], ["wants evicted", num(broker.wants_evicted)],
+       ["want to group, median", seconds(broker.want_to_group_s_p50)], ["want to group, p90", seconds(broker.want_to_group_s_p90)],
+       [`served within ${broker.within_steps} steps`, pct(broker.served_within_steps_share)],
+       ["groups served", num(broker.ledger_groups)], ["ledger entries", num(broker.ledger_entries)]]
+        .map(([label, value]) => h("div", { class: "total", "data-broker": label }, h("b", {}, value), h("span", {}, label)))));
 }
 
 function successPlot(curves) {
@@ -349,7 +365,8 @@ function groupCard(group) {
     h("header", {},
       h("b", {}, `step ${first.policy_step}`),
       h("span", { class: `badge ${kind}` }, `${successes}/${rollouts.length} · ${label}`),
-      h("span", { class: "muted small", title: first.group_id }, utc(first.created_at))),
+      h("span", { class: "muted small", title: first.group_id }, utc(first.created_at)),
+      servedNote(first.group_id)),
     h("table", { class: "rollouts" },
       headRow(["", "reward", "adv.", "answer", "finish", "tokens", "completion"], ["reward", "adv.", "tokens"]),
       h("tbody", {}, rollouts.map((r, i) => {
@@ -363,6 +380,19 @@ function groupCard(group) {
           h("td", { class: "n" }, r.num_tokens),
           h("td", { class: "text" }, link(href, r.completion_text || "(empty)")));
       }))));
+}
+
+// how often the group was served (the store's ledger), filled in when its answer comes
+function servedNote(groupId) {
+  const note = h("span", { class: "muted small served", "data-served": "" });
+  api(`/v1/groups/${encodeURIComponent(groupId)}/served`).then((byLearner) => {
+    const entries = Object.entries(byLearner);
+    const total = entries.reduce((sum, [, times]) => sum + times, 0);
+    note.textContent = total ? `served ${total}×` : "never served";
+    note.title = entries.map(([learner, times]) => `${learner}: ${times}`).join(", ");
+    note.dataset.served = String(total);
+  }).catch(() => { note.textContent = ""; });
+  return note;
 }
 
 // ------------------------------------------------------------------------------------------- rollout view
