@@ -46,6 +46,18 @@ def test_a_flag_that_names_no_field_or_a_bad_value_is_refused(args, message):
     assert result.exit_code == 2 and message in result.output, result.output
 
 
+def test_follow_wanted_needs_continuous_mode_and_a_store_server():
+    cfg = _dry_run("--store", "http://127.0.0.1:1", "--set", "continuous=true", "--set", "follow_wanted=true",
+                   "--set", "wanted_order=most_wanted")
+    assert (cfg["follow_wanted"], cfg["wanted_order"]) == (True, "most_wanted")
+    for args in (["--set", "follow_wanted=true", "--store", "http://127.0.0.1:1"],  # one pass: nothing to follow
+                 ["--set", "follow_wanted=true", "--set", "continuous=true"],  # a store root: no server to ask
+                 ["--set", "wanted_order=most_wanted"]):  # an order of nothing
+        result = CliRunner().invoke(generate_app, ["--model", "m", "--dataset", "d", "--store", "s", *args, "--dry-run",
+                                                   "--skip-path-check"])
+        assert result.exit_code == 2 and ("follow_wanted" in result.output), result.output
+
+
 def test_set_wins_over_flags_and_the_file(tmp_path):
     config = tmp_path / "gen.yaml"
     config.write_text("model: m\ndataset: d\nstore: s\ngroup_size: 8\n")

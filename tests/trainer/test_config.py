@@ -63,6 +63,27 @@ def test_bad_input_gets_a_clear_error(tmp_path):
         load_config(tmp_path / "missing.yaml")
 
 
+def test_the_store_as_a_broker_is_set_where_it_does_something():
+    """store.want_misses and the serving policy: off by default; refused where they would do nothing (no lookups) or
+    would stall lockstep co-training; a cap of 0 (serving nothing) refused."""
+    base = {"model": {"path": "m"}, "data": {"dataset": "d"}}
+    cfg = TrainConfig(**base, store={"url": "http://x"})
+    assert not cfg.store.want_misses and cfg.store.max_times_served is None and cfg.store.serve_order == "freshest"
+    assert not cfg.store.records_served
+    cfg = TrainConfig(**base, store={"url": "http://x", "want_misses": True, "max_times_served": 2})
+    assert cfg.store.records_served
+    assert TrainConfig(**base, store={"url": "http://x", "serve_order": "least_served"}).store.records_served
+    assert not TrainConfig(**base, store={"url": "http://x", "serve_order": "most_successes"}).store.records_served
+    with pytest.raises(ValidationError, match="greater than or equal to 1"):
+        TrainConfig(**base, store={"url": "http://x", "max_times_served": 0})
+    for store in ({"want_misses": True}, {"max_times_served": 3}, {"serve_order": "least_served"}):
+        with pytest.raises(ValidationError, match="only GRAFT looks peer groups up"):
+            TrainConfig(**base, method="grpo", store={"url": "http://x", **store})
+        with pytest.raises(ValidationError, match="cotrain_lockstep"):
+            TrainConfig(**base, graft={"peer_models": ["p"]},
+                        store={"url": "http://x", "mode": "cotrain", "cotrain_lockstep": True, **store})
+
+
 def test_every_field_is_documented():
     rows = describe_fields(TrainConfig)
     assert len(rows) > 60
