@@ -187,3 +187,41 @@ def test_a_journal_grown_past_its_state_is_compacted(tmp_path):
     assert again.stats() == broker.stats()
     assert [p.misses for p in again.wanted(None, "oldest", 10).prompts] == [4000, 4000, 4000]
     assert orjson.loads(lines[-1])["k"] in ("want", "step")
+
+
+# ---------------------------------------------------------------------------------------------- on a lake
+
+def test_two_replicas_of_a_lake_share_wants_and_the_ledger(pg_s3_lake, tmp_path):
+    """Wants and ledger entries posted at one replica are seen at the other (the journal is a lake table); an
+    informative group committed to the lake clears a want at both; a restarted replica reads them back."""
+    from test_lake_replica import commit, replica
+
+    from graft.services.store_api.lake.lake import Lake
+
+    with Lake(pg_s3_lake) as lake:
+        [group] = commit(lake, 7, 1, model="peer")
+    with replica(tmp_path / "a", pg_s3_lake) as a, replica(tmp_path / "b", pg_s3_lake) as b, \
+            StoreClient(a.url, retries=0) as at_a, StoreClient(b.url, retries=0) as at_b:
+        at_a.post_wanted(wants("learner", 1, want(1), want(2)))
+        wait_for(lambda: at_b.wanted().backlog == 2, what="b to follow a's wants")
+        at_b.post_wanted(wants("learner-2", 4, want(2, with_problem=False)))  # b knows the problem from a's want
+        wait_for(lambda: at_a.wanted(order="most_wanted").prompts[0].learners == ["learner", "learner-2"],
+                 what="a to follow b's want")
+        at_b.record_served(ServedRequest(learner_model="learner", policy_step=2, group_ids=[group, group]))
+        wait_for(lambda: at_a.times_served(group) == {"learner": 2}, what="a to follow b's ledger entries")
+        lookup = PeerLookupRequest(prompt_ids=[make_problem(7).prompt_id], learner_model="learner", max_times_served=2)
+        assert at_a.lookup_peer_groups(lookup).miss_reasons == {make_problem(7).prompt_id: "served_out"}
+        with pytest.raises(StoreError) as never_had:
+            at_a.record_served(ServedRequest(learner_model="learner", policy_step=2, group_ids=["nope"]))
+        assert never_had.value.status_code == 404
+
+        with Lake(pg_s3_lake) as lake:  # a peer's informative group of prompt 1, committed to the lake
+            commit(lake, 1, 1, model="peer")
+        for client in (at_a, at_b):
+            wait_for(lambda client=client: [p.prompt_id for p in client.wanted().prompts] == [make_problem(2).prompt_id],
+                     what="the want of prompt 1 cleared")
+        b.stop()
+        b.start()
+        assert [p.learners for p in at_b.wanted().prompts] == [["learner", "learner-2"]]
+        assert at_b.times_served(group) == {"learner": 2}
+        assert at_b.stats().broker.wants_cleared >= 1

@@ -53,6 +53,18 @@ class GroupSource(Protocol):
     def newest_seq(self) -> int: ...
 
 
+class JournalStore(Protocol):
+    """Where a broker keeps its records: a store root's file (journal.py) or a lake's table (lake/journal.py)."""
+
+    path: object  # named in messages
+
+    def read(self) -> list[dict]: ...
+    def read_new(self) -> list[dict] | None: ...  # other writers' records since the last read; None: read() again
+    def append(self, records: list[dict]) -> None: ...
+    def rewrite(self, records: list[dict]) -> None: ...
+    def close(self) -> None: ...
+
+
 class UnknownPrompts(LookupError):
     """Wants for prompts the store has no problem of (the want must bring it)."""
 
@@ -83,11 +95,16 @@ class Cleared:
 class Broker:
     """Wanted prompts and the served ledger of one store; thread-safe."""
 
-    def __init__(self, journal: Journal, max_wanted: int, within_steps: int):
+    def __init__(self, journal: JournalStore, max_wanted: int, within_steps: int):
         self.journal = journal
         self.max_wanted = max_wanted
         self.within_steps = within_steps
         self._lock = threading.Lock()
+        self._reset()
+        self._seen_seq = 0
+
+    def _reset(self) -> None:
+        """An empty state (before the journal is read)."""
         self._wants: OrderedDict[tuple[str, str], OpenWant] = OrderedDict()  # least recently missed first
         self._by_prompt: dict[str, set[str]] = {}  # prompt -> learners with an open want
         self._problems: dict[str, tuple[str, str, str]] = {}  # prompt -> (dataset, problem, answer)
@@ -97,23 +114,17 @@ class Broker:
         self._history: deque[Cleared] = deque(maxlen=HISTORY)
         self._totals = {"recorded": 0, "cleared": 0, "evicted": 0}
         self._journal_records = 0
-        self._seen_seq = 0
 
     # ------------------------------------------------------------------ lifecycle
 
     def open(self, index: GroupSource) -> Broker:
         """Read the journal back, clear what groups landed while the store was down, compact the journal."""
         with self._lock:
-            records = self.journal.read()
-            for record in records:
-                self._apply(record)
-            self._journal_records = len(records)
+            self._read_whole()
             self._seen_seq = index.newest_seq() - 1
             cleared = [self._clear_record(want, ref) for prompt in list(self._by_prompt)
                        for want, ref in self._clearing(prompt, index.prompt_refs(prompt))]
             self._commit(cleared)
-            self.journal.rewrite(self._snapshot())
-            self._journal_records = self._state_records()
         log.info("broker: %d open wants over %d prompts, %d ledger entries", len(self._wants), len(self._by_prompt),
                  sum(map(sum, (d.values() for d in self._served.values()))))
         return self
@@ -171,8 +182,16 @@ class Broker:
         return WantedList(prompts=prompts[:limit], backlog=len(prompts))
 
     def clear_landed(self, index: GroupSource) -> int:
-        """Clear the wants that groups indexed since the last call serve; the number cleared."""
+        """Follow what other writers of the journal added (a lake's other replicas), then clear the wants that groups
+        indexed since the last call serve; the number cleared."""
         with self._lock:
+            new = self.journal.read_new()
+            if new is None:  # the journal was rewritten by another writer: read it whole
+                self._read_whole()
+            else:
+                for record in new:
+                    self._apply(record)
+                self._journal_records += len(new)
             if not self._by_prompt:
                 self._seen_seq = index.newest_seq() - 1
                 return 0
@@ -250,6 +269,13 @@ class Broker:
                 ledger_groups=len({g for d in self._served.values() for g in d}))
 
     # ------------------------------------------------------------------ the journal (under the lock)
+
+    def _read_whole(self) -> None:
+        self._reset()
+        records = self.journal.read()
+        for record in records:
+            self._apply(record)
+        self._journal_records = len(records)
 
     def _commit(self, records: list[dict]) -> None:
         """Journal the records (on disk when this returns), then apply them; compact a journal grown past twice

@@ -62,6 +62,10 @@ class Journal:
             good_end += len(line)
         return records
 
+    def read_new(self) -> list[dict]:
+        """Records other writers added since the last read: none (the store process is this file's one writer)."""
+        return []
+
     def append(self, records: Iterable[dict]) -> None:
         """Write the records at the end and wait until they are on disk."""
         data = b"".join(orjson.dumps(r) + b"\n" for r in records)

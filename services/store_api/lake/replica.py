@@ -31,8 +31,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from graft.schemas import PROBLEM_ARROW_SCHEMA, LakeStats, Problem, StatsResponse
-from graft.services.store_api.broker import root_broker
+from graft.services.store_api.broker import Broker
 from graft.services.store_api.lake.config import LakeConfig, LakeError, LakeUnavailable, redact
+from graft.services.store_api.lake.journal import LakeJournal
 from graft.services.store_api.lake.lake import Lake
 from graft.services.store_api.lake.reading import ROLLOUT_ROWS_SCHEMA, AddedRows, Snapshot, first_copies, next_window
 from graft.services.store_api.local import (
@@ -63,8 +64,9 @@ class LakeReplica:
     def __init__(self, settings: StoreSettings):
         self.settings = settings
         self.index = StoreIndex(settings)  # the cache's: lookups, pages and stats are answered from it
-        self.broker = root_broker(settings)  # wanted prompts and the served ledger of this replica, beside its cache
         self.lake = Lake(LakeConfig.of_replica(settings))
+        # wanted prompts and the served ledger, in the lake: every replica's (lake/journal.py)
+        self.broker = Broker(LakeJournal(self.lake), settings.max_wanted, settings.wanted_within_steps)
         self.followed = -1  # the newest snapshot whose groups the cache holds (-1: none read)
         self.followed_time_us: int | None = None
         self.newest: Snapshot | None = None  # the lake's newest snapshot when last looked
@@ -94,7 +96,11 @@ class LakeReplica:
                 raise LakeError(self.error)
         self.index.write_manifest()  # the cache's live files, as a local store's (manifest.py)
         self.index.delete_orphan_lookup_files()
-        self.broker.open(self.index)
+        try:
+            self.broker.open(self.index)
+        except LakeUnavailable as exc:  # the first poll that reaches the lake reads the journal (read_new from the start)
+            log.warning("the lake's broker journal cannot be read now (%s): wanted prompts and the ledger start empty "
+                        "here until the lake answers", exc)
         return self
 
     def _load_follow_state(self) -> None:
