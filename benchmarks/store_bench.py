@@ -4,6 +4,10 @@ and the physical floor of a lookup on this machine.
     python -m benchmarks.store_bench --rollouts 1000000 --json store_bench.json
     python -m benchmarks.store_bench --profile reasoning --rollouts 1000000 --naive 3 --json store_reasoning.json
     python -m benchmarks.store_bench --backend lake --rollouts 200000 --json store_lake.json
+    python -m benchmarks.store_bench --rollouts 1000000 --ledger 200000 --json store_ledger.json
+
+`--ledger N` also fills the served ledger with N entries and times lookups with it and a cap beside lookups without
+(`measure_ledger`: key `ledger`).
 
 With `--backend lake` the same run then measures the DuckLake backend beside the local one: a PostgreSQL 15
 catalog and moto's S3 server (a subprocess) on loopback, 4 writer processes committing the same synthetic
@@ -59,7 +63,7 @@ from benchmarks.store_data import (
     plan_shards,
     reasoning_corpus,
 )
-from graft.schemas import PeerLookupRequest
+from graft.schemas import MAX_WANTS, PeerLookupRequest, ServedRequest
 from graft.services.store_api.http.client import StoreClient
 from graft.services.store_api.http.testing import StoreServer
 from graft.services.store_api.local import write_groups
@@ -148,6 +152,54 @@ def measure_lookups(client: StoreClient, store_process: psutil.Process, rng: ran
         with_models.append(time.perf_counter() - t)
     result["lookup_as_models_p50_ms"] = round(percentile(with_models, 50) * 1e3, 3)
     timed("batch64", 64, args.batches)
+    return result
+
+
+def measure_ledger(client: StoreClient, rng: random.Random, prompts: int, args: argparse.Namespace, phase) -> dict:
+    """The lookup with the served ledger and a cap against the lookup without, side by side (issue 50): the ledger
+    first holds `args.ledger` entries of MODELS[0] over the groups of random prompts (1-3 entries a group, so that a
+    cap of 2 skips about a third of them); then `args.lookups` pairs of the same random single-prompt request, without
+    a policy and with max_times_served 2 (and, as a third, order least_served under the cap), their order alternating
+    pair by pair so that load drifts alike on both. p50/p99 ms each and the ratios."""
+    phase("ledger_fill")
+    prompt_ids = bench_prompt_ids(prompts).tolist()
+    learner = MODELS[0]
+    groups: list[str] = []
+    while len(groups) < args.ledger // 2:
+        req = PeerLookupRequest(prompt_ids=[prompt_ids[rng.randrange(prompts)] for _ in range(64)], learner_model=learner,
+                                informative_only=False, min_successes=0, groups_per_prompt=16)
+        ids = client.lookup_peer_table(req)[0].column("group_id").to_pylist()
+        groups += [g for i, g in enumerate(ids) if i == 0 or ids[i - 1] != g]
+    entries = [g for g in dict.fromkeys(groups) for _ in range(rng.randint(1, 3))][: args.ledger]
+    started = time.perf_counter()
+    for begin in tqdm(range(0, len(entries), MAX_WANTS), desc="ledger"):
+        client.record_served(ServedRequest(learner_model=learner, policy_step=begin // MAX_WANTS,
+                                           group_ids=entries[begin:begin + MAX_WANTS]))
+    fill_s = time.perf_counter() - started
+    phase("ledger_lookups")
+    policies = {"plain": {}, "capped": {"max_times_served": 2}, "capped_least_served": {"max_times_served": 2,
+                                                                                        "order": "least_served"}}
+    times: dict[str, list[float]] = {name: [] for name in policies}
+    returned = dict.fromkeys(policies, 0)
+    for call in tqdm(range(args.lookups + 50), desc="ledger lookups"):
+        prompt = [prompt_ids[rng.randrange(prompts)]]
+        names = list(policies) if call % 2 == 0 else list(reversed(policies))
+        for name in names:
+            req = PeerLookupRequest(prompt_ids=prompt, learner_model=learner, groups_per_prompt=4, **policies[name])
+            t = time.perf_counter()
+            table, _ = client.lookup_peer_table(req)
+            if call >= 50:  # the first 50: warm-up
+                times[name].append(time.perf_counter() - t)
+                returned[name] += table.num_rows
+    result = {"entries": len(entries), "groups": len(dict.fromkeys(entries)), "fill_entries_per_s": round(len(entries) / fill_s),
+              "calls": args.lookups, "ledger_entries_in_store": client.stats().broker.ledger_entries}
+    for name in policies:
+        result[f"{name}_p50_ms"] = round(percentile(times[name], 50) * 1e3, 3)
+        result[f"{name}_p99_ms"] = round(percentile(times[name], 99) * 1e3, 3)
+        result[f"{name}_rows_per_call"] = returned[name] / args.lookups
+    for name in ("capped", "capped_least_served"):
+        for q in ("p50", "p99"):
+            result[f"{name}_over_plain_{q}"] = round(result[f"{name}_{q}_ms"] / result[f"plain_{q}_ms"], 3)
     return result
 
 
@@ -398,6 +450,8 @@ def main() -> None:
                         help="lake: also measure the DuckLake backend (PostgreSQL + moto on loopback) in the same run")
     parser.add_argument("--lake-writers", type=int, default=4, help="writer processes committing to the lake")
     parser.add_argument("--replicas", type=int, default=2, help="lake replicas following the lake")
+    parser.add_argument("--ledger", type=int, default=0, help="served ledger entries to fill, then time lookups with "
+                        "the ledger and a cap beside lookups without (issue 50); 0: not measured")
     args = parser.parse_args()
 
     root = args.root or Path(tempfile.mkdtemp(prefix="store-bench-")) / "store"
@@ -514,6 +568,8 @@ def main() -> None:
 
         # ---- peer lookups over HTTP (Arrow IPC, as the trainer's client does)
         result |= measure_lookups(client, store_process, rng, prompts, args, phase)
+        if args.ledger:
+            result["ledger"] = measure_ledger(client, rng, prompts, args, phase)
 
         # ---- the naive way: DuckDB read_parquet over the shard glob with a WHERE (in-process, no HTTP)
         con = duckdb.connect()
