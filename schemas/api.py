@@ -177,6 +177,16 @@ class LakeStats(BaseModel):
                                                                              "read (retried); their groups are missing here")
 
 
+def utf8_text(*texts: str) -> None:
+    """Refuse text that is not valid UTF-8 (a lone surrogate, which JSON's \\ud800 escapes can carry): the store keeps
+    and answers with what it is sent."""
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"{text[:40]!r} is not valid UTF-8 text ({exc.reason}): send it as UTF-8") from None
+
+
 class Want(BaseModel):
     """One prompt a learner missed: the generators' work (POST /v1/wanted)."""
 
@@ -192,6 +202,8 @@ class Want(BaseModel):
     def _known_reason_and_problem(self) -> Want:
         if self.reason not in MISS_REASONS:
             raise ValueError(f"reason {self.reason!r} is none of {', '.join(MISS_REASONS)}")
+        if self.problem is not None:
+            utf8_text(self.problem.problem, self.problem.answer)
         if self.problem is not None and self.problem.prompt_id != self.prompt_id:
             raise ValueError(f"the problem's prompt_id is {self.problem.prompt_id}, not {self.prompt_id}: send the "
                              "problem whose text hashes to the wanted id")
@@ -206,6 +218,11 @@ class WantedRequest(BaseModel):
     learner_model: str = Field(min_length=1, description="the learner that missed them (groups of its own never clear a want)")
     policy_step: int = Field(ge=0, le=INT64_MAX, description="the learner's policy step at the miss")
     wants: list[Want] = Field(min_length=1, max_length=MAX_WANTS)
+
+    @model_validator(mode="after")
+    def _utf8(self) -> WantedRequest:
+        utf8_text(self.learner_model)
+        return self
 
 
 class WantedResponse(BaseModel):
@@ -240,6 +257,11 @@ class ServedRequest(BaseModel):
     learner_model: str = Field(min_length=1)
     policy_step: int = Field(ge=0, le=INT64_MAX, description="the learner's policy step that grafted them")
     group_ids: list[str] = Field(min_length=1, max_length=MAX_WANTS, description="groups of this store")
+
+    @model_validator(mode="after")
+    def _utf8(self) -> ServedRequest:
+        utf8_text(self.learner_model, *self.group_ids)
+        return self
 
 
 class ServedResponse(BaseModel):

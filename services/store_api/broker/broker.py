@@ -149,7 +149,7 @@ class Broker:
             for w in req.wants:
                 record = {"k": "want", "learner": req.learner_model, "prompt": w.prompt_id, "reason": w.reason,
                           "step": req.policy_step, "at": now}
-                if w.problem is not None and w.prompt_id not in self._problems:
+                if w.problem is not None:  # kept with each want that brings it: a lake's other replicas may need it
                     record |= {"dataset": w.problem.dataset, "problem": w.problem.problem, "answer": w.problem.answer}
                 records.append(record)
             records.append({"k": "step", "learner": req.learner_model, "step": req.policy_step})
@@ -296,6 +296,12 @@ class Broker:
             key = (r["prompt"], r["learner"])
             if "problem" in r:
                 self._problems.setdefault(r["prompt"], (r["dataset"], r["problem"], r["answer"]))
+            elif r["prompt"] not in self._problems:
+                # another replica's want, posted while it knew the problem, which was cleared here meanwhile: the
+                # learner's next miss brings it again
+                log.info("broker: a want of %s by %s without its problem, no longer known here: dropped", r["prompt"],
+                         r["learner"])
+                return
             want = self._wants.get(key)
             if want is None:
                 self._wants[key] = OpenWant(r["prompt"], r["learner"], r["reason"], r.get("first_at", r["at"]), r["at"],
