@@ -79,3 +79,27 @@ def test_a_learners_misses_become_a_generators_work_and_its_hit_rate_rises(toy_w
     assert hits > 0 and sum(m["frac_grafted"] > 0 for m in second) >= 2, second
     print({"wanted": len(wanted), "served": len(served), "want_to_group_s_p50": broker.want_to_group_s_p50,
            "peer_hit_rate": [m["peer_hit_rate"] for m in second]})
+
+
+def test_a_cap_on_serving_keeps_the_learner_from_grafting_a_group_twice(toy_world, tmp_path):
+    """store.max_times_served 1 on the toy world's store (one peer group per prompt): the trainer posts each step's
+    grafts to the served ledger, and the second epoch over the same prompts finds the groups it grafted served out."""
+    import shutil
+
+    shutil.copytree(toy_world.store_root, tmp_path / "store")
+    with StoreServer(tmp_path / "store") as server, StoreClient(server.url) as client:
+        cfg = make_config(toy_world, tmp_path / "run", server.url, steps=8,
+                          **{"store.max_times_served": 1, "store.groups_per_prompt": 1})
+        train(cfg)
+        records = read_lines(tmp_path / "run" / "peer_groups.jsonl")
+        metrics = read_lines(tmp_path / "run" / "metrics.jsonl")
+        grafted = [g for r in records for g in r["grafted"]]
+        assert grafted and len(grafted) == len(set(grafted))  # no group grafted twice
+        assert sum(m["store_served_posted"] for m in metrics) == len(grafted)
+        assert client.stats().broker.ledger_entries == len(grafted)
+        learner = toy_world.learner_dir.name  # the learner's model id: its directory's name
+        assert {g: client.times_served(g) for g in grafted} == {g: {learner: 1} for g in grafted}
+        # the second epoch meets the prompts it grafted in the first: served out now
+        served_out = sum(m["groups_no_peer_served_out"] for m in metrics[4:])
+        assert served_out > 0 and all(m["groups_no_peer_served_out"] == 0 for m in metrics[:4])
+        assert any("served_out" in r["miss_reasons"].values() for r in records[4:])
