@@ -26,7 +26,7 @@ router = APIRouter(tags=["broker"])
 
 
 @router.post(WANTED_PATH, response_model=WantedResponse, dependencies=[Depends(require_token)],
-             responses=error_responses(401, 404, 413, 422))
+             responses=error_responses(400, 401, 404, 413, 415, 422))
 async def post_wanted(req: WantedRequest, store: StoreDep) -> WantedResponse:
     """A learner's misses (its all-fail prompts with no peer group to graft): they become the generators' work until an
     informative group of another model lands for each. The first want of a prompt brings its problem; a want for a
@@ -37,7 +37,7 @@ async def post_wanted(req: WantedRequest, store: StoreDep) -> WantedResponse:
         raise StoreHTTPError(404, str(exc)) from exc
 
 
-@router.get(WANTED_PATH, response_model=WantedList, responses=error_responses(422))
+@router.get(WANTED_PATH, response_model=WantedList, responses=error_responses(400, 422))
 def get_wanted(
     store: StoreDep,
     model: Annotated[str | None, Query(min_length=1, description="the asking generator's model id: wants of that "
@@ -52,7 +52,7 @@ def get_wanted(
 
 
 @router.post(SERVED_PATH, response_model=ServedResponse, dependencies=[Depends(require_token)],
-             responses=error_responses(401, 404, 413, 422))
+             responses=error_responses(400, 401, 404, 413, 415, 422))
 async def post_served(req: ServedRequest, store: StoreDep) -> ServedResponse:
     """Ledger entries: the groups a learner grafted at a step. Lookups with max_times_served or order least_served
     read them. A group this store never had is refused (404), and nothing of the request is recorded."""
@@ -62,7 +62,7 @@ async def post_served(req: ServedRequest, store: StoreDep) -> ServedResponse:
         raise StoreHTTPError(404, str(exc)) from exc
 
 
-@router.get("/v1/groups/{group_id}/served", response_model=dict[str, int], responses=error_responses(404, 422))
+@router.get("/v1/groups/{group_id}/served", response_model=dict[str, int], responses=error_responses(400, 404, 422))
 def group_served(store: StoreDep, group_id: Annotated[str, Path(pattern=GROUP_ID_PATTERN)]) -> dict[str, int]:
     """How often the group was served, per learner (its ledger entries)."""
     if not store.index.select_group(group_id):
