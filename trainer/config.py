@@ -209,6 +209,15 @@ class StoreConfig(_Section):
     replay_from: Path | None = Field(default=None, description="rerun the run in this run directory from its peer_groups.jsonl: each step's peer groups are fetched from the store by id and checked against their recorded sha256 (no lookup, no wait, nothing published); the config must equal that run's but for run_dir, store.url/token and logging")
 
 
+    def refuse_broker_posts(self, where: str) -> None:
+        """`where` (a framework's adapter) neither posts its misses nor its grafts: the settings that need them would do
+        nothing there, so they are refused. (serve_order most_successes orders without the ledger: allowed.)"""
+        needing = [name for name, on in (("want_misses", self.want_misses), ("max_times_served", self.max_times_served is not None),
+                                         ("serve_order least_served", self.serve_order == "least_served")) if on]
+        if needing:
+            raise ValueError(f"{where}: {', '.join(needing)} needs the trainer to post its misses and grafts to the store "
+                             "(graft-train does; this adapter does not yet), so it would do nothing here: drop it")
+
     @property
     def records_served(self) -> bool:
         """Whether the trainer posts what it grafts to the store's served ledger: when the serving policy reads it."""

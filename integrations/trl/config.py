@@ -106,8 +106,10 @@ class GraftConfig(GRPOConfig):
                              "(mode offline, publish off)")
         if "lookup_wait_s" in options:
             raise ValueError("graft_store_options: the lookup's wait is graft_lookup_wait_s")
-        return StoreConfig.model_validate({**options, "url": self.graft_store_url, "publish": False,
-                                           "lookup_wait_s": self.graft_lookup_wait_s})
+        store = StoreConfig.model_validate({**options, "url": self.graft_store_url, "publish": False,
+                                            "lookup_wait_s": self.graft_lookup_wait_s})
+        store.refuse_broker_posts("graft_store_options")
+        return store
 
     def train_config(self, model_path: str, dataset: str = "trl-dataset") -> TrainConfig:
         """graft-train's configuration of the same run: what the shared functions (weights, peer tokenizers, the

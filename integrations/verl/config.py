@@ -77,8 +77,10 @@ class VerlGraftSection(BaseModel):
                 "learner's own groups as stored rows (text, sampling logprobs, finish reason) before the splice "
                 "replaces its all-fail groups, which the verl trainer does not assemble; a verl run reads the store "
                 "(mode offline). graft-train co-trains (store.mode cotrain)")
-        return StoreConfig.model_validate({**options, "url": self.store_url, "publish": False,
-                                           "lookup_wait_s": self.lookup_wait_s})
+        store = StoreConfig.model_validate({**options, "url": self.store_url, "publish": False,
+                                            "lookup_wait_s": self.lookup_wait_s})
+        store.refuse_broker_posts("graft.store_options")
+        return store
 
 
 def graft_section(config: DictConfig) -> VerlGraftSection:

@@ -278,6 +278,8 @@ def test_under_vllm_grafted_rows_are_kept_out_of_trls_importance_correction(toy_
     ({"graft_options": {"kapa": 1.0}}, "kapa"),  # graft-train's own validation: a typo fails
     ({"graft_options": {"is_cap": -1.0}}, "is_cap"),
     ({"graft_store_options": {"mode": "cotrain"}}, "offline"),
+    ({"graft_store_options": {"want_misses": True}}, "want_misses"),  # the adapter posts no misses: would do nothing
+    ({"graft_store_options": {"max_times_served": 2}}, "max_times_served"),  # nor its grafts to the ledger
     ({"graft_peer_tokenizers": ["tok-1=/a", "/b"]}, "ID=DIR"),
 ])
 def test_graft_config_refuses_what_trl_cannot_do_as_graft_train_does(tmp_path, settings, named):

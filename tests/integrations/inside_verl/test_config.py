@@ -44,6 +44,7 @@ def config(*extra: str):
     (["graft.options.token_is=luffy"], "luffy"),  # the tests' settings name token_is already (verl_world)
     (["+graft.options.union_all_success=true"], "union_all_success"),
     (["+graft.store_options.mode=cotrain"], "co-training"),
+    (["+graft.store_options.max_times_served=2"], "max_times_served"),  # the adapter posts no grafts to the ledger
     (["+graft.options.kapa=1.0"], "kapa"),  # graft-train's own validation: a typo fails
     (["+graft.stor_url=x"], "stor_url"),
     (["+graft.peer_tokenizers=['tok-1=/a','/b']"], "ID=DIR"),
