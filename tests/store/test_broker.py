@@ -144,6 +144,18 @@ def test_wants_and_the_ledger_survive_a_kill_and_a_torn_journal(tmp_path):
         server.start()
         assert [p.prompt_id for p in client.wanted().prompts] == [make_problem(2).prompt_id]
         assert client.stats().broker.wants_cleared == 1
+        served = client.stats().broker
+    # `graft-store stats` with no server answering reads the root offline, the broker's journal included
+    from typer.testing import CliRunner
+
+    from graft.services.store_api.cli import app
+    from graft.services.store_api.http.testing import free_port
+
+    result = CliRunner().invoke(app, ["stats", "--root", str(root), "--port", str(free_port())])
+    assert result.exit_code == 0, result.output
+    offline = orjson.loads(result.output.strip().splitlines()[-1])["broker"]
+    assert {k: offline[k] for k in ("backlog_wants", "wants_cleared", "ledger_entries")} == \
+        {"backlog_wants": served.backlog_wants, "wants_cleared": 1, "ledger_entries": 2}
 
 
 def test_the_backlog_is_bounded_least_recently_missed_first(client):
