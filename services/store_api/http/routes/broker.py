@@ -3,7 +3,7 @@ ledger that the lookup's serving policy reads (POST /v1/served, GET /v1/groups/{
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Query
 from fastapi.concurrency import run_in_threadpool
@@ -18,7 +18,7 @@ from graft.schemas import (
     WantedRequest,
     WantedResponse,
 )
-from graft.services.store_api.broker import UnknownGroups, UnknownPrompts
+from graft.services.store_api.broker import UnknownGroups, UnknownPrompts, WantedOrder
 from graft.services.store_api.http.dependencies import StoreDep, require_token
 from graft.services.store_api.http.errors import StoreHTTPError, error_responses
 
@@ -43,7 +43,7 @@ def get_wanted(
     model: Annotated[str | None, Query(min_length=1, description="the asking generator's model id: wants of that "
                                                                  "model as a learner are left out (its own groups "
                                                                  "never serve them)")] = None,
-    order: Annotated[Literal["oldest", "most_wanted"], Query(description="oldest want first, or most learners "
+    order: Annotated[WantedOrder, Query(description="oldest want first, or most learners "
                                                                          "(then most misses) first")] = "oldest",
     limit: Annotated[int, Query(ge=1, le=1024, description="at most this many prompts")] = 64,
 ) -> WantedList:
