@@ -61,7 +61,7 @@ class RLConfig(_Section):
     anchor_weight: float = Field(default=1.0, ge=0, description="weight of the anchor NLL")
     eval_every: int = Field(default=25, ge=1, description="evaluate a checkpoint every N steps (and at the end); the primary metric averages those at step >= steps / 2")
     eval_samples: int = Field(default=4, ge=1, description="samples per held-out problem at T = 1 (the primary metric: sampled accuracy, a seed per problem, the same in every run)")
-    cotrain_wait_s: float = Field(default=2.0, ge=0, description="co-training: longest wait per step for the other model's groups")
+    cotrain_wait_s: float = Field(default=120.0, gt=0, description="co-training: the longest wait per step for the other model's groups of that very step (store.cotrain_lockstep); past it the run fails naming the partner, which is then gone, not slow")
     seeds: list[int] = Field(default=[0, 1, 2, 3], description="seeds of the paired runs, at every start: each method's run shares its start and seed with a GRPO run")
     methods: dict[str, list[str]] = Field(
         default={"graft": [], "graft_spec": SPEC_GRAFT,
@@ -202,7 +202,7 @@ def quick(cfg: DemoConfig) -> DemoConfig:
     data["peer"]["sft"].update(small_sft)
     data["peer_groups"].update(prompts_per_batch=8)
     data["rl"].update(steps=4, prompts_per_step=4, eval_every=2, eval_samples=2, seeds=[0], anchor_prompts_per_step=2,
-                      cotrain_wait_s=0.5, cotrain_seeds=[0] if cfg.rl.cotrain_seeds else [],
+                      cotrain_seeds=[0] if cfg.rl.cotrain_seeds else [],
                       imitation_examples_per_step=4 if cfg.rl.imitation_examples_per_step else 0)
     data["probe"].update(prompts=4, batch_prompts=2, gold_problems=8)
     return DemoConfig.model_validate(data)

@@ -213,7 +213,9 @@ def mutual_jobs(cfg: DemoConfig, data: dict[str, Path], models: dict[str, dict],
             # all-fail ones. (ids unique to what the pair computes: this method, the config's other seeds left out)
             tag = config_hash(seed, *(models[r]["checkpoint_hash"] for r in ROLES), {**rl, "methods": {method: overrides}})[:8]
             ids = {role: f"{MODEL_ID[role]}-co{tag}" for role in ROLES}
-            cotrain = ["store.mode=cotrain", f"store.cotrain_wait_s={cfg.rl.cotrain_wait_s}", "store.lookup_wait_s=0", *overrides]
+            # lockstep: each step grafts the other's groups of that very step, so the same command gives the same table
+            cotrain = ["store.mode=cotrain", "store.cotrain_lockstep=true", f"store.cotrain_wait_s={cfg.rl.cotrain_wait_s}",
+                       "store.lookup_wait_s=0", *overrides]
             parts = [(role, plan.config(role, seed, "graft", ids[role], ids[OTHER[role]], cotrain)) for role in ROLES]
             mode = mode_name("cotrain", method)
             plan.add(f"{mode}-s{seed}", mode, seed, parts, both)

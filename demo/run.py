@@ -300,7 +300,9 @@ def rl_jobs(cfg: DemoConfig, data: dict[str, Path], models: dict[str, dict], sto
                                                  "cotrain_peer_anchor"})
             tag = config_hash(seed, models["learner"]["checkpoint_hash"], start, models["peer"]["checkpoint_hash"], pair_rl)[:8]
             learner_id, peer_id = f"{LEARNER_MODEL_ID}-co{tag}", f"{PEER_MODEL_ID}-co{tag}"
-            cotrain = ["store.mode=cotrain", f"store.cotrain_wait_s={cfg.rl.cotrain_wait_s}", "store.lookup_wait_s=0",
+            # lockstep: each step grafts the partner's groups of that very step, so the pair's table reproduces
+            cotrain = ["store.mode=cotrain", "store.cotrain_lockstep=true", f"store.cotrain_wait_s={cfg.rl.cotrain_wait_s}",
+                       "store.lookup_wait_s=0",
                        f"model.model_id={learner_id}", f"graft.peer_models=[{peer_id}]"]
             learner = learner_config(seed, "graft", cotrain)
             peer = learner_config(seed, "graft", cotrain)

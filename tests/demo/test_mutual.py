@@ -60,6 +60,16 @@ def test_quick_mutual_demo_end_to_end(tmp_path):
     assert "| A (weak `add3r`) | co-training, `graft_b1_no_peer_neg` (graft.token_is=none, graft.peer_negative_scale=0.0) |" in proc.stdout
     # the claim is the default GRAFT's alone: its verdicts are the default's co-training rows'
     assert summary["claim"]["cotrain_verdicts"] == {n: summary["comparisons"][n]["cotrain"]["verdict"] for n in ("A", "B")}
+    # co-training in lockstep (issue 50): the same command, in a fresh folder, gives the same co-training rows to the
+    # last digit (every metric the report reads, every evaluation)
+    again, report_again = _run(tmp_path / "again")
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    rerun = json.loads((report_again / "summary.json").read_text())
+
+    def cotrain_rows(s: dict) -> list[dict]:
+        return sorted((r for r in s["runs"] if r["mode"].startswith("cotrain")), key=lambda r: (r["name"], r["model"]))
+
+    assert cotrain_rows(summary) and cotrain_rows(rerun) == cotrain_rows(summary)
 
 
 @pytest.mark.slow
