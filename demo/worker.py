@@ -185,7 +185,8 @@ def finished_checkpoints(folder: Path, steps: int) -> list[Path]:
 
 
 def train(job: dict) -> dict:
-    """One RL run through the project's trainer, then greedy held-out accuracy of every saved checkpoint."""
+    """One RL run through the project's trainer, then held-out accuracy (greedy, sampled) of the checkpoints the
+    verdict reads (job["eval_steps"])."""
     from graft.rollouts.scoring import Scorer
     from graft.trainer.checkpoint import checkpoints_dir
     from graft.trainer.config import TrainConfig
@@ -195,7 +196,9 @@ def train(job: dict) -> dict:
     cfg = TrainConfig.model_validate(job["train"])
     run_dir = run_training(cfg, overwrite=True)  # a job runs again only when it did not finish (no done.json): afresh
     train_s = time.perf_counter() - started
-    checkpoints = finished_checkpoints(checkpoints_dir(run_dir), cfg.steps)
+    # only the checkpoints the verdict reads (DemoConfig.evaluated_steps); a job file from before it: all of them
+    checkpoints = [c for c in finished_checkpoints(checkpoints_dir(run_dir), cfg.steps)
+                   if "eval_steps" not in job or int(c.name.split("_")[1]) in job["eval_steps"]]
     eval_sets = load_eval_sets({f: Path(p) for f, p in job["eval_sets"].items()})
     evals: list[dict] = []
     with Scorer(num_workers=1, timeout_s=5.0) as scorer:
