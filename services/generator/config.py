@@ -8,6 +8,7 @@ import inspect
 import json
 import typing
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -16,7 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from graft.rollouts.openai_backend import OpenAIBackendConfig
 from graft.rollouts.prompts import MAX_FEW_SHOT, PromptTemplate, check_few_shot
+from graft.rollouts.traces import FORMAT_COLUMNS, TraceColumns, TraceFormat
 from graft.schemas.overrides import apply_overrides, format_fields
+from graft.schemas.rollout import SAFE_NAME_PATTERN
 
 
 class GeneratorConfig(BaseModel):
@@ -121,6 +124,65 @@ class GeneratorConfig(BaseModel):
         except (FileNotFoundError, ValueError) as error:
             problems.append(f"dataset: {error}")
         return problems  # watch_dir may not exist yet: the trainer it follows makes it
+
+
+class ImportConfig(BaseModel):
+    """`graft-import`: text-only traces from local files into stored groups without behaviour logprobs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    files: list[str] = Field(min_length=1, description="trace files, or folders of them (a TRL run's output_dir or its "
+                                                       "completions/, a verl rollout_data_dir)")
+    format: TraceFormat = Field(default="columns", description="columns (JSONL/Parquet, the *_column fields), trl "
+                                "(completions/*.parquet) or verl (rollout_data_dir/*.jsonl)")
+    model_id: str = Field(pattern=SAFE_NAME_PATTERN, description="the model that wrote the traces, stored with every "
+                                                                 "row (a path-safe name)")
+    model_revision: str = Field(default="", description="its revision, stored with every row (unknown: empty)")
+    tokenizer: str = Field(description="the traces' tokenizer: an HF model or tokenizer folder, or a .gguf file (the "
+                                       "completions are stored as its token ids)")
+    store: str = Field(description="store root directory, store URL http(s)://... (push ingest), or a lake "
+                                   "'ducklake:...', as graft-generate's")
+    store_token: str | None = Field(default=None, description="bearer token for push ingest (URL mode)")
+    problems: str | None = Field(default=None, description="a dataset (JSONL/Parquet or a known name) the trace "
+                                 "prompts are matched to: a prompt equal to a problem, or holding one's text (the "
+                                 "longest), takes its text (the store's prompt id), dataset and gold")
+    problem_field: str = Field(default="problem", min_length=1, description="problems: the column of the problem text")
+    answer_field: str | None = Field(default=None, min_length=1, description="problems: the column of the gold answer "
+                                     "(default: answer)")
+    dataset: str = Field(default="imported", pattern=SAFE_NAME_PATTERN, description="dataset name of the rows whose "
+                         "prompt matches no problem (or when problems is not set)")
+    problem_column: str | None = Field(default=None, min_length=1, description="the column of the prompt (default: "
+                                       "columns: problem, trl: prompt, verl: input)")
+    completion_column: str | None = Field(default=None, min_length=1, description="the column of the completion, a "
+                                          "text or a list of texts (a whole group) (default: completion; verl: output)")
+    gold_column: str | None = Field(default=None, min_length=1, description="the column of the gold answer, read when "
+                                    "there (default: columns: answer, verl: gts, trl: none)")
+    reward_column: str | None = Field(default=None, min_length=1, description="the column of a given reward in [0, 1] "
+                                      "(default: columns: reward, verl: score, trl: the one reward function's column)")
+    reward: Literal["auto", "gold", "given"] = Field(
+        default="auto", description="auto: math-verify against the gold where a row has one, else the given reward; "
+                                    "gold: math-verify only; given: the file's reward only")
+    temperature: float = Field(default=1.0, ge=0.0, description="the sampling temperature the traces were written at "
+                                                                "(stored; assumed by a later rescoring)")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="their nucleus mass (stored)")
+    top_k: int | None = Field(default=None, ge=0, description="their top-k cut (stored)")
+    max_tokens: int | None = Field(default=None, ge=1, description="their token budget (stored; default: the group's "
+                                   "longest completion)")
+    finish_reason: Literal["stop", "length"] = Field(
+        default="stop", description="stop: the completions ended (the tokenizer's EOS is appended); length: they were cut")
+    policy_step: int = Field(default=0, ge=0, description="training step of the model, stored with every row")
+    std_normalize: bool = Field(default=True, description="GRPO advantages divide by the group's std (false: Dr. GRPO)")
+    groups_per_shard: int = Field(default=256, ge=1, description="groups written together (one shard, or one push)")
+    score_workers: int = Field(default=2, ge=1, description="math-verify worker processes")
+    score_timeout_s: float = Field(default=5.0, gt=0, description="per-item scoring timeout (reward 0 when hit)")
+
+    def trace_columns(self) -> tuple[TraceColumns, frozenset[str]]:
+        """The columns to read (the format's, with the ones set here) and which of them were set."""
+        defaults = FORMAT_COLUMNS[self.format]
+        given = {"problem": self.problem_column, "completion": self.completion_column, "gold": self.gold_column,
+                 "reward": self.reward_column}
+        named = frozenset(k for k, v in given.items() if v is not None)
+        return replace(defaults, **{k: v for k, v in given.items() if v is not None}), named
 
 
 def check_served(backend: str, openai: OpenAIBackendConfig) -> None:
