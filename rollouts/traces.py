@@ -56,6 +56,7 @@ class BadRow:
     file: Path
     row: int  # 0-based row (JSONL: line - 1) of the file
     reason: str
+    group_key: tuple | None = None  # the group the row belongs to, when its prompt could be read (that group is left out)
 
     def __str__(self) -> str:
         return f"{self.file}: row {self.row}: {self.reason}"
@@ -107,10 +108,10 @@ def read_traces(files: list[Path], fmt: TraceFormat, columns: TraceColumns,
         present = set().union(*(r.keys() for _, r in records)) if records else set()
         used = _columns_of_file(path, fmt, columns, named, present, bool(records))
         for index, record in records:
-            read, problem = _trace_rows(path, index, record, used)
+            read, problem, key = _trace_rows(path, index, record, used)
             rows += read
             if problem is not None:
-                bad.append(BadRow(path, index, problem))
+                bad.append(BadRow(path, index, problem, key))
     return rows, bad
 
 
@@ -162,30 +163,32 @@ def _columns_of_file(path: Path, fmt: TraceFormat, columns: TraceColumns, named:
                         step=columns.step if columns.step in present else None)
 
 
-def _trace_rows(path: Path, index: int, record: dict, columns: TraceColumns) -> tuple[list[TraceRow], str | None]:
-    """The completions of one record (several when its completion column holds a list), or the reason it is bad."""
+def _trace_rows(path: Path, index: int, record: dict,
+                columns: TraceColumns) -> tuple[list[TraceRow], str | None, tuple | None]:
+    """The completions of one record (several when its completion column holds a list), or the reason it is bad and
+    the group it belongs to (when its prompt and step could be read)."""
     prompt = _text(record.get(columns.problem), "user")
     if not prompt or not prompt.strip():
-        return [], f"{columns.problem!r} is {_shown(record.get(columns.problem))}: a prompt must be a non-empty text"
-    value = record.get(columns.completion)
-    many = isinstance(value, list) and all(isinstance(v, str) for v in value) and bool(value)
-    completions = value if many else [_text(value, "assistant")]
-    if any(c is None for c in completions):
-        return [], f"{columns.completion!r} is {_shown(value)}: a completion must be a text (or a list of texts)"
-    gold = record.get(columns.gold) if columns.gold else None
-    if gold is not None and not isinstance(gold, (str, int, float)):
-        return [], f"{columns.gold!r} is {_shown(gold)}: a gold answer must be a text or a number"
-    reward = record.get(columns.reward) if columns.reward else None
-    if reward is not None and (isinstance(reward, str) or not isinstance(reward, (int, float)) or not math.isfinite(reward)):
-        return [], f"{columns.reward!r} is {_shown(reward)}: a reward must be a finite number (or null)"
+        return [], f"{columns.problem!r} is {_shown(record.get(columns.problem))}: a prompt must be a non-empty text", None
     step = record.get(columns.step) if columns.step else None
     if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
-        return [], f"{columns.step!r} is {_shown(step)}: a step must be an integer"
-    gold_text = None if gold is None else str(gold)
-    reward_value = None if reward is None else float(reward)
+        return [], f"{columns.step!r} is {_shown(step)}: a step must be an integer", None
+    value = record.get(columns.completion)
+    many = isinstance(value, list) and all(isinstance(v, str) for v in value) and bool(value)
     # a list is a whole group of its own; single completions group by (step, prompt) across rows and files
     key = ("row", str(path), index) if many else ("prompt", step, prompt.strip())
-    return [TraceRow(path, index, prompt, c, gold_text, reward_value, step, key) for c in completions], None
+    completions = value if many else [_text(value, "assistant")]
+    if any(c is None for c in completions):
+        return [], f"{columns.completion!r} is {_shown(value)}: a completion must be a text (or a list of texts)", key
+    gold = record.get(columns.gold) if columns.gold else None
+    if gold is not None and not isinstance(gold, (str, int, float)):
+        return [], f"{columns.gold!r} is {_shown(gold)}: a gold answer must be a text or a number", key
+    reward = record.get(columns.reward) if columns.reward else None
+    if reward is not None and (isinstance(reward, str) or not isinstance(reward, (int, float)) or not math.isfinite(reward)):
+        return [], f"{columns.reward!r} is {_shown(reward)}: a reward must be a finite number (or null)", key
+    gold_text = None if gold is None else str(gold)
+    reward_value = None if reward is None else float(reward)
+    return [TraceRow(path, index, prompt, c, gold_text, reward_value, step, key) for c in completions], None, None
 
 
 def _text(value: Any, role: str) -> str | None:

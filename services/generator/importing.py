@@ -103,9 +103,6 @@ def run_import(config: ImportConfig, on_bad_row: Callable[[str], None] = print) 
     columns, named = config.trace_columns()
     rows, bad = read_traces(files, config.format, columns, named)
     stats.files, stats.rows = len(files), len(rows)
-    for row in bad:
-        stats.bad_rows += 1
-        on_bad_row(str(row))
     matcher = None
     if config.problems:
         matcher = ProblemMatcher(load_problems(config.problems, problem_field=config.problem_field,
@@ -119,6 +116,14 @@ def run_import(config: ImportConfig, on_bad_row: Callable[[str], None] = print) 
     by_key: dict[tuple, list[TraceRow]] = {}
     for row in rows:
         by_key.setdefault(row.group_key, []).append(row)
+    for row in bad:  # a row that could not be read takes its group with it: a group is stored with all its completions
+        stats.bad_rows += 1
+        left_out = by_key.pop(row.group_key, None) if row.group_key is not None else None
+        if left_out is not None:
+            stats.groups_left_out += 1
+            on_bad_row(f"{row}; its group's other {len(left_out)} completions are not imported")
+        else:
+            on_bad_row(str(row))
     sink = GroupSink(config.store, config.store_token)
     try:
         stored = set(sink.stored_groups(config.model_id, config.model_revision, config.policy_step))
