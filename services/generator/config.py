@@ -185,6 +185,54 @@ class ImportConfig(BaseModel):
         return replace(defaults, **{k: v for k, v in given.items() if v is not None}), named
 
 
+class RescoreConfig(BaseModel):
+    """`graft-rescore`: fill in mu for stored groups from the peer's weights, teacher-forced (new groups, rows 'rescored')."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    store: str = Field(description="store root directory: its groups are read, the rescored ones written beside them")
+    source_model: str = Field(pattern=SAFE_NAME_PATTERN, description="the model id whose stored groups are rescored")
+    source_revision: str | None = Field(default=None, description="only its groups of this revision (default: all)")
+    only_without_mu: bool = Field(default=True, description="rescore only groups without behaviour logprobs "
+                                                            "(logprobs_mode none); false: every group of source_model")
+    model: str = Field(description="the weights that give mu: an HF directory or a .gguf file (backend openai: the "
+                                   "served model's folder, or its tokenizer's)")
+    model_id: str | None = Field(default=None, pattern=SAFE_NAME_PATTERN, description="model id of the rescored rows "
+                                 "(default: source_model)")
+    model_revision: str | None = Field(default=None, description="revision of the rescored rows (default: a fingerprint "
+                                       "of the weights; backend openai with a tokenizer-only folder: required)")
+    backend: Literal["hf", "openai"] = Field(default="hf", description="hf: transformers in-process; openai: a vLLM "
+                                             "server's prompt_logprobs (the openai section)")
+    openai: OpenAIBackendConfig = Field(default_factory=OpenAIBackendConfig, description="backend openai: the server and how to call it")
+    temperature: float | None = Field(default=None, ge=0.0, description="temperature assumed (default: each row's "
+                                      "own; backend openai: 1.0, the only one a server's prompt logprobs have)")
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, description="nucleus mass assumed (default: each row's own)")
+    top_k: int | None = Field(default=None, ge=0, description="top-k assumed (default: each row's own; 0: none)")
+    template: PromptTemplate = Field(default="auto", description="the prompt the completions followed: auto (chat "
+                                     "template if any), chat, plain, raw (as graft-generate's)")
+    few_shot: int = Field(default=0, ge=0, le=MAX_FEW_SHOT, description="worked examples before each problem (as graft-generate's)")
+    instruction: str | None = Field(default=None, description="the line after each problem (as graft-generate's)")
+    system_prompt: str | None = Field(default=None, description="a system turn before the problem (as graft-generate's)")
+    dataset: str | None = Field(default=None, description="problems (JSONL/Parquet or a known name) for the prompts "
+                                                          "the store's prompts/ does not hold")
+    problem_field: str = Field(default="problem", min_length=1, description="dataset: the column of the problem text")
+    answer_field: str | None = Field(default=None, min_length=1, description="dataset: the column of the gold answer")
+    dtype: str = Field(default="float32", description="backend hf: weights dtype (float32, bfloat16, float16)")
+    groups_per_shard: int = Field(default=64, ge=1, description="rescored groups written together (one shard)")
+
+    @model_validator(mode="after")
+    def _served_is_temperature_one(self) -> RescoreConfig:
+        check_few_shot(self.template, self.few_shot, self.instruction, self.system_prompt)
+        check_served(self.backend, self.openai)
+        if self.backend == "openai":
+            if (self.temperature not in (None, 1.0) or self.top_p not in (None, 1.0) or self.top_k not in (None, 0)):
+                raise ValueError("backend openai: a vLLM server's prompt logprobs are the temperature-1 distribution "
+                                 "without top-p or top-k; rescore at temperature 1.0 (the rows then say 1.0), or with "
+                                 "backend hf at the temperature the traces were sampled at")
+            self.temperature, self.top_p, self.top_k = 1.0, 1.0, None
+        return self
+
+
 def check_served(backend: str, openai: OpenAIBackendConfig) -> None:
     """Backend openai needs a server URL."""
     if backend == "openai" and not openai.base_url:
@@ -290,6 +338,19 @@ def command_line_config(cls: type[BaseModel], yaml_path: Path | None, flags: dic
     except (ValueError, FileNotFoundError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
+
+
+def print_summary(summary: dict, summary_json: Path | None) -> None:
+    """A command's JSON summary as stdout's last line, and into `summary_json` when given (whole or not at all: stdout
+    may carry an engine's logs)."""
+    import sys
+
+    from graft.rollouts.files import write_text_atomic
+
+    line = json.dumps(summary) + "\n"
+    sys.stdout.write(line)
+    if summary_json is not None:
+        write_text_atomic(summary_json, line)
 
 
 def _field_flag(name: str, info: Any) -> inspect.Parameter | None:

@@ -11,14 +11,12 @@ The rows have no behaviour logprobs (logprobs_mode 'none'): the trainers graft t
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 from typing import Any, Optional
 
 import typer
 
-from graft.services.generator.config import ImportConfig, command_line_config, config_app
+from graft.services.generator.config import ImportConfig, command_line_config, config_app, print_summary
 
 
 def _help(name: str) -> str:
@@ -64,11 +62,7 @@ def import_traces(
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
     summary = stats.summary()
-    sys.stdout.write(json.dumps(summary) + "\n")
-    if summary_json is not None:
-        from graft.rollouts.files import write_text_atomic
-
-        write_text_atomic(summary_json, json.dumps(summary) + "\n")
+    print_summary(summary, summary_json)
 
 
 app = config_app(import_traces, ImportConfig, help=__doc__)
