@@ -1,5 +1,6 @@
 """graft-import: text-only traces into stored groups without mu, from the files TRL 1.16 and verl 0.9.1 write (made
-here by their own code: a GRPOTrainer run with log_completions, verl's `_log_rollout_data`) and from named columns.
+here by their own code: a GRPOTrainer run with log_completions, verl's `_log_rollout_data`), imported by the commands
+docs/bring-your-peers.md prints, and from named columns.
 
 The rows must hold the traces' texts tokenised by the named tokenizer (EOS appended), math-verify's rewards against
 the gold (or the given reward, said in generator_id), logprobs_mode 'none'; a re-import stores nothing; a bad row is
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,8 +26,21 @@ from graft.schemas import NO_LOGPROBS, RolloutGroup, prompt_id, table_to_groups
 
 ROOT = Path(__file__).resolve().parents[2]
 VERL_PYTHON = ROOT / ".venv-verl" / "bin" / "python"
+PAGE = ROOT / "docs" / "bring-your-peers.md"
 PROBLEMS = [{"problem": "39+47=", "answer": "86"}, {"problem": "48+34=", "answer": "82"},
             {"problem": "17+25=", "answer": "42"}]
+
+
+def page_command(fmt: str, substitutions: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
+    """docs/bring-your-peers.md's `graft-import --format FMT` block, run as printed but for its paths (the page's run
+    folder, dataset, tokenizer and store replaced by the test's)."""
+    code = next(b for b in re.findall(r"```bash\n(.*?)```", PAGE.read_text(), re.S) if f"--format {fmt}" in b)
+    for printed, here in substitutions.items():
+        assert printed in code, f"{PAGE.name}'s {fmt} block no longer names {printed}"
+        code = code.replace(printed, here)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    return subprocess.run(["bash", "-e", "-o", "pipefail", "-c", code], cwd=cwd, capture_output=True, text=True,
+                          timeout=300, env=env)
 
 
 def graft_import(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -83,9 +98,9 @@ def test_trl_completions_parquet_as_trl_writes_it(tiny_model_dir, tmp_path):
     assert {"step", "prompt", "completion", "accuracy", "advantage"} == set(written[0])  # TRL 1.16's columns
 
     store = tmp_path / "store"
-    command = ["--format", "trl", "--file", str(run), "--problems", str(write_problems(tmp_path / "p.jsonl")),
-               "--model-id", "trl-peer", "--tokenizer", str(tiny_model_dir), "--store", str(store)]
-    summary = summary_of(graft_import(*command, cwd=tmp_path))
+    paths = {"runs/trl-grpo": str(run), "--problems gsm8k": f"--problems {write_problems(tmp_path / 'p.jsonl')}",
+             "models/peer": str(tiny_model_dir), "stores/local": str(store)}
+    summary = summary_of(page_command("trl", paths, cwd=tmp_path))
     assert (summary["groups"], summary["rollouts"], summary["bad_rows"], summary["rewards_from_gold"]) == (2, 8, 0, 8)
     groups = stored_groups(store, "trl-peer")
     tokenizer = load_tokenizer_of(tiny_model_dir)
@@ -97,7 +112,7 @@ def test_trl_completions_parquet_as_trl_writes_it(tiny_model_dir, tmp_path):
         assert [r.reward for r in group.rollouts] == [w["accuracy"] for w in rows]
         assert {r.generator_id for r in group.rollouts} == {"graft-import:math-verify"}
         check_tokens(group, tokenizer)
-    again = summary_of(graft_import(*command, cwd=tmp_path))
+    again = summary_of(page_command("trl", paths, cwd=tmp_path))
     assert (again["groups"], again["skipped_already_stored"]) == (0, 2)
     assert len(stored_groups(store, "trl-peer")) == 2
 
@@ -126,9 +141,9 @@ def test_verl_rollout_dump_as_verl_writes_it(tiny_model_dir, tmp_path):
     assert {"input", "output", "gts", "score", "step"} <= set(written[0]) and written[0]["input"] != "39+47="
 
     store = tmp_path / "store"
-    summary = summary_of(graft_import("--format", "verl", "--file", str(dump), "--problems",
-                                      str(write_problems(tmp_path / "p.jsonl")), "--model-id", "verl-peer",
-                                      "--tokenizer", str(tiny_model_dir), "--store", str(store), cwd=tmp_path))
+    summary = summary_of(page_command("verl", {
+        "runs/verl-grpo/rollout_data": str(dump), "--problems gsm8k": f"--problems {write_problems(tmp_path / 'p.jsonl')}",
+        "models/peer": str(tiny_model_dir), "stores/local": str(store)}, cwd=tmp_path))
     assert (summary["groups"], summary["rollouts"], summary["rewards_from_gold"], summary["success_rate"]) == (2, 6, 6, 2 / 6)
     groups = {g.prompt_id: g for g in stored_groups(store, "verl-peer")}
     tokenizer = load_tokenizer_of(tiny_model_dir)
