@@ -149,8 +149,8 @@ class ImportConfig(BaseModel):
     problem_field: str = Field(default="problem", min_length=1, description="problems: the column of the problem text")
     answer_field: str | None = Field(default=None, min_length=1, description="problems: the column of the gold answer "
                                      "(default: answer)")
-    dataset: str = Field(default="imported", pattern=SAFE_NAME_PATTERN, description="dataset name of the rows whose "
-                         "prompt matches no problem (or when problems is not set)")
+    dataset: str = Field(default="imported", pattern=SAFE_NAME_PATTERN, description="dataset name of the rows when "
+                         "problems is not set (with problems: the problems' own)")
     problem_column: str | None = Field(default=None, min_length=1, description="the column of the prompt (default: "
                                        "columns: problem, trl: prompt, verl: input)")
     completion_column: str | None = Field(default=None, min_length=1, description="the column of the completion, a "

@@ -11,6 +11,7 @@ Groups are written through graft-generate's sink (shards written atomically, a p
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -142,7 +143,10 @@ def run_import(config: ImportConfig, on_bad_row: Callable[[str], None] = print) 
             else:
                 pending.append(checked)
                 pending_ids.add(checked.group_id)
-        with Scorer(num_workers=config.score_workers, timeout_s=config.score_timeout_s) as scorer:
+        # math-verify's workers start only when a group is scored against golds (they take seconds to import sympy)
+        needs_scorer = any(p.from_gold for p in pending)
+        with (Scorer(num_workers=config.score_workers, timeout_s=config.score_timeout_s) if needs_scorer
+              else contextlib.nullcontext()) as scorer:
             for start in range(0, len(pending), config.groups_per_shard):
                 groups, problems = _assemble(pending[start : start + config.groups_per_shard], config, scorer,
                                              tokenizer, tokenizer_id, stats)
@@ -191,7 +195,7 @@ def _check_group(rows: list[TraceRow], config: ImportConfig, matcher: ProblemMat
     return _Pending(problem, rows, golds, token_ids, from_gold, group_id)
 
 
-def _assemble(batch: list[_Pending], config: ImportConfig, scorer: Scorer, tokenizer, tokenizer_id: str,
+def _assemble(batch: list[_Pending], config: ImportConfig, scorer: Scorer | None, tokenizer, tokenizer_id: str,
               stats: ImportStats) -> tuple[list[RolloutGroup], list[Problem]]:
     """Score a batch of groups (math-verify for those with golds, in one call) and assemble them."""
     to_score = [(r.completion, g) for p in batch if p.from_gold for r, g in zip(p.rows, p.golds)]
