@@ -71,11 +71,21 @@ def check_tokens(group: RolloutGroup, tokenizer) -> None:
         assert r.tokenizer_id == tokenizer_fingerprint(tokenizer) and r.finish_reason == "stop"
 
 
+def text_of(value) -> str:
+    """A TRL column's text: the value, or a conversation's content (the last user turn of a prompt, an answer's turns)."""
+    if isinstance(value, str):
+        return value
+    users = [m["content"] for m in value if m["role"] == "user"]
+    return users[-1] if users else "".join(m["content"] for m in value)
+
+
 @pytest.mark.slow
-def test_trl_completions_parquet_as_trl_writes_it(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("conversational", [False, True], ids=["text", "conversational"])
+def test_trl_completions_parquet_as_trl_writes_it(tiny_model_dir, tmp_path, conversational):
     """A one-step GRPOTrainer run with log_completions=True writes completions/completions_00001.parquet; its 2
     prompts x 4 completions become 2 groups of 4 whose rewards (math-verify against the matched problems' golds) equal
-    the run's own reward function's, and a second import stores nothing."""
+    the run's own reward function's, and a second import stores nothing. Conversational: the prompts are chats (the
+    tokenizer's chat template), and TRL writes prompt and completion as lists of messages."""
     pytest.importorskip("trl", reason="the trl extra is not installed: pip install '.[trl]'")
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -83,8 +93,8 @@ def test_trl_completions_parquet_as_trl_writes_it(tiny_model_dir, tmp_path):
 
     from graft.rollouts.scoring import extract_last_boxed
 
-    def accuracy(completions: list[str], answer: list[str], **_) -> list[float]:
-        return [float(extract_last_boxed(c) == a) for c, a in zip(completions, answer)]
+    def accuracy(completions: list, answer: list[str], **_) -> list[float]:
+        return [float(extract_last_boxed(text_of(c)) == a) for c, a in zip(completions, answer)]
 
     torch.manual_seed(0)
     run = tmp_path / "trl"
@@ -92,10 +102,12 @@ def test_trl_completions_parquet_as_trl_writes_it(tiny_model_dir, tmp_path):
                       max_steps=1, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", log_completions=True,
                       disable_tqdm=True, seed=0)
     GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(tiny_model_dir), reward_funcs=accuracy, args=args,
-                train_dataset=Dataset.from_list(PROBLEMS[:2]).rename_column("problem", "prompt"),
+                train_dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": p["problem"]}] if conversational
+                                                  else p["problem"], "answer": p["answer"]} for p in PROBLEMS[:2]]),
                 processing_class=AutoTokenizer.from_pretrained(tiny_model_dir)).train()
     written = pq.read_table(run / "completions" / "completions_00001.parquet").to_pylist()
     assert {"step", "prompt", "completion", "accuracy", "advantage"} == set(written[0])  # TRL 1.16's columns
+    assert isinstance(written[0]["completion"], list) == conversational
 
     store = tmp_path / "store"
     paths = {"runs/trl-grpo": str(run), "--problems gsm8k": f"--problems {write_problems(tmp_path / 'p.jsonl')}",
@@ -107,8 +119,8 @@ def test_trl_completions_parquet_as_trl_writes_it(tiny_model_dir, tmp_path):
     by_prompt = {p["problem"]: p for p in PROBLEMS}
     for group in groups:
         problem = next(p for p in by_prompt.values() if prompt_id(p["problem"]) == group.prompt_id)
-        rows = [w for w in written if w["prompt"] == problem["problem"]]
-        assert [r.completion_text for r in group.rollouts] == [w["completion"] for w in rows]
+        rows = [w for w in written if text_of(w["prompt"]) == problem["problem"]]
+        assert [r.completion_text for r in group.rollouts] == [text_of(w["completion"]) for w in rows]
         assert [r.reward for r in group.rollouts] == [w["accuracy"] for w in rows]
         assert {r.generator_id for r in group.rollouts} == {"graft-import:math-verify"}
         check_tokens(group, tokenizer)
@@ -204,3 +216,25 @@ def test_named_columns_bad_rows_given_rewards_and_a_missing_column(tiny_model_di
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1
     assert f"error: {traces / 'a.jsonl'} has no column 'problem'" in missing.stderr
     assert not list(elsewhere.rglob("*.parquet"))
+
+
+def test_an_import_pushes_to_a_store_url_and_a_re_import_skips_what_it_holds(tiny_model_dir, tmp_path):
+    """--store URL: whole groups pushed through the store's API (graft-generate's sink), the stored ids read back
+    through it on the next import."""
+    from graft.services.generator.config import ImportConfig
+    from graft.services.generator.importing import run_import
+    from graft.services.store_api.http.client import StoreClient
+    from graft.services.store_api.http.testing import StoreServer
+
+    traces = tmp_path / "t.jsonl"
+    traces.write_text("".join(json.dumps({"problem": p["problem"], "completion": [f"\\boxed{{{p['answer']}}}", "\\boxed{0}"],
+                                          "answer": p["answer"]}) + "\n" for p in PROBLEMS))
+    with StoreServer(tmp_path / "store") as server:
+        config = ImportConfig(files=[str(traces)], model_id="pushed", tokenizer=str(tiny_model_dir), store=server.url,
+                              score_workers=1)
+        first, second = run_import(config), run_import(config)
+        with StoreClient(server.url) as client:
+            stored = [client.prompt_groups(prompt_id(p["problem"]), model="pushed") for p in PROBLEMS]
+    assert (first.groups, second.groups, second.skipped_already_stored) == (3, 0, 3)
+    assert [len(groups) for groups in stored] == [1, 1, 1]
+    assert all([r.reward for r in g[0].rollouts] == [1.0, 0.0] and not g[0].has_behaviour_logprobs for g in stored)
