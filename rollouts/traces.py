@@ -174,11 +174,12 @@ def _trace_rows(path: Path, index: int, record: dict,
     if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
         return [], f"{columns.step!r} is {_shown(step)}: a step must be an integer", None
     value = record.get(columns.completion)
-    many = isinstance(value, list) and all(isinstance(v, str) for v in value) and bool(value)
-    # a list is a whole group of its own; single completions group by (step, prompt) across rows and files
+    conversation = isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value)
+    many = isinstance(value, list) and not conversation
+    # a list of completions is a whole group of its own; single completions group by (step, prompt) across rows and files
     key = ("row", str(path), index) if many else ("prompt", step, prompt.strip())
     completions = value if many else [_text(value, "assistant")]
-    if any(c is None for c in completions):
+    if not completions or any(not isinstance(c, str) for c in completions):
         return [], f"{columns.completion!r} is {_shown(value)}: a completion must be a text (or a list of texts)", key
     gold = record.get(columns.gold) if columns.gold else None
     if gold is not None and not isinstance(gold, (str, int, float)):
