@@ -22,6 +22,7 @@ from graft.schemas.rollout import (
     NO_LOGPROBS,
     PROBLEM_ARROW_SCHEMA,
     PROMPT_ID_PATTERN,
+    RESCORED,
     ROLLOUT_ARROW_SCHEMA,
     SCHEMA_VERSION,
     Problem,
@@ -35,7 +36,8 @@ from graft.schemas.rollout import (
 )
 
 __all__ = [
-    "ARROW_MEDIA_TYPE", "GROUP_ID_PATTERN", "LOOKUP_PATH", "MAX_LOOKUP_PROMPTS", "PROMPT_ID_PATTERN", "MAX_PAGE_SIZE", "MAX_PUSH_GROUPS", "NO_LOGPROBS", "PROBLEM_ARROW_SCHEMA", "ROLLOUT_ARROW_SCHEMA",
+    "ARROW_MEDIA_TYPE", "GROUP_ID_PATTERN", "LOOKUP_PATH", "MAX_LOOKUP_PROMPTS", "PROMPT_ID_PATTERN", "MAX_PAGE_SIZE", "MAX_PUSH_GROUPS", "NO_LOGPROBS", "PROBLEM_ARROW_SCHEMA", "RESCORED",
+    "ROLLOUT_ARROW_SCHEMA",
     "SCHEMA_VERSION", "ErrorResponse", "HealthResponse", "LakeStats", "ModelStats", "PeerLookupRequest", "PeerLookupResponse",
     "Problem", "PushGroupsRequest", "PushGroupsResponse", "Rollout", "RolloutGroup", "RolloutPage", "StatsResponse",
     "group_advantages", "groups_to_table", "prompt_id", "rollout_id", "table_to_groups",
