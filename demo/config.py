@@ -48,7 +48,7 @@ class PeerGroupsConfig(_Section):
     prompts_per_batch: int = Field(default=128, ge=1, description="prompts per generator batch (one shard each)")
 
 
-# The spec's GRAFT (GRAFT_SPEC sections 4-5), spelled out: the demo runs it beside the trainer's default, whatever that is.
+# The spec's GRAFT (GRAFT_SPEC sections 4-5; graft.preset=spec), spelled out: the probe weighs it beside the default.
 SPEC_GRAFT = ["graft.token_is=tis", "graft.kappa=1.0", "graft.peer_negative_scale=1.0", "graft.peer_loss_scale=1.0"]
 
 
@@ -59,18 +59,17 @@ class RLConfig(_Section):
     lr: float = Field(default=5e-4, gt=0, description="AdamW learning rate (1e-3 wrecks every RL run here, demo/README.md)")
     anchor_prompts_per_step: int = Field(default=32, ge=1, description="strong-family reference completions in the supervised anchor, every step")
     anchor_weight: float = Field(default=1.0, ge=0, description="weight of the anchor NLL")
-    eval_every: int = Field(default=25, ge=1, description="evaluate a checkpoint every N steps (and at the end); the primary metric averages those at step >= steps / 2")
+    eval_every: int = Field(default=25, ge=1, description="checkpoints every N steps (and at the end); those at step >= steps / 2 are evaluated, the ones the primary metric averages (evaluated_steps)")
     eval_samples: int = Field(default=4, ge=1, description="samples per held-out problem at T = 1 (the primary metric: sampled accuracy, a seed per problem, the same in every run)")
-    cotrain_wait_s: float = Field(default=2.0, ge=0, description="co-training: longest wait per step for the other model's groups")
-    seeds: list[int] = Field(default=[0, 1, 2, 3], description="seeds of the paired runs, at every start: each method's run shares its start and seed with a GRPO run")
+    cotrain_wait_s: float = Field(default=120.0, gt=0, description="co-training: the longest wait per step for the other model's groups of that very step (store.cotrain_lockstep); past it the run fails naming the partner, which is then gone, not slow")
+    seeds: list[int] = Field(default=[0, 1, 2, 3, 4, 5, 6, 7], description="seeds of the paired runs, at every start: each method's run shares its start and seed with a GRPO run (8 x 2 starts: 16 pairs, issue 48)")
     methods: dict[str, list[str]] = Field(
-        default={"graft": [], "graft_spec": SPEC_GRAFT,
-                 "graft_b1_no_peer_neg": ["graft.token_is=none", "graft.peer_negative_scale=0.0"]},
+        default={"graft": []},
         description="GRAFT offline from the peer's stored groups, compared with GRPO: name -> trainer overrides on top of "
-                    "configs/demo_train.yaml. graft: the trainer's defaults (what graft-train and the TRL adapter run "
-                    "unless told otherwise); graft_spec: GRAFT_SPEC's formulas; graft_b1_no_peer_neg: the choose run's "
-                    "largest weak-family gain (report/choose), which its rule did not make the default, on seeds not "
-                    "used to choose. Two names whose runs would be the same (same resolved trainer config) run once",
+                    "configs/demo_train.yaml. graft: the trainer's defaults (what graft-train, the TRL adapter and verl run "
+                    "unless told otherwise: b = 1, peer negatives x0, chosen by the confirmatory run, report/confirm, "
+                    "where the spec's formulas, `graft.preset=spec`, ran beside it); make demo-study runs the variants. "
+                    "Two names whose runs would be the same (same resolved trainer config) run once",
     )
     cotrain_seeds: list[int] = Field(default=[], description="seeds of the co-training pairs (learner and peer at once, each the other's peer), at every start; [] : none")
     cotrain_peer_anchor: bool = Field(default=True, description="the co-training peer is anchored on its own strong family (the learner's weak one), as the learner is on its own: without, it loses that skill")
@@ -101,9 +100,9 @@ class DemoConfig(_Section):
     out_dir: Path = Field(default=Path("demo_out"), description="models, store, runs (cached by config hash)")
     report_dir: Path = Field(default=Path("report"), description="summary.json, REPORT.md, plots")
     workers: int = Field(
-        default=3, ge=1,
-        description="processes run at once, one torch thread each: 3 on 2 cores keeps both busy while a co-training "
-                    "peer waits for the learner's groups (about 40% of its time)",
+        default=2, ge=1,
+        description="processes run at once, one torch thread each: one a core (configs/demo_study.yaml, whose co-training "
+                    "peers wait for the learner's groups about 40% of their time, runs 3)",
     )
     learner_sft_threads: int = Field(
         default=2, ge=1,
@@ -163,6 +162,12 @@ class DemoConfig(_Section):
     probe: ProbeConfig = Field(default_factory=ProbeConfig)
     mode: Literal["full", "quick"] = Field(default="full", description="quick: the test's shrunken pipeline")
 
+    def evaluated_steps(self) -> list[int]:
+        """The checkpoints an RL run evaluates: every rl.eval_every steps and the last, from steps / 2 on (the ones the
+        primary metric averages; issue 48: evaluation only where the verdict reads it)."""
+        rl = self.rl
+        return sorted(s for s in set(range(rl.eval_every, rl.steps + 1, rl.eval_every)) | {rl.steps} if s >= rl.steps / 2)
+
     def level_family(self, role: str) -> str:
         """The family whose sampled dev accuracy places `role`'s starts."""
         return (self.learner if role == "learner" else self.peer).level_family or self.task.weak_family
@@ -202,7 +207,7 @@ def quick(cfg: DemoConfig) -> DemoConfig:
     data["peer"]["sft"].update(small_sft)
     data["peer_groups"].update(prompts_per_batch=8)
     data["rl"].update(steps=4, prompts_per_step=4, eval_every=2, eval_samples=2, seeds=[0], anchor_prompts_per_step=2,
-                      cotrain_wait_s=0.5, cotrain_seeds=[0] if cfg.rl.cotrain_seeds else [],
+                      cotrain_seeds=[0] if cfg.rl.cotrain_seeds else [],
                       imitation_examples_per_step=4 if cfg.rl.imitation_examples_per_step else 0)
     data["probe"].update(prompts=4, batch_prompts=2, gold_problems=8)
     return DemoConfig.model_validate(data)

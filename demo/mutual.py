@@ -14,8 +14,10 @@ designated teacher? The paper's headline claim, measured on the main demo's desi
    per family, the ceilings, plots
 
 The budget (lr, with the anchors) was chosen before any GRAFT run by BUDGET_RULE on GRPO and the ceilings alone:
-`python -m demo.mutual --budget` runs that pilot (report/mutual/budget/). Every stage is cached under demo_out/mutual/:
-    python -m demo.mutual [--quick] [--budget] [--config configs/demo_mutual.yaml] [--set rl.seeds=[4,5,6,7] ...]
+`python -m demo.mutual --budget` runs that pilot (report/mutual/budget/). `python -m demo.mutual --dose` runs the dose
+study (demo.mutual_report.DOSE_RULE, report/mutual/dose/): offline, on seeds of its own, the single changes that tell
+apart why GRAFT moves a weak family so much less than the ceiling. Every stage is cached under demo_out/mutual/:
+    python -m demo.mutual [--quick] [--budget | --dose] [--config configs/demo_mutual.yaml] [--set rl.seeds=[4,5,6,7] ...]
 """
 
 from __future__ import annotations
@@ -29,7 +31,20 @@ import yaml
 
 from demo.config import DemoConfig, config_hash
 from demo.jobs import Job, python_module, run_jobs
-from demo.mutual_report import BUDGET_LRS, NAME, OTHER, PILOT_SEED, ROLES, mode_name, strong_family, weak_family
+from demo.mutual_report import (
+    BUDGET_LRS,
+    DOSE_LR,
+    DOSE_LR_MODES,
+    DOSE_RUNS,
+    DOSE_SEEDS,
+    NAME,
+    OTHER,
+    PILOT_SEED,
+    ROLES,
+    mode_name,
+    strong_family,
+    weak_family,
+)
 from demo.run import (
     REPO_ROOT,
     TRAIN_BASE,
@@ -54,10 +69,14 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     args = sys.argv[1:] if argv is None else list(argv)
     budget = "--budget" in args  # the pilot (this module's docstring, which --help prints, says what it does)
-    cfg, env, kernels, out = command_line("python -m demo.mutual", __doc__, DEFAULT_CONFIG, [a for a in args if a != "--budget"])
+    dose = "--dose" in args  # the dose study (DOSE_RULE)
+    if budget and dose:
+        raise SystemExit("--budget and --dose are two studies: run one at a time")
+    cfg, env, kernels, out = command_line("python -m demo.mutual", __doc__, DEFAULT_CONFIG,
+                                          [a for a in args if a not in ("--budget", "--dose")])
     check_config(cfg)
     print(f"GRAFT mutual demo ({cfg.mode}{', the budget pilot' if budget else ''}): A strong on {cfg.task.strong_family}, B "
-          f"strong on {cfg.task.weak_family}; outputs in {out}, report in {cfg.report_dir}, {cfg.workers} processes at once",
+          f"strong on {cfg.task.weak_family}{', the dose study' if dose else ''}; outputs in {out}, report in {cfg.report_dir}, {cfg.workers} processes at once",
           flush=True)
     data = prepare_data(cfg, out / "data")
     data.update(anchor_files(cfg, out / "data"))
@@ -68,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     store_root = out / f"store-{config_hash(cfg.task, cfg.peer_groups, *(models[r]['checkpoint_hash'] for r in ROLES))}"
     with StoreServer(store_root) as server:
         print(f"store API up at {server.url} over {store_root} (pid {server.pid})", flush=True)
-        make = budget_jobs if budget else mutual_jobs
+        make = budget_jobs if budget else dose_jobs if dose else mutual_jobs
         jobs, runs = make(cfg, data, models, store_root, server.url, out)
         timings = run_jobs(build_jobs + jobs, cfg.workers, desc="SFT, stored groups, RL runs", env=env)
     for role in ROLES:
@@ -81,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         result = mutual_report.write_budget(cfg, models, runs, timings, wall_time_s=time.perf_counter() - started)
         print("\n".join(mutual_report.budget_lines(result)))
         return 0 if result["chosen_lr"] is not None else 1
+    if dose:
+        result = mutual_report.write_dose(cfg, models, runs, timings, wall_time_s=time.perf_counter() - started)
+        print("\n".join(mutual_report.dose_lines(result)))
+        return 0
     summary = mutual_report.write_report(cfg, models, runs, stored, timings, wall_time_s=time.perf_counter() - started)
     print()
     print((cfg.report_dir / "REPORT.md").read_text().split("<!-- table-end -->")[0])
@@ -149,27 +172,30 @@ class _Plan:
             self.runs.append({"name": name, "mode": mode, "seed": seed, "model": NAME[role], "start": NAME[role],
                               "dir": str(job_dir if index == 0 else job_dir / "peer")})
 
-    def ceiling(self, role: str, seed: int, tag: str = "") -> None:
+    def ceiling(self, role: str, seed: int, tag: str = "", matched: dict | None = None) -> None:
         """The model trained on the other's correct answers to its weak family (its start's stored groups), with the RL
-        runs' optimizer, updates and anchor: what any way of consuming them could teach in this budget."""
+        runs' optimizer, updates and anchor: what any way of consuming them could teach in this budget. `matched` (a
+        GRAFT run of self.runs): the dose-matched ceiling, on exactly the correct rows that run grafted, step by step,
+        with its token-mean denominator (demo.worker.imitate)."""
         cfg = self.cfg
         train = self.config(role, seed, "grpo", MODEL_ID[role], None, [])
+        matched_run = str(Path(matched["dir"]) / "train") if matched else None
         key = config_hash(train, cfg.rl.imitation_examples_per_step, self.models[role]["checkpoint_hash"], self.store_root.name,
-                          self.eval_sets, cfg.rl.eval_samples)
-        name = f"ceiling_{NAME[role]}{tag}-s{seed}"
+                          self.eval_sets, cfg.rl.eval_samples, *([matched_run] if matched_run else []))
+        name = f"ceiling{'_matched' if matched else ''}_{NAME[role]}{tag}-s{seed}"
         job_dir = self.out / "runs" / f"{name}-{key}"
         job_dir.mkdir(parents=True, exist_ok=True)
         job = {"out": str(job_dir), "train": train, "eval_sets": self.eval_sets, "rl_dataset": str(self.data["rl"]),
                "store_url": self.store_url, "weak_dataset": dataset_name(weak_family(cfg, role)),
                "peer_model": STORED_ID[OTHER[role]], "examples_per_step": cfg.rl.imitation_examples_per_step,
-               "eval_samples": cfg.rl.eval_samples}
+               "eval_samples": cfg.rl.eval_samples, "eval_every": cfg.rl.eval_every, "matched_run": matched_run}
         (job_dir / "job.json").write_text(json.dumps(job))
         self.jobs.append(Job(name=name, commands=[python_module("demo.worker", "imitate", str(job_dir / "job.json"))],
                              logs=[job_dir / "log.txt"], done=[job_dir / "done.json"],
-                             deps=[f"sft {role}", f"groups {NAME[OTHER[role]]}"],
+                             deps=[f"sft {role}", f"groups {NAME[OTHER[role]]}", *([matched["name"]] if matched else [])],
                              progress=progress_file(job_dir / "progress"), total=float(cfg.rl.steps)))
-        self.runs.append({"name": name, "mode": "ceiling", "seed": seed, "model": NAME[role], "start": NAME[role],
-                          "dir": str(job_dir), "lr": cfg.rl.lr})
+        self.runs.append({"name": name, "mode": "ceiling_matched" if matched else "ceiling", "seed": seed, "model": NAME[role],
+                          "start": NAME[role], "dir": str(job_dir), "lr": cfg.rl.lr})
 
 
 def mutual_jobs(cfg: DemoConfig, data: dict[str, Path], models: dict[str, dict], store_root: Path, store_url: str,
@@ -187,7 +213,9 @@ def mutual_jobs(cfg: DemoConfig, data: dict[str, Path], models: dict[str, dict],
             # all-fail ones. (ids unique to what the pair computes: this method, the config's other seeds left out)
             tag = config_hash(seed, *(models[r]["checkpoint_hash"] for r in ROLES), {**rl, "methods": {method: overrides}})[:8]
             ids = {role: f"{MODEL_ID[role]}-co{tag}" for role in ROLES}
-            cotrain = ["store.mode=cotrain", f"store.cotrain_wait_s={cfg.rl.cotrain_wait_s}", "store.lookup_wait_s=0", *overrides]
+            # lockstep: each step grafts the other's groups of that very step, so the same command gives the same table
+            cotrain = ["store.mode=cotrain", "store.cotrain_lockstep=true", f"store.cotrain_wait_s={cfg.rl.cotrain_wait_s}",
+                       "store.lookup_wait_s=0", *overrides]
             parts = [(role, plan.config(role, seed, "graft", ids[role], ids[OTHER[role]], cotrain)) for role in ROLES]
             mode = mode_name("cotrain", method)
             plan.add(f"{mode}-s{seed}", mode, seed, parts, both)
@@ -203,6 +231,30 @@ def mutual_jobs(cfg: DemoConfig, data: dict[str, Path], models: dict[str, dict],
         for seed in cfg.rl.imitation_seeds:
             for role in ROLES:
                 plan.ceiling(role, seed)
+    return plan.jobs, plan.runs
+
+
+def dose_jobs(cfg: DemoConfig, data: dict[str, Path], models: dict[str, dict], store_root: Path, store_url: str,
+              out: Path) -> tuple[list[Job], list[dict]]:
+    """The dose study (demo.mutual_report.DOSE_RULE): on DOSE_SEEDS, each model offline from the other's stored groups,
+    every run of DOSE_RUNS (GRPO and the default GRAFT at the demo's lr, each single change, GRPO and the default GRAFT
+    at DOSE_LR) and its two ceilings (the full one, and the dose-matched one on the default GRAFT run's grafted rows)."""
+    seeds = DOSE_SEEDS if cfg.mode == "full" else DOSE_SEEDS[:1]
+    plan = _Plan(cfg, data, models, store_root, store_url, out)
+    for seed in seeds:
+        for role in ROLES:
+            deps = [f"sft {role}", f"groups {NAME[OTHER[role]]}"]
+            for mode, overrides in DOSE_RUNS.items():
+                lr = DOSE_LR if mode in DOSE_LR_MODES else cfg.rl.lr
+                plan.cfg = cfg.model_copy(update={"rl": cfg.rl.model_copy(update={"lr": lr})})
+                method, peer = ("grpo", None) if overrides is None else ("graft", STORED_ID[OTHER[role]])
+                plan.add(f"dose_{mode}_{NAME[role]}-s{seed}", mode, seed,
+                         [(role, plan.config(role, seed, method, MODEL_ID[role], peer, overrides or []))], deps)
+                plan.runs[-1]["lr"] = lr
+            plan.cfg = cfg
+            default = next(r for r in plan.runs if r["mode"] == "graft" and r["seed"] == seed and r["model"] == NAME[role])
+            plan.ceiling(role, seed, tag="-dose")
+            plan.ceiling(role, seed, tag="-dose", matched=default)
     return plan.jobs, plan.runs
 
 

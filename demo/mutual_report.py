@@ -35,6 +35,38 @@ BUDGET_RULE = (
     f"report says that no budget here moves a weak family that far); if none is kept, the demo stops and says so")
 
 
+# The dose study (`python -m demo.mutual --dose`, issue 48), written before its runs. The mutual demo's GRAFT moved A's
+# weak family by about a point where its ceiling (24 supervised answers a step) moved it by twenty: the single changes
+# below tell the candidate causes apart, offline (no co-training timing), on seeds no mutual verdict uses.
+DOSE_SEEDS = [10, 11, 12, 13, 14, 15]
+DOSE_LR = 5e-4  # the main demo's lr (demo.config.RLConfig.lr)
+# mode -> trainer overrides on the default GRAFT (None: GRPO), one change each
+DOSE_RUNS: dict[str, list[str] | None] = {
+    "grpo": None,
+    "graft": [],
+    # a grafted row's weight in the step's token-mean (~96 rows) against a ceiling row's (24 rows): x 96 / 24
+    "graft_scale4": ["graft.peer_loss_scale=4.0"],
+    # B's peer solves most of B's weak prompts, so most of its stored groups there are all-success and refused
+    "graft_union": ["graft.union_all_success=true"],
+    "grpo_lr": None,
+    "graft_lr": [],
+}
+DOSE_LR_MODES = ("grpo_lr", "graft_lr")  # run at DOSE_LR (both: the change's effect is the gain over GRPO at that lr)
+DOSE_CHANGES = {"graft_scale4": "peer loss scale x4", "graft_union": "all-success peer groups grafted (union)",
+                "graft_lr": f"lr {DOSE_LR:g} (GRAFT's gain over GRPO, both at that lr)"}
+DOSE_RULE = (
+    f"offline, on seeds {DOSE_SEEDS} (none of the mutual demo's), per model, paired by seed: each single change against "
+    "the default GRAFT at the demo's lr (the lr change: GRAFT's gain over GRPO at "
+    f"{DOSE_LR:g} against its gain at the demo's lr), judged by the demo's rule with the default GRAFT in GRPO's place; "
+    "a change is adopted for the mutual demo's next design when that verdict is gain or small gain for at least one "
+    "model and harm for neither; the adopted changes go in together (their combination is then what the rerun tests); "
+    "if none is adopted the design stays, and the study says what limits GRAFT here instead. The ceilings are read, "
+    "not decided on: the full one (24 of the other's correct answers a step) and the dose-matched one (exactly the "
+    "correct rows the default GRAFT run grafted, each step, over that step's token-mean denominator) against GRPO; "
+    "what the matched ceiling gains beyond the default GRAFT is the loss's form (w, A, b), what the full ceiling gains "
+    "beyond the matched one is the dose")
+
+
 def strong_family(cfg: DemoConfig, role: str) -> str:
     return cfg.task.strong_family if role == "learner" else cfg.task.weak_family
 
@@ -281,4 +313,97 @@ def budget_lines(result: dict) -> list[str]:
               "" if result["moves_weak_family"] or chosen is None else
               f"No kept lr lets the ceiling raise both weak families by {100 * BUDGET_MIN_CEILING:.0f} points: the chosen one "
               "moves them most, and no method here can be expected to move them further."]
+    return lines
+
+
+# ---- the dose study -----------------------------------------------------------------------------------------------
+
+def _ceiling_record(run: dict, families: list[str], steps: int) -> dict[str, Any]:
+    done = json.loads((Path(run["dir"]) / "done.json").read_text())
+    return {"name": run["name"], "mode": run["mode"], "model": run["model"], "start": run["start"], "seed": run["seed"],
+            "primary": {f: primary(done["evals"], steps, f) for f in families}, "evals": done["evals"],
+            "examples_per_step": done["examples_per_step"], "denominator_mean": done.get("denominator_mean")}
+
+
+def _relative(records: list[dict], name: str, mode: str, baseline: str, weak: str, strong: str) -> dict:
+    mine = [r for r in records if r["model"] == name]
+    weak_i, strong_i = (stratified_interval(paired_values(mine, mode, f, baseline=baseline)) for f in (weak, strong))
+    return {"weak": weak_i.as_dict(), "strong": strong_i.as_dict(), "verdict": verdict(weak_i, strong_i)}
+
+
+def _lr_change(records: list[dict], name: str, weak: str, strong: str) -> dict:
+    """Per seed, (GRAFT - GRPO) at DOSE_LR minus (GRAFT - GRPO) at the demo's lr, judged as a change against the default."""
+    mine = [r for r in records if r["model"] == name]
+
+    def by_seed(mode: str, family: str) -> dict[int, float]:
+        return {r["seed"]: r["primary"][family] for r in mine if r["mode"] == mode}
+
+    out = {}
+    for key, family in (("weak", weak), ("strong", strong)):
+        v = {m: by_seed(m, family) for m in ("grpo", "graft", "grpo_lr", "graft_lr")}
+        seeds = sorted(set.intersection(*(set(x) for x in v.values())))
+        out[key] = stratified_interval({name: [(v["graft_lr"][s] - v["grpo_lr"][s]) - (v["graft"][s] - v["grpo"][s])
+                                               for s in seeds]})
+    return {"weak": out["weak"].as_dict(), "strong": out["strong"].as_dict(), "verdict": verdict(out["weak"], out["strong"])}
+
+
+def write_dose(cfg: DemoConfig, models: dict, runs: list[dict], timings: dict, wall_time_s: float) -> dict:
+    """DOSE_RULE on the dose study's runs; report/mutual/dose/."""
+    families, steps = list(cfg.task.n_eval), cfg.rl.steps
+    records = [_ceiling_record(r, families, steps) if r["mode"].startswith("ceiling") else run_record(r, families, steps)
+               for r in runs]
+    result: dict[str, Any] = {"rule": DOSE_RULE, "rule_verdicts": VERDICT_RULE, "seeds": DOSE_SEEDS, "models": {}}
+    for role in ROLES:
+        name, weak, strong = NAME[role], weak_family(cfg, role), strong_family(cfg, role)
+        vs_grpo = {mode: _relative(records, name, mode, "grpo_lr" if mode in DOSE_LR_MODES else "grpo", weak, strong)
+                   for mode in [*DOSE_RUNS, "ceiling", "ceiling_matched"] if not mode.startswith("grpo")}
+        changes = {mode: _relative(records, name, mode, "graft", weak, strong) for mode in DOSE_CHANGES if mode != "graft_lr"}
+        changes["graft_lr"] = _lr_change(records, name, weak, strong)
+        mine = [r for r in records if r["model"] == name]
+        result["models"][name] = {
+            "weak_family": weak, "strong_family": strong, "vs_grpo": vs_grpo, "changes": changes,
+            "grafted_rows_per_step": statistics.fmean(r["frac_grafted_mean"] * cfg.rl.prompts_per_step * cfg.rl.group_size
+                                                      for r in mine if r["mode"] == "graft"),
+            "matched_examples_per_step": statistics.fmean(r["examples_per_step"] for r in mine if r["mode"] == "ceiling_matched"),
+            "peer_hit_rate": {m: statistics.fmean(r["peer_hit_rate_mean"] for r in mine if r["mode"] == m)
+                              for m in DOSE_RUNS if DOSE_RUNS[m] is not None},
+        }
+    adopted = [mode for mode in DOSE_CHANGES
+               if any(result["models"][n]["changes"][mode]["verdict"] in ("gain", "small gain") for n in result["models"])
+               and not any(result["models"][n]["changes"][mode]["verdict"] == "harm" for n in result["models"])]
+    result["adopted"] = adopted
+    result.update(runs=records, job_wall_s={k: round(v, 1) for k, v in timings.items()}, wall_time_s=wall_time_s,
+                  config=cfg.model_dump(mode="json"))
+    out = cfg.report_dir / "dose"
+    committed = write_summary(out, result)
+    write_text_atomic(out / "REPORT.md", "# The mutual demo's dose study\n\n" + "\n".join(dose_lines(committed)) + "\n")
+    return result
+
+
+def dose_lines(result: dict) -> list[str]:
+    lines = [f"Rule (written before the runs): {result['rule']}.", "",
+             "| model | against its GRPO (same lr), paired by seed | weak family, points [95% CI] | p | strong family [95% CI] | verdict |",
+             "|---|---|---|---|---|---|"]
+    labels = {"graft": "the default GRAFT", "ceiling": "the full ceiling (24 answers a step)",
+              "ceiling_matched": "the dose-matched ceiling (the grafted correct rows)", **DOSE_CHANGES}
+    for name, m in result["models"].items():
+        for mode, c in m["vs_grpo"].items():
+            weak_i, strong_i = Interval(**c["weak"]), Interval(**c["strong"])
+            lines.append(f"| {name} (weak `{m['weak_family']}`) | {labels[mode]} | {pct(weak_i)} | {weak_i.p_value:.3f} | "
+                         f"{pct(strong_i)} | {c['verdict']} |")
+    lines += ["", "| model | single change, against the default GRAFT | weak family, points [95% CI] | p | strong family [95% CI] | verdict |",
+              "|---|---|---|---|---|---|"]
+    for name, m in result["models"].items():
+        for mode, c in m["changes"].items():
+            weak_i, strong_i = Interval(**c["weak"]), Interval(**c["strong"])
+            lines.append(f"| {name} | {DOSE_CHANGES[mode]} | {pct(weak_i)} | {weak_i.p_value:.3f} | {pct(strong_i)} | "
+                         f"**{c['verdict']}** |")
+    lines.append("")
+    for name, m in result["models"].items():
+        hits = ", ".join(f"{mode} {rate:.2f}" for mode, rate in m["peer_hit_rate"].items())
+        lines.append(f"{name}: {m['grafted_rows_per_step']:.1f} grafted rows a step under the default GRAFT, "
+                     f"{m['matched_examples_per_step']:.1f} of them correct (the matched ceiling's rows); peer hit rate {hits}.")
+    adopted = result["adopted"]
+    lines += ["", f"**Adopted for the mutual demo's next design: {', '.join(DOSE_CHANGES[a] for a in adopted)}.**" if adopted
+              else "**No change is adopted: the mutual demo's design stays.**"]
     return lines

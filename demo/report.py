@@ -88,6 +88,7 @@ def run_record(run: dict, families: list[str], steps: int) -> dict[str, Any]:
         "log_rho_p50_mean": _finite_mean([m["log_rho_p50"] for m in metrics]),
         "frac_dropped_retokenize_mean": _finite_mean([m["frac_dropped_retokenize"] for m in metrics]),
         "steps": len(metrics), "train_s": done["train_s"], "cpu_s": done.get("cpu_s"),
+        "stage_s": stage_times(metrics, done),
         "evals": evals,
         "frac_all_fail_by_step": [m["frac_all_fail"] for m in metrics],
     }
@@ -412,6 +413,22 @@ def markdown(summary: dict, cfg: DemoConfig) -> str:
     return "\n".join(lines)
 
 
+# stage -> the trainer's per-step metric (trainer/loop.py's clock laps)
+STAGES = {"sampling and scoring": "generation_s", "gate and grafted rows": "gate_s", "update": "update_s"}
+
+
+def stage_times(metrics: list[dict], done: dict) -> dict[str, float]:
+    """A run's wall seconds by stage, measured: the trainer's per-step stage times summed (STAGES), the rest of its
+    steps, start-up and checkpoints (the trainer's time outside its steps), and the held-out evaluation (the job's time
+    after training)."""
+    stages = {stage: sum(m.get(key, 0.0) for m in metrics) for stage, key in STAGES.items()}
+    steps_total = sum(m["step_time_s"] for m in metrics)
+    stages["rest of the steps"] = steps_total - sum(stages.values())
+    stages["start-up and checkpoints"] = done["train_s"] - steps_total
+    stages["evaluation"] = done["wall_s"] - done["train_s"]
+    return {stage: round(seconds, 1) for stage, seconds in stages.items()}
+
+
 def time_lines(summary: dict, workers: int) -> list[str]:
     """What the run took (`summary` as write_report returns it, times included): printed when `make demo` ends."""
     job_cpu = [r.get("cpu_s") for r in summary["runs"]] + [r.get("cotrain_peer", {}).get("cpu_s") for r in summary["runs"]]
@@ -422,7 +439,18 @@ def time_lines(summary: dict, workers: int) -> list[str]:
             "done in `demo_out/` from an earlier invocation are not rerun; their times below are the ones they took then); "
             f"the jobs used {total_cpu:.0f} CPU seconds (warm starts and RL runs, evaluation included; the generator, the "
             "probes and the store server not counted). Job wall times (s): "
-            + ", ".join(f"{k} {v:.0f}" for k, v in summary["job_wall_s"].items()) + "."]
+            + ", ".join(f"{k} {v:.0f}" for k, v in summary["job_wall_s"].items()) + ".", *stage_lines(summary["runs"])]
+
+
+def stage_lines(runs: list[dict]) -> list[str]:
+    """The RL runs' time by stage, summed over the runs (each run's `stage_s`, in local.json)."""
+    measured = [r["stage_s"] for r in runs if r.get("stage_s")]
+    if not measured:
+        return []
+    total = {stage: sum(m[stage] for m in measured) for stage in measured[0]}
+    whole = sum(total.values()) or 1.0
+    return [f"The {len(measured)} RL runs' time by stage (s, share): "
+            + ", ".join(f"{stage} {seconds:.0f} ({100 * seconds / whole:.0f}%)" for stage, seconds in total.items()) + "."]
 
 
 def _plots(records: list[dict], report_dir: Path, weak: str, strong: str, models: dict, starts: list[str]) -> None:

@@ -300,7 +300,9 @@ def rl_jobs(cfg: DemoConfig, data: dict[str, Path], models: dict[str, dict], sto
                                                  "cotrain_peer_anchor"})
             tag = config_hash(seed, models["learner"]["checkpoint_hash"], start, models["peer"]["checkpoint_hash"], pair_rl)[:8]
             learner_id, peer_id = f"{LEARNER_MODEL_ID}-co{tag}", f"{PEER_MODEL_ID}-co{tag}"
-            cotrain = ["store.mode=cotrain", f"store.cotrain_wait_s={cfg.rl.cotrain_wait_s}", "store.lookup_wait_s=0",
+            # lockstep: each step grafts the partner's groups of that very step, so the pair's table reproduces
+            cotrain = ["store.mode=cotrain", "store.cotrain_lockstep=true", f"store.cotrain_wait_s={cfg.rl.cotrain_wait_s}",
+                       "store.lookup_wait_s=0",
                        f"model.model_id={learner_id}", f"graft.peer_models=[{peer_id}]"]
             learner = learner_config(seed, "graft", cotrain)
             peer = learner_config(seed, "graft", cotrain)
@@ -396,11 +398,11 @@ def train_job(cfg: DemoConfig, name: str, trains: list[dict], out: Path, models:
         part_dir.mkdir(parents=True, exist_ok=True)
         job_file = part_dir / "job.json"
         job_file.write_text(json.dumps({"out": str(part_dir), "train": train, "eval_sets": eval_sets,
-                                        "eval_samples": cfg.rl.eval_samples}))
+                                        "eval_samples": cfg.rl.eval_samples, "eval_steps": cfg.evaluated_steps()}))
         commands.append(python_module("demo.worker", "train", str(job_file)))
         logs.append(part_dir / "log.txt")
         done.append(part_dir / "done.json")
-    n_evals = len(set(range(cfg.rl.eval_every, cfg.rl.steps + 1, cfg.rl.eval_every)) | {cfg.rl.steps})
+    n_evals = len(cfg.evaluated_steps())
     parts = [job_dir] + ([job_dir / "peer"] if len(trains) > 1 else [])
     progress = [(_lines(p / "train" / "metrics.jsonl"), progress_file(p / "eval_progress")) for p in parts]
     job = Job(

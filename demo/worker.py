@@ -185,7 +185,8 @@ def finished_checkpoints(folder: Path, steps: int) -> list[Path]:
 
 
 def train(job: dict) -> dict:
-    """One RL run through the project's trainer, then greedy held-out accuracy of every saved checkpoint."""
+    """One RL run through the project's trainer, then held-out accuracy (greedy, sampled) of the checkpoints the
+    verdict reads (job["eval_steps"])."""
     from graft.rollouts.scoring import Scorer
     from graft.trainer.checkpoint import checkpoints_dir
     from graft.trainer.config import TrainConfig
@@ -195,7 +196,9 @@ def train(job: dict) -> dict:
     cfg = TrainConfig.model_validate(job["train"])
     run_dir = run_training(cfg, overwrite=True)  # a job runs again only when it did not finish (no done.json): afresh
     train_s = time.perf_counter() - started
-    checkpoints = finished_checkpoints(checkpoints_dir(run_dir), cfg.steps)
+    # only the checkpoints the verdict reads (DemoConfig.evaluated_steps); a job file from before it: all of them
+    checkpoints = [c for c in finished_checkpoints(checkpoints_dir(run_dir), cfg.steps)
+                   if "eval_steps" not in job or int(c.name.split("_")[1]) in job["eval_steps"]]
     eval_sets = load_eval_sets({f: Path(p) for f, p in job["eval_sets"].items()})
     evals: list[dict] = []
     with Scorer(num_workers=1, timeout_s=5.0) as scorer:
@@ -222,7 +225,16 @@ def imitate(job: dict) -> dict:
     the store's REST API), with the RL runs' optimizer, learning rate, number of updates and anchor:
     every update sees `examples_per_step` peer answers at full weight, more than GRAFT's grafted rows
     carry (they are down-weighted by w and b and mixed with the learner's own groups). If this does
-    not move the weak family, no way of consuming the peer's groups can in this budget."""
+    not move the weak family, no way of consuming the peer's groups can in this budget.
+
+    With `matched_run` (a GRAFT run's train dir), the dose-matched ceiling: each update is supervised on the correct
+    rows of exactly the peer groups that run grafted at that step (its peer_groups.jsonl, fetched from the store by id),
+    their summed NLL divided by that step's token-mean denominator in the run (its `completion_tokens`: the learner's
+    sampled tokens, up to the swap of a failed group for a peer group), so that a row weighs what a grafted row with
+    weight 1 would. What is left between it and the GRAFT run is the loss's form (w, A, b), not the rows or their dose.
+
+    With `eval_every`, the held-out accuracy at every such step from steps / 2 on (`evals`, read as the RL runs'
+    primary metric is); the last evaluation's is also `acc_greedy` / `acc_sampled`."""
     import random
 
     import orjson
@@ -239,11 +251,17 @@ def imitate(job: dict) -> dict:
     # problem or its family: the RL dataset maps one to the other.
     rl_rows = [orjson.loads(line) for line in Path(job["rl_dataset"]).read_bytes().splitlines()]
     weak = {row["prompt_id"]: row["problem"] for row in rl_rows if row["dataset"] == job["weak_dataset"]}
-    examples: list[tuple[str, str]] = []
+    matched = job.get("matched_run")
     with StoreClient(job["store_url"]) as client:
-        for table in client.iter_rollouts(model=job["peer_model"], correct=True):
-            examples += [(weak[pid], text) for pid, text in zip(table["prompt_id"].to_pylist(), table["completion_text"].to_pylist())
-                         if pid in weak]
+        if matched:
+            per_step, denominators = matched_examples(Path(matched), {row["prompt_id"]: row["problem"] for row in rl_rows},
+                                                      client)
+            examples = [pair for pairs in per_step for pair in pairs]
+        else:
+            examples = []
+            for table in client.iter_rollouts(model=job["peer_model"], correct=True):
+                examples += [(weak[pid], text) for pid, text in zip(table["prompt_id"].to_pylist(),
+                                                                     table["completion_text"].to_pylist()) if pid in weak]
     steps = train_cfg["steps"] if examples else 0  # a peer with no correct answer teaches nothing: the start is the ceiling
     anchors = [(row["problem"], row["completion"]) for row in map(orjson.loads, Path(train_cfg["anchor"]["dataset"]).read_bytes().splitlines())]
     model, tokenizer = load_model_and_tokenizer(Path(train_cfg["model"]["path"]))
@@ -251,7 +269,8 @@ def imitate(job: dict) -> dict:
     optim = train_cfg["optim"]
     optimizer = torch.optim.AdamW(model.parameters(), lr=optim["lr"], weight_decay=0.0)
 
-    def nll(pairs: list[tuple[str, str]]) -> torch.Tensor:
+    def nll(pairs: list[tuple[str, str]], denominator: float | None = None) -> torch.Tensor:
+        """Token-mean NLL of the pairs; with `denominator`, their summed NLL divided by it instead."""
         rows = []
         for problem, completion in pairs:
             prompt_ids = tokenizer(build_prompt(tokenizer, problem, "raw"), add_special_tokens=False)["input_ids"]
@@ -261,26 +280,70 @@ def imitate(job: dict) -> dict:
                                     num_bytes=len(completion.encode())))
         batch = collate(rows, tokenizer.pad_token_id)
         logprobs = response_logprobs(model, batch)  # (b, T)
-        return -(logprobs * batch.mask).sum() / batch.mask.sum()  # token-mean NLL
+        return -(logprobs * batch.mask).sum() / (batch.mask.sum() if denominator is None else denominator)
+
+    eval_sets = load_eval_sets({f: Path(p) for f, p in job["eval_sets"].items()})
+    eval_every = job.get("eval_every") or steps
+    evals: list[dict] = []
+
+    def evaluate(step: int) -> None:
+        checkpoint = Path(job["out"]) / "final"
+        model.save_pretrained(checkpoint)
+        tokenizer.save_pretrained(checkpoint)
+        with Scorer(num_workers=1, timeout_s=5.0) as scorer:
+            evals.append({"step": step, "acc_greedy": family_accuracy(checkpoint, eval_sets, scorer),
+                          "acc_sampled": family_accuracy(checkpoint, eval_sets, scorer, sampled=True, seed=EVAL_SEED,
+                                                         samples=job["eval_samples"])})
+        model.train()
 
     rng = random.Random(train_cfg["seed"])
     for step in range(steps):
-        loss = nll([rng.choice(examples) for _ in range(job["examples_per_step"])])
+        if matched:
+            pairs = per_step[step]
+            loss = nll(pairs, denominators[step]) if pairs else torch.zeros(())
+        else:
+            loss = nll([rng.choice(examples) for _ in range(job["examples_per_step"])])
         loss = loss + train_cfg["anchor"]["weight"] * nll(rng.sample(anchors, train_cfg["anchor"]["prompts_per_step"]))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), optim["grad_clip"])
         optimizer.step()
         write_progress(Path(job["out"]) / "progress", step + 1, train_cfg["steps"])
-    checkpoint = Path(job["out"]) / "final"
-    model.save_pretrained(checkpoint)
-    tokenizer.save_pretrained(checkpoint)
-    eval_sets = load_eval_sets({f: Path(p) for f, p in job["eval_sets"].items()})
-    with Scorer(num_workers=1, timeout_s=5.0) as scorer:
-        greedy = family_accuracy(checkpoint, eval_sets, scorer)
-        sampled = family_accuracy(checkpoint, eval_sets, scorer, sampled=True, seed=EVAL_SEED, samples=job["eval_samples"])
-    return {"peer_correct_answers": len(examples), "examples_per_step": job["examples_per_step"], "steps": steps,
-            "acc_greedy": greedy, "acc_sampled": sampled, "wall_s": round(time.perf_counter() - started, 1)}
+        done = step + 1
+        if done < steps and done % eval_every == 0 and done >= steps / 2:
+            evaluate(done)
+    evaluate(train_cfg["steps"])  # with nothing to teach (steps 0) the start's accuracy, at the run's last step
+    result = {"peer_correct_answers": len(examples), "examples_per_step": job["examples_per_step"], "steps": steps,
+              "acc_greedy": evals[-1]["acc_greedy"], "acc_sampled": evals[-1]["acc_sampled"], "evals": evals,
+              "wall_s": round(time.perf_counter() - started, 1)}
+    if matched:
+        result.update(matched_run=matched, examples_per_step=round(len(examples) / max(1, steps), 2),
+                      denominator_mean=round(sum(denominators) / max(1, len(denominators)), 1))
+    return result
+
+
+def matched_examples(run_dir: Path, problems: dict[str, str], client) -> tuple[list[list[tuple[str, str]]], list[float]]:
+    """Per step of a GRAFT run (its train dir): the (problem, completion) of every correct row of the peer groups it
+    grafted (peer_groups.jsonl, fetched by id; a group gone from the store stops the job), and the step's token-mean
+    denominator (metrics.jsonl's `completion_tokens`)."""
+    import orjson
+
+    from graft.trainer.replay import RECORD_NAME
+
+    records = [orjson.loads(line) for line in (run_dir / RECORD_NAME).read_bytes().splitlines() if line.strip()]
+    metrics = [orjson.loads(line) for line in (run_dir / "metrics.jsonl").read_bytes().splitlines() if line.strip()]
+    if len(records) != len(metrics):
+        raise RuntimeError(f"{run_dir}: {len(records)} steps in {RECORD_NAME} but {len(metrics)} in metrics.jsonl")
+    per_step: list[list[tuple[str, str]]] = []
+    for record in records:
+        pairs = []
+        for group_id in record["grafted"]:
+            group = client.get_group(group_id)
+            if group is None:
+                raise RuntimeError(f"group {group_id} grafted at step {record['step']} of {run_dir} is gone from the store")
+            pairs += [(problems[r.prompt_id], r.completion_text) for r in group.rollouts if r.correct]
+        per_step.append(pairs)
+    return per_step, [float(m["completion_tokens"]) for m in metrics]
 
 
 def probe(job: dict) -> dict:

@@ -6,7 +6,7 @@ import hashlib
 
 from graft.rollouts.sampling import Sample, SamplingParams
 from graft.rollouts.scoring import Score
-from graft.schemas import Problem, Rollout, RolloutGroup, group_advantages
+from graft.schemas import NO_LOGPROBS, Problem, Rollout, RolloutGroup, group_advantages
 
 
 def make_group_id(model_id: str, model_revision: str, policy_step: int, prompt_id: str, round_index: int | str,
@@ -23,7 +23,10 @@ def make_group_id(model_id: str, model_revision: str, policy_step: int, prompt_i
 def logprobs_mode(params: SamplingParams, engine_mode: str = "processed_logprobs") -> str:
     """'processed': logprobs of the distribution sampled from (after temperature, top-k, top-p).
     'raw': the model's own (temperature 1) distribution: greedy decoding, or a server that reports raw logprobs
-    (engine_mode, vLLM's `--logprobs-mode` name: 'processed_logprobs' or 'raw_logprobs')."""
+    (engine_mode, vLLM's `--logprobs-mode` name: 'processed_logprobs' or 'raw_logprobs'). 'none': the source gave no
+    logprobs (engine_mode 'none': text-only traces), the samples' token_logprobs are empty."""
+    if engine_mode == NO_LOGPROBS:
+        return NO_LOGPROBS
     return "raw" if params.greedy or engine_mode == "raw_logprobs" else "processed"
 
 

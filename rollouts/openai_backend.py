@@ -277,6 +277,23 @@ class OpenAIBackend:
                 f"{gap:.3g} over {len(completion)} tokens): it runs {seen}. Start vLLM with --logprobs-mode "
                 f"{self.logprobs_mode}, or set openai.logprobs_mode={seen} (rows then say so)")
 
+    def teacher_forced_logprobs(self, prompt_ids: list[int], completions: list[list[int]]) -> list[list[float]]:
+        """The server's logprob of each completion token after the prompt and the tokens before it (vLLM's
+        `prompt_logprobs` of prompt + completion, `max_tokens` 1): the model's own, temperature-1 distribution, as
+        vLLM never temperature-processes prompt logprobs. One request per completion, `concurrency` in flight; a
+        server that gives no prompt_logprobs (not vLLM) raises ServerError."""
+        def one(ids: list[int]) -> list[float]:
+            body = {"model": self.served_model, "prompt": prompt_ids + ids, "max_tokens": 1, "temperature": 0.0,
+                    "prompt_logprobs": 0}
+            answer = self._request("POST", "/v1/completions", body, "rescoring")
+            teacher = _prompt_logprobs_of(answer, prompt_ids + ids)
+            if teacher is None:
+                raise ServerError(f"{self.root} gave no prompt_logprobs for {len(prompt_ids) + len(ids)} tokens (a vLLM "
+                                  "extension): rescore with a vLLM server, or in-process (--backend hf)")
+            return teacher[len(prompt_ids):]
+
+        return list(self._pool.map(one, completions))
+
     def _only_served_model(self) -> str:
         """The one model GET /v1/models lists; otherwise a line asking for openai.served_model."""
         names = _model_names(self._request("GET", "/v1/models", None, "the model list"))

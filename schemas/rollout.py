@@ -37,6 +37,9 @@ INT64_MAX = 2**63 - 1
 FLOAT32_MAX = 3.4028234663852886e38  # larger finite floats become inf in a float32 column
 FLOAT32_TINY = 1.401298464324817e-45  # smaller positive floats become 0 in a float32 column
 NO_LOGPROBS = "none"  # logprobs_mode of a row whose behaviour logprobs (mu) are unknown
+# logprobs_mode of a row whose mu was computed after the fact (graft-rescore): the weights model_revision names,
+# teacher-forced on the stored tokens at the row's temperature (top_p, top_k): an ordinary row with mu to the trainers
+RESCORED = "rescored"
 
 
 def rollout_id(group_id: str, position: int) -> str:
@@ -109,7 +112,8 @@ class Rollout(BaseModel):
         default="processed",
         description="'processed': logprobs after temperature/top-p (the behaviour policy); 'raw': the model's own "
                     "distribution (greedy); 'none': mu unknown (text-only traces, APIs without logprobs), token_logprobs "
-                    "empty and logprob_sum 0.0")
+                    "empty and logprob_sum 0.0; 'rescored': mu teacher-forced after the fact by the weights "
+                    "model_revision names, at the row's temperature (graft-rescore)")
     # content
     completion_text: Annotated[str, Arrow(pa.string())] = Field(description="decoded completion, special tokens excluded")
     completion_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Arrow(pa.list_(pa.int32()))] = Field(

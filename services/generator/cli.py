@@ -8,15 +8,13 @@ Every GeneratorConfig field is `--set field=value`; earlier releases' per-field 
 
 from __future__ import annotations
 
-import json
 import logging
-import sys
 from pathlib import Path
 from typing import Any, Optional
 
 import typer
 
-from graft.services.generator.config import GeneratorConfig, command_line_config, config_app
+from graft.services.generator.config import GeneratorConfig, command_line_config, config_app, print_summary
 
 
 def _help(name: str) -> str:
@@ -98,11 +96,7 @@ def generate(
     }
     if stats.server is not None:  # backend openai: what was asked of the server
         summary["server"] = stats.server
-    sys.stdout.write(json.dumps(summary) + "\n")
-    if summary_json is not None:
-        from graft.rollouts.files import write_text_atomic
-
-        write_text_atomic(summary_json, json.dumps(summary) + "\n")
+    print_summary(summary, summary_json)
 
 
 def _show_first_prompt(cfg: GeneratorConfig) -> None:

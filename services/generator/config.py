@@ -8,6 +8,7 @@ import inspect
 import json
 import typing
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -16,7 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from graft.rollouts.openai_backend import OpenAIBackendConfig
 from graft.rollouts.prompts import MAX_FEW_SHOT, PromptTemplate, check_few_shot
+from graft.rollouts.traces import FORMAT_COLUMNS, TraceColumns, TraceFormat
 from graft.schemas.overrides import apply_overrides, format_fields
+from graft.schemas.rollout import SAFE_NAME_PATTERN
 
 
 class GeneratorConfig(BaseModel):
@@ -130,6 +133,113 @@ class GeneratorConfig(BaseModel):
         return problems  # watch_dir may not exist yet: the trainer it follows makes it
 
 
+class ImportConfig(BaseModel):
+    """`graft-import`: text-only traces from local files into stored groups without behaviour logprobs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    files: list[str] = Field(min_length=1, description="trace files, or folders of them (a TRL run's output_dir or its "
+                                                       "completions/, a verl rollout_data_dir)")
+    format: TraceFormat = Field(default="columns", description="columns (JSONL/Parquet, the *_column fields), trl "
+                                "(completions/*.parquet) or verl (rollout_data_dir/*.jsonl)")
+    model_id: str = Field(pattern=SAFE_NAME_PATTERN, description="the model that wrote the traces, stored with every "
+                                                                 "row (a path-safe name)")
+    model_revision: str = Field(default="", description="its revision, stored with every row (unknown: empty)")
+    tokenizer: str = Field(description="the traces' tokenizer: an HF model or tokenizer folder, or a .gguf file (the "
+                                       "completions are stored as its token ids)")
+    store: str = Field(description="store root directory, store URL http(s)://... (push ingest), or a lake "
+                                   "'ducklake:...', as graft-generate's")
+    store_token: str | None = Field(default=None, description="bearer token for push ingest (URL mode)")
+    problems: str | None = Field(default=None, description="a dataset (JSONL/Parquet or a known name) the trace "
+                                 "prompts are matched to: a prompt equal to a problem, or holding one's text (the "
+                                 "longest), takes its text (the store's prompt id), dataset and gold")
+    problem_field: str = Field(default="problem", min_length=1, description="problems: the column of the problem text")
+    answer_field: str | None = Field(default=None, min_length=1, description="problems: the column of the gold answer "
+                                     "(default: answer)")
+    dataset: str = Field(default="imported", pattern=SAFE_NAME_PATTERN, description="dataset name of the rows when "
+                         "problems is not set (with problems: the problems' own)")
+    problem_column: str | None = Field(default=None, min_length=1, description="the column of the prompt (default: "
+                                       "columns: problem, trl: prompt, verl: input)")
+    completion_column: str | None = Field(default=None, min_length=1, description="the column of the completion, a "
+                                          "text or a list of texts (a whole group) (default: completion; verl: output)")
+    gold_column: str | None = Field(default=None, min_length=1, description="the column of the gold answer, read when "
+                                    "there (default: columns: answer, verl: gts, trl: none)")
+    reward_column: str | None = Field(default=None, min_length=1, description="the column of a given reward in [0, 1] "
+                                      "(default: columns: reward, verl: score, trl: the one reward function's column)")
+    reward: Literal["auto", "gold", "given"] = Field(
+        default="auto", description="auto: math-verify against the gold where a row has one, else the given reward; "
+                                    "gold: math-verify only; given: the file's reward only")
+    temperature: float = Field(default=1.0, ge=0.0, description="the sampling temperature the traces were written at "
+                                                                "(stored; assumed by a later rescoring)")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="their nucleus mass (stored)")
+    top_k: int | None = Field(default=None, ge=0, description="their top-k cut (stored)")
+    max_tokens: int | None = Field(default=None, ge=1, description="their token budget (stored; default: the group's "
+                                   "longest completion)")
+    finish_reason: Literal["stop", "length"] = Field(
+        default="stop", description="stop: the completions ended (the tokenizer's EOS is appended); length: they were cut")
+    policy_step: int = Field(default=0, ge=0, description="training step of the model, stored with every row")
+    std_normalize: bool = Field(default=True, description="GRPO advantages divide by the group's std (false: Dr. GRPO)")
+    groups_per_shard: int = Field(default=256, ge=1, description="groups written together (one shard, or one push)")
+    score_workers: int = Field(default=2, ge=1, description="math-verify worker processes")
+    score_timeout_s: float = Field(default=5.0, gt=0, description="per-item scoring timeout (reward 0 when hit)")
+
+    def trace_columns(self) -> tuple[TraceColumns, frozenset[str]]:
+        """The columns to read (the format's, with the ones set here) and which of them were set."""
+        defaults = FORMAT_COLUMNS[self.format]
+        given = {"problem": self.problem_column, "completion": self.completion_column, "gold": self.gold_column,
+                 "reward": self.reward_column}
+        named = frozenset(k for k, v in given.items() if v is not None)
+        return replace(defaults, **{k: v for k, v in given.items() if v is not None}), named
+
+
+class RescoreConfig(BaseModel):
+    """`graft-rescore`: fill in mu for stored groups from the peer's weights, teacher-forced (new groups, rows 'rescored')."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    store: str = Field(description="store root directory: its groups are read, the rescored ones written beside them")
+    source_model: str = Field(pattern=SAFE_NAME_PATTERN, description="the model id whose stored groups are rescored")
+    source_revision: str | None = Field(default=None, description="only its groups of this revision (default: all)")
+    only_without_mu: bool = Field(default=True, description="rescore only groups without behaviour logprobs "
+                                                            "(logprobs_mode none); false: every group of source_model")
+    model: str = Field(description="the weights that give mu: an HF directory or a .gguf file (backend openai: the "
+                                   "served model's folder, or its tokenizer's)")
+    model_id: str | None = Field(default=None, pattern=SAFE_NAME_PATTERN, description="model id of the rescored rows "
+                                 "(default: source_model)")
+    model_revision: str | None = Field(default=None, description="revision of the rescored rows (default: a fingerprint "
+                                       "of the weights; backend openai with a tokenizer-only folder: required)")
+    backend: Literal["hf", "openai"] = Field(default="hf", description="hf: transformers in-process; openai: a vLLM "
+                                             "server's prompt_logprobs (the openai section)")
+    openai: OpenAIBackendConfig = Field(default_factory=OpenAIBackendConfig, description="backend openai: the server and how to call it")
+    temperature: float | None = Field(default=None, ge=0.0, description="temperature assumed (default: each row's "
+                                      "own; backend openai: 1.0, the only one a server's prompt logprobs have)")
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, description="nucleus mass assumed (default: each row's own)")
+    top_k: int | None = Field(default=None, ge=0, description="top-k assumed (default: each row's own; 0: none)")
+    template: PromptTemplate = Field(default="auto", description="the prompt the completions followed: auto (chat "
+                                     "template if any), chat, plain, raw (as graft-generate's)")
+    few_shot: int = Field(default=0, ge=0, le=MAX_FEW_SHOT, description="worked examples before each problem (as graft-generate's)")
+    instruction: str | None = Field(default=None, description="the line after each problem (as graft-generate's)")
+    system_prompt: str | None = Field(default=None, description="a system turn before the problem (as graft-generate's)")
+    dataset: str | None = Field(default=None, description="problems (JSONL/Parquet or a known name) for the prompts "
+                                                          "the store's prompts/ does not hold")
+    problem_field: str = Field(default="problem", min_length=1, description="dataset: the column of the problem text")
+    answer_field: str | None = Field(default=None, min_length=1, description="dataset: the column of the gold answer")
+    dtype: str = Field(default="float32", description="backend hf: weights dtype (float32, bfloat16, float16)")
+    groups_per_shard: int = Field(default=64, ge=1, description="rescored groups written together (one shard)")
+
+    @model_validator(mode="after")
+    def _served_is_temperature_one(self) -> RescoreConfig:
+        check_few_shot(self.template, self.few_shot, self.instruction, self.system_prompt)
+        check_served(self.backend, self.openai)
+        if self.backend == "openai":
+            if (self.temperature not in (None, 1.0) or self.top_p not in (None, 1.0) or self.top_k not in (None, 0)):
+                raise ValueError("backend openai: a vLLM server's prompt logprobs are the temperature-1 distribution "
+                                 "without top-p or top-k; rescore at temperature 1.0 (the rows then say 1.0), or with "
+                                 "backend hf at the temperature the traces were sampled at")
+            self.temperature, self.top_p, self.top_k = 1.0, 1.0, None
+        return self
+
+
 def check_served(backend: str, openai: OpenAIBackendConfig) -> None:
     """Backend openai needs a server URL."""
     if backend == "openai" and not openai.base_url:
@@ -235,6 +345,19 @@ def command_line_config(cls: type[BaseModel], yaml_path: Path | None, flags: dic
     except (ValueError, FileNotFoundError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
+
+
+def print_summary(summary: dict, summary_json: Path | None) -> None:
+    """A command's JSON summary as stdout's last line, and into `summary_json` when given (whole or not at all: stdout
+    may carry an engine's logs)."""
+    import sys
+
+    from graft.rollouts.files import write_text_atomic
+
+    line = json.dumps(summary) + "\n"
+    sys.stdout.write(line)
+    if summary_json is not None:
+        write_text_atomic(summary_json, line)
 
 
 def _field_flag(name: str, info: Any) -> inspect.Parameter | None:

@@ -32,6 +32,7 @@ def test_quick_demo_end_to_end(tmp_path):
     assert {"runs", "comparisons", "rule", "primary_metric", "starts", "probes", "machine"} <= set(summary)
     local = json.loads((report / "local.json").read_text())  # the times, beside the committed files (issue 51)
     assert "wall_time_s" not in summary and local["wall_time_s"] > 0
+    assert all(run["stage_s"]["sampling and scoring"] > 0 and run["stage_s"]["evaluation"] > 0 for run in local["runs"])
     config = summary["config"]
     starts, seeds = list(config["starts"]), config["rl"]["seeds"]
     assert set(summary["starts"]) == set(starts) == {"early", "late"} and set(summary["probes"]) == set(starts)
@@ -73,6 +74,7 @@ def test_quick_demo_end_to_end(tmp_path):
     assert ("## The mechanism probe" in text) or ("had nothing to probe" in text)
     assert (report / "accuracy_vs_step.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "Each GRAFT against GRPO" in proc.stdout and "curl -s" in proc.stdout and "serve --root" in proc.stdout
+    assert "RL runs' time by stage (s, share): sampling and scoring" in proc.stdout
 
     # The server is stopped: it said so, and nothing listens on its port any more.
     assert summary["server_stopped"] is True

@@ -14,7 +14,7 @@ import pytest
 
 from demo.config import load_demo_config
 from demo.mutual import BUDGET_LRS, DEFAULT_CONFIG, check_config
-from demo.mutual_report import claim
+from demo.mutual_report import DOSE_CHANGES, DOSE_LR, DOSE_RULE, DOSE_RUNS, DOSE_SEEDS, claim
 
 REPO = Path(__file__).resolve().parents[2]
 MODES = {"grpo", "cotrain", "offline", "cotrain_graft_b1_no_peer_neg", "offline_graft_b1_no_peer_neg"}  # configs/demo_mutual.yaml
@@ -60,6 +60,16 @@ def test_quick_mutual_demo_end_to_end(tmp_path):
     assert "| A (weak `add3r`) | co-training, `graft_b1_no_peer_neg` (graft.token_is=none, graft.peer_negative_scale=0.0) |" in proc.stdout
     # the claim is the default GRAFT's alone: its verdicts are the default's co-training rows'
     assert summary["claim"]["cotrain_verdicts"] == {n: summary["comparisons"][n]["cotrain"]["verdict"] for n in ("A", "B")}
+    # co-training in lockstep (issue 50): the same command, in a fresh folder, gives the same co-training rows to the
+    # last digit (every metric the report reads, every evaluation)
+    again, report_again = _run(tmp_path / "again")
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    rerun = json.loads((report_again / "summary.json").read_text())
+
+    def cotrain_rows(s: dict) -> list[dict]:
+        return sorted((r for r in s["runs"] if r["mode"].startswith("cotrain")), key=lambda r: (r["name"], r["model"]))
+
+    assert cotrain_rows(summary) and cotrain_rows(rerun) == cotrain_rows(summary)
 
 
 @pytest.mark.slow
@@ -70,6 +80,61 @@ def test_the_budget_pilot_runs_grpo_and_the_ceilings_at_every_lr(tmp_path):
     assert [row["lr"] for row in result["rows"]] == BUDGET_LRS
     assert all({"strong_grpo", "weak_ceiling", "strong_kept"} <= set(row["A"]) for row in result["rows"])
     assert ("Chosen lr" in proc.stdout) == (result["chosen_lr"] is not None)
+
+
+@pytest.mark.slow
+def test_the_dose_study_runs_each_single_change_and_both_ceilings(tmp_path):
+    proc, report = _run(tmp_path, "--dose")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((report / "dose" / "summary.json").read_text())
+    assert result["rule"] == DOSE_RULE
+    for name in ("A", "B"):
+        runs = [r for r in result["runs"] if r["model"] == name]
+        assert {r["mode"] for r in runs} == {*DOSE_RUNS, "ceiling", "ceiling_matched"}
+        assert {r["seed"] for r in runs} == {DOSE_SEEDS[0]}  # quick: the first seed; never one of the demo's (0-5)
+        assert all(r["peer_rollouts_consumed"] == 0 for r in runs if r["mode"].startswith("grpo"))
+        m = result["models"][name]
+        assert set(m["changes"]) == set(DOSE_CHANGES) and set(m["vs_grpo"]) == {"graft", "graft_scale4", "graft_union",
+                                                                                 "graft_lr", "ceiling", "ceiling_matched"}
+    assert set(result["adopted"]) <= set(DOSE_CHANGES)
+    assert "single change, against the default GRAFT" in proc.stdout
+    # the lr change's pair ran at DOSE_LR, everything else at the demo's lr
+    job = json.loads(next((tmp_path / "out" / "runs").glob("dose_graft_lr_A-s*/job.json")).read_text())
+    assert job["train"]["optim"]["lr"] == DOSE_LR
+    job = json.loads(next((tmp_path / "out" / "runs").glob("dose_graft_scale4_A-s*/job.json")).read_text())
+    assert job["train"]["graft"]["peer_loss_scale"] == 4.0 and job["train"]["optim"]["lr"] != DOSE_LR
+
+
+def test_the_matched_ceiling_takes_the_grafted_groups_correct_rows_and_the_steps_denominators(tmp_path, make_group,
+                                                                                           char_tokenizer, char_model):
+    from demo.worker import matched_examples
+    from graft.schemas import Problem
+    from graft.services.store_api.http.client import StoreClient
+    from graft.services.store_api.http.testing import StoreServer
+
+    problems = [Problem.from_text(f"{a}+{a}=", str(2 * a), "toy-add3r") for a in (12, 34)]
+    groups = [make_group(p, [f"\\boxed{{{p.answer}}}", "\\boxed{0}", f"\\boxed{{{p.answer}}}"], [1.0, 0.0, 1.0],
+                         char_tokenizer, char_model, model_id="peer", tokenizer_id="char") for p in problems]
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = [{"step": 1, "grafted": [groups[0].group_id]}, {"step": 2, "grafted": []},
+             {"step": 3, "grafted": [g.group_id for g in groups]}]
+    (run / "peer_groups.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "completion_tokens": 900 + i}) + "\n" for i in range(3)))
+    with StoreServer(tmp_path / "store") as server, StoreClient(server.url) as client:
+        client.push_groups(groups, problems)
+        by_id = {p.prompt_id: p.problem for p in problems}
+        per_step, denominators = matched_examples(run, by_id, client)
+        assert [len(pairs) for pairs in per_step] == [2, 0, 4]  # the correct rows only, of exactly the grafted groups
+        assert per_step[0] == [("12+12=", "\\boxed{24}")] * 2
+        assert denominators == [900.0, 901.0, 902.0]
+        lines[1]["grafted"] = ["0" * 32]  # a group the store never had: named, never skipped
+        (run / "peer_groups.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+        with pytest.raises(RuntimeError, match="0" * 32):
+            matched_examples(run, by_id, client)
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "completion_tokens": 900}) + "\n")
+    with pytest.raises(RuntimeError, match="3 steps in peer_groups.jsonl but 1 in metrics.jsonl"):
+        matched_examples(run, by_id, None)
 
 
 def _comparison(verdict: str, weak_mean: float) -> dict:

@@ -33,7 +33,8 @@ def render(cfg: DemoConfig, where: Path, seconds: float) -> dict:
                 evals = [{"step": step, "acc_greedy": acc, "acc_sampled": acc} for step in (2, 4)]
                 (run_dir / "done.json").write_text(json.dumps({"train_s": 30 + seconds, "cpu_s": 29 + seconds, "evals": evals,
                                                                "wall_s": 31 + seconds}))
-                metrics = {key: 0.5 for key in METRIC_KEYS} | {"rollouts_generated": 16, "peer_rollouts_consumed": 8}
+                metrics = {key: 0.5 for key in METRIC_KEYS} | {"rollouts_generated": 16, "peer_rollouts_consumed": 8,
+                                                               "generation_s": 1.0, "gate_s": 0.25, "update_s": 0.5, "step_time_s": 2.0}
                 (run_dir / "train" / "metrics.jsonl").write_text("\n".join(json.dumps(metrics) for _ in range(4)) + "\n")
                 runs.append({"name": run_dir.name, "mode": mode, "start": start, "seed": seed, "dir": str(run_dir)})
     models = {role: {"dir": str(where / "models" / role), "checkpoint_hash": f"{role}-0123", "architecture": arch,
@@ -65,8 +66,12 @@ def test_two_runs_that_computed_the_same_write_the_same_committed_files(tmp_path
     local = json.loads((cfg.report_dir / LOCAL_FILE).read_text())
     assert local["wall_time_s"] == 607.3 and local["runs"][0]["train_s"] == 37.3 and "clone_b" in local["starts"]["early"]["checkpoint"]
     assert local["store_stats"]["last_ingest_at"].startswith("2026-12-08")
+    # each run's time by stage, measured (issue 48): the trainer's stage laps over its 4 steps, the rest, the evaluation
+    assert local["runs"][0]["stage_s"] == {"sampling and scoring": 4.0, "gate and grafted rows": 1.0, "update": 2.0,
+                                           "rest of the steps": 1.0, "start-up and checkpoints": 29.3, "evaluation": 1.0}
     summary = json.loads((cfg.report_dir / "summary.json").read_text())
     assert "wall_time_s" not in summary and "train_s" not in summary["runs"][0] and "clone" not in json.dumps(summary)
+    assert "stage_s" not in summary["runs"][0]
     assert "## Time" in (cfg.report_dir / "REPORT.md").read_text()
 
 

@@ -152,3 +152,35 @@ def test_graft_eval_reads_the_same_server(vllm_server, tiny_model_dir, tmp_path)
     assert result.exit_code == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["benchmarks"][str(dataset)]["problems"] == 4, report
+
+
+def test_graft_rescore_through_the_server_equals_the_in_process_rescoring(vllm_server, tiny_model_dir, tmp_path):
+    """Text-only groups (graft-import) rescored twice: by the server's prompt_logprobs (`--backend openai`) and by
+    transformers in-process; the two mu agree within 1e-4 on every token (float32, T = 1), and the served rows record
+    the temperature 1.0 that vLLM's prompt logprobs have."""
+    from graft.services.generator.config import ImportConfig
+    from graft.services.generator.importing import run_import
+    from graft.services.generator.rescore_cli import app as rescore_app
+
+    problems = sample_problems(3, seed=9)
+    traces = tmp_path / "traces.jsonl"
+    traces.write_text("".join(json.dumps({"problem": p.problem, "answer": p.answer, "completion": [
+        f"\\boxed{{{p.answer}}}", "\\boxed{1}", f"{p.problem}{p.answer}"]}) + "\n" for p in problems))
+    store = tmp_path / "store"
+    run_import(ImportConfig(files=[str(traces)], model_id="traces", tokenizer=str(tiny_model_dir), store=str(store),
+                            score_workers=1))
+    for backend in ("openai", "hf"):
+        result = CliRunner().invoke(rescore_app, [
+            "--store", str(store), "--source-model", "traces", "--model", str(tiny_model_dir), "--backend", backend,
+            "--model-id", f"traces-{backend}", "--set", "template=raw", "--set", f"openai.base_url={vllm_server}"])
+        assert result.exit_code == 0, result.stderr
+        assert json.loads(result.stdout.strip().splitlines()[-1])["groups"] == 3
+    by_model = {m: {g.prompt_id: g for g in _stored_groups(store) if g.model_id == m} for m in ("traces-openai", "traces-hf")}
+    worst, tokens = 0.0, 0
+    for prompt, served in by_model["traces-openai"].items():
+        for a, b in zip(served.rollouts, by_model["traces-hf"][prompt].rollouts, strict=True):
+            assert (a.logprobs_mode, a.temperature, a.generator_id) == ("rescored", 1.0, "graft-rescore:openai")
+            assert a.completion_token_ids == b.completion_token_ids
+            worst = max([worst, *(abs(x - y) for x, y in zip(a.token_logprobs, b.token_logprobs, strict=True))])
+            tokens += a.num_tokens
+    assert tokens > 20 and worst <= 1e-4, f"served and in-process mu differ by {worst} over {tokens} tokens"

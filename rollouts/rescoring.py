@@ -1,0 +1,123 @@
+"""Behaviour logprobs (mu) computed after the fact: a stored group's completions teacher-forced through the peer's
+weights, in-process with transformers or by a vLLM server's `prompt_logprobs` (`graft-rescore`).
+
+The rescored group is a new group (a new id; the source group stays as it was): the same texts, rewards and
+advantages, the rescoring tokenizer's ids, and each token's logprob under the weights at the temperature (top-p,
+top-k) assumed, which the rows record with `logprobs_mode` 'rescored'. A vLLM server's prompt logprobs are the
+temperature-1 distribution, whatever the sampling was, so a served rescoring assumes T = 1 and records it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from datetime import datetime, timezone
+from typing import Protocol
+
+import torch
+
+from graft.rollouts.hf_backend import processed_logprobs
+from graft.rollouts.sampling import SamplingParams
+from graft.schemas import RESCORED, RolloutGroup
+
+
+class Rescorer(Protocol):
+    """Teacher-forced logprobs of completions after a prompt, under one model's weights."""
+
+    tokenizer: object  # a transformers tokenizer: prompts and re-tokenised texts are its ids
+    tokenizer_id: str
+    eos_token_ids: set[int]
+    name: str  # 'hf' or 'openai': in the rows' generator_id
+
+    def logprobs(self, prompt_ids: list[int], completions: list[list[int]], params: SamplingParams) -> list[list[float]]:
+        """One list per completion: the logprob of each of its tokens (params: the distribution assumed)."""
+        ...
+
+
+class HFRescorer:
+    """In-process: one forward pass over a group's completions (right-padded after the shared prompt)."""
+
+    name = "hf"
+
+    def __init__(self, model, tokenizer, tokenizer_id: str, eos_token_ids: set[int]):
+        self.model, self.tokenizer, self.tokenizer_id, self.eos_token_ids = model.eval(), tokenizer, tokenizer_id, eos_token_ids
+
+    @torch.inference_mode()
+    def logprobs(self, prompt_ids: list[int], completions: list[list[int]], params: SamplingParams) -> list[list[float]]:
+        longest = max(len(c) for c in completions)
+        if longest == 0:
+            return [[] for _ in completions]
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        rows = [prompt_ids + c + [pad] * (longest - len(c)) for c in completions]
+        ids = torch.tensor(rows, device=self.model.device)  # (G, P + L)
+        mask = torch.tensor([[1] * (len(prompt_ids) + len(c)) + [0] * (longest - len(c)) for c in completions],
+                            device=self.model.device)  # (G, P + L): right padding, so the real positions are unchanged
+        logits = self.model(input_ids=ids, attention_mask=mask).logits[:, len(prompt_ids) - 1 : -1]  # (G, L, V)
+        logprobs = processed_logprobs(logits.reshape(-1, logits.shape[-1]), params).view(len(rows), longest, -1)
+        taken = logprobs.gather(-1, ids[:, len(prompt_ids):, None])[..., 0]  # (G, L)
+        return [taken[i, : len(c)].tolist() for i, c in enumerate(completions)]
+
+
+class ServedRescorer:
+    """A vLLM server's prompt_logprobs (`OpenAIBackend.teacher_forced_logprobs`): the temperature-1 distribution."""
+
+    name = "openai"
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.tokenizer, self.tokenizer_id, self.eos_token_ids = backend.tokenizer, backend.tokenizer_id, backend.eos_token_ids
+
+    def logprobs(self, prompt_ids: list[int], completions: list[list[int]], params: SamplingParams) -> list[list[float]]:
+        if params.temperature != 1.0 or params.top_p < 1.0 or params.effective_top_k is not None:
+            raise ValueError("a vLLM server's prompt logprobs are the temperature-1 distribution without top-p or top-k: "
+                             "rescore with temperature 1.0 (the rows say so), or in-process (--backend hf)")
+        return self.backend.teacher_forced_logprobs(prompt_ids, completions)
+
+
+def rescored_group_id(source_group_id: str, model_id: str, model_revision: str, params: SamplingParams) -> str:
+    """Deterministic: a rescoring run again recomputes the ids it stored and skips them."""
+    key = "\x1f".join([RESCORED, source_group_id, model_id, model_revision, repr(params.temperature), repr(params.top_p),
+                       repr(params.effective_top_k)])
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()[:32]
+
+
+def rescore_group(group: RolloutGroup, prompt_ids: list[int], rescorer: Rescorer, params: SamplingParams, *,
+                  model_id: str, model_revision: str) -> RolloutGroup:
+    """The group with mu from `rescorer` at `params` (a new group id, rows 'rescored'). Completions stored in another
+    tokenizer's ids are re-tokenised from their text (the EOS of the rescoring tokenizer appended to a finished one)."""
+    if not prompt_ids:
+        raise ValueError(f"group {group.group_id}: its prompt tokenises to nothing: nothing to condition on")
+    source = group.rollouts[0]
+    same_tokens = source.tokenizer_id == rescorer.tokenizer_id
+    eos = rescorer.tokenizer.eos_token_id
+    completions = []
+    for r in group.rollouts:
+        if same_tokens:
+            completions.append(list(r.completion_token_ids))
+        else:
+            ended = [eos] if r.finish_reason == "stop" and eos is not None else []
+            completions.append(rescorer.tokenizer(r.completion_text, add_special_tokens=False)["input_ids"] + ended)
+    logprobs = rescorer.logprobs(prompt_ids, completions, params)
+    group_id = rescored_group_id(group.group_id, model_id, model_revision, params)
+    now = datetime.now(timezone.utc)
+    rollouts = []
+    for position, (r, ids, lps) in enumerate(zip(group.rollouts, completions, logprobs, strict=True)):
+        if len(lps) != len(ids):
+            raise ValueError(f"rollout {r.rollout_id}: the rescorer gave {len(lps)} logprobs for {len(ids)} tokens")
+        if not all(math.isfinite(lp) for lp in lps):
+            raise ValueError(f"rollout {r.rollout_id}: a token has probability 0 under the weights at temperature "
+                             f"{params.temperature}, top_p {params.top_p}, top_k {params.effective_top_k} (outside the "
+                             "top-p/top-k support, or NaN logits): these weights could not have sampled it so; rescore "
+                             "with top_p=1 and no top_k")
+        ends_with_eos = r.finish_reason == "stop" and bool(ids) and ids[-1] in rescorer.eos_token_ids
+        text_logprobs = lps[:-1] if ends_with_eos else lps  # logprob_sum excludes EOS, as the generator's does
+        rollouts.append(r.model_copy(update={
+            "rollout_id": f"{group_id}-{position}", "group_id": group_id, "model_id": model_id,
+            "model_revision": model_revision, "tokenizer_id": rescorer.tokenizer_id, "created_at": now,
+            "generator_id": f"graft-rescore:{rescorer.name}", "temperature": params.temperature, "top_p": params.top_p,
+            "top_k": params.effective_top_k, "logprobs_mode": RESCORED, "completion_token_ids": ids,
+            "token_logprobs": lps, "logprob_sum": min(0.0, float(sum(text_logprobs))),
+            "num_tokens": len(ids),
+        }))
+    # model_copy skips validation: the group is rebuilt from validated rows
+    return RolloutGroup(rollouts=[type(r).model_validate(r.model_dump()) for r in rollouts])
