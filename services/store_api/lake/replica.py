@@ -143,7 +143,10 @@ class LakeReplica:
         """The ingest loop's call: follow the lake (the cache has no other writer to scan for), then clear the wants
         the new groups serve."""
         added = self.follow()
-        self.broker.clear_landed(self.index)
+        try:
+            self.broker.clear_landed(self.index)
+        except LakeError as exc:  # follow() reports the outage; the broker catches up at the next poll that gets through
+            log.debug("the broker could not follow the lake: %s", exc)
         return added
 
     def follow(self) -> int:
