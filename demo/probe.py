@@ -24,7 +24,6 @@ from __future__ import annotations
 import math
 import statistics
 from pathlib import Path
-from typing import get_args
 
 import orjson
 import torch
@@ -37,7 +36,7 @@ from graft.rollouts.scoring import Scorer
 from graft.schemas import Problem
 from graft.schemas.overrides import apply_overrides
 from graft.trainer.batch import (
-    StepRows,
+    PeerRowCounts,
     TrainSample,
     collate,
     grafted_group_rows,
@@ -48,7 +47,6 @@ from graft.trainer.config import TrainConfig
 from graft.trainer.gate import choose_peer_group, classify_group
 from graft.trainer.learner import load_learner
 from graft.trainer.loss import LossBatch, LossConfig, graft_loss
-from graft.trainer.retokenize import DropReason, Projection
 from toy.task import completion_text
 
 SUPERVISED = "supervised on the peer's correct answers (the ceiling's direction)"
@@ -145,7 +143,7 @@ def all_fail_prompts(cfg: TrainConfig, learner, problems: list[Problem]) -> list
 def correction_gradient(cfg: TrainConfig, learner, batch: list, peer_tokenizers: dict, gold_direction: torch.Tensor) -> dict:
     """One batch's grafted rows under one correction: the update direction's cosine with the gold direction, its norm,
     and the effective weights (per unit of advantage) at the decisive tokens of the correct rows."""
-    counts = StepRows([], [], dict.fromkeys(get_args(DropReason), 0), dict.fromkeys(get_args(Projection), 0), 0, 0)
+    counts = PeerRowCounts()
     rows: list[TrainSample] = []
     for index, (problem, group) in enumerate(batch):
         prompt = build_prompt(learner.tokenizer, problem.problem, cfg.data.prompt_template)

@@ -253,22 +253,24 @@ def _local_face() -> set[str]:
     return set()
 
 
-def _imports_past_the_face(face: set[str]) -> list[tuple[str, str]]:
-    """(module, what it imports) for each import of local/'s modules from outside local/: `graft.services.store_api.local.x`
-    in any form, or a name from `graft.services.store_api.local` that its face does not export (a submodule)."""
+def _imports_past_the_face(package: str, face: set[str], modules: dict[str, Path]) -> list[tuple[str, str]]:
+    """(module, what it imports) for each import of `package`'s own modules from `modules`: `package.x` in any form, or a
+    name from `package` that its face does not export (a submodule)."""
     found = []
-    for name, path in _modules().items():
-        if name == LOCAL or name.startswith(LOCAL + "."):
-            continue
+    for name, path in modules.items():
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                if node.module.startswith(LOCAL + "."):
+                if node.module.startswith(package + "."):
                     found.append((name, node.module))
-                elif node.module == LOCAL:
-                    found.extend((name, f"{LOCAL}.{a.name}") for a in node.names if a.name not in face)
+                elif node.module == package:
+                    found.extend((name, f"{package}.{a.name}") for a in node.names if a.name not in face)
             elif isinstance(node, ast.Import):
-                found.extend((name, a.name) for a in node.names if a.name.startswith(LOCAL + "."))
+                found.extend((name, a.name) for a in node.names if a.name.startswith(package + "."))
     return sorted(set(found))
+
+
+def _outside_local() -> dict[str, Path]:
+    return {name: path for name, path in _modules().items() if not (name == LOCAL or name.startswith(LOCAL + "."))}
 
 
 def test_other_parts_import_the_local_store_only_through_its_face():
@@ -276,9 +278,9 @@ def test_other_parts_import_the_local_store_only_through_its_face():
     local/'s modules can move inside it without breaking the HTTP face, the browser, the lake or the benchmarks."""
     face = _local_face()
     assert "StoreIndex" in face
-    wrong = [found for found in _imports_past_the_face(face) if found not in LOCAL_WHITE_BOX]
-    assert wrong == []
-    assert sorted(set(LOCAL_WHITE_BOX) - set(_imports_past_the_face(face))) == []  # no stale allowance
+    found = _imports_past_the_face(LOCAL, face, _outside_local())
+    assert [wrong for wrong in found if wrong not in LOCAL_WHITE_BOX] == []
+    assert sorted(set(LOCAL_WHITE_BOX) - set(found)) == []  # no stale allowance
 
 
 def _store_part_classes() -> list[type]:
@@ -390,3 +392,56 @@ def test_nested_route_finder_finds_a_route_in_a_closure():
     source = ("def create_app():\n    app = FastAPI()\n\n    @app.get('/x')\n    def x():\n        return 1\n\n"
               "@router.post('/y')\ndef y():\n    return 2\n")
     assert _nested_routes(source, "m.py") == ["m.py:5 x"]
+
+
+TRAINER = "graft.trainer"
+ADAPTERS = ("graft.integrations.trl", "graft.integrations.verl")
+
+
+def _trainer_face() -> set[str]:
+    """The names graft.trainer exports (its `__all__`; imported on first use, so importing the package is cheap)."""
+    import graft.trainer
+
+    return set(graft.trainer.__all__)
+
+
+def _adapters() -> dict[str, Path]:
+    return {name: path for name, path in _modules().items() if name.startswith(ADAPTERS)}
+
+
+def test_the_adapters_import_the_trainer_only_through_its_face():
+    """Issue 51: TRL's and verl's trainers host graft-train's GRAFT through `from graft.trainer import ...` (its
+    `__all__`), never graft.trainer.batch or .metrics: the trainer's modules can move without breaking them, and what
+    they share with graft-train (one tally, one metrics function, one setup) is written down in one place."""
+    face = _trainer_face()
+    assert {"graft_metrics", "graft_tally", "host_setup", "PeerRowCounts", "TrainConfig"} <= face
+    assert _imports_past_the_face(TRAINER, face, _adapters()) == []
+
+
+def test_the_trainer_face_rule_finds_an_import_past_it(tmp_path):
+    module = tmp_path / "adapter.py"
+    module.write_text("from graft.trainer import TrainConfig, gate\nfrom graft.trainer.batch import TrainSample\n"
+                      "import graft.trainer.metrics\n")
+    found = _imports_past_the_face(TRAINER, {"TrainConfig"}, {"graft.integrations.trl.trainer": module})
+    assert found == [("graft.integrations.trl.trainer", "graft.trainer.batch"),
+                     ("graft.integrations.trl.trainer", "graft.trainer.gate"),
+                     ("graft.integrations.trl.trainer", "graft.trainer.metrics")]
+
+
+def test_the_trainer_face_names_what_it_exports():
+    """Every name of graft.trainer's face resolves (the lazy face names no module or name that is gone), and the package
+    imports no torch on its own: `graft-train --help` and the configs' readers stay fast."""
+    import subprocess
+    import sys
+
+    code = ("import sys, graft.trainer as t; assert 'torch' not in sys.modules, 'graft.trainer imported torch'; "
+            "missing = [n for n in t.__all__ if getattr(t, n, None) is None]; assert not missing, missing")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=300)
+
+
+def test_one_tally_for_every_trainer():
+    """One GRAFT tally (issue 51): the adapters spell none of GRAFT's metric names or counters themselves (a new metric
+    was three edits that could drift); graft_tally and graft_metrics do, for graft-train, TRL and verl alike."""
+    words = ('"frac_all_fail"', '"peer_hit_rate"', '"frac_dropped_retokenize"', "peer_advantage_mismatch",
+             "grafted_groups_short", ".kind ==")
+    assert [f"{name}: {word}" for name, path in _adapters().items() for word in words if word in path.read_text()] == []
