@@ -84,7 +84,7 @@ def bench_config(world, store_url: str, method: str, steps: int, run_dir: Path, 
     })
 
 
-def _existing_world(root: Path):
+def existing_world(root: Path):
     """Reuse a toy world built by an earlier run with the same --workdir."""
     from toy.world import ToyWorld
 
@@ -118,7 +118,7 @@ def main() -> None:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="trainer_bench-"))
     build_start = time.perf_counter()
     world_dir = workdir / "world"
-    world = build_toy_world(world_dir) if not (world_dir / "store").exists() else _existing_world(world_dir)
+    world = build_toy_world(world_dir) if not (world_dir / "store").exists() else existing_world(world_dir)
     build_s = time.perf_counter() - build_start
     steps: dict[str, list[dict]] = {"grpo": [], "graft": []}
     with StoreServer(world.store_root) as server:

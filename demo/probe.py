@@ -30,7 +30,6 @@ import torch
 
 from demo.stats import paired_interval
 from graft.rollouts.hf_backend import HFBackend
-from graft.rollouts.prompts import build_prompt
 from graft.rollouts.sampling import SamplingParams
 from graft.rollouts.scoring import Scorer
 from graft.schemas import Problem
@@ -133,7 +132,7 @@ def all_fail_prompts(cfg: TrainConfig, learner, problems: list[Problem]) -> list
     G = cfg.rollout.group_size
     params = SamplingParams(n=G, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                             max_tokens=cfg.rollout.max_response_tokens, seed=cfg.seed, seed_per_sample=True)
-    prompts = [build_prompt(learner.tokenizer, p.problem, cfg.data.prompt_template) for p in problems]
+    prompts = [cfg.data.prompt(learner.tokenizer, p.problem) for p in problems]
     samples = backend.generate(prompts, params)  # (prompts, G)
     with Scorer(num_workers=1, timeout_s=5.0) as scorer:
         scores = scorer.score([s.text for group in samples for s in group], [p.answer for p in problems for _ in range(G)])
@@ -146,8 +145,7 @@ def correction_gradient(cfg: TrainConfig, learner, batch: list, peer_tokenizers:
     counts = PeerRowCounts()
     rows: list[TrainSample] = []
     for index, (problem, group) in enumerate(batch):
-        prompt = build_prompt(learner.tokenizer, problem.problem, cfg.data.prompt_template)
-        prompt_ids = list(learner.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        prompt_ids = cfg.data.prompt_ids(learner.tokenizer, problem.problem)
         rows += grafted_group_rows(cfg, learner, group, index, prompt_ids, peer_tokenizers, learner.stop_token_id, counts)
     # rows without signal (a group whose rows that survive re-tokenisation share one reward has zero advantages) get
     # no forward pass under optim.skip_zero_advantage, and add nothing to the gradient either way
@@ -181,8 +179,7 @@ def correction_gradient(cfg: TrainConfig, learner, batch: list, peer_tokenizers:
 
 
 def supervised_row(cfg: TrainConfig, learner, problem: str, completion: str) -> TrainSample:
-    prompt = build_prompt(learner.tokenizer, problem, cfg.data.prompt_template)
-    prompt_ids = list(learner.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    prompt_ids = cfg.data.prompt_ids(learner.tokenizer, problem)
     ids = list(learner.tokenizer(completion, add_special_tokens=False)["input_ids"]) + [learner.end_token_id]
     return TrainSample(prompt_id="", group=-1, prompt_ids=prompt_ids, completion_ids=ids, num_content_tokens=len(ids) - 1,
                        advantage=0.0, grafted=False, num_bytes=len(completion.encode()))

@@ -163,9 +163,7 @@ def build_rows(
 
     def prompt_tokens(prompt_id: str) -> list[int]:
         if prompt_id not in prompt_ids_of:
-            text = cfg.data.prompt(learner.tokenizer, problem_of[prompt_id].problem)
-            # The template already holds any BOS: no special tokens added here (as the backends do).
-            prompt_ids_of[prompt_id] = list(learner.tokenizer(text, add_special_tokens=False)["input_ids"])
+            prompt_ids_of[prompt_id] = cfg.data.prompt_ids(learner.tokenizer, problem_of[prompt_id].problem)
         return prompt_ids_of[prompt_id]
 
     def learner_row(rollout, advantage: float, group_index: int) -> TrainSample:
@@ -420,12 +418,12 @@ def old_logprobs_and_weights(
         row.token_weight = torch.ones_like(old_lp)
 
     grafted = [row for row in active if row.grafted]
-    values = _weigh_grafted_rows(cfg, grafted) if grafted else GraftedWeights()
+    values = weigh_grafted_rows(cfg, grafted) if grafted else GraftedWeights()
     kept = [row for row in rows if not (row.grafted and not row.finite)]
     return WeightedRows(kept, len(rows) - len(kept), values)
 
 
-def _weigh_grafted_rows(cfg: TrainConfig, grafted: list[TrainSample]) -> GraftedWeights:
+def weigh_grafted_rows(cfg: TrainConfig, grafted: list[TrainSample]) -> GraftedWeights:
     """Set w, finiteness and c = peer_loss_scale * w * b on the grafted rows (pi_old filled in); what their
     statistics are computed from. A row without mu gets w = 1 and b = 1 (GRAFT_SPEC section 11: l_peer and mu~ are
     unknown), under every token_is; its log rho is left out of the statistics, its w = 1 is not."""

@@ -58,6 +58,11 @@ class DataConfig(_Section):
 
         return build_prompt(tokenizer, problem, self.prompt_template, 0, self.instruction, self.system_prompt)
 
+    def prompt_ids(self, tokenizer: Any, problem: str) -> list[int]:
+        """The learner's prompt for `problem` as token ids. The template already holds any BOS: no special tokens are
+        added here (as the backends do)."""
+        return list(tokenizer(self.prompt(tokenizer, problem), add_special_tokens=False)["input_ids"])
+
 
 class RolloutConfig(_Section):
     backend: Literal["auto", "hf", "vllm"] = Field(default="auto", description="learner sampling: 'hf' on the in-memory policy, 'vllm' with weight sync after each step; auto: vllm on GPU, hf on CPU")

@@ -372,7 +372,7 @@ def test_a_rank_whose_grafted_rows_are_all_dropped_backpropagates_its_first_pass
                  "checkpoint.every_steps": 0, "parallel.timeout_s": 120.0}  # a collective that hangs fails in 2 minutes
     poisoned = ",".join(p.prompt_id for p in peer)
     with monkeypatch.context() as patch:
-        patch.setattr(graft.trainer.batch, "_weigh_grafted_rows", non_finite_grafts(set(poisoned.split(","))))
+        patch.setattr(graft.trainer.batch, "weigh_grafted_rows", non_finite_grafts(set(poisoned.split(","))))
         one = train(config(toy_world, tmp_path / "one", store.url, **overrides))
     cfg = config(toy_world, tmp_path / "ranks", store.url, **overrides)
     path = tmp_path / "ranks.yaml"
