@@ -48,9 +48,10 @@ def arms(model: Path, prompts: int, group_size: int, max_tokens: int, dtype: str
 
     from graft.rollouts.datasets import load_problems
     from graft.rollouts.scoring import Scorer
+    from graft.schemas.overrides import load_config
     from graft.services.generator.config import GeneratorConfig
     from graft.services.generator.generate import RunStats, load_generator_backend, sample_batch
-    from graft.trainer.config import load_config
+    from graft.trainer.config import TrainConfig
     from graft.trainer.data import PromptBlock
     from graft.trainer.learner import load_learner, make_sampler
     from graft.trainer.sample import generate_groups, sampling_params
@@ -62,7 +63,7 @@ def arms(model: Path, prompts: int, group_size: int, max_tokens: int, dtype: str
                                     group_size=group_size, temperature=1.0, max_tokens=max_tokens, seed=0, store="unused",
                                     score_workers=1, progress=False, dtype=dtype, hf_batch_size=prompts * group_size)
     backend = load_generator_backend(generator_cfg, str(model), "smollm2")
-    train_cfg = load_config(None, [
+    train_cfg = load_config(TrainConfig, None, [
         f"model.path={model}", "model.device=cpu", f"model.dtype={dtype}", "data.dataset=gsm8k", f"data.limit={prompts}",
         "method=grpo", "rollout.backend=hf", f"rollout.group_size={group_size}", f"rollout.prompts_per_step={prompts}",
         f"optim.mini_batch_prompts={prompts}", f"rollout.max_response_tokens={max_tokens}",
@@ -96,14 +97,15 @@ def loop_pairs(model: Path, steps: int, prompts: int, group_size: int, max_token
 
     from graft.rollouts.datasets import load_problems
     from graft.rollouts.scoring import Scorer
+    from graft.schemas.overrides import load_config
     from graft.services.generator.config import GeneratorConfig
     from graft.services.generator.generate import RunStats, load_generator_backend, sample_batch
-    from graft.trainer.config import load_config
+    from graft.trainer.config import TrainConfig
     from graft.trainer.data import LoopState, PromptStream
     from graft.trainer.loop import train
     from graft.trainer.sample import sampling_params
 
-    cfg = load_config(None, [
+    cfg = load_config(TrainConfig, None, [
         f"model.path={model}", "model.device=cpu", f"model.dtype={dtype}", "data.dataset=gsm8k",
         f"data.limit={prompts * steps}", "method=grpo", "rollout.backend=hf", f"rollout.group_size={group_size}",
         f"rollout.prompts_per_step={prompts}", f"optim.mini_batch_prompts={prompts}", "optim.micro_batch_size=4",

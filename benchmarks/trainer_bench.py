@@ -59,7 +59,7 @@ def run_ranked(world, store_url: str, strategy: str, ranks: int, steps: int, run
     rss_dir = run_dir.with_name(run_dir.name + "-rss")
     launcher = [] if strategy == "none" else ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
     env = dict(os.environ, GRAFT_BENCH_RSS_DIR=str(rss_dir), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    subprocess.run([sys.executable, *launcher, "-m", "benchmarks.traced_train", "train", str(path), "--overwrite"], env=env, check=True,
+    subprocess.run([sys.executable, *launcher, "-m", "benchmarks.traced_train", "train", "--config", str(path), "--overwrite"], env=env, check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=3600)
     rss = [json.loads(f.read_text())["peak_rss_mb"] for f in sorted(rss_dir.glob("rank*.json"))]
     return [orjson.loads(line) for line in (run_dir / "metrics.jsonl").read_bytes().splitlines()], rss

@@ -16,8 +16,9 @@ import os
 from typing import Callable
 
 import graft.trainer.batch
+from graft.schemas.overrides import load_config
 from graft.trainer.batch import GraftedWeights, TrainSample, weigh_grafted_rows
-from graft.trainer.config import load_config
+from graft.trainer.config import TrainConfig
 from graft.trainer.loop import train
 
 
@@ -50,7 +51,7 @@ def main() -> None:
                   for who, url in [rank_url.split("=", 1)] if who == rank]
     if args.non_finite_grafts:
         graft.trainer.batch.weigh_grafted_rows = non_finite_grafts(set(args.non_finite_grafts.split(",")))
-    train(load_config(args.config, overrides))
+    train(load_config(TrainConfig, args.config, overrides))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """graft-train data parallel through the real training loop: 2 ranks under torchrun (CPU, gloo), launched as a user
-launches them (`torchrun --nproc-per-node 2 -m graft.trainer.cli train CONFIG`), against one process on the same global
+launches them (`torchrun --nproc-per-node 2 -m graft.trainer.cli train --config CONFIG`), against one process on the same global
 batch, with the toy world's learner and a real store server on loopback holding the peer's groups.
 
 The one-process reference samples with rollout.seed_per_sample (each rollout seeded by its place in the step's
@@ -58,10 +58,10 @@ def config(world, run_dir: Path, store_url: str | None, **overrides) -> TrainCon
 
 
 def two_ranks(cfg: TrainConfig, strategy: str, *extra: str) -> Path:
-    """`torchrun --nproc-per-node 2 -m graft.trainer.cli train CONFIG --set parallel.strategy=STRATEGY`."""
+    """`torchrun --nproc-per-node 2 -m graft.trainer.cli train --config CONFIG --set parallel.strategy=STRATEGY`."""
     path = Path(cfg.run_dir).with_suffix(".yaml")
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-    torchrun(["-m", "graft.trainer.cli", "train", str(path), "--set", f"parallel.strategy={strategy}", *extra])
+    torchrun(["-m", "graft.trainer.cli", "train", "--config", str(path), "--set", f"parallel.strategy={strategy}", *extra])
     return Path(cfg.run_dir)
 
 
