@@ -1,7 +1,7 @@
 """graft-train's sampling against graft-generate's, on SmolLM2-135M-Instruct, same prompts and settings, side by side.
 
 Each arm is the product's own code path for one batch of rollouts: sample, score with math-verify, assemble groups.
-- `generate`: graft-generate's (`graft.services.generator.generate`: the backend `_load` builds, `_sample_batch`);
+- `generate`: graft-generate's (`graft.services.generator.generate`: the backend `load_generator_backend` builds, `sample_batch`);
 - `train`: graft-train's (`graft.trainer.learner.load_learner` + `make_sampler`, `graft.trainer.sample.generate_groups` under the
   learner's autocast), which is what a step's `generation_s` times.
 Both sample the same GSM8K prompts with the same G, temperature, max_tokens and seed (graft-train's `sampling_params`
@@ -48,9 +48,10 @@ def arms(model: Path, prompts: int, group_size: int, max_tokens: int, dtype: str
 
     from graft.rollouts.datasets import load_problems
     from graft.rollouts.scoring import Scorer
+    from graft.schemas.overrides import load_config
     from graft.services.generator.config import GeneratorConfig
-    from graft.services.generator.generate import RunStats, _load, _sample_batch
-    from graft.trainer.config import load_config
+    from graft.services.generator.generate import RunStats, load_generator_backend, sample_batch
+    from graft.trainer.config import TrainConfig
     from graft.trainer.data import PromptBlock
     from graft.trainer.learner import load_learner, make_sampler
     from graft.trainer.sample import generate_groups, sampling_params
@@ -61,8 +62,8 @@ def arms(model: Path, prompts: int, group_size: int, max_tokens: int, dtype: str
     generator_cfg = GeneratorConfig(model=str(model), model_id="smollm2", dataset="gsm8k", dataset_limit=prompts,
                                     group_size=group_size, temperature=1.0, max_tokens=max_tokens, seed=0, store="unused",
                                     score_workers=1, progress=False, dtype=dtype, hf_batch_size=prompts * group_size)
-    backend = _load(generator_cfg, str(model), "smollm2")
-    train_cfg = load_config(None, [
+    backend = load_generator_backend(generator_cfg, str(model), "smollm2")
+    train_cfg = load_config(TrainConfig, None, [
         f"model.path={model}", "model.device=cpu", f"model.dtype={dtype}", "data.dataset=gsm8k", f"data.limit={prompts}",
         "method=grpo", "rollout.backend=hf", f"rollout.group_size={group_size}", f"rollout.prompts_per_step={prompts}",
         f"optim.mini_batch_prompts={prompts}", f"rollout.max_response_tokens={max_tokens}",
@@ -75,7 +76,7 @@ def arms(model: Path, prompts: int, group_size: int, max_tokens: int, dtype: str
 
     def generate(step: int):
         params = sampling_params(train_cfg, step, 0)  # graft-train's own for the step: the same samples in float32
-        groups = _sample_batch(backend, scorers["generate"], problems, [f"g{step}-{i}" for i in range(prompts)], params,
+        groups = sample_batch(backend, scorers["generate"], problems, [f"g{step}-{i}" for i in range(prompts)], params,
                                generator_cfg, "smollm2", "r", 0, "bench", stats)
         return groups
 
@@ -96,14 +97,15 @@ def loop_pairs(model: Path, steps: int, prompts: int, group_size: int, max_token
 
     from graft.rollouts.datasets import load_problems
     from graft.rollouts.scoring import Scorer
+    from graft.schemas.overrides import load_config
     from graft.services.generator.config import GeneratorConfig
-    from graft.services.generator.generate import RunStats, _load, _sample_batch
-    from graft.trainer.config import load_config
+    from graft.services.generator.generate import RunStats, load_generator_backend, sample_batch
+    from graft.trainer.config import TrainConfig
     from graft.trainer.data import LoopState, PromptStream
     from graft.trainer.loop import train
     from graft.trainer.sample import sampling_params
 
-    cfg = load_config(None, [
+    cfg = load_config(TrainConfig, None, [
         f"model.path={model}", "model.device=cpu", f"model.dtype={dtype}", "data.dataset=gsm8k",
         f"data.limit={prompts * steps}", "method=grpo", "rollout.backend=hf", f"rollout.group_size={group_size}",
         f"rollout.prompts_per_step={prompts}", f"optim.mini_batch_prompts={prompts}", "optim.micro_batch_size=4",
@@ -113,7 +115,7 @@ def loop_pairs(model: Path, steps: int, prompts: int, group_size: int, max_token
     generator_cfg = GeneratorConfig(model=str(model), model_id="smollm2", dataset="gsm8k", group_size=group_size,
                                     temperature=1.0, max_tokens=max_tokens, store="unused", score_workers=1, progress=False,
                                     dtype=dtype, hf_batch_size=prompts * group_size)
-    backend = _load(generator_cfg, str(model), "smollm2")
+    backend = load_generator_backend(generator_cfg, str(model), "smollm2")
     stream = PromptStream(load_problems("gsm8k", limit=prompts * steps), cfg.seed, cfg.data.shuffle, LoopState())
     rows: list[dict] = []
     with Scorer(num_workers=1) as scorer:
@@ -121,7 +123,7 @@ def loop_pairs(model: Path, steps: int, prompts: int, group_size: int, max_token
             step = metrics["step"] - 1
             stats = RunStats()
             started, cpu = time.perf_counter(), time.process_time()
-            groups = _sample_batch(backend, scorer, stream.take(prompts), [f"g{step}-{i}" for i in range(prompts)],
+            groups = sample_batch(backend, scorer, stream.take(prompts), [f"g{step}-{i}" for i in range(prompts)],
                                    sampling_params(cfg, step, 0), generator_cfg, "smollm2", "r", 0, "bench", stats)
             wall = time.perf_counter() - started
             row = {"pair": step + 1, "load_1min": loadavg(),

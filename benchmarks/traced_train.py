@@ -2,7 +2,7 @@
 alone), and at exit this process's peak resident memory in $GRAFT_BENCH_RSS_DIR/rank<RANK>.json (the rank's own
 process; its scorer workers are processes of their own and not counted).
 
-    GRAFT_BENCH_RSS_DIR=DIR torchrun --nproc-per-node 2 -m benchmarks.traced_train train CONFIG ...
+    GRAFT_BENCH_RSS_DIR=DIR torchrun --nproc-per-node 2 -m benchmarks.traced_train train --config CONFIG ...
 """
 
 from __future__ import annotations

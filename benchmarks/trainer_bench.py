@@ -59,7 +59,7 @@ def run_ranked(world, store_url: str, strategy: str, ranks: int, steps: int, run
     rss_dir = run_dir.with_name(run_dir.name + "-rss")
     launcher = [] if strategy == "none" else ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
     env = dict(os.environ, GRAFT_BENCH_RSS_DIR=str(rss_dir), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    subprocess.run([sys.executable, *launcher, "-m", "benchmarks.traced_train", "train", str(path), "--overwrite"], env=env, check=True,
+    subprocess.run([sys.executable, *launcher, "-m", "benchmarks.traced_train", "train", "--config", str(path), "--overwrite"], env=env, check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=3600)
     rss = [json.loads(f.read_text())["peak_rss_mb"] for f in sorted(rss_dir.glob("rank*.json"))]
     return [orjson.loads(line) for line in (run_dir / "metrics.jsonl").read_bytes().splitlines()], rss
@@ -84,7 +84,7 @@ def bench_config(world, store_url: str, method: str, steps: int, run_dir: Path, 
     })
 
 
-def _existing_world(root: Path):
+def existing_world(root: Path):
     """Reuse a toy world built by an earlier run with the same --workdir."""
     from toy.world import ToyWorld
 
@@ -118,7 +118,7 @@ def main() -> None:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="trainer_bench-"))
     build_start = time.perf_counter()
     world_dir = workdir / "world"
-    world = build_toy_world(world_dir) if not (world_dir / "store").exists() else _existing_world(world_dir)
+    world = build_toy_world(world_dir) if not (world_dir / "store").exists() else existing_world(world_dir)
     build_s = time.perf_counter() - build_start
     steps: dict[str, list[dict]] = {"grpo": [], "graft": []}
     with StoreServer(world.store_root) as server:

@@ -123,7 +123,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=None, help="keep the toy world and runs here (default: a temp dir)")
     args = parser.parse_args()
 
-    from benchmarks.trainer_bench import _existing_world
+    from benchmarks.trainer_bench import existing_world
     from graft.services.store_api.http.testing import StoreServer
     from toy.world import build_toy_world
 
@@ -132,7 +132,7 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="trl_bench-"))
     world_dir = workdir / "world"
-    world = build_toy_world(world_dir) if not (world_dir / "store").exists() else _existing_world(world_dir)
+    world = build_toy_world(world_dir) if not (world_dir / "store").exists() else existing_world(world_dir)
     problems = [json.loads(line) for line in world.problems_path.read_text().splitlines() if line.strip()]
     common = (args.steps, args.prompts_per_step, args.group_size, args.lr)
     steps: dict[str, list[dict]] = {"trl-grpo": [], "trl-graft": [], "train-grpo": [], "train-graft": []}

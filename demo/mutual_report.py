@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from demo.config import DemoConfig
-from demo.report import LOCAL_FILE, _save_fig, paired_values, primary, write_summary
+from demo.report import LOCAL_FILE, paired_values, primary, save_fig, write_summary
 from demo.report import run_record as report_run_record
 from demo.stats import STRONG_MARGIN, VERDICT_RULE, Interval, pct, stratified_interval, verdict
 from graft.rollouts.files import write_text_atomic
@@ -256,7 +256,7 @@ def _plot(summary: dict, report_dir: Path) -> None:
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
-    _save_fig(fig, report_dir / "accuracy_vs_step.png")
+    save_fig(fig, report_dir / "accuracy_vs_step.png")
     plt.close(fig)
 
 

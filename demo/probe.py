@@ -24,20 +24,18 @@ from __future__ import annotations
 import math
 import statistics
 from pathlib import Path
-from typing import get_args
 
 import orjson
 import torch
 
 from demo.stats import paired_interval
 from graft.rollouts.hf_backend import HFBackend
-from graft.rollouts.prompts import build_prompt
 from graft.rollouts.sampling import SamplingParams
 from graft.rollouts.scoring import Scorer
 from graft.schemas import Problem
 from graft.schemas.overrides import apply_overrides
 from graft.trainer.batch import (
-    StepRows,
+    PeerRowCounts,
     TrainSample,
     collate,
     grafted_group_rows,
@@ -48,7 +46,6 @@ from graft.trainer.config import TrainConfig
 from graft.trainer.gate import choose_peer_group, classify_group
 from graft.trainer.learner import load_learner
 from graft.trainer.loss import LossBatch, LossConfig, graft_loss
-from graft.trainer.retokenize import DropReason, Projection
 from toy.task import completion_text
 
 SUPERVISED = "supervised on the peer's correct answers (the ceiling's direction)"
@@ -135,7 +132,7 @@ def all_fail_prompts(cfg: TrainConfig, learner, problems: list[Problem]) -> list
     G = cfg.rollout.group_size
     params = SamplingParams(n=G, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                             max_tokens=cfg.rollout.max_response_tokens, seed=cfg.seed, seed_per_sample=True)
-    prompts = [build_prompt(learner.tokenizer, p.problem, cfg.data.prompt_template) for p in problems]
+    prompts = [cfg.data.prompt(learner.tokenizer, p.problem) for p in problems]
     samples = backend.generate(prompts, params)  # (prompts, G)
     with Scorer(num_workers=1, timeout_s=5.0) as scorer:
         scores = scorer.score([s.text for group in samples for s in group], [p.answer for p in problems for _ in range(G)])
@@ -145,11 +142,10 @@ def all_fail_prompts(cfg: TrainConfig, learner, problems: list[Problem]) -> list
 def correction_gradient(cfg: TrainConfig, learner, batch: list, peer_tokenizers: dict, gold_direction: torch.Tensor) -> dict:
     """One batch's grafted rows under one correction: the update direction's cosine with the gold direction, its norm,
     and the effective weights (per unit of advantage) at the decisive tokens of the correct rows."""
-    counts = StepRows([], [], dict.fromkeys(get_args(DropReason), 0), dict.fromkeys(get_args(Projection), 0), 0, 0)
+    counts = PeerRowCounts()
     rows: list[TrainSample] = []
     for index, (problem, group) in enumerate(batch):
-        prompt = build_prompt(learner.tokenizer, problem.problem, cfg.data.prompt_template)
-        prompt_ids = list(learner.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        prompt_ids = cfg.data.prompt_ids(learner.tokenizer, problem.problem)
         rows += grafted_group_rows(cfg, learner, group, index, prompt_ids, peer_tokenizers, learner.stop_token_id, counts)
     # rows without signal (a group whose rows that survive re-tokenisation share one reward has zero advantages) get
     # no forward pass under optim.skip_zero_advantage, and add nothing to the gradient either way
@@ -183,8 +179,7 @@ def correction_gradient(cfg: TrainConfig, learner, batch: list, peer_tokenizers:
 
 
 def supervised_row(cfg: TrainConfig, learner, problem: str, completion: str) -> TrainSample:
-    prompt = build_prompt(learner.tokenizer, problem, cfg.data.prompt_template)
-    prompt_ids = list(learner.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    prompt_ids = cfg.data.prompt_ids(learner.tokenizer, problem)
     ids = list(learner.tokenizer(completion, add_special_tokens=False)["input_ids"]) + [learner.end_token_id]
     return TrainSample(prompt_id="", group=-1, prompt_ids=prompt_ids, completion_ids=ids, num_content_tokens=len(ids) - 1,
                        advantage=0.0, grafted=False, num_bytes=len(completion.encode()))

@@ -140,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     with StoreServer(store_root) as server:
         print(f"store API at {server.url} over {store_root}", flush=True)
         generate = [sys.executable, "-m", "graft.services.generator.cli", "--model", peer["path"], "--model-id", PEER_ID,
-                    "--dataset", str(train_path), "--template", "raw", "--group-size", str(args.group_size), "--max-tokens", "24",
-                    "--seed", "0", "--store", server.url, "--score-workers", "1", "--no-progress"]
+                    "--dataset", str(train_path), "--set", "template=raw", "--set", f"group_size={args.group_size}", "--set", "max_tokens=24",
+                    "--set", "seed=0", "--store", server.url, "--set", "score_workers=1", "--set", "progress=false"]
         result = subprocess.run(generate, capture_output=True, text=True, cwd=REPO_ROOT)
         if result.returncode != 0:
             raise SystemExit(f"graft-generate failed:\n{result.stderr[-3000:]}")

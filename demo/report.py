@@ -48,10 +48,6 @@ def _finite_mean(values: list[float | None]) -> float | None:
     return sum(kept) / len(kept) if kept else None
 
 
-def _std(values: list[float]) -> float:
-    return statistics.stdev(values) if len(values) > 1 else 0.0
-
-
 def read_metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "train" / "metrics.jsonl"
     return [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
@@ -479,7 +475,7 @@ def _plots(records: list[dict], report_dir: Path, weak: str, strong: str, models
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
-    _save_fig(fig, report_dir / "accuracy_vs_step.png")
+    save_fig(fig, report_dir / "accuracy_vs_step.png")
     plt.close(fig)
 
 
@@ -515,11 +511,11 @@ def _probe_plot(probes: dict[str, dict], report_dir: Path) -> None:
     axes[1].set_yscale("log")
     axes[1].set_title("effective weight at the decisive token of correct rows")
     fig.tight_layout()
-    _save_fig(fig, report_dir / "probe.png")
+    save_fig(fig, report_dir / "probe.png")
     plt.close(fig)
 
 
-def _save_fig(fig, path: Path) -> None:
+def save_fig(fig, path: Path) -> None:
     tmp = path.with_name(f".{path.stem}.tmp.png")
     fig.savefig(tmp, dpi=110)
     os.replace(tmp, path)

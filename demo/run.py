@@ -422,10 +422,10 @@ def generator_job(cfg: DemoConfig, data: dict[str, Path], checkpoint: str, model
     command = python_module(
         "graft.services.generator.cli",
         "--model", checkpoint, "--model-id", model_id, "--dataset", str(data["rl"]),
-        "--template", "raw", "--group-size", str(cfg.peer_groups.group_size), "--temperature", "1.0",
-        "--max-tokens", "16", "--seed", str(cfg.peer_groups.seed), "--store", str(store_root),
-        "--prompts-per-batch", str(cfg.peer_groups.prompts_per_batch), "--hf-batch-size", "1024",
-        "--score-workers", "1", "--no-progress",
+        "--set", "template=raw", "--set", f"group_size={cfg.peer_groups.group_size}", "--set", "temperature=1.0",
+        "--set", "max_tokens=16", "--set", f"seed={cfg.peer_groups.seed}", "--store", str(store_root),
+        "--set", f"prompts_per_batch={cfg.peer_groups.prompts_per_batch}", "--set", "hf_batch_size=1024",
+        "--set", "score_workers=1", "--set", "progress=false",
     )
 
     from graft.services.store_api.local import model_dir

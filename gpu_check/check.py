@@ -540,9 +540,10 @@ def run_check(args: argparse.Namespace, stages: dict[str, Stage]) -> None:
                 run_logged([*learner.command_without_launcher(command), "--dry-run"], logs / f"configs-{name}.log", timeout_s)
             checked = f"graft-generate, graft-train x{len(train_runs)} (--dry-run)"
             if not offline:
-                from graft.services.generator.config import EvalConfig, load_config
+                from graft.schemas.overrides import load_config
+                from graft.services.generator.config import EvalConfig
 
-                load_config(EvalConfig, None, {**eval_run, "model": str(model_dir), "benchmarks": EVAL_BENCHMARKS})
+                load_config(EvalConfig, values={**eval_run, "model": str(model_dir), "benchmarks": EVAL_BENCHMARKS})
                 checked += ", graft-eval (EvalConfig)"
             stages["configs"].passed(checked)
 
@@ -620,16 +621,15 @@ def _interrupt(signum, frame) -> None:
 
 
 def _flags(options: dict) -> list[str]:
-    """--name value pairs for a typer command (booleans as --name / --no-name)."""
+    """`--set field=value` pairs for graft-generate and graft-eval (values as YAML: JSON for text and lists, so that a
+    path or a sentence reads back as the string it is)."""
     flags = []
     for key, value in options.items():
         if value is None:  # the command's default
             continue
-        name = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            flags.append(name if value else name.replace("--", "--no-", 1))
-        else:
-            flags += [name, str(value)]
+        written = str(value).lower() if isinstance(value, bool) else json.dumps(value) if isinstance(value, (str, list)) \
+            else str(value)
+        flags += ["--set", f"{key}={written}"]
     return flags
 
 
@@ -658,7 +658,7 @@ class _Learner:
                      f"rollout.max_response_tokens={sizes.response_tokens}", f"rollout.scorer_workers={sizes.workers}",
                      *([f"rollout.vllm_gpu_memory_utilization={sizes.vllm_memory}"] if sizes.vllm_memory else []),
                      *([f"parallel.strategy={strategy}"] if strategy else []), *sizes.train_overrides]
-        command = [tool(self.python, "graft-train"), "train", str(self.config), "--model", str(self.model_dir),
+        command = [tool(self.python, "graft-train"), "train", "--config", str(self.config), "--model", str(self.model_dir),
                    "--method", method, "--steps", str(steps), "--run-dir", str(run_dir), "--store-url", self.store_url,
                    *[flag for item in overrides for flag in ("--set", item)], *(["--resume"] if resume else [])]
         # one rank, as a user starts a data-parallel run: torchrun's rendezvous, the env:// process group

@@ -67,7 +67,7 @@ def probe_sync(model_dir: str, dtype: str, device: str) -> dict:
     from graft.rollouts.models import load_tokenizer
     from graft.rollouts.prompts import build_prompt
     from graft.rollouts.sampling import SamplingParams
-    from graft.trainer.vllm_sync import start_vllm_backend, sync_weights
+    from graft.trainer.vllm_sync import check_weight_sync, start_vllm_backend
 
     tokenizer = load_tokenizer(model_dir)
     # The policy as the trainer keeps it: float32 master weights on the device.
@@ -88,25 +88,16 @@ def probe_sync(model_dir: str, dtype: str, device: str) -> dict:
                 gaps += [abs(a - b) for a, b in zip(reference, sample.token_logprobs, strict=True)]
         return sum(gaps) / max(len(gaps), 1)
 
-    before = backend.generate(prompts, params)
-    gap_before = mean_gap(before)
     generator = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():  # a large "update" of every matrix, 20% of its own spread: the policy changes visibly
-        for parameter in policy.parameters():
+
+    def perturb(model) -> None:  # a large "update" of every matrix, 20% of its own spread: the policy changes visibly
+        for parameter in model.parameters():
             if parameter.dim() == 2:
                 noise = torch.randn(parameter.shape, generator=generator, device=device)
                 parameter.add_(noise * 0.2 * parameter.std())
-    stale_gap = mean_gap(before)  # the engine's old logprobs against the changed policy
-    sync_weights(backend, policy)
-    after = backend.generate(prompts, params)
-    result = {
-        "gap_before_sync": gap_before,
-        "stale_gap": stale_gap,
-        "gap_after_sync": mean_gap(after),
-        "samples_changed": [[s.token_ids for s in g] for g in before] != [[s.token_ids for s in g] for g in after],
-        "tokens": sum(len(s.token_ids) for g in after for s in g),
-        "dtype": dtype,
-    }
+
+    result, after = check_weight_sync(backend, policy, prompts, params, mean_gap, perturb)
+    result.update(tokens=sum(len(s.token_ids) for g in after for s in g), dtype=dtype)
     backend.close()
     return result
 

@@ -95,7 +95,7 @@ def load_problems(path_or_benchmark_name: str, limit: int | None = None, problem
             raise ValueError(
                 f"{path} row {i} has no {' and no '.join(repr(m) for m in missing)} field (its fields: "
                 f"{', '.join(map(str, row)) or 'none'}): name the columns that hold the problem and the answer with "
-                "problem_field / answer_field (graft-generate --problem-field question; graft-train "
+                "problem_field / answer_field (graft-generate --set problem_field=question; graft-train "
                 "--set data.problem_field=question)")
         text, answer = row[problem_field], row[answer_field]
         if not isinstance(text, str) or not text.strip():

@@ -150,7 +150,7 @@ def load_tokenizer(model_dir: str | Path):
     if not tokenizer_file.exists() or getattr(tokenizer, "backend_tokenizer", None) is None:
         return tokenizer  # a slow (e.g. SentencePiece) tokenizer: nothing saved to compare with
     saved = Tokenizer.from_file(str(tokenizer_file))
-    difference = _tokenisation_difference(tokenizer.backend_tokenizer, saved)
+    difference = tokenisation_difference(tokenizer.backend_tokenizer, saved)
     if difference is None:
         return tokenizer
     log.warning(
@@ -158,12 +158,12 @@ def load_tokenizer(model_dir: str | Path):
         model_dir, type(tokenizer).__name__, difference,
     )
     faithful = PreTrainedTokenizerFast.from_pretrained(model_dir)
-    if _tokenisation_difference(faithful.backend_tokenizer, saved) is not None:
+    if tokenisation_difference(faithful.backend_tokenizer, saved) is not None:
         raise RuntimeError(f"{model_dir}: could not load tokenizer.json so that it tokenises as saved; check the file")
     return faithful
 
 
-def _tokenisation_difference(loaded, saved) -> str | None:
+def tokenisation_difference(loaded, saved) -> str | None:
     """What makes two `tokenizers.Tokenizer`s encode differently ('normalizer', 'pre-tokenizer', 'encoding'), or None."""
 
     def state(component) -> dict | None:

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 from graft.schemas.rollout import INT32_MAX, INT64_MAX, PROMPT_ID_PATTERN, Problem, Rollout, RolloutGroup
 
 LOOKUP_PATH = "/v1/peer-groups/lookup"  # the trainer's hot call: the client's and the server's fast path
+PUSH_PATH = "/v1/groups"  # the generators' push (its bodies have their own size limit: http/asgi.py)
 MAX_LOOKUP_PROMPTS = 1024
 MAX_PAGE_SIZE = 1000
 MAX_PUSH_GROUPS = 512

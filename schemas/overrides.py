@@ -1,13 +1,17 @@
-"""The command-line style of `graft-train`, `graft-generate` and `graft-eval`: a few named flags, `--set key=value`
-over the validated pydantic config, and `show-config` listing every field with its default and its doc line."""
+"""The command-line style of `graft-train`, `graft-generate` and `graft-eval`, implemented once: a config file given as
+`--config PATH`, a few named flags, `--set key=value` over the validated pydantic config (`load_config`), and
+`show-config` listing every field with its default and its doc line. typer is imported only by the commands' helpers."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional, TypeVar
 
 import yaml
 from pydantic import BaseModel
+
+M = TypeVar("M", bound=BaseModel)
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -44,3 +48,62 @@ def describe_fields(model: type[BaseModel], prefix: str = "") -> list[tuple[str,
 def format_fields(model: type[BaseModel]) -> str:
     """`show-config`'s table: one line per field."""
     return "\n".join(f"{name:38s} {default:>22s}  {doc}" for name, default, doc in describe_fields(model))
+
+
+def load_config(cls: type[M], path: str | Path | None = None, overrides: Sequence[str] = (),
+                values: dict[str, Any] | None = None) -> M:
+    """`cls` validated from a YAML file (optional), then `values` (named flags by dotted field name, those not None), then
+    `overrides` (`key.sub=value` pairs, YAML-parsed): later wins. The one reader of graft-train's, graft-generate's and
+    graft-eval's configs; raises FileNotFoundError, ValueError (a file that is no mapping, a pair that is no key=value)
+    or pydantic's ValidationError."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file {path} does not exist; pass the path of a YAML file (configs/ holds "
+                                    "examples)")
+        loaded = yaml.safe_load(path.read_text())
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ValueError(f"config file {path} must hold a mapping of field: value, not {type(loaded).__name__}")
+        data = loaded or {}
+    for key, value in (values or {}).items():
+        if value is not None:
+            *parents, leaf = key.split(".")
+            node = data
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = value
+    return cls.model_validate(apply_overrides(data, list(overrides)))
+
+
+def command_line_config(cls: type[M], path: Path | None, sets: Sequence[str] = (),
+                        values: dict[str, Any] | None = None) -> M:
+    """`load_config` for a command line: a config that does not load exits 2 with the reason, one line per field."""
+    import typer
+    from pydantic import ValidationError
+
+    try:
+        return load_config(cls, path, sets, values)
+    except ValidationError as error:
+        lines = [f"  {'.'.join(str(p) for p in e['loc']) or cls.__name__}: {e['msg']}" for e in error.errors()]
+        typer.echo(f"error: the configuration ({path or 'command line'}) is invalid:\n" + "\n".join(lines), err=True)
+    except (ValueError, FileNotFoundError) as error:
+        typer.echo(f"error: {error}", err=True)
+    raise typer.Exit(2)
+
+
+def add_show_config(app: Any, cls: type[BaseModel]) -> None:
+    """`<command> show-config [--config F] [--set k=v]` on a typer app: every field of `cls` with its default and doc
+    line, and the resolved YAML when given a config or --set."""
+    import typer
+
+    @app.command("show-config")
+    def show_config(
+        config: Optional[Path] = typer.Option(None, "--config", "-c", help=f"YAML file with {cls.__name__} fields"),
+        sets: list[str] = typer.Option([], "--set", help="field=value (repeatable)"),
+    ) -> None:
+        """Every field with its default and its one-line doc; with a config or --set, the resolved YAML too."""
+        typer.echo(format_fields(cls))
+        if config is not None or sets:
+            cfg = command_line_config(cls, config, sets)
+            typer.echo("\n# resolved\n" + yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))

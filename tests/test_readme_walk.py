@@ -192,3 +192,19 @@ def test_the_pages_commands_run_as_printed(page: Path, tmp_path: Path):
     # git): their other files go to folders of their own
     left = sorted(p.name for p in cwd.iterdir() if p.name not in ("configs", "data", ".venv", "stores", "models", "runs"))
     assert not left, f"{page.name}'s commands leave {left} in the checkout"
+
+
+def test_the_readmes_two_commands_are_a_door():
+    """README's "Two commands" says what each command does, how long it takes and on what, in a few lines (as TRL's and
+    DuckDB's READMEs do); the installs, the timings with their CPU and date live in docs/demo.md, every figure kept."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    section = readme.split("## Two commands\n", 1)[1].split("\n## ", 1)[0]
+    prose = [line for line in section.split("```")[-1].splitlines() if line.strip()]
+    assert len(prose) <= 6, prose
+    assert not re.search(r"\b20\d\d-\d\d-\d\d\b|Xeon|AVX|passed in", section), section
+    assert "docs/demo.md#the-two-commands" in section
+    demo = (REPO_ROOT / "docs" / "demo.md").read_text()
+    page = demo.split("## The two commands: what they install and how long they take\n", 1)[1].split("\n## ", 1)[0]
+    for figure in ("670 s", "36 s of it", "683 passed in 21 minutes", "verl's 24 in under one", "25.9 minutes",
+                   "563 passed in 5.8 minutes", "2-core Intel Xeon with AVX-512 and AMX", "2026-12-04"):
+        assert figure in page, figure

@@ -29,7 +29,7 @@ def wheel(tmp_path_factory) -> zipfile.ZipFile:
     source = tmp_path_factory.mktemp("source")
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(ROOT / name, source / name)
-    # every top-level folder of Python modules (toy/ and rollouts/ are namespace packages: no __init__.py)
+    # every top-level folder of Python modules
     packages = [p for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".") and any(p.glob("*.py"))]
     assert CHECKOUT_ONLY <= {p.name for p in packages}, "the copy must hold the folders the wheel has to leave out"
     for package in packages:

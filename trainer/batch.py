@@ -124,19 +124,29 @@ def response_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: fl
 # ---- the rows ------------------------------------------------------------------------------------
 
 @dataclass
+class PeerRowCounts:
+    """What became of the peer rollouts of a step (graft-train) or of a generation batch (TRL, verl) on their way to
+    learner rows: `build_rows`, `grafted_group_rows` and `peer_rows` add to it, and every trainer's metrics line reads it
+    (`graft.trainer.metrics.graft_tally`)."""
+
+    drops: dict[str, int] = field(default_factory=drop_counts)  # peer rollouts dropped, by reason (every reason present)
+    projections: dict[str, int] = field(default_factory=projection_counts)  # peer rollouts kept, by projection
+    peer_samples: int = 0  # peer rollouts of the grafted groups (union: the peer's successes)
+    peer_advantage_mismatch: int = 0  # grafted groups whose stored advantages are not their rewards' group advantages
+    same_tokenizer_id_mismatch: int = 0  # same-tokenizer rows whose text does not re-tokenise to the stored ids
+    grafted_groups_short: int = 0  # grafted groups that lost rows on the way (advantages recomputed over the rest)
+    grafted_groups_subsampled: int = 0  # grafted groups larger than a host's slots, picked down (pick_rows)
+    grafted_groups_no_signal: int = 0  # grafted groups whose rows that train have one reward: all advantages 0
+    peer_rollouts_unused: int = 0  # a host's (TRL, verl): rows of peer groups larger than its G slots, beyond them
+
+
+@dataclass
 class StepRows:
     """The rows of a step, as `build_rows` made them, and what happened to the peer rollouts on the way."""
 
     rows: list[TrainSample]  # learner rows (every group, skipped ones with zero advantage) and grafted peer rows
     peer_groups_used: list[RolloutGroup]  # the peer groups grafted, in the order of the learner's groups
-    drops: dict[str, int]  # peer rollouts dropped, by reason (retokenize.DropReason), every reason present
-    projections: dict[str, int]  # peer rollouts kept, by projection (exact, spans, uniform)
-    peer_advantage_mismatch: int  # grafted groups whose stored advantages are not their rewards' group advantages
-    same_tokenizer_id_mismatch: int  # same-tokenizer rows whose text does not re-tokenise to the stored ids
-    grafted_groups_short: int = 0  # grafted groups that lost rows on the way (advantages recomputed over the rest)
-    peer_samples: int = 0  # peer rollouts of the grafted groups (union: the peer's successes)
-    grafted_groups_subsampled: int = 0  # grafted groups larger than a host's slots, picked down (pick_rows)
-    grafted_groups_no_signal: int = 0  # grafted groups whose rows that train have one reward: all advantages 0
+    counts: PeerRowCounts = field(default_factory=PeerRowCounts)
 
 
 def build_rows(
@@ -149,13 +159,11 @@ def build_rows(
     add no gradient but count in the token-mean denominator, so GRAFT without peers is GRPO."""
     std_normalize = cfg.ppo.advantage == "grpo"
     prompt_ids_of: dict[str, list[int]] = {}
-    out = StepRows([], [], drop_counts(), projection_counts(), 0, 0)
+    out = StepRows([], [])
 
     def prompt_tokens(prompt_id: str) -> list[int]:
         if prompt_id not in prompt_ids_of:
-            text = cfg.data.prompt(learner.tokenizer, problem_of[prompt_id].problem)
-            # The template already holds any BOS: no special tokens added here (as the backends do).
-            prompt_ids_of[prompt_id] = list(learner.tokenizer(text, add_special_tokens=False)["input_ids"])
+            prompt_ids_of[prompt_id] = cfg.data.prompt_ids(learner.tokenizer, problem_of[prompt_id].problem)
         return prompt_ids_of[prompt_id]
 
     def learner_row(rollout, advantage: float, group_index: int) -> TrainSample:
@@ -175,14 +183,14 @@ def build_rows(
         prompt_ids = prompt_tokens(decision.prompt_id)
         if decision.action == "graft":
             out.rows.extend(grafted_group_rows(cfg, learner, peer, group_index, prompt_ids, peer_tokenizers,
-                                               learner.stop_token_id, out))
+                                               learner.stop_token_id, out.counts))
             continue
         # union: the learner's failures and the peer's successes that survive re-tokenisation form one group
         successes = [r for r in peer.rollouts if r.correct]
-        out.peer_samples += len(successes)
+        out.counts.peer_samples += len(successes)
         kept = peer_rows(cfg, learner, successes, decision.prompt_id, group_index, prompt_ids, peer_tokenizers,
-                         learner.stop_token_id, out)
-        out.grafted_groups_short += int(len(kept) < len(successes))
+                         learner.stop_token_id, out.counts)
+        out.counts.grafted_groups_short += int(len(kept) < len(successes))
         union = group_advantages([r.reward for r in own.rollouts] + [row.reward for row in kept], std_normalize=std_normalize)
         out.rows.extend(learner_row(r, a, group_index) for r, a in zip(own.rollouts, union[: len(own.rollouts)]))
         out.rows.extend(_with_advantages(cfg, kept, union[len(own.rollouts):]))
@@ -191,7 +199,7 @@ def build_rows(
 
 def grafted_group_rows(
     cfg: TrainConfig, learner: Learner, peer: RolloutGroup, group: int, prompt_ids: list[int],
-    peer_tokenizers: dict[str, Any], stop_token_id: int | None, counts: Any, max_rows: int | None = None,
+    peer_tokenizers: dict[str, Any], stop_token_id: int | None, counts: PeerRowCounts, max_rows: int | None = None,
     pick_seed: int = 0,
 ) -> list[TrainSample]:
     """A grafted peer group as learner rows (GRAFT_SPEC sections 2, 3): re-tokenised (`peer_rows`), at most
@@ -199,7 +207,7 @@ def grafted_group_rows(
     the group's id), with the group advantages recomputed from the stored rewards of the rows that train, so that they
     still sum to zero when a row was dropped, and negatives scaled.
 
-    counts (StepRows, or a host's tally) also gets: peer_samples, whether the stored advantages match the rewards
+    `counts` also gets: peer_samples, whether the stored advantages match the rewards
     (peer_advantage_mismatch, over the whole stored group), whether the group lost rows (grafted_groups_short), was
     picked down (grafted_groups_subsampled) or kept rows of one reward only (grafted_groups_no_signal)."""
     std_normalize = cfg.ppo.advantage == "grpo"
@@ -242,11 +250,11 @@ def _with_advantages(cfg: TrainConfig, rows: list[TrainSample], advantages: list
 
 def peer_rows(
     cfg: TrainConfig, learner: Learner, rollouts: list, prompt_id: str, group: int, prompt_ids: list[int],
-    peer_tokenizers: dict[str, Any], stop_token_id: int | None, counts: Any,
+    peer_tokenizers: dict[str, Any], stop_token_id: int | None, counts: PeerRowCounts,
 ) -> list[TrainSample]:
     """Peer rollouts as learner rows, re-tokenised into the learner's tokens (ending with `stop_token_id`), each with its
     stored reward and advantage 0 (set by the caller over the rows that survive: `grafted_group_rows`). `counts`
-    (StepRows, or a host's plan) gets the dropped rows by reason, the projections and the same-tokenizer mismatches."""
+    gets the dropped rows by reason, the projections and the same-tokenizer mismatches."""
     rows = []
     for rollout in rollouts:
         tokens = retokenize_peer_rollout(
@@ -410,12 +418,12 @@ def old_logprobs_and_weights(
         row.token_weight = torch.ones_like(old_lp)
 
     grafted = [row for row in active if row.grafted]
-    values = _weigh_grafted_rows(cfg, grafted) if grafted else GraftedWeights()
+    values = weigh_grafted_rows(cfg, grafted) if grafted else GraftedWeights()
     kept = [row for row in rows if not (row.grafted and not row.finite)]
     return WeightedRows(kept, len(rows) - len(kept), values)
 
 
-def _weigh_grafted_rows(cfg: TrainConfig, grafted: list[TrainSample]) -> GraftedWeights:
+def weigh_grafted_rows(cfg: TrainConfig, grafted: list[TrainSample]) -> GraftedWeights:
     """Set w, finiteness and c = peer_loss_scale * w * b on the grafted rows (pi_old filled in); what their
     statistics are computed from. A row without mu gets w = 1 and b = 1 (GRAFT_SPEC section 11: l_peer and mu~ are
     unknown), under every token_is; its log rho is left out of the statistics, its w = 1 is not."""

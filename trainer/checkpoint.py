@@ -129,7 +129,7 @@ def _move_into_place(staging: Path, final: Path, run_dir: Path, keep_last: int |
 def drop_optimizer_state(checkpoint: Path) -> None:
     """Remove the optimizer state (AdamW's two moments: twice the weights' size) from a one-process checkpoint that is
     no longer the newest (checkpoint.optimizer_in_newest_only): what the older ones are then kept for (a generator's
-    --watch-dir, an evaluation, a look back) reads their weights; resuming from one is refused. Their step, schedule, RNG and loop state stay. The
+    watch_dir, an evaluation, a look back) reads their weights; resuming from one is refused. Their step, schedule, RNG and loop state stay. The
     folder keeps its mtime, its place in the write order (list_checkpoints)."""
     path = Path(checkpoint) / STATE_FILE
     if not path.exists():
@@ -378,7 +378,7 @@ def load_sharded_checkpoint(
 
 def export_hf(model: torch.nn.Module, tokenizer: Any, directory: Path, ctx: DistContext) -> None:
     """save_pretrained of the full weights (gathered once onto rank 0's CPU) and the tokenizer into
-    `directory`, by rank 0: what transformers, vLLM and graft-generate --watch-dir load. Every rank
+    `directory`, by rank 0: what transformers, vLLM and graft-generate (watch_dir) load. Every rank
     calls it (the gather is a collective)."""
     weights = full_state_dict(model, ctx)
     if ctx.is_main:

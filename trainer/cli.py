@@ -1,13 +1,15 @@
 """`graft-train`: GRPO / GRAFT / DAPO training from a YAML config with command-line overrides.
 
-    graft-train train configs/train_toy.yaml --model demo_out/models/learner-<hash>/starts/early   # after make demo
-    graft-train train configs/train_toy.yaml --method grpo --set graft.peer_negative_scale=0 --steps 50
-    graft-train train configs/train_toy.yaml --resume          # continue from the newest checkpoint (none: start)
-    graft-train train configs/train_toy.yaml --overwrite       # delete the run in the run directory, start afresh
-    graft-train show-config configs/train_toy.yaml             # every field, its value and its doc line
-    graft-train replay runs/graft --run-dir runs/graft-replay  # rerun a run from its recorded peer groups
+    graft-train train --config configs/train_toy.yaml --model demo_out/models/learner-<hash>/starts/early  # after make demo
+    graft-train train --config configs/train_toy.yaml --method grpo --set graft.peer_negative_scale=0 --steps 50
+    graft-train train --config configs/train_toy.yaml --resume     # continue from the newest checkpoint (none: start)
+    graft-train train --config configs/train_toy.yaml --overwrite  # delete the run in the run directory, start afresh
+    graft-train show-config --config configs/train_toy.yaml        # every field, its value and its doc line
+    graft-train replay runs/graft --run-dir runs/graft-replay      # rerun a run from its recorded peer groups
 
-Also runs as `python -m graft.trainer.cli`, which is how torchrun starts ranks (`torchrun ... -m graft.trainer.cli train CONFIG`).
+The config is `--config PATH`, as graft-generate's and graft-eval's (graft.schemas.overrides); the positional form of
+earlier releases (`graft-train train CONFIG`) still runs, with a deprecation warning. Also runs as
+`python -m graft.trainer.cli`, which is how torchrun starts ranks (`torchrun ... -m graft.trainer.cli train --config CONFIG`).
 """
 
 from __future__ import annotations
@@ -18,39 +20,37 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from pydantic import ValidationError
 
-from graft.schemas.overrides import format_fields
-from graft.trainer.config import TrainConfig, load_config, missing_inputs
+from graft.schemas.overrides import add_show_config, command_line_config
+from graft.trainer.config import TrainConfig, missing_inputs
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train a policy with GRPO, GRAFT or DAPO (see GRAFT_SPEC.md).")
 
 
-def _overrides(
+def _named(
     model: str | None, peer_models: str | None, dataset: str | None, store_url: str | None, method: str | None,
     mode: str | None, steps: int | None, group_size: int | None, prompts_per_step: int | None, lr: float | None,
-    seed: int | None, run_dir: Path | None, sets: list[str],
-) -> list[str]:
-    """Named options as dotted overrides; `--set` pairs come last and win."""
-    named = {
+    seed: int | None, run_dir: Path | None,
+) -> dict[str, object]:
+    """The named options by the dotted fields they set (None: not given); `--set` pairs come after them and win."""
+    peers = None if peer_models is None else [m.strip() for m in peer_models.split(",") if m.strip()]
+    return {
         "model.path": model, "data.dataset": dataset, "store.url": store_url, "method": method, "store.mode": mode,
         "steps": steps, "rollout.group_size": group_size, "rollout.prompts_per_step": prompts_per_step, "optim.lr": lr,
-        "seed": seed, "run_dir": str(run_dir) if run_dir is not None else None,
+        "seed": seed, "run_dir": str(run_dir) if run_dir is not None else None, "graft.peer_models": peers,
     }
-    out = [f"{key}={value}" for key, value in named.items() if value is not None]
-    if peer_models is not None:
-        out.append("graft.peer_models=[" + ", ".join(m.strip() for m in peer_models.split(",") if m.strip()) + "]")
-    return out + list(sets)
 
 
-def _load(config: Path | None, overrides: list[str]) -> TrainConfig:
-    try:
-        return load_config(config, overrides)
-    except ValidationError as error:
-        lines = [f"  {'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in error.errors()]
-        raise typer.BadParameter("the configuration is invalid:\n" + "\n".join(lines)) from None
-    except (ValueError, FileNotFoundError) as error:
-        raise typer.BadParameter(str(error)) from None
+def _config_path(config: Path | None, positional: Path | None, command: str) -> Path | None:
+    """--config, or the positional path of earlier releases (said to be deprecated)."""
+    if positional is None:
+        return config
+    if config is not None:
+        typer.echo(f"error: the config given twice ({positional} and --config {config}): give --config only", err=True)
+        raise typer.Exit(2)
+    typer.echo(f"warning: `graft-train {command} CONFIG` is deprecated: write `graft-train {command} --config "
+               f"{positional}` (as graft-generate and graft-eval take it)", err=True)
+    return positional
 
 
 def _check_inputs(cfg: TrainConfig, skip: bool) -> None:
@@ -61,7 +61,10 @@ def _check_inputs(cfg: TrainConfig, skip: bool) -> None:
 
 @app.command()
 def train(
-    config: Annotated[Optional[Path], typer.Argument(help="YAML config (see configs/train*.yaml)")] = None,
+    positional: Annotated[Optional[Path], typer.Argument(metavar="CONFIG", show_default=False,
+                                                         help="deprecated: --config CONFIG")] = None,
+    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML config (see configs/train*.yaml); named "
+                                                   "options and --set override it")] = None,
     model: Annotated[Optional[str], typer.Option("--model", help="learner model path (model.path)")] = None,
     peer_models: Annotated[Optional[str], typer.Option("--peer-models", help="comma-separated peer model ids to accept")] = None,
     dataset: Annotated[Optional[str], typer.Option("--dataset", help="training problems (data.dataset)")] = None,
@@ -88,8 +91,8 @@ def train(
     if resume and overwrite:
         raise typer.BadParameter("--resume continues the run in the run directory, --overwrite deletes it: give one")
     mode = None if cotrain is None else ("cotrain" if cotrain else "offline")
-    cfg = _load(config, _overrides(model, peer_models, dataset, store_url, method, mode, steps, group_size,
-                                   prompts_per_step, lr, seed, run_dir, sets))
+    cfg = command_line_config(TrainConfig, _config_path(config, positional, "train"), sets, _named(
+        model, peer_models, dataset, store_url, method, mode, steps, group_size, prompts_per_step, lr, seed, run_dir))
     if dry_run:
         import yaml
 
@@ -138,25 +141,14 @@ def replay(
     published. Its metrics equal the run's but for the times (*_s) and the store call counts (store_*)."""
     sets = [f"run_dir={run_dir}", f"store.replay_from={recorded}"] + ([f"store.url={store_url}"] if store_url else []) \
         + ([f"steps={steps}"] if steps is not None else [])
-    cfg = _load(recorded / "config.yaml", sets)
+    cfg = command_line_config(TrainConfig, recorded / "config.yaml", sets)
     _check_inputs(cfg, False)
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     _run(cfg, resume=False, overwrite=overwrite)
 
 
-@app.command("show-config")
-def show_config(
-    config: Annotated[Optional[Path], typer.Argument(help="YAML config to resolve (omit for the field list only)")] = None,
-    sets: Annotated[list[str], typer.Option("--set", help="dotted override (repeatable)")] = [],
-) -> None:
-    """Every field with its default and its one-line doc; with a config, the resolved YAML too."""
-    typer.echo(format_fields(TrainConfig))
-    if config is not None or sets:
-        import yaml
-
-        cfg = _load(config, list(sets))
-        typer.echo("\n# resolved\n" + yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+add_show_config(app, TrainConfig)
 
 
 if __name__ == "__main__":

@@ -10,11 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from graft.schemas.api import ServeOrder
-from graft.schemas.overrides import apply_overrides
 
 
 class _Section(BaseModel):
@@ -58,6 +56,11 @@ class DataConfig(_Section):
         from graft.rollouts.prompts import build_prompt
 
         return build_prompt(tokenizer, problem, self.prompt_template, 0, self.instruction, self.system_prompt)
+
+    def prompt_ids(self, tokenizer: Any, problem: str) -> list[int]:
+        """The learner's prompt for `problem` as token ids. The template already holds any BOS: no special tokens are
+        added here (as the backends do)."""
+        return list(tokenizer(self.prompt(tokenizer, problem), add_special_tokens=False)["input_ids"])
 
 
 class RolloutConfig(_Section):
@@ -389,18 +392,3 @@ def missing_inputs(cfg: TrainConfig) -> list[str]:
         if not Path(path).expanduser().exists():
             missing.append(f"graft.peer_tokenizers[{where}]: {path} does not exist")
     return missing
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
-    """A validated TrainConfig from an optional YAML file plus dotted overrides (later wins)."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"config file {path} does not exist; pass the path of a YAML file like configs/train_toy.yaml")
-        loaded = yaml.safe_load(path.read_text())
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ValueError(f"config file {path} must hold a mapping of sections (model:, data:, ...), not {type(loaded).__name__}")
-        data = loaded or {}
-    return TrainConfig.model_validate(apply_overrides(data, list(overrides or [])))
-

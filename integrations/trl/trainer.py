@@ -21,14 +21,12 @@ graft-train drops such rows. Metrics go into TRL's logs under `graft/`, with gra
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import random
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,41 +37,29 @@ from trl.data_utils import is_conversational
 from trl.models.utils import disable_gradient_checkpointing
 
 from graft.integrations.trl.config import GraftConfig
-from graft.rollouts.models import default_model_id, model_fingerprint, tokenizer_fingerprint
 from graft.schemas import PeerLookupRequest
-from graft.trainer.batch import (
+from graft.trainer import (
     FirstPass,
+    GateDecision,
+    GraftHost,
+    LookupResult,
+    PeerRowCounts,
     TrainSample,
     WeightedRows,
     WeightStats,
+    gate_groups,
+    gate_tally,
+    graft_metrics,
+    graft_tally,
     grafted_group_rows,
+    host_setup,
+    learner_stop_token,
     old_logprobs_and_weights,
 )
-from graft.trainer.config import TrainConfig
-from graft.trainer.data import load_peer_tokenizers
-from graft.trainer.gate import GateDecision, gate_groups
-from graft.trainer.learner import Learner
-from graft.trainer.peers import LookupResult, PeerExchange, RefusedTokenizers, gate_tally
-from graft.trainer.retokenize import drop_counts, learner_stop_token, projection_counts
 
 log = logging.getLogger(__name__)
-NAN = float("nan")
 # outputs of the parent that carry more than text tokens: GRAFT has no peer rows for them
 UNSUPPORTED_OUTPUTS = ("tool_mask", "pixel_values", "num_images", "token_type_ids", "mm_token_type_ids")
-
-
-@dataclass
-class _Setup:
-    """What every generation batch's GRAFT works with (built once, on every process)."""
-
-    cfg: TrainConfig  # graft-train's configuration of this run (GraftConfig.train_config)
-    learner: Learner  # the learner's identities as graft-train's shared functions take them
-    peer_tokenizers: dict[str, Any]
-    refused: RefusedTokenizers
-    peers: PeerExchange | None  # the store client, on the main process only
-    counters_logged: dict[str, int] = field(default_factory=dict)  # the store counts at the last metrics
-    stop_tokens: dict[str, int] = field(default_factory=dict)  # prompt template -> the learner's stop token
-    warned_unused: bool = False
 
 
 @dataclass
@@ -93,16 +79,9 @@ class _Plan:
 
     decisions: list[GateDecision]  # one per group of the generation batch, in order
     slots: dict[int, TrainSample | None]  # global row -> its peer row (None: the slot keeps no token), grafted groups
-    drops: dict[str, int]
-    projections: dict[str, int]
-    peer_samples: int = 0  # peer rollouts of the grafted groups
-    peer_advantage_mismatch: int = 0
-    same_tokenizer_id_mismatch: int = 0
-    grafted_groups_short: int = 0  # grafted groups that lost rows (dropped, or beyond G): advantages over the rest
-    grafted_groups_subsampled: int = 0  # grafted groups larger than G, picked down to G (graft.trainer.batch.pick_rows)
-    grafted_groups_no_signal: int = 0  # grafted groups whose kept rows have one reward (advantages 0)
-    peer_rollouts_unused: int = 0  # rows of peer groups larger than G, beyond the G slots
-    store: dict[str, float] = field(default_factory=dict)  # the gate's tally, the store client's counts and wait
+    gate: dict[str, int]  # the gate's tally (gate_tally, on the main process's lookup)
+    store: dict[str, float]  # the store client's counts since the last batch, and this batch's wait
+    counts: PeerRowCounts = field(default_factory=PeerRowCounts)  # what became of the peer rollouts
 
 
 class GraftGRPOTrainer(GRPOTrainer):
@@ -120,22 +99,15 @@ class GraftGRPOTrainer(GRPOTrainer):
                              "and TRL may split a group's rows over processes (each weighs its own): leave it off with "
                              f"{self.accelerator.num_processes} processes")
         self._graft_rewards: Tensor | None = None  # (N, F) the parent's gathered rewards of the current batch
-        self.graft = self._graft_setup() if self.args.grafts else None
-
-    def _graft_setup(self) -> _Setup:
-        model = self.accelerator.unwrap_model(self.model)
-        name = str(model.config.name_or_path)
-        cfg = self.args.train_config(name)
-        tokenizer_id = cfg.model.tokenizer_id or tokenizer_fingerprint(self._tokenizer)
-        model_id = cfg.model.model_id or default_model_id(name)
-        revision = model_fingerprint(name) if Path(name).is_dir() else name
-        learner = Learner(hf_model=model, tokenizer=self._tokenizer, model_id=model_id, tokenizer_id=tokenizer_id,
-                          revision=revision, eos_ids=set(self.eos_token_ids), device=self.accelerator.device)
-        peer_tokenizers = load_peer_tokenizers(cfg)
-        # None: any tokenizer (the uniform projection opted in); else the learner's and the configured peers'
-        refused = RefusedTokenizers(None if cfg.graft.uniform_projection else {tokenizer_id, *peer_tokenizers})
-        peers = PeerExchange(cfg.store, cfg.graft, model_id) if self.accelerator.is_main_process else None
-        return _Setup(cfg, learner, peer_tokenizers, refused, peers)
+        self._graft_stop_tokens: dict[str, int] = {}  # prompt template -> the learner's stop token
+        self._graft_warned_unused = False
+        self.graft: GraftHost | None = None
+        if self.args.grafts:
+            model = self.accelerator.unwrap_model(self.model)
+            name = str(model.config.name_or_path)
+            self.graft = host_setup(self.args.train_config(name), name, self._tokenizer, eos_ids=set(self.eos_token_ids),
+                                    device=self.accelerator.device, hf_model=model,
+                                    talks_to_store=self.accelerator.is_main_process)  # the main process decides for all
 
     def train(self, *args: Any, **kwargs: Any):
         try:
@@ -178,7 +150,6 @@ class GraftGRPOTrainer(GRPOTrainer):
     def _plan(self, lookup: _Lookup) -> _Plan:
         G = self.num_generations
         learner_rewards = self._group_rewards(lookup.prompt_ids)
-        payload: list[Any] = [None, None]
         if self.graft.peers is not None:  # the main process decides, every process takes its decisions
             waited = time.perf_counter()
             found = self.graft.peers.collect(lookup.pending, self.args.graft_lookup_wait_s) if lookup.request \
@@ -190,19 +161,22 @@ class GraftGRPOTrainer(GRPOTrainer):
                 usable_tokenizers=self.graft.refused.usable,
             )
             self.graft.refused.warn(decisions, found.groups)
-            payload = [decisions, {**gate_tally(decisions, found), **self._store_counts(wait_s)}]
-        decisions, store = broadcast_object_list(payload, from_process=0)
+            store = {**self.graft.store.take(), "store_wait_s": wait_s}
+            payload = [decisions, gate_tally(decisions, found), store]
+        else:
+            payload = [None, None, None]
+        decisions, gate, store = broadcast_object_list(payload, from_process=0)
 
-        plan = _Plan(decisions, {}, drop_counts(), projection_counts(), store=store or {})
+        plan = _Plan(decisions, {}, gate, store)
         for group, decision in enumerate(decisions):
             if not decision.grafts:
                 continue
-            plan.peer_rollouts_unused += max(0, len(decision.peer_group.rollouts) - G)
+            plan.counts.peer_rollouts_unused += max(0, len(decision.peer_group.rollouts) - G)
             rows = self._peer_rows(decision, group, plan, lookup.stop_token)
             for slot in range(G):
                 plan.slots[group * G + slot] = rows[slot] if slot < len(rows) else None
-        if plan.peer_rollouts_unused and not self.graft.warned_unused:
-            self.graft.warned_unused = True
+        if plan.counts.peer_rollouts_unused and not self._graft_warned_unused:
+            self._graft_warned_unused = True
             log.warning("peer groups larger than num_generations = %d: a seeded pick of %d of their rows (a success and a "
                         "failure among them) fills the failed group's slots (the rest counted as "
                         "graft/peer_rollouts_unused); graft-train would train on them all", G, G)
@@ -231,16 +205,16 @@ class GraftGRPOTrainer(GRPOTrainer):
     def _stop_token(self, inputs: list[dict[str, Any]]) -> int:
         """The token the learner's own completions end with, which a finished peer row ends with too."""
         template = "chat" if is_conversational(inputs[0]) else "raw"
-        if template not in self.graft.stop_tokens:
-            self.graft.stop_tokens[template] = learner_stop_token(self._tokenizer, set(self.eos_token_ids), template)
-        return self.graft.stop_tokens[template]
+        if template not in self._graft_stop_tokens:
+            self._graft_stop_tokens[template] = learner_stop_token(self._tokenizer, set(self.eos_token_ids), template)
+        return self._graft_stop_tokens[template]
 
     def _peer_rows(self, decision: GateDecision, group: int, plan: _Plan, stop_token: int) -> list[TrainSample]:
         """The peer group's rollouts as learner rows, as graft-train's build_rows makes them, less the dropped ones
         and at most G (the failed group's slots: a seeded pick), with advantages recomputed over those (counted in the
         plan)."""
         return grafted_group_rows(self.graft.cfg, self.graft.learner, decision.peer_group, group, [],
-                                  self.graft.peer_tokenizers, stop_token, plan, max_rows=self.num_generations,
+                                  self.graft.peer_tokenizers, stop_token, plan.counts, max_rows=self.num_generations,
                                   pick_seed=self.args.seed * 7_919 + self.state.global_step)
 
     # ---- 5, 6. pi_old, the weights and the splice -------------------------------------------------------------
@@ -349,56 +323,19 @@ class GraftGRPOTrainer(GRPOTrainer):
         return torch.cat(out) if out else torch.zeros((0, width))
 
     # ---- metrics -----------------------------------------------------------------------------------------------
-    def _store_counts(self, wait_s: float) -> dict[str, float]:
-        """The store client's counts since the last batch (graft-train's store_* names) and this batch's wait."""
-        counts: dict[str, float] = self.graft.peers.counters.since(self.graft.counters_logged)
-        self.graft.counters_logged = dataclasses.asdict(self.graft.peers.counters)
-        counts["store_wait_s"] = wait_s
-        counts["store_available"] = float(self.graft.peers.available)
-        return counts
-
     def _log_graft(self, plan: _Plan, weighted: WeightedRows | None, kept: int, graft_s: float) -> None:
         """graft-train's metrics of the batch into TRL's logs, under graft/ (the same on every process)."""
-        decisions = plan.decisions
-        kinds = [d.kind for d in decisions]
-        actions = [d.action for d in decisions]
-        all_fail = [d for d in decisions if d.kind == "all_fail"]
-        grafted_groups = [d for d in decisions if d.grafts]
-        groups = max(len(decisions), 1)
-        stats, consumed, without_mu = WeightStats(), 0, 0
+        stats, consumed, without_mu, non_finite = WeightStats(), 0, 0, 0
         if plan.slots:  # every process has grafted groups' slots to count (or none has): the collectives match
             # grafted rows whose peer row had no behaviour logprobs (b = 1, w = 1: GRAFT_SPEC section 11)
             local_without_mu = sum(1 for row in weighted.rows if row.grafted and row.without_mu)
             local = torch.tensor([[float(kept), float(weighted.dropped_non_finite), float(local_without_mu)]],
                                  device=self.accelerator.device)
             consumed, non_finite, without_mu = (int(v) for v in self.accelerator.gather(local).sum(dim=0).tolist())
-            plan.drops["non_finite"] += non_finite
             stats = WeightStats.of(gather_object([weighted.grafted]))
-        hits = sum(1 for d in all_fail if d.peer_group is not None and d.peer_group.informative)
-        metrics = {
-            "frac_all_fail": kinds.count("all_fail") / groups,
-            "frac_all_success": kinds.count("all_success") / groups,
-            "frac_mixed": kinds.count("mixed") / groups,
-            "peer_hit_rate": hits / len(all_fail) if all_fail else NAN,
-            "frac_grafted": len(grafted_groups) / groups,
-            "frac_skipped_no_signal": sum(a.startswith("skip_") for a in actions) / groups,
-            "frac_dropped_retokenize": sum(plan.drops.values()) / max(plan.peer_samples, 1),
-            **dataclasses.asdict(stats),
-            "peer_group_age_steps": (sum(self.state.global_step - d.peer_group.policy_step for d in grafted_groups)
-                                     / len(grafted_groups)) if grafted_groups else NAN,
-            "peer_rollouts_consumed": consumed,
-            "peer_rollouts_without_mu": without_mu,
-            "peer_rollouts_unused": plan.peer_rollouts_unused,
-            **{f"dropped_{reason}": count for reason, count in plan.drops.items()},
-            **{f"projection_{kind}": count for kind, count in plan.projections.items()},
-            "peer_advantage_mismatch": plan.peer_advantage_mismatch,
-            "same_tokenizer_id_mismatch": plan.same_tokenizer_id_mismatch,
-            "grafted_groups_short": plan.grafted_groups_short,
-            "grafted_groups_subsampled": plan.grafted_groups_subsampled,
-            "grafted_groups_no_signal": plan.grafted_groups_no_signal,
-            **plan.store,
-            "graft_s": graft_s,
-        }
+        tally = graft_tally(plan.decisions, plan.counts, self.state.global_step, gate=plan.gate, consumed=consumed,
+                            without_mu=without_mu, dropped_non_finite=non_finite)
+        metrics = {**graft_metrics(tally, stats, host=True), **plan.store, "graft_s": graft_s}
         for name, value in metrics.items():
             self._metrics["train"][f"graft/{name}"].append(float(value))
 

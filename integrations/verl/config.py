@@ -20,8 +20,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from pydantic import BaseModel, ConfigDict, Field
 
-from graft.trainer.config import GraftConfig as GraftOptions
-from graft.trainer.config import StoreConfig, TrainConfig
+from graft.trainer import GraftConfig as GraftOptions
+from graft.trainer import StoreConfig, TrainConfig
 
 TRAINER_MODE = "graft_sync"
 # verl's loss aggregations that graft-train's loss has (the parity test compares them); verl's others it has not

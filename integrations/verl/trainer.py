@@ -27,13 +27,11 @@ built): its replay buffer, checkpoints and weight sync are the sync trainer's.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 import random
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -52,22 +50,24 @@ from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 from verl.workers.utils.padding import response_to_nested
 
 from graft.integrations.verl.config import TRAINER_MODE, check_config, graft_section, train_config
-from graft.rollouts.models import default_model_id, model_fingerprint, tokenizer_fingerprint
-from graft.trainer.batch import (
+from graft.trainer import (
     FirstPass,
+    GateDecision,
+    GraftHost,
+    LookupResult,
+    PeerRowCounts,
     TrainSample,
     WeightedRows,
     WeightStats,
+    gate_groups,
+    gate_tally,
+    graft_metrics,
+    graft_tally,
     grafted_group_rows,
+    host_setup,
+    learner_stop_token,
     old_logprobs_and_weights,
 )
-from graft.trainer.config import TrainConfig
-from graft.trainer.data import load_peer_tokenizers
-from graft.trainer.gate import GateDecision, gate_groups
-from graft.trainer.learner import Learner
-from graft.trainer.metrics import MetricsLog
-from graft.trainer.peers import LookupResult, PeerExchange, RefusedTokenizers, gate_tally
-from graft.trainer.retokenize import drop_counts, learner_stop_token, projection_counts
 
 log = logging.getLogger(__name__)
 NAN = float("nan")
@@ -76,19 +76,6 @@ UNSUPPORTED_FIELDS = ("routed_experts", "teacher_ids", "teacher_logprobs")
 # fields of a prompt batch that carry images, video or audio: a peer group is text
 MULTI_MODAL_FIELDS = ("multi_modal_data", "multi_modal_inputs", "images", "videos", "audios")
 LATE_WARN_STEPS = 3  # steps in a row whose lookup was not back within graft.lookup_wait_s before a warning
-
-
-@dataclass
-class GraftSetup:
-    """What every batch's GRAFT works with (built once, in verl's driver process)."""
-
-    cfg: TrainConfig  # graft-train's configuration of this run (graft.integrations.verl.config.train_config)
-    learner: Learner  # the learner's identities as graft-train's shared functions take them (no model: verl has it)
-    peer_tokenizers: dict[str, Any]
-    refused: RefusedTokenizers
-    peers: PeerExchange
-    stop_token: int  # what the learner's completions end with (its chat template's end of turn, else EOS)
-    store_log: MetricsLog  # graft-train's store counts per step (it writes no file here: writes=False)
 
 
 @dataclass
@@ -107,16 +94,9 @@ class Splice:
     decisions: list[GateDecision]
     slots: dict[str, TrainSample | None]  # TransferQueue key -> its peer row (None: the slot keeps no token)
     learner_rewards: list[float]
-    drops: dict[str, int] = field(default_factory=drop_counts)
-    projections: dict[str, int] = field(default_factory=projection_counts)
-    peer_samples: int = 0
-    peer_advantage_mismatch: int = 0
-    same_tokenizer_id_mismatch: int = 0
-    peer_rollouts_unused: int = 0  # rows of peer groups larger than rollout.n, beyond its slots
-    grafted_groups_short: int = 0  # grafted groups that lost rows (dropped, or beyond n): advantages over the rest
-    grafted_groups_subsampled: int = 0  # grafted groups larger than rollout.n, picked down to n (batch.pick_rows)
-    grafted_groups_no_signal: int = 0  # grafted groups whose kept rows have one reward (advantages 0)
-    store: dict[str, float] = field(default_factory=dict)
+    gate: dict[str, int]  # the gate's tally (gate_tally)
+    store: dict[str, float]  # the store client's counts since the last batch, and this batch's wait
+    counts: PeerRowCounts = field(default_factory=PeerRowCounts)  # what became of the peer rollouts
     graft_s: float = 0.0
 
 
@@ -133,7 +113,7 @@ class GraftPPOTrainer(PPOTrainerSync):
             # storage): GRAFT runs inside the sync trainer, so verl's code below sees its own sync mode
             config.trainer.v1.trainer_mode = "sync"
         super().__init__(config)
-        self.graft: GraftSetup | None = None
+        self.graft: GraftHost | None = None
         self.graft_lookups: list[Lookup] = []
         self.graft_splice: Splice | None = None
         self.graft_late_steps = 0  # steps in a row whose lookup came back too late to graft from
@@ -144,23 +124,13 @@ class GraftPPOTrainer(PPOTrainerSync):
         if self.graft_cfg is not None:
             self.graft = self.graft_setup()
 
-    def graft_setup(self) -> GraftSetup:
+    def graft_setup(self) -> GraftHost:
         """The learner's identities (verl's tokenizer: the one its actor trains with), the peers' tokenizers and the
         store client. Needs `self.tokenizer` (verl's `_setup` loads it)."""
-        cfg = self.graft_cfg
-        path = cfg.model.path
-        tokenizer_id = cfg.model.tokenizer_id or tokenizer_fingerprint(self.tokenizer)
-        model_id = cfg.model.model_id or default_model_id(path)
         eos_ids = {int(self.tokenizer.eos_token_id)} if self.tokenizer.eos_token_id is not None else set()
         stop = learner_stop_token(self.tokenizer, eos_ids, "auto")  # verl prompts through the chat template
-        learner = Learner(hf_model=None, tokenizer=self.tokenizer, model_id=model_id, tokenizer_id=tokenizer_id,
-                          revision=model_fingerprint(path) if Path(path).is_dir() else path, eos_ids=eos_ids | {stop},
-                          device=torch.device("cpu"), stop_token_id=stop)
-        peer_tokenizers = load_peer_tokenizers(cfg)
-        refused = RefusedTokenizers(None if cfg.graft.uniform_projection else {tokenizer_id, *peer_tokenizers})
-        peers = PeerExchange(cfg.store, cfg.graft, model_id)
-        return GraftSetup(cfg, learner, peer_tokenizers, refused, peers, stop,
-                          MetricsLog(cfg, Path(cfg.run_dir), 0, peers, writes=False))
+        return host_setup(self.graft_cfg, self.graft_cfg.model.path, self.tokenizer, eos_ids=eos_ids | {stop},
+                          device=torch.device("cpu"), stop_token_id=stop)  # no model: verl's actor has it
 
     def fit(self, agent_loop_manager):
         try:
@@ -223,7 +193,8 @@ class GraftPPOTrainer(PPOTrainerSync):
             usable_tokenizers=self.graft.refused.usable,
         )
         self.graft.refused.warn(decisions, found.groups)
-        splice = Splice(decisions, {}, rewards, store={**gate_tally(decisions, found), **self.graft_store_counts(found.wait_s)})
+        splice = Splice(decisions, {}, rewards, gate_tally(decisions, found),
+                        {**self.graft.store.take(), "store_wait_s": found.wait_s})
         grafted = [(uid, rows, d) for (uid, rows), d in zip(groups.items(), decisions, strict=True) if d.grafts]
         if grafted:
             self.graft_write_rows(batch, grafted, splice)
@@ -282,11 +253,12 @@ class GraftPPOTrainer(PPOTrainerSync):
             peer = decision.peer_group
             source = sources[position[batch.keys[rows[0]]]]
             prompt = source["prompts"].tolist()
-            splice.peer_rollouts_unused += max(0, len(peer.rollouts) - n)
+            splice.counts.peer_rollouts_unused += max(0, len(peer.rollouts) - n)
             # graft-train's rows of the group: re-tokenised, at most n (the failed group's slots: a seeded pick keeping a
             # success and a failure), advantages over them; `group` keeps each group's own centring (group_normalized_weight)
-            made = grafted_group_rows(cfg, learner, peer, group, prompt, self.graft.peer_tokenizers, self.graft.stop_token,
-                                      splice, max_rows=n, pick_seed=cfg.seed * 7_919 + self.global_steps)
+            made = grafted_group_rows(cfg, learner, peer, group, prompt, self.graft.peer_tokenizers,
+                                      learner.stop_token_id, splice.counts, max_rows=n,
+                                      pick_seed=cfg.seed * 7_919 + self.global_steps)
             for slot, i in enumerate(rows):
                 row = made[slot] if slot < len(made) else None
                 reward = (row.reward or 0.0) if row is not None else 0.0  # the peer's reward of its text
@@ -308,7 +280,7 @@ class GraftPPOTrainer(PPOTrainerSync):
         if any(_plain(sample.get(name)) for name in MULTI_MODAL_FIELDS):
             raise NotImplementedError("GRAFT grafts text completions; this prompt has multi-modal inputs")
         if row is None:
-            completion, mask, behaviour = [self.graft.stop_token], [0], [0.0]
+            completion, mask, behaviour = [self.graft.learner.stop_token_id], [0], [0.0]
         else:
             completion, mask, behaviour = row.completion_ids, [1] * len(row.completion_ids), row.behaviour_logprobs
             if behaviour is None:  # mu unknown: verl's field needs a value per token, and nothing reads it on a grafted
@@ -436,47 +408,16 @@ class GraftPPOTrainer(PPOTrainerSync):
         return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=output), weighted
 
     # ---- metrics -----------------------------------------------------------------------------------------------
-    def graft_store_counts(self, wait_s: float) -> dict[str, float]:
-        """The store client's counts since the last batch (graft-train's store_* metrics) and this batch's wait."""
-        return {**self.graft.store_log.store_counts(), "store_wait_s": wait_s}
-
     def graft_metrics(self, splice: Splice, weighted: WeightedRows | None) -> dict[str, float]:
         """graft-train's metrics of the batch, under graft/ (verl's own reward metrics cover the trained rows, grafted
         ones included: graft/learner_reward_mean is the learner's own)."""
-        decisions = splice.decisions
-        count = {kind: sum(d.kind == kind for d in decisions) for kind in ("all_fail", "all_success", "mixed")}
-        actions = [d.action for d in decisions]
-        grafted = [d for d in decisions if d.grafts]
-        all_fail = [d for d in decisions if d.kind == "all_fail"]
-        total = max(len(decisions), 1)
-        drops = dict(splice.drops)
-        if weighted is not None:
-            drops["non_finite"] += weighted.dropped_non_finite
-        stats = weighted.stats if weighted is not None else WeightStats()
-        hits = sum(1 for d in all_fail if d.peer_group is not None and d.peer_group.informative)
+        grafted_rows = [row for row in (weighted.rows if weighted is not None else []) if row.grafted]
+        tally = graft_tally(splice.decisions, splice.counts, self.global_steps, gate=splice.gate,
+                            consumed=len(grafted_rows), without_mu=sum(row.without_mu for row in grafted_rows),
+                            dropped_non_finite=weighted.dropped_non_finite if weighted is not None else 0)
         metrics = {
             "learner_reward_mean": float(np.mean(splice.learner_rewards)) if splice.learner_rewards else NAN,
-            "frac_all_fail": count["all_fail"] / total, "frac_all_success": count["all_success"] / total,
-            "frac_mixed": count["mixed"] / total,
-            "peer_hit_rate": hits / len(all_fail) if all_fail else NAN,
-            "frac_grafted": len(grafted) / total,
-            "frac_skipped_no_signal": sum(a.startswith("skip_") for a in actions) / total,
-            "frac_dropped_retokenize": sum(drops.values()) / max(splice.peer_samples, 1),
-            **dataclasses.asdict(stats),
-            "peer_group_age_steps": float(np.mean([self.global_steps - d.peer_group.policy_step for d in grafted]))
-            if grafted else NAN,
-            "peer_rollouts_consumed": sum(1 for row in (weighted.rows if weighted else []) if row.grafted),
-            # of them, rows whose peer row had no behaviour logprobs (b = 1, w = 1: GRAFT_SPEC section 11)
-            "peer_rollouts_without_mu": sum(1 for row in (weighted.rows if weighted else [])
-                                            if row.grafted and row.without_mu),
-            "peer_rollouts_unused": splice.peer_rollouts_unused,
-            "grafted_groups_short": splice.grafted_groups_short,
-            "grafted_groups_subsampled": splice.grafted_groups_subsampled,
-            "grafted_groups_no_signal": splice.grafted_groups_no_signal,
-            **{f"dropped_{reason}": value for reason, value in drops.items()},
-            **{f"projection_{kind}": value for kind, value in splice.projections.items()},
-            "peer_advantage_mismatch": splice.peer_advantage_mismatch,
-            "same_tokenizer_id_mismatch": splice.same_tokenizer_id_mismatch,
+            **graft_metrics(tally, weighted.stats if weighted is not None else WeightStats(), host=True),
             **splice.store,
             "graft_s": splice.graft_s,
         }

@@ -4,23 +4,28 @@
     graft-generate --config configs/generator_cpu.yaml --set group_size=4 --set max_tokens=256 ...
     graft-generate show-config --config configs/generator_cpu.yaml    # every field, its default and its doc line
 
-Every GeneratorConfig field is `--set field=value`; earlier releases' per-field flags (`--group-size 4`) still work."""
+Every GeneratorConfig field is `--set field=value` (the per-field flags of earlier releases, `--group-size 4`, are
+gone: `--set group_size=4`)."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import typer
 
-from graft.services.generator.config import GeneratorConfig, command_line_config, config_app, print_summary
+from graft.schemas.overrides import add_show_config, command_line_config
+from graft.services.generator.config import GeneratorConfig, print_summary
+
+app = typer.Typer(add_completion=False, invoke_without_command=True, help=__doc__)
 
 
 def _help(name: str) -> str:
     return GeneratorConfig.model_fields[name].description or ""
 
 
+@app.callback()
 def generate(
     ctx: typer.Context,
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML file with GeneratorConfig fields; flags and --set override it"),
@@ -39,7 +44,6 @@ def generate(
                                          "another machine's, e.g. a container's mounts)"),
     summary_json: Optional[Path] = typer.Option(
         None, help="also write the run's JSON summary to this file (whole or not at all): stdout may carry an engine's logs"),
-    **fields: Any,
 ) -> None:
     """Sample groups for every prompt of a dataset, score them with math-verify, and store them.
 
@@ -47,14 +51,13 @@ def generate(
     it cleanly after the current batch is stored. In continuous mode a store that is down is
     tried again with a growing pause (up to a minute), the sampled batch kept meanwhile.
 
-    Any field: --set field=value (`graft-generate show-config` lists them); the per-field flags of earlier
-    releases (--group-size 4) still work.
+    Any field: --set field=value (`graft-generate show-config` lists them).
     """
     named = {"model": model, "model_id": model_id, "backend": backend, "dataset": dataset, "store": store,
              "store_token": store_token}
     if ctx.invoked_subcommand:  # show-config
         return
-    cfg = command_line_config(GeneratorConfig, config, {**fields, **named}, sets)
+    cfg = command_line_config(GeneratorConfig, config, sets, named)
     missing = [] if skip_path_check else cfg.missing_inputs()
     if missing:
         typer.echo("error: the configuration names inputs that are not there or cannot be read:\n"
@@ -111,7 +114,7 @@ def _show_first_prompt(cfg: GeneratorConfig) -> None:
     typer.echo(f"# its gold answer, as the scorer reads it: {problem.answer}")
 
 
-app = config_app(generate, GeneratorConfig, help=__doc__)
+add_show_config(app, GeneratorConfig)
 
 if __name__ == "__main__":
     app()

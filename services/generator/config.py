@@ -1,24 +1,20 @@
 """Configs of `graft-generate` and `graft-eval`: one pydantic model each, readable from YAML, every field settable
-from the command line as graft-train's are (a few named flags, `--set field=value` over the file, `show-config`)."""
+from the command line as graft-train's are (`--config PATH`, a few named flags, `--set field=value` over the file,
+`show-config`: graft.schemas.overrides)."""
 
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
-import typing
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from graft.rollouts.openai_backend import OpenAIBackendConfig
 from graft.rollouts.prompts import MAX_FEW_SHOT, PromptTemplate, check_few_shot
 from graft.rollouts.traces import FORMAT_COLUMNS, TraceColumns, TraceFormat
-from graft.schemas.overrides import apply_overrides, format_fields
 from graft.schemas.rollout import SAFE_NAME_PATTERN
 
 
@@ -316,37 +312,6 @@ class EvalConfig(BaseModel):
         return self
 
 
-def load_config(cls: type[BaseModel], yaml_path: Path | None, overrides: dict[str, Any], sets: list[str] = ()) -> Any:
-    """`cls` from a YAML file (optional), command-line values (those not None) on top, then `--set field=value` pairs
-    (YAML-parsed, as graft-train's), which win; a clear error on bad input."""
-    values: dict[str, Any] = {}
-    if yaml_path is not None:
-        if not yaml_path.exists():
-            raise FileNotFoundError(f"config file {yaml_path} does not exist")
-        loaded = yaml.safe_load(yaml_path.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ValueError(f"{yaml_path} must hold a mapping of field: value, got {type(loaded).__name__}")
-        values.update(loaded)
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    apply_overrides(values, list(sets))
-    try:
-        return cls(**values)
-    except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or cls.__name__}: {err['msg']}" for err in e.errors())
-        raise ValueError(f"invalid {cls.__name__} ({yaml_path or 'command line'}): {problems}") from e
-
-
-def command_line_config(cls: type[BaseModel], yaml_path: Path | None, flags: dict[str, Any], sets: list[str]) -> Any:
-    """The config a command line asks for (the YAML file, the flags given, then `--set`); exits 2 with the reason."""
-    import typer
-
-    try:
-        return load_config(cls, yaml_path, flags, sets)
-    except (ValueError, FileNotFoundError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from e
-
-
 def print_summary(summary: dict, summary_json: Path | None) -> None:
     """A command's JSON summary as stdout's last line, and into `summary_json` when given (whole or not at all: stdout
     may carry an engine's logs)."""
@@ -358,49 +323,3 @@ def print_summary(summary: dict, summary_json: Path | None) -> None:
     sys.stdout.write(line)
     if summary_json is not None:
         write_text_atomic(summary_json, line)
-
-
-def _field_flag(name: str, info: Any) -> inspect.Parameter | None:
-    """A hidden `--field-name` option of the field's type (`--x/--no-x` for a bool; a Literal reads as a string);
-    none for a list (never a flag of its own: `--set benchmarks=[a, b]`) or a section (`--set openai.base_url=...`)."""
-    import typer
-
-    kinds = [a for a in typing.get_args(info.annotation) if a is not type(None)] or [info.annotation]
-    if typing.get_origin(info.annotation) is list or any(typing.get_origin(k) is list for k in kinds):
-        return None
-    if any(isinstance(k, type) and issubclass(k, BaseModel) for k in kinds):
-        return None
-    kind = kinds[0] if len(kinds) == 1 and kinds[0] in (bool, int, float, str) else str
-    dashed = name.replace("_", "-")
-    declared = [f"--{dashed}/--no-{dashed}"] if kind is bool else [f"--{dashed}"]
-    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=Optional[kind],
-                             default=typer.Option(None, *declared, hidden=True))
-
-
-def config_app(command: Callable[..., None], cls: type[BaseModel], help: str) -> Any:
-    """A typer app in graft-train's style: `command` (a few named flags and `--set`, its `**fields` catching the rest)
-    runs when no subcommand is given; `show-config [--config F] [--set k=v]` prints every field of `cls` with its default
-    and doc line (and the resolved YAML when given a config). Every field `command` does not name also reads as the
-    hidden flag of earlier releases (`--group-size 4`, `--no-progress`), so scripts written for them still run."""
-    import typer
-
-    signature = inspect.signature(command)
-    named = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    taken = {p.name for p in named}
-    hidden = [flag for name, info in cls.model_fields.items() if name not in taken and (flag := _field_flag(name, info))]
-    command.__signature__ = signature.replace(parameters=named + hidden)
-    app = typer.Typer(add_completion=False, invoke_without_command=True, help=help)
-    app.callback()(command)
-
-    @app.command("show-config")
-    def show_config(
-        config: Optional[Path] = typer.Option(None, "--config", "-c", help=f"YAML file with {cls.__name__} fields"),
-        sets: list[str] = typer.Option([], "--set", help="field=value (repeatable)"),
-    ) -> None:
-        """Every field with its default and its one-line doc; with a config or --set, the resolved YAML too."""
-        typer.echo(format_fields(cls))
-        if config is not None or sets:
-            cfg = command_line_config(cls, config, {}, sets)
-            typer.echo("\n# resolved\n" + yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-
-    return app

@@ -3,24 +3,29 @@
     graft-eval --model models/peer -b gsm8k --limit 50 --k 4 --set max_tokens=512
     graft-eval show-config                  # every field, its default and its doc line
 
-Every EvalConfig field is `--set field=value`; earlier releases' per-field flags (`--max-tokens 512`) still work."""
+Every EvalConfig field is `--set field=value` (the per-field flags of earlier releases, `--max-tokens 512`, are gone:
+`--set max_tokens=512`)."""
 
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import typer
 
-from graft.services.generator.config import EvalConfig, command_line_config, config_app
+from graft.schemas.overrides import add_show_config, command_line_config
+from graft.services.generator.config import EvalConfig
+
+app = typer.Typer(add_completion=False, invoke_without_command=True, help=__doc__)
 
 
 def _help(name: str) -> str:
     return EvalConfig.model_fields[name].description or ""
 
 
+@app.callback()
 def evaluate_model(
     ctx: typer.Context,
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML file with EvalConfig fields; flags and --set override it"),
@@ -32,18 +37,16 @@ def evaluate_model(
     k: Optional[int] = typer.Option(None, "--k", "-k", help=_help("k")),
     sets: list[str] = typer.Option([], "--set", help="any field as field=value, e.g. --set max_tokens=1024 (repeatable; "
                                    "`graft-eval show-config` lists them)"),
-    **fields: Any,
 ) -> None:
     """Evaluate a model: greedy when k = 1, else temperature 0.6 and top_p 0.95 unless given.
 
-    Any field: --set field=value (`graft-eval show-config` lists them); the per-field flags of earlier releases
-    (--max-tokens 512) still work.
+    Any field: --set field=value (`graft-eval show-config` lists them).
     """
     named = {"model": model, "model_id": model_id, "backend": backend, "benchmarks": benchmark or None, "limit": limit,
              "k": k}
     if ctx.invoked_subcommand:  # show-config
         return
-    cfg = command_line_config(EvalConfig, config, {**fields, **named}, sets)
+    cfg = command_line_config(EvalConfig, config, sets, named)
 
     from graft.rollouts.backends import load_backend
     from graft.rollouts.datasets import load_problems
@@ -89,7 +92,7 @@ def evaluate_model(
     sys.stdout.write(json.dumps(result) + "\n")
 
 
-app = config_app(evaluate_model, EvalConfig, help=__doc__)
+add_show_config(app, EvalConfig)
 
 if __name__ == "__main__":
     app()

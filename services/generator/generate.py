@@ -303,7 +303,7 @@ def _run(config: GeneratorConfig, stop: StopFlag) -> RunStats:
     stored: set[str] = set()
     backend = None
     try:
-        backend = _load(config, model_path, model_id, bar)
+        backend = load_generator_backend(config, model_path, model_id, bar)
         stored = _stored_ids_of_these_settings(
             through_outages(sink, lambda: sink.stored_groups(model_id, revision, policy_step), "reading the stored group ids",
                             config, stop, stats),
@@ -330,7 +330,7 @@ def _run(config: GeneratorConfig, stop: StopFlag) -> RunStats:
                     if config.seed is not None:
                         # Derived from the batch's first group: a restart resamples a lost batch the same way.
                         params.seed = (config.seed + int(group_ids[0][:8], 16)) % (2**31)
-                    groups = _sample_batch(backend, scorer, batch, group_ids, params, config, model_id, revision,
+                    groups = sample_batch(backend, scorer, batch, group_ids, params, config, model_id, revision,
                                            policy_step, generator_id, stats)
                     t0 = time.perf_counter()
                     stats.shards.append(through_outages(
@@ -360,7 +360,7 @@ def _run(config: GeneratorConfig, stop: StopFlag) -> RunStats:
                     if backend_close is not None:
                         backend_close()
                     backend = None  # closed: a failed reload must not close it twice in `finally`
-                    backend = _load(config, model_path, model_id, bar)
+                    backend = load_generator_backend(config, model_path, model_id, bar)
                     # a warning: the CLI logs at that level, and a model changed mid-run must show in its log
                     log.warning("reloaded the newer checkpoint %s: policy step %d -> %d", model_path, previous_step,
                                 policy_step)
@@ -423,7 +423,7 @@ def _serve_wanted(sink: GroupSink, served: set[str], backend: Backend, scorer: S
     log.info("sampled %d wanted prompts: %d informative groups", len(groups), len(informative))
 
 
-def _load(config: GeneratorConfig, model_path: str, model_id: str, bar: tqdm | None = None) -> Backend:
+def load_generator_backend(config: GeneratorConfig, model_path: str, model_id: str, bar: tqdm | None = None) -> Backend:
     backend = load_backend(
         config.backend, model_path, model_id=model_id, dtype=config.dtype, hf_batch_size=config.hf_batch_size,
         vllm_max_model_len=config.vllm_max_model_len, vllm_gpu_memory_utilization=config.vllm_gpu_memory_utilization,
@@ -434,7 +434,7 @@ def _load(config: GeneratorConfig, model_path: str, model_id: str, bar: tqdm | N
     return backend
 
 
-def _sample_batch(
+def sample_batch(
     backend: Backend, scorer: Scorer, batch: list[Problem], group_ids: list[str], params: SamplingParams,
     config: GeneratorConfig, model_id: str, revision: str, policy_step: int, generator_id: str, stats: RunStats,
 ) -> list[RolloutGroup]:

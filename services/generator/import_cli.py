@@ -12,17 +12,21 @@ The rows have no behaviour logprobs (logprobs_mode 'none'): the trainers graft t
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import typer
 
-from graft.services.generator.config import ImportConfig, command_line_config, config_app, print_summary
+from graft.schemas.overrides import add_show_config, command_line_config
+from graft.services.generator.config import ImportConfig, print_summary
+
+app = typer.Typer(add_completion=False, invoke_without_command=True, help=__doc__)
 
 
 def _help(name: str) -> str:
     return ImportConfig.model_fields[name].description or ""
 
 
+@app.callback()
 def import_traces(
     ctx: typer.Context,
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML file with ImportConfig fields; flags and --set override it"),
@@ -36,7 +40,6 @@ def import_traces(
     sets: list[str] = typer.Option([], "--set", help="any field as field=value, e.g. --set reward_column=score "
                                    "(repeatable; `graft-import show-config` lists them)"),
     summary_json: Optional[Path] = typer.Option(None, help="also write the JSON summary to this file (whole or not at all)"),
-    **fields: Any,
 ) -> None:
     """Import text-only traces as whole groups without behaviour logprobs; a re-import skips what is stored.
 
@@ -48,7 +51,7 @@ def import_traces(
         return
     named = {"files": file or None, "format": format, "model_id": model_id, "tokenizer": tokenizer,
              "problems": problems, "store": store, "store_token": store_token}
-    cfg = command_line_config(ImportConfig, config, {**fields, **named}, sets)
+    cfg = command_line_config(ImportConfig, config, sets, named)
 
     from graft.rollouts.traces import TraceFileError
     from graft.services.generator.importing import run_import
@@ -65,7 +68,7 @@ def import_traces(
     print_summary(summary, summary_json)
 
 
-app = config_app(import_traces, ImportConfig, help=__doc__)
+add_show_config(app, ImportConfig)
 
 if __name__ == "__main__":
     app()

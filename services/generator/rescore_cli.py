@@ -12,17 +12,21 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import typer
 
-from graft.services.generator.config import RescoreConfig, command_line_config, config_app, print_summary
+from graft.schemas.overrides import add_show_config, command_line_config
+from graft.services.generator.config import RescoreConfig, print_summary
+
+app = typer.Typer(add_completion=False, invoke_without_command=True, help=__doc__)
 
 
 def _help(name: str) -> str:
     return RescoreConfig.model_fields[name].description or ""
 
 
+@app.callback()
 def rescore(
     ctx: typer.Context,
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML file with RescoreConfig fields; flags and --set override it"),
@@ -34,7 +38,6 @@ def rescore(
     sets: list[str] = typer.Option([], "--set", help="any field as field=value, e.g. --set temperature=0.7 (repeatable; "
                                    "`graft-rescore show-config` lists them)"),
     summary_json: Optional[Path] = typer.Option(None, help="also write the JSON summary to this file (whole or not at all)"),
-    **fields: Any,
 ) -> None:
     """Teacher-force a model's stored groups through the peer's weights and store them again with mu ('rescored').
 
@@ -44,7 +47,7 @@ def rescore(
     if ctx.invoked_subcommand:  # show-config
         return
     named = {"store": store, "source_model": source_model, "model": model, "model_id": model_id, "backend": backend}
-    cfg = command_line_config(RescoreConfig, config, {**fields, **named}, sets)
+    cfg = command_line_config(RescoreConfig, config, sets, named)
 
     from graft.rollouts.openai_backend import ServerError
     from graft.services.generator.rescoring import run_rescore
@@ -59,7 +62,7 @@ def rescore(
     print_summary(summary, summary_json)
 
 
-app = config_app(rescore, RescoreConfig, help=__doc__)
+add_show_config(app, RescoreConfig)
 
 if __name__ == "__main__":
     app()

@@ -1,2 +1,3 @@
 """The trajectory store: `local/` (shards, lookup files, the DuckDB index), `lake/` (the store on a DuckLake), `http/`
-(the API, its client, `graft-store`), `browser/`; shared by them: `tables.py`, `settings.py`, `targets.py`."""
+(the API and its client), `browser/`; `graft-store` (`cli.py`) and the backend chooser (`backend.py`); shared by them:
+`tables.py`, `settings.py`, `targets.py`."""

@@ -224,7 +224,7 @@ def test_healthchecks_and_startup_order(form: str) -> None:
 
 
 def test_trainers_run_one_rank_per_gpu_they_are_given() -> None:
-    """Every GPU trainer is `torchrun --nproc-per-node gpu -m graft.trainer.cli train ...`: one rank per GPU of its
+    """Every GPU trainer is `torchrun --nproc-per-node gpu -m graft.trainer.cli train --config ...`: one rank per GPU of its
     device_ids, data parallel (a strategy other than none: ranks launched with none are refused)."""
     trainers = _services("gpu", "trainer")
     assert {"trainer", "cotrain-learner", "cotrain-peer", "lake-trainer"} <= set(trainers)

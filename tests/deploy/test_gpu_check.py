@@ -142,8 +142,8 @@ def test_the_generate_stage_reads_graft_generates_summary_from_its_file(tiny_mod
 
     dataset = write_problems_jsonl(sample_problems(4, seed=3), tmp_path / "toy.jsonl")
     command = [sys.executable, "-m", "graft.services.generator.cli", "--model", str(tiny_model_dir), "--model-id", "tiny",
-               "--dataset", str(dataset), "--template", "raw", "--group-size", "2", "--max-tokens", "8",
-               "--store", str(tmp_path / "store"), "--score-workers", "1", "--no-progress"]
+               "--dataset", str(dataset), "--set", "template=raw", "--set", "group_size=2", "--set", "max_tokens=8",
+               "--store", str(tmp_path / "store"), "--set", "score_workers=1", "--set", "progress=false"]
     summary = run_generate(command, tmp_path / "generate.json", tmp_path / "generate.log", timeout_s=300)
     assert summary["groups"] == 4 and summary["rollouts"] == 8
     assert json.loads((tmp_path / "generate.json").read_text()) == summary

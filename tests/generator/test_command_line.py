@@ -1,6 +1,6 @@
-"""One command-line style for graft-train, graft-generate and graft-eval (schemas/overrides.py): a few named flags,
-`--set field=value` over the validated config, `show-config`; the per-field flags of earlier releases still read
-(hidden options of the field's type, so typer parses and refuses them as it does the named ones)."""
+"""One command-line style for graft-train, graft-generate and graft-eval, implemented once (schemas/overrides.py): the
+config as `--config PATH`, a few named flags, `--set field=value` over the validated config, `show-config`; the hidden
+per-field flags of earlier releases are gone (`--set` names every field)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from graft.schemas.overrides import load_config
 from graft.services.generator.cli import app as generate_app
-from graft.services.generator.config import GeneratorConfig, load_config
+from graft.services.generator.config import GeneratorConfig
 from graft.services.generator.eval_cli import app as eval_app
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -27,17 +28,20 @@ def _dry_run(*args: str) -> dict:
     return yaml.safe_load(result.output)
 
 
-def test_old_per_field_flags_read_as_the_fields_they_name():
-    cfg = _dry_run("--group-size", "4", "--top-p=0.9", "--no-progress", "--template", "plain", "--instruction", "")
+def test_the_per_field_flags_of_earlier_releases_are_gone_and_set_reads_every_field():
+    cfg = _dry_run("--set", "group_size=4", "--set", "top_p=0.9", "--set", "progress=false", "--set", "template=plain",
+                   "--set", "instruction=''")
     assert (cfg["group_size"], cfg["top_p"], cfg["progress"], cfg["template"]) == (4, 0.9, False, "plain")
-    assert cfg["instruction"] == ""  # an empty instruction, as the old flag meant; not "no value"
-    assert _dry_run("--group-size", "4", "--set", "group_size=2")["group_size"] == 2  # --set comes last and wins
+    assert cfg["instruction"] == ""  # an empty instruction; not "no value"
+    for old in (["--group-size", "4"], ["--no-progress"]):
+        result = CliRunner().invoke(generate_app, ["--model", "m", "--dataset", "d", "--store", "s", *old, "--dry-run",
+                                                   "--skip-path-check"])
+        assert result.exit_code == 2 and f"No such option: {old[0]}" in result.output, result.output
 
 
 @pytest.mark.parametrize("args, message", [
     (["--group-sise", "4"], "No such option: --group-sise"),
-    (["--top-k"], "--top-k"),
-    (["--group-size", "x"], "Invalid value for '--group-size'"),
+    (["--set", "group_size=x"], "group_size: Input should be a valid integer"),
     (["--set", "group_size=0"], "group_size: Input should be greater than or equal to 1"),
 ])
 def test_a_flag_that_names_no_field_or_a_bad_value_is_refused(args, message):
@@ -61,10 +65,11 @@ def test_follow_wanted_needs_continuous_mode_and_a_store_server():
 def test_set_wins_over_flags_and_the_file(tmp_path):
     config = tmp_path / "gen.yaml"
     config.write_text("model: m\ndataset: d\nstore: s\ngroup_size: 8\n")
-    cfg = load_config(GeneratorConfig, config, {"group_size": "6"}, ["group_size=3", "top_k=null"])
+    cfg = load_config(GeneratorConfig, config, ["group_size=3", "top_k=null"], {"group_size": "6"})
     assert (cfg.group_size, cfg.top_k) == (3, None)
+    assert load_config(GeneratorConfig, config, [], {"group_size": 6, "top_k": None}).group_size == 6  # a flag not given
     with pytest.raises(ValueError, match="group_size"):
-        load_config(GeneratorConfig, config, {}, ["group_size=0"])
+        load_config(GeneratorConfig, config, ["group_size=0"])
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -91,3 +96,48 @@ def test_show_config_resolves_a_config_with_set():
 def test_eval_refuses_an_unknown_flag_before_loading_anything(tmp_path):
     result = CliRunner().invoke(eval_app, ["--model", str(tmp_path), "--max-tokenz", "5"])
     assert result.exit_code == 2 and "No such option: --max-tokenz" in result.output
+
+
+def test_one_config_reader_and_no_rewritten_signatures():
+    """Issue 51: one `load_config` (graft.schemas.overrides) reads the three commands' configs; no command's options are
+    made by rewriting a function's `__signature__` (the hidden flags of earlier releases were)."""
+    import ast
+
+    defined, rewritten = [], []
+    for folder in ("schemas", "rollouts", "services", "trainer", "integrations", "demo", "benchmarks", "gpu_check"):
+        for path in (REPO_ROOT / folder).rglob("*.py"):
+            text = path.read_text()
+            tree = ast.parse(text)
+            defined += [str(path.relative_to(REPO_ROOT)) for node in ast.walk(tree)
+                        if isinstance(node, ast.FunctionDef) and node.name == "load_config"]
+            rewritten += [str(path.relative_to(REPO_ROOT)) for node in ast.walk(tree)
+                          if isinstance(node, ast.Attribute) and node.attr == "__signature__"]
+    assert defined == ["schemas/overrides.py"] and rewritten == []
+
+
+@pytest.mark.parametrize("command, config, field", [
+    (["graft.services.generator.cli", "--model", "m", "--dataset", "d", "--store", "s", "--dry-run", "--skip-path-check"],
+     "group_size: 7\n", "group_size"),
+    (["graft.trainer.cli", "train", "--dry-run", "--skip-path-check"],
+     "model: {path: m}\ndata: {dataset: d}\nmethod: grpo\nsteps: 7\n", "steps"),
+    (["graft.services.generator.eval_cli", "show-config", "--set", "model=m"], "k: 7\n", "k"),
+])
+def test_every_command_takes_its_config_as_dash_dash_config(command, config, field, tmp_path):
+    """One way to pass a config: `--config PATH` for graft-generate, graft-train and graft-eval (which has no dry run:
+    its show-config resolves the config)."""
+    path = tmp_path / "c.yaml"
+    path.write_text(config)
+    run = _cli(*command, "--config", str(path))
+    assert run.returncode == 0, run.stderr
+    resolved = run.stdout.split("# resolved\n", 1)[-1]
+    assert yaml.safe_load(resolved)[field] == 7
+
+
+def test_graft_trains_positional_config_still_runs_and_says_it_is_deprecated(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("model: {path: m}\ndata: {dataset: d}\nmethod: grpo\nsteps: 7\n")
+    run = _cli("graft.trainer.cli", "train", str(config), "--dry-run", "--skip-path-check")
+    assert run.returncode == 0 and yaml.safe_load(run.stdout)["steps"] == 7, run.stderr
+    assert f"deprecated: write `graft-train train --config {config}`" in run.stderr
+    both = _cli("graft.trainer.cli", "train", str(config), "--config", str(config), "--dry-run", "--skip-path-check")
+    assert both.returncode == 2 and "give --config only" in both.stderr

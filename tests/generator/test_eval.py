@@ -52,13 +52,13 @@ def test_eval_cli_writes_json_and_markdown(tiny_model_dir, tmp_path):
     data = write_problems_jsonl(sample_problems(6, 5), tmp_path / "toy.jsonl")
     out_json, out_md = tmp_path / "eval.json", tmp_path / "eval.md"
     result = CliRunner().invoke(app, [
-        "--model", str(tiny_model_dir), "-b", str(data), "--k", "2", "--max-tokens", "12", "--template", "raw",
-        "--score-workers", "1", "--output-json", str(out_json), "--output-md", str(out_md), "--no-progress",
+        "--model", str(tiny_model_dir), "-b", str(data), "--k", "2", "--set", "max_tokens=12", "--set", "template=raw",
+        "--set", "score_workers=1", "--set", f"output_json={out_json}", "--set", f"output_md={out_md}", "--set", "progress=false",
     ])
     assert result.exit_code == 0, result.output
     saved = json.loads(out_json.read_text())
     assert saved["k"] == 2 and saved["temperature"] == 0.6 and saved["top_p"] == 0.95  # the k > 1 defaults
     assert saved["benchmarks"][str(data)]["problems"] == 6
     assert "avg@2" in out_md.read_text()
-    bad = CliRunner().invoke(app, ["--model", str(tiny_model_dir), "-b", "no_such_benchmark", "--no-progress"])
+    bad = CliRunner().invoke(app, ["--model", str(tiny_model_dir), "-b", "no_such_benchmark", "--set", "progress=false"])
     assert bad.exit_code == 2 and "no_such_benchmark" in bad.output

@@ -32,8 +32,8 @@ pytestmark = pytest.mark.slow
 
 def generator_command(model: Path, dataset: Path, store: str, *extra: str) -> list[str]:
     return [sys.executable, "-m", "graft.services.generator.cli", "--model", str(model), "--model-id", "tiny",
-            "--dataset", str(dataset), "--template", "raw", "--group-size", "4", "--max-tokens", "12",
-            "--store", store, "--score-workers", "1", "--no-progress", *extra]
+            "--dataset", str(dataset), "--set", "template=raw", "--set", "group_size=4", "--set", "max_tokens=12",
+            "--store", store, "--set", "score_workers=1", "--set", "progress=false", *extra]
 
 
 def start(command: list[str], log: Path) -> subprocess.Popen:
@@ -67,7 +67,7 @@ def test_sigterm_then_sigkill_then_restart_stores_exactly_the_groups_asked_for(t
     root = tmp_path / "store"
     shards_dir = root / "rollouts" / "model=tiny"
     shard_count = lambda: len(list(shards_dir.glob("part-*.parquet")))  # noqa: E731
-    command = generator_command(tiny_model_dir, dataset, str(root), "--rounds", "2", "--prompts-per-batch", "2", "--seed", "3")
+    command = generator_command(tiny_model_dir, dataset, str(root), "--set", "rounds=2", "--set", "prompts_per_batch=2", "--set", "seed=3")
 
     # 1. SIGTERM: the current batch is stored, then a clean exit.
     proc = start(command, tmp_path / "first.log")
@@ -282,8 +282,8 @@ def test_a_rerun_with_other_settings_is_refused_and_names_the_flag_that_starts_a
     assert other.groups == 4 and other.skipped_already_stored == 0
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), HF_HUB_OFFLINE="1")  # the CLI: one line, exit 2, no traceback
     cli = subprocess.run([sys.executable, "-m", "graft.services.generator.cli", "--model", str(tiny_model_dir), "--model-id",
-                          "tiny", "--dataset", str(dataset), "--group-size", "2", "--max-tokens", "16", "--store", str(root),
-                          "--score-workers", "1", "--no-progress"], cwd=REPO_ROOT, env=env, capture_output=True,
+                          "tiny", "--dataset", str(dataset), "--set", "group_size=2", "--set", "max_tokens=16", "--store", str(root),
+                          "--set", "score_workers=1", "--set", "progress=false"], cwd=REPO_ROOT, env=env, capture_output=True,
                          text=True, timeout=300)
     assert cli.returncode == 2 and "--model-id tiny-" in cli.stderr and "Traceback" not in cli.stderr, cli.stderr
     assert len(stored_rows(root)) == len(before)
@@ -292,7 +292,7 @@ def test_a_rerun_with_other_settings_is_refused_and_names_the_flag_that_starts_a
 def test_a_summary_says_why_the_success_rate_is_what_it_is(tiny_model_dir, tmp_path):
     """no_boxed_answer and truncated beside success_rate: the toy model answers `a+b=` with digits, never boxed."""
     dataset = write_problems_jsonl(sample_problems(3, seed=7), tmp_path / "toy.jsonl")
-    summary = run(generator_command(tiny_model_dir, dataset, str(tmp_path / "store"), "--max-tokens", "3"),
+    summary = run(generator_command(tiny_model_dir, dataset, str(tmp_path / "store"), "--set", "max_tokens=3"),
                   tmp_path / "run.log")
     rows = stored_rows(tmp_path / "store")
     assert summary["no_boxed_answer"] == sum(r["extracted_answer"] is None for r in rows) == 12
@@ -312,10 +312,10 @@ def test_dry_run_checks_the_inputs_and_shows_the_prompt_as_the_model_sees_it(tin
     missing = dry("--model", str(tmp_path / "no-model"), "--dataset", str(raw))
     assert missing.returncode == 2 and "no-model does not exist" in missing.stderr
     unnamed = dry("--model", str(tiny_model_dir), "--dataset", str(raw))
-    assert unnamed.returncode == 2 and "--problem-field question" in unnamed.stderr and "Traceback" not in unnamed.stderr
+    assert unnamed.returncode == 2 and "--set problem_field=question" in unnamed.stderr and "Traceback" not in unnamed.stderr
     assert len(unnamed.stderr.strip().splitlines()) == 2, unnamed.stderr  # the heading and one line per input
-    shown = dry("--model", str(tiny_model_dir), "--dataset", str(raw), "--problem-field", "question",
-                "--system-prompt", "You are a careful tutor.", "--instruction", "Box the answer.")
+    shown = dry("--model", str(tiny_model_dir), "--dataset", str(raw), "--set", "problem_field=question",
+                "--set", "system_prompt=You are a careful tutor.", "--set", "instruction=Box the answer.")
     assert shown.returncode == 0, shown.stderr
     prompt = shown.stdout.split("as the model sees it")[1]
     assert "You are a careful tutor." in prompt and "Tom has 3 apples" in prompt and "Box the answer." in prompt

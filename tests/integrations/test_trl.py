@@ -174,7 +174,7 @@ def test_a_peer_with_another_tokenizer_is_retokenised_as_graft_train_does(toy_wo
     expected = build_rows(cfg, load_learner(cfg, None), grafting, [d.peer_group for d in grafting], problem_of,
                           load_peer_tokenizers(cfg))
     spliced = [row for row in plan.slots.values() if row is not None]
-    assert len(spliced) == len(expected.rows) > 0 and expected.projections["spans"] == len(expected.rows)
+    assert len(spliced) == len(expected.rows) > 0 and expected.counts.projections["spans"] == len(expected.rows)
     for ours, theirs in zip(spliced, expected.rows):
         assert ours.completion_ids == theirs.completion_ids
         assert ours.behaviour_logprobs == theirs.behaviour_logprobs  # mu~, exactly

@@ -86,13 +86,13 @@ def test_a_changed_component_alone_is_noticed(tmp_path, component):
     # Even when the probe text happens to encode alike, a different normalizer or pre-tokenizer is a difference.
     from tokenizers import normalizers
 
-    from graft.rollouts.models import _tokenisation_difference
+    from graft.rollouts.models import tokenisation_difference
 
     saved = Tokenizer.from_file(str(_qwen2_with_local_bpe(tmp_path / "m") / "tokenizer.json"))
-    assert _tokenisation_difference(saved, Tokenizer.from_str(saved.to_str())) is None
+    assert tokenisation_difference(saved, Tokenizer.from_str(saved.to_str())) is None
     changed = Tokenizer.from_str(saved.to_str())
     if component == "normalizer":
         changed.normalizer = normalizers.NFKC()
     else:
         changed.pre_tokenizer = pre_tokenizers.Whitespace()
-    assert _tokenisation_difference(changed, saved) == component.replace("_", "-")
+    assert tokenisation_difference(changed, saved) == component.replace("_", "-")

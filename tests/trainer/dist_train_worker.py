@@ -16,8 +16,9 @@ import os
 from typing import Callable
 
 import graft.trainer.batch
-from graft.trainer.batch import GraftedWeights, TrainSample, _weigh_grafted_rows
-from graft.trainer.config import load_config
+from graft.schemas.overrides import load_config
+from graft.trainer.batch import GraftedWeights, TrainSample, weigh_grafted_rows
+from graft.trainer.config import TrainConfig
 from graft.trainer.loop import train
 
 
@@ -29,7 +30,7 @@ def non_finite_grafts(prompt_ids: set[str]) -> Callable[..., GraftedWeights]:
     The ranks install it here, the one-process reference in its own process."""
 
     def weigh(cfg, grafted: list[TrainSample]) -> GraftedWeights:
-        values = _weigh_grafted_rows(cfg, grafted)
+        values = weigh_grafted_rows(cfg, grafted)
         for row in grafted:
             row.finite = row.finite and row.prompt_id not in prompt_ids
         return values
@@ -49,8 +50,8 @@ def main() -> None:
     overrides += [f"store.url={url}" for rank_url in args.store_urls
                   for who, url in [rank_url.split("=", 1)] if who == rank]
     if args.non_finite_grafts:
-        graft.trainer.batch._weigh_grafted_rows = non_finite_grafts(set(args.non_finite_grafts.split(",")))
-    train(load_config(args.config, overrides))
+        graft.trainer.batch.weigh_grafted_rows = non_finite_grafts(set(args.non_finite_grafts.split(",")))
+    train(load_config(TrainConfig, args.config, overrides))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from graft.rollouts.hf_backend import HFBackend, teacher_forced_logprobs
 from graft.rollouts.sampling import SamplingParams
 from graft.schemas import Problem, RolloutGroup
 from graft.trainer.batch import (
-    StepRows,
+    PeerRowCounts,
     TrainSample,
     build_rows,
     collate,
@@ -20,7 +20,6 @@ from graft.trainer.batch import (
     old_logprobs_and_weights,
     response_logprobs,
 )
-from graft.trainer.retokenize import drop_counts, projection_counts
 from graft.trainer.config import TrainConfig
 from graft.trainer.gate import GateDecision
 from graft.trainer.learner import Learner
@@ -90,8 +89,8 @@ def test_grafted_rows_weights_by_hand(char_model, char_tokenizer, bpe_model, bpe
     cfg = config(peer_negative_scale=0.5)
     step_rows = build(cfg)
     rows = step_rows.rows
-    assert step_rows.peer_groups_used == [peer] and sum(step_rows.drops.values()) == 0
-    assert [r.grafted for r in rows] == [True] * 4 and step_rows.projections["spans"] == 4
+    assert step_rows.peer_groups_used == [peer] and sum(step_rows.counts.drops.values()) == 0
+    assert [r.grafted for r in rows] == [True] * 4 and step_rows.counts.projections["spans"] == 4
     # peer-computed advantages: rewards [1, 0, 1, 0] -> +-0.866; negatives scaled by 0.5
     a = 0.5 / math.sqrt(1 / 3)
     assert [r.advantage for r in rows] == pytest.approx([a, -0.5 * a, a, -0.5 * a], rel=1e-4)
@@ -123,8 +122,8 @@ def test_a_grafted_group_that_lost_a_row_gets_advantages_over_the_rows_that_trai
     step_rows = build_rows(config(), learner_of(char_model, char_tokenizer),
                            [GateDecision(problem.prompt_id, "all_fail", "graft", peer)], [own], {problem.prompt_id: problem},
                            {"tok-bpe": bpe_tokenizer})
-    assert step_rows.drops["overlength"] == 1 and step_rows.grafted_groups_short == 1 and step_rows.peer_samples == 4
-    assert step_rows.peer_advantage_mismatch == 0  # the stored group's advantages were right; only the rows changed
+    assert step_rows.counts.drops["overlength"] == 1 and step_rows.counts.grafted_groups_short == 1 and step_rows.counts.peer_samples == 4
+    assert step_rows.counts.peer_advantage_mismatch == 0  # the stored group's advantages were right; only the rows changed
     # rewards [1, 0, 1] kept: mean 2/3, unbiased std sqrt(1/3)
     std = math.sqrt(1 / 3)
     assert [r.advantage for r in step_rows.rows] == pytest.approx([(1 / 3) / std, -(2 / 3) / std, (1 / 3) / std], rel=1e-4)
@@ -141,8 +140,8 @@ def test_a_peer_group_larger_than_a_hosts_slots_keeps_a_success_and_a_failure(ch
     peer = build_group(problem, texts, [0.0] * 7 + [1.0], bpe_tokenizer, bpe_model, model_id="peer", tokenizer_id="tok-bpe")
     learner = learner_of(char_model, char_tokenizer)
 
-    def pick(seed: int) -> tuple[list[TrainSample], StepRows]:
-        counts = StepRows([], [], drop_counts(), projection_counts(), 0, 0)
+    def pick(seed: int) -> tuple[list[TrainSample], PeerRowCounts]:
+        counts = PeerRowCounts()
         rows = grafted_group_rows(config(), learner, peer, 0, [1, 2], {"tok-bpe": bpe_tokenizer}, None, counts,
                                   max_rows=4, pick_seed=seed)
         return rows, counts
@@ -155,11 +154,11 @@ def test_a_peer_group_larger_than_a_hosts_slots_keeps_a_success_and_a_failure(ch
     two = build_group(problem, ["\\boxed{18}", "\\boxed{19}"] * 4, [0.0, 1.0] * 4, bpe_tokenizer, bpe_model,
                       model_id="peer", tokenizer_id="tok-bpe")
     for seed in range(8):  # two slots: always one of each reward
-        counts = StepRows([], [], drop_counts(), projection_counts(), 0, 0)
+        counts = PeerRowCounts()
         kept = grafted_group_rows(config(), learner, two, 0, [1, 2], {"tok-bpe": bpe_tokenizer}, None, counts,
                                   max_rows=2, pick_seed=seed)
         assert sorted(row.reward for row in kept) == [0.0, 1.0]
-    counts = StepRows([], [], drop_counts(), projection_counts(), 0, 0)
+    counts = PeerRowCounts()
     lone = build_group(problem, ["\\boxed{18}"] * 3, [0.0] * 3, bpe_tokenizer, bpe_model, model_id="peer",
                        tokenizer_id="tok-bpe")
     grafted_group_rows(config(), learner, lone, 0, [1, 2], {"tok-bpe": bpe_tokenizer}, None, counts, max_rows=2)
@@ -242,8 +241,8 @@ def test_same_tokenizer_peer_rows_keep_the_sampled_split_and_count_the_mismatch(
     step_rows = build_rows(config(), learner, [GateDecision(problem.prompt_id, "all_fail", "graft", peer)], [own],
                            {problem.prompt_id: problem}, {})
     rows = step_rows.rows
-    assert sum(step_rows.drops.values()) == 0 and step_rows.projections["exact"] == 2
-    assert step_rows.same_tokenizer_id_mismatch == 1
+    assert sum(step_rows.counts.drops.values()) == 0 and step_rows.counts.projections["exact"] == 2
+    assert step_rows.counts.same_tokenizer_id_mismatch == 1
     assert rows[0].completion_ids == ids and rows[0].behaviour_logprobs == [-0.25] * len(ids)
     assert rows[1].completion_ids == list(peer.rollouts[1].completion_token_ids)
 
@@ -301,7 +300,7 @@ def test_a_peer_group_without_mu_grafts_with_b_and_w_one_and_is_counted(char_mod
         # no peer tokenizer needed: there is nothing to project
         step_rows = build_rows(cfg, learner, [GateDecision(problem.prompt_id, "all_fail", "graft", text_only)], [own],
                                {problem.prompt_id: problem}, {})
-        assert step_rows.projections["none"] == 4 and sum(step_rows.drops.values()) == 0
+        assert step_rows.counts.projections["none"] == 4 and sum(step_rows.counts.drops.values()) == 0
         with_mu_rows = build_rows(cfg, learner, [GateDecision(problem.prompt_id, "all_fail", "graft", peer)], [own],
                                   {problem.prompt_id: problem}, {"tok-bpe": bpe_tokenizer}).rows
         rows = step_rows.rows

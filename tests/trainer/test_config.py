@@ -8,9 +8,9 @@ import pytest
 from pydantic import ValidationError
 from typer.testing import CliRunner
 
-from graft.schemas.overrides import apply_overrides, describe_fields
+from graft.schemas.overrides import apply_overrides, describe_fields, load_config
 from graft.trainer.cli import app
-from graft.trainer.config import GRAFT_PRESETS, TrainConfig, load_config
+from graft.trainer.config import GRAFT_PRESETS, TrainConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -31,14 +31,14 @@ def test_defaults_follow_the_spec_but_b_and_peer_negatives():
 
 @pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("train*.yaml")))
 def test_shipped_configs_validate(name):
-    cfg = load_config(CONFIGS / name)
+    cfg = load_config(TrainConfig, CONFIGS / name)
     assert cfg.method in ("grpo", "graft", "dapo")
 
 
 def test_overrides_are_typed_and_win(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("model: {path: m}\ndata: {dataset: d}\nmethod: grpo\n")
-    cfg = load_config(path, ["graft.peer_negative_scale=0", "graft.peer_models=[a, b]", "method=graft",
+    cfg = load_config(TrainConfig, path, ["graft.peer_negative_scale=0", "graft.peer_models=[a, b]", "method=graft",
                              "store.url=http://h:1", "graft.log_rho_min=-2.5", "store.mode=cotrain"])
     assert cfg.graft.peer_negative_scale == 0.0 and cfg.graft.peer_models == ["a", "b"]
     assert cfg.method == "graft" and cfg.graft.log_rho_min == -2.5 and cfg.publishes
@@ -60,7 +60,7 @@ def test_bad_input_gets_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="key=value"):
         apply_overrides({}, ["graft.peer_negative_scale"])
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        load_config(tmp_path / "missing.yaml")
+        load_config(TrainConfig, tmp_path / "missing.yaml")
 
 
 def test_the_store_as_a_broker_is_set_where_it_does_something():
@@ -93,15 +93,15 @@ def test_every_field_is_documented():
 
 def test_cli_show_config_and_validation_errors():
     runner = CliRunner()
-    result = runner.invoke(app, ["show-config", str(CONFIGS / "train_toy.yaml"), "--set", "graft.token_is=none"])
+    result = runner.invoke(app, ["show-config", "--config", str(CONFIGS / "train_toy.yaml"), "--set", "graft.token_is=none"])
     assert result.exit_code == 0, result.output
     assert "graft.peer_negative_scale" in result.output and "token_is: none" in result.output
-    result = runner.invoke(app, ["train", str(CONFIGS / "train_toy.yaml"), "--set", "graft.token_is=bogus"])
+    result = runner.invoke(app, ["train", "--config", str(CONFIGS / "train_toy.yaml"), "--set", "graft.token_is=bogus"])
     assert result.exit_code != 0 and "graft.token_is" in result.output
 
 
 def _toy_dry_run(*args: str):
-    return CliRunner().invoke(app, ["train", str(CONFIGS / "train_toy.yaml"), *args, "--dry-run"])
+    return CliRunner().invoke(app, ["train", "--config", str(CONFIGS / "train_toy.yaml"), *args, "--dry-run"])
 
 
 def test_dry_run_fails_naming_each_input_path_that_is_not_there(tmp_path, monkeypatch):

@@ -303,10 +303,10 @@ def test_the_cli_runs_as_a_module_and_refuses_ranks_without_a_strategy(tmp_path,
     (tmp_path / "d.jsonl").write_text('{"problem": "1+1=", "answer": "2"}\n')  # a dry run reads the data
     config.write_text(f"model: {{path: {tmp_path / 'm'}}}\ndata: {{dataset: {tmp_path / 'd.jsonl'}}}\nmethod: grpo\nrun_dir: {tmp_path / 'run'}\n")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    refused = CliRunner().invoke(app, ["train", str(config)])
+    refused = CliRunner().invoke(app, ["train", "--config", str(config)])
     assert refused.exit_code != 0 and "WORLD_SIZE=2" in refused.output and "parallel.strategy=fsdp" in refused.output
-    refused = CliRunner().invoke(app, ["train", str(config), "--set", "parallel.strategy=ddp",
+    refused = CliRunner().invoke(app, ["train", "--config", str(config), "--set", "parallel.strategy=ddp",
                                        "--set", "rollout.seed_per_sample=false", "--dry-run"])
     assert refused.exit_code != 0 and "seed_per_sample" in refused.output
-    accepted = CliRunner().invoke(app, ["train", str(config), "--set", "parallel.strategy=fsdp", "--dry-run"])
+    accepted = CliRunner().invoke(app, ["train", "--config", str(config), "--set", "parallel.strategy=fsdp", "--dry-run"])
     assert accepted.exit_code == 0 and "strategy: fsdp" in accepted.output

@@ -1,5 +1,5 @@
 """graft-train data parallel through the real training loop: 2 ranks under torchrun (CPU, gloo), launched as a user
-launches them (`torchrun --nproc-per-node 2 -m graft.trainer.cli train CONFIG`), against one process on the same global
+launches them (`torchrun --nproc-per-node 2 -m graft.trainer.cli train --config CONFIG`), against one process on the same global
 batch, with the toy world's learner and a real store server on loopback holding the peer's groups.
 
 The one-process reference samples with rollout.seed_per_sample (each rollout seeded by its place in the step's
@@ -58,10 +58,10 @@ def config(world, run_dir: Path, store_url: str | None, **overrides) -> TrainCon
 
 
 def two_ranks(cfg: TrainConfig, strategy: str, *extra: str) -> Path:
-    """`torchrun --nproc-per-node 2 -m graft.trainer.cli train CONFIG --set parallel.strategy=STRATEGY`."""
+    """`torchrun --nproc-per-node 2 -m graft.trainer.cli train --config CONFIG --set parallel.strategy=STRATEGY`."""
     path = Path(cfg.run_dir).with_suffix(".yaml")
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-    torchrun(["-m", "graft.trainer.cli", "train", str(path), "--set", f"parallel.strategy={strategy}", *extra])
+    torchrun(["-m", "graft.trainer.cli", "train", "--config", str(path), "--set", f"parallel.strategy={strategy}", *extra])
     return Path(cfg.run_dir)
 
 
@@ -372,7 +372,7 @@ def test_a_rank_whose_grafted_rows_are_all_dropped_backpropagates_its_first_pass
                  "checkpoint.every_steps": 0, "parallel.timeout_s": 120.0}  # a collective that hangs fails in 2 minutes
     poisoned = ",".join(p.prompt_id for p in peer)
     with monkeypatch.context() as patch:
-        patch.setattr(graft.trainer.batch, "_weigh_grafted_rows", non_finite_grafts(set(poisoned.split(","))))
+        patch.setattr(graft.trainer.batch, "weigh_grafted_rows", non_finite_grafts(set(poisoned.split(","))))
         one = train(config(toy_world, tmp_path / "one", store.url, **overrides))
     cfg = config(toy_world, tmp_path / "ranks", store.url, **overrides)
     path = tmp_path / "ranks.yaml"

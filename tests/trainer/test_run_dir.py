@@ -82,7 +82,7 @@ def test_sigterm_stops_at_a_step_boundary_and_resume_continues(toy_world, tmp_pa
                           **{"store.publish": True, "model.model_id": "sigterm"})
         config = tmp_path / "run.yaml"
         config.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-        command = [sys.executable, "-m", "graft.trainer.cli", "train", str(config)]
+        command = [sys.executable, "-m", "graft.trainer.cli", "train", "--config", str(config)]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
         proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         try:

@@ -26,7 +26,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from graft.rollouts.sampling import SamplingParams
-    from graft.trainer.vllm_sync import start_vllm_backend, sync_weights
+    from graft.trainer.vllm_sync import check_weight_sync, start_vllm_backend
 
     model_dir, out_path = sys.argv[1], sys.argv[2]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -42,22 +42,13 @@ def main() -> None:
             for a, b in zip(teacher_forced(model, tokenizer, prompt, sample.token_ids), sample.token_logprobs, strict=True)
         )
 
-    before = backend.generate(PROMPTS, params)
-    gap_before = worst_gap(before)
-    torch.manual_seed(0)
-    with torch.no_grad():  # a large step of "training": the policy changes visibly
-        for p in model.parameters():
+    def perturb(policy) -> None:  # a large step of "training": the policy changes visibly
+        torch.manual_seed(0)
+        for p in policy.parameters():
             p.add_(torch.randn_like(p) * 0.3)
-    stale_gap = worst_gap(before)  # the old engine's logprobs against the new policy
-    sync_weights(backend, model)
-    after = backend.generate(PROMPTS, params)
-    result = {
-        "gap_before_sync": gap_before,
-        "stale_gap": stale_gap,
-        "gap_after_sync": worst_gap(after),
-        "samples_changed": [[s.token_ids for s in g] for g in before] != [[s.token_ids for s in g] for g in after],
-        "tokenizer_id": backend.tokenizer_id,
-    }
+
+    result, _ = check_weight_sync(backend, model, PROMPTS, params, worst_gap, perturb)
+    result["tokenizer_id"] = backend.tokenizer_id
     with open(out_path, "w") as f:
         json.dump(result, f)
 

@@ -8,7 +8,7 @@ import orjson
 from fastapi import HTTPException
 from pydantic import ValidationError
 
-from graft.schemas import ARROW_MEDIA_TYPE, LOOKUP_PATH, PeerLookupRequest
+from graft.schemas import ARROW_MEDIA_TYPE, LOOKUP_PATH, PUSH_PATH, PeerLookupRequest
 
 # ------------------------------------------------------------------------------------------ body size limit
 
@@ -37,7 +37,7 @@ class BodySizeLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        limit = self.push_limit if scope["path"] == "/v1/groups" else self.other_limit
+        limit = self.push_limit if scope["path"] == PUSH_PATH else self.other_limit
         headers = dict(scope.get("headers") or [])
         length = headers.get(b"content-length")
         if length is not None:

@@ -25,6 +25,7 @@ from graft.schemas import (
     ARROW_MEDIA_TYPE,
     LOOKUP_PATH,
     MAX_PUSH_GROUPS,
+    PUSH_PATH,
     HealthResponse,
     PeerLookupRequest,
     PeerLookupResponse,
@@ -177,7 +178,7 @@ def _lookup_response(table: pa.Table, validate: bool) -> PeerLookupResponse:
 
 
 class _RetryRule:
-    """When both clients try a call again: after a transport error or a 502-504 answer, `retries` more times at
+    """When the client tries a call again: after a transport error or a 502-504 answer, `retries` more times at
     most, waiting backoff_s, 2 * backoff_s, 4 * backoff_s, ... before each; then StoreUnavailable. Any other
     answer is final."""
 
@@ -210,8 +211,6 @@ class StoreClient:
     def __init__(self, base_url: str, token: str | None = None, timeout_s: float = 10.0, retries: int = 3,
                  backoff_s: float = 0.2):
         self.base_url = base_url.rstrip("/")
-        self.retries = retries
-        self.backoff_s = backoff_s
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._retry = _RetryRule(self.base_url, retries, backoff_s)
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=headers)
@@ -274,7 +273,7 @@ class StoreClient:
         """Store groups (any number, any models: split into pushes of one model and <= 512 groups)."""
         responses = [
             PushGroupsResponse.model_validate_json(self._request(
-                "POST", "/v1/groups", content=body, headers={"Content-Type": ARROW_MEDIA_TYPE}).content)
+                "POST", PUSH_PATH, content=body, headers={"Content-Type": ARROW_MEDIA_TYPE}).content)
             for body in _push_bodies(groups, problems)
         ]
         return _merge_pushes(responses)

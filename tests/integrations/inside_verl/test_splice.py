@@ -171,8 +171,8 @@ def test_all_fail_groups_take_the_peer_rows_with_graft_trains_weights(world, ste
         rows = rows_of(stepped, problem.prompt_id)
         prompt = data["prompts"][rows[0]].tolist()
         # graft-train's rows of the same peer group, and its weights on the same pi_old
-        expected = grafted_group_rows(cfg, learner, group, 0, prompt, trainer.graft.peer_tokenizers, trainer.graft.stop_token,
-                                      splice)
+        expected = grafted_group_rows(cfg, learner, group, 0, prompt, trainer.graft.peer_tokenizers, learner.stop_token_id,
+                                      splice.counts)
         assert len(expected) == size
         filled = rows[:size]
         width = max(len(row.completion_ids) for row in expected)

@@ -21,6 +21,7 @@ from graft.schemas import (
     GROUP_ID_PATTERN,
     LOOKUP_PATH,
     PROMPT_ID_PATTERN,
+    PUSH_PATH,
     PeerLookupRequest,
     PeerLookupResponse,
     PushGroupsResponse,
@@ -141,7 +142,7 @@ PUSH_BODY = {"requestBody": {"required": True, "content": {
     ARROW_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}}}
 
 
-@router.post("/v1/groups", response_model=PushGroupsResponse, dependencies=[Depends(require_token)],
+@router.post(PUSH_PATH, response_model=PushGroupsResponse, dependencies=[Depends(require_token)],
              responses=error_responses(400, 401, 409, 413, 415, 422), openapi_extra=PUSH_BODY)
 async def push_groups(request: Request, store: StoreDep, metrics: MetricsDep) -> PushGroupsResponse:
     """Push ingest: validate whole groups of one model, write them as a shard, index it at once.
