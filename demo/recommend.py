@@ -4,7 +4,7 @@ amended before any new run (issue 48).
 GRAFT_SPEC's formulas are this project's reading of a paper whose exact formulas are not public, so its default is
 what the evidence picks among the spec's own options, by RULE below, on dev seeds (`make demo-choose`:
 configs/demo_choose.yaml, seeds 10-13 at both starts). The figure of the chosen default then comes from `make demo`
-(seeds 0-3), which plays no part in choosing.
+(seeds 0-7), which plays no part in choosing.
 
 The candidates are the four combinations of the two options every GRAFT host runs (graft-train, the TRL adapter, verl):
 the token-level correction b (the spec's min(pi_old / mu, 2), or 1) and the peer's negative advantages (x1, the spec's,

@@ -205,6 +205,6 @@ def test_the_readmes_two_commands_are_a_door():
     assert "docs/demo.md#the-two-commands" in section
     demo = (REPO_ROOT / "docs" / "demo.md").read_text()
     page = demo.split("## The two commands: what they install and how long they take\n", 1)[1].split("\n## ", 1)[0]
-    for figure in ("670 s", "36 s of it", "683 passed in 21 minutes", "verl's 24 in under one", "25.9 minutes",
-                   "563 passed in 5.8 minutes", "2-core Intel Xeon with AVX-512 and AMX", "2026-12-04"):
-        assert figure in page, figure
+    # each command's time, with the machine and the date it was measured on
+    for figure in (r"`make demo`[^.]* took \d+ s", r"\d+ passed in [\d.]+ minutes", r"2-core Intel Xeon", r"\b20\d\d-\d\d-\d\d\b"):
+        assert re.search(figure, page), figure
