@@ -409,7 +409,7 @@ def _serve_wanted(sink: GroupSink, served: set[str], backend: Backend, scorer: S
     # a fresh id per draw: a want whose first group was all-fail is sampled again under another id
     draw = f"wanted-{time.time_ns()}"
     group_ids = [make_group_id(model_id, revision, policy_step, p.prompt_id, draw, key) for p in batch]
-    groups = _sample_batch(backend, scorer, batch, group_ids, params, config, model_id, revision, policy_step,
+    groups = sample_batch(backend, scorer, batch, group_ids, params, config, model_id, revision, policy_step,
                            generator_id, stats)
     t0 = time.perf_counter()
     stats.shards.append(through_outages(sink, lambda: sink.write(groups, batch),

@@ -163,7 +163,7 @@ def test_run_generator_closes_its_backend_before_returning(tiny_model_dir, tmp_p
             closed.append(True)
             super().close()
 
-    monkeypatch.setattr(generate, "_load", lambda config, path, model_id, bar=None: RecordingBackend.from_path(path, model_id=model_id))
+    monkeypatch.setattr(generate, "load_generator_backend", lambda config, path, model_id, bar=None: RecordingBackend.from_path(path, model_id=model_id))
     dataset = write_problems_jsonl(sample_problems(2, seed=3), tmp_path / "toy.jsonl")
     config = GeneratorConfig(model=str(tiny_model_dir), model_id="tiny", dataset=str(dataset), template="raw", group_size=2,
                              max_tokens=8, store=str(tmp_path / "store"), score_workers=1, progress=False)

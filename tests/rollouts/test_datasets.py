@@ -36,7 +36,7 @@ def test_a_file_without_the_named_columns_is_refused_in_one_line_that_says_what_
         load_problems(str(raw))
     message = str(error.value)
     assert "\n" not in message and "'problem'" in message and "question, answer" in message
-    assert "--problem-field" in message and "data.problem_field" in message
+    assert "--set problem_field=" in message and "data.problem_field" in message
     with pytest.raises(ValueError, match="'solution'"):
         load_problems(str(raw), problem_field="question", answer_field="solution")
 
