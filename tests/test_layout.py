@@ -326,6 +326,95 @@ def test_the_inheritance_rule_finds_a_mixin():
     assert _inherited_from_the_parts([Part, Joined]) == [f"{STORE}.local.joined.Joined({STORE}.local.part.Part)"]
 
 
+# the store's handles: each keeps its lifecycle and hands out its parts (index.ingest, lake.reading), as DuckDB's
+# instance hands out its managers; `close` is the `with` statement's end and stays a method of the handle
+HANDLES = {"services/store_api/local/index.py": "StoreIndex", "services/store_api/lake/lake.py": "Lake"}
+LIFECYCLE = {"close"}
+
+
+def _forwards(source: str, class_name: str) -> list[str]:
+    """Methods and properties of `class_name` whose whole body (a docstring aside) hands its own arguments, unchanged
+    and in order, to one of its parts: `return self.part.name(a, b)`, `self.part.name(a)`, `return self.part.name`,
+    `self.part.name = value`. Callers call the part; a forward is a second name for one thing."""
+    found = []
+    for cls in ast.parse(source).body:
+        if not (isinstance(cls, ast.ClassDef) and cls.name == class_name):
+            continue
+        for fn in cls.body:
+            if not isinstance(fn, ast.FunctionDef) or fn.name in LIFECYCLE:
+                continue
+            body = fn.body[1:] if (isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant)
+                                   and isinstance(fn.body[0].value.value, str) and len(fn.body) > 1) else fn.body
+            if len(body) != 1:
+                continue
+            stmt = body[0]
+            params = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs)][1:]
+            if fn.args.vararg:
+                params.append("*" + fn.args.vararg.arg)
+            if fn.args.kwarg:
+                params.append("**" + fn.args.kwarg.arg)
+            if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
+                target, value, passed = stmt.targets[0], stmt.value, None
+                passed = [value.id] if isinstance(value, ast.Name) else None
+            elif isinstance(stmt, (ast.Return, ast.Expr)) and stmt.value is not None:
+                target, passed = stmt.value, []
+                if isinstance(target, ast.Call):
+                    passed = [("*" + a.value.id if isinstance(a, ast.Starred) and isinstance(a.value, ast.Name)
+                               else a.id if isinstance(a, ast.Name) else None) for a in target.args]
+                    passed += [(k.arg if isinstance(k.value, ast.Name) and k.value.id == k.arg else None)
+                               if k.arg else ("**" + k.value.id if isinstance(k.value, ast.Name) else None)
+                               for k in target.keywords]
+                    target = target.func
+            else:
+                continue
+            on_a_part = (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Attribute)
+                         and isinstance(target.value.value, ast.Name) and target.value.value.id == "self")
+            if on_a_part and passed == params:
+                found.append(f"{class_name}.{fn.name} -> self.{target.value.attr}.{target.attr}")
+    return found
+
+
+def test_no_method_of_the_store_handles_only_forwards():
+    """Issue 51: StoreIndex and Lake keep open/close and hand out their parts; callers call `index.queries.stats()`,
+    `lake.writing.commit(...)`, so "go to definition" lands on the code that does it, never on a one-line forward."""
+    for path, name in HANDLES.items():
+        assert f"class {name}" in (ROOT / path).read_text()
+    assert [f for path, name in HANDLES.items() for f in _forwards((ROOT / path).read_text(), name)] == []
+
+
+def test_the_forward_finder_finds_each_kind():
+    source = '''
+class Handle:
+    def __init__(self, part):
+        self.part = part
+    def close(self):
+        self.part.close()
+    def call(self, a, b=1):
+        """Passes on."""
+        return self.part.call(a, b)
+    def by_keyword(self, **filters):
+        return self.part.pages(**filters)
+    def notify(self, key, value):
+        self.part.notify(key, value=value)
+    @property
+    def root(self):
+        return self.part.root
+    @root.setter
+    def root(self, value):
+        self.part.root = value
+    def own(self, a):
+        return self.part.call(a + 1)
+    def two(self):
+        self.part.open()
+        return self
+    def own_state(self):
+        return self.count
+'''
+    assert _forwards(source, "Handle") == [
+        "Handle.call -> self.part.call", "Handle.by_keyword -> self.part.pages", "Handle.notify -> self.part.notify",
+        "Handle.root -> self.part.root", "Handle.root -> self.part.root"]
+
+
 def test_the_lake_replica_uses_an_index_rather_than_being_one(tmp_path):
     """Composition: the replica follows the lake into a StoreIndex of its cache; it is no StoreIndex whose
     `ingest_new` means something else."""

@@ -48,15 +48,15 @@ class LocalStore:
         return self.index.rebuild()
 
     def poll(self) -> int:
-        added = self.index.ingest_new()
+        added = self.index.ingest.ingest_new()
         self.broker.clear_landed(self.index)
         return added
 
     def push(self, table: pa.Table, problems: list[Problem]) -> tuple[int, list[str], str | None]:
-        return self.index.push(table, problems)
+        return self.index.ingest.push(table, problems)
 
     def stats(self) -> StatsResponse:
-        return self.index.stats().model_copy(update={"broker": self.broker.stats()})
+        return self.index.queries.stats().model_copy(update={"broker": self.broker.stats()})
 
 
 def store_backend(settings: StoreSettings) -> Store:

@@ -112,13 +112,13 @@ def test_a_damaged_page_of_a_shard_fails_its_crc_and_the_store_quarantines_the_s
         path.write_bytes(bytes(damaged))
         rel = path.relative_to(root).as_posix()
         with pytest.raises(ShardReadError, match="checksum"):
-            index.reader.read([(rel, 16, 8)])
-        assert table_to_groups(index.reader.read([(rel, 8, 8)])) == [groups[1]]  # its other groups read fine
+            index.catalog.reader.read([(rel, 16, 8)])
+        assert table_to_groups(index.catalog.reader.read([(rel, 8, 8)])) == [groups[1]]  # its other groups read fine
         req = PeerLookupRequest(prompt_ids=[groups[2].rollouts[0].prompt_id], learner_model="learner",
                                 informative_only=False, min_successes=0)
-        table, _ = index.read_selected(lambda: index.select_peer_groups(req))
+        table, _ = index.queries.read_selected(lambda: index.queries.select_peer_groups(req))
         assert table.num_rows == 0 and not path.exists()  # failed twice, from a rebuilt lookup file: quarantined
-        assert index.stats().quarantined_files == 1
+        assert index.queries.stats().quarantined_files == 1
     finally:
         index.close()
 

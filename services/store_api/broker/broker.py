@@ -121,9 +121,9 @@ class Broker:
         """Read the journal back, clear what groups landed while the store was down, compact the journal."""
         with self._lock:
             self._read_whole()
-            self._seen_seq = index.newest_seq() - 1
+            self._seen_seq = index.queries.newest_seq() - 1
             cleared = [self._clear_record(want, ref) for prompt in list(self._by_prompt)
-                       for want, ref in self._clearing(prompt, index.prompt_refs(prompt))]
+                       for want, ref in self._clearing(prompt, index.queries.prompt_refs(prompt))]
             self._commit(cleared)
         log.info("broker: %d open wants over %d prompts, %d ledger entries", len(self._wants), len(self._by_prompt),
                  sum(map(sum, (d.values() for d in self._served.values()))))
@@ -193,15 +193,15 @@ class Broker:
                     self._apply(record)
                 self._journal_records += len(new)
             if not self._by_prompt:
-                self._seen_seq = index.newest_seq() - 1
+                self._seen_seq = index.queries.newest_seq() - 1
                 return 0
-            rows, _ = index.groups_after(self._seen_seq)
+            rows, _ = index.queries.groups_after(self._seen_seq)
             if not rows:
                 return 0
             self._seen_seq = max(seq for seq, _, _ in rows)
             fresh = {prompt for _, prompt, _ in rows if prompt in self._by_prompt}
             cleared = [self._clear_record(want, ref) for prompt in fresh
-                       for want, ref in self._clearing(prompt, index.prompt_refs(prompt))]
+                       for want, ref in self._clearing(prompt, index.queries.prompt_refs(prompt))]
             self._commit(cleared)
             return len(cleared)
 
@@ -226,7 +226,7 @@ class Broker:
 
     def serve(self, req: ServedRequest, index: GroupSource) -> ServedResponse:
         """Add ledger entries; UnknownGroups (nothing recorded) when a group is not in the store."""
-        unknown = [gid for gid in dict.fromkeys(req.group_ids) if not index.select_group(gid)]
+        unknown = [gid for gid in dict.fromkeys(req.group_ids) if not index.queries.select_group(gid)]
         if unknown:
             raise UnknownGroups(f"{len(unknown)} group id(s) this store never had (e.g. {', '.join(unknown[:3])}): "
                                 "a ledger entry names a group the learner got from this store's lookups")

@@ -56,7 +56,7 @@ def read_lookup(store: Store, metrics: StoreMetrics, req: PeerLookupRequest) -> 
     """The lookup's group messages and its answer's other fields: misses, and why each missed."""
     index = store.index
     served = store.broker.served_counts(req.learner_model) if store.broker.needs_ledger(req) else None
-    messages, misses = index.read_selected(lambda: index.select_peer_groups(req, served), as_messages=True)
+    messages, misses = index.queries.read_selected(lambda: index.queries.select_peer_groups(req, served), as_messages=True)
     metrics.lookups.inc()
     metrics.lookup_misses.inc(len(misses))
     return messages, {"misses": list(misses), "miss_reasons": misses}
@@ -113,7 +113,7 @@ def prompt_groups(
 ) -> Response:
     """Every stored group of one prompt (any model), most recent first."""
     index = store.index
-    messages, _ = index.read_selected(lambda: (index.select_prompt_groups(prompt_id, model, limit), None),
+    messages, _ = index.queries.read_selected(lambda: (index.queries.select_prompt_groups(prompt_id, model, limit), None),
                                       as_messages=True)
     if wants_arrow(request):
         return stream_response(messages, {"prompt_id": prompt_id})
@@ -126,7 +126,7 @@ def get_group(request: Request, store: StoreDep, group_id: Annotated[str, Path(
         pattern=GROUP_ID_PATTERN, description="the group's id (schemas.Rollout.group_id)")]) -> Response:
     """One group by id."""
     index = store.index
-    messages, _ = index.read_selected(lambda: (index.select_group(group_id), None), as_messages=True)
+    messages, _ = index.queries.read_selected(lambda: (index.queries.select_group(group_id), None), as_messages=True)
     if not messages:
         raise StoreHTTPError(404, f"no group {group_id!r} in this store")
     if wants_arrow(request):
