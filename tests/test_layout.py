@@ -415,6 +415,39 @@ class Handle:
         "Handle.root -> self.part.root", "Handle.root -> self.part.root"]
 
 
+LOOKUP = "services/store_api/local/lookup.py"
+LOOKUP_TABLES = {"block", "blocks", "page", "pages", "rest", "rows", "table", "tables", "page_table", "group_pages"}
+
+
+def _tables_read_by_position(source: str) -> list[str]:
+    """`blocks[:, 5]`, `block[6:9]`, `rest[:3]`: a lookup file's block or page table (a name in LOOKUP_TABLES, or
+    `x.blocks`, `x.pages`) subscripted with a number written in place of the field's name."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Subscript):
+            continue
+        value = node.value
+        name = value.id if isinstance(value, ast.Name) else value.attr if isinstance(value, ast.Attribute) else None
+        numbers = [n for n in ast.walk(node.slice) if isinstance(n, ast.Constant) and type(n.value) is int]
+        if name in LOOKUP_TABLES and numbers:
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_lookup_tables_are_read_by_field_name():
+    """Issue 51: the store's hottest read names the lookup file's fields (`block.first_page`,
+    `blocks[:, BLOCK.row_start]`); `Block` and `PageEntry` in lookup.py are the one definition of both tables'
+    layout, which the writer writes and the reader reads."""
+    assert _tables_read_by_position((ROOT / LOOKUP).read_text()) == []
+
+
+def test_the_position_finder_finds_a_table_read_by_position():
+    source = "a = blocks[:, 5]\nb = block[6:9]\nc = lookup.pages[first:first + 3, :2]\nd = rest[:3]\n" \
+             "e = blocks[:, BLOCK.first_page]\nf = offsets[1:]\ng = pages[first:last]\n"
+    assert _tables_read_by_position(source) == [
+        "line 1: blocks[:, 5]", "line 2: block[6:9]", "line 3: lookup.pages[first:first + 3, :2]", "line 4: rest[:3]"]
+
+
 def test_the_lake_replica_uses_an_index_rather_than_being_one(tmp_path):
     """Composition: the replica follows the lake into a StoreIndex of its cache; it is no StoreIndex whose
     `ingest_new` means something else."""

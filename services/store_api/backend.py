@@ -37,7 +37,7 @@ class LocalStore:
 
     def open(self) -> LocalStore:
         self.index.open()
-        self.broker.open(self.index)
+        self.broker.open(self.index.queries)
         return self
 
     def close(self) -> None:
@@ -49,7 +49,7 @@ class LocalStore:
 
     def poll(self) -> int:
         added = self.index.ingest.ingest_new()
-        self.broker.clear_landed(self.index)
+        self.broker.clear_landed(self.index.queries)
         return added
 
     def push(self, table: pa.Table, problems: list[Problem]) -> tuple[int, list[str], str | None]:

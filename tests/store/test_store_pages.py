@@ -15,7 +15,14 @@ from graft.schemas import ROLLOUT_ARROW_SCHEMA, PeerLookupRequest, groups_to_tab
 from graft.services.store_api.local import lookup as lookup_files
 from graft.services.store_api.local import shards
 from graft.services.store_api.local.index import StoreIndex
-from graft.services.store_api.local.lookup import ShardReader, ShardReadError, lookup_path, rebuild_lookup_file
+from graft.services.store_api.local.lookup import (
+    BLOCK,
+    BLOCK_PAGE_COUNTS,
+    ShardReader,
+    ShardReadError,
+    lookup_path,
+    rebuild_lookup_file,
+)
 from graft.services.store_api.local.pages import BULK_BUFFERS, PageLayoutError, bulk_pages, message_buffers
 from graft.services.store_api.local.splice import footer_span
 from graft.services.store_api.local.thrift import decode_struct, encode_struct, read_struct
@@ -63,7 +70,8 @@ def test_groups_spanning_several_pages_are_read_whole(tmp_path, sizes):
     groups = _groups(sizes * 3)
     path = shards.write_groups(tmp_path, groups)
     blocks = blocks_of(lookup_path(path))
-    assert (blocks[:, 5] >= 0).all() and (blocks[:, 6:9].max(0) > 1).all()  # templates, some of several pages
+    # templates, some of several pages
+    assert (blocks[:, BLOCK.first_page] >= 0).all() and (blocks[:, BLOCK_PAGE_COUNTS].max(0) > 1).all()
     rel = path.relative_to(tmp_path).as_posix()
     starts = np.cumsum([0] + [len(g.rollouts) for g in groups])[:-1]
     order = list(range(len(groups)))[::-1]
@@ -135,7 +143,7 @@ def test_a_shard_in_this_layout_without_a_lookup_file_gets_templates_from_its_sm
                         or real(*a, **k))
     rebuild_lookup_file(shard)
     assert all(BULK_COLUMNS[0] not in args[0].names for args in read)  # never decoded the bulk columns
-    assert (blocks_of(lookup_path(shard))[:, 5] >= 0).all()
+    assert (blocks_of(lookup_path(shard))[:, BLOCK.first_page] >= 0).all()
     got = ShardReader(tmp_path).read([("rollouts/model=model-a/part-foreign.parquet", 8 * g, 8) for g in (11, 0, 5)])
     assert table_to_groups(got) == [groups[11], groups[0], groups[5]]
 

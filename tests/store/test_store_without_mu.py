@@ -26,7 +26,7 @@ from graft.schemas import (
 )
 from graft.services.store_api.http.client import StoreClient
 from graft.services.store_api.http.testing import StoreServer
-from graft.services.store_api.local.lookup import lookup_path
+from graft.services.store_api.local.lookup import BLOCK, lookup_path
 from graft.services.store_api.local.shards import write_groups
 from graft.services.store_api.tables import ShardValidationError, validate_table
 
@@ -103,7 +103,7 @@ def test_groups_without_mu_are_stored_served_and_left_out_when_the_learner_asks_
     assert with_mu_tokens["behaviour_logprobs"] is True and "no behaviour logprobs" not in with_mu_tokens["note"]
     # both shards' lookup files hold templates (the bulk values read from the shard's pages), the rebuilt one too
     for shard in (root / "rollouts").rglob("*.parquet"):
-        assert (blocks_of(lookup_path(shard))[:, 5] >= 0).all(), shard
+        assert (blocks_of(lookup_path(shard))[:, BLOCK.first_page] >= 0).all(), shard
 
 
 def test_a_shard_of_schema_version_1_reads_validates_and_is_served_unchanged(tmp_path):

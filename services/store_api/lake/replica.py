@@ -97,7 +97,7 @@ class LakeReplica:
         self.index.catalog.write_manifest()  # the cache's live files, as a local store's (manifest.py)
         self.index.ingest.delete_orphan_lookup_files()
         try:
-            self.broker.open(self.index)
+            self.broker.open(self.index.queries)
         except LakeUnavailable as exc:  # the first poll that reaches the lake reads the journal (read_new from the start)
             log.warning("the lake's broker journal cannot be read now (%s): wanted prompts and the ledger start empty "
                         "here until the lake answers", exc)
@@ -144,7 +144,7 @@ class LakeReplica:
         the new groups serve."""
         added = self.follow()
         try:
-            self.broker.clear_landed(self.index)
+            self.broker.clear_landed(self.index.queries)
         except LakeError as exc:  # follow() reports the outage; the broker catches up at the next poll that gets through
             log.debug("the broker could not follow the lake: %s", exc)
         return added

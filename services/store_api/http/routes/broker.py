@@ -57,7 +57,7 @@ async def post_served(req: ServedRequest, store: StoreDep) -> ServedResponse:
     """Ledger entries: the groups a learner grafted at a step. Lookups with max_times_served or order least_served
     read them. A group this store never had is refused (404), and nothing of the request is recorded."""
     try:
-        return await run_in_threadpool(store.broker.serve, req, store.index)
+        return await run_in_threadpool(store.broker.serve, req, store.index.queries)
     except UnknownGroups as exc:
         raise StoreHTTPError(404, str(exc)) from exc
 
