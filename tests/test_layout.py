@@ -239,6 +239,8 @@ LOCAL_WHITE_BOX = {
     "it varies the shard writer's internals (its codec, its page plans)",
     ("benchmarks.lookup_format_bench", f"{LOCAL}.lookup"): "the lookup file's writer and reader, measured as formats",
     ("benchmarks.lookup_format_bench", f"{LOCAL}.pages"): "the bulk pages' layout, measured as a format",
+    ("benchmarks.thrift_bench", f"{LOCAL}.thrift"): "it measures the hand-written Thrift codec against maintained ones",
+    ("benchmarks.thrift_bench", f"{LOCAL}.shards"): "the shards it decodes are laid out by the shard writer itself",
     ("benchmarks.store_bench", f"{LOCAL}.shards"): "--codec sets the shard writer's BULK_CODEC, module state that the "
     "forked writers inherit",
 }

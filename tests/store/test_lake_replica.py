@@ -104,7 +104,7 @@ def test_two_replicas_follow_writers_and_pushes_and_answer_identically(pg_s3_lak
             assert stats.total_rollouts == counts["rollouts"] and stats.duplicate_groups == 0
             assert stats.lake.snapshot_id == stats.lake.newest_snapshot_id == newest
             assert stats.lake.snapshot_age_s >= 0 and stats.lake.error is None
-            assert stats.lake.connection.data_path == pg_s3_lake.data_path and "password=***" in stats.lake.catalog
+            assert stats.lake.data_path == pg_s3_lake.data_path and "password=***" in stats.lake.catalog
 
 
 def file_digests(directory: Path) -> set[str]:
