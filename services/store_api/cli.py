@@ -157,7 +157,8 @@ def compact(
         raise typer.Exit(1)
     store = open_store(settings)
     report = store.index.compaction.compact(model_id=model, min_files=min_files)
-    report["files_deleted"] = store.index.compaction.delete_retired(grace_s=0)  # offline: no reader can hold the old files
+    # offline: no reader can hold the old files
+    report["files_deleted"] = store.index.compaction.delete_retired(grace_s=0)
     store.close()
     typer.echo(json.dumps(report))
 

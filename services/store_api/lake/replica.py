@@ -107,8 +107,8 @@ class LakeReplica:
         meta = self.index.catalog.meta("lake_")
         identity = self.lake.config.describe()
         if meta.get("lake_identity") not in (None, identity):
-            log.warning("cache %s held lake %s, this replica follows %s: starting the cache afresh", self.index.catalog.root,
-                        meta["lake_identity"], identity)
+            log.warning("cache %s held lake %s, this replica follows %s: starting the cache afresh",
+                        self.index.catalog.root, meta["lake_identity"], identity)
             self._clear_cache()
             meta = {}
         self.index.catalog.set_meta("lake_identity", identity)
@@ -277,7 +277,8 @@ class LakeReplica:
                 encoded = _whole_file(window.bodies, row_ids_of_model)
                 if encoded is not None:
                     path = write_rollout_table(model_dir(self.index.catalog.root, model), of_model, encoded=encoded)
-                    added += self.index.ingest.ingest_file(path, summarise_groups(of_model, group_starts, group_lengths))
+                    summary = summarise_groups(of_model, group_starts, group_lengths)
+                    added += self.index.ingest.ingest_file(path, summary)
                     continue
                 offset = 0
                 for rows_in_shard in row_group_plan(group_lengths, CACHE_SHARD_ROWS):

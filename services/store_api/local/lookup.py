@@ -19,9 +19,10 @@ Then a block table (per group: row start, rows, record offset, length and CRC-32
 page, pages per bulk column and the three holes) and a page table (per page: body offset and length in the
 shard, levels length, decompressed size, codec, Parquet's CRC-32, bytes to skip before the values), and a
 trailer. `Block` and `PageEntry` below are the one definition of the two tables' columns: the writer writes them,
-the reader names its columns by them (`BLOCK`, `PAGE`). Lookup files are derived: the writer writes one before publishing the shard (it has the table and the
-encoded file in memory), the store rebuilds a missing or damaged one from the shard (from its small columns
-and page headers when every group has pages of its own; whole otherwise), and they may be deleted at any time.
+the reader names its columns by them (`BLOCK`, `PAGE`). Lookup files are derived: the writer writes one before
+publishing the shard (it has the table and the encoded file in memory), the store rebuilds a missing or damaged
+one from the shard (from its small columns and page headers when every group has pages of its own; whole
+otherwise), and they may be deleted at any time.
 The trailer records the CRC-32 and size of the shard's Parquet footer: a lookup file is written only from rows
 that passed `validate_table`, so a matching footer tells the store that this very shard was checked whole by
 its writer (`ingest.py` then decodes only its small columns); any rewrite of the shard changes its footer.
@@ -514,7 +515,8 @@ class _LookupFile:
             if HAS_FADVISE:
                 # reads are single groups at random offsets: without this, each miss reads ahead 128 KB or more
                 os.posix_fadvise(self.file.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
-            self.blocks, self.pages = self._read_tables()  # (groups, len(BLOCK)), (pages, len(PAGE)) int64; ascending row starts
+            # (groups, len(BLOCK)), (pages, len(PAGE)) int64; ascending row starts
+            self.blocks, self.pages = self._read_tables()
             if len(self.pages):
                 self.shard = open(shard, "rb", buffering=0)
                 if HAS_FADVISE:
