@@ -121,6 +121,7 @@ class PageEntry(NamedTuple):
 BLOCK = Block(*range(len(Block._fields)))  # the block table's column of each field: blocks[:, BLOCK.first_page]
 PAGE = PageEntry(*range(len(PageEntry._fields)))  # the page table's column of each field
 BLOCK_PAGE_COUNTS = slice(BLOCK.text_pages, BLOCK.logprob_pages + 1)  # the block table's columns of pages per column
+PAGE_SPAN = slice(PAGE.offset, PAGE.length + 1)  # the page table's offset and length columns (a view, not a copy)
 CODEC_IDS = {codec: i for i, codec in enumerate(PAGE_CODECS)}  # a page's codec in the page table
 _DECOMPRESSORS = [pa.Codec(codec) if codec and codec in CODECS.values() else None for codec in PAGE_CODECS]
 SCHEMA_MESSAGE = ROLLOUT_ARROW_SCHEMA.serialize().to_pybytes()  # an IPC stream's first message
@@ -234,7 +235,7 @@ class _PageIndex:
         self.columns = []
         for name in BULK_COLUMNS:
             column = pages[name]
-            rows = np.array([PageEntry(p.offset, p.length, p.levels, p.size, CODEC_IDS[p.codec], p.crc, skip=0)
+            rows = np.array([PageEntry(p.offset, p.length, p.levels, p.size, CODEC_IDS[p.codec], p.crc, 0)
                              for p in column], dtype=np.int64).reshape(-1, len(PAGE))
             firsts = np.array([p.first_row for p in column], np.int64)
             counts = np.array([p.rows for p in column], np.int64)
@@ -658,7 +659,7 @@ class ShardReader:
                 os.posix_fadvise(lookup.file.fileno(), block.record_offset, block.record_length, os.POSIX_FADV_WILLNEED)
                 if block.first_page >= 0:
                     group_pages = lookup.pages[block.first_page:block.first_page + sum(block.page_counts)]
-                    for offset, length in group_pages[:, [PAGE.offset, PAGE.length]].tolist():
+                    for offset, length in group_pages[:, PAGE_SPAN].tolist():
                         os.posix_fadvise(lookup.shard.fileno(), offset, length, os.POSIX_FADV_WILLNEED)
         pieces: list = []
         for (rel_path, row_start, _), (lookup, block) in zip(locations, located):
@@ -683,28 +684,30 @@ class ShardReader:
         view = memoryview(record)
         at = 0
         fd = lookup.shard.fileno()
-        first = block.first_page
-        pages = map(PageEntry._make, lookup.pages[first:first + sum(block.page_counts)].tolist())
-        for count, hole in zip(block.page_counts, block.holes):
+        first, counts = block.first_page, block.page_counts
+        pages = iter(lookup.pages[first:first + sum(counts)].tolist())
+        for count, hole in zip(counts, block.holes):
             pieces.append(view[at:hole])
             at = hole
-            for page in itertools.islice(pages, count):
+            # a page row unpacked in PageEntry's field order (a NamedTuple per page costs ~10% of a lookup's CPU;
+            # tests/store/test_store_pages.py pins the order)
+            for offset, length, levels, size, codec, crc, skip in itertools.islice(pages, count):
                 try:
-                    body = os.pread(fd, page.length, page.offset)
-                    if len(body) != page.length or zlib.crc32(body) != page.crc:
+                    body = os.pread(fd, length, offset)
+                    if len(body) != length or zlib.crc32(body) != crc:
                         raise ValueError("a data page's checksum does not match")
-                    values = memoryview(body)[page.levels:]
-                    if page.codec:
-                        if _DECOMPRESSORS[page.codec] is None:
-                            raise ValueError(f"pyarrow here cannot decompress {PAGE_CODECS[page.codec]}")
-                        values = _DECOMPRESSORS[page.codec].decompress(values, page.size)
-                    if len(values) != page.size:
-                        raise ValueError(f"a data page holds {len(values)} bytes of values, not {page.size}")
+                    values = memoryview(body)[levels:]
+                    if codec:
+                        if _DECOMPRESSORS[codec] is None:
+                            raise ValueError(f"pyarrow here cannot decompress {PAGE_CODECS[codec]}")
+                        values = _DECOMPRESSORS[codec].decompress(values, size)
+                    if len(values) != size:
+                        raise ValueError(f"a data page holds {len(values)} bytes of values, not {size}")
                 except (OSError, ValueError, pa.ArrowException) as exc:
                     # the shard itself (its own CRC says so): it is quarantined if it fails again (read_selected)
                     self.forget(rel_path)
                     raise ShardReadError(self.root / rel_path, f"group at row {row_start}: {exc}") from exc
-                pieces.append(memoryview(values)[page.skip:])
+                pieces.append(memoryview(values)[skip:])
         pieces.append(view[at:])
 
     def read(self, locations: list[tuple[str, int, int]]) -> pa.Table:
