@@ -79,8 +79,9 @@ def main() -> None:
                                             compact_interval_s=0))
         result["replica_catch_up"] = timed(replica.open, rollouts, s3_process,
                                            args.profile and args.profile / "replica.prof")
-        if len(replica.index.catalog.mirror) * GROUP != rollouts:
-            raise AssertionError(f"the replica cached {len(replica.index.catalog.mirror) * GROUP} of {rollouts} rollouts")
+        cached = len(replica.index.catalog.mirror) * GROUP
+        if cached != rollouts:
+            raise AssertionError(f"the replica cached {cached} of {rollouts} rollouts")
         replica.close()
     finally:
         s3.stop()
