@@ -10,7 +10,7 @@ each (dataset, prompt) in memory (about the size of the texts) and `PromptDatase
 has groups in; both read only what was indexed since their last look.
 
 "Failed by A, solved by B" is what GRAFT is for, and the prompts it lists are decided by the peer lookup itself
-(`StoreIndex.select_peer_groups` with learner A and peer B): SQL narrows to prompts where A has groups and none of
+(`IndexQueries.select_peer_groups` with learner A and peer B): SQL narrows to prompts where A has groups and none of
 A's rollouts is correct, and the lookup's own rule says which of them it would graft.
 """
 
