@@ -194,7 +194,7 @@ def test_compaction_under_concurrent_lookups_never_shows_a_group_twice_or_loses_
         assert not violations, violations[:3]
         assert sorted(served_group_ids(client, prompts)) == sorted(committed)
         # expire every older snapshot and delete merged-away files: a new replica reads the compacted lake (through
-        # LakeMaintenance.maintain: `graft-store compact` keeps files for lake_file_grace_s, at least MIN_LAKE_FILE_GRACE_S)
+        # LakeMaintenance.maintain: `graft-store compact` keeps files lake_file_grace_s, at least MIN_LAKE_FILE_GRACE_S)
         assert lake.maintenance.maintain(expire_older_than_s=0.001, cleanup_older_than_s=0)["snapshots_expired"] > 0
         with replica(tmp_path / "b", pg_s3_lake) as b, StoreClient(b.url) as client_b:
             assert answers(client_b, prompts) == answers(client, prompts)
