@@ -72,15 +72,16 @@ def main() -> None:
                             s3_secret=S3_SECRET)
         s3_process = psutil.Process(s3.pid)
         with Lake(config) as lake:  # attached (extensions loaded) before the clock
-            result["writer"] = timed(lambda: [lake.commit(table) for table in tables], rollouts, s3_process,
+            result["writer"] = timed(lambda: [lake.writing.commit(table) for table in tables], rollouts, s3_process,
                                      args.profile and args.profile / "writer.prof")
         os.environ.update({k: v for k, v in config.env().items() if k != "GRAFT_LAKE_CATALOG"})
         replica = LakeReplica(StoreSettings(root=cache, backend="lake", lake_catalog=config.catalog,
                                             compact_interval_s=0))
         result["replica_catch_up"] = timed(replica.open, rollouts, s3_process,
                                            args.profile and args.profile / "replica.prof")
-        if len(replica.index.mirror) * GROUP != rollouts:
-            raise AssertionError(f"the replica cached {len(replica.index.mirror) * GROUP} of {rollouts} rollouts")
+        cached = len(replica.index.catalog.mirror) * GROUP
+        if cached != rollouts:
+            raise AssertionError(f"the replica cached {cached} of {rollouts} rollouts")
         replica.close()
     finally:
         s3.stop()

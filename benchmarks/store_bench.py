@@ -296,7 +296,7 @@ def _lake_writer(lake_env: dict, shards: list[tuple[str, int, int]], prompts: in
     go.wait()
     before = os.times()
     for model, first, groups in shards:
-        lake.commit(validate_table(maker.shard(model, first, groups, prompts)))
+        lake.writing.commit(validate_table(maker.shard(model, first, groups, prompts)))
         done.put(groups * GROUP)
     after = os.times()
     lake.close()
@@ -381,7 +381,7 @@ def measure_lake(args: argparse.Namespace, phase) -> dict:
         result["lake_replicas_caught_up_s"] = round(servable - committed, 2)
         result["lake_ingest_to_servable_rollouts_per_s"] = round(n_rollouts / (servable - started))
         with Lake(config, create=False) as lake:
-            result["lake_data_files"] = lake.counts()["files"]
+            result["lake_data_files"] = lake.reading.counts()["files"]
         pages = s3.client().get_paginator("list_objects_v2").paginate(Bucket=s3.bucket, Prefix="bench/")
         result["lake_bytes_in_bucket"] = sum(o["Size"] for page in pages for o in page.get("Contents", []))
 
@@ -394,7 +394,7 @@ def measure_lake(args: argparse.Namespace, phase) -> dict:
                 table = validate_table(maker.shard("fresh-model", prompts + trial, 1, prompts + 100))
                 req = PeerLookupRequest(prompt_ids=[table.column("prompt_id")[0].as_py()], learner_model="nobody",
                                         informative_only=False, min_successes=0)
-                lake.commit(table)
+                lake.writing.commit(table)
                 landed = time.perf_counter()
                 while clients[0].lookup_peer_table(req)[0].num_rows == 0:
                     time.sleep(0.002)

@@ -239,6 +239,8 @@ LOCAL_WHITE_BOX = {
     "it varies the shard writer's internals (its codec, its page plans)",
     ("benchmarks.lookup_format_bench", f"{LOCAL}.lookup"): "the lookup file's writer and reader, measured as formats",
     ("benchmarks.lookup_format_bench", f"{LOCAL}.pages"): "the bulk pages' layout, measured as a format",
+    ("benchmarks.thrift_bench", f"{LOCAL}.thrift"): "it measures the hand-written Thrift codec against maintained ones",
+    ("benchmarks.thrift_bench", f"{LOCAL}.shards"): "the shards it decodes are laid out by the shard writer itself",
     ("benchmarks.store_bench", f"{LOCAL}.shards"): "--codec sets the shard writer's BULK_CODEC, module state that the "
     "forked writers inherit",
 }
@@ -324,6 +326,128 @@ def test_the_inheritance_rule_finds_a_mixin():
 
     Joined.__module__ = f"{STORE}.local.joined"
     assert _inherited_from_the_parts([Part, Joined]) == [f"{STORE}.local.joined.Joined({STORE}.local.part.Part)"]
+
+
+# the store's handles: each keeps its lifecycle and hands out its parts (index.ingest, lake.reading), as DuckDB's
+# instance hands out its managers; `close` is the `with` statement's end and stays a method of the handle
+HANDLES = {"services/store_api/local/index.py": "StoreIndex", "services/store_api/lake/lake.py": "Lake"}
+LIFECYCLE = {"close"}
+
+
+def _forwards(source: str, class_name: str) -> list[str]:
+    """Methods and properties of `class_name` whose whole body (a docstring aside) hands its own arguments, unchanged
+    and in order, to one of its parts: `return self.part.name(a, b)`, `self.part.name(a)`, `return self.part.name`,
+    `self.part.name = value`. Callers call the part; a forward is a second name for one thing."""
+    found = []
+    for cls in ast.parse(source).body:
+        if not (isinstance(cls, ast.ClassDef) and cls.name == class_name):
+            continue
+        for fn in cls.body:
+            if not isinstance(fn, ast.FunctionDef) or fn.name in LIFECYCLE:
+                continue
+            body = fn.body[1:] if (isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant)
+                                   and isinstance(fn.body[0].value.value, str) and len(fn.body) > 1) else fn.body
+            if len(body) != 1:
+                continue
+            stmt = body[0]
+            params = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs)][1:]
+            if fn.args.vararg:
+                params.append("*" + fn.args.vararg.arg)
+            if fn.args.kwarg:
+                params.append("**" + fn.args.kwarg.arg)
+            if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
+                target, value, passed = stmt.targets[0], stmt.value, None
+                passed = [value.id] if isinstance(value, ast.Name) else None
+            elif isinstance(stmt, (ast.Return, ast.Expr)) and stmt.value is not None:
+                target, passed = stmt.value, []
+                if isinstance(target, ast.Call):
+                    passed = [("*" + a.value.id if isinstance(a, ast.Starred) and isinstance(a.value, ast.Name)
+                               else a.id if isinstance(a, ast.Name) else None) for a in target.args]
+                    passed += [(k.arg if isinstance(k.value, ast.Name) and k.value.id == k.arg else None)
+                               if k.arg else ("**" + k.value.id if isinstance(k.value, ast.Name) else None)
+                               for k in target.keywords]
+                    target = target.func
+            else:
+                continue
+            on_a_part = (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Attribute)
+                         and isinstance(target.value.value, ast.Name) and target.value.value.id == "self")
+            if on_a_part and passed == params:
+                found.append(f"{class_name}.{fn.name} -> self.{target.value.attr}.{target.attr}")
+    return found
+
+
+def test_no_method_of_the_store_handles_only_forwards():
+    """Issue 51: StoreIndex and Lake keep open/close and hand out their parts; callers call `index.queries.stats()`,
+    `lake.writing.commit(...)`, so "go to definition" lands on the code that does it, never on a one-line forward."""
+    for path, name in HANDLES.items():
+        assert f"class {name}" in (ROOT / path).read_text()
+    assert [f for path, name in HANDLES.items() for f in _forwards((ROOT / path).read_text(), name)] == []
+
+
+def test_the_forward_finder_finds_each_kind():
+    source = '''
+class Handle:
+    def __init__(self, part):
+        self.part = part
+    def close(self):
+        self.part.close()
+    def call(self, a, b=1):
+        """Passes on."""
+        return self.part.call(a, b)
+    def by_keyword(self, **filters):
+        return self.part.pages(**filters)
+    def notify(self, key, value):
+        self.part.notify(key, value=value)
+    @property
+    def root(self):
+        return self.part.root
+    @root.setter
+    def root(self, value):
+        self.part.root = value
+    def own(self, a):
+        return self.part.call(a + 1)
+    def two(self):
+        self.part.open()
+        return self
+    def own_state(self):
+        return self.count
+'''
+    assert _forwards(source, "Handle") == [
+        "Handle.call -> self.part.call", "Handle.by_keyword -> self.part.pages", "Handle.notify -> self.part.notify",
+        "Handle.root -> self.part.root", "Handle.root -> self.part.root"]
+
+
+LOOKUP = "services/store_api/local/lookup.py"
+LOOKUP_TABLES = {"block", "blocks", "page", "pages", "rest", "rows", "table", "tables", "page_table", "group_pages"}
+
+
+def _tables_read_by_position(source: str) -> list[str]:
+    """`blocks[:, 5]`, `block[6:9]`, `rest[:3]`: a lookup file's block or page table (a name in LOOKUP_TABLES, or
+    `x.blocks`, `x.pages`) subscripted with a number written in place of the field's name."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Subscript):
+            continue
+        value = node.value
+        name = value.id if isinstance(value, ast.Name) else value.attr if isinstance(value, ast.Attribute) else None
+        numbers = [n for n in ast.walk(node.slice) if isinstance(n, ast.Constant) and type(n.value) is int]
+        if name in LOOKUP_TABLES and numbers:
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_lookup_tables_are_read_by_field_name():
+    """Issue 51: the store's hottest read names the lookup file's fields (`block.first_page`,
+    `blocks[:, BLOCK.row_start]`); `Block` and `PageEntry` in lookup.py are the one definition of both tables'
+    layout, which the writer writes and the reader reads."""
+    assert _tables_read_by_position((ROOT / LOOKUP).read_text()) == []
+
+
+def test_the_position_finder_finds_a_table_read_by_position():
+    source = "a = blocks[:, 5]\nb = block[6:9]\nc = lookup.pages[first:first + 3, :2]\nd = rest[:3]\n" \
+             "e = blocks[:, BLOCK.first_page]\nf = offsets[1:]\ng = pages[first:last]\n"
+    assert _tables_read_by_position(source) == [
+        "line 1: blocks[:, 5]", "line 2: block[6:9]", "line 3: lookup.pages[first:first + 3, :2]", "line 4: rest[:3]"]
 
 
 def test_the_lake_replica_uses_an_index_rather_than_being_one(tmp_path):

@@ -128,7 +128,7 @@ class GroupSink:
     def stored_groups(self, model_id: str, model_revision: str, policy_step: int) -> dict[str, str]:
         """group id -> prompt id of the groups already stored for this model, revision and policy step."""
         if self.is_lake:
-            return self.lake.group_prompts(model_id, model_revision, policy_step)
+            return self.lake.reading.group_prompts(model_id, model_revision, policy_step)
         if self.is_url:
             ids: dict[str, str] = {}
             for page in self.client.iter_rollouts(model=model_id, min_policy_step=policy_step, max_policy_step=policy_step):
@@ -146,7 +146,7 @@ class GroupSink:
         if self.is_lake:
             from graft.services.store_api.tables import groups_table, validate_table
 
-            result = self.lake.commit(validate_table(groups_table(groups)), problems or [])
+            result = self.lake.writing.commit(validate_table(groups_table(groups)), problems or [])
             return f"lake: {result.accepted_groups} groups committed"
         from graft.services.store_api.local import write_groups
 

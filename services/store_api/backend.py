@@ -37,7 +37,7 @@ class LocalStore:
 
     def open(self) -> LocalStore:
         self.index.open()
-        self.broker.open(self.index)
+        self.broker.open(self.index.queries)
         return self
 
     def close(self) -> None:
@@ -48,15 +48,15 @@ class LocalStore:
         return self.index.rebuild()
 
     def poll(self) -> int:
-        added = self.index.ingest_new()
-        self.broker.clear_landed(self.index)
+        added = self.index.ingest.ingest_new()
+        self.broker.clear_landed(self.index.queries)
         return added
 
     def push(self, table: pa.Table, problems: list[Problem]) -> tuple[int, list[str], str | None]:
-        return self.index.push(table, problems)
+        return self.index.ingest.push(table, problems)
 
     def stats(self) -> StatsResponse:
-        return self.index.stats().model_copy(update={"broker": self.broker.stats()})
+        return self.index.queries.stats().model_copy(update={"broker": self.broker.stats()})
 
 
 def store_backend(settings: StoreSettings) -> Store:

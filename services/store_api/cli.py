@@ -145,7 +145,7 @@ def compact(
             raise typer.Exit(2)
         try:
             with Lake(LakeConfig.of_replica(settings), create=False) as lake:
-                report = lake.maintain(settings.lake_snapshot_retention_s, settings.lake_file_grace_s)
+                report = lake.maintenance.maintain(settings.lake_snapshot_retention_s, settings.lake_file_grace_s)
         except LakeError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(1) from exc
@@ -156,8 +156,9 @@ def compact(
                    "give --root of a store", err=True)
         raise typer.Exit(1)
     store = open_store(settings)
-    report = store.index.compact(model_id=model, min_files=min_files)
-    report["files_deleted"] = store.index.delete_retired(grace_s=0)  # offline: no reader can hold the old files
+    report = store.index.compaction.compact(model_id=model, min_files=min_files)
+    # offline: no reader can hold the old files
+    report["files_deleted"] = store.index.compaction.delete_retired(grace_s=0)
     store.close()
     typer.echo(json.dumps(report))
 

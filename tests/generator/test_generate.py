@@ -167,11 +167,11 @@ def test_commit_to_a_lake_and_resume_from_it(tiny_model_dir, tmp_path, monkeypat
     first = run_generator(config)
     assert first.groups == 6 and first.batches == 2
     with Lake(LakeConfig(catalog=catalog), create=False) as lake:
-        snapshot = lake.snapshot().id
-        rows = lake.rollouts_between(-1, snapshot)
+        snapshot = lake.reading.snapshot().id
+        rows = lake.reading.rollouts_between(-1, snapshot)
         assert rows.num_rows == 6 * 4 and len(set(rows.column("group_id").to_pylist())) == 6
         assert len(set(rows.column("snapshot_id").to_pylist())) == 2  # one snapshot per batch
-        assert lake.problems_between(-1, snapshot).num_rows == 6
+        assert lake.reading.problems_between(-1, snapshot).num_rows == 6
     second = run_generator(config)
     assert second.groups == 0 and second.skipped_already_stored == 6
 

@@ -40,6 +40,6 @@ def test_the_vllm_generator_writes_groups_the_store_serves(tiny_model_dir, vllm_
     assert len(groups) == 6 and all(len(g.rollouts) == 4 for g in groups)
     index = StoreIndex(StoreSettings(root=store, compact_interval_s=0)).open()
     try:
-        assert index.group_count() == 6
+        assert index.queries.group_count() == 6
     finally:
         index.close()

@@ -30,7 +30,7 @@ def main() -> None:
             problems = [make_problem(first + i) for i in range(per_batch)]
             table = validate_table(groups_table(groups))
             log.write(f"begin {batch}\n")
-            lake.commit(table, problems)
+            lake.writing.commit(table, problems)
             log.write(" ".join(["done", str(batch)] + [g.group_id for g in groups]) + "\n")
 
 

@@ -39,7 +39,7 @@ def table_of(groups) -> pa.Table:
 
 def lake_rows(lake: Lake) -> pa.Table:
     """Every row of the lake, in commit order, in ROLLOUT_ARROW_SCHEMA."""
-    rows = lake.rollouts_between(-1, lake.snapshot().id)
+    rows = lake.reading.rollouts_between(-1, lake.reading.snapshot().id)
     return conform_table(rows.drop_columns(["rowid", "snapshot_id"]))
 
 
@@ -62,17 +62,17 @@ def test_commit_reads_back_identical_rows_and_problems(any_lake):
     groups = [make_group(i, "model-a", step=2) for i in range(6)] + [make_group(i, "model-b") for i in range(3)]
     problems = [make_problem(i) for i in range(6)]
     with Lake(any_lake) as lake:
-        first = lake.commit(table_of(groups[:6]), problems)
-        second = lake.commit(table_of(groups[6:]), problems[:3])
+        first = lake.writing.commit(table_of(groups[:6]), problems)
+        second = lake.writing.commit(table_of(groups[6:]), problems[:3])
         assert (first.accepted_groups, first.problems_added, second.accepted_groups, second.problems_added) == (6, 6, 3, 0)
         rows = lake_rows(lake)
         assert rows.schema == ROLLOUT_ARROW_SCHEMA
         assert rows.equals(table_of(groups))  # every column, in commit order, unchanged
-        stored = lake.problems_between(-1, lake.snapshot().id)
+        stored = lake.reading.problems_between(-1, lake.reading.snapshot().id)
         assert sorted(stored.cast(PROBLEM_ARROW_SCHEMA).to_pylist(), key=str) == sorted(
             [p.model_dump() for p in problems], key=str)
-        assert lake.group_ids("model-a", "rev1", 2) == {g.group_id for g in groups[:6]}
-        assert lake.group_ids("model-b") == {g.group_id for g in groups[6:]}
+        assert lake.reading.group_ids("model-a", "rev1", 2) == {g.group_id for g in groups[:6]}
+        assert lake.reading.group_ids("model-b") == {g.group_id for g in groups[6:]}
     # plain DuckDB reads it with no project code but the extensions
     con = lake_module.lake_connection(any_lake)
     con.execute(f"ATTACH '{any_lake.catalog}' AS plain (READ_ONLY)")
@@ -83,12 +83,12 @@ def test_commit_reads_back_identical_rows_and_problems(any_lake):
 def test_retried_commit_adds_nothing(any_lake):
     groups = [make_group(i, "model-a") for i in range(5)]
     with Lake(any_lake) as lake:
-        lake.commit(table_of(groups[:3]))
-        snapshot = lake.snapshot().id
-        again = lake.commit(table_of(groups))  # a retry holding 3 committed groups and 2 new ones
+        lake.writing.commit(table_of(groups[:3]))
+        snapshot = lake.reading.snapshot().id
+        again = lake.writing.commit(table_of(groups))  # a retry holding 3 committed groups and 2 new ones
         assert again.accepted_groups == 2 and again.duplicate_groups == sorted(g.group_id for g in groups[:3])
-        assert lake.commit(table_of(groups)).accepted_groups == 0
-        assert lake.snapshot().id == snapshot + 1  # a commit that adds nothing makes no snapshot
+        assert lake.writing.commit(table_of(groups)).accepted_groups == 0
+        assert lake.reading.snapshot().id == snapshot + 1  # a commit that adds nothing makes no snapshot
         rows = lake_rows(lake)
         assert rows.num_rows == 5 * 4 and pc.count_distinct(rows.column("rollout_id")).as_py() == 20
 
@@ -120,7 +120,7 @@ def test_writers_racing_to_create_the_tables(pg_s3_lake, tmp_path):
         _, stderr = writer.communicate(timeout=300)
         assert writer.returncode == 0, stderr
     with Lake(pg_s3_lake, create=False) as lake:
-        assert lake.counts()["groups"] == 6
+        assert lake.reading.counts()["groups"] == 6
 
 
 def test_writer_killed_mid_commit_leaves_no_partial_group(pg_s3_lake, moto_s3, tmp_path):
@@ -146,7 +146,7 @@ def test_writer_killed_mid_commit_leaves_no_partial_group(pg_s3_lake, moto_s3, t
         prefix = pg_s3_lake.data_path.removeprefix(f"s3://{moto_s3.bucket}/")
 
         def data_files() -> set[str]:  # both tables': a killed commit may have uploaded its problems too
-            return {p for table in ("rollouts", "problems") for (p,) in lake.cursor().execute(
+            return {p for table in ("rollouts", "problems") for (p,) in lake.connection.cursor().execute(
                 f"SELECT data_file FROM ducklake_list_files('lake', '{table}')").fetchall()}
 
         def stored() -> set[str]:
@@ -154,7 +154,7 @@ def test_writer_killed_mid_commit_leaves_no_partial_group(pg_s3_lake, moto_s3, t
 
         orphans = stored() - data_files()  # uploaded by a commit that was killed before the catalog took it
         assert data_files() <= stored()
-        report = lake.maintain(expire_older_than_s=3600, cleanup_older_than_s=0)
+        report = lake.maintenance.maintain(expire_older_than_s=3600, cleanup_older_than_s=0)
         assert report["orphans_deleted"] == len(orphans)
         assert stored() == data_files()  # orphans and merged-away files deleted
         assert lake_rows(lake).equals(rows)
@@ -204,16 +204,16 @@ def test_unreachable_catalog_and_wrong_password_are_clear_errors(postgres, moto_
 def test_unreachable_bucket_fails_the_commit_and_nothing_lands(pg_s3_lake, moto_s3):
     groups = [make_group(i, "model-a") for i in range(4)]
     with Lake(pg_s3_lake) as lake:
-        lake.commit(table_of(groups[:2]))
-        before = lake.snapshot().id
+        lake.writing.commit(table_of(groups[:2]))
+        before = lake.reading.snapshot().id
         moto_s3.stop()
         try:
             with pytest.raises(LakeUnavailable, match="cannot commit to lake"):
-                lake.commit(table_of(groups[2:]))
+                lake.writing.commit(table_of(groups[2:]))
         finally:
             moto_s3.start()
-        assert lake.snapshot().id == before  # the catalog holds nothing of the failed commit
-        retry = lake.commit(table_of(groups))  # the writer retries the whole batch once the bucket is back
+        assert lake.reading.snapshot().id == before  # the catalog holds nothing of the failed commit
+        retry = lake.writing.commit(table_of(groups))  # the writer retries the whole batch once the bucket is back
         assert retry.accepted_groups == 2 and len(retry.duplicate_groups) == 2
         assert lake_rows(lake).equals(table_of(groups))
 
@@ -234,13 +234,13 @@ def test_wrong_s3_credentials_fail_clearly(postgres, tmp_path):
         good = LakeConfig(catalog=catalog, data_path="s3://auth-lake/x/", s3_endpoint=s3.endpoint,
                           s3_key_id=key["AccessKeyId"], s3_secret=key["SecretAccessKey"])
         with Lake(good) as lake:
-            lake.commit(table_of([make_group(1)]))
-            snapshot = lake.snapshot().id
+            lake.writing.commit(table_of([make_group(1)]))
+            snapshot = lake.reading.snapshot().id
         bad = good.model_copy(update={"s3_secret": "wrong-secret"})
         with Lake(bad) as lake:
             with pytest.raises(LakeUnavailable, match="(?i)(403|forbidden|signature)"):
-                lake.commit(table_of([make_group(2)]))
-            assert lake.snapshot().id == snapshot
+                lake.writing.commit(table_of([make_group(2)]))
+            assert lake.reading.snapshot().id == snapshot
 
 
 def test_a_lake_of_another_layout_is_refused(sqlite_lake):
@@ -313,7 +313,7 @@ def test_lake_page_plain_duckdb_lines_read_the_lake(pg_s3_lake, moto_s3):
     from testbed.lake_services import S3_KEY_ID, S3_SECRET
 
     with Lake(pg_s3_lake) as lake:
-        lake.commit(table_of([make_group(i, "model-a") for i in range(3)] + [make_group(i, "model-b") for i in range(2)]))
+        lake.writing.commit(table_of([make_group(i, "model-a") for i in range(3)] + [make_group(i, "model-b") for i in range(2)]))
     page = (Path(__file__).resolve().parents[2] / "docs" / "lake.md").read_text()
     sql = page.split("Plain DuckDB reads the lake", 1)[1].split("```sql\n", 1)[1].split("```", 1)[0]
     sql = (sql.replace("KEY_ID 'graft'", f"KEY_ID '{S3_KEY_ID}'").replace("'graft-lake-secret'", f"'{S3_SECRET}'")
@@ -333,17 +333,17 @@ def test_lake_page_plain_duckdb_lines_read_the_lake(pg_s3_lake, moto_s3):
 def test_snapshots_say_which_tables_they_inserted_into(sqlite_lake):
     """What a replica asks before reading a window of snapshots: a table none of them inserted into is not read."""
     with Lake(sqlite_lake) as lake:
-        start = lake.snapshot().id
-        lake.commit(table_of([make_group(1)]), [make_problem(1)])
-        with_problems = lake.snapshot().id
-        lake.commit(table_of([make_group(2)]))
-        rollouts_only = lake.snapshot().id
-        assert lake.tables_inserted_into(start, with_problems) == {"rollouts", "problems"}
-        assert lake.tables_inserted_into(with_problems, rollouts_only) == {"rollouts"}
-        assert lake.tables_inserted_into(start, rollouts_only) == {"rollouts", "problems"}
-        lake.maintain(expire_older_than_s=0, cleanup_older_than_s=3600)  # merges, then expires all but the newest
-        assert lake.tables_inserted_into(rollouts_only, lake.snapshot().id) == set()  # a merge inserts nothing new
-        assert lake.tables_inserted_into(start, rollouts_only) is None  # expired: unknown, so every table is read
+        start = lake.reading.snapshot().id
+        lake.writing.commit(table_of([make_group(1)]), [make_problem(1)])
+        with_problems = lake.reading.snapshot().id
+        lake.writing.commit(table_of([make_group(2)]))
+        rollouts_only = lake.reading.snapshot().id
+        assert lake.reading.tables_inserted_into(start, with_problems) == {"rollouts", "problems"}
+        assert lake.reading.tables_inserted_into(with_problems, rollouts_only) == {"rollouts"}
+        assert lake.reading.tables_inserted_into(start, rollouts_only) == {"rollouts", "problems"}
+        lake.maintenance.maintain(expire_older_than_s=0, cleanup_older_than_s=3600)  # merges, then expires all but the newest
+        assert lake.reading.tables_inserted_into(rollouts_only, lake.reading.snapshot().id) == set()  # a merge inserts nothing new
+        assert lake.reading.tables_inserted_into(start, rollouts_only) is None  # expired: unknown, so every table is read
 
 
 def test_change_feed_rows_are_put_in_commit_order():
@@ -358,8 +358,8 @@ def test_writers_add_their_own_parquet_files_in_the_partition_layout(any_lake):
     under the table's path in DuckLake's partition layout, so partition pruning and plain DuckDB reads work."""
     groups = [make_group(i, model) for i in range(3) for model in ("model-a", "model-b")]
     with Lake(any_lake) as lake:
-        lake.commit(table_of(groups))
-        con = lake.cursor()
+        lake.writing.commit(table_of(groups))
+        con = lake.connection.cursor()
         files = [path for (path,) in con.execute("SELECT data_file FROM ducklake_list_files('lake', 'rollouts')").fetchall()]
         assert sorted(path.split("/")[-2] for path in files) == ["model_id=model-a", "model_id=model-b"]
         assert all(path.startswith(any_lake.data_path.rstrip("/") + "/main/rollouts/") for path in files)
@@ -383,8 +383,8 @@ def test_an_encrypted_lake_is_refused_to_writers(tmp_path):
     con.close()
     with Lake(config) as lake:
         with pytest.raises(LakeError, match="encrypts its data files"):
-            lake.commit(table_of([make_group(1)]))
-        assert lake.counts()["groups"] == 0
+            lake.writing.commit(table_of([make_group(1)]))
+        assert lake.reading.counts()["groups"] == 0
 
 
 def insert_with_duckdb(config: LakeConfig, groups, inlining_rows: int = 0) -> None:
@@ -404,68 +404,68 @@ def test_data_files_read_as_added_give_the_change_feeds_rows(any_lake):
     DuckLake's change feed: the same rows, row ids and snapshot ids in the same order, whatever the window.
     A window with a merge, or whose files were merged since, goes through the change feed."""
     with Lake(any_lake) as lake:
-        start = lake.snapshot().id
-        lake.commit(table_of([make_group(i, model) for i in range(3) for model in ("model-a", "model-b")]),
+        start = lake.reading.snapshot().id
+        lake.writing.commit(table_of([make_group(i, model) for i in range(3) for model in ("model-a", "model-b")]),
                     [make_problem(1)])
-        lake.commit(table_of([make_group(i, "model-a") for i in range(3, 5)]))
+        lake.writing.commit(table_of([make_group(i, "model-a") for i in range(3, 5)]))
         insert_with_duckdb(any_lake, [make_group(5, "model-b"), make_group(6, "model-c")])
-        lake.commit(None, [make_problem(2)])  # problems only
-        lake.commit(table_of([make_group(7, "model-c")]))
-        upto = lake.snapshot().id
-        assert [f.snapshot_id - start for f in lake.files_added(start, upto)] == [1, 1, 2, 3, 3, 5]
+        lake.writing.commit(None, [make_problem(2)])  # problems only
+        lake.writing.commit(table_of([make_group(7, "model-c")]))
+        upto = lake.reading.snapshot().id
+        assert [f.snapshot_id - start for f in lake.reading.files_added(start, upto)] == [1, 1, 2, 3, 3, 5]
         for after in range(start, upto):
             for end in range(after + 1, upto + 1):
-                added = lake.rollouts_added(after, end)
-                assert added.rows.equals(lake.rollouts_between(after, end, change_feed=True)), (after, end)
+                added = lake.reading.rollouts_added(after, end)
+                assert added.rows.equals(lake.reading.rollouts_between(after, end, change_feed=True)), (after, end)
                 # the writers' own files can be kept as they are (the local shards' schema and codecs)
-                writers = {f.row_id_start for f in lake.files_added(after, end) if f.snapshot_id - start != 3}
+                writers = {f.row_id_start for f in lake.reading.files_added(after, end) if f.snapshot_id - start != 3}
                 assert writers <= set(added.bodies)
-        everything = lake.rollouts_between(start, upto)
+        everything = lake.reading.rollouts_between(start, upto)
         assert everything.num_rows == 11 * 4 and everything.column("rowid").to_pylist() == list(range(44))
-        lake.maintain(expire_older_than_s=3600, cleanup_older_than_s=3600)  # merges; expires nothing
-        merged = lake.snapshot().id
-        assert merged > upto and lake.files_added(start, upto) is None  # its files were merged since
-        assert lake.files_added(upto, merged) == []  # the merge snapshot: no rows added
-        assert lake.rollouts_between(start, upto).equals(everything)  # the change feed: same rows, same ids
-        lake.commit(table_of([make_group(8)]))
-        assert len(lake.files_added(merged, lake.snapshot().id)) == 1
+        lake.maintenance.maintain(expire_older_than_s=3600, cleanup_older_than_s=3600)  # merges; expires nothing
+        merged = lake.reading.snapshot().id
+        assert merged > upto and lake.reading.files_added(start, upto) is None  # its files were merged since
+        assert lake.reading.files_added(upto, merged) == []  # the merge snapshot: no rows added
+        assert lake.reading.rollouts_between(start, upto).equals(everything)  # the change feed: same rows, same ids
+        lake.writing.commit(table_of([make_group(8)]))
+        assert len(lake.reading.files_added(merged, lake.reading.snapshot().id)) == 1
 
 
 def test_rows_inlined_into_the_catalog_are_read(sqlite_lake):
     """A plain DuckDB client's small insert can land in the catalog itself (DuckLake's data inlining), with no
     data file: the snapshot still says rollouts were inserted, and its rows are read (through the change feed)."""
     with Lake(sqlite_lake) as lake:
-        lake.commit(table_of([make_group(1)]))
-        start = lake.snapshot().id
+        lake.writing.commit(table_of([make_group(1)]))
+        start = lake.reading.snapshot().id
         small = [make_group(2)]
         insert_with_duckdb(sqlite_lake, small, inlining_rows=1000)
-        upto = lake.snapshot().id
-        assert lake.tables_inserted_into(start, upto) == {"rollouts"}
-        assert lake.files_added(start, upto) is None
-        rows = lake.rollouts_between(start, upto)
+        upto = lake.reading.snapshot().id
+        assert lake.reading.tables_inserted_into(start, upto) == {"rollouts"}
+        assert lake.reading.files_added(start, upto) is None
+        rows = lake.reading.rollouts_between(start, upto)
         assert conform_table(rows.drop_columns(["rowid", "snapshot_id"])).equals(table_of(small))
 
 
 def test_a_data_file_holding_other_rows_than_its_catalog_says_is_an_error(sqlite_lake):
     with Lake(sqlite_lake) as lake:
-        start = lake.snapshot().id
-        lake.commit(table_of([make_group(i) for i in range(3)]))
-        (file,) = lake.files_added(start, lake.snapshot().id)
+        start = lake.reading.snapshot().id
+        lake.writing.commit(table_of([make_group(i) for i in range(3)]))
+        (file,) = lake.reading.files_added(start, lake.reading.snapshot().id)
         pq.write_table(table_of([make_group(1)]), file.path)  # a valid Parquet file of 4 rows, not 12
         with pytest.raises(LakeError, match=r"holds 4 rows, its catalog 12"):
-            lake.rollouts_between(start, lake.snapshot().id)
+            lake.reading.rollouts_between(start, lake.reading.snapshot().id)
 
 
 def test_data_files_on_storage_only_duckdb_reaches_go_through_the_change_feed(sqlite_lake):
     """Files are fetched directly only from S3 or a path; a file DuckDB reaches some other way (gs://, az://,
     https://, a lake made by other tools) is left to DuckLake's change feed."""
     with Lake(sqlite_lake) as lake:
-        start = lake.snapshot().id
-        lake.commit(table_of([make_group(1)]))
-        assert len(lake.files_added(start, lake.snapshot().id)) == 1
-        lake.cursor().execute(f"UPDATE __ducklake_metadata_{ALIAS}.ducklake_data_file "
+        start = lake.reading.snapshot().id
+        lake.writing.commit(table_of([make_group(1)]))
+        assert len(lake.reading.files_added(start, lake.reading.snapshot().id)) == 1
+        lake.connection.cursor().execute(f"UPDATE __ducklake_metadata_{ALIAS}.ducklake_data_file "
                                "SET path = 'gs://elsewhere/rollouts.parquet', path_is_relative = false")
-        assert lake.files_added(start, lake.snapshot().id) is None
+        assert lake.reading.files_added(start, lake.reading.snapshot().id) is None
 
 
 # ---------------------------------------------------------------------------------------------- issue 23
@@ -474,7 +474,7 @@ def test_data_files_on_storage_only_duckdb_reaches_go_through_the_change_feed(sq
 def insert_plainly(lake: Lake, groups) -> None:
     """Insert groups with plain DuckDB SQL, no duplicate check: what a plain writer, or a writer racing another
     with the same group ids, lands."""
-    con = lake.cursor()
+    con = lake.connection.cursor()
     con.register("plain_rows", table_of(groups))
     con.execute("INSERT INTO lake.rollouts BY NAME SELECT * FROM plain_rows")
     con.unregister("plain_rows")
@@ -486,16 +486,16 @@ def test_a_group_id_stored_under_another_model_or_prompt_is_refused(any_lake):
 
     stored = make_group(1, "model-a")
     with Lake(any_lake) as lake:
-        lake.commit(table_of([stored, make_group(2, "model-a")]))
-        before = (lake.snapshot().id, lake.counts())
+        lake.writing.commit(table_of([stored, make_group(2, "model-a")]))
+        before = (lake.reading.snapshot().id, lake.reading.counts())
         other_model = make_group(1, "model-b", group_id=stored.group_id)
         other_prompt = make_group(3, "model-a", group_id=stored.group_id)
         for clash in (other_model, other_prompt):
             with pytest.raises(GroupConflict, match=f"{stored.group_id} \\(stored for model model-a") as refused:
-                lake.commit(table_of([make_group(4, "model-b"), clash]))  # the whole batch is refused
+                lake.writing.commit(table_of([make_group(4, "model-b"), clash]))  # the whole batch is refused
             assert set(refused.value.conflicts) == {stored.group_id}
-        assert (lake.snapshot().id, lake.counts()) == before and lake.group_ids("model-b") == set()
-        again = lake.commit(table_of([stored, make_group(4, "model-b")]))  # the same group again: a duplicate
+        assert (lake.reading.snapshot().id, lake.reading.counts()) == before and lake.reading.group_ids("model-b") == set()
+        again = lake.writing.commit(table_of([stored, make_group(4, "model-b")]))  # the same group again: a duplicate
         assert again.accepted_groups == 1 and again.duplicate_groups == [stored.group_id]
 
 
@@ -507,7 +507,7 @@ def test_migrate_from_a_lake_keeps_the_first_copy_of_a_group_committed_twice(sql
 
     first = make_group(1, rewards=[1.0, 0.0, 0.0, 0.0], seed=1)
     with Lake(sqlite_lake) as lake:
-        lake.commit(table_of([first, make_group(2)]))
+        lake.writing.commit(table_of([first, make_group(2)]))
         insert_plainly(lake, [make_group(1, rewards=[0.0, 1.0, 1.0, 1.0], seed=2, group_id=first.group_id)])
         insert_plainly(lake, [make_group(1, "model-b", group_id=first.group_id), make_group(3)])
     root = tmp_path / "back"
@@ -519,9 +519,9 @@ def test_migrate_from_a_lake_keeps_the_first_copy_of_a_group_committed_twice(sql
     assert (report["groups"], report["duplicate_groups"]) == (3, 2)
     index = StoreIndex(StoreSettings(root=root, compact_interval_s=0)).open()
     try:
-        table, _ = index.read_selected(lambda: (index.select_group(first.group_id), None))
+        table, _ = index.queries.read_selected(lambda: (index.queries.select_group(first.group_id), None))
         assert table.equals(table_of([first]))
-        assert index.stats().duplicate_groups == index.stats().conflicting_groups == 0  # the root holds one copy
+        assert index.queries.stats().duplicate_groups == index.queries.stats().conflicting_groups == 0  # the root holds one copy
     finally:
         index.close()
 
@@ -538,14 +538,14 @@ def test_resets_while_other_threads_commit_fail_no_commit(pg_s3_lake):
         def write(w: int) -> None:
             try:
                 for b in range(batches):
-                    lake.commit(table_of([make_group(1000 * w + 10 * b + i, f"model-{w}") for i in range(2)]))
-                    lake.snapshot()
+                    lake.writing.commit(table_of([make_group(1000 * w + 10 * b + i, f"model-{w}") for i in range(2)]))
+                    lake.reading.snapshot()
             except BaseException as exc:  # noqa: BLE001 - collected for the assertion below
                 errors.append(exc)
 
         def reset() -> None:
             while not done.is_set():
-                lake.reset()
+                lake.connection.reset()
                 time.sleep(0.001)
 
         threads = [threading.Thread(target=write, args=(w,)) for w in range(writers)]
@@ -558,7 +558,7 @@ def test_resets_while_other_threads_commit_fail_no_commit(pg_s3_lake):
         done.set()
         resetter.join(timeout=30)
         assert errors == []
-        assert lake.counts()["groups"] == writers * batches * 2
+        assert lake.reading.counts()["groups"] == writers * batches * 2
 
 
 def test_lake_file_grace_has_a_floor_of_minutes():

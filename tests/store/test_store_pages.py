@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ast
+import inspect
+import textwrap
 import zlib
 
 import numpy as np
@@ -15,7 +18,15 @@ from graft.schemas import ROLLOUT_ARROW_SCHEMA, PeerLookupRequest, groups_to_tab
 from graft.services.store_api.local import lookup as lookup_files
 from graft.services.store_api.local import shards
 from graft.services.store_api.local.index import StoreIndex
-from graft.services.store_api.local.lookup import ShardReader, ShardReadError, lookup_path, rebuild_lookup_file
+from graft.services.store_api.local.lookup import (
+    BLOCK,
+    BLOCK_PAGE_COUNTS,
+    PageEntry,
+    ShardReader,
+    ShardReadError,
+    lookup_path,
+    rebuild_lookup_file,
+)
 from graft.services.store_api.local.pages import BULK_BUFFERS, PageLayoutError, bulk_pages, message_buffers
 from graft.services.store_api.local.splice import footer_span
 from graft.services.store_api.local.thrift import decode_struct, encode_struct, read_struct
@@ -58,12 +69,22 @@ def test_each_page_holds_whole_groups_and_decodes_to_their_values(monkeypatch, c
                 assert values == pc.list_flatten(rows).to_numpy().tobytes()
 
 
+def test_the_reader_unpacks_page_rows_in_the_page_tables_order():
+    """`_splice` unpacks each page row into locals (a NamedTuple per page costs ~10% of a lookup's CPU): their names
+    are PageEntry's fields, in its order, so the page table's one layout definition still governs the read."""
+    source = textwrap.dedent(inspect.getsource(ShardReader._splice))
+    unpacked = [tuple(e.id for e in node.target.elts) for node in ast.walk(ast.parse(source))
+                if isinstance(node, ast.For) and isinstance(node.target, ast.Tuple) and len(node.target.elts) > 2]
+    assert unpacked == [PageEntry._fields]
+
+
 @pytest.mark.parametrize("sizes", [[8, 16, 8, 24, 8], [6, 4, 6, 2]], ids=["multiples-of-8", "gcd-2"])
 def test_groups_spanning_several_pages_are_read_whole(tmp_path, sizes):
     groups = _groups(sizes * 3)
     path = shards.write_groups(tmp_path, groups)
     blocks = blocks_of(lookup_path(path))
-    assert (blocks[:, 5] >= 0).all() and (blocks[:, 6:9].max(0) > 1).all()  # templates, some of several pages
+    # templates, some of several pages
+    assert (blocks[:, BLOCK.first_page] >= 0).all() and (blocks[:, BLOCK_PAGE_COUNTS].max(0) > 1).all()
     rel = path.relative_to(tmp_path).as_posix()
     starts = np.cumsum([0] + [len(g.rollouts) for g in groups])[:-1]
     order = list(range(len(groups)))[::-1]
@@ -112,13 +133,13 @@ def test_a_damaged_page_of_a_shard_fails_its_crc_and_the_store_quarantines_the_s
         path.write_bytes(bytes(damaged))
         rel = path.relative_to(root).as_posix()
         with pytest.raises(ShardReadError, match="checksum"):
-            index.reader.read([(rel, 16, 8)])
-        assert table_to_groups(index.reader.read([(rel, 8, 8)])) == [groups[1]]  # its other groups read fine
+            index.catalog.reader.read([(rel, 16, 8)])
+        assert table_to_groups(index.catalog.reader.read([(rel, 8, 8)])) == [groups[1]]  # its other groups read fine
         req = PeerLookupRequest(prompt_ids=[groups[2].rollouts[0].prompt_id], learner_model="learner",
                                 informative_only=False, min_successes=0)
-        table, _ = index.read_selected(lambda: index.select_peer_groups(req))
+        table, _ = index.queries.read_selected(lambda: index.queries.select_peer_groups(req))
         assert table.num_rows == 0 and not path.exists()  # failed twice, from a rebuilt lookup file: quarantined
-        assert index.stats().quarantined_files == 1
+        assert index.queries.stats().quarantined_files == 1
     finally:
         index.close()
 
@@ -135,7 +156,7 @@ def test_a_shard_in_this_layout_without_a_lookup_file_gets_templates_from_its_sm
                         or real(*a, **k))
     rebuild_lookup_file(shard)
     assert all(BULK_COLUMNS[0] not in args[0].names for args in read)  # never decoded the bulk columns
-    assert (blocks_of(lookup_path(shard))[:, 5] >= 0).all()
+    assert (blocks_of(lookup_path(shard))[:, BLOCK.first_page] >= 0).all()
     got = ShardReader(tmp_path).read([("rollouts/model=model-a/part-foreign.parquet", 8 * g, 8) for g in (11, 0, 5)])
     assert table_to_groups(got) == [groups[11], groups[0], groups[5]]
 

@@ -22,7 +22,7 @@ from graft.schemas import (
 )
 from graft.services.store_api.local import lookup as lookup_files
 from graft.services.store_api.local.durable import TMP_PREFIX
-from graft.services.store_api.local.lookup import ShardReader, ShardReadError, lookup_path
+from graft.services.store_api.local.lookup import BLOCK, ShardReader, ShardReadError, lookup_path
 from graft.services.store_api.local.pages import bulk_pages
 from graft.services.store_api.local.shards import BULK_COLUMNS, ROW_GROUP_ROWS, write_groups
 from graft.services.store_api.tables import ShardValidationError, groups_table, validate_table
@@ -72,7 +72,7 @@ def test_lookup_file_holds_each_group_and_is_rebuilt_when_missing_or_damaged(tmp
     assert lookup == tmp_path / "lookup" / "model=model-a" / (path.stem + ".lookup")
     written = lookup.read_bytes()
     # templates only: the bulk values stay in the shard's pages (no token id list of a group is in the file)
-    assert all(blocks_of(lookup)[:, 5] >= 0)
+    assert all(blocks_of(lookup)[:, BLOCK.first_page] >= 0)
     ids = pa.array(groups[3].rollouts[0].completion_token_ids, pa.int32()).buffers()[1].to_pybytes()
     assert ids in pq.read_table(path).column("completion_token_ids").combine_chunks().values.buffers()[1].to_pybytes()
     assert ids not in written
@@ -190,7 +190,7 @@ def test_lookup_file_of_a_foreign_shard_whose_groups_span_row_groups(tmp_path):
     reader = ShardReader(tmp_path)
     rel = shard.relative_to(tmp_path).as_posix()
     assert table_to_groups(reader.read([(rel, 4 * g, 4) for g in (8, 0, 3)])) == [groups[8], groups[0], groups[3]]
-    assert all(blocks_of(lookup_path(shard))[:, 5] == -1)  # version-1 pages: every group copied whole
+    assert all(blocks_of(lookup_path(shard))[:, BLOCK.first_page] == -1)  # version-1 pages: every group copied whole
     everything = reader.read([(rel, 4 * g, 4) for g in range(9)])
     assert everything.equals(pq.read_table(shard).cast(ROLLOUT_ARROW_SCHEMA))
 

@@ -26,7 +26,7 @@ from graft.schemas import (
 )
 from graft.services.store_api.http.client import StoreClient
 from graft.services.store_api.http.testing import StoreServer
-from graft.services.store_api.local.lookup import lookup_path
+from graft.services.store_api.local.lookup import BLOCK, lookup_path
 from graft.services.store_api.local.shards import write_groups
 from graft.services.store_api.tables import ShardValidationError, validate_table
 
@@ -103,7 +103,7 @@ def test_groups_without_mu_are_stored_served_and_left_out_when_the_learner_asks_
     assert with_mu_tokens["behaviour_logprobs"] is True and "no behaviour logprobs" not in with_mu_tokens["note"]
     # both shards' lookup files hold templates (the bulk values read from the shard's pages), the rebuilt one too
     for shard in (root / "rollouts").rglob("*.parquet"):
-        assert (blocks_of(lookup_path(shard))[:, 5] >= 0).all(), shard
+        assert (blocks_of(lookup_path(shard))[:, BLOCK.first_page] >= 0).all(), shard
 
 
 def test_a_shard_of_schema_version_1_reads_validates_and_is_served_unchanged(tmp_path):
@@ -137,13 +137,13 @@ def test_compaction_and_a_rebuild_keep_groups_without_mu_whole_and_known(setting
     ids = [g.prompt_id for g in groups]
     index = StoreIndex(settings).open()
     try:
-        report = index.compact(model_id="mixed-peer", min_files=2)
-        index.delete_retired(grace_s=0)
+        report = index.compaction.compact(model_id="mixed-peer", min_files=2)
+        index.compaction.delete_retired(grace_s=0)
         assert report["files_merged"] == 3 and report["groups_moved"] == 6
         for _ in range(2):  # after the compaction, and after a rebuild of the index from the files
-            every, _ = index.read_selected(lambda: index.select_peer_groups(
+            every, _ = index.queries.read_selected(lambda: index.queries.select_peer_groups(
                 PeerLookupRequest(prompt_ids=ids, learner_model="learner")))
-            with_mu, misses = index.read_selected(lambda: index.select_peer_groups(
+            with_mu, misses = index.queries.read_selected(lambda: index.queries.select_peer_groups(
                 PeerLookupRequest(prompt_ids=ids, learner_model="learner", require_behaviour_logprobs=True)))
             assert sorted(g.group_id for g in table_to_groups(every)) == sorted(g.group_id for g in groups)
             assert {g.group_id: g for g in table_to_groups(every)} == {g.group_id: g for g in groups}
@@ -172,14 +172,14 @@ def test_an_index_of_version_2_gains_has_mu_in_place_instead_of_a_rebuild(tmp_pa
     index = StoreIndex(settings).open()
     try:
         ids = [prompt_id(problem_text(900 + i)) for i in range(3)]
-        refs, misses = index.select_peer_groups(PeerLookupRequest(prompt_ids=ids, learner_model="learner",
+        refs, misses = index.queries.select_peer_groups(PeerLookupRequest(prompt_ids=ids, learner_model="learner",
                                                                   require_behaviour_logprobs=True))
         assert len(refs) == 3 and misses == {} and all(ref.has_mu for ref in refs)
         version = index.catalog.cursor().execute("SELECT value FROM meta WHERE key = 'index_version'").fetchone()
         assert version == ("3",)
         write_groups(root, [make_group(910, "text-peer", without_mu=True)])  # new groups index with their own value
-        assert index.ingest_new() == 1
-        refs, misses = index.select_peer_groups(PeerLookupRequest(prompt_ids=[prompt_id(problem_text(910))],
+        assert index.ingest.ingest_new() == 1
+        refs, misses = index.queries.select_peer_groups(PeerLookupRequest(prompt_ids=[prompt_id(problem_text(910))],
                                                                   learner_model="learner"))
         assert [ref.has_mu for ref in refs] == [False]
     finally:

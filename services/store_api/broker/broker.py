@@ -8,7 +8,7 @@ returns, rewritten atomically to the current state when it has grown; a restart 
   problem's text and answer come with the first want of a prompt, so that a generator can sample it.
 - a want is cleared when an informative group (`PeerLookupRequest.informative_sql`'s rule: 0 < successes < group
   size) of the prompt from a model other than the learner lands, created after the want (`clear_landed`, called by
-  the ingest loop after each poll; it reads the index through its public functions).
+  the ingest loop after each poll; it reads the index through its queries, `index.queries`).
 - the ledger counts, per learner, how often each group was served (POST /v1/served: what the learner grafted), with
   the step and time of the last entry. An entry for a group the store never had is refused (`UnknownGroups`).
 
@@ -45,7 +45,7 @@ WantedOrder = Literal["oldest", "most_wanted"]
 
 
 class GroupSource(Protocol):
-    """What the broker reads of a store's index (StoreIndex's public functions)."""
+    """What the broker reads of a store's index: its queries (`index.queries`, IndexQueries)."""
 
     def prompt_refs(self, prompt_id: str) -> list[GroupRef]: ...
     def select_group(self, group_id: str) -> list[GroupRef]: ...
@@ -117,13 +117,13 @@ class Broker:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def open(self, index: GroupSource) -> Broker:
+    def open(self, groups: GroupSource) -> Broker:
         """Read the journal back, clear what groups landed while the store was down, compact the journal."""
         with self._lock:
             self._read_whole()
-            self._seen_seq = index.newest_seq() - 1
+            self._seen_seq = groups.newest_seq() - 1
             cleared = [self._clear_record(want, ref) for prompt in list(self._by_prompt)
-                       for want, ref in self._clearing(prompt, index.prompt_refs(prompt))]
+                       for want, ref in self._clearing(prompt, groups.prompt_refs(prompt))]
             self._commit(cleared)
         log.info("broker: %d open wants over %d prompts, %d ledger entries", len(self._wants), len(self._by_prompt),
                  sum(map(sum, (d.values() for d in self._served.values()))))
@@ -181,7 +181,7 @@ class Broker:
             prompts.sort(key=lambda p: (-len(p.learners), -p.misses, p.first_wanted_at, p.prompt_id))
         return WantedList(prompts=prompts[:limit], backlog=len(prompts))
 
-    def clear_landed(self, index: GroupSource) -> int:
+    def clear_landed(self, groups: GroupSource) -> int:
         """Follow what other writers of the journal added (a lake's other replicas), then clear the wants that groups
         indexed since the last call serve; the number cleared."""
         with self._lock:
@@ -193,15 +193,15 @@ class Broker:
                     self._apply(record)
                 self._journal_records += len(new)
             if not self._by_prompt:
-                self._seen_seq = index.newest_seq() - 1
+                self._seen_seq = groups.newest_seq() - 1
                 return 0
-            rows, _ = index.groups_after(self._seen_seq)
+            rows, _ = groups.groups_after(self._seen_seq)
             if not rows:
                 return 0
             self._seen_seq = max(seq for seq, _, _ in rows)
             fresh = {prompt for _, prompt, _ in rows if prompt in self._by_prompt}
             cleared = [self._clear_record(want, ref) for prompt in fresh
-                       for want, ref in self._clearing(prompt, index.prompt_refs(prompt))]
+                       for want, ref in self._clearing(prompt, groups.prompt_refs(prompt))]
             self._commit(cleared)
             return len(cleared)
 
@@ -224,9 +224,9 @@ class Broker:
 
     # ------------------------------------------------------------------ the served ledger
 
-    def serve(self, req: ServedRequest, index: GroupSource) -> ServedResponse:
+    def serve(self, req: ServedRequest, groups: GroupSource) -> ServedResponse:
         """Add ledger entries; UnknownGroups (nothing recorded) when a group is not in the store."""
-        unknown = [gid for gid in dict.fromkeys(req.group_ids) if not index.select_group(gid)]
+        unknown = [gid for gid in dict.fromkeys(req.group_ids) if not groups.select_group(gid)]
         if unknown:
             raise UnknownGroups(f"{len(unknown)} group id(s) this store never had (e.g. {', '.join(unknown[:3])}): "
                                 "a ledger entry names a group the learner got from this store's lookups")

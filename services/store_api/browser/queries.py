@@ -10,7 +10,7 @@ each (dataset, prompt) in memory (about the size of the texts) and `PromptDatase
 has groups in; both read only what was indexed since their last look.
 
 "Failed by A, solved by B" is what GRAFT is for, and the prompts it lists are decided by the peer lookup itself
-(`StoreIndex.select_peer_groups` with learner A and peer B): SQL narrows to prompts where A has groups and none of
+(`IndexQueries.select_peer_groups` with learner A and peer B): SQL narrows to prompts where A has groups and none of
 A's rollouts is correct, and the lookup's own rule says which of them it would graft.
 """
 
@@ -58,16 +58,16 @@ class ProblemTexts:
 
     def table(self) -> pa.Table:
         """Columns prompt_id, dataset, problem, answer; files indexed since the last call are read now."""
-        live = self.index.problem_files()
+        live = self.index.queries.problem_files()
         with self._lock:
             new: list[pa.Table] = []
             gone = set(self._by_file) - set(live)  # quarantined meanwhile
             for file_id in gone:
                 del self._by_file[file_id]
             for file_id in sorted(set(live) - set(self._by_file)):
-                owned = self.index.problems_of_file(file_id)
+                owned = self.index.queries.problems_of_file(file_id)
                 try:
-                    table = pq.read_table(self.index.root / live[file_id], schema=PROBLEM_ARROW_SCHEMA)
+                    table = pq.read_table(self.index.catalog.root / live[file_id], schema=PROBLEM_ARROW_SCHEMA)
                 except FileNotFoundError:  # quarantined between the query and the read: gone next time too
                     continue
                 first_copy = [(d, p) in owned for d, p in zip(table.column("dataset").to_pylist(),
@@ -115,10 +115,10 @@ class PromptDatasets:
 
     def of(self) -> dict[str, set[str]]:
         with self._lock:
-            rows, count = self.index.groups_after(self._after)
-            if self._read + len(rows) != count or self.index.newest_seq() <= self._after:
+            rows, count = self.index.queries.groups_after(self._after)
+            if self._read + len(rows) != count or self.index.queries.newest_seq() <= self._after:
                 self._after, self._read, self._by_prompt = 0, 0, {}
-                rows, count = self.index.groups_after(0)
+                rows, count = self.index.queries.groups_after(0)
             for _, prompt, dataset in rows:
                 self._by_prompt.setdefault(prompt, set()).add(dataset)
             if rows:
@@ -164,7 +164,7 @@ class Browse:
         """
         # keyset paging on the walk's position: a prompt's newest group only gets newer, so a page never repeats
         # one shown before (a prompt whose newest group is above the cursor was shown, or moved up)
-        before = min(decode_cursor(cursor)[0] if cursor else NO_CURSOR, self.index.newest_seq())
+        before = min(decode_cursor(cursor)[0] if cursor else NO_CURSOR, self.index.queries.newest_seq())
         datasets = self.datasets_of.of() if dataset is not None else {}
         texts = self.texts.by_prompt()
         needle = q.strip().lower() if q else None
@@ -177,7 +177,7 @@ class Browse:
         walked = 0
         while before > 1 and walked < budget:
             span = min(span, budget - walked)
-            heads = self.index.prompts_before(before, span)
+            heads = self.index.queries.prompts_before(before, span)
             walked += span
             candidates: list[tuple[PageRow, list[GroupRef]]] = []
             for seq, prompt, newest_dataset in heads:
@@ -190,7 +190,7 @@ class Browse:
                 _, problem, answer = texts.get(prompt, (None, None, None))
                 if needle and not (prompt.startswith(needle) or (problem is not None and needle in problem.lower())):
                     continue
-                refs = self.index.prompt_refs(prompt)
+                refs = self.index.queries.prompt_refs(prompt)
                 if not _passes(refs, seq, model, outcome, failed_by, solved_by):
                     continue
                 row = PageRow(prompt, seq, newest_dataset, len(refs), sum(r.num_rows for r in refs),
@@ -216,7 +216,7 @@ class Browse:
             return set()
         request = PeerLookupRequest(prompt_ids=prompt_ids, learner_model=learner,
                                     peer_models=[peer] if peer is not None else None)
-        _, misses = self.index.select_peer_groups(request)
+        _, misses = self.index.queries.select_peer_groups(request)
         return set(prompt_ids) - set(misses)
 
     def _page(self, rows: list[tuple[PageRow, list[GroupRef]]], next_cursor: str | None) -> PromptPage:
@@ -227,7 +227,7 @@ class Browse:
 
     def prompt_detail(self, prompt_id: str) -> PromptDetail | None:
         """The prompt's stored problems and per-model counts; None when the store knows nothing of it."""
-        models = _model_summaries(self.index.prompt_refs(prompt_id))
+        models = _model_summaries(self.index.queries.prompt_refs(prompt_id))
         problems = self.texts.of(prompt_id)
         if not models and not problems:
             return None
@@ -237,7 +237,7 @@ class Browse:
 
     def step_curves(self, bins: int) -> StepCurves:
         """Success rate (mean reward over scored rollouts, as /v1/stats) and counts per policy-step bin per model."""
-        width, rows = self.index.step_bins(bins)
+        width, rows = self.index.queries.step_bins(bins)
         curves: dict[str, list[StepPoint]] = {}
         for model, _, low, high, groups, rollouts, rate, informative in rows:
             curves.setdefault(model, []).append(StepPoint(step_min=low, step_max=high, groups=groups,
@@ -246,7 +246,7 @@ class Browse:
         return StepCurves(bin_width=width, models=[ModelCurve(model_id=m, points=p) for m, p in curves.items()])
 
     def datasets(self) -> DatasetsResponse:
-        rows = self.index.dataset_counts()
+        rows = self.index.queries.dataset_counts()
         return DatasetsResponse(datasets=[DatasetSummary(dataset=d, prompts=pr, groups=g, rollouts=int(r), problems=n)
                                           for d, pr, g, r, n in rows])
 
@@ -254,7 +254,7 @@ class Browse:
 
     def group_tokens(self, group_id: str, rollout_id: str | None = None) -> GroupTokens | None:
         """Each rollout's token pieces (or why there are none); None when the group (or rollout) is not stored."""
-        table, _ = self.index.read_selected(lambda: (self.index.select_group(group_id), None))
+        table, _ = self.index.queries.read_selected(lambda: (self.index.queries.select_group(group_id), None))
         if table.num_rows == 0:
             return None
         rows = table.select(["rollout_id", "tokenizer_id", "completion_token_ids", "logprobs_mode"]).to_pylist()

@@ -40,10 +40,10 @@ async def lifespan(app: FastAPI):
     """Open the store (the index catches up with the files), run the background threads; close both at shutdown."""
     store, settings, metrics = app.state.store, app.state.settings, app.state.metrics
     await run_in_threadpool(store.open)
-    metrics.groups.set_function(store.index.group_count)
+    metrics.groups.set_function(store.index.queries.group_count)
     app.state.background = background = Background(store, settings, metrics.ingested)
     background.start()
-    log.info("store serving %s: %d groups indexed", settings.root, store.index.group_count())
+    log.info("store serving %s: %d groups indexed", settings.root, store.index.queries.group_count())
     try:
         yield
     finally:

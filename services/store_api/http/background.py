@@ -47,7 +47,7 @@ class Background:
 
     def _maintain(self) -> None:
         try:
-            self.index.open_lookup_files()
+            self.index.ingest.open_lookup_files()
         except Exception:  # lookups rebuild what is missing anyway
             log.exception("opening the lookup files failed")
         last_compaction = time.monotonic()
@@ -55,11 +55,11 @@ class Background:
             try:
                 due = time.monotonic() - last_compaction >= self.settings.compact_interval_s
                 if self.settings.compact_interval_s > 0 and due:
-                    report = self.index.compact()
+                    report = self.index.compaction.compact()
                     last_compaction = time.monotonic()
                     if report["files_written"] or report["files_retired_empty"]:
                         log.info("compaction: %s", report)
-                self.index.delete_retired()
-                self.index.delete_orphan_lookup_files()
+                self.index.compaction.delete_retired()
+                self.index.ingest.delete_orphan_lookup_files()
             except Exception:
                 log.exception("maintenance iteration failed; retrying")

@@ -69,7 +69,7 @@ def local_to_lake(root: Path, lake: Lake, progress: bool = True) -> dict[str, in
 
     def commit() -> None:
         if pending:
-            result = lake.commit(pa.concat_tables(pending))
+            result = lake.writing.commit(pa.concat_tables(pending))
             report["groups"] += result.accepted_groups
             report["rollouts"] += result.rollouts
             report["duplicate_groups"] += len(result.duplicate_groups)
@@ -91,7 +91,7 @@ def local_to_lake(root: Path, lake: Lake, progress: bool = True) -> dict[str, in
     commit()
     problems = local_problems(root)
     if problems:
-        report["problems"] = lake.commit(None, problems).problems_added
+        report["problems"] = lake.writing.commit(None, problems).problems_added
     return report
 
 
@@ -101,9 +101,9 @@ def lake_to_local(lake: Lake, root: Path, progress: bool = True) -> dict[str, in
     root = Path(root)
     report = {"groups": 0, "rollouts": 0, "duplicate_groups": 0, "problems": 0, "shards": 0}
     seen = local_group_ids(root)
-    snapshot = lake.snapshot()
+    snapshot = lake.reading.snapshot()
     with tqdm(desc="migrate snapshots", total=snapshot.id, unit="snapshot", disable=not progress) as bar:
-        for upto, rows in lake.iter_rollouts(-1, snapshot.id):
+        for upto, rows in lake.reading.iter_rollouts(-1, snapshot.id):
             bar.n = upto
             bar.refresh()
             # a group committed twice (writers racing) keeps its first copy, as a replica's cache
@@ -123,7 +123,7 @@ def lake_to_local(lake: Lake, root: Path, progress: bool = True) -> dict[str, in
                     report["shards"] += 1
             report["groups"] += len(group_runs(table.column("group_id"))[0])
             report["rollouts"] += table.num_rows
-    problems = lake.problems_between(-1, snapshot.id)
+    problems = lake.reading.problems_between(-1, snapshot.id)
     if problems.num_rows:
         known = {(p.dataset, p.prompt_id) for p in local_problems(root)}
         fresh = [p for p in validate_problems(problems) if (p.dataset, p.prompt_id) not in known]

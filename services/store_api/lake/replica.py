@@ -87,31 +87,31 @@ class LakeReplica:
         try:
             self.lake.open()
         except LakeUnavailable as exc:
-            if not len(self.index.mirror):
+            if not len(self.index.catalog.mirror):
                 raise
             self._failed(exc)
         else:
             self.follow()
-            if self.error and not len(self.index.mirror) and self.followed < 0:
+            if self.error and not len(self.index.catalog.mirror) and self.followed < 0:
                 raise LakeError(self.error)
-        self.index.write_manifest()  # the cache's live files, as a local store's (manifest.py)
-        self.index.delete_orphan_lookup_files()
+        self.index.catalog.write_manifest()  # the cache's live files, as a local store's (manifest.py)
+        self.index.ingest.delete_orphan_lookup_files()
         try:
-            self.broker.open(self.index)
+            self.broker.open(self.index.queries)
         except LakeUnavailable as exc:  # the first poll that reaches the lake reads the journal (read_new from the start)
             log.warning("the lake's broker journal cannot be read now (%s): wanted prompts and the ledger start empty "
                         "here until the lake answers", exc)
         return self
 
     def _load_follow_state(self) -> None:
-        meta = self.index.meta("lake_")
+        meta = self.index.catalog.meta("lake_")
         identity = self.lake.config.describe()
         if meta.get("lake_identity") not in (None, identity):
-            log.warning("cache %s held lake %s, this replica follows %s: starting the cache afresh", self.index.root,
-                        meta["lake_identity"], identity)
+            log.warning("cache %s held lake %s, this replica follows %s: starting the cache afresh",
+                        self.index.catalog.root, meta["lake_identity"], identity)
             self._clear_cache()
             meta = {}
-        self.index.set_meta("lake_identity", identity)
+        self.index.catalog.set_meta("lake_identity", identity)
         self.followed = int(meta.get("lake_snapshot", -1))
         self.followed_time_us = int(meta["lake_snapshot_time_us"]) if meta.get("lake_snapshot_time_us") else None
         self.unreadable = {int(s): "not read yet since the restart" for s in
@@ -125,12 +125,12 @@ class LakeReplica:
     def rebuild(self) -> int:
         """Start the cache afresh and read the whole lake into it (stop the server first); groups cached."""
         self._clear_cache()  # opens the index if it is not: takes its file lock, or raises IndexLocked
-        self.index.set_meta("lake_identity", self.lake.config.describe())
+        self.index.catalog.set_meta("lake_identity", self.lake.config.describe())
         self.lake.open()
         self.follow()
         if self.error:
             raise LakeError(self.error)
-        return len(self.index.mirror)
+        return len(self.index.catalog.mirror)
 
     def close(self) -> None:
         self.broker.close()
@@ -144,7 +144,7 @@ class LakeReplica:
         the new groups serve."""
         added = self.follow()
         try:
-            self.broker.clear_landed(self.index)
+            self.broker.clear_landed(self.index.queries)
         except LakeError as exc:  # follow() reports the outage; the broker catches up at the next poll that gets through
             log.debug("the broker could not follow the lake: %s", exc)
         return added
@@ -154,12 +154,12 @@ class LakeReplica:
         with self._follow_lock:
             added = 0
             try:
-                newest = self.lake.snapshot()
+                newest = self.lake.reading.snapshot()
                 self.newest, self.checked_us = newest, now_us()
                 if newest.id > self.followed:
                     added += self._read(self.followed, newest.id)
                     self.followed_time_us = newest.time_us
-                    self.index.set_meta("lake_snapshot_time_us", str(newest.time_us))
+                    self.index.catalog.set_meta("lake_snapshot_time_us", str(newest.time_us))
                 retry_due = time.monotonic() - self._unreadable_tried >= self.settings.lake_retry_unreadable_s
                 if self.unreadable and retry_due:
                     added += self._retry_unreadable()
@@ -169,7 +169,7 @@ class LakeReplica:
                 return added
             finally:
                 if added:
-                    self.index.write_manifest()
+                    self.index.catalog.write_manifest()
             self.error = None
             return added
 
@@ -199,16 +199,16 @@ class LakeReplica:
     def _read_window(self, after: int, upto: int) -> tuple[AddedRows, pa.Table]:
         """The rollouts and problems committed in snapshots after+1..upto; a table those snapshots did not insert
         into is not read (a commit need not carry problems, and compaction makes snapshots too)."""
-        inserted = self.lake.tables_inserted_into(after, upto)
-        added_rows = (self.lake.rollouts_added(after, upto) if inserted is None or "rollouts" in inserted
+        inserted = self.lake.reading.tables_inserted_into(after, upto)
+        added_rows = (self.lake.reading.rollouts_added(after, upto) if inserted is None or "rollouts" in inserted
                       else AddedRows(ROLLOUT_ROWS_SCHEMA.empty_table(), {}))
-        problems = (self.lake.problems_between(after, upto) if inserted is None or "problems" in inserted
+        problems = (self.lake.reading.problems_between(after, upto) if inserted is None or "problems" in inserted
                     else PROBLEM_ARROW_SCHEMA.empty_table())
         return added_rows, problems
 
     def _retry_unreadable(self) -> int:
         self._unreadable_tried = time.monotonic()
-        self.lake.reset()  # a fresh DuckDB instance: nothing of the damaged files stays in its caches
+        self.lake.connection.reset()  # a fresh DuckDB instance: nothing of the damaged files stays in its caches
         added = 0
         for snapshot in sorted(self.unreadable):
             try:
@@ -221,19 +221,19 @@ class LakeReplica:
                 continue
             log.info("lake snapshot %d is readable again: %d groups cached", snapshot, added)
             del self.unreadable[snapshot]
-        self.index.set_meta("lake_unreadable", ",".join(map(str, sorted(self.unreadable))))
+        self.index.catalog.set_meta("lake_unreadable", ",".join(map(str, sorted(self.unreadable))))
         return added
 
     def _set_aside(self, snapshot: int, exc: BaseException) -> None:
         self.unreadable[snapshot] = _reason(exc)
-        self.index.set_meta("lake_unreadable", ",".join(map(str, sorted(self.unreadable))))
+        self.index.catalog.set_meta("lake_unreadable", ",".join(map(str, sorted(self.unreadable))))
         log.error("lake snapshot %d cannot be read into the cache (its groups are missing here until it can; "
                   "retried every %.0f s): %s", snapshot, self.settings.lake_retry_unreadable_s,
                   self.unreadable[snapshot])
 
     def _advance(self, snapshot: int) -> None:
         self.followed = snapshot
-        self.index.set_meta("lake_snapshot", str(snapshot))
+        self.index.catalog.set_meta("lake_snapshot", str(snapshot))
 
     def _failed(self, exc: BaseException) -> None:
         self.error = _reason(exc) if isinstance(exc, LakeError) else f"{type(exc).__name__}: {_reason(exc)}"
@@ -253,8 +253,8 @@ class LakeReplica:
         those rows are exactly one data file of `window.bodies` (a commit of graft's writers holds one file per
         model), the file's bytes are the shard (encoding the rows again cost ~8 us per rollout).
         """
-        self.index.add_problems(validate_problems(problems))  # a row a plain writer made may be refused
-        rows, left_out = first_copies(window.rows, self.index.mirror)
+        self.index.ingest.add_problems(validate_problems(problems))  # a row a plain writer made may be refused
+        rows, left_out = first_copies(window.rows, self.index.catalog.mirror)
         if left_out.num_rows:
             self._count_copies(left_out, rows)
         if not rows.num_rows:
@@ -276,20 +276,21 @@ class LakeReplica:
                 group_starts, group_lengths = group_runs(of_model.column("group_id"))
                 encoded = _whole_file(window.bodies, row_ids_of_model)
                 if encoded is not None:
-                    path = write_rollout_table(model_dir(self.index.root, model), of_model, encoded=encoded)
-                    added += self.index.ingest_file(path, summarise_groups(of_model, group_starts, group_lengths))
+                    path = write_rollout_table(model_dir(self.index.catalog.root, model), of_model, encoded=encoded)
+                    summary = summarise_groups(of_model, group_starts, group_lengths)
+                    added += self.index.ingest.ingest_file(path, summary)
                     continue
                 offset = 0
                 for rows_in_shard in row_group_plan(group_lengths, CACHE_SHARD_ROWS):
                     shard = of_model.slice(offset, rows_in_shard)
                     in_shard = (group_starts >= offset) & (group_starts < offset + rows_in_shard)
-                    path = write_rollout_table(model_dir(self.index.root, model), shard)
+                    path = write_rollout_table(model_dir(self.index.catalog.root, model), shard)
                     # the rows were validated just above: the index takes their summary instead of decoding the
                     # shard's small columns again (what a push does)
                     summary = summarise_groups(shard, group_starts[in_shard] - offset, group_lengths[in_shard])
-                    added += self.index.ingest_file(path, summary)
+                    added += self.index.ingest.ingest_file(path, summary)
                     offset += rows_in_shard
-        self.index.last_ingest_us = now_us()
+        self.index.catalog.last_ingest_us = now_us()
         return added
 
     def _count_copies(self, left_out: pa.Table, kept: pa.Table) -> None:
@@ -303,10 +304,10 @@ class LakeReplica:
         copies = []
         for gid, model, prompt, snapshot in zip(*(left_out.column(n).to_pylist() for n in (
                 "group_id", "model_id", "prompt_id", "snapshot_id"))):
-            ref = self.index.mirror.get(gid)
+            ref = self.index.catalog.mirror.get(gid)
             stored = (ref.model_id, ref.prompt_id) if ref is not None else firsts[gid]
             copies.append((gid, f"lake snapshot {snapshot}", seen, stored != (model, prompt), stored))
-        self.index.record_duplicates([c[:4] for c in copies])
+        self.index.catalog.record_duplicates([c[:4] for c in copies])
         for gid, where, _, conflict, (model, prompt) in copies:
             if conflict:
                 log.error("%s holds group %s again under another model or prompt (stored for model %s, prompt %s): "
@@ -320,17 +321,17 @@ class LakeReplica:
 
     def push(self, table: pa.Table, problems: list[Problem]) -> tuple[int, list[str], str | None]:
         """Commit validated groups to the lake in one transaction, then read them into the cache at once."""
-        result = self.lake.commit(table, problems)
+        result = self.lake.writing.commit(table, problems)
         self.follow()
         return result.accepted_groups, result.duplicate_groups, None
 
     def stats(self) -> StatsResponse:
-        stats = self.index.stats()
+        stats = self.index.queries.stats()
         age = None if self.followed_time_us is None else round((now_us() - self.followed_time_us) / 1e6, 3)
         stats.backend = "lake"
         stats.broker = self.broker.stats()
         stats.lake = LakeStats(
-            catalog=redact(self.lake.config.catalog), data_path=self.lake.data_path,
+            catalog=redact(self.lake.config.catalog), data_path=self.lake.connection.data_path,
             snapshot_id=None if self.followed < 0 else self.followed,
             snapshot_at=us_to_datetime(self.followed_time_us), snapshot_age_s=age,
             newest_snapshot_id=None if self.newest is None else self.newest.id,

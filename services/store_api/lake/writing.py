@@ -40,7 +40,7 @@ from graft.services.store_api.lake.connection import (
 from graft.services.store_api.local import GroupConflict, GroupRef, encode_shard, fsync_directory
 from graft.services.store_api.tables import SMALL_COLUMNS_SCHEMA, group_runs
 
-COMMIT_ATTEMPTS = 40  # a commit that keeps losing to other writers' (see Lake.commit) gives up after these
+COMMIT_ATTEMPTS = 40  # a commit that keeps losing to other writers' (see LakeWriting.commit) gives up after these
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,11 @@ Parquet decoding of neighbours, no per-row Python. Every shard has a lookup file
 Then a block table (per group: row start, rows, record offset, length and CRC-32; for a template its first
 page, pages per bulk column and the three holes) and a page table (per page: body offset and length in the
 shard, levels length, decompressed size, codec, Parquet's CRC-32, bytes to skip before the values), and a
-trailer. Lookup files are derived: the writer writes one before publishing the shard (it has the table and the
-encoded file in memory), the store rebuilds a missing or damaged one from the shard (from its small columns
-and page headers when every group has pages of its own; whole otherwise), and they may be deleted at any time.
+trailer. `Block` and `PageEntry` below are the one definition of the two tables' columns: the writer writes them,
+the reader names its columns by them (`BLOCK`, `PAGE`). Lookup files are derived: the writer writes one before
+publishing the shard (it has the table and the encoded file in memory), the store rebuilds a missing or damaged
+one from the shard (from its small columns and page headers when every group has pages of its own; whole
+otherwise), and they may be deleted at any time.
 The trailer records the CRC-32 and size of the shard's Parquet footer: a lookup file is written only from rows
 that passed `validate_table`, so a matching footer tells the store that this very shard was checked whole by
 its writer (`ingest.py` then decodes only its small columns); any rewrite of the shard changes its footer.
@@ -44,6 +46,7 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -75,12 +78,50 @@ LOOKUP_MAGIC = b"GRAFTLK1"
 LOOKUP_VERSION = 3
 # groups, pages, CRC-32 of the block and page tables, CRC-32 and size of the shard's Parquet footer, version, magic
 _LOOKUP_TRAILER = struct.Struct("<qqIIqI8s")
-# block table columns (int64): row start, rows, record offset, record length, record CRC-32, first page (-1: a
-# copy), pages of each bulk column (3), where each bulk column's values go in the record (3)
-_BLOCK_FIELDS = 12
-# page table columns (int64): body offset and length in the shard, levels length, decompressed values size, codec,
-# Parquet's CRC-32 of the body, bytes of the decompressed values before the group's (text: the lengths)
-_PAGE_FIELDS = 7
+
+
+class Block(NamedTuple):
+    """A row of the block table (int64 each): one group's record in the lookup file. The one definition of the
+    table's layout: the writer writes these fields in this order and the reader names its columns by `BLOCK`."""
+
+    row_start: int  # its first row in the shard
+    rows: int
+    record_offset: int  # where its IPC message (a template or a copy) lies in the lookup file
+    record_length: int
+    record_crc: int  # CRC-32 of the record
+    first_page: int  # its first row of the page table; -1: a copy, no pages
+    text_pages: int  # pages of each bulk column (BULK_COLUMNS' order), from first_page on
+    token_id_pages: int
+    logprob_pages: int
+    text_hole: int  # where each bulk column's values go in the template
+    token_id_hole: int
+    logprob_hole: int
+
+    @property
+    def page_counts(self) -> tuple[int, int, int]:
+        return self.text_pages, self.token_id_pages, self.logprob_pages
+
+    @property
+    def holes(self) -> tuple[int, int, int]:
+        return self.text_hole, self.token_id_hole, self.logprob_hole
+
+
+class PageEntry(NamedTuple):
+    """A row of the page table (int64 each): one Parquet data page of a bulk column in the shard."""
+
+    offset: int  # its body's offset and length in the shard
+    length: int
+    levels: int  # bytes of levels before the values in the body
+    size: int  # bytes of the values decompressed
+    codec: int  # CODEC_IDS
+    crc: int  # Parquet's CRC-32 of the body
+    skip: int  # bytes of the decompressed values before the group's (text: the lengths)
+
+
+BLOCK = Block(*range(len(Block._fields)))  # the block table's column of each field: blocks[:, BLOCK.first_page]
+PAGE = PageEntry(*range(len(PageEntry._fields)))  # the page table's column of each field
+BLOCK_PAGE_COUNTS = slice(BLOCK.text_pages, BLOCK.logprob_pages + 1)  # the block table's columns of pages per column
+PAGE_SPAN = slice(PAGE.offset, PAGE.length + 1)  # the page table's offset and length columns (a view, not a copy)
 CODEC_IDS = {codec: i for i, codec in enumerate(PAGE_CODECS)}  # a page's codec in the page table
 _DECOMPRESSORS = [pa.Codec(codec) if codec and codec in CODECS.values() else None for codec in PAGE_CODECS]
 SCHEMA_MESSAGE = ROLLOUT_ARROW_SCHEMA.serialize().to_pybytes()  # an IPC stream's first message
@@ -194,8 +235,8 @@ class _PageIndex:
         self.columns = []
         for name in BULK_COLUMNS:
             column = pages[name]
-            rows = np.array([(p.offset, p.length, p.levels, p.size, CODEC_IDS[p.codec], p.crc, 0) for p in column],
-                            dtype=np.int64).reshape(-1, _PAGE_FIELDS)
+            rows = np.array([PageEntry(p.offset, p.length, p.levels, p.size, CODEC_IDS[p.codec], p.crc, 0)
+                             for p in column], dtype=np.int64).reshape(-1, len(PAGE))
             firsts = np.array([p.first_row for p in column], np.int64)
             counts = np.array([p.rows for p in column], np.int64)
             self.columns.append((rows, firsts, counts))
@@ -223,9 +264,9 @@ class _PageIndex:
             # lengths; nothing for the lists)
             local = np.clip(page_firsts - first_row, 0, chunk.num_rows)
             local_end = np.clip(page_firsts + page_counts - first_row, 0, chunk.num_rows)
-            skip = rows[:, 3] - (values[local_end] - values[local])
+            skip = rows[:, PAGE.size] - (values[local_end] - values[local])
             table = rows.copy()
-            table[:, 6] = skip
+            table[:, PAGE.skip] = skip
             bad = (skip < 0) if c == 0 else (skip != 0)
             bad_before = _zero_based(bad.astype(np.int64))  # bad pages before each page index
             has &= bad_before[i1] == bad_before[i0]
@@ -305,7 +346,7 @@ def write_lookup_file(path: Path, chunks: Iterable[tuple[int, pa.Table]], footer
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{TMP_PREFIX}{uuid.uuid4().hex[:8]}-{path.name}")
-    blocks: list[tuple[int, ...]] = []
+    blocks: list[Block] = []
     try:
         with open(tmp, "wb") as f:
             offset = 0
@@ -321,12 +362,12 @@ def write_lookup_file(path: Path, chunks: Iterable[tuple[int, pa.Table]], footer
                     crc = 0
                     for piece in pieces:
                         crc = zlib.crc32(piece, crc)
-                    blocks.append((row_start, rows, offset, length, crc, first, *counts, *holes))
+                    blocks.append(Block(row_start, rows, offset, length, crc, first, *counts, *holes))
                     records.extend(pieces)
                     offset += length
                 f.write(b"".join(records))
-            pages_table = np.concatenate(page_rows) if page_rows else np.zeros((0, _PAGE_FIELDS), np.int64)
-            tables = (np.array(blocks, dtype="<i8").reshape(-1, _BLOCK_FIELDS).tobytes()
+            pages_table = np.concatenate(page_rows) if page_rows else np.zeros((0, len(PAGE)), np.int64)
+            tables = (np.array(blocks, dtype="<i8").reshape(-1, len(BLOCK)).tobytes()
                       + pages_table.astype("<i8").tobytes())
             f.write(tables)
             f.write(_LOOKUP_TRAILER.pack(len(blocks), len(pages_table), zlib.crc32(tables), *footer, LOOKUP_VERSION,
@@ -475,7 +516,8 @@ class _LookupFile:
             if HAS_FADVISE:
                 # reads are single groups at random offsets: without this, each miss reads ahead 128 KB or more
                 os.posix_fadvise(self.file.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
-            self.blocks, self.pages = self._read_tables()  # (groups, 12), (pages, 7) int64; ascending row starts
+            # (groups, len(BLOCK)), (pages, len(PAGE)) int64; ascending row starts
+            self.blocks, self.pages = self._read_tables()
             if len(self.pages):
                 self.shard = open(shard, "rb", buffering=0)
                 if HAS_FADVISE:
@@ -483,15 +525,15 @@ class _LookupFile:
         except BaseException:
             self.file.close()
             raise
-        self.row_starts = np.ascontiguousarray(self.blocks[:, 0])  # (groups,)
+        self.row_starts = np.ascontiguousarray(self.blocks[:, BLOCK.row_start])  # (groups,)
 
-    def block(self, row_start: int, num_rows: int) -> list[int] | None:
+    def block(self, row_start: int, num_rows: int) -> Block | None:
         """The block table row of the group of `num_rows` rows at `row_start`, or None."""
         i = int(np.searchsorted(self.row_starts, row_start))
         if i == len(self.row_starts):
             return None
-        block = self.blocks[i].tolist()
-        return block if block[0] == row_start and block[1] == num_rows else None
+        block = Block._make(self.blocks[i].tolist())
+        return block if block.row_start == row_start and block.rows == num_rows else None
 
     def _read_tables(self) -> tuple[np.ndarray, np.ndarray]:
         fd = self.file.fileno()
@@ -503,21 +545,22 @@ class _LookupFile:
         self.footer = (footer_crc, footer_size)  # shard_footer() of the shard it was written for
         if magic != LOOKUP_MAGIC or version != LOOKUP_VERSION:
             raise LookupFileInvalid(f"{self.path}: not a version-{LOOKUP_VERSION} lookup file")
-        tables_bytes = (groups * _BLOCK_FIELDS + pages * _PAGE_FIELDS) * 8
+        tables_bytes = (groups * len(BLOCK) + pages * len(PAGE)) * 8
         tables_start = size - _LOOKUP_TRAILER.size - tables_bytes
         if groups < 0 or pages < 0 or tables_start < 0:
             raise LookupFileInvalid(f"{self.path}: tables of {groups} groups and {pages} pages do not fit")
         raw = os.pread(fd, tables_bytes, tables_start)
         if zlib.crc32(raw) != tables_crc:
             raise LookupFileInvalid(f"{self.path}: block table checksum mismatch")
-        blocks = np.frombuffer(raw, dtype="<i8", count=groups * _BLOCK_FIELDS).reshape(groups, _BLOCK_FIELDS)
-        page_table = np.frombuffer(raw, dtype="<i8", offset=groups * _BLOCK_FIELDS * 8).reshape(pages, _PAGE_FIELDS)
-        if ((blocks[:, 2] < 0) | (blocks[:, 2] + blocks[:, 3] > tables_start)).any():
+        blocks = np.frombuffer(raw, dtype="<i8", count=groups * len(BLOCK)).reshape(groups, len(BLOCK))
+        page_table = np.frombuffer(raw, dtype="<i8", offset=groups * len(BLOCK) * 8).reshape(pages, len(PAGE))
+        offsets, lengths = blocks[:, BLOCK.record_offset], blocks[:, BLOCK.record_length]
+        if ((offsets < 0) | (offsets + lengths > tables_start)).any():
             raise LookupFileInvalid(f"{self.path}: a block lies outside the file")
-        if (np.diff(blocks[:, 0]) <= 0).any():
+        if (np.diff(blocks[:, BLOCK.row_start]) <= 0).any():
             raise LookupFileInvalid(f"{self.path}: row starts not ascending")
-        templates = blocks[:, 5] >= 0
-        if (blocks[templates, 5] + blocks[templates, 6:9].sum(1) > pages).any():
+        templates = blocks[:, BLOCK.first_page] >= 0
+        if (blocks[templates, BLOCK.first_page] + blocks[templates, BLOCK_PAGE_COUNTS].sum(1) > pages).any():
             raise LookupFileInvalid(f"{self.path}: a group's pages lie outside the page table")
         return blocks, page_table
 
@@ -591,7 +634,7 @@ class ShardReader:
         """
         for attempt in range(2):
             blocks = self.open(rel_path).blocks
-            if np.array_equal(blocks[:, 0], starts) and np.array_equal(blocks[:, 1], lengths):
+            if np.array_equal(blocks[:, BLOCK.row_start], starts) and np.array_equal(blocks[:, BLOCK.rows], lengths):
                 return
             self.forget(rel_path)  # written for other rows (a writer's bug or a stale file): rebuild from the shard
         raise ShardReadError(self.root / rel_path, "its rebuilt lookup file does not hold the shard's groups")
@@ -599,7 +642,7 @@ class ShardReader:
     def messages(self, locations: list[tuple[str, int, int]]) -> list:
         """The IPC record batch messages of whole groups (file, row_start, num_rows), in order, as bytes-like
         pieces to be joined (`arrow_stream`)."""
-        blocks = []
+        located: list[tuple[_LookupFile, Block]] = []
         for rel_path, row_start, num_rows in locations:
             lookup = self.open(rel_path)
             block = lookup.block(row_start, num_rows)
@@ -607,44 +650,47 @@ class ShardReader:
                 self.forget(rel_path)
                 raise ShardReadError(self.root / rel_path, f"no group of {num_rows} rows at row {row_start} in its "
                                                            "lookup file")
-            blocks.append((lookup, block))
-        if HAS_FADVISE and (len(blocks) > 1 or blocks and blocks[0][1][5] >= 0):
+            located.append((lookup, block))
+        if HAS_FADVISE and (len(located) > 1 or located and located[0][1].first_page >= 0):
             # groups not in the page cache come from disk (writers drop what they write): start all the reads
             # at once (a template and its pages are 4 reads), so a 64-prompt lookup waits ~one disk read instead
             # of 64 in a row (~10 ms here)
-            for lookup, block in blocks:
-                os.posix_fadvise(lookup.file.fileno(), block[2], block[3], os.POSIX_FADV_WILLNEED)
-                if block[5] >= 0:
-                    for offset, length in lookup.pages[block[5]:block[5] + sum(block[6:9]), :2].tolist():
+            for lookup, block in located:
+                os.posix_fadvise(lookup.file.fileno(), block.record_offset, block.record_length, os.POSIX_FADV_WILLNEED)
+                if block.first_page >= 0:
+                    group_pages = lookup.pages[block.first_page:block.first_page + sum(block.page_counts)]
+                    for offset, length in group_pages[:, PAGE_SPAN].tolist():
                         os.posix_fadvise(lookup.shard.fileno(), offset, length, os.POSIX_FADV_WILLNEED)
         pieces: list = []
-        for (rel_path, row_start, _), (lookup, block) in zip(locations, blocks):
-            _, _, offset, length, crc, first, *rest = block
+        for (rel_path, row_start, _), (lookup, block) in zip(locations, located):
             try:
-                record = os.pread(lookup.file.fileno(), length, offset)
+                record = os.pread(lookup.file.fileno(), block.record_length, block.record_offset)
             except OSError as exc:
                 self.forget(rel_path)
                 raise ShardReadError(self.root / rel_path, f"reading its lookup file: {exc}") from exc
-            if len(record) != length or zlib.crc32(record) != crc:
+            if len(record) != block.record_length or zlib.crc32(record) != block.record_crc:
                 self.forget(rel_path)
                 raise ShardReadError(self.root / rel_path, f"its lookup file is damaged at row {row_start} "
                                                            "(checksum): it is rebuilt on the next read")
-            if first < 0:
+            if block.first_page < 0:
                 pieces.append(record)
             else:
-                self._splice(rel_path, row_start, lookup, record, first, rest[:3], rest[3:], pieces)
+                self._splice(rel_path, row_start, lookup, record, block, pieces)
         return pieces
 
-    def _splice(self, rel_path: str, row_start: int, lookup: _LookupFile, record: bytes, first: int,
-                counts: list[int], holes: list[int], pieces: list) -> None:
+    def _splice(self, rel_path: str, row_start: int, lookup: _LookupFile, record: bytes, block: Block,
+                pieces: list) -> None:
         """A template's pieces with its group's bulk values read from the shard's pages in their holes."""
         view = memoryview(record)
         at = 0
         fd = lookup.shard.fileno()
+        first, counts = block.first_page, block.page_counts
         pages = iter(lookup.pages[first:first + sum(counts)].tolist())
-        for count, hole in zip(counts, holes):
+        for count, hole in zip(counts, block.holes):
             pieces.append(view[at:hole])
             at = hole
+            # a page row unpacked in PageEntry's field order (a NamedTuple per page costs ~10% of a lookup's CPU;
+            # tests/store/test_store_pages.py pins the order)
             for offset, length, levels, size, codec, crc, skip in itertools.islice(pages, count):
                 try:
                     body = os.pread(fd, length, offset)

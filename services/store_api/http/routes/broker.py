@@ -57,7 +57,7 @@ async def post_served(req: ServedRequest, store: StoreDep) -> ServedResponse:
     """Ledger entries: the groups a learner grafted at a step. Lookups with max_times_served or order least_served
     read them. A group this store never had is refused (404), and nothing of the request is recorded."""
     try:
-        return await run_in_threadpool(store.broker.serve, req, store.index)
+        return await run_in_threadpool(store.broker.serve, req, store.index.queries)
     except UnknownGroups as exc:
         raise StoreHTTPError(404, str(exc)) from exc
 
@@ -65,6 +65,6 @@ async def post_served(req: ServedRequest, store: StoreDep) -> ServedResponse:
 @router.get("/v1/groups/{group_id}/served", response_model=dict[str, int], responses=error_responses(400, 404, 422))
 def group_served(store: StoreDep, group_id: Annotated[str, Path(pattern=GROUP_ID_PATTERN)]) -> dict[str, int]:
     """How often the group was served, per learner (its ledger entries)."""
-    if not store.index.select_group(group_id):
+    if not store.index.queries.select_group(group_id):
         raise StoreHTTPError(404, f"no group {group_id!r} in this store")
     return store.broker.times_served(group_id)

@@ -56,7 +56,7 @@ def read_lookup(store: Store, metrics: StoreMetrics, req: PeerLookupRequest) -> 
     """The lookup's group messages and its answer's other fields: misses, and why each missed."""
     index = store.index
     served = store.broker.served_counts(req.learner_model) if store.broker.needs_ledger(req) else None
-    messages, misses = index.read_selected(lambda: index.select_peer_groups(req, served), as_messages=True)
+    messages, misses = index.queries.read_selected(lambda: index.queries.select_peer_groups(req, served), as_messages=True)
     metrics.lookups.inc()
     metrics.lookup_misses.inc(len(misses))
     return messages, {"misses": list(misses), "miss_reasons": misses}
@@ -112,9 +112,9 @@ def prompt_groups(
     limit: Annotated[int, Query(ge=1, le=256, description="at most this many groups")] = 16,
 ) -> Response:
     """Every stored group of one prompt (any model), most recent first."""
-    index = store.index
-    messages, _ = index.read_selected(lambda: (index.select_prompt_groups(prompt_id, model, limit), None),
-                                      as_messages=True)
+    queries = store.index.queries
+    messages, _ = queries.read_selected(lambda: (queries.select_prompt_groups(prompt_id, model, limit), None),
+                                  as_messages=True)
     if wants_arrow(request):
         return stream_response(messages, {"prompt_id": prompt_id})
     return json_response({"prompt_id": prompt_id, "groups": rows_as_groups(read_stream(arrow_stream(messages)))})
@@ -125,8 +125,8 @@ def prompt_groups(
 def get_group(request: Request, store: StoreDep, group_id: Annotated[str, Path(
         pattern=GROUP_ID_PATTERN, description="the group's id (schemas.Rollout.group_id)")]) -> Response:
     """One group by id."""
-    index = store.index
-    messages, _ = index.read_selected(lambda: (index.select_group(group_id), None), as_messages=True)
+    queries = store.index.queries
+    messages, _ = queries.read_selected(lambda: (queries.select_group(group_id), None), as_messages=True)
     if not messages:
         raise StoreHTTPError(404, f"no group {group_id!r} in this store")
     if wants_arrow(request):

@@ -18,7 +18,7 @@ def health(request: Request, store: StoreDep) -> HealthResponse:
     """'ok' when the index is open and the ingest loop runs."""
     background = request.app.state.background
     status = "ok" if background is not None and background.alive() else "degraded"
-    return HealthResponse(status=status, version=VERSION, groups=store.index.group_count())
+    return HealthResponse(status=status, version=VERSION, groups=store.index.queries.group_count())
 
 
 @router.get("/v1/stats", response_model=StatsResponse, tags=["meta"])

@@ -40,7 +40,7 @@ def rollouts(
     """
     if min_reward is not None and max_reward is not None and min_reward > max_reward:
         raise StoreHTTPError(422, f"min_reward {min_reward} > max_reward {max_reward}: the range is empty")
-    table, next_cursor = store.index.rollout_page(
+    table, next_cursor = store.index.queries.rollout_page(
         model=model, prompt_id=prompt_id, dataset=dataset, correct=correct, min_reward=min_reward,
         max_reward=max_reward, min_policy_step=min_policy_step, max_policy_step=max_policy_step,
         cursor=cursor, limit=limit,
