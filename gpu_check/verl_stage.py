@@ -10,7 +10,7 @@ groups into a store and serves it, composes verl's own config with the run's set
 machine runs; it stops before verl starts workers (vLLM rollouts need CUDA). The GPU run executes that command with
 PY, reads verl's file logger and writes <run-dir>/verl_check.json and .md: per step, verl's reward and GRAFT's
 graft/ metrics. PY needs `pip install 'verl[vllm]==0.9.1' 'TransferQueue>=0.1.10,<0.2' cachetools` and this
-project (`pip install --no-deps -e .` plus integrations/verl/requirements.py's list)."""
+project (`pip install --no-deps -e .` plus src/graft/integrations/verl/requirements.py's list)."""
 
 from __future__ import annotations
 

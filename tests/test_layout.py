@@ -13,17 +13,20 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-INSTALLED = ("schemas", "rollouts", "services", "trainer", "integrations")  # as graft.<folder> (pyproject's package-dir)
-PACKAGES = (*INSTALLED, "demo", "toy", "benchmarks", "gpu_check", "testbed")
+SRC = ROOT / "src"  # the installed name on disk: graft.trainer.loop is src/graft/trainer/loop.py
+GRAFT = SRC / "graft"
+INSTALLED = ("schemas", "rollouts", "services", "trainer", "integrations")  # graft.<name>: src/graft/<name>/
+CHECKOUT_ONLY = ("demo", "toy", "benchmarks", "gpu_check", "testbed")  # top-level folders, run from the checkout
+PACKAGES = (*INSTALLED, *CHECKOUT_ONLY)
 
 
 def _modules() -> dict[str, Path]:
-    """Every first-party module by the name it is imported as: graft.trainer.loop for trainer/loop.py, demo.run."""
+    """Every first-party module by the name it is imported as, its path under the folder that goes on sys.path (src/
+    for graft.*, the checkout's root for the rest): graft.trainer.loop for src/graft/trainer/loop.py, demo.run."""
     found = {}
-    for package in PACKAGES:
-        for path in (ROOT / package).rglob("*.py"):
-            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
-            found[("graft." if package in INSTALLED else "") + name.removesuffix(".__init__")] = path
+    for top, paths in ((SRC, GRAFT.rglob("*.py")), *((ROOT, (ROOT / p).rglob("*.py")) for p in CHECKOUT_ONLY)):
+        for path in paths:
+            found[".".join(path.relative_to(top).with_suffix("").parts).removesuffix(".__init__")] = path
     return found
 
 
@@ -219,7 +222,7 @@ def _private_reads(path: Path) -> list[str]:
 
 
 def test_the_browser_and_the_replica_read_the_index_through_its_public_functions():
-    files = [*(ROOT / "services/store_api/browser").rglob("*.py"), ROOT / "services/store_api/lake/replica.py"]
+    files = [*(GRAFT / "services/store_api/browser").rglob("*.py"), GRAFT / "services/store_api/lake/replica.py"]
     assert [read for path in files for read in _private_reads(path)] == []
 
 
@@ -227,7 +230,7 @@ def test_the_parts_of_the_index_and_the_lake_read_no_private_state_of_another():
     """Each part of StoreIndex (catalog, ingest, queries, compaction) and of Lake (connection, writing, reading,
     maintenance) owns its state: a part calls another's public methods, never `other._name`. (A namedtuple's own
     API, `GroupRef._make`, is public under an underscore.)"""
-    files = [*(ROOT / "services/store_api/local").rglob("*.py"), *(ROOT / "services/store_api/lake").rglob("*.py")]
+    files = [*(GRAFT / "services/store_api/local").rglob("*.py"), *(GRAFT / "services/store_api/lake").rglob("*.py")]
     reads = [read for path in files for read in _private_reads(path)]
     assert [read for read in reads if not read.endswith((" ._make", " ._replace", " ._asdict", " ._fields"))] == []
 
@@ -248,7 +251,7 @@ LOCAL_WHITE_BOX = {
 
 def _local_face() -> set[str]:
     """The names local/__init__.py exports (its `__all__`)."""
-    tree = ast.parse((ROOT / "services/store_api/local/__init__.py").read_text())
+    tree = ast.parse((GRAFT / "services/store_api/local/__init__.py").read_text())
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
             return set(ast.literal_eval(node.value))
@@ -467,7 +470,7 @@ def test_the_lake_replica_uses_an_index_rather_than_being_one(tmp_path):
 def test_a_long_store_module_says_why_it_is_one():
     """STYLE.md: a module over ~400 lines says why in its docstring (as app.py does), or is split by job."""
     long = []
-    for path in (ROOT / "services/store_api").rglob("*.py"):
+    for path in (GRAFT / "services/store_api").rglob("*.py"):
         text = path.read_text()
         docstring = ast.get_docstring(ast.parse(text)) or ""
         if text.count("\n") > 420 and not re.search(r"(\bover\s+|~\s*)\d+ lines\b", docstring, re.IGNORECASE):
@@ -507,7 +510,7 @@ def test_the_http_face_routes_on_module_level_routers_and_holds_no_cli():
     """FastAPI's "bigger applications": the store's routes live on module-level `APIRouter`s (reading the store
     through a dependency), not in closures of `create_app`; `graft-store` (typer) and the backend chooser are no HTTP
     and live at the store's top."""
-    files = sorted(path for part in ("http", "browser") for path in (ROOT / "services/store_api" / part).rglob("*.py"))
+    files = sorted(path for part in ("http", "browser") for path in (GRAFT / "services/store_api" / part).rglob("*.py"))
     assert [hit for path in files for hit in _nested_routes(path.read_text(), str(path.relative_to(ROOT)))] == []
     assert [str(path.relative_to(ROOT)) for path in files if "typer" in _imports_of(path)] == []
 
@@ -588,7 +591,7 @@ def _test_modules() -> dict[str, Path]:
 
 def _private_imports(modules: dict[str, Path]) -> list[tuple[str, str]]:
     """(module, module.name) for each `from <first-party module> import _name` (dunders aside)."""
-    first_party = (*(f"graft.{name}" for name in INSTALLED), *PACKAGES[len(INSTALLED):], "tests")
+    first_party = ("graft.", *CHECKOUT_ONLY, "tests")
     found = []
     for name, path in modules.items():
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
@@ -626,11 +629,49 @@ def test_a_private_function_is_used_where_it_is_defined():
 
 
 def test_every_folder_of_modules_is_a_package():
-    """Every top-level folder of Python modules has an `__init__.py` (toy/ had none: a namespace package, which any
-    other `toy` folder on the path merges into)."""
+    """Every folder of Python modules has an `__init__.py` (toy/ had none: a namespace package, which any other `toy`
+    folder on the path merges into; under src/graft/, a folder without one would be left out of the wheel). At the
+    checkout's top, the checkout-only folders and tests/: graft's parts live under src/graft/ alone."""
     folders = [p for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".") and any(p.glob("*.py"))]
-    assert {p.name for p in folders} == {*PACKAGES, "tests"}  # tests/: pytest's rootdir imports, no package
-    assert sorted(name for name in PACKAGES if not (ROOT / name / "__init__.py").exists()) == []
+    assert {p.name for p in folders} == {*CHECKOUT_ONLY, "tests"}  # tests/: pytest's rootdir imports, no package
+    assert sorted(p.name for p in SRC.iterdir() if p.suffix == ".py" or any(p.rglob("*.py"))) == ["graft"]
+    installed = [GRAFT, *(p for p in GRAFT.rglob("*") if p.is_dir() and any(p.glob("*.py")))]
+    assert {p.name for p in installed if p.parent == GRAFT} == set(INSTALLED)
+    packages = [*installed, *(ROOT / name for name in CHECKOUT_ONLY)]
+    assert sorted(str(p.relative_to(ROOT)) for p in packages if not (p / "__init__.py").exists()) == []
+
+
+def _not_on_disk(origins: dict[str, str | None]) -> list[str]:
+    """The graft.* modules (name -> the file Python imports it from) whose file is not src/graft/<name's parts>: a
+    package mapped from elsewhere (setuptools' package-dir, as graft.trainer once was from trainer/)."""
+    def on_disk(name: str, origin: Path) -> bool:
+        path = SRC.joinpath(*name.split("."))
+        return origin in (path.with_suffix(".py"), path / "__init__.py")
+
+    return sorted(f"{name}: {origin}" for name, origin in origins.items()
+                  if origin is None or not on_disk(name, Path(origin).resolve()))
+
+
+def test_the_installed_name_is_on_disk():
+    """Issue 51: `graft.trainer.loop` is src/graft/trainer/loop.py, as Python imports it (this environment's install
+    of the checkout), so that grep, code search and import-graph tools follow a `graft.*` import to its file."""
+    import importlib.util
+
+    def origin(name: str) -> str | None:
+        try:
+            spec = importlib.util.find_spec(name)
+        except ImportError:  # a parent package that is not there
+            return None
+        return spec.origin if spec else None
+
+    names = ["graft", *(f"graft.{name}" for name in INSTALLED), "graft.trainer.loop", "graft.services.store_api.cli"]
+    assert _not_on_disk({name: origin(name) for name in names}) == []
+
+
+def test_the_on_disk_rule_finds_a_mapped_package():
+    assert _not_on_disk({"graft.trainer": str(ROOT / "trainer" / "__init__.py"),
+                         "graft.trainer.loop": str(GRAFT / "trainer" / "loop.py")}) == [
+        f"graft.trainer: {ROOT / 'trainer' / '__init__.py'}"]
 
 
 def _string_constants(path: Path) -> set[str]:
@@ -643,7 +684,7 @@ def test_the_store_routes_the_wrappers_and_the_client_name_the_push_path_once():
     the route and the client read it, so none of them can drift from the others."""
     from graft.schemas import LOOKUP_PATH, PUSH_PATH
 
-    spelled = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "services").rglob("*.py")
+    spelled = sorted(str(path.relative_to(ROOT)) for path in (GRAFT / "services").rglob("*.py")
                      if {PUSH_PATH, LOOKUP_PATH} & _string_constants(path))
     assert spelled == []
 
@@ -694,5 +735,5 @@ def test_the_weight_sync_check_is_written_once():
                    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))))
 
     callers = [str(path.relative_to(ROOT)) for path in [*_modules().values(), *_test_modules().values()]
-               if calls_sync(path) and not str(path.relative_to(ROOT)).startswith("trainer/")]
+               if calls_sync(path) and not str(path.relative_to(ROOT)).startswith("src/graft/trainer/")]
     assert callers == ["tests/trainer/vllm_sync_ranks_check.py"]  # ranks: each syncs its own engine, no probe

@@ -117,7 +117,8 @@ def _workspace(tmp_path: Path) -> Path:
 def _environment() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRAFT_STORE_")}  # the pages set their own
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env["PYTHONPATH"] = str(REPO_ROOT)  # this checkout's code, whatever the environment installed
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT / "src"), str(REPO_ROOT)])  # this checkout's code, whatever the
+    # environment installed: graft from src/, the checkout-only folders (toy/, demo/) from the root
     return env
 
 

@@ -1,8 +1,9 @@
-"""The wheel installs what users import (issues 25, 40): one name, graft, holding schemas, rollouts, services, trainer
-and integrations, never the checkout-only folders (the demo, the toy world, the benchmarks), which would shadow, or be
-shadowed by, a user's own `demo/` or `benchmarks/`; and a user's own trainer.py or schemas.py shadows none of it. Built for real, as `pip install .` builds it, from a copy of what a build reads (the
-project files and every top-level folder of Python modules), so that the checkout's build/ (the GPU check's offline folder)
-is never touched."""
+"""The wheel installs what users import (issues 25, 40, 51): one name, graft, on disk as src/graft/ (schemas, rollouts,
+services, trainer and integrations), never the checkout-only folders (the demo, the toy world, the benchmarks), which
+would shadow, or be shadowed by, a user's own `demo/` or `benchmarks/`; and a user's own trainer.py or schemas.py
+shadows none of it. Built for real, as `pip install .` builds it, from a copy of what a build reads (the project files,
+src/ and every top-level folder of Python modules), so that the checkout's build/ (the GPU check's offline folder) is
+never touched."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ import pytest
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
-INSTALLED = {"schemas", "rollouts", "services", "trainer", "integrations"}
+SRC = ROOT / "src"
+INSTALLED = {"schemas", "rollouts", "services", "trainer", "integrations"}  # src/graft/<name>/
 CHECKOUT_ONLY = {"toy", "demo", "benchmarks", "gpu_check", "testbed"}  # run from the checkout: `python -m demo.run`
 
 
@@ -29,8 +31,8 @@ def wheel(tmp_path_factory) -> zipfile.ZipFile:
     source = tmp_path_factory.mktemp("source")
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(ROOT / name, source / name)
-    # every top-level folder of Python modules
-    packages = [p for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".") and any(p.glob("*.py"))]
+    # src/ and every top-level folder of Python modules
+    packages = [SRC, *(p for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".") and any(p.glob("*.py")))]
     assert CHECKOUT_ONLY <= {p.name for p in packages}, "the copy must hold the folders the wheel has to leave out"
     for package in packages:
         shutil.copytree(package, source / package.name, ignore=shutil.ignore_patterns("__pycache__"))
@@ -60,12 +62,34 @@ def test_wheel_holds_only_what_users_import_under_one_name(wheel):
     assert "graft/services/store_api/browser/ui/index.html" in names  # the browser's page, package data
 
 
-def test_pyproject_lists_every_folder_of_modules_it_installs():
-    """pyproject names its packages one by one (graft.* mapped from the folders): a new sub-folder must be added there,
-    or the wheel would silently leave it out."""
-    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    folders = {"graft." + ".".join(p.parent.relative_to(ROOT).parts) for top in INSTALLED for p in (ROOT / top).rglob("*.py")}
-    assert listed == folders
+def test_the_wheel_holds_src_graft_file_for_file(wheel):
+    """Issue 51: the installed name is on disk. The wheel's modules are src/graft/'s, each at the same path (src/graft/
+    trainer/loop.py is graft/trainer/loop.py), none left out (a folder without its __init__.py would be) and none from
+    elsewhere."""
+    modules = {n for n in wheel.namelist() if n.endswith(".py")}
+    assert modules == {str(p.relative_to(SRC)) for p in (SRC / "graft").rglob("*.py")}
+
+
+def _mapped_from_elsewhere(setuptools: dict) -> list[str]:
+    """What in pyproject's [tool.setuptools] would install graft.* from another folder than src/graft/: a package-dir
+    entry other than `"" = "src"`, packages not found under src/ (a list of names, mapped one by one)."""
+    wrong = [f"package-dir: {k} = {v}" for k, v in setuptools.get("package-dir", {}).items() if (k, v) != ("", "src")]
+    packages = setuptools.get("packages", {})
+    if not isinstance(packages, dict) or packages.get("find", {}).get("where") != ["src"]:
+        wrong.append(f"packages: {packages!r}, not found under src/")
+    return wrong
+
+
+def test_pyproject_installs_graft_from_src_alone():
+    """No package-dir mapping (graft.trainer was mapped from trainer/, so grep and import-graph tools could not follow
+    `graft.trainer` to a file): setuptools finds the packages under src/."""
+    assert _mapped_from_elsewhere(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]) == []
+
+
+def test_the_mapping_rule_finds_the_old_mapping():
+    old = {"packages": ["graft.trainer"], "package-dir": {"graft.trainer": "trainer"}}
+    assert _mapped_from_elsewhere(old) == ["package-dir: graft.trainer = trainer",
+                                           "packages: ['graft.trainer'], not found under src/"]
 
 
 SHADOWS = {"trainer.py": "raise SystemExit('the user trainer.py was imported')",

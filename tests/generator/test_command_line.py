@@ -1,6 +1,6 @@
-"""One command-line style for graft-train, graft-generate and graft-eval, implemented once (schemas/overrides.py): the
-config as `--config PATH`, a few named flags, `--set field=value` over the validated config, `show-config`; the hidden
-per-field flags of earlier releases are gone (`--set` names every field)."""
+"""One command-line style for graft-train, graft-generate and graft-eval, implemented once (graft.schemas.overrides):
+the config as `--config PATH`, a few named flags, `--set field=value` over the validated config, `show-config`; the
+hidden per-field flags of earlier releases are gone (`--set` names every field)."""
 
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ def test_one_config_reader_and_no_rewritten_signatures():
     import ast
 
     defined, rewritten = [], []
-    for folder in ("schemas", "rollouts", "services", "trainer", "integrations", "demo", "benchmarks", "gpu_check"):
+    for folder in ("src/graft", "demo", "benchmarks", "gpu_check"):
         for path in (REPO_ROOT / folder).rglob("*.py"):
             text = path.read_text()
             tree = ast.parse(text)
@@ -112,7 +112,7 @@ def test_one_config_reader_and_no_rewritten_signatures():
                         if isinstance(node, ast.FunctionDef) and node.name == "load_config"]
             rewritten += [str(path.relative_to(REPO_ROOT)) for node in ast.walk(tree)
                           if isinstance(node, ast.Attribute) and node.attr == "__signature__"]
-    assert defined == ["schemas/overrides.py"] and rewritten == []
+    assert defined == ["src/graft/schemas/overrides.py"] and rewritten == []
 
 
 @pytest.mark.parametrize("command, config, field", [

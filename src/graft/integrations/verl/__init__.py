@@ -2,4 +2,5 @@
 its all-fail groups, registered as `trainer.v1.trainer_mode=graft_sync` by the `verl.plugins` entry point
 (`graft.integrations.verl.plugin`). Runs in verl's own environment (`make install-verl`: .venv-verl); docs/verl.md.
 
-Nothing is imported here: `python integrations/verl/requirements.py` runs before verl and the project are installed."""
+Nothing is imported here: `python src/graft/integrations/verl/requirements.py` runs before verl and the project are
+installed."""

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 
 from graft.schemas import Problem
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[3]  # src/graft/rollouts/datasets.py: the checkout (an editable install)
 
 # name -> (file under the data dir, field holding the gold answer)
 KNOWN_DATASETS: dict[str, tuple[str, str]] = {

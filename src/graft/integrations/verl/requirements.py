@@ -8,8 +8,8 @@ together with verl's. Two of pyproject's requirements cannot hold next to verl 0
   only satisfy both with a hydra-core from 2019 that verl cannot run on. math-verify itself stays (the scorer imports);
   verl computes rewards with its own reward functions, never with graft's scorer.
 
-Usage: `python integrations/verl/requirements.py pyproject.toml` (the Makefile's install-verl: a file run before the
-project is installed, so it imports nothing of it)."""
+Usage: `python src/graft/integrations/verl/requirements.py pyproject.toml` (the Makefile's install-verl: a file run
+before the project is installed, so it imports nothing of it)."""
 
 from __future__ import annotations
 

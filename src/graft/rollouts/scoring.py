@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+SOURCE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding graft/: the checkout's src/, or site-packages
 TINY_MAGNITUDE = 1e-9  # below this, math-verify's absolute comparison cannot tell numbers apart
 TINY_RELATIVE_TOLERANCE = 1e-6
 WORKER_GRACE_S = 10.0  # beyond the per-item timeout, before the parent kills a silent worker
@@ -172,7 +172,7 @@ class _Worker:
 
     def __init__(self, timeout_s: float):
         parent_end, child_end = socket.socketpair()
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(SOURCE_ROOT), os.environ.get("PYTHONPATH")])))
         code = f"from graft.rollouts.scoring import _worker_main; _worker_main({child_end.fileno()}, {timeout_s!r})"
         self.process = subprocess.Popen([sys.executable, "-c", code], pass_fds=[child_end.fileno()], env=env)
         child_end.close()

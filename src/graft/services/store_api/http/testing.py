@@ -14,7 +14,8 @@ from pathlib import Path
 
 import httpx
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
+SOURCE_ROOT = Path(__file__).resolve().parents[4]  # the folder holding graft/: the checkout's src/
+REPO_ROOT = SOURCE_ROOT.parent
 
 
 def free_port() -> int:
@@ -60,7 +61,7 @@ class StoreServer:
         if self.token:
             env["GRAFT_STORE_TOKEN"] = self.token
         env.update(self.env)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SOURCE_ROOT), env.get("PYTHONPATH")) if p)
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "graft.services.store_api.cli", "serve"], env=env, cwd=REPO_ROOT,
