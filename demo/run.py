@@ -386,8 +386,10 @@ def train_job(cfg: DemoConfig, name: str, trains: list[dict], out: Path, models:
               deps: list[str]) -> tuple[Job, Path]:
     """One RL run as a job: `demo.worker train` per trainer config (two at once for a co-training pair: the first in
     the job's folder, the second in its `peer/`), in a folder keyed by what the run computes."""
-    # The store's URL (a fresh port each time) is no part of what a run computes: leave it out of the cache key.
-    portable = [{**train, "store": {**train["store"], "url": None}} for train in trains]
+    # Keyed by the config as the trainer resolves it, defaults included: a changed default is another run, never a
+    # cached one. The store's URL (a fresh port each time) is no part of what a run computes: left out of the key.
+    resolved = [TrainConfig.model_validate(train).model_dump(mode="json") for train in trains]
+    portable = [{**train, "store": {**train["store"], "url": None}} for train in resolved]
     key = config_hash(portable, models["learner"]["checkpoint_hash"], models["peer"]["checkpoint_hash"], eval_sets,
                       cfg.rl.eval_samples)
     job_dir = out / "runs" / f"{name}-{key}"

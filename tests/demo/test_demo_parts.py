@@ -293,3 +293,25 @@ def test_the_report_says_where_the_cotraining_peer_is(report_dir, ran_pairs):
     assert ("learner's peer hit rate |" in section) is ran_pairs
     if not ran_pairs:
         assert "rl.cotrain_seeds=[0,1,2,3]" in section and "make demo-study" in section
+
+
+def test_a_runs_cache_key_is_the_config_as_the_trainer_resolves_it(tmp_path):
+    """A run's folder is keyed by its config with the trainer's defaults filled in: `graft: []` before and after the
+    trainers' default GRAFT changed (issue 48) would otherwise name one cached run for two computations."""
+    import yaml
+
+    from demo.run import TRAIN_BASE, train_job, trainer_config
+    from graft.trainer.config import GraftConfig
+
+    cfg, base = quick(DemoConfig()), yaml.safe_load(TRAIN_BASE.read_text())
+    models = {"learner": {"checkpoint_hash": "l"}, "peer": {"checkpoint_hash": "p"}}
+    defaults = GraftConfig()
+
+    def folder(overrides: list[str], url: str = "http://127.0.0.1:1") -> str:
+        train = trainer_config(cfg, base, tmp_path / "rl.jsonl", str(tmp_path / "ckpt"), "learner", 0, "graft", None,
+                               (["peer"], [str(tmp_path / "peer")]), url, overrides)
+        return train_job(cfg, "graft-s0", [train], tmp_path / "out", models, {}, [])[1].name
+
+    assert folder([]) == folder([f"graft.token_is={defaults.token_is}"]) == folder([], url="http://127.0.0.1:2")
+    other = "tis" if defaults.token_is != "tis" else "none"
+    assert folder([f"graft.token_is={other}"]) != folder([])

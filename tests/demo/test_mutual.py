@@ -17,7 +17,7 @@ from demo.mutual import BUDGET_LRS, DEFAULT_CONFIG, check_config
 from demo.mutual_report import DOSE_CHANGES, DOSE_LR, DOSE_RULE, DOSE_RUNS, DOSE_SEEDS, claim
 
 REPO = Path(__file__).resolve().parents[2]
-MODES = {"grpo", "cotrain", "offline", "cotrain_graft_b1_no_peer_neg", "offline_graft_b1_no_peer_neg"}  # configs/demo_mutual.yaml
+MODES = {"grpo", "cotrain", "offline", "cotrain_graft_spec", "offline_graft_spec"}  # configs/demo_mutual.yaml
 
 
 def _run(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess, Path]:
@@ -57,7 +57,8 @@ def test_quick_mutual_demo_end_to_end(tmp_path):
     assert "## Interference" in text and "**The claim:" in text
     assert (report / "accuracy_vs_step.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| A (weak `add3r`) | co-training (the default GRAFT) |" in proc.stdout and "| B (weak `add3`) | offline" in proc.stdout
-    assert "| A (weak `add3r`) | co-training, `graft_b1_no_peer_neg` (graft.token_is=none, graft.peer_negative_scale=0.0) |" in proc.stdout
+    assert ("| A (weak `add3r`) | co-training, `graft_spec` (graft.token_is=tis, graft.kappa=1.0, graft.peer_negative_scale=1.0, "
+            "graft.peer_loss_scale=1.0) |") in proc.stdout
     # the claim is the default GRAFT's alone: its verdicts are the default's co-training rows'
     assert summary["claim"]["cotrain_verdicts"] == {n: summary["comparisons"][n]["cotrain"]["verdict"] for n in ("A", "B")}
     # co-training in lockstep (issue 50): the same command, in a fresh folder, gives the same co-training rows to the
