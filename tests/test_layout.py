@@ -383,8 +383,8 @@ def test_no_method_of_the_store_handles_only_forwards():
     """Issue 51: StoreIndex and Lake keep open/close and hand out their parts; callers call `index.queries.stats()`,
     `lake.writing.commit(...)`, so "go to definition" lands on the code that does it, never on a one-line forward."""
     for path, name in HANDLES.items():
-        assert f"class {name}" in (ROOT / path).read_text()
-    assert [f for path, name in HANDLES.items() for f in _forwards((ROOT / path).read_text(), name)] == []
+        assert f"class {name}" in (GRAFT / path).read_text()
+    assert [f for path, name in HANDLES.items() for f in _forwards((GRAFT / path).read_text(), name)] == []
 
 
 def test_the_forward_finder_finds_each_kind():
@@ -443,7 +443,7 @@ def test_the_lookup_tables_are_read_by_field_name():
     """Issue 51: the store's hottest read names the lookup file's fields (`block.first_page`,
     `blocks[:, BLOCK.row_start]`); `Block` and `PageEntry` in lookup.py are the one definition of both tables'
     layout, which the writer writes and the reader reads."""
-    assert _tables_read_by_position((ROOT / LOOKUP).read_text()) == []
+    assert _tables_read_by_position((GRAFT / LOOKUP).read_text()) == []
 
 
 def test_the_position_finder_finds_a_table_read_by_position():
