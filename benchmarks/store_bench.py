@@ -1,5 +1,7 @@
 """Trajectory store benchmark: ingest, freshness, peer lookups over HTTP, the naive DuckDB scan, disk, peak RSS,
-and the physical floor of a lookup on this machine.
+and the physical floor of a lookup on this machine. (One module of over 600 lines on purpose: each figure's setup, timing
+and printed line read together in the order RESULTS.md reports them; the stores it measures are built by
+benchmarks/store_data.py.)
 
     python -m benchmarks.store_bench --rollouts 1000000 --json store_bench.json
     python -m benchmarks.store_bench --profile reasoning --rollouts 1000000 --naive 3 --json store_reasoning.json

@@ -29,10 +29,10 @@ BLOCK_TIMEOUT_S = 900  # the server starts in about two minutes on 2 idle cores,
 
 
 def _blocks(page: str) -> list[str]:
-    """The bash blocks of a docs/ page: those this test runs (TAG before them), or the page's first block."""
+    """The bash blocks of a docs/ page that this test runs (TAG before them)."""
     text = (REPO_ROOT / "docs" / page).read_text()
     return [m.group(2) for m in re.finditer(r"(<!-- walk: [^\n]* -->\n)?```bash\n(.*?)```", text, flags=re.S)
-            if m.group(1) and m.group(1).strip() == TAG] or []
+            if m.group(1) and m.group(1).strip() == TAG]
 
 
 def _first_block(page: str) -> str:
