@@ -13,6 +13,7 @@ for each of the demo's ~20 jobs. Any other command runs as a plain subprocess.
 
 from __future__ import annotations
 
+import hashlib
 import multiprocessing
 import os
 import platform
@@ -55,9 +56,54 @@ class Job:
         return self.done[0].with_name(f"{self.done[0].stem}.wall_s")
 
 
-def run_jobs(jobs: list[Job], slots: int, desc: str, env: dict[str, str]) -> dict[str, float]:
+class CodeGuard:
+    """The Python files the jobs run, as they were when the demo started.
+
+    A job reads the checkout live: one started after a change (a merge, a checkout) runs other code than the jobs
+    before it, and a worker that imports a module late runs a mix of both (a demo run once died of that halfway). The
+    demo therefore starts no job once a file has changed; `changed` names the files. Files are compared by content
+    whenever their size or modification time moved."""
+
+    def __init__(self, roots: list[Path]):
+        self.roots = roots
+        self._files = {path: (stat, _digest(path)) for path, stat in self._stat().items()}
+
+    @classmethod
+    def of_checkout(cls) -> CodeGuard:
+        """The demo's own code and the installed graft package's (the checkout's src/graft/ under `make install`)."""
+        import graft
+
+        repo = Path(__file__).resolve().parents[1]
+        return cls([repo / "demo", repo / "toy", Path(graft.__file__).resolve().parent])
+
+    def _stat(self) -> dict[Path, tuple[int, int]]:
+        files = {}
+        for root in self.roots:
+            for path in root.rglob("*.py"):
+                try:
+                    st = path.stat()
+                except FileNotFoundError:  # removed while listed (a checkout under way): counted as removed
+                    continue
+                files[path] = (st.st_mtime_ns, st.st_size)
+        return files
+
+    def changed(self) -> list[str]:
+        """The files added, removed or edited since the start (paths as found), sorted; [] when none."""
+        now = self._stat()
+        moved = set(now) ^ set(self._files)
+        moved |= {path for path, stat in now.items() if path in self._files and self._files[path][0] != stat
+                  and _digest(path) != self._files[path][1]}
+        return sorted(str(path) for path in moved)
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha1(path.read_bytes()).hexdigest()
+
+
+def run_jobs(jobs: list[Job], slots: int, desc: str, env: dict[str, str], guard: CodeGuard | None = None) -> dict[str, float]:
     """Run every job not already done; returns {job name: wall seconds} of every job, those done by an
-    earlier invocation included (from the time it recorded then)."""
+    earlier invocation included (from the time it recorded then). With a `guard`, no job starts once the code has
+    changed: the running ones finish, then a RuntimeError names the files."""
     names = {job.name for job in jobs}
     for job in jobs:
         unknown = set(job.deps) - names
@@ -69,12 +115,13 @@ def run_jobs(jobs: list[Job], slots: int, desc: str, env: dict[str, str]) -> dic
     to_run = {job.name for job in pending}  # the bar counts these
     finished = {job.name for job in jobs if job.is_done()}
     running: list[Job] = []
+    changed: list[str] = []  # the guard's files, once the code has changed: no more jobs start
     timings = {job.name: float(job.timing_path.read_text()) for job in jobs if job.name in finished and job.timing_path.exists()}
     bar = tqdm(total=sum(job.total for job in pending), desc=desc, unit="step", dynamic_ncols=True,
                bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} [{elapsed}<{remaining}] {postfix}")
     try:
-        while pending or running:
-            for job in list(pending):  # start what fits, in order
+        while (pending and not changed) or running:
+            for job in [] if changed else list(pending):  # start what fits, in order
                 if not all(d in finished for d in job.deps):
                     continue
                 if job.slots > slots - sum(j.slots for j in running):
@@ -83,6 +130,10 @@ def run_jobs(jobs: list[Job], slots: int, desc: str, env: dict[str, str]) -> dic
                     if not any(j.slots >= job.slots for j in running):
                         break
                     continue
+                if guard is not None and (changed := guard.changed()):
+                    tqdm.write(f"the code changed while the demo ran ({_listed(changed)}): no further job starts; "
+                               f"waiting for the {len(running)} running")
+                    break
                 _start(job, env)
                 pending.remove(job)
                 running.append(job)
@@ -114,7 +165,17 @@ def run_jobs(jobs: list[Job], slots: int, desc: str, env: dict[str, str]) -> dic
         raise
     finally:
         bar.close()
+    if changed:
+        raise RuntimeError(
+            f"the code changed while the demo ran ({_listed(changed)}); {len(pending)} jobs not started. The "
+            f"{len(finished)} finished are kept, as the code before the change made them: the same command goes on "
+            "from them under the new code (remove the output folder's runs/ for every job under one code), or "
+            "restore the files first.")
     return timings
+
+
+def _listed(paths: list[str], most: int = 3) -> str:
+    return ", ".join(paths[:most]) + (f" and {len(paths) - most} more" if len(paths) > most else "")
 
 
 PRELOADED = "demo.worker"

@@ -30,7 +30,7 @@ from pathlib import Path
 import yaml
 
 from demo.config import DemoConfig, config_hash
-from demo.jobs import Job, python_module, run_jobs
+from demo.jobs import CodeGuard, Job, python_module, run_jobs
 from demo.mutual_report import (
     BUDGET_LRS,
     DOSE_LR,
@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--budget and --dose are two studies: run one at a time")
     cfg, env, kernels, out = command_line("python -m demo.mutual", __doc__, DEFAULT_CONFIG,
                                           [a for a in args if a not in ("--budget", "--dose")])
+    guard = CodeGuard.of_checkout()  # the code every job runs: none starts once it has changed
     check_config(cfg)
     print(f"GRAFT mutual demo ({cfg.mode}{', the budget pilot' if budget else ''}): A strong on {cfg.task.strong_family}, B "
           f"strong on {cfg.task.weak_family}{', the dose study' if dose else ''}; outputs in {out}, report in {cfg.report_dir}, {cfg.workers} processes at once",
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"store API up at {server.url} over {store_root} (pid {server.pid})", flush=True)
         make = budget_jobs if budget else dose_jobs if dose else mutual_jobs
         jobs, runs = make(cfg, data, models, store_root, server.url, out)
-        timings = run_jobs(build_jobs + jobs, cfg.workers, desc="SFT, stored groups, RL runs", env=env)
+        timings = run_jobs(build_jobs + jobs, cfg.workers, desc="SFT, stored groups, RL runs", env=env, guard=guard)
     for role in ROLES:
         models[role].update(json.loads((Path(models[role]["dir"]) / "done.json").read_text()))
     stored = {role: json.loads((store_root / f"groups-done-{STORED_ID[role]}.json").read_text()) for role in ROLES}

@@ -41,6 +41,7 @@ from demo.config import (
 )
 from demo.jobs import (
     PORTABLE_KERNELS,
+    CodeGuard,
     Job,
     child_env,
     kernel_settings,
@@ -59,6 +60,7 @@ TRAIN_BASE = REPO_ROOT / "configs" / "demo_train.yaml"
 def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     cfg, env, kernels, out = command_line("python -m demo.run", __doc__, None, argv)
+    guard = CodeGuard.of_checkout()  # the code every job runs: none starts once it has changed
     print(f"GRAFT demo ({cfg.mode}): outputs in {out}, report in {cfg.report_dir}, {cfg.workers} processes at once", flush=True)
 
     data = prepare_data(cfg, out / "data")
@@ -74,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         jobs, runs = rl_jobs(cfg, data, models, store_root, server.url, out)
         # One schedule for everything: while the learner warms up, the other process warms up the
         # peer and fills the store with its groups.
-        timings = run_jobs(build_jobs + jobs, cfg.workers, desc="SFT, peer groups, RL runs", env=env)
+        timings = run_jobs(build_jobs + jobs, cfg.workers, desc="SFT, peer groups, RL runs", env=env, guard=guard)
         from graft.services.store_api.http.client import StoreClient
 
         with StoreClient(server.url) as client:

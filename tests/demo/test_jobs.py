@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from demo.jobs import Job, child_env, run_jobs
+from demo.jobs import CodeGuard, Job, child_env, run_jobs
 
 TIMED = "import sys, time; t = time.time(); time.sleep(float(sys.argv[2])); open(sys.argv[1], 'w').write(f'{t} {time.time()}')"
 
@@ -56,3 +56,48 @@ def test_a_waiting_job_is_overtaken_while_one_as_big_runs(tmp_path):
     run_jobs(jobs, slots=3, desc="test", env=child_env())
     pair1, pair2, s = (interval(tmp_path, n) for n in ("pair1", "pair2", "s"))
     assert s[1] <= pair1[1] and pair2[0] >= pair1[1]
+
+
+EDIT = "import sys; open(sys.argv[1], 'w').write(sys.argv[2]); open(sys.argv[3], 'w').write('')"
+
+
+def editing_job(tmp_path: Path, name: str, source: Path, text: str) -> Job:
+    """A job that writes `text` into `source` (a merge in the checkout while the demo runs) and finishes."""
+    done = tmp_path / f"{name}.done"
+    return Job(name=name, commands=[[sys.executable, "-c", EDIT, str(source), text, str(done)]], logs=[tmp_path / f"{name}.log"],
+               done=[done], progress=lambda: 0.0, total=1.0)
+
+
+def test_no_job_starts_once_the_code_has_changed_and_the_files_are_named(tmp_path):
+    code = tmp_path / "code"
+    (code / "pkg").mkdir(parents=True)
+    source = code / "pkg" / "loss.py"
+    source.write_text("SCALE = 1\n")
+    (code / "notes.txt").write_text("not code")
+    guard = CodeGuard([code])
+    assert guard.changed() == []
+    jobs = [editing_job(tmp_path, "merge", source, "SCALE = 2\n"), job(tmp_path, "after", 0.1, deps=["merge"]),
+            job(tmp_path, "other", 0.1, deps=["merge"])]
+    with pytest.raises(RuntimeError, match=r"code changed while the demo ran \(.*pkg/loss\.py\); 2 jobs not started\. The 1 finished"):
+        run_jobs(jobs, slots=1, desc="test", env=child_env(), guard=guard)
+    assert (tmp_path / "merge.done").exists() and not (tmp_path / "after-0.done").exists()
+
+
+def test_a_file_rewritten_with_the_same_text_or_a_non_python_file_changes_nothing(tmp_path):
+    code = tmp_path / "code"
+    code.mkdir()
+    source = code / "loss.py"
+    source.write_text("SCALE = 1\n")
+    guard = CodeGuard([code])
+    jobs = [editing_job(tmp_path, "touch", source, "SCALE = 1\n"), editing_job(tmp_path, "notes", code / "notes.txt", "x"),
+            job(tmp_path, "after", 0.1, deps=["touch", "notes"])]
+    run_jobs(jobs, slots=1, desc="test", env=child_env(), guard=guard)
+    assert (tmp_path / "after-0.done").exists()
+    (code / "new.py").write_text("")
+    source.unlink()
+    assert guard.changed() == [str(code / "loss.py"), str(code / "new.py")]
+
+
+def test_the_demos_guard_watches_its_own_code_and_the_installed_graft():
+    roots = CodeGuard.of_checkout().roots
+    assert [r.name for r in roots] == ["demo", "toy", "graft"] and all((r / "__init__.py").is_file() for r in roots)
