@@ -81,7 +81,7 @@ def processed_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Te
 def teacher_forced_logprobs(model, prompt_ids: list[int], completion_ids: list[int], params: SamplingParams) -> list[float]:
     """Behaviour logprobs of `completion_ids` after `prompt_ids` from one full forward pass (no cache, no padding)."""
     ids = torch.tensor([prompt_ids + completion_ids], device=model.device)  # (1, P + L)
-    logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1]  # (L, V): position t predicts token t + 1
+    logits = model(input_ids=ids, use_cache=False).logits[0, len(prompt_ids) - 1 : -1]  # (L, V): position t predicts token t + 1
     logprobs = processed_logprobs(logits, params)  # (L, V)
     targets = torch.tensor(completion_ids, device=model.device)  # (L,)
     return logprobs.gather(-1, targets[:, None])[:, 0].tolist()

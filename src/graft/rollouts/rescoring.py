@@ -52,7 +52,7 @@ class HFRescorer:
         ids = torch.tensor(rows, device=self.model.device)  # (G, P + L)
         mask = torch.tensor([[1] * (len(prompt_ids) + len(c)) + [0] * (longest - len(c)) for c in completions],
                             device=self.model.device)  # (G, P + L): right padding, so the real positions are unchanged
-        logits = self.model(input_ids=ids, attention_mask=mask).logits[:, len(prompt_ids) - 1 : -1]  # (G, L, V)
+        logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, len(prompt_ids) - 1 : -1]  # (G, L, V)
         logprobs = processed_logprobs(logits.reshape(-1, logits.shape[-1]), params).view(len(rows), longest, -1)
         taken = logprobs.gather(-1, ids[:, len(prompt_ids):, None])[..., 0]  # (G, L)
         return [taken[i, : len(c)].tolist() for i, c in enumerate(completions)]

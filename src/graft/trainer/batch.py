@@ -113,7 +113,8 @@ def response_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: fl
 
     The logits are divided by the sampling temperature, so pi is the distribution the learner's
     rollouts were drawn from."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # (B, L, V)
+    # use_cache=False: a training forward has no next step to cache keys and values for
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits  # (B, L, V)
     predicting = (batch.response_positions - 1).clamp(min=0)  # (B, T): position whose logits predict each token
     picked = torch.gather(logits, 1, predicting[:, :, None].expand(-1, -1, logits.shape[-1]))  # (B, T, V)
     picked = picked.float() / temperature
