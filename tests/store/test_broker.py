@@ -9,7 +9,7 @@ import orjson
 import pytest
 from store_factory import make_group, make_problem, wait_for
 
-from graft.schemas import PeerLookupRequest, ServedRequest, Want, WantedRequest, prompt_id
+from graft.schemas import PeerLookupRequest, ServedRequest, Want, WantedRequest
 from graft.services.store_api.broker import Broker, Journal
 from graft.services.store_api.http.client import StoreClient, StoreError
 from graft.services.store_api.http.testing import StoreServer
