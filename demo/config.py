@@ -48,7 +48,7 @@ class PeerGroupsConfig(_Section):
     prompts_per_batch: int = Field(default=128, ge=1, description="prompts per generator batch (one shard each)")
 
 
-# The spec's GRAFT (GRAFT_SPEC sections 4-5; graft.preset=spec), spelled out: the probe weighs it beside the default.
+# The spec's GRAFT (docs/algorithm.md sections 4-5; graft.preset=spec), spelled out: the probe weighs it beside the default.
 SPEC_GRAFT = ["graft.token_is=tis", "graft.kappa=1.0", "graft.peer_negative_scale=1.0", "graft.peer_loss_scale=1.0"]
 
 

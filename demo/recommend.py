@@ -1,7 +1,7 @@
 """Which GRAFT the trainers run by default, chosen by a rule written down before the runs it reads (issue 35),
 amended before any new run (issue 48).
 
-GRAFT_SPEC's formulas are this project's reading of a paper whose exact formulas are not public, so its default is
+The `spec` preset's formulas are this project's reading of a paper whose exact formulas are not public, so its default is
 what the evidence picks among the spec's own options, by RULE below, on dev seeds (`make demo-choose`:
 configs/demo_choose.yaml, seeds 10-13 at both starts). The figure of the chosen default then comes from `make demo`
 (seeds 0-7), which plays no part in choosing.

@@ -85,7 +85,7 @@ def toy_world(tmp_path_factory, one_torch_thread):
 @pytest.fixture(scope="session")
 def text_only_store_root(toy_world, tmp_path_factory):
     """A store root holding the toy peer's groups as a source without behaviour logprobs stores them (logprobs_mode
-    'none', token_logprobs empty, logprob_sum 0.0: GRAFT_SPEC section 11)."""
+    'none', token_logprobs empty, logprob_sum 0.0: docs/algorithm.md section 11)."""
     import pyarrow.parquet as pq
 
     from graft.schemas import RolloutGroup, table_to_groups

@@ -1,4 +1,4 @@
-"""The folders say who uses what (STYLE.md): the shared rollout layer imports no service, the trainer
+"""The folders say who uses what (docs/style.md): the shared rollout layer imports no service, the trainer
 imports nothing from the generator service, the installed trainer ships no test fixtures, and no
 first-party modules import each other in a circle. Read from the source (every import, the lazy ones
 inside functions included), so a lazy import cannot hide a circle."""
@@ -279,7 +279,7 @@ def _outside_local() -> dict[str, Path]:
 
 
 def test_other_parts_import_the_local_store_only_through_its_face():
-    """HOUSE_REVIEW: `from graft.services.store_api.local import StoreIndex`, never `graft.services.store_api.local.index`:
+    """docs/style.md (a package has a face): `from graft.services.store_api.local import StoreIndex`, never `graft.services.store_api.local.index`:
     local/'s modules can move inside it without breaking the HTTP face, the browser, the lake or the benchmarks."""
     face = _local_face()
     assert "StoreIndex" in face
@@ -468,7 +468,7 @@ def test_the_lake_replica_uses_an_index_rather_than_being_one(tmp_path):
 
 
 def test_a_long_store_module_says_why_it_is_one():
-    """STYLE.md: a module over ~400 lines says why in its docstring (as app.py does), or is split by job."""
+    """docs/style.md: a module over ~400 lines says why in its docstring (as app.py does), or is split by job."""
     long = []
     for path in (GRAFT / "services/store_api").rglob("*.py"):
         text = path.read_text()

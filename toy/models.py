@@ -1,7 +1,7 @@
 """Small causal LMs of different architectures, built from a config (no download).
 
 `build_tiny_model` is the one builder; `build_learner` and `build_peer` are the demo's two models, in
-TOY_STUDY's working setting: a Llama-style learner (d=128, 4 layers, about 1M parameters) and a
+the setting a prototype of the toy world found to work: a Llama-style learner (d=128, 4 layers, about 1M parameters) and a
 Qwen2-style peer (d=96, 3 layers).
 """
 

@@ -1,6 +1,6 @@
 """The toy task: `a+b=` -> `\\boxed{a+b}`, in families of operand sizes.
 
-The demo's two families are the same operation with different operand sizes (TOY_STUDY: families that
+The demo's two families are the same operation with different operand sizes (a prototype of the toy world found: families that
 share structure transfer; different operations did not). The learner is warm-started mostly on `add2`
 (strong) and barely on `add3` (weak); the peer mostly on `add3`. The tests draw from `SMALL`
 (`sample_problems`).

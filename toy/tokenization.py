@@ -2,7 +2,7 @@
 
 - character level (one token per character) with a fusing decoder (without it, decoding puts a space
   between every pair of characters): the learners;
-- byte-level BPE, digits split one by one by default (TOY_STUDY: multi-digit number tokens made 3-digit
+- byte-level BPE, digits split one by one by default (a prototype of the toy world found: multi-digit number tokens made 3-digit
   addition hard to learn): the peers. The demo's peer trains only on characters the learner's tokenizer
   also has (`allowed_chars`), so every peer completion can be re-tokenised by the learner.
 Both come as `PreTrainedTokenizerFast` with eos and pad tokens.

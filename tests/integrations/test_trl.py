@@ -325,7 +325,7 @@ def test_the_trl_adapter_runs_graft_trains_default_graft(tmp_path):
 def test_peer_groups_without_mu_graft_in_trl_with_w_one_and_are_counted(toy_world, text_only_store_root, fresh_learner,
                                                                           tmp_path):
     """The toy peer's groups stored without behaviour logprobs (logprobs_mode 'none'): TRL grafts them with b = 1 and
-    w = 1 (GRAFT_SPEC section 11) and counts them in graft/peer_rollouts_without_mu."""
+    w = 1 (docs/algorithm.md section 11) and counts them in graft/peer_rollouts_without_mu."""
     root = shutil.copytree(text_only_store_root, tmp_path / "store",
                            ignore=shutil.ignore_patterns("index.duckdb*", "logs"))
     with StoreServer(root) as server:

@@ -34,7 +34,7 @@ def make_args(out_dir: Path, store_url: str | None, peer_dir: Path | None, **ove
         max_steps=2, learning_rate=1e-3, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", seed=0,
         disable_tqdm=True, graft_store_url=store_url, graft_peer_tokenizers=[str(peer_dir)] if peer_dir else None,
         graft_lookup_wait_s=30.0,  # the tests' store answers in milliseconds: never late, whatever the machine's load
-        # GRAFT_SPEC's formulas (b, peer negatives) unless a test says otherwise: the tests check b and peer negatives
+        # the `spec` preset's formulas (b, peer negatives) unless a test says otherwise: the tests check b and peer negatives
         graft_options={"token_is": "tis", "peer_negative_scale": 1.0},
     )
     return GraftConfig(**(settings | overrides))

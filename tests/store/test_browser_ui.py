@@ -322,7 +322,7 @@ def test_without_the_tokenizer_the_view_says_what_it_shows(browser, server, api)
 
 
 def test_a_rollout_without_behaviour_logprobs_shows_its_tokens_without_probabilities(browser, server, api, world):
-    """logprobs_mode 'none' (GRAFT_SPEC section 11): the tokens uncoloured, a note saying why, no probability in the
+    """logprobs_mode 'none' (docs/algorithm.md section 11): the tokens uncoloured, a note saying why, no probability in the
     tooltip and no least-likely table; the console clean."""
     from selenium.webdriver.common.action_chains import ActionChains
 

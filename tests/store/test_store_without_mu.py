@@ -1,4 +1,4 @@
-"""Rows without behaviour logprobs (logprobs_mode 'none', GRAFT_SPEC section 11) through the real store: refused when
+"""Rows without behaviour logprobs (logprobs_mode 'none', docs/algorithm.md section 11) through the real store: refused when
 malformed, stored, served whole, filtered out by require_behaviour_logprobs with a reason, shown by the browser API;
 and a shard written by schema version 1 read, validated and served unchanged."""
 

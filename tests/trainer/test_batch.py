@@ -41,7 +41,7 @@ def forced(model, tokenizer, prompt: str, completion_ids: list[int]) -> list[flo
 
 
 def config(**graft):
-    """These cases are GRAFT_SPEC's formulas (b, peer negatives) unless they say otherwise."""
+    """These cases are the `spec` preset's formulas (b, peer negatives) unless they say otherwise."""
     graft = {"token_is": "tis", "peer_negative_scale": 1.0, **graft}
     return TrainConfig(model={"path": "unused"}, data={"dataset": "unused", "prompt_template": "raw"}, store={"url": "http://x"},
                        rollout={"max_response_tokens": 32}, graft=graft)
@@ -224,7 +224,7 @@ def test_union_all_success_and_skipped_groups(char_model, char_tokenizer, bpe_mo
 
 
 def test_same_tokenizer_peer_rows_keep_the_sampled_split_and_count_the_mismatch(bpe_model, bpe_tokenizer):
-    """GRAFT_SPEC 3: a peer with the learner's tokenizer id must re-tokenise to its stored ids. Where the sampler
+    """docs/algorithm.md section 3: a peer with the learner's tokenizer id must re-tokenise to its stored ids. Where the sampler
     chose a split the canonical encoding would not, the stored ids stay (their logprobs are exact) and the step
     counts it (same_tokenizer_id_mismatch)."""
     problem = PROBLEMS[0]
@@ -282,14 +282,14 @@ def test_a_chat_learner_ends_grafted_and_anchor_rows_with_its_end_of_turn(tmp_pa
 
 
 def without_mu(group: RolloutGroup) -> RolloutGroup:
-    """The same group as a source without behaviour logprobs stores it (logprobs_mode 'none', GRAFT_SPEC section 11)."""
+    """The same group as a source without behaviour logprobs stores it (logprobs_mode 'none', docs/algorithm.md section 11)."""
     no_mu = {"logprobs_mode": "none", "token_logprobs": [], "logprob_sum": 0.0}
     return RolloutGroup(rollouts=[r.model_copy(update=no_mu) for r in group.rollouts])
 
 
 def test_a_peer_group_without_mu_grafts_with_b_and_w_one_and_is_counted(char_model, char_tokenizer, bpe_model,
                                                                          bpe_tokenizer):
-    """GRAFT_SPEC section 11: no mu, so b = 1 and w = 1 (w needs l_peer): c = peer_loss_scale on every token, exactly,
+    """docs/algorithm.md section 11: no mu, so b = 1 and w = 1 (w needs l_peer): c = peer_loss_scale on every token, exactly,
     under tis as under none; log rho is not computed for such rows; the rows are counted apart."""
     problem, peer, learner, _ = grafting(char_model, char_tokenizer, bpe_model, bpe_tokenizer)
     text_only = without_mu(peer)

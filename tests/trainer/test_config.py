@@ -16,7 +16,7 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def test_defaults_follow_the_spec_but_b_and_peer_negatives():
-    """GRAFT_SPEC's defaults, but b = 1 and peer negatives x0: the confirmatory run's choice (docs/demo.md)."""
+    """The default GRAFT (docs/algorithm.md section 7): b = 1 and peer negatives x0: the confirmatory run's choice (docs/demo.md)."""
     cfg = TrainConfig(model={"path": "m"}, data={"dataset": "d"}, store={"url": "http://x"})
     assert (cfg.ppo.eps_low, cfg.ppo.eps_high, cfg.ppo.dual_clip_c) == (0.2, 0.28, 3.0)
     assert cfg.graft.is_cap == 2.0 and cfg.graft.kappa == 1.0 and cfg.graft.log_rho_min is None

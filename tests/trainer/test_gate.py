@@ -1,4 +1,4 @@
-"""The gate, peer choice, peer advantages and the compatibility weights, by hand (GRAFT_SPEC 1, 2, 4, 5)."""
+"""The gate, peer choice, peer advantages and the compatibility weights, by hand (docs/algorithm.md sections 1, 2, 4, 5)."""
 
 from __future__ import annotations
 

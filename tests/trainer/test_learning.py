@@ -60,5 +60,5 @@ def test_graft_teaches_the_peers_problems_where_grpo_gets_no_signal(toy_world, t
     # The learner starts unable to solve the peer's problems; grafting their groups teaches it, GRPO cannot.
     assert mean(graft[:10]) < 0.1 and mean(grpo[:10]) < 0.1, (graft[:10], grpo[:10])
     assert mean(graft[-10:]) >= 0.2 and mean(graft[-10:]) >= mean(grpo[-10:]) + 0.15, (mean(graft[-10:]), mean(grpo[-10:]))
-    # ... on the very prompts it grafted earlier (GRAFT_SPEC section 8)
+    # ... on the very prompts it grafted earlier (docs/algorithm.md section 8)
     assert mean(rewards(graft_dir, "reward_previously_grafted")[-10:]) >= 0.2

@@ -1,4 +1,4 @@
-"""Hand-computed losses and gradients of graft_loss (GRAFT_SPEC sections 5 and 6)."""
+"""Hand-computed losses and gradients of graft_loss (docs/algorithm.md sections 5 and 6)."""
 
 from __future__ import annotations
 
@@ -209,7 +209,7 @@ def test_shape_errors_are_reported():
 
 
 def test_clip_fraction_of_grafted_tokens_without_mu_is_logged_apart():
-    # rows: on-policy, grafted with mu, grafted without mu (GRAFT_SPEC section 11); ratios e^0.5 > 1 + eps_high clip
+    # rows: on-policy, grafted with mu, grafted without mu (docs/algorithm.md section 11); ratios e^0.5 > 1 + eps_high clip
     # on positive advantages, e^0 does not
     log_ratio = [[0.5, 0.0], [0.0, 0.0], [0.5, 0.5]]
     batch, logprobs = make_batch([2, 2, 2], [1.0, 1.0, 1.0], grafted=[False, True, True], log_ratio=log_ratio)

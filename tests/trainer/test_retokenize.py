@@ -1,4 +1,4 @@
-"""Re-tokenisation of peer text and projection of peer logprobs onto learner tokens (GRAFT_SPEC 3 and 5)."""
+"""Re-tokenisation of peer text and projection of peer logprobs onto learner tokens (docs/algorithm.md sections 3 and 5)."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def test_same_tokenizer_reproduces_stored_ids_and_copies_logprobs(make_group, bp
 
 
 def test_same_tokenizer_non_canonical_split_keeps_the_stored_ids_and_says_so(make_group, bpe_tokenizer, bpe_model):
-    """GRAFT_SPEC 3: with the same tokenizer, re-tokenising must reproduce the stored ids. A sampler may choose a
+    """docs/algorithm.md section 3: with the same tokenizer, re-tokenising must reproduce the stored ids. A sampler may choose a
     split the canonical encoding would not: then the stored ids (whose probabilities are known) are kept, and the
     mismatch is reported."""
     group = make_group(PROBLEM, ["\\boxed{19}"], [1.0], bpe_tokenizer, bpe_model, model_id="peer", tokenizer_id="tok-bpe")

@@ -13,7 +13,7 @@ def make_config(world, run_dir, store_url, **overrides) -> TrainConfig:
         "data": {"dataset": str(world.problems_path), "prompt_template": "raw"},
         "rollout": {"backend": "hf", "group_size": 4, "prompts_per_step": 8, "max_response_tokens": 16, "scorer_workers": 1},
         "optim": {"lr": 2e-3, "mini_batch_prompts": 8, "micro_batch_size": 64},
-        # the tests of the trainer run GRAFT_SPEC's formulas (b, peer negatives) unless they say otherwise
+        # the tests of the trainer run the `spec` preset's formulas (b, peer negatives) unless they say otherwise
         "graft": {"peer_tokenizers": [str(world.peer_dir)], "max_grafted_fraction": 0.75, "token_is": "tis",
                   "peer_negative_scale": 1.0},
         "store": {"url": store_url, "timeout_s": 2.0, "retries": 0, "backoff_initial_s": 0.05, "backoff_max_s": 0.1,

@@ -24,7 +24,7 @@ KNOWN_DATASETS: dict[str, tuple[str, str]] = {
     "gsm8k": ("gsm8k/test.jsonl", "answer"),
     "math_train": ("math_train/train.jsonl", "answer"),
 }
-BENCHMARKS = ["math500", "aime24", "amc23", "minerva_math", "olympiadbench"]  # the five of GRAFT_SPEC section 10
+BENCHMARKS = ["math500", "aime24", "amc23", "minerva_math", "olympiadbench"]  # the five of docs/algorithm.md section 10
 
 
 def data_dir() -> Path:

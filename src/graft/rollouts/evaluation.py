@@ -1,4 +1,4 @@
-"""Benchmark evaluation (GRAFT_SPEC section 10): avg@k and pass@k per benchmark and the mean over the
+"""Benchmark evaluation (docs/algorithm.md section 10): avg@k and pass@k per benchmark and the mean over the
 five, with the same backends, prompts and scorer as the generator. `graft-eval` calls `evaluate`; the trainer's
 periodic evaluation scores each rank's block of every benchmark (`score_problems`) and summarises them all."""
 

@@ -1,4 +1,4 @@
-"""Files and folders that processes hand each other (STYLE.md 6): written under a temporary name beside the
+"""Files and folders that processes hand each other (docs/style.md, rule 6): written under a temporary name beside the
 final one, fsynced, then renamed, so a reader never sees a partial one. Every writer outside the store uses
 these; the store's shards have their own writer (`services/store_api/local/shards.py`: page-cache handling)."""
 

@@ -1,4 +1,4 @@
-"""Turning one prompt's samples and scores into a stored `RolloutGroup` (GRAFT_SPEC sections 2 and 7)."""
+"""Turning one prompt's samples and scores into a stored `RolloutGroup` (docs/algorithm.md sections 2 and 7)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def assemble_group(
 
     The EOS token stays in completion_token_ids and token_logprobs (the trainer trains on it), but
     not in logprob_sum: another tokenizer's re-tokenisation has its own EOS, so a sequence-level
-    likelihood compared across models covers the text only (GRAFT_SPEC section 4). engine_logprobs_mode: what the
+    likelihood compared across models covers the text only (docs/algorithm.md section 4). engine_logprobs_mode: what the
     sampler's logprobs are (`Backend.logprobs_mode`), recorded in the rows' logprobs_mode.
     """
     if len(samples) != len(scores):

@@ -221,7 +221,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
     """`tok-` + 16 hex chars of the vocabulary and special tokens.
 
     Two models with the same tokenizer (say two sizes of one family) get the same id, which is
-    exactly when their token ids are interchangeable (GRAFT_SPEC section 3).
+    exactly when their token ids are interchangeable (docs/algorithm.md section 3).
     """
     vocab = sorted(tokenizer.get_vocab().items())
     specials = {

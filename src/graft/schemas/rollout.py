@@ -1,7 +1,7 @@
 """One stored rollout, a rollout group, a problem, and the one Arrow schema they map to.
 
-A row's behaviour logprobs (mu, GRAFT_SPEC section 5) may be unknown: a text-only trace or an API without logprobs
-(GRAFT_SPEC section 11). Such a row says so with `logprobs_mode = "none"`, an empty `token_logprobs` and
+A row's behaviour logprobs (mu, docs/algorithm.md section 5) may be unknown: a text-only trace or an API without logprobs
+(docs/algorithm.md section 11). Such a row says so with `logprobs_mode = "none"`, an empty `token_logprobs` and
 `logprob_sum = 0.0` (no placeholder a reader could take for a logprob); a group is all with mu or all without.
 Schema version 2 added that value; rows of version 1 read unchanged (they all carry mu).
 
@@ -21,7 +21,7 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 SCHEMA_VERSION = 2  # 2: logprobs_mode 'none' (no behaviour logprobs); version-1 rows read unchanged
-ADVANTAGE_EPS = 1e-6  # GRAFT_SPEC section 2: A = (r - mean) / (std + eps)
+ADVANTAGE_EPS = 1e-6  # docs/algorithm.md section 2: A = (r - mean) / (std + eps)
 ADVANTAGE_TOLERANCE = 1e-3  # stored advantages are float32; recomputed ones must agree to this
 LOGPROB_TOLERANCE = 1e-6  # a logprob may exceed 0 by this much (rounding in the sampler)
 # A group id is a URL path segment (GET /v1/groups/{group_id}): no '/', no '.' or '..', bounded length.
@@ -244,7 +244,7 @@ class RolloutGroup(BaseModel):
 
     @property
     def informative(self) -> bool:
-        """Rewards not all equal: 0 < successes < group size (GRAFT_SPEC section 1)."""
+        """Rewards not all equal: 0 < successes < group size (docs/algorithm.md section 1)."""
         return 0 < self.successes < len(self.rollouts)
 
 

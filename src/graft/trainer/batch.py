@@ -1,7 +1,7 @@
 """A step's batch: its rows (the learner's own rollouts and re-tokenised peer rollouts), pi_old and the weights
 of grafted rows on them, padded tensors, and the policy's logprobs.
 
-- `build_rows`: one TrainSample per learner or peer rollout, as the gate decided (GRAFT_SPEC sections 2, 3).
+- `build_rows`: one TrainSample per learner or peer rollout, as the gate decided (docs/algorithm.md sections 2, 3).
 - `old_logprobs_and_weights`: pi_old (and pi_ref) on every row with signal; on grafted rows the sequence
   weight w and the token correction b, so that c = w * b (sections 4, 5).
 - `collate` and `response_logprobs`: rows to padded tensors, and log pi of each completion token.
@@ -53,7 +53,7 @@ class TrainSample:
     reward: float | None = None  # grafted: the peer rollout's stored reward (its advantage is recomputed from these)
     behaviour_logprobs: list[float] | None = None  # grafted: log mu~ per completion token (len(completion_ids))
     peer_logprob_sum: float = 0.0  # grafted: the stored l_peer (EOS excluded); NaN when the peer row has no mu
-    # grafted: the peer row has no behaviour logprobs (logprobs_mode 'none'): b = 1 and w = 1 (GRAFT_SPEC section 11)
+    # grafted: the peer row has no behaviour logprobs (logprobs_mode 'none'): b = 1 and w = 1 (docs/algorithm.md section 11)
     without_mu: bool = False
     # Filled in by the no-grad pass before the update (rows without signal keep None):
     old_logprobs: Tensor | None = None  # (n,) float32, log pi_old of each completion token
@@ -203,7 +203,7 @@ def grafted_group_rows(
     peer_tokenizers: dict[str, Any], stop_token_id: int | None, counts: PeerRowCounts, max_rows: int | None = None,
     pick_seed: int = 0,
 ) -> list[TrainSample]:
-    """A grafted peer group as learner rows (GRAFT_SPEC sections 2, 3): re-tokenised (`peer_rows`), at most
+    """A grafted peer group as learner rows (docs/algorithm.md sections 2, 3): re-tokenised (`peer_rows`), at most
     `max_rows` of them (a host with G slots per group: TRL, verl; `pick_rows` chooses which, seeded by `pick_seed` and
     the group's id), with the group advantages recomputed from the stored rewards of the rows that train, so that they
     still sum to zero when a row was dropped, and negatives scaled.
@@ -426,7 +426,7 @@ def old_logprobs_and_weights(
 
 def weigh_grafted_rows(cfg: TrainConfig, grafted: list[TrainSample]) -> GraftedWeights:
     """Set w, finiteness and c = peer_loss_scale * w * b on the grafted rows (pi_old filled in); what their
-    statistics are computed from. A row without mu gets w = 1 and b = 1 (GRAFT_SPEC section 11: l_peer and mu~ are
+    statistics are computed from. A row without mu gets w = 1 and b = 1 (docs/algorithm.md section 11: l_peer and mu~ are
     unknown), under every token_is; its log rho is left out of the statistics, its w = 1 is not."""
     # l_old: the learner's log-likelihood of the text, EOS excluded
     learner_sums = torch.stack([r.old_logprobs[: r.num_content_tokens].double().sum() for r in grafted])  # (g,)

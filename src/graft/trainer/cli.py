@@ -24,7 +24,7 @@ import typer
 from graft.schemas.overrides import add_show_config, command_line_config
 from graft.trainer.config import TrainConfig, missing_inputs
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train a policy with GRPO, GRAFT or DAPO (see GRAFT_SPEC.md).")
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train a policy with GRPO, GRAFT or DAPO (GRAFT: docs/algorithm.md).")
 
 
 def _named(

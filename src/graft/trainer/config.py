@@ -1,7 +1,7 @@
 """The trainer's configuration: one pydantic model per component, readable from YAML, settable from the CLI.
 
 Every field has a one-line description (shown by `graft-train show-config`). Defaults follow
-GRAFT_SPEC.md section 7 (real models on GPU); the toy configs in `configs/` override what they need.
+docs/algorithm.md section 7 (real models on GPU); the toy configs in `configs/` override what they need.
 Override any field from the command line with a dotted path: `--set graft.peer_negative_scale=0`.
 """
 
@@ -119,8 +119,8 @@ class PPOConfig(_Section):
     kl_beta: float = Field(default=0.0, ge=0.0, description="weight of the k3 KL to the initial policy (0: off, no reference model kept)")
 
 
-# Named sets of the fields that make GRAFT's per-token weight (GRAFT_SPEC sections 4-5, 11): graft.preset picks one.
-# spec: GRAFT_SPEC's formulas as written (b = min(pi_old / mu~, C), the peer's negative advantages kept);
+# Named sets of the fields that make GRAFT's per-token weight (docs/algorithm.md sections 4-5, 11): graft.preset picks one.
+# spec: the formulas as first read from the paper (b = min(pi_old / mu~, C), the peer's negative advantages kept);
 # b1_no_peer_neg: b = 1 and the peer's negative advantages x0 (docs/training.md, "Which GRAFT runs by default").
 GRAFT_PRESETS: dict[str, dict[str, Any]] = {
     "spec": {"token_is": "tis", "kappa": 1.0, "peer_negative_scale": 1.0, "peer_loss_scale": 1.0},
@@ -131,17 +131,17 @@ GRAFT_PRESETS: dict[str, dict[str, Any]] = {
 class GraftConfig(_Section):
     preset: Literal["spec", "b1_no_peer_neg"] | None = Field(
         default=None,
-        description="a named GRAFT: spec (GRAFT_SPEC's formulas as written: token_is tis, peer negatives x1) or "
+        description="a named GRAFT: spec (the formulas as first read from the paper, docs/algorithm.md section 7: token_is tis, peer negatives x1) or "
                     "b1_no_peer_neg (token_is none, peer_negative_scale 0); sets token_is, kappa, peer_negative_scale "
                     "and peer_loss_scale, and refuses another value of them beside it. None: the fields as given")
     peer_models: list[str] | None = Field(default=None, min_length=1, description="accept peer groups only from these model ids (None: any model but the learner; an empty list would accept none and is refused)")
     union_all_success: bool = Field(default=False, description="all-fail learner + all-success peer: advantages over the union of learner failures and peer successes instead of skipping")
     kappa: float = Field(default=1.0, ge=0.0, description="exponent of the sequence compatibility weight w = min(1, rho) ** kappa")
     log_rho_min: float | None = Field(default=None, description="drop grafted samples whose per-byte log rho is below this (None: no floor)")
-    token_is: Literal["tis", "none", "luffy"] = Field(default="none", description="token level: none (the default) = b = 1, the PPO-clipped ratio alone; tis (GRAFT_SPEC's formula, graft.preset spec) = truncated ratio b = pi_old/mu~ times the PPO-clipped ratio; luffy = p/(p+gamma) shaping instead of the PPO ratio, b = 1. The sequence weight w (kappa, log_rho_min, group_normalized_weight) applies under all three. Why none is the default: docs/training.md, 'Which GRAFT runs by default'")
+    token_is: Literal["tis", "none", "luffy"] = Field(default="none", description="token level: none (the default) = b = 1, the PPO-clipped ratio alone; tis (the spec preset's formula, docs/algorithm.md section 5) = truncated ratio b = pi_old/mu~ times the PPO-clipped ratio; luffy = p/(p+gamma) shaping instead of the PPO ratio, b = 1. The sequence weight w (kappa, log_rho_min, group_normalized_weight) applies under all three. Why none is the default: docs/training.md, 'Which GRAFT runs by default'")
     is_cap: float = Field(default=2.0, gt=0.0, description="C: truncation of the token behaviour ratio b = min(pi_old/mu, C)")
     luffy_gamma: float = Field(default=0.1, gt=0.0, description="gamma of the luffy shaping p/(p + gamma)")
-    peer_negative_scale: float = Field(default=0.0, ge=0.0, description="multiplies negative advantages of grafted responses (0, the default: a peer's failed answers are not pushed down; 1: GRAFT_SPEC's formula, graft.preset spec; docs/training.md, 'Which GRAFT runs by default')")
+    peer_negative_scale: float = Field(default=0.0, ge=0.0, description="multiplies negative advantages of grafted responses (0, the default: a peer's failed answers are not pushed down; 1: the spec preset's formula; docs/training.md, 'Which GRAFT runs by default')")
     group_normalized_weight: bool = Field(default=False, description="centre each grafted group's advantages under its weights, A' = A - sum(w A) / sum(w), so that tokens every row shares get no net push (with w < 1 they do otherwise); needs peer_negative_scale 1")
     peer_loss_scale: float = Field(default=1.0, gt=0.0, description="multiplies c on every grafted token (1: the spec; > 1 gives the peer's rows a larger share of the token-mean, outside the spec)")
     kl_on_peer: bool = Field(default=False, description="apply the KL term (ppo.kl_beta > 0) to grafted tokens too")
@@ -158,7 +158,7 @@ class GraftConfig(_Section):
     require_behaviour_logprobs: bool = Field(
         default=False,
         description="ask the store for peer groups with behaviour logprobs (mu) only; off: groups without mu (text-only "
-                    "traces, APIs without logprobs) are grafted too, with b = 1 and w = 1 (GRAFT_SPEC section 11)")
+                    "traces, APIs without logprobs) are grafted too, with b = 1 and w = 1 (docs/algorithm.md section 11)")
     uniform_projection: bool = Field(
         default=False,
         description="opt-in: graft peer groups whose tokenizer is not in peer_tokenizers, spreading their logprob_sum evenly "

@@ -28,7 +28,7 @@ def due(cfg: TrainConfig, step: int) -> bool:
 
 
 def evaluate_policy(cfg: TrainConfig, sampler, scorer, run_dir: Path, step: int, dist: DistContext | None = None) -> dict:
-    """avg@k and pass@k per benchmark (GRAFT_SPEC section 10: greedy for k = 1, else T = 0.6, top_p = 0.95), appended
+    """avg@k and pass@k per benchmark (docs/algorithm.md section 10: greedy for k = 1, else T = 0.6, top_p = 0.95), appended
     to eval.jsonl by the main process.
 
     Data parallel: each rank scores its block of every benchmark's problems (graft.trainer.distributed.rank_block) and

@@ -1,4 +1,4 @@
-"""The gate (GRAFT_SPEC section 1), peer advantages (section 2) and the compatibility weights (sections 4, 5).
+"""The gate (docs/algorithm.md section 1), peer advantages (section 2) and the compatibility weights (sections 4, 5).
 
 Functions over groups and tensors that keep no state; all are local but `gate_groups`, which is a collective
 under data parallel (its cap counts the groups of all ranks: every rank calls it together, with the same rng).
@@ -153,7 +153,7 @@ def peer_group_advantages(group: RolloutGroup, std_normalize: bool) -> tuple[lis
 def compat_weights(
     learner_logprob_sum: Tensor, peer_logprob_sum: Tensor, num_bytes: Tensor, kappa: float, log_rho_min: float | None
 ) -> tuple[Tensor, Tensor]:
-    """Sequence compatibility weights w and per-byte log rho (GRAFT_SPEC section 4).
+    """Sequence compatibility weights w and per-byte log rho (docs/algorithm.md section 4).
 
     learner_logprob_sum: (n,) float, l_old = sum log pi_old over the learner's content tokens (EOS excluded)
     peer_logprob_sum: (n,) float, l_peer = the stored logprob_sum (EOS excluded)
@@ -169,7 +169,7 @@ def compat_weights(
 
 
 def centre_under_weights(advantages: Tensor, weights: Tensor, group_index: Tensor) -> Tensor:
-    """Advantages centred under the sequence weights, per group (option graft.group_normalized_weight, GRAFT_SPEC 5):
+    """Advantages centred under the sequence weights, per group (option graft.group_normalized_weight, docs/algorithm.md section 5):
     A' = A - sum_k w_k A_k / sum_k w_k over the group's rows, so that sum_j w_j A'_j = 0 and a token every row of the
     group shares (same b) gets no net push, as it gets none under plain GRPO. Dividing w by the group's mean w does not
     do that: it rescales every row by one constant.

@@ -1,4 +1,4 @@
-"""The GRPO / GRAFT / DAPO training loop (GRAFT_SPEC.md): setup, then one `for` loop over the steps.
+"""The GRPO / GRAFT / DAPO training loop (docs/algorithm.md): setup, then one `for` loop over the steps.
 
 One step:
   1. draw the step's prompts and start the peer lookup for them in the background (graft)

@@ -1,4 +1,4 @@
-"""The GRPO/GRAFT policy loss: a pure function over a typed batch (GRAFT_SPEC sections 5 and 6).
+"""The GRPO/GRAFT policy loss: a pure function over a typed batch (docs/algorithm.md sections 5 and 6).
 
 One function serves on-policy and grafted tokens. Everything that differs between them arrives in
 the batch: the per-token weight c (1 on-policy, w_j * b_jt grafted), the advantage (peer-computed,
@@ -153,7 +153,7 @@ def graft_loss(batch: LossBatch, cfg: LossConfig) -> tuple[Tensor, dict[str, flo
             "tokens_onpolicy": float(onpolicy_mask.sum()),
             "tokens_grafted": float(grafted_mask.sum()),
         }
-        if batch.without_mu is not None:  # GRAFT_SPEC section 11: grafted tokens without mu, logged apart
+        if batch.without_mu is not None:  # docs/algorithm.md section 11: grafted tokens without mu, logged apart
             without_mu_mask = grafted_mask & batch.without_mu[:, None]  # (B, T)
             metrics["clip_frac_grafted_without_mu"] = _masked_mean(is_clipped.float(), without_mu_mask)
             metrics["tokens_grafted_without_mu"] = float(without_mu_mask.sum())

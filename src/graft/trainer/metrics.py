@@ -111,7 +111,7 @@ def step_metrics(
         **graft_metrics(job, stats, gate_on=cfg.method == "graft"),
         "clip_frac_onpolicy": _ratio(job, "update_clip_frac_onpolicy"),
         "clip_frac_grafted": _ratio(job, "update_clip_frac_grafted"),
-        # of grafted tokens without mu (GRAFT_SPEC section 11; NaN when none trained)
+        # of grafted tokens without mu (docs/algorithm.md section 11; NaN when none trained)
         "clip_frac_grafted_without_mu": _ratio(job, "update_clip_frac_grafted_without_mu"),
         "peer_group_age_s": _ratio(job, "peer_group_age_s"),
         "rollouts_generated": rollouts_generated,
@@ -207,7 +207,7 @@ def graft_tally(
     decisions: the gate's, one per group; counts: what became of the peer rollouts on their way to rows; step: the
     learner's policy step (a grafted group's age counts from it); gate: `gate_tally` of the decisions; consumed: the
     grafted rows the update trains on, without_mu: of them, rows whose peer row had no behaviour logprobs (b = 1,
-    w = 1: GRAFT_SPEC section 11); dropped_non_finite: grafted rows dropped for a non-finite pi_old or w;
+    w = 1: docs/algorithm.md section 11); dropped_non_finite: grafted rows dropped for a non-finite pi_old or w;
     sampled_kinds: the kind of every group sampled (graft-train's dapo samples groups it does not train on; None: the
     decisions' kinds)."""
     kinds = [d.kind for d in decisions] if sampled_kinds is None else sampled_kinds

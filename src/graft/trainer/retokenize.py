@@ -1,6 +1,6 @@
 """Peer completions in the learner's tokens, and the peer's per-token logprobs projected onto them.
 
-GRAFT_SPEC section 3 (re-tokenisation) and section 5 (mu~, the projected behaviour probability):
+docs/algorithm.md section 3 (re-tokenisation) and section 5 (mu~, the projected behaviour probability):
 - the completion text is tokenised with the learner's tokenizer (no special tokens); the token the
   learner's own rollouts stop on (`learner_stop_token`: a chat learner's end of turn) is appended
   when the peer finished with `stop`;
@@ -15,7 +15,7 @@ GRAFT_SPEC section 3 (re-tokenisation) and section 5 (mu~, the projected behavio
   canonical encoding would not, and then the stored ids are the ones whose probabilities we know).
 - without the peer's tokenizer there is no projection: the gate refuses such groups, unless
   `graft.uniform_projection` opts in to spreading the peer's log-mass evenly over characters.
-- a row without behaviour logprobs (logprobs_mode 'none', GRAFT_SPEC section 11) is re-tokenised the same way and
+- a row without behaviour logprobs (logprobs_mode 'none', docs/algorithm.md section 11) is re-tokenised the same way and
   has nothing to project: its PeerTokens carry no behaviour logprobs (projection "none"), and the trainer grafts it
   with b = 1 and w = 1.
 """

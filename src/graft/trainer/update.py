@@ -1,5 +1,5 @@
 """The policy update of a step: PPO epoch(s) over mini-batches of the step's rows, micro-batched, each mini-batch
-one optimizer step, plus the optional supervised anchor (GRAFT_SPEC section 6).
+one optimizer step, plus the optional supervised anchor (docs/algorithm.md section 6).
 
 The update is written on `graft.trainer.distributed`'s parts, so that N data-parallel ranks take the update one
 process takes on the job's rows (in one process they run no collective): where this rank's rows sit among

@@ -51,7 +51,7 @@ def graft_overrides(learner_dir: Path, store_url: str | None, peer_dir: Path | N
     if store_url is not None:
         settings += [f"+graft.store_url={store_url}", "+graft.lookup_wait_s=30",
                      "+graft.options.max_grafted_fraction=1.0",
-                     # GRAFT_SPEC's formulas (b, peer negatives): the tests check b and the peer's negative rows
+                     # the `spec` preset's formulas (b, peer negatives): the tests check b and the peer's negative rows
                      "+graft.options.token_is=tis", "+graft.options.peer_negative_scale=1.0"]
     if peer_dir is not None:
         settings.append(f"+graft.peer_tokenizers=[{peer_dir}]")

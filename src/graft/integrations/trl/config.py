@@ -24,7 +24,7 @@ LOSS_AGG = {"dapo": "token-mean", "bnpo": "token-mean", "grpo": "seq-mean-token-
 class GraftConfig(GRPOConfig):
     """GRPOConfig with GRAFT: set `graft_store_url` (and usually `graft_peer_tokenizers`); None is plain GRPO."""
 
-    # graft-train's clip where the user sets none (GRAFT_SPEC 5: eps_high 0.28, dual clip c = 3 on negative advantages):
+    # graft-train's clip where the user sets none (docs/algorithm.md section 5: eps_high 0.28, dual clip c = 3 on negative advantages):
     # TRL's defaults (epsilon_high None = epsilon, delta None = no dual clip) would run GRAFT, and the GRPO arm it is
     # compared with, under another loss than graft-train's. TRL's delta clamps the ratio at delta on every token, which
     # for a positive advantage changes nothing (the clipped term is already the smaller) and for a negative one is the

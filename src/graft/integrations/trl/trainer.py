@@ -1,4 +1,4 @@
-"""`GraftGRPOTrainer`: TRL's GRPOTrainer, grafting peer groups from the store into its all-fail groups (GRAFT_SPEC).
+"""`GraftGRPOTrainer`: TRL's GRPOTrainer, grafting peer groups from the store into its all-fail groups (docs/algorithm.md).
 
 It wraps two of TRL's methods and copies none (TRL's replay-buffer GRPO was a copied
 `_generate_and_score_completions` that drifted from its parent; this calls the parent and splices its output):
@@ -327,7 +327,7 @@ class GraftGRPOTrainer(GRPOTrainer):
         """graft-train's metrics of the batch into TRL's logs, under graft/ (the same on every process)."""
         stats, consumed, without_mu, non_finite = WeightStats(), 0, 0, 0
         if plan.slots:  # every process has grafted groups' slots to count (or none has): the collectives match
-            # grafted rows whose peer row had no behaviour logprobs (b = 1, w = 1: GRAFT_SPEC section 11)
+            # grafted rows whose peer row had no behaviour logprobs (b = 1, w = 1: docs/algorithm.md section 11)
             local_without_mu = sum(1 for row in weighted.rows if row.grafted and row.without_mu)
             local = torch.tensor([[float(kept), float(weighted.dropped_non_finite), float(local_without_mu)]],
                                  device=self.accelerator.device)

@@ -1,5 +1,5 @@
 """`GraftPPOTrainer`: verl's synchronous v1 trainer (`PPOTrainerSync`), grafting peer groups from the store into its
-all-fail groups (GRAFT_SPEC), registered as `trainer.v1.trainer_mode=graft_sync`.
+all-fail groups (docs/algorithm.md), registered as `trainer.v1.trainer_mode=graft_sync`.
 
 It wraps five of verl's methods and copies none (a copied loop drifts from its parent; HACPO and LUFFY replaced
 verl's `fit`); each calls its parent:

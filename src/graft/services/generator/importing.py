@@ -3,7 +3,7 @@
 Each group of trace rows (one prompt, one step) becomes one stored group: its prompt matched to a problem when a
 problem set is given (the store's prompt id is the problem's), each completion tokenised with the named tokenizer
 (EOS appended when the traces ended), scored with math-verify against the gold or given the file's reward (said in
-the rows' `generator_id` and the summary), group advantages computed, and `logprobs_mode` 'none' (GRAFT_SPEC section
+the rows' `generator_id` and the summary), group advantages computed, and `logprobs_mode` 'none' (docs/algorithm.md section
 11: the trainers graft it with b = 1 and w = 1). Group ids hash the model, the prompt and the group's content, so a
 re-import finds what it stored and skips it. A row that cannot be imported is reported in one line (file, row,
 reason) and its whole group is left out: a stored group is always all the completions the trace holds for it.
