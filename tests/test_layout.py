@@ -580,7 +580,7 @@ PRIVATE_IMPORTS_LEFT = {
     "being reworked with the store's faces (issue 51's second item)",
     ("graft.services.store_api.lake.writing", "graft.services.store_api.lake.connection._rollback_quietly"): "as above",
     ("graft.services.store_api.lake.writing", "graft.services.store_api.lake.connection._storage_error"): "as above",
-    ("tests.store.store_factory", "graft.services.store_api.local.lookup._LookupFile"): "the lookup file's named "
+    ("tests.store.helpers.store_factory", "graft.services.store_api.local.lookup._LookupFile"): "the lookup file's named "
     "tables, as above",
 }
 
@@ -736,4 +736,4 @@ def test_the_weight_sync_check_is_written_once():
 
     callers = [str(path.relative_to(ROOT)) for path in [*_modules().values(), *_test_modules().values()]
                if calls_sync(path) and not str(path.relative_to(ROOT)).startswith("src/graft/trainer/")]
-    assert callers == ["tests/trainer/vllm_sync_ranks_check.py"]  # ranks: each syncs its own engine, no probe
+    assert callers == ["tests/trainer/helpers/vllm_sync_ranks_check.py"]  # ranks: each syncs its own engine, no probe

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from graft.services.store_api.http.testing import StoreServer
-from tests.trainer.train_configs import make_config
+from train_configs import make_config
 from toy.task import write_problems_jsonl
 
 pytestmark = pytest.mark.slow

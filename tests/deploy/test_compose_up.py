@@ -1,7 +1,7 @@
 """`docker-compose up` for real: the CPU form of every topology, built, started, checked and taken down.
 
 An engine that answers (DOCKER_HOST or the default socket) is used; else, as root with dockerd installed, a private
-one (tests/deploy/engine.py); else the module skips with the reason, except under CI=true, where it fails. Per
+one (tests/deploy/helpers/docker_engine.py); else the module skips with the reason, except under CI=true, where it fails. Per
 topology: `up -d`, wait, check, `down -v`:
 - the GPU default's one-shot `models` service, on an empty models folder: SmolLM2 laid out as learner and peer;
 - default: the store turns healthy, the generator's groups grow /v1/stats through the published port, the trainer
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy.engine import (
+from docker_engine import (
     ROOT,
     Project,
     base_image,

@@ -145,7 +145,7 @@ def test_verl_rollout_dump_as_verl_writes_it(tiny_model_dir, tmp_path):
     dump = tmp_path / "rollout_data"
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"tokenizer": str(tiny_model_dir), "out": str(dump), "step": 3, "groups": groups_spec}))
-    proc = subprocess.run([str(VERL_PYTHON), str(ROOT / "tests" / "generator" / "verl_dump.py"), str(spec)], cwd=ROOT,
+    proc = subprocess.run([str(VERL_PYTHON), str(ROOT / "tests" / "generator" / "helpers" / "verl_dump.py"), str(spec)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", RAY_AUTH_MODE="disabled"))
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ pytest.importorskip("trl", reason="the trl extra is not installed: pip install '
 
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
+from torchrun import torchrun  # noqa: E402
 from trl_run import accuracy, dataset, make_args, make_trainer  # noqa: E402
 
 from graft.integrations.trl import GraftGRPOTrainer  # noqa: E402
@@ -29,8 +29,6 @@ from graft.trainer.loss import LossBatch, LossConfig, graft_loss  # noqa: E402
 from toy.models import build_tiny_model, save_model  # noqa: E402
 from toy.world import learner_tokenizer  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))  # the trainer tests' torchrun launcher
-from torchrun import torchrun  # noqa: E402
 
 pytestmark = pytest.mark.slow
 DEAD_URL = "http://127.0.0.1:9"  # the discard port: nothing listens
@@ -205,7 +203,7 @@ def test_two_processes_take_the_same_decisions_and_update_as_one(toy_world, stor
                 "learner_dir": str(fresh_learner), "problems": [p.model_dump() for p in problems],
                 "args": common | {"per_device_train_batch_size": per_device}}
         (out / "spec.json").write_text(json.dumps(spec))
-        torchrun([str(Path(__file__).parent / "trl_run.py"), str(out / "spec.json")], nproc=nproc, timeout_s=600)
+        torchrun([str(Path(__file__).parent / "helpers" / "trl_run.py"), str(out / "spec.json")], nproc=nproc, timeout_s=600)
         lines = [line for line in json.loads((out / "log_history.json").read_text()) if "graft/frac_grafted" in line]
         results[nproc] = (lines, torch.load(out / "weights.pt"))
     (one, one_weights), (two, two_weights) = results[1], results[2]

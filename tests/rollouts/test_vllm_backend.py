@@ -79,7 +79,7 @@ def test_enforce_eager_on_cuda_when_asked(cuda_machine, monkeypatch):
 @pytest.fixture(scope="module")
 def vllm_samples(tiny_model_dir, tmp_path_factory, run_in_vllm_env) -> dict:
     out = tmp_path_factory.mktemp("vllm") / "samples.json"
-    return run_in_vllm_env(Path(__file__).with_name("vllm_check.py"), tiny_model_dir, out=out)
+    return run_in_vllm_env(Path(__file__).parent / "helpers" / "vllm_check.py", tiny_model_dir, out=out)
 
 
 @pytest.mark.vllm

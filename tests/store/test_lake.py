@@ -30,7 +30,7 @@ from graft.services.store_api.local.shards import write_groups
 from graft.services.store_api.tables import conform_table, groups_table, validate_table
 from testbed.lake_services import free_port
 
-WRITER = Path(__file__).resolve().parent / "lake_writer_proc.py"
+WRITER = Path(__file__).resolve().parent / "helpers" / "lake_writer_proc.py"
 
 
 def table_of(groups) -> pa.Table:

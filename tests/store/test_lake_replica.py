@@ -26,7 +26,7 @@ from graft.services.store_api.lake.config import LakeConfig, LakeUnavailable, la
 from graft.services.store_api.lake.lake import Lake
 from graft.services.store_api.tables import groups_table, validate_table
 
-WRITER = Path(__file__).resolve().parent / "lake_writer_proc.py"
+WRITER = Path(__file__).resolve().parent / "helpers" / "lake_writer_proc.py"
 
 
 def replica(root: Path, lake: LakeConfig, **settings) -> StoreServer:

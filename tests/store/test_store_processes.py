@@ -22,7 +22,7 @@ from graft.services.store_api.http.testing import StoreServer, free_port
 from graft.services.store_api.local.durable import TMP_DIR
 from graft.services.store_api.local.shards import write_groups
 
-WRITER = Path(__file__).with_name("store_writer_proc.py")
+WRITER = Path(__file__).parent / "helpers" / "store_writer_proc.py"
 
 
 def start_writer(root: Path, model: str, shards: int, per_shard: int, done_log: Path, offset: int = 0):

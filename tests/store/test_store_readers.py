@@ -25,7 +25,7 @@ from graft.services.store_api.local.shards import write_groups
 REPOSITORY = Path(__file__).resolve().parents[2]
 README = REPOSITORY / "README.md"
 STORED_ROW = REPOSITORY / "docs" / "stored-row.md"
-WRITER = Path(__file__).with_name("store_writer_proc.py")
+WRITER = Path(__file__).parent / "helpers" / "store_writer_proc.py"
 
 
 def readme_blocks(language: str) -> list[str]:

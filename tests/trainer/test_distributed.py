@@ -41,13 +41,13 @@ from graft.trainer.distributed import (
 )
 from graft.trainer.loss import LossConfig
 
-WORKER = Path(__file__).with_name("dist_worker.py")
+WORKER = Path(__file__).parent / "helpers" / "dist_worker.py"
 ONE_PROCESS = DistContext("none", torch.device("cpu"))
 ATOL = 1e-5
 
 
 def run_ranks(strategy: str, out_dir: Path, timeout_s: float = 600.0) -> list[dict]:
-    """torchrun 2 ranks of dist_worker.py (tests/trainer/torchrun.py: a hang fails the test)."""
+    """torchrun 2 ranks of dist_worker.py (tests/trainer/helpers/torchrun.py: a hang fails the test)."""
     torchrun([str(WORKER), strategy, str(out_dir)], timeout_s=timeout_s)
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(2)]
 

@@ -4,7 +4,7 @@ batch, with the toy world's learner and a real store server on loopback holding 
 
 The one-process reference samples with rollout.seed_per_sample (each rollout seeded by its place in the step's
 batch, what data-parallel ranks do), so that both draw the same rollouts. Every torchrun job runs under a timeout
-that kills it (tests/trainer/torchrun.py): a collective that hangs fails the test."""
+that kills it (tests/trainer/helpers/torchrun.py): a collective that hangs fails the test."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ ATOL = 1e-5  # fp32: the ranks' micro-batches sum in another order than one proc
 # bias correction) moves weights by 5e-4 and more (test_a_checkpoint_before_the_first_update_...: 5.15e-4).
 WEIGHT_ATOL = 1e-4
 DEAD_STORE = "http://127.0.0.1:9"  # discard port: nothing listens
-WORKER = Path(__file__).with_name("dist_train_worker.py")
+WORKER = Path(__file__).parent / "helpers" / "dist_train_worker.py"
 TIMES = {"step_time_s", "step_cpu_s", "generation_s", "gate_s", "update_s", "store_wait_s", "peer_group_age_s"}
 # What two ranks count differently from one process by design: each rank asks the store for its own prompts.
 PER_RANK = {"world_size", "store_lookups", "store_lookups_skipped_backoff", "store_lookups_late"}

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # skipped when .venv-vllm is 
 def test_sync_weights_makes_the_engine_sample_from_the_new_policy(tmp_path, run_in_vllm_env):
     tokenizer = learner_tokenizer()
     model_dir = save_model(build_tiny_model(tokenizer, "llama", hidden=64, heads=2, seed=3), tokenizer, tmp_path / "tiny")
-    result = run_in_vllm_env(Path(__file__).with_name("vllm_sync_check.py"), model_dir, out=tmp_path / "result.json")
+    result = run_in_vllm_env(Path(__file__).parent / "helpers" / "vllm_sync_check.py", model_dir, out=tmp_path / "result.json")
     assert result["gap_before_sync"] <= 1e-3  # the engine starts with the checkpoint's weights
     assert result["stale_gap"] > 0.1  # the policy really changed
     assert result["gap_after_sync"] <= 1e-3  # and the engine follows it after the sync
@@ -30,7 +30,7 @@ def test_sync_weights_makes_the_engine_sample_from_the_new_policy(tmp_path, run_
 def test_sync_weights_feeds_each_fsdp_ranks_engine_the_gathered_weights(tmp_path, vllm_python):
     tokenizer = learner_tokenizer()
     model_dir = save_model(build_tiny_model(tokenizer, "llama", hidden=64, heads=2, seed=3), tokenizer, tmp_path / "tiny")
-    torchrun([str(Path(__file__).with_name("vllm_sync_ranks_check.py")), str(model_dir), str(tmp_path)], timeout_s=600,
+    torchrun([str(Path(__file__).parent / "helpers" / "vllm_sync_ranks_check.py"), str(model_dir), str(tmp_path)], timeout_s=600,
              python=vllm_python)
     results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     for result in results:

@@ -274,8 +274,8 @@ def update_actor(batch: TensorDict, overrides: list[str], tmp_path, name: str) -
     here = Path(__file__).parent
     source, target = tmp_path / f"{name}.in.pt", tmp_path / f"{name}.out.pt"
     torch.save({"overrides": overrides, "batch": batch}, source)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here.parents[2]), str(here)]), OMP_NUM_THREADS="1")
-    run = subprocess.run([sys.executable, str(here / "cpu_actor.py"), str(source), str(target)], env=env,
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here.parents[2]), str(here / "helpers")]), OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, str(here / "helpers" / "cpu_actor.py"), str(source), str(target)], env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     out = torch.load(target, weights_only=False)

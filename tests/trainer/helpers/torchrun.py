@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 def torchrun(target: list[str], timeout_s: float = 300.0, nproc: int = 2, python: str | Path = sys.executable) -> str:

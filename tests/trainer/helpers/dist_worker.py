@@ -1,6 +1,6 @@
 """One rank of the data-parallel tests, started by test_distributed.py with torchrun (2 ranks, gloo):
 
-    torchrun --nproc-per-node 2 tests/trainer/dist_worker.py {ddp,fsdp} OUT_DIR
+    torchrun --nproc-per-node 2 tests/trainer/helpers/dist_worker.py {ddp,fsdp} OUT_DIR
 
 Runs every scenario on the hand-built batches of dist_step.py and writes what it saw to
 OUT_DIR/rank{R}.pt; the test compares that with one process on the same global batch. Scenarios:

@@ -1,7 +1,7 @@
 """One rank of graft-train under torchrun, with a fault of its own: what a network fault on one node looks like, or
 grafted rows that come out non-finite.
 
-    torchrun --nproc-per-node 2 tests/trainer/dist_train_worker.py CONFIG STRATEGY [RANK=STORE_URL ...]
+    torchrun --nproc-per-node 2 tests/trainer/helpers/dist_train_worker.py CONFIG STRATEGY [RANK=STORE_URL ...]
         [--non-finite-grafts PROMPT_ID,...]
 
 Loads CONFIG, sets parallel.strategy, gives the listed ranks another store.url (test_distributed_train.py: a

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from graft.rollouts.models import cache_dir
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 # Debian's docker client: with DOCKER_BUILDKIT it builds with BuildKit; a newer client earlier on the PATH may lack
 # buildx. Any client works for the rest.
 DOCKER = "/usr/bin/docker" if Path("/usr/bin/docker").exists() else (shutil.which("docker") or "docker")

@@ -2,7 +2,7 @@
 on a real `DataProto` batch (prompts chat-templated and left-padded, responses right-padded, token-level scores, the
 ground truth under `reward_model`), as verl's trainer calls it after a step. Run with .venv-verl's python:
 
-    .venv-verl/bin/python tests/generator/verl_dump.py SPEC.json
+    .venv-verl/bin/python tests/generator/helpers/verl_dump.py SPEC.json
 
 SPEC: {"tokenizer": DIR, "out": DIR, "step": N, "groups": [{"problem", "gold", "completions": [...], "scores": [...]}]}.
 """
