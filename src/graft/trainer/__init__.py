@@ -1,7 +1,7 @@
 """GRAFT trainer: GRPO/GRAFT loss, gate, re-tokenisation, peer prefetch, training loop, graft-train.
 
 Its face: what graft-train's loop shares with the trainers that host GRAFT (integrations/trl, integrations/verl), which
-import it from here only (tests/test_layout.py). Imported on first use, as TRL's own `__init__` does: `graft-train
+import it from here only (tests/layout/test_trainer.py). Imported on first use, as TRL's own `__init__` does: `graft-train
 --help` and the config's readers load no torch or transformers."""
 
 from __future__ import annotations

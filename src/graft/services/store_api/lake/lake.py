@@ -7,7 +7,7 @@ reads it with `ATTACH 'ducklake:<catalog>' AS lake` (docs/lake.md).
 
 `Lake` is one handle on a lake: it opens and closes it and hands out its parts, each an object that owns its state
 and works through the connection's public methods (none inherits from another). Callers call the part that does the
-work; no method of `Lake` only passes its arguments on (tests/test_layout.py checks):
+work; no method of `Lake` only passes its arguments on (tests/layout/test_store.py checks):
 
 - `config.py`: where the lake is (`LakeConfig`), its errors, DuckDB's lake extensions;
 - `connection` (connection.py): attaching (and making the tables), the connection discipline, the data files'

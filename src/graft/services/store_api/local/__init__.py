@@ -1,7 +1,7 @@
 """The local store: Parquet shards under a root, their lookup files, and the DuckDB index over them (`StoreIndex`).
 
 What the other parts (the HTTP face, the browser, the lake, generators, benchmarks) use of it, imported from here
-(`from graft.services.store_api.local import StoreIndex`); its modules are its own (tests/test_layout.py checks it).
+(`from graft.services.store_api.local import StoreIndex`); its modules are its own (tests/layout/test_store.py checks it).
 """
 
 from graft.services.store_api.local.catalog import IndexLocked

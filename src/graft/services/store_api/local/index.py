@@ -17,7 +17,7 @@ owns its state and calls the others' public methods (none inherits from another)
 `StoreIndex` assembles them, keeps their lifecycle (open, load, clear, rebuild, close) and hands them out, as
 DuckDB's instance hands out its managers: callers call the part that does the work (`index.queries.stats()`,
 `index.ingest.push(...)`, `index.catalog.mirror`), so "go to definition" lands on it. No method here only passes
-its arguments on to a part (tests/test_layout.py checks).
+its arguments on to a part (tests/layout/test_store.py checks).
 
 `store_backend` (services/store_api/backend.py) picks the store behind the API and the CLI: this index, or a
 lake replica (`lake/replica.py`), which uses an index of its own over its cache.
