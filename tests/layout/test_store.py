@@ -8,28 +8,20 @@ import ast
 import re
 from pathlib import Path
 
-from source_tree import GRAFT, ROOT, cycles, first_party_modules, import_graph, imports_past_the_face
-
-STORE = "graft.services.store_api"
-
-
-def _store_parts(graph: dict[str, set[str]]) -> dict[str, set[str]]:
-    """The store's import graph with each sub-package drawn as one node (its modules' imports together); the
-    modules at the store's top (shared validation and settings) stay nodes of their own."""
-    def part(module: str) -> str:
-        inside = module.removeprefix(STORE + ".").split(".")
-        return f"{STORE}.{inside[0]}"
-
-    parts: dict[str, set[str]] = {}
-    for module, imports in graph.items():
-        if module.startswith(STORE + "."):
-            node = part(module)
-            parts.setdefault(node, set()).update(part(i) for i in imports if i.startswith(STORE + ".") and part(i) != node)
-    return parts
+from source_tree import (
+    GRAFT,
+    ROOT,
+    STORE,
+    cycles,
+    first_party_modules,
+    import_graph,
+    imports_past_the_face,
+    store_parts,
+)
 
 
 def test_the_store_parts_import_each_other_in_no_circle():
-    parts = _store_parts(import_graph())
+    parts = store_parts(import_graph())
     assert {f"{STORE}.{p}" for p in ("local", "lake", "http", "browser", "tables")} <= set(parts)
     assert cycles(parts) == []
 
@@ -37,7 +29,7 @@ def test_the_store_parts_import_each_other_in_no_circle():
 def test_the_store_parts_depend_downwards():
     """The local store knows nothing of the lake, the HTTP face or the browser; the lake and the browser know no
     HTTP face; the shared validation imports no part."""
-    parts = _store_parts(import_graph())
+    parts = store_parts(import_graph())
     assert not parts[f"{STORE}.local"] & {f"{STORE}.lake", f"{STORE}.http", f"{STORE}.browser"}
     assert f"{STORE}.http" not in parts[f"{STORE}.lake"] | parts[f"{STORE}.browser"]
     assert parts[f"{STORE}.tables"] == set()
@@ -45,7 +37,7 @@ def test_the_store_parts_depend_downwards():
 
 def test_part_graph_finds_a_circle_between_sub_packages():
     graph = {f"{STORE}.local.a": {f"{STORE}.lake.b"}, f"{STORE}.lake.b": {f"{STORE}.local.c"}, f"{STORE}.local.c": set()}
-    assert cycles(_store_parts(graph)) == [[f"{STORE}.lake", f"{STORE}.local"]]
+    assert cycles(store_parts(graph)) == [[f"{STORE}.lake", f"{STORE}.local"]]
 
 
 def _private_reads(path: Path) -> list[str]:

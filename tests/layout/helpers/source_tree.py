@@ -102,3 +102,21 @@ def imports_past_the_face(package: str, face: set[str], modules: dict[str, Path]
             elif isinstance(node, ast.Import):
                 found.extend((name, a.name) for a in node.names if a.name.startswith(package + "."))
     return sorted(set(found))
+
+
+STORE = "graft.services.store_api"
+
+
+def store_parts(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The store's import graph with each sub-package drawn as one node (its modules' imports together); the
+    modules at the store's top (shared validation and settings) stay nodes of their own."""
+    def part(module: str) -> str:
+        inside = module.removeprefix(STORE + ".").split(".")
+        return f"{STORE}.{inside[0]}"
+
+    parts: dict[str, set[str]] = {}
+    for module, imports in graph.items():
+        if module.startswith(STORE + "."):
+            node = part(module)
+            parts.setdefault(node, set()).update(part(i) for i in imports if i.startswith(STORE + ".") and part(i) != node)
+    return parts
