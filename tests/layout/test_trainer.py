@@ -3,10 +3,11 @@ and GRAFT's tally is spelled in one place for every trainer."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 from pathlib import Path
 
-from source_tree import ROOT, first_party_modules, imports_past_the_face
+from source_tree import GRAFT, ROOT, first_party_modules, imports_past_the_face
 
 TRAINER = "graft.trainer"
 ADAPTERS = ("graft.integrations.trl", "graft.integrations.verl")
@@ -58,3 +59,47 @@ def test_one_tally_for_every_trainer():
     words = ('"frac_all_fail"', '"peer_hit_rate"', '"frac_dropped_retokenize"', "peer_advantage_mismatch",
              "grafted_groups_short", ".kind ==")
     assert [f"{name}: {word}" for name, path in _adapters().items() for word in words if word in path.read_text()] == []
+
+
+def lazy_face_mismatches(source: str, name: str) -> list[str]:
+    """For a package `__init__` that resolves names lazily (a module-level `__getattr__` over `_FACE`, {module: names}):
+    each name that `_FACE`, the imports under `if TYPE_CHECKING:` and `__all__` do not all give alike (from the same
+    module). A package without a module-level `__getattr__` has nothing to match."""
+    tree = ast.parse(source, filename=name)
+    if not any(isinstance(node, ast.FunctionDef) and node.name == "__getattr__" for node in tree.body):
+        return []
+    lazy: dict[str, str] = {}
+    exported: list[str] = []
+    typed: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            if node.targets[0].id == "_FACE":
+                lazy = {n: module for module, names in ast.literal_eval(node.value).items() for n in names}
+            elif node.targets[0].id == "__all__":
+                try:
+                    exported = list(ast.literal_eval(node.value))
+                except ValueError:  # computed: tools that read __all__ see nothing
+                    exported = []
+        elif isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            typed = {a.asname or a.name: i.module for i in node.body if isinstance(i, ast.ImportFrom) for a in i.names}
+    found = [f"{name}: {n} is lazy from {lazy.get(n)} but typed from {typed.get(n)}"
+             for n in sorted(set(lazy) | set(typed)) if lazy.get(n) != typed.get(n)]
+    return found + [f"{name}: __all__ is not _FACE's names"] * (sorted(exported) != sorted(lazy))
+
+
+def test_each_lazy_face_is_written_out_for_type_checkers():
+    """Issue 59: graft.trainer resolved its 16 names through `__getattr__`, so type checkers saw `Any` and "go to
+    definition" landed on `__getattr__`. Each lazy face imports the same names under TYPE_CHECKING (as TRL's
+    `__init__` does) and in `__all__`, module for module."""
+    inits = sorted(GRAFT.rglob("__init__.py"))
+    lazy = [path for path in inits if "def __getattr__" in path.read_text()]
+    assert GRAFT / "trainer" / "__init__.py" in lazy
+    assert [m for path in lazy for m in lazy_face_mismatches(path.read_text(), str(path.relative_to(ROOT)))] == []
+
+
+def test_the_lazy_face_rule_finds_a_name_typed_from_elsewhere_and_one_missing():
+    source = ('_FACE = {"p.a": ("A", "f"), "p.b": ("B",)}\n__all__ = ["A", "B", "f"]\nif TYPE_CHECKING:\n'
+              '    from p.a import A\n    from p.c import B\ndef __getattr__(name): ...\n')
+    assert lazy_face_mismatches(source, "p/__init__.py") == [
+        "p/__init__.py: B is lazy from p.b but typed from p.c", "p/__init__.py: f is lazy from p.a but typed from None"]
+    assert lazy_face_mismatches("import os\n", "q/__init__.py") == []

@@ -2,12 +2,13 @@
 
 Its face: what graft-train's loop shares with the trainers that host GRAFT (integrations/trl, integrations/verl), which
 import it from here only (tests/layout/test_trainer.py). Imported on first use, as TRL's own `__init__` does: `graft-train
---help` and the config's readers load no torch or transformers."""
+--help` and the config's readers load no torch or transformers. Type checkers and editors read the same names from the
+imports under TYPE_CHECKING, which a test holds equal to `_FACE` and `__all__`."""
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 _FACE = {
     "graft.trainer.config": ("GraftConfig", "StoreConfig", "TrainConfig"),
@@ -20,7 +21,30 @@ _FACE = {
                             "grafted_group_rows", "old_logprobs_and_weights"),
     "graft.trainer.metrics": ("graft_metrics", "graft_tally"),
 }
-__all__ = [name for names in _FACE.values() for name in names]
+__all__ = [  # _FACE's names, written out for the tools that read __all__ (a test holds the two equal)
+    "FirstPass", "GateDecision", "GraftConfig", "GraftHost", "LookupResult", "PeerRowCounts", "StoreConfig", "TrainConfig",
+    "TrainSample", "WeightStats", "WeightedRows", "gate_groups", "gate_tally", "graft_metrics", "graft_tally",
+    "grafted_group_rows", "host_setup", "learner_stop_token", "old_logprobs_and_weights", "train",
+]
+
+if TYPE_CHECKING:
+    from graft.trainer.batch import (
+        FirstPass,
+        PeerRowCounts,
+        TrainSample,
+        WeightedRows,
+        WeightStats,
+        grafted_group_rows,
+        old_logprobs_and_weights,
+    )
+    from graft.trainer.config import GraftConfig, StoreConfig, TrainConfig
+    from graft.trainer.gate import GateDecision, gate_groups
+    from graft.trainer.host import GraftHost, host_setup
+    from graft.trainer.loop import train
+    from graft.trainer.metrics import graft_metrics, graft_tally
+    from graft.trainer.peers import LookupResult, gate_tally
+    from graft.trainer.retokenize import learner_stop_token
+
 
 def __getattr__(name: str) -> Any:
     for module, names in _FACE.items():
