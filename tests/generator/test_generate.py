@@ -21,9 +21,10 @@ import pytest
 from graft.rollouts.datasets import load_problems
 from graft.rollouts.groups import make_group_id
 from graft.rollouts.models import default_model_revision
+from graft.rollouts.stopping import StopFlag
 from graft.schemas import ROLLOUT_ARROW_SCHEMA, table_to_groups
 from graft.services.generator.config import GeneratorConfig
-from graft.services.generator.generate import StopFlag, run_generator
+from graft.services.generator.generate import run_generator
 from toy.task import sample_problems, write_problems_jsonl
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -1,5 +1,6 @@
 """What is written once (a copy by meaning drifts): the store's paths, the learner's prompt ids, the weight-sync
-check."""
+check, the stop on a signal, where a trainer's checkpoints are found, and when sampling is the model's own
+distribution."""
 
 from __future__ import annotations
 
@@ -72,3 +73,55 @@ def test_the_weight_sync_check_is_written_once():
     callers = [str(path.relative_to(ROOT)) for path in [*first_party_modules().values(), *modules_of_the_tests().values()]
                if calls_sync(path) and not str(path.relative_to(ROOT)).startswith("src/graft/trainer/")]
     assert callers == ["tests/trainer/helpers/vllm_sync_ranks_check.py"]  # ranks: each syncs its own engine, no probe
+
+
+def _installed_modules() -> dict[str, Path]:
+    return {name: path for name, path in first_party_modules().items() if name.startswith("graft.")}
+
+
+def where_written(sources: dict[str, str]) -> dict[str, list[str]]:
+    """For each meaning the code must say once, the modules (of `sources`: name -> source) that say it:
+    - "stop flag": a call of `signal.signal` in a module that names SIGTERM (a handler that turns `docker stop` into a
+      stop);
+    - "checkpoints": a function named `latest_checkpoint` or `list_checkpoints` (which of a trainer's checkpoints is
+      the newest);
+    - "model distribution": one condition that compares a temperature and a top_p (whether sampling is the model's own
+      distribution)."""
+    found: dict[str, list[str]] = {"stop flag": [], "checkpoints": [], "model distribution": []}
+    for name, source in sorted(sources.items()):
+        says = set()
+        for node in ast.walk(ast.parse(source, filename=name)):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "signal.signal":
+                says.add("stop flag")
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in ("latest_checkpoint",
+                                                                                              "list_checkpoints"):
+                says.add("checkpoints")
+            elif isinstance(node, ast.BoolOp):
+                names = {n.attr if isinstance(n, ast.Attribute) else n.id for part in node.values
+                         if isinstance(part, ast.Compare) for n in ast.walk(part) if isinstance(n, (ast.Attribute, ast.Name))}
+                if {"temperature", "top_p"} <= names:
+                    says.add("model distribution")
+        if "SIGTERM" not in source:
+            says.discard("stop flag")  # a worker's own SIGALRM or SIGINT handling is no stop
+        for meaning in says:
+            found[meaning].append(name)
+    return found
+
+
+def test_each_copy_by_meaning_is_written_once():
+    """Issue 59: two SIGTERM flags (graft-generate's, graft-train's), two `latest_checkpoint`s (the trainer's resume, the
+    generator's watch_dir) and "sampling is the model's own distribution" written three times (the served rescorer,
+    the OpenAI backend, graft-rescore's config). Each is said in one module of graft now."""
+    sources = {name: path.read_text() for name, path in _installed_modules().items()}
+    assert where_written(sources) == {"stop flag": ["graft.rollouts.stopping"], "checkpoints": ["graft.rollouts.files"],
+                                      "model distribution": ["graft.rollouts.sampling"]}
+
+
+def test_the_once_finder_finds_each_meaning():
+    sources = {
+        "a": "import signal\nsignal.signal(signal.SIGTERM, handler)\n",
+        "b": "def latest_checkpoint(run_dir):\n    return None\n",
+        "c": "if p.temperature != 1.0 or p.top_p < 1.0:\n    raise ValueError\n",
+        "d": "if p.top_p < 1.0:\n    cut()\nok = temperature > 0 and greedy\nsignal.signal(signal.SIGALRM, on_alarm)\n",
+    }
+    assert where_written(sources) == {"stop flag": ["a"], "checkpoints": ["b"], "model distribution": ["c"]}

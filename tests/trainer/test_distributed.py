@@ -17,11 +17,12 @@ import torch
 from dist_step import global_groups, make_optimizer, tiny_policy, update
 from torchrun import REPO_ROOT, torchrun
 
+from graft.rollouts.files import list_checkpoints
 from graft.trainer.checkpoint import (
     is_sharded_checkpoint,
-    list_checkpoints,
     load_sharded_checkpoint,
     restore_rng_state,
+    resumable,
     rng_state,
 )
 from graft.trainer.config import ParallelConfig, TrainConfig
@@ -149,7 +150,7 @@ def test_a_two_rank_checkpoint_loads_and_continues_in_one_process(ranks):
     strategy, results = ranks
     saved = results[0]["checkpoint"]
     path = Path(saved["path"])
-    assert is_sharded_checkpoint(path) and list_checkpoints(path.parents[1]) == [path]
+    assert is_sharded_checkpoint(path) and list_checkpoints(path.parent, resumable) == [path]
     before = rng_state()
     try:
         torch.manual_seed(777)

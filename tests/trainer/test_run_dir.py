@@ -18,9 +18,10 @@ import yaml
 from train_configs import make_config
 from typer.testing import CliRunner
 
+from graft.rollouts.files import latest_checkpoint, list_checkpoints
 from graft.services.store_api.http.client import StoreClient
 from graft.services.store_api.http.testing import StoreServer
-from graft.trainer.checkpoint import latest_checkpoint, list_checkpoints, save_checkpoint
+from graft.trainer.checkpoint import checkpoints_dir, resumable, save_checkpoint
 from graft.trainer.cli import app
 from graft.trainer.loop import train
 
@@ -33,7 +34,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def checkpoint_steps(run_dir: Path) -> list[int]:
-    return [int(p.name.removeprefix("step_")) for p in list_checkpoints(run_dir)]
+    return [int(p.name.removeprefix("step_")) for p in list_checkpoints(checkpoints_dir(run_dir), resumable)]
 
 
 def test_pruning_keeps_the_checkpoints_written_last(char_model, char_tokenizer, tmp_path):
@@ -43,7 +44,7 @@ def test_pruning_keeps_the_checkpoints_written_last(char_model, char_tokenizer, 
     for step in (50, 100, 150, 50):
         save_checkpoint(tmp_path, step, char_model, char_tokenizer, optimizer, scheduler, {"step": step}, keep_last=2)
     assert checkpoint_steps(tmp_path) == [150, 50]
-    assert latest_checkpoint(tmp_path).name == "step_000050"
+    assert latest_checkpoint(checkpoints_dir(tmp_path), resumable).name == "step_000050"
 
 
 @pytest.mark.slow

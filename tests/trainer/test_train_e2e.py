@@ -13,9 +13,10 @@ import yaml
 from safetensors.torch import load_file
 from train_configs import make_config
 
+from graft.rollouts.files import latest_checkpoint
 from graft.services.store_api.http.client import StoreClient
 from graft.services.store_api.http.testing import StoreServer
-from graft.trainer.checkpoint import latest_checkpoint, load_trainer_state
+from graft.trainer.checkpoint import load_trainer_state, resumable
 from graft.trainer.loop import train
 from graft.trainer.metrics import METRIC_KEYS
 
@@ -136,7 +137,7 @@ def test_resume_reproduces_the_next_step(toy_world, store, tmp_path):
     # weights; by default every kept checkpoint can be resumed
     older, newest = full / "checkpoints" / "step_000002", full / "checkpoints" / "step_000003"
     assert "optimizer" not in load_trainer_state(older) and "optimizer" in load_trainer_state(newest)
-    assert latest_checkpoint(full) == newest and (older / "model.safetensors").exists()
+    assert latest_checkpoint(full / "checkpoints", resumable) == newest and (older / "model.safetensors").exists()
     assert "optimizer" in load_trainer_state(resumed / "checkpoints" / "step_000002")
     shutil.rmtree(newest)
     with pytest.raises(ValueError, match="keeps no optimizer state"):

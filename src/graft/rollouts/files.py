@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import orjson
@@ -63,3 +64,42 @@ def staged_directory(target: Path, replace: bool) -> Iterator[Path]:
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
+
+
+# A trainer's checkpoints, which graft-train resumes from and graft-generate reloads (watch_dir): <run_dir>/checkpoints/
+# step_000010/, each renamed into place whole (a final name is a complete checkpoint)
+CHECKPOINT_NAME = re.compile(r"^step_(\d{6,})$")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def checkpoint_step(checkpoint: Path) -> int:
+    """The policy step of a checkpoint folder, from its name (step_000010: 10)."""
+    match = CHECKPOINT_NAME.match(Path(checkpoint).name)
+    if match is None:
+        raise ValueError(f"{checkpoint} is not a checkpoint folder (step_<6 or more digits>)")
+    return int(match.group(1))
+
+
+def has_weights(checkpoint: Path) -> bool:
+    """Whether a checkpoint holds an HF export (config.json beside the weights), what a sampler loads."""
+    return (checkpoint / "config.json").exists()
+
+
+def list_checkpoints(folder: Path, complete: Callable[[Path], bool] = has_weights) -> list[Path]:
+    """The checkpoints in `folder` that `complete` accepts, in the order they were written, oldest first: by the
+    folder's modification time (the trainer sets it as it renames one into place), then by step, so that a run started
+    over in the same folder does not lose its steps to the earlier run's higher ones."""
+    if not Path(folder).is_dir():
+        return []
+    found = [p for p in Path(folder).iterdir() if p.is_dir() and CHECKPOINT_NAME.match(p.name) and complete(p)]
+    return sorted(found, key=lambda p: (p.stat().st_mtime_ns, checkpoint_step(p)))
+
+
+def latest_checkpoint(folder: Path, complete: Callable[[Path], bool] = has_weights) -> Path | None:
+    """The checkpoint in `folder` written last that `complete` accepts (what --resume continues from, what a generator
+    following a trainer reloads), or None."""
+    checkpoints = list_checkpoints(folder, complete)
+    return checkpoints[-1] if checkpoints else None

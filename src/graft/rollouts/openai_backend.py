@@ -353,7 +353,7 @@ def _model_names(answer: dict) -> list[str]:
 
 def _modes_differ(params: SamplingParams) -> bool:
     """Whether processed and raw logprobs differ under `params` (greedy decoding reports the raw ones in both)."""
-    return not params.greedy and (params.temperature != 1.0 or params.top_p < 1.0 or params.effective_top_k is not None)
+    return not params.greedy and not params.model_distribution
 
 
 def _prompt_logprobs_of(answer: dict, ids: list[int]) -> list[float] | None:

@@ -68,7 +68,7 @@ class ServedRescorer:
         self.tokenizer, self.tokenizer_id, self.eos_token_ids = backend.tokenizer, backend.tokenizer_id, backend.eos_token_ids
 
     def logprobs(self, prompt_ids: list[int], completions: list[list[int]], params: SamplingParams) -> list[list[float]]:
-        if params.temperature != 1.0 or params.top_p < 1.0 or params.effective_top_k is not None:
+        if not params.model_distribution:
             raise ValueError("a vLLM server's prompt logprobs are the temperature-1 distribution without top-p or top-k: "
                              "rescore with temperature 1.0 (the rows say so), or in-process (--backend hf)")
         return self.backend.teacher_forced_logprobs(prompt_ids, completions)

@@ -57,6 +57,18 @@ class SamplingParams:
         """top_k with 0 folded into None (both mean: no cut)."""
         return self.top_k if self.top_k else None
 
+    @property
+    def model_distribution(self) -> bool:
+        """Whether these samples come from the model's own distribution (`samples_the_model`)."""
+        return samples_the_model(self.temperature, self.top_p, self.top_k)
+
+
+def samples_the_model(temperature: float, top_p: float, top_k: int | None) -> bool:
+    """Whether sampling with these settings draws from the model's own distribution: temperature 1 and no top-p or
+    top-k cut (top_k 0 or None), so that processed logprobs (the behaviour policy's) and raw ones (the model's) are
+    one. Greedy decoding (temperature 0) does not."""
+    return temperature == 1.0 and top_p >= 1.0 and not top_k
+
 
 @dataclass
 class Sample:

@@ -23,7 +23,6 @@ import logging
 import os
 import pickle
 import random
-import re
 import shutil
 import tempfile
 import warnings
@@ -34,13 +33,13 @@ import numpy as np
 import torch
 import yaml
 
+from graft.rollouts.files import checkpoint_name, list_checkpoints
 from graft.trainer.distributed import DistContext, barrier, broadcast_object, full_state_dict, sum_over_ranks, unwrap
 
 log = logging.getLogger("graft.trainer")
 
 STATE_FILE = "trainer_state.pt"
 SHARDED_DIR = "dcp"  # torch.distributed.checkpoint of a data-parallel run (its .metadata is written last)
-STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
@@ -82,7 +81,7 @@ def save_checkpoint(
     sharded = ctx is not None and ctx.distributed
     writes_folder = not sharded or ctx.is_main  # creates, renames (or removes) the staging folder
     root = checkpoints_dir(run_dir)
-    final = root / f"step_{step:06d}"
+    final = root / checkpoint_name(step)
     staging = None
     if writes_folder:
         root.mkdir(parents=True, exist_ok=True)
@@ -119,10 +118,10 @@ def _move_into_place(staging: Path, final: Path, run_dir: Path, keep_last: int |
     os.utime(staging)  # the folder's mtime is its place in the write order (list_checkpoints); nothing writes in it after
     os.rename(staging, final)
     if keep_last is not None:
-        for old in list_checkpoints(run_dir)[:-keep_last]:
+        for old in list_checkpoints(checkpoints_dir(run_dir), resumable)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     if optimizer_in_newest_only:
-        for older in list_checkpoints(run_dir)[:-1]:
+        for older in list_checkpoints(checkpoints_dir(run_dir), resumable)[:-1]:
             drop_optimizer_state(older)
 
 
@@ -147,21 +146,9 @@ def drop_optimizer_state(checkpoint: Path) -> None:
     os.utime(checkpoint, ns=(folder_times.st_atime_ns, folder_times.st_mtime_ns))
 
 
-def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints of a run in the order they were written, oldest first (by step within a run: the steps only
-    go up, except in a run started over with overwrite, whose earlier steps must not lose to the old run's later ones)."""
-    root = checkpoints_dir(run_dir)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir()
-             if p.is_dir() and STEP_DIR.match(p.name) and ((p / STATE_FILE).exists() or is_sharded_checkpoint(p))]
-    return sorted(found, key=lambda p: (p.stat().st_mtime_ns, int(STEP_DIR.match(p.name).group(1))))
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The checkpoint written last (what --resume continues from)."""
-    checkpoints = list_checkpoints(run_dir)
-    return checkpoints[-1] if checkpoints else None
+def resumable(checkpoint: Path) -> bool:
+    """Whether a checkpoint holds what --resume needs: the trainer's state (one process) or a sharded checkpoint."""
+    return (checkpoint / STATE_FILE).exists() or is_sharded_checkpoint(checkpoint)
 
 
 class RunDirInUse(FileExistsError):
@@ -174,7 +161,7 @@ RUN_FILES = ("metrics.jsonl", "eval.jsonl", "peer_groups.jsonl")  # a run's hist
 def previous_run(run_dir: Path) -> list[str]:
     """What of an earlier run `run_dir` holds: its checkpoints and non-empty metrics files (empty: no run there)."""
     found = [name for name in RUN_FILES if (Path(run_dir) / name).is_file() and (Path(run_dir) / name).stat().st_size]
-    checkpoints = list_checkpoints(run_dir)
+    checkpoints = list_checkpoints(checkpoints_dir(run_dir), resumable)
     if checkpoints:
         found.append(f"{len(checkpoints)} checkpoint(s), the last {checkpoints[-1].name}")
     return found

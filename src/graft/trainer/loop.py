@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import random
 import signal
-import threading
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
@@ -33,15 +32,18 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from graft.rollouts.files import latest_checkpoint
 from graft.rollouts.hf_backend import report_tokens_on
 from graft.rollouts.scoring import Scorer
+from graft.rollouts.stopping import StopFlag
 from graft.trainer.batch import build_rows, old_logprobs_and_weights
 from graft.trainer.checkpoint import (
     RunDirInUse,
     check_run_dir,
+    checkpoints_dir,
     clear_run,
-    latest_checkpoint,
     restore_training_state,
+    resumable,
     save_checkpoint,
     write_run_config,
 )
@@ -79,7 +81,8 @@ def train(cfg: TrainConfig, resume: bool = False, on_step: Callable[[dict[str, A
     demo, fault injection in tests). Under torchrun every rank calls this (parallel.strategy ddp or fsdp;
     graft.trainer.distributed)."""
     dist = init_distributed(cfg.parallel, cfg.model.device)
-    stop = StopAtStepBoundary()
+    # SIGTERM only: the step in progress ends, is checkpointed, and the run returns (Ctrl-C stops at once)
+    stop = StopFlag(signals=(signal.SIGTERM,))
     stop.install()
     try:
         return _train(cfg, dist, resume, overwrite, on_step, stop)
@@ -88,31 +91,11 @@ def train(cfg: TrainConfig, resume: bool = False, on_step: Callable[[dict[str, A
         close_distributed(dist)
 
 
-class StopAtStepBoundary:
-    """SIGTERM asks the loop to stop after the step it is in (checkpoint, flush, return): `docker stop`, a scheduler's
-    preemption. Only the main thread can set signal handlers; elsewhere SIGTERM keeps its default."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous: Any = None
-
-    def install(self) -> None:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-
-    def uninstall(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
-
-    def _handle(self, signum, frame) -> None:
-        self.requested = True  # only a flag: the handler may interrupt any code, logging's locks included
-
-    def agreed(self, dist: DistContext) -> bool:
-        """Whether any rank was asked to stop (every rank calls it at the same step: they stop together)."""
-        if not dist.distributed:
-            return self.requested
-        return reduce_metrics(dist, maxima={"stop": float(self.requested)})["stop"] > 0
+def stop_agreed(stop: StopFlag, dist: DistContext) -> bool:
+    """Whether any rank was asked to stop (every rank calls it at the same step: they stop together)."""
+    if not dist.distributed:
+        return stop.requested
+    return reduce_metrics(dist, maxima={"stop": float(stop.requested)})["stop"] > 0
 
 
 def _claim_run_dir(run_dir: Path, resume: bool, overwrite: bool, dist: DistContext) -> None:
@@ -133,13 +116,13 @@ def _claim_run_dir(run_dir: Path, resume: bool, overwrite: bool, dist: DistConte
 
 
 def _train(cfg: TrainConfig, dist: DistContext, resume: bool, overwrite: bool,
-           on_step: Callable[[dict[str, Any]], None] | None, stop: StopAtStepBoundary) -> Path:
+           on_step: Callable[[dict[str, Any]], None] | None, stop: StopFlag) -> Path:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     _setup_logging(run_dir, cfg, dist)  # before the check: its refusal goes to train.log too
     replay = ReplaySource(cfg) if cfg.store.replay_from is not None else None  # refuses another config: first
     _claim_run_dir(run_dir, resume, overwrite, dist)
-    checkpoint = latest_checkpoint(run_dir) if resume else None
+    checkpoint = latest_checkpoint(checkpoints_dir(run_dir), resumable) if resume else None
     if resume and checkpoint is None:
         log.warning("--resume: no checkpoint in %s, starting a fresh run from step 0", run_dir)
     if dist.is_main:
@@ -222,7 +205,7 @@ def _train(cfg: TrainConfig, dist: DistContext, resume: bool, overwrite: bool,
                 on_step(metrics)
             progress.set_postfix(reward=f"{metrics['reward_mean']:.3f}", grafted=f"{metrics['frac_grafted']:.2f}",
                                  signal=f"{metrics['rows_with_signal']}/{metrics['rows']}", loss=f"{metrics['loss']:.4f}")
-            stopping = stop.agreed(dist)
+            stopping = stop_agreed(stop, dist)
             if stopping or (cfg.checkpoint.every_steps and state.step % cfg.checkpoint.every_steps == 0) \
                     or state.step == cfg.steps:
                 save_checkpoint(run_dir, state.step, learner.grad_model, learner.tokenizer, optimizer, scheduler,

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from graft.rollouts.openai_backend import OpenAIBackendConfig
 from graft.rollouts.prompts import MAX_FEW_SHOT, PromptTemplate, check_few_shot
+from graft.rollouts.sampling import samples_the_model
 from graft.rollouts.traces import FORMAT_COLUMNS, TraceColumns, TraceFormat
 from graft.schemas.rollout import SAFE_NAME_PATTERN
 
@@ -228,7 +229,9 @@ class RescoreConfig(BaseModel):
         check_few_shot(self.template, self.few_shot, self.instruction, self.system_prompt)
         check_served(self.backend, self.openai)
         if self.backend == "openai":
-            if (self.temperature not in (None, 1.0) or self.top_p not in (None, 1.0) or self.top_k not in (None, 0)):
+            # None: each row's own, which the served rescorer checks row by row
+            if not samples_the_model(1.0 if self.temperature is None else self.temperature,
+                                     1.0 if self.top_p is None else self.top_p, self.top_k):
                 raise ValueError("backend openai: a vLLM server's prompt logprobs are the temperature-1 distribution "
                                  "without top-p or top-k; rescore at temperature 1.0 (the rows then say 1.0), or with "
                                  "backend hf at the temperature the traces were sampled at")

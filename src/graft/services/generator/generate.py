@@ -13,10 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
-import re
-import signal
 import socket
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +23,7 @@ from tqdm import tqdm
 
 from graft.rollouts.backends import load_backend
 from graft.rollouts.datasets import load_problems
+from graft.rollouts.files import checkpoint_step, latest_checkpoint
 from graft.rollouts.groups import assemble_group, make_group_id
 from graft.rollouts.hf_backend import report_tokens_on
 from graft.rollouts.models import default_model_id, default_model_revision
@@ -33,10 +31,10 @@ from graft.rollouts.openai_backend import OpenAIBackend
 from graft.rollouts.prompts import build_prompt
 from graft.rollouts.sampling import Backend, SamplingParams
 from graft.rollouts.scoring import Scorer
+from graft.rollouts.stopping import StopFlag
 from graft.schemas import Problem, RolloutGroup
 from graft.services.generator.config import GeneratorConfig
 
-CHECKPOINT_DIR = re.compile(r"^step_(\d+)$")  # the trainer's layout: <run>/checkpoints/step_000010/
 RETRY_INITIAL_S = 1.0  # continuous mode, store down: first pause before the call is tried again; doubles per failure
 RETRY_MAX_S = 60.0  # the longest pause between tries (the outage itself may last any time)
 
@@ -75,30 +73,6 @@ class RunStats:
         """Share of the batches' wall time spent scoring, assembling and writing."""
         busy = self.sampling_s + self.scoring_s + self.assembly_s + self.writing_s
         return 0.0 if busy == 0 else (busy - self.sampling_s) / busy
-
-
-class StopFlag:
-    """Set by SIGTERM/SIGINT: the loop finishes and stores the current batch, then stops."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous: dict[int, object] = {}
-
-    def install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return  # signal handlers can only be set from the main thread; the caller stops us another way
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._previous[sig] = signal.signal(sig, self._handle)
-
-    def uninstall(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
-
-    def _handle(self, signum, frame) -> None:
-        if self.requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C: stop now
-        self.requested = True
 
 
 class GroupSink:
@@ -219,18 +193,6 @@ def _stored_ids_of_these_settings(
     return set(stored)
 
 
-def latest_checkpoint(watch_dir: Path) -> tuple[int, Path] | None:
-    """(step, path) of the newest complete `step_<N>/` checkpoint in `watch_dir` (the trainer renames a
-    finished checkpoint into place, so a final name is always complete)."""
-    if not watch_dir.is_dir():
-        return None
-    found = [
-        (int(m.group(1)), p) for p in watch_dir.iterdir()
-        if p.is_dir() and (m := CHECKPOINT_DIR.match(p.name)) and (p / "config.json").exists()
-    ]
-    return max(found) if found else None
-
-
 def through_outages(sink: GroupSink, call, what: str, config: GeneratorConfig, stop: StopFlag, stats: RunStats):
     """call() of the store; in continuous mode through an outage of any length: what the run holds (the sampled batch)
     is kept and the call tried again after RETRY_INITIAL_S, doubling up to RETRY_MAX_S, each failure logged. A
@@ -285,8 +247,8 @@ def _run(config: GeneratorConfig, stop: StopFlag) -> RunStats:
     model_path, policy_step = config.model, config.policy_step
     if config.continuous and config.watch_dir:
         newest = latest_checkpoint(Path(config.watch_dir))
-        if newest is not None and newest[0] >= policy_step:
-            policy_step, model_path = newest[0], str(newest[1])
+        if newest is not None and checkpoint_step(newest) >= policy_step:
+            policy_step, model_path = checkpoint_step(newest), str(newest)
     revision = config.model_revision if model_path == config.model and config.model_revision else default_model_revision(model_path)
     key = config.sampling_key()
     params = SamplingParams(
@@ -347,8 +309,8 @@ def _run(config: GeneratorConfig, stop: StopFlag) -> RunStats:
                         break
                     if config.continuous and config.watch_dir:
                         newest = latest_checkpoint(Path(config.watch_dir))
-                        if newest is not None and newest[0] > policy_step:
-                            reload_to = newest
+                        if newest is not None and checkpoint_step(newest) > policy_step:
+                            reload_to = checkpoint_step(newest), newest
                             break
                 if stop.requested:
                     break

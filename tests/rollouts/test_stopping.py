@@ -1,0 +1,37 @@
+"""The one stop flag of graft-generate and graft-train (graft.rollouts.stopping): a signal sets it, a second Ctrl-C
+stops at once, and uninstalling gives the previous handlers back."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from graft.rollouts.stopping import StopFlag
+
+
+def test_sigterm_sets_the_flag_and_uninstall_restores_the_handler():
+    before = signal.getsignal(signal.SIGTERM)
+    stop = StopFlag(signals=(signal.SIGTERM,))
+    stop.install()
+    try:
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # not asked for: left alone
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested
+    finally:
+        stop.uninstall()
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_a_second_ctrl_c_stops_at_once():
+    stop = StopFlag()
+    stop.install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.requested
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        stop.uninstall()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
