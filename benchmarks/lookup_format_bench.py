@@ -6,11 +6,11 @@ One shard of synthetic rollouts per profile (`store_bench.ShardMaker`: `short`, 
 `reasoning`, log-normal lengths around 1,500 tokens of real math text), written each way:
 
 - `copies`: main's layout before issue 39: the shard's pages cut by size (1 MB), and a lookup file holding an
-  uncompressed Arrow IPC copy of every group (`lookup.write_lookup_file` without pages);
+  uncompressed Arrow IPC copy of every group (`write_lookup_file` without pages);
 - `ipc-lz4`, `ipc-zstd`: the same copies with Arrow IPC buffer compression (pyarrow compresses each buffer of
   each group's message; the client's IPC reader decompresses);
 - `pages-<codec>`: shards whose data pages hold whole groups (`shards.encode_shard`) with the bulk columns in
-  that codec, and lookup files of templates (`lookup.py`): a lookup reads the group's pages from the shard;
+  that codec, and lookup files of templates (`local/lookup/`): a lookup reads the group's pages from the shard;
   `pages-lz4_raw-every-column`: the same from one pyarrow file, so every column's pages hold whole groups.
 
 Also what reading the shard costs outside the store: DuckDB aggregating three small columns, and DuckDB's naive

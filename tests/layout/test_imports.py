@@ -91,8 +91,6 @@ PRIVATE_IMPORTS_LEFT = {
     "being reworked with the store's faces (issue 51's second item)",
     ("graft.services.store_api.lake.writing", "graft.services.store_api.lake.connection._rollback_quietly"): "as above",
     ("graft.services.store_api.lake.writing", "graft.services.store_api.lake.connection._storage_error"): "as above",
-    ("tests.store.helpers.store_factory", "graft.services.store_api.local.lookup._LookupFile"): "the lookup file's named "
-    "tables, as above",
 }
 
 

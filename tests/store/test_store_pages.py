@@ -27,6 +27,7 @@ from graft.services.store_api.local.lookup import (
     lookup_path,
     rebuild_lookup_file,
 )
+from graft.services.store_api.local.lookup import rebuild as rebuilding
 from graft.services.store_api.local.pages import BULK_BUFFERS, PageLayoutError, bulk_pages, message_buffers
 from graft.services.store_api.local.splice import footer_span
 from graft.services.store_api.local.thrift import decode_struct, encode_struct, read_struct
@@ -151,8 +152,8 @@ def test_a_shard_in_this_layout_without_a_lookup_file_gets_templates_from_its_sm
     shard.parent.mkdir(parents=True)
     shards.encode_shard(table, group_runs(table.column("group_id"))[1], str(shard))
     read = []
-    real = lookup_files.read_whole_groups
-    monkeypatch.setattr(lookup_files, "read_whole_groups", lambda *a, **k: read.append(a[2:] + tuple(k.values()))
+    real = rebuilding.read_whole_groups
+    monkeypatch.setattr(rebuilding, "read_whole_groups", lambda *a, **k: read.append(a[2:] + tuple(k.values()))
                         or real(*a, **k))
     rebuild_lookup_file(shard)
     assert all(BULK_COLUMNS[0] not in args[0].names for args in read)  # never decoded the bulk columns

@@ -20,9 +20,9 @@ from graft.schemas import (
     groups_to_table,
     table_to_groups,
 )
-from graft.services.store_api.local import lookup as lookup_files
 from graft.services.store_api.local.durable import TMP_PREFIX
 from graft.services.store_api.local.lookup import BLOCK, ShardReader, ShardReadError, lookup_path
+from graft.services.store_api.local.lookup import writer as lookup_writer
 from graft.services.store_api.local.pages import bulk_pages
 from graft.services.store_api.local.shards import BULK_COLUMNS, ROW_GROUP_ROWS, write_groups
 from graft.services.store_api.tables import ShardValidationError, groups_table, validate_table
@@ -226,7 +226,7 @@ def test_lookup_file_is_the_same_however_it_is_chunked(tmp_path, monkeypatch):
     written = lookup_path(path).read_bytes()
     rel = path.relative_to(tmp_path).as_posix()
     for chunk_bytes in (1, 20_000):  # every group its own chunk; a few groups per chunk
-        monkeypatch.setattr(lookup_files, "LOOKUP_CHUNK_BYTES", chunk_bytes)
+        monkeypatch.setattr(lookup_writer, "LOOKUP_CHUNK_BYTES", chunk_bytes)
         lookup_path(path).unlink()
         reader = ShardReader(tmp_path)
         assert table_to_groups(reader.read([(rel, 8 * g, 8) for g in (6, 0, 3)])) == [groups[6], groups[0], groups[3]]

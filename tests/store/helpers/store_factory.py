@@ -77,7 +77,7 @@ def wait_for(predicate, timeout_s: float = 20.0, what: str = "condition"):
 def blocks_of(lookup_file) -> np.ndarray:
     """The block table of a lookup file, (groups, len(BLOCK)) int64: column BLOCK.first_page is a group's first page,
     -1 for a copy."""
-    from graft.services.store_api.local.lookup import _LookupFile
+    from graft.services.store_api.local.lookup import LookupFile
 
     shard = lookup_file.parent.parent.parent / "rollouts" / lookup_file.parent.name / (lookup_file.stem + ".parquet")
-    return _LookupFile(lookup_file, shard).blocks
+    return LookupFile(lookup_file, shard).blocks

@@ -4,7 +4,7 @@ Owns where unfinished files live: `<root>/.tmp/`, on the store's file system but
 `prompts/`, so no reader's glob (`rollouts/*/*.parquet`, `rollouts/**`, a pandas or polars directory read)
 ever meets a partial file, even one a killed writer left behind; then the atomic publish (rename into place,
 directory fsynced), and dropping written pages. Shards and problem files (`shards.py`) are written through
-here; lookup files (`lookup.py`), which no outside reader reads, keep a `.tmp-` name in their own directory.
+here; lookup files (`lookup/`), which no outside reader reads, keep a `.tmp-` name in their own directory.
 
 Written files leave the writer's page cache (`drop_cached_pages`, once their data is on disk): a writer
 streams ~6 KB per rollout (shard + lookup file) that it never reads again, and on the VM this was measured

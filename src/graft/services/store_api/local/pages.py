@@ -6,7 +6,7 @@ values PLAIN-encoded (exactly an Arrow int32/float32 values buffer once decompre
 the repetition and definition levels outside the compressed values), each page of `completion_text` is
 DELTA_LENGTH_BYTE_ARRAY (the lengths, then every string's bytes back to back: an Arrow string data buffer
 after the lengths). `bulk_pages` walks the page headers of those columns and says where each page's values
-are, so a lookup preads and decompresses only its groups' pages (`lookup.py`), and no second copy of the
+are, so a lookup preads and decompresses only its groups' pages (`lookup/reader.py`), and no second copy of the
 bulk data is kept. A column chunk laid out otherwise (version-1 pages, dictionary pages, other encodings, a
 codec pyarrow cannot decompress on its own) yields nothing, and its groups are copied whole into the lookup
 file as before.

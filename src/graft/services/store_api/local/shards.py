@@ -6,11 +6,11 @@ whole groups of one model, in `ROLLOUT_ARROW_SCHEMA`: the source of truth, read 
 Row groups hold whole groups and about `ROW_GROUP_ROWS` rows. The bulk columns' data pages (version 2) hold
 whole groups too, the greatest common divisor of the groups' sizes in rows (8 for groups of 8), so that lookups
 read a group's bulk values (text, token ids, logprobs: `BULK_COLUMNS` in tables.py) from its own pages in the
-shard (`pages.py`, `lookup.py`) and no second copy of them is kept; the other columns keep pyarrow's own pages
+shard (`pages.py`, `lookup/`) and no second copy of them is kept; the other columns keep pyarrow's own pages
 (`splice.py`). Only the bulk columns are compressed (decompressing many small pages of the small columns cost
 more than it saved), with `BULK_CODEC`; text is DELTA_LENGTH_BYTE_ARRAY (its page is then an Arrow string data
 buffer after the lengths), the lists PLAIN. `encode_shard` writes them (the lake's writers use it too); each
-shard's lookup file (`lookup.py`) is written from the file's page headers, read back while still in the page
+shard's lookup file (`lookup/writer.py`) is written from the file's page headers, read back while still in the page
 cache, just before the shard is published, bound to the shard's footer. Problems go once per dataset to
 `<root>/prompts/dataset=<name>/`. Validation lives in `tables.py`, atomic files in `durable.py`.
 """
