@@ -68,7 +68,7 @@ def staged_directory(target: Path, replace: bool) -> Iterator[Path]:
 
 # A trainer's checkpoints, which graft-train resumes from and graft-generate reloads (watch_dir): <run_dir>/checkpoints/
 # step_000010/, each renamed into place whole (a final name is a complete checkpoint)
-CHECKPOINT_NAME = re.compile(r"^step_(\d{6,})$")
+CHECKPOINT_NAME = re.compile(r"^step_(\d+)$")
 
 
 def checkpoint_name(step: int) -> str:
@@ -79,7 +79,7 @@ def checkpoint_step(checkpoint: Path) -> int:
     """The policy step of a checkpoint folder, from its name (step_000010: 10)."""
     match = CHECKPOINT_NAME.match(Path(checkpoint).name)
     if match is None:
-        raise ValueError(f"{checkpoint} is not a checkpoint folder (step_<6 or more digits>)")
+        raise ValueError(f"{checkpoint} is not a checkpoint folder (step_<N>)")
     return int(match.group(1))
 
 
