@@ -157,8 +157,15 @@ class GraftConfig(_Section):
     )
     require_behaviour_logprobs: bool = Field(
         default=False,
-        description="ask the store for peer groups with behaviour logprobs (mu) only; off: groups without mu (text-only "
-                    "traces, APIs without logprobs) are grafted too, with b = 1 and w = 1 (GRAFT_SPEC section 11)")
+        description="ask the store for peer groups whose stored logprobs are their behaviour mu only (schemas."
+                    "mu_is_behaviour); off: groups without mu (text-only traces, APIs without logprobs, 'raw' logprobs "
+                    "away from temperature 1, rescored_unverified ones) are grafted too, with b = 1 and w = 1 (GRAFT_SPEC "
+                    "section 11), and counted (peer_rollouts_mu_set_aside: stored logprobs that were not used as mu)")
+    trust_unverified_mu: bool = Field(
+        default=False,
+        description="use as mu the logprobs of rows rescored by weights not shown to be the ones that sampled them "
+                    "(logprobs_mode rescored_unverified: another model's probabilities); off: they graft as rows without "
+                    "mu (b = 1, w = 1) and are counted in peer_rollouts_mu_set_aside")
     uniform_projection: bool = Field(
         default=False,
         description="opt-in: graft peer groups whose tokenizer is not in peer_tokenizers, spreading their logprob_sum evenly "
@@ -185,6 +192,11 @@ class GraftConfig(_Section):
                 f"graft.group_normalized_weight with graft.peer_negative_scale = {self.peer_negative_scale}: the first centres "
                 "each grafted group's advantages so that sum(w A) = 0, the second rescales its negative ones afterwards and "
                 "undoes that; use one of the two")
+        if self.trust_unverified_mu and self.require_behaviour_logprobs:
+            raise ValueError(
+                "graft.trust_unverified_mu with graft.require_behaviour_logprobs: the store serves under the second only "
+                "groups whose rows show their logprobs to be mu, which rescored_unverified ones do not, so the first "
+                "would change nothing; drop one of the two")
         return self
 
 
