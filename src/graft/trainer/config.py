@@ -128,6 +128,12 @@ GRAFT_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# The fields that make GRAFT's loss: which GRAFT a run trains with (the presets' fields and the options that change
+# the maths). The shipped configs leave them at the default unless they name a preset and say why (a test holds them).
+GRAFT_FORMULA_FIELDS = ("token_is", "kappa", "peer_negative_scale", "peer_loss_scale", "is_cap", "luffy_gamma",
+                        "log_rho_min", "group_normalized_weight", "union_all_success", "kl_on_peer")
+
+
 class GraftConfig(_Section):
     preset: Literal["spec", "b1_no_peer_neg"] | None = Field(
         default=None,
@@ -198,6 +204,24 @@ class GraftConfig(_Section):
                 "groups whose rows show their logprobs to be mu, which rescored_unverified ones do not, so the first "
                 "would change nothing; drop one of the two")
         return self
+
+    def departures(self) -> dict[str, tuple[Any, Any]]:
+        """{field: (value, the trainers' default)} for each GRAFT_FORMULA_FIELDS field this section does not leave at
+        its default: empty for the trainers' default GRAFT."""
+        default = GraftConfig()
+        return {name: (getattr(self, name), getattr(default, name)) for name in GRAFT_FORMULA_FIELDS
+                if getattr(self, name) != getattr(default, name)}
+
+    def describe(self) -> str:
+        """One line: which GRAFT this section trains with (`graft-train show-config` prints it)."""
+        departures = self.departures()
+        if not departures:
+            return ("the trainers' default GRAFT (token_is none, kappa 1, peer_negative_scale 0, peer_loss_scale 1: "
+                    "docs/training.md, 'Which GRAFT runs by default')")
+        changed = ", ".join(f"{name} {value} (default {default})" for name, (value, default) in departures.items())
+        if departures == GraftConfig(preset="spec").departures():
+            return f"GRAFT_SPEC's formulas as written (graft.preset spec), not the trainers' default: {changed}"
+        return f"not the trainers' default GRAFT: {changed}"
 
 
 class DapoConfig(_Section):
@@ -365,6 +389,12 @@ class TrainConfig(_Section):
         if self.parallel.strategy != "none":
             raise ValueError(f"{what} is not supported under parallel.strategy {self.parallel.strategy!r} yet: run one "
                              "process")
+
+    def grafting(self) -> str:
+        """One line: which GRAFT the run trains with (show-config and --dry-run print it)."""
+        if self.method != "graft":
+            return f"method {self.method}: no grafting, the graft section is unused"
+        return f"GRAFT: {self.graft.describe()}"
 
     @property
     def publishes(self) -> bool:
