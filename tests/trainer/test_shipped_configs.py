@@ -5,6 +5,7 @@ README.md and docs/ leave GRAFT's formula fields (`GRAFT_FORMULA_FIELDS`) at the
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import shlex
@@ -57,7 +58,7 @@ def _overrides(args: list[str]) -> dict:
 
 def _config_of(args: list[str]) -> dict:
     """The graft section of the config a graft-train command line names (--config), if any."""
-    for flag, value in zip(args, args[1:]):
+    for flag, value in itertools.pairwise(args):
         if flag in ("--config", "-c"):
             path = ROOT / value.lstrip("/")  # the compose files mount configs/ at /configs
             return _graft_section(path) if path.is_file() else {}
@@ -95,7 +96,7 @@ def test_the_compose_trainers_run_the_configs_they_name_as_they_are():
 
 def _blocks(page: Path) -> list[tuple[str, str]]:
     """(language, code) of each fenced bash or yaml block of `page`."""
-    return re.findall(r"```(bash|yaml)\n(.*?)```", page.read_text(), flags=re.S)
+    return re.findall(r"```(bash|yaml)\n(.*?)```", page.read_text(), flags=re.DOTALL)
 
 
 def test_the_docs_blocks_run_the_default_graft_or_name_a_preset_and_say_why():
