@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import math
-from datetime import datetime, timezone
 from collections.abc import Mapping
+from datetime import datetime, timezone
 from typing import Annotated, Any, Literal
 
 import pyarrow as pa
@@ -46,8 +46,6 @@ RESCORED = "rescored"
 RESCORED_UNVERIFIED = "rescored_unverified"
 PROCESSED = "processed"  # logprobs of the distribution sampled from (after temperature, top-p, top-k): mu itself
 RAW = "raw"  # the model's own (temperature 1, untruncated) logprobs: mu only where the sampling changed nothing
-
-
 MU_FIELDS = ("logprobs_mode", "temperature", "top_p", "top_k")  # what mu_is_behaviour reads of a row
 
 

@@ -216,8 +216,8 @@ class GraftConfig(_Section):
         """One line: which GRAFT this section trains with (`graft-train show-config` prints it)."""
         departures = self.departures()
         if not departures:
-            return ("the trainers' default GRAFT (token_is none, kappa 1, peer_negative_scale 0, peer_loss_scale 1: "
-                    "docs/training.md, 'Which GRAFT runs by default')")
+            named = ", ".join(f"{name} {getattr(self, name)}" for name in GRAFT_PRESETS["spec"])
+            return f"the trainers' default GRAFT ({named}: docs/training.md, 'Which GRAFT runs by default')"
         changed = ", ".join(f"{name} {value} (default {default})" for name, (value, default) in departures.items())
         if departures == GraftConfig(preset="spec").departures():
             return f"GRAFT_SPEC's formulas as written (graft.preset spec), not the trainers' default: {changed}"
