@@ -82,21 +82,33 @@ def toy_world(tmp_path_factory, one_torch_thread):
     return build_toy_world(tmp_path_factory.mktemp("toy_world"))
 
 
-@pytest.fixture(scope="session")
-def text_only_store_root(toy_world, tmp_path_factory):
-    """A store root holding the toy peer's groups as a source without behaviour logprobs stores them (logprobs_mode
-    'none', token_logprobs empty, logprob_sum 0.0: docs/algorithm.md section 11)."""
+def _toy_peer_store_as(toy_world, root: Path, update: dict) -> Path:
+    """A store root holding the toy peer's groups, every row changed by `update`."""
     import pyarrow.parquet as pq
 
     from graft.schemas import RolloutGroup, table_to_groups
     from graft.services.store_api.local.shards import write_groups
 
-    no_mu = {"logprobs_mode": "none", "token_logprobs": [], "logprob_sum": 0.0}
     stored = [g for path in sorted((toy_world.store_root / "rollouts").rglob("*.parquet"))
               for g in table_to_groups(pq.read_table(path))]
-    root = tmp_path_factory.mktemp("text_only") / "store"
-    write_groups(root, [RolloutGroup(rollouts=[r.model_copy(update=no_mu) for r in g.rollouts]) for g in stored])
+    write_groups(root, [RolloutGroup(rollouts=[r.model_copy(update=update) for r in g.rollouts]) for g in stored])
     return root
+
+
+@pytest.fixture(scope="session")
+def text_only_store_root(toy_world, tmp_path_factory):
+    """A store root holding the toy peer's groups as a source without behaviour logprobs stores them (logprobs_mode
+    'none', token_logprobs empty, logprob_sum 0.0: docs/algorithm.md section 11)."""
+    no_mu = {"logprobs_mode": "none", "token_logprobs": [], "logprob_sum": 0.0}
+    return _toy_peer_store_as(toy_world, tmp_path_factory.mktemp("text_only") / "store", no_mu)
+
+
+@pytest.fixture(scope="session")
+def raw_logprobs_store_root(toy_world, tmp_path_factory):
+    """A store root holding the toy peer's groups as a server run with --logprobs-mode raw_logprobs stores them when
+    sampling at T = 0.7 (logprobs_mode 'raw'): logprobs, but the model's own, not the rows' mu (mu_is_behaviour)."""
+    raw = {"logprobs_mode": "raw", "temperature": 0.7}
+    return _toy_peer_store_as(toy_world, tmp_path_factory.mktemp("raw_logprobs") / "store", raw)
 
 
 @pytest.fixture(scope="session")

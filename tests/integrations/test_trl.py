@@ -320,11 +320,13 @@ def test_the_trl_adapter_runs_graft_trains_default_graft(tmp_path):
     assert graft.model_dump(exclude=mine) == GraftOptions().model_dump(exclude=mine)
 
 
-def test_peer_groups_without_mu_graft_in_trl_with_w_one_and_are_counted(toy_world, text_only_store_root, fresh_learner,
+@pytest.mark.parametrize("stored", ["text_only_store_root", "raw_logprobs_store_root"])
+def test_peer_groups_without_mu_graft_in_trl_with_w_one_and_are_counted(stored, toy_world, fresh_learner, request,
                                                                           tmp_path):
-    """The toy peer's groups stored without behaviour logprobs (logprobs_mode 'none'): TRL grafts them with b = 1 and
-    w = 1 (docs/algorithm.md section 11) and counts them in graft/peer_rollouts_without_mu."""
-    root = shutil.copytree(text_only_store_root, tmp_path / "store",
+    """The toy peer's groups stored without behaviour logprobs (logprobs_mode 'none'), or with logprobs that are not
+    their mu ('raw' at T = 0.7: schemas.mu_is_behaviour): TRL grafts them with b = 1 and w = 1 (docs/algorithm.md section 11)
+    and counts them in graft/peer_rollouts_without_mu (the second kind also in graft/peer_rollouts_mu_set_aside)."""
+    root = shutil.copytree(request.getfixturevalue(stored), tmp_path / "store",
                            ignore=shutil.ignore_patterns("index.duckdb*", "logs"))
     with StoreServer(root) as server:
         trainer = make_trainer(fresh_learner, toy_world.peer_problems,
@@ -337,5 +339,7 @@ def test_peer_groups_without_mu_graft_in_trl_with_w_one_and_are_counted(toy_worl
         assert line["graft/frac_grafted"] > 0 and line["graft/peer_rollouts_consumed"] > 0
         assert line["graft/peer_rollouts_without_mu"] == line["graft/peer_rollouts_consumed"]
         assert line["graft/projection_none"] > 0 and line["graft/projection_spans"] == 0
+        assert line["graft/peer_rollouts_mu_set_aside"] == (
+            line["graft/projection_none"] if stored == "raw_logprobs_store_root" else 0)
         assert line["graft/compat_weight_mean"] == 1.0
     assert any(not torch.equal(start[k], v) for k, v in weights(trainer.model).items())

@@ -81,8 +81,10 @@ class StubServer:
         if body.get("prompt_logprobs") is not None:  # the logprobs-mode check's teacher forcing
             if behaviour == "no_prompt_logprobs":
                 return handler._send(400, b'{"error": {"message": "prompt_logprobs is not supported"}}')
-            # a raw-mode server: the teacher-forced logprobs are the sampled ones (-0.5 each)
-            entries = [None] + [{str(t): {"logprob": -0.5, "rank": 1}} for t in body["prompt"][1:]]
+            # a raw-mode server: the teacher-forced logprobs are the sampled ones (-0.5 each); one that samples with
+            # settings of its own: they differ
+            forced = -0.3 if behaviour == "own_settings" else -0.5
+            entries = [None] + [{str(t): {"logprob": forced, "rank": 1}} for t in body["prompt"][1:]]
             return handler._send(200, json.dumps({"choices": [{"index": 0, "text": "", "token_ids": [1],
                                                                "prompt_logprobs": entries, "finish_reason": "length",
                                                                "logprobs": None}]}).encode())
@@ -156,15 +158,15 @@ def test_a_429_is_tried_again_and_the_run_stores_every_group(stub, tiny_model_di
     assert code == 0, err
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["groups"] == 12 and summary["rollouts"] == 48
-    # the model list, 12 prompts, one of them twice
-    assert summary["server"]["requests"] == 14 and summary["server"]["retries"] == 1
+    # the model list, 12 prompts, one of them twice, and the check of one sample (T = 1: nothing unstated applied)
+    assert summary["server"]["requests"] == 15 and summary["server"]["retries"] == 1
     assert summary["server"]["completion_tokens"] == 48 * len(COMPLETION_IDS)
     assert len(list((tmp_path / "store" / "rollouts").rglob("part-*.parquet"))) == 1
-    sent = server.requests[-1]
+    samples = [body for body in server.requests if "prompt_logprobs" not in body]
+    sent = samples[-1]
     assert (sent["n"], sent["max_tokens"], sent["logprobs"], sent["return_token_ids"]) == (4, 3, 0, True)
     assert sent["model"] == "stub" and all(isinstance(t, int) for t in sent["prompt"])
-    assert "top_k" not in sent  # an extension, sent only when asked for
-    assert len({r["seed"] for r in server.requests[1:]}) == 12  # one seed a prompt, as the vllm backend seeds
+    assert len({r["seed"] for r in samples[1:]}) == 12  # one seed a prompt, as the vllm backend seeds
 
 
 @pytest.mark.parametrize("behaviour, message", [
@@ -189,10 +191,46 @@ def test_a_bad_answer_stops_the_run_in_one_line_and_stores_nothing(stub, tiny_mo
 
 
 def test_a_server_without_top_k_is_named(stub, tiny_model_dir, toy_dataset, tmp_path):
+    """Every request states top_k (-1: no cut), so a server without vLLM's extensions refuses every one: named."""
     server = stub("no_top_k")
-    code, _, err = _generate(tiny_model_dir, toy_dataset, tmp_path / "store", server.url, "top_k=20")
-    assert code == 2 and "the server does not take top_k (a vLLM extension)" in err, err
+    code, _, err = _generate(tiny_model_dir, toy_dataset, tmp_path / "store", server.url)
+    assert code == 2 and "the server does not take top_k (a vLLM extension" in err and "serve the peer with vLLM" in err
     assert len(server.requests) <= 12  # a refusal is final: not tried again
+
+
+def test_every_request_states_every_sampling_setting(stub, tiny_model_dir, toy_dataset, tmp_path):
+    """A vLLM server fills each sampling field a request leaves unset from the model folder's generation_config.json:
+    every request states them all (no top-k, min-p nor penalty unless asked) and stops on the peer's EOS ids."""
+    from graft.rollouts.models import generation_eos_ids, load_tokenizer_of
+
+    eos = sorted(generation_eos_ids(tiny_model_dir, load_tokenizer_of(tiny_model_dir)))
+    for sampling, stated in ((("temperature=1.0",), {"temperature": 1.0, "top_p": 1.0, "top_k": -1}),
+                             (("temperature=0.7", "top_p=0.9", "top_k=20"), {"temperature": 0.7, "top_p": 0.9, "top_k": 20}),
+                             (("temperature=0",), {"temperature": 0.0, "top_p": 1.0, "top_k": -1})):
+        server = stub("ok")
+        code, _, err = _generate(tiny_model_dir, toy_dataset, tmp_path / str(sampling), server.url, *sampling,
+                                 "openai.logprobs_mode=raw_logprobs")
+        assert code == 0, err
+        for body in server.requests:  # the samples' requests and the check's teacher forcing alike
+            assert {k: body[k] for k in ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                                         "stop_token_ids")} == {"min_p": 0.0, "repetition_penalty": 1.0,
+                                                                "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                                                                "stop_token_ids": eos}, body
+        samples = [body for body in server.requests if "prompt_logprobs" not in body]
+        assert len(samples) == 12 and all({k: body[k] for k in stated} == stated and body["max_tokens"] == 3
+                                          for body in samples), samples[0]
+
+
+def test_a_server_that_samples_with_settings_of_its_own_is_refused_at_t_1(stub, tiny_model_dir, toy_dataset, tmp_path):
+    """At T = 1 without truncation the sampled logprobs are the model's own whatever the logprobs mode: a server whose
+    numbers differ from its teacher-forced ones applied settings the request did not state (a generation config, or
+    fields it ignores). Refused in one line, nothing stored; the same check passes a server that does not."""
+    code, _, err = _generate(tiny_model_dir, toy_dataset, tmp_path / "store", stub("own_settings").url)
+    assert code == 2 and "applies sampling settings the request does not state" in err, err
+    assert len(err.strip().splitlines()) == 1 and list((tmp_path / "store").rglob("*.parquet")) == []
+    server = stub("ok")
+    code, _, err = _generate(tiny_model_dir, toy_dataset, tmp_path / "ok", server.url)
+    assert code == 0 and sum("prompt_logprobs" in body for body in server.requests) == 1, err
 
 
 def test_the_stated_logprobs_mode_is_checked_where_the_server_scores_prompts(stub, tiny_model_dir, toy_dataset,
@@ -211,7 +249,7 @@ def test_the_stated_logprobs_mode_is_checked_where_the_server_scores_prompts(stu
     server = stub("no_prompt_logprobs")
     code, _, err = _generate(tiny_model_dir, toy_dataset, tmp_path / "unchecked", server.url, "temperature=0.7")
     assert code == 0, err
-    assert "openai.logprobs_mode is unchecked" in caplog.text
+    assert "openai.logprobs_mode and the sampling the server applies are unchecked" in caplog.text
 
 
 def _groups(store: Path):

@@ -1,6 +1,7 @@
 """Rows without behaviour logprobs (logprobs_mode 'none', docs/algorithm.md section 11) through the real store: refused when
 malformed, stored, served whole, filtered out by require_behaviour_logprobs with a reason, shown by the browser API;
-and a shard written by schema version 1 read, validated and served unchanged."""
+a shard written by schema version 1 read, validated and served unchanged; and the lookup's "has mu" is the trainers'
+rule (schemas.mu_is_behaviour), in a fresh index and in one written under the old meaning."""
 
 from __future__ import annotations
 
@@ -176,7 +177,7 @@ def test_an_index_of_version_2_gains_has_mu_in_place_instead_of_a_rebuild(tmp_pa
                                                                   require_behaviour_logprobs=True))
         assert len(refs) == 3 and misses == {} and all(ref.has_mu for ref in refs)
         version = index.catalog.cursor().execute("SELECT value FROM meta WHERE key = 'index_version'").fetchone()
-        assert version == ("3",)
+        assert version == ("4",)
         write_groups(root, [make_group(910, "text-peer", without_mu=True)])  # new groups index with their own value
         assert index.ingest.ingest_new() == 1
         refs, misses = index.queries.select_peer_groups(PeerLookupRequest(prompt_ids=[prompt_id(problem_text(910))],
@@ -185,3 +186,78 @@ def test_an_index_of_version_2_gains_has_mu_in_place_instead_of_a_rebuild(tmp_pa
     finally:
         index.close()
     assert not list(root.glob("index.duckdb.broken-*"))
+
+
+def _sampled_as(group: RolloutGroup, mode: str, temperature: float = 1.0, top_p: float = 1.0,
+                top_k: int | None = None) -> RolloutGroup:
+    """`group` (with logprobs) relabelled: its rows' logprobs_mode and sampling settings."""
+    update = {"logprobs_mode": mode, "temperature": temperature, "top_p": top_p, "top_k": top_k}
+    return RolloutGroup(rollouts=[r.model_copy(update=update) for r in group.rollouts])
+
+
+def _kinds_of_mu() -> dict[str, tuple[RolloutGroup, bool]]:
+    """One group per kind of stored logprobs, and whether they are the rows' behaviour mu."""
+    def group(prompt: int) -> RolloutGroup:
+        return make_group(prompt, "kinds-peer")
+
+    return {
+        "processed at T 0.7, top-k 20": (_sampled_as(group(700), "processed", 0.7, top_k=20), True),
+        "rescored": (_sampled_as(group(701), "rescored", 0.7), True),
+        "raw at T 1": (_sampled_as(group(702), "raw"), True),
+        "raw at T 0.7": (_sampled_as(group(703), "raw", 0.7), False),
+        "raw at T 1, top-p 0.9": (_sampled_as(group(704), "raw", top_p=0.9), False),
+        "raw at T 1, top-k 20": (_sampled_as(group(705), "raw", top_k=20), False),
+        "greedy (raw at T 0)": (_sampled_as(group(706), "raw", 0.0), False),
+        "rescored_unverified": (_sampled_as(group(707), "rescored_unverified"), False),
+        "none": (make_group(708, "kinds-peer", without_mu=True), False),
+    }
+
+
+def test_require_behaviour_logprobs_serves_the_groups_whose_logprobs_are_mu_by_the_trainers_rule(settings):
+    """A store holding every kind of stored logprobs: under require_behaviour_logprobs the lookup serves exactly the
+    groups the trainers use as mu (schemas.mu_is_behaviour without trust in rescored_unverified), and says why for the
+    rest; without it, every group. The Python rule (PeerLookupRequest.accepts_group) agrees with the index."""
+    from graft.services.store_api.local.index import StoreIndex
+
+    kinds = _kinds_of_mu()
+    write_groups(settings.root, [g for g, _ in kinds.values()])
+    ids = [g.prompt_id for g, _ in kinds.values()]
+    index = StoreIndex(settings).open()
+    try:
+        def served(require: bool) -> tuple[set[str], dict[str, str]]:
+            request = PeerLookupRequest(prompt_ids=ids, learner_model="learner", require_behaviour_logprobs=require)
+            table, misses = index.queries.read_selected(lambda: index.queries.select_peer_groups(request))
+            return {g.group_id for g in table_to_groups(table)}, misses
+
+        with_mu, misses = served(True)
+        expected = {name for name, (g, mu) in kinds.items() if mu}
+        assert {name for name, (g, _) in kinds.items() if g.group_id in with_mu} == expected
+        assert misses == {g.prompt_id: "only_without_mu" for g, mu in kinds.values() if not mu}
+        assert served(False)[0] == {g.group_id for g, _ in kinds.values()}
+        rule = PeerLookupRequest(prompt_ids=ids, learner_model="learner", require_behaviour_logprobs=True)
+        assert {name for name, (g, _) in kinds.items() if rule.accepts_group(g, now_us=2**62)} == expected
+    finally:
+        index.close()
+
+
+def test_an_index_of_version_3_has_has_mu_recomputed_in_place(settings):
+    """An index of version 3 said has_mu for every group with logprobs ('raw' ones at any temperature too): opened by
+    this store, has_mu is recomputed from the shards' columns (mu_is_behaviour), and nothing is rebuilt."""
+    import duckdb
+
+    from graft.services.store_api.local.index import StoreIndex
+
+    kinds = _kinds_of_mu()
+    write_groups(settings.root, [g for g, _ in kinds.values()])
+    StoreIndex(settings).open().close()
+    with duckdb.connect(str(settings.root / "index.duckdb")) as con:  # the index as version 3 had it
+        con.execute("UPDATE groups SET has_mu = (group_id != ?)", [kinds["none"][0].group_id])
+        con.execute("UPDATE meta SET value = '3' WHERE key = 'index_version'")
+    index = StoreIndex(settings).open()
+    try:
+        has_mu = dict(index.catalog.cursor().execute("SELECT group_id, has_mu FROM groups").fetchall())
+        assert {name: has_mu[g.group_id] for name, (g, _) in kinds.items()} == {n: mu for n, (_, mu) in kinds.items()}
+        assert index.catalog.cursor().execute("SELECT value FROM meta WHERE key = 'index_version'").fetchone() == ("4",)
+    finally:
+        index.close()
+    assert not list(settings.root.glob("index.duckdb.broken-*"))

@@ -14,6 +14,7 @@ from graft.schemas import Problem, RolloutGroup
 from graft.trainer.batch import (
     PeerRowCounts,
     TrainSample,
+    WeightStats,
     build_rows,
     collate,
     grafted_group_rows,
@@ -23,7 +24,8 @@ from graft.trainer.batch import (
 from graft.trainer.config import TrainConfig
 from graft.trainer.gate import GateDecision
 from graft.trainer.learner import Learner
-from graft.trainer.metrics import StepOutcome
+from graft.trainer.metrics import StepOutcome, graft_metrics, graft_tally
+from graft.trainer.peers import gate_tally
 from toy.world import build_group
 
 PROBLEMS = [Problem.from_text("12+7=", "19", "toy_add"), Problem.from_text("3+4=", "7", "toy_add")]
@@ -200,6 +202,48 @@ def test_token_is_none_and_luffy_keep_the_sequence_weight(char_model, char_token
     cfg = config(token_is="luffy", kappa=0.0)
     rows = old_logprobs_and_weights(cfg, learner, None, build(cfg).rows).rows
     assert all(row.token_weight.tolist() == [1.0] * len(row.completion_ids) for row in rows)
+
+
+def relabelled(group: RolloutGroup, mode: str, temperature: float = 1.0, top_k: int | None = None) -> RolloutGroup:
+    """The same group, its stored logprobs labelled `mode` and its rows' sampling settings changed."""
+    update = {"logprobs_mode": mode, "temperature": temperature, "top_k": top_k}
+    return RolloutGroup(rollouts=[r.model_copy(update=update) for r in group.rollouts])
+
+
+def test_stored_logprobs_that_are_not_mu_graft_as_rows_without_mu_and_are_counted(char_model, char_tokenizer, bpe_model,
+                                                                                 bpe_tokenizer):
+    """schemas.mu_is_behaviour decides: 'raw' logprobs away from temperature 1 untruncated, and rescored_unverified
+    ones unless graft.trust_unverified_mu, are not the rows' mu: the rows graft as rows without mu (b = 1, w = 1, no
+    peer tokenizer needed) and the step counts them (peer_rollouts_mu_set_aside); 'raw' at T = 1 and trusted
+    rescored_unverified rows weigh exactly as 'processed' ones do."""
+    problem, peer, learner, _ = grafting(char_model, char_tokenizer, bpe_model, bpe_tokenizer)
+    own = build_group(problem, ["1", "2", "3", "4"], [0.0] * 4, char_tokenizer, char_model, model_id="learner",
+                      tokenizer_id="tok-char")
+
+    def weighed(group: RolloutGroup, tokenizers: dict, **graft) -> tuple[PeerRowCounts, list[TrainSample]]:
+        cfg = config(peer_loss_scale=3.0, **graft)
+        step = build_rows(cfg, learner, [GateDecision(problem.prompt_id, "all_fail", "graft", group)], [own],
+                          {problem.prompt_id: problem}, tokenizers)
+        return step.counts, old_logprobs_and_weights(cfg, learner, None, step.rows).rows
+
+    _, processed = weighed(peer, {"tok-bpe": bpe_tokenizer})
+    assert not any(row.without_mu for row in processed)
+    set_aside = [relabelled(peer, "raw", 0.7), relabelled(peer, "raw", 1.0, top_k=20), relabelled(peer, "raw", 0.0),
+                 relabelled(peer, "rescored_unverified")]
+    for group in set_aside:
+        counts, rows = weighed(group, {})  # nothing of them is projected: no peer tokenizer needed
+        assert counts.mu_set_aside == 4 == counts.projections["none"], group.rollouts[0]
+        assert all(row.without_mu and row.behaviour_logprobs is None and math.isnan(row.peer_logprob_sum) for row in rows)
+        assert all(row.compat_weight == 1.0 and row.token_weight.tolist() == [3.0] * len(row.completion_ids)
+                   for row in rows)
+    # every trainer's metrics (graft-train's line, TRL's and verl's graft/ logs) take the count from graft_tally
+    tally = graft_tally([], counts, 0, gate=gate_tally([], None), consumed=4, without_mu=4, dropped_non_finite=0)
+    assert graft_metrics(tally, WeightStats())["peer_rollouts_mu_set_aside"] == 4
+    for group, graft in ((relabelled(peer, "raw", 1.0), {}), (relabelled(peer, "rescored_unverified"),
+                                                             {"trust_unverified_mu": True})):
+        counts, rows = weighed(group, {"tok-bpe": bpe_tokenizer}, **graft)
+        assert counts.mu_set_aside == 0 and not any(row.without_mu for row in rows)
+        assert [row.token_weight.tolist() for row in rows] == [row.token_weight.tolist() for row in processed]
 
 
 def test_union_all_success_and_skipped_groups(char_model, char_tokenizer, bpe_model, bpe_tokenizer):

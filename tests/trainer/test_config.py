@@ -57,6 +57,10 @@ def test_bad_input_gets_a_clear_error(tmp_path):
     with pytest.raises(ValidationError, match="set that one instead"):  # co-training's wait is cotrain_wait_s
         TrainConfig(model={"path": "m"}, data={"dataset": "d"}, method="grpo",
                     store={"url": "http://x", "mode": "cotrain", "lookup_wait_s": 5})
+    with pytest.raises(ValidationError, match="trust_unverified_mu with graft.require_behaviour_logprobs"):
+        # the store serves no rescored_unverified group under the second: the first would change nothing
+        TrainConfig(model={"path": "m"}, data={"dataset": "d"}, method="grpo",
+                    graft={"trust_unverified_mu": True, "require_behaviour_logprobs": True})
     with pytest.raises(ValueError, match="key=value"):
         apply_overrides({}, ["graft.peer_negative_scale"])
     with pytest.raises(FileNotFoundError, match="does not exist"):

@@ -108,6 +108,32 @@ def test_a_group_without_mu_needs_no_peer_tokenizer_and_is_left_out_when_the_rul
     assert rule().accepts_group(text_only, now) and not require_mu.accepts_group(text_only, now)
 
 
+def test_a_group_whose_logprobs_are_not_mu_needs_no_peer_tokenizer_unless_its_mu_is_trusted():
+    """schemas.mu_is_behaviour: 'raw' logprobs at T = 0.7 are not mu, so nothing of the group is projected and a
+    tokenizer the learner lacks does not refuse it, nor does the store serve it under require_behaviour_logprobs; a
+    rescored_unverified group needs its tokenizer only when graft.trust_unverified_mu makes its logprobs mu."""
+    p = PROBLEMS[0]
+
+    def relabelled(mode: str, temperature: float) -> RolloutGroup:
+        return RolloutGroup(rollouts=[r.model_copy(update={"logprobs_mode": mode, "temperature": temperature})
+                                      for r in group(p, [0.0, 1.0], tokenizer_id="tok-unknown").rollouts])
+
+    usable = {"tok-learner"}
+    raw = relabelled("raw", 0.7)
+    assert not raw.has_behaviour_logprobs and relabelled("raw", 1.0).has_behaviour_logprobs
+    for trust in (False, True):
+        assert choose_peer_group([raw], rule(), usable, trust_unverified_mu=trust) == (raw, "graft")
+    require_mu = rule().model_copy(update={"require_behaviour_logprobs": True})
+    assert choose_peer_group([raw], require_mu, usable) == (None, "skip_no_peer")
+    unverified = relabelled("rescored_unverified", 1.0)
+    assert choose_peer_group([unverified], rule(), usable) == (unverified, "graft")
+    assert choose_peer_group([unverified], rule(), usable, trust_unverified_mu=True) == (unverified,
+                                                                                        "skip_no_peer_tokenizer")
+    decisions = gate_groups([(p.prompt_id, [0.0, 0.0])], {p.prompt_id: [unverified]}, rule(), max_grafted_fraction=1.0,
+                            rng=random.Random(0), usable_tokenizers=usable, trust_unverified_mu=True)
+    assert [d.action for d in decisions] == ["skip_no_peer_tokenizer"]
+
+
 def test_gate_groups_and_the_grafted_fraction_cap():
     rewards = {
         PROBLEMS[0].prompt_id: [0.0, 0.0],  # all fail, peer informative -> graft

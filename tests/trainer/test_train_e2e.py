@@ -427,11 +427,14 @@ def test_a_bfloat16_sampler_copy_samples_the_updated_policy(toy_world, store, tm
         make_config(toy_world, tmp_path / "f32", store.url, **{"rollout.hf_sampler_copy": True})  # float32: nothing to copy
 
 
-def test_peer_groups_without_mu_graft_with_b_and_w_one_and_are_counted(toy_world, text_only_store_root, tmp_path):
-    """The toy peer's groups stored as a text-only source stores them (logprobs_mode 'none'): graft-train grafts them
-    with c = 1 (b = 1, w = 1), counts them (peer_rollouts_without_mu, projection_none, their clip fraction apart) and
-    moves the weights; with graft.require_behaviour_logprobs the store leaves them out and says why."""
-    root = shutil.copytree(text_only_store_root, tmp_path / "store",
+@pytest.mark.parametrize("stored", ["text_only_store_root", "raw_logprobs_store_root"])
+def test_peer_groups_without_mu_graft_with_b_and_w_one_and_are_counted(stored, toy_world, request, tmp_path):
+    """The toy peer's groups stored as a text-only source stores them (logprobs_mode 'none'), or with logprobs that
+    are not their mu ('raw' at T = 0.7: schemas.mu_is_behaviour): graft-train grafts them with c = 1 (b = 1, w = 1),
+    counts them (peer_rollouts_without_mu, projection_none, their clip fraction apart; the second kind also as
+    peer_rollouts_mu_set_aside) and moves the weights; with graft.require_behaviour_logprobs the store leaves them out
+    and says why."""
+    root = shutil.copytree(request.getfixturevalue(stored), tmp_path / "store",
                            ignore=shutil.ignore_patterns("index.duckdb*", "logs"))
     with StoreServer(root) as server:
         run_dir = train(make_config(toy_world, tmp_path / "run", server.url, steps=2))
@@ -441,6 +444,7 @@ def test_peer_groups_without_mu_graft_with_b_and_w_one_and_are_counted(toy_world
     for m in metrics:
         assert m["frac_grafted"] > 0 and m["peer_rollouts_consumed"] > 0
         assert m["peer_rollouts_without_mu"] == m["peer_rollouts_consumed"] == m["projection_none"]
+        assert m["peer_rollouts_mu_set_aside"] == (m["projection_none"] if stored == "raw_logprobs_store_root" else 0)
         # NaN (written as null): no row had a log rho or a b
         assert m["compat_weight_mean"] == 1.0 and m["log_rho_p50"] is None and m["behaviour_ratio_p50"] is None
         assert 0 <= m["clip_frac_grafted_without_mu"] <= 1 and m["clip_frac_grafted_without_mu"] == pytest.approx(

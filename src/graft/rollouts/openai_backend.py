@@ -3,17 +3,24 @@
 One `POST {base_url}/v1/completions` per prompt: the prompt as token ids of the peer's tokenizer (loaded locally,
 as the other backends load it), `n` = G, `logprobs: 0` (the sampled token's logprob) and `return_token_ids: true`
 (vLLM's extension: the completion's token ids), so that a stored row holds exactly the tokens the server sampled
-and their behaviour logprobs, as the in-process backends' rows do. Requests run `concurrency` at a time; 429, 5xx,
+and their behaviour logprobs, as the in-process backends' rows do. Every request states every sampling setting a
+vLLM server would otherwise take from the model folder's generation_config.json (its default `--generation-config
+auto`: top_k, min_p, the repetition, presence and frequency penalties, temperature, top_p, max_tokens) and the
+peer's EOS ids as `stop_token_ids`, as the in-process vLLM backend does (`sampling_fields`): the rows say what was
+sampled. Requests run `concurrency` at a time; 429, 5xx,
 timeouts and broken connections are tried again with a doubling pause, `max_retries` times at most. Any other
 failure, or an answer that is not G well-formed choices (the wrong count, logprobs of another length than the
 token ids, ids outside the tokenizer, a missing field, not JSON), fails the whole call in one line (`ServerError`):
 the generator stores a batch whole or not at all.
 
 What the logprobs are is the server's setting (vLLM's `--logprobs-mode`), which no endpoint reports: the config
-states it (`logprobs_mode`) and the rows record it. Where the sampling makes the modes differ (a temperature other
-than 0 and 1, top-p or top-k), the first call checks the statement against the server's own teacher-forced
-logprobs of one sample (vLLM's `prompt_logprobs`, which are never temperature-processed): a processed-mode server
-gives other numbers than those, a raw-mode one the same.
+states it (`logprobs_mode`) and the rows record it. The first call checks what the server did against its own
+teacher-forced logprobs of one sample (vLLM's `prompt_logprobs`, which no sampling setting processes): where the
+sampling makes the modes differ (a temperature other than 0 and 1, top-p or top-k), a processed-mode server gives
+other numbers than those and a raw-mode one the same, which checks the statement; where it changes nothing
+(temperature 1 or greedy, no truncation), both modes give the same numbers, and a server whose numbers differ
+applies sampling settings the request did not state (a generation config it does not let a request override, or
+fields it ignores): it is refused in one line, since its rows would say one sampling and hold another.
 """
 
 from __future__ import annotations
@@ -45,6 +52,8 @@ MODE_CHECK_UNSURE = -0.1  # ... provided MODE_CHECK_MIN_TOKENS tokens have a raw
 MODE_CHECK_MIN_TOKENS = 2  # processed one would differ; near-certain tokens have about 0 in both modes
 MODE_CHECK_TRIES = 3  # calls without a conclusion (near-certain samples, float noise) before the check gives up
 ANSWER_EXCERPT = 200  # characters of a bad answer quoted in an error
+# the sampling fields of vLLM's completions API beyond OpenAI's, which every request states (sampling_fields)
+VLLM_SAMPLING_FIELDS = ("top_k", "min_p", "repetition_penalty", "stop_token_ids")
 
 
 class OpenAIBackendConfig(BaseModel):
@@ -57,7 +66,7 @@ class OpenAIBackendConfig(BaseModel):
     api_key_env: str | None = Field(default=None, description="name of the environment variable holding the API key, sent as a bearer token (the key itself is never stored)")
     logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = Field(
         default="processed_logprobs", description="what the server's sampled-token logprobs are (vLLM's --logprobs-mode): processed_logprobs, the behaviour policy after temperature/top-p/top-k; raw_logprobs, the model's own; rows record it")
-    check_logprobs_mode: bool = Field(default=True, description="check logprobs_mode against the server's teacher-forced logprobs of one sample (vLLM's prompt_logprobs) when the sampling makes the modes differ")
+    check_logprobs_mode: bool = Field(default=True, description="check, on the first calls, the server's logprobs of one sample against its teacher-forced ones (vLLM's prompt_logprobs): that logprobs_mode holds where the sampling makes the modes differ, and that the server applies no sampling setting the request does not state where it changes nothing (T = 1 or greedy, no top-p/top-k)")
     concurrency: int = Field(default=8, ge=1, description="requests in flight at once (one per prompt, n = G samples each)")
     timeout_s: float = Field(default=600.0, gt=0, description="one request's limit, connecting and reading")
     max_retries: int = Field(default=5, ge=0, description="tries after the first for a request answered 429 or 5xx, timed out or cut off; then the call fails and nothing of its batch is stored")
@@ -154,21 +163,16 @@ class OpenAIBackend:
                     future.cancel()
                 raise failed[0].exception()
             groups = [future.result() for future in futures]  # (prompts, n)
-            if self._mode_checks_left and self.config.check_logprobs_mode and _modes_differ(params):
-                self._check_logprobs_mode(prompt_ids, groups)
+            if self._mode_checks_left and self.config.check_logprobs_mode:
+                self._check_logprobs_mode(prompt_ids, groups, params)
             return groups
         finally:
             with self._lock:
                 self.counts.generate_s += time.perf_counter() - started
 
     def _sample_prompt(self, index: int, prompt_ids: list[int], params: SamplingParams) -> list[Sample]:
-        body: dict[str, Any] = {
-            "model": self.served_model, "prompt": prompt_ids, "n": params.n, "max_tokens": params.max_tokens,
-            "temperature": params.temperature, "top_p": params.top_p if not params.greedy else 1.0,
-            "logprobs": 0, "return_token_ids": True,
-        }
-        if params.effective_top_k is not None and not params.greedy:
-            body["top_k"] = params.effective_top_k  # a vLLM extension: sent only when asked for
+        body: dict[str, Any] = {"model": self.served_model, "prompt": prompt_ids, "n": params.n,
+                                **self.sampling_fields(params), "logprobs": 0, "return_token_ids": True}
         if params.seed is not None:
             # as the vllm backend seeds its requests: the n samples of a request draw from seed, seed + 1, ...
             body["seed"] = params.sample_seed(index, 0)
@@ -233,32 +237,58 @@ class OpenAIBackend:
                                   finish_reason=finish))
         return samples
 
-    def _check_logprobs_mode(self, prompt_ids: list[list[int]], groups: list[list[Sample]]) -> None:
+    def sampling_fields(self, params: SamplingParams) -> dict[str, Any]:
+        """Every sampling setting of a completions request: what `params` says, and no top-k, min-p nor penalty
+        beyond it, stated, so that a vLLM server takes none of them from the model folder's generation_config.json
+        (which it does for each field a request leaves unset); the peer's EOS ids as stop_token_ids (the in-process
+        vLLM backend's). top_k -1 is "no cut" in every vLLM version (0 in newer ones only)."""
+        return {"temperature": params.temperature, "top_p": 1.0 if params.greedy else params.top_p,
+                "top_k": -1 if params.greedy else params.effective_top_k or -1, "min_p": 0.0,
+                "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                "max_tokens": params.max_tokens, "stop_token_ids": sorted(self.eos_token_ids)}
+
+    def _scoring_body(self, ids: list[int]) -> dict[str, Any]:
+        """A request for the server's teacher-forced logprobs of `ids` (vLLM's prompt_logprobs; one greedy token
+        after them, every sampling setting stated as for a sample)."""
+        return {"model": self.served_model, "prompt": ids, **self.sampling_fields(SamplingParams(n=1, temperature=0.0,
+                max_tokens=1)), "prompt_logprobs": 0}
+
+    def _check_logprobs_mode(self, prompt_ids: list[list[int]], groups: list[list[Sample]], params: SamplingParams) -> None:
         """Compare one sample's logprobs with the server's teacher-forced ones of the same tokens (`prompt_logprobs`,
-        never temperature-processed): equal means the server runs raw_logprobs. The sample with the lowest logprob
-        sum is checked (the one with the most uncertain tokens, where the modes differ most)."""
+        which no sampling setting processes). Where `params` make the modes differ, equal means the server runs
+        raw_logprobs and different processed_logprobs; where they change nothing, both modes give the teacher-forced
+        numbers, and different ones mean the server applied sampling settings the request did not state. The sample
+        with the lowest logprob sum is checked (the one with the most uncertain tokens, where any of it shows most)."""
         i, j = min(((i, j) for i, group in enumerate(groups) for j in range(len(group))),
                    key=lambda ij: sum(groups[ij[0]][ij[1]].token_logprobs))
         sample = groups[i][j]
-        body = {"model": self.served_model, "prompt": prompt_ids[i] + sample.token_ids, "max_tokens": 1,
-                "temperature": 0.0, "prompt_logprobs": 0}
+        body = self._scoring_body(prompt_ids[i] + sample.token_ids)
         try:
             answer = self._request("POST", "/v1/completions", body, "the logprobs-mode check")
         except ServerError as error:
-            log.warning("%s: openai.logprobs_mode is unchecked, the server scored no prompt (%s): the rows say %s, as "
-                        "stated", self.root, error, self.logprobs_mode)
+            log.warning("%s: openai.logprobs_mode and the sampling the server applies are unchecked, it scored no prompt "
+                        "(%s): the rows say %s, as stated", self.root, error, self.logprobs_mode)
             self._mode_checks_left = 0
             return
         teacher = _prompt_logprobs_of(answer, prompt_ids[i] + sample.token_ids)
         if teacher is None:
-            log.warning("%s: the server gave no prompt_logprobs (a vLLM extension), so openai.logprobs_mode is unchecked: "
-                        "the rows say %s, as stated", self.root, self.logprobs_mode)
+            log.warning("%s: the server gave no prompt_logprobs (a vLLM extension), so openai.logprobs_mode and the "
+                        "sampling it applies are unchecked: the rows say %s, as stated", self.root, self.logprobs_mode)
             self._mode_checks_left = 0
             return
         completion = teacher[len(prompt_ids[i]):]  # (L,) raw logprobs of the sample's tokens
         gap = max(abs(a - b) for a, b in zip(completion, sample.token_logprobs, strict=True))
         unsure = sum(lp < MODE_CHECK_UNSURE for lp in completion)
         self._mode_checks_left -= 1
+        if gap > MODE_CHECK_GAP and not _modes_differ(params):
+            self._mode_checks_left = 0
+            raise ServerError(
+                f"{self.root}: asked to sample at temperature {params.temperature:g} with no top-p, top-k, min-p or "
+                f"penalty, where every logprob is the model's own, the server gave logprobs that differ from its "
+                f"teacher-forced ones by up to {gap:.3g} over {len(completion)} tokens: it applies sampling settings the "
+                "request does not state (a generation_config.json it does not let requests override, or fields it "
+                "ignores), so rows would say one sampling and hold another. Serve the peer with vLLM (which honours "
+                "every field sent), or start it with --generation-config vllm")
         if gap > MODE_CHECK_GAP:
             seen = "processed_logprobs"
         elif gap <= MODE_CHECK_NOISE and unsure >= MODE_CHECK_MIN_TOKENS:
@@ -270,7 +300,7 @@ class OpenAIBackend:
                             gap, self.logprobs_mode)
             return  # the next call's samples are checked
         self._mode_checks_left = 0
-        if seen != self.logprobs_mode:
+        if seen != self.logprobs_mode and _modes_differ(params):
             raise ServerError(
                 f"{self.root}: openai.logprobs_mode says {self.logprobs_mode} but the server's sampled-token logprobs "
                 f"{'equal' if seen == 'raw_logprobs' else 'differ from'} its teacher-forced (raw) ones (largest gap "
@@ -283,9 +313,7 @@ class OpenAIBackend:
         vLLM never temperature-processes prompt logprobs. One request per completion, `concurrency` in flight; a
         server that gives no prompt_logprobs (not vLLM) raises ServerError."""
         def one(ids: list[int]) -> list[float]:
-            body = {"model": self.served_model, "prompt": prompt_ids + ids, "max_tokens": 1, "temperature": 0.0,
-                    "prompt_logprobs": 0}
-            answer = self._request("POST", "/v1/completions", body, "rescoring")
+            answer = self._request("POST", "/v1/completions", self._scoring_body(prompt_ids + ids), "rescoring")
             teacher = _prompt_logprobs_of(answer, prompt_ids + ids)
             if teacher is None:
                 raise ServerError(f"{self.root} gave no prompt_logprobs for {len(prompt_ids) + len(ids)} tokens (a vLLM "
@@ -352,7 +380,8 @@ def _model_names(answer: dict) -> list[str]:
 
 
 def _modes_differ(params: SamplingParams) -> bool:
-    """Whether processed and raw logprobs differ under `params` (greedy decoding reports the raw ones in both)."""
+    """Whether processed and raw logprobs differ under `params` (greedy decoding reports the raw ones in both), with
+    no min-p nor penalty (sampling_fields states none)."""
     return not params.greedy and not params.model_distribution
 
 
@@ -393,8 +422,9 @@ def _refusal(response: httpx.Response, url: str, what: str, body: dict | None) -
     elif status == 404:
         hint = (": no such path or model; openai.base_url is the server's root (http://HOST:PORT) and openai.served_model "
                 "a name from its GET /v1/models")
-    elif body is not None and "top_k" in body and "top_k" in message:
-        hint = ": the server does not take top_k (a vLLM extension): drop top_k, or serve the peer with vLLM"
+    elif body is not None and (named := [f for f in VLLM_SAMPLING_FIELDS if f in body and f in message]):
+        hint = (f": the server does not take {named[0]} (a vLLM extension, stated in every request so that the rows say "
+                "what was sampled): serve the peer with vLLM")
     return f"{url} ({what}) refused with HTTP {status}: {message}{hint}"
 
 

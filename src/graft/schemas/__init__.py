@@ -32,10 +32,12 @@ from graft.schemas.api import (
 from graft.schemas.rollout import (
     ARROW_MEDIA_TYPE,
     GROUP_ID_PATTERN,
+    MU_FIELDS,
     NO_LOGPROBS,
     PROBLEM_ARROW_SCHEMA,
     PROMPT_ID_PATTERN,
     RESCORED,
+    RESCORED_UNVERIFIED,
     ROLLOUT_ARROW_SCHEMA,
     SCHEMA_VERSION,
     Problem,
@@ -43,16 +45,18 @@ from graft.schemas.rollout import (
     RolloutGroup,
     group_advantages,
     groups_to_table,
+    mu_is_behaviour,
     prompt_id,
     rollout_id,
     table_to_groups,
 )
 
 __all__ = [
-    "ARROW_MEDIA_TYPE", "GROUP_ID_PATTERN", "LOOKUP_PATH", "MAX_LOOKUP_PROMPTS", "PROMPT_ID_PATTERN", "PUSH_PATH", "MAX_PAGE_SIZE", "MAX_PUSH_GROUPS", "NO_LOGPROBS", "PROBLEM_ARROW_SCHEMA", "RESCORED", "ROLLOUT_ARROW_SCHEMA",
+    "ARROW_MEDIA_TYPE", "GROUP_ID_PATTERN", "LOOKUP_PATH", "MAX_LOOKUP_PROMPTS", "PROMPT_ID_PATTERN", "PUSH_PATH", "MAX_PAGE_SIZE", "MAX_PUSH_GROUPS", "MU_FIELDS", "NO_LOGPROBS", "PROBLEM_ARROW_SCHEMA", "RESCORED", "RESCORED_UNVERIFIED",
+    "ROLLOUT_ARROW_SCHEMA",
     "SCHEMA_VERSION", "ErrorResponse", "HealthResponse", "LakeStats", "ModelStats", "PeerLookupRequest", "PeerLookupResponse",
     "Problem", "PushGroupsRequest", "PushGroupsResponse", "Rollout", "RolloutGroup", "RolloutPage", "StatsResponse",
     "MAX_WANTS", "SERVED_PATH", "WANTED_PATH", "BrokerStats", "ServedRequest", "ServedResponse", "ServeOrder", "Want",
     "WantedList", "WantedPrompt", "WantedRequest", "WantedResponse",
-    "group_advantages", "groups_to_table", "prompt_id", "rollout_id", "table_to_groups",
+    "group_advantages", "groups_to_table", "mu_is_behaviour", "prompt_id", "rollout_id", "table_to_groups",
 ]

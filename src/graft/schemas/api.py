@@ -46,7 +46,8 @@ class PeerLookupRequest(BaseModel):
     groups_per_prompt: int = Field(default=1, ge=1, le=16, description="most recent first: highest policy step, then newest")
     require_behaviour_logprobs: StrictBool = Field(
         default=False,
-        description="only groups whose rows carry behaviour logprobs (mu): none with logprobs_mode 'none'")
+        description="only groups whose stored logprobs are their behaviour mu (schemas.mu_is_behaviour): none with "
+                    "logprobs_mode 'none' or 'rescored_unverified', nor 'raw' away from temperature 1 untruncated")
     max_times_served: int | None = Field(
         default=None, ge=1, le=INT32_MAX,
         description="serving policy: skip groups the store's served ledger (POST /v1/served) holds this many times for "
@@ -67,7 +68,8 @@ class PeerLookupRequest(BaseModel):
         )
 
     def admits_behaviour(self, has_behaviour_logprobs: bool) -> bool:
-        """Whether the group's mu is known when the request requires it (require_behaviour_logprobs)."""
+        """Whether the group's mu is known when the request requires it (require_behaviour_logprobs): the group's
+        `has_behaviour_logprobs` (the store's has_mu)."""
         return has_behaviour_logprobs or not self.require_behaviour_logprobs
 
     def admits_outcome(self, successes: int, group_size: int) -> bool:
@@ -115,7 +117,8 @@ MISS_REASONS = {
     "only_learner": "every stored group is the learner's own (its model id is learner_model)",
     "peers_not_admitted": "other models' groups are stored, none from a peer the request admits (peer_models, "
                           "min_policy_step, max_age_s)",
-    "only_without_mu": "admitted peers' groups are stored, none with behaviour logprobs (require_behaviour_logprobs)",
+    "only_without_mu": "admitted peers' groups are stored, none whose logprobs are behaviour mu "
+                       "(require_behaviour_logprobs; schemas.mu_is_behaviour)",
     "only_uninformative": "admitted peers' groups are stored, none with an outcome the request admits (all-fail, or "
                           "all-success under informative_only, or fewer than min_successes)",
     "served_out": "groups the request accepts are stored, each served to the learner max_times_served times already",

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Optional, TypeVar
 
@@ -92,9 +92,9 @@ def command_line_config(cls: type[M], path: Path | None, sets: Sequence[str] = (
     raise typer.Exit(2)
 
 
-def add_show_config(app: Any, cls: type[BaseModel]) -> None:
+def add_show_config(app: Any, cls: type[BaseModel], summary: Callable[[Any], str] | None = None) -> None:
     """`<command> show-config [--config F] [--set k=v]` on a typer app: every field of `cls` with its default and doc
-    line, and the resolved YAML when given a config or --set."""
+    line, and the resolved YAML when given a config or --set, followed by `summary` of it (a YAML comment)."""
     import typer
 
     @app.command("show-config")
@@ -107,3 +107,5 @@ def add_show_config(app: Any, cls: type[BaseModel]) -> None:
         if config is not None or sets:
             cfg = command_line_config(cls, config, sets)
             typer.echo("\n# resolved\n" + yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+            if summary is not None:
+                typer.echo(f"# {summary(cfg)}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Annotated, Any, Literal
 
@@ -40,6 +41,33 @@ NO_LOGPROBS = "none"  # logprobs_mode of a row whose behaviour logprobs (mu) are
 # logprobs_mode of a row whose mu was computed after the fact (graft-rescore): the weights model_revision names,
 # teacher-forced on the stored tokens at the row's temperature (top_p, top_k): an ordinary row with mu to the trainers
 RESCORED = "rescored"
+# logprobs_mode of a row rescored by weights not shown to be the ones that sampled the trace: its logprobs are another
+# model's, mu to the trainers only when a setting says so (graft.trust_unverified_mu)
+RESCORED_UNVERIFIED = "rescored_unverified"
+PROCESSED = "processed"  # logprobs of the distribution sampled from (after temperature, top-p, top-k): mu itself
+RAW = "raw"  # the model's own (temperature 1, untruncated) logprobs: mu only where the sampling changed nothing
+MU_FIELDS = ("logprobs_mode", "temperature", "top_p", "top_k")  # what mu_is_behaviour reads of a row
+
+
+def mu_is_behaviour(row: Rollout | Mapping[str, Any], *, trust_unverified: bool = False) -> bool:
+    """Whether a stored row's token_logprobs are its behaviour logprobs mu (docs/algorithm.md section 5), by the row's own
+    `logprobs_mode`, `temperature`, `top_p` and `top_k` (a Rollout, or a row as a mapping): the one rule every trainer
+    and the store's lookup apply. 'processed' and 'rescored': yes. 'raw' (the model's own distribution): only where
+    sampling changed nothing, temperature 1 without top-p or top-k truncation (greedy rows are 'raw' and not mu: their
+    behaviour policy put all its mass on one token). 'rescored_unverified': only with `trust_unverified` (a trainer's
+    setting, graft.trust_unverified_mu). 'none', and any mode this version does not know: never.
+
+    A row whose mu is not behaviour is grafted as a row without mu (b = 1, w = 1, docs/algorithm.md section 11)."""
+    field = row.get if isinstance(row, Mapping) else lambda name: getattr(row, name)
+    mode = field("logprobs_mode")
+    if mode in (PROCESSED, RESCORED):
+        return True
+    if mode == RESCORED_UNVERIFIED:
+        return trust_unverified
+    if mode == RAW:
+        top_k = field("top_k")
+        return field("temperature") == 1.0 and field("top_p") >= 1.0 and (top_k is None or top_k <= 0)
+    return False
 
 
 def rollout_id(group_id: str, position: int) -> str:
@@ -233,10 +261,16 @@ class RolloutGroup(BaseModel):
     def policy_step(self) -> int:
         return self.rollouts[0].policy_step
 
+    def mu_is_behaviour(self, trust_unverified: bool = False) -> bool:
+        """`mu_is_behaviour` of the group's rows, which share their mode and sampling: its first row's."""
+        return mu_is_behaviour(self.rollouts[0], trust_unverified=trust_unverified)
+
     @property
     def has_behaviour_logprobs(self) -> bool:
-        """Whether the group's rows carry mu (logprobs_mode is not 'none'; a group is all one or the other)."""
-        return self.rollouts[0].logprobs_mode != NO_LOGPROBS
+        """Whether the group's stored logprobs are its behaviour mu by the rows' own word (`mu_is_behaviour` without a
+        trainer's trust in 'rescored_unverified'): what the store's lookup calls having mu (require_behaviour_logprobs).
+        Rows of mode 'none' have no logprobs at all; 'raw' ones away from temperature 1 have logprobs that are not mu."""
+        return self.mu_is_behaviour()
 
     @property
     def successes(self) -> int:

@@ -53,7 +53,8 @@ class TrainSample:
     reward: float | None = None  # grafted: the peer rollout's stored reward (its advantage is recomputed from these)
     behaviour_logprobs: list[float] | None = None  # grafted: log mu~ per completion token (len(completion_ids))
     peer_logprob_sum: float = 0.0  # grafted: the stored l_peer (EOS excluded); NaN when the peer row has no mu
-    # grafted: the peer row has no behaviour logprobs (logprobs_mode 'none'): b = 1 and w = 1 (docs/algorithm.md section 11)
+    # grafted: the peer row has no behaviour logprobs (logprobs_mode 'none', or stored ones that are not its mu:
+    # schemas.mu_is_behaviour): b = 1 and w = 1 (docs/algorithm.md section 11)
     without_mu: bool = False
     # Filled in by the no-grad pass before the update (rows without signal keep None):
     old_logprobs: Tensor | None = None  # (n,) float32, log pi_old of each completion token
@@ -132,6 +133,9 @@ class PeerRowCounts:
 
     drops: dict[str, int] = field(default_factory=drop_counts)  # peer rollouts dropped, by reason (every reason present)
     projections: dict[str, int] = field(default_factory=projection_counts)  # peer rollouts kept, by projection
+    # of those kept without mu (projection none), rows whose stored logprobs are not their mu (schemas.mu_is_behaviour:
+    # 'raw' away from temperature 1 untruncated, rescored_unverified without graft.trust_unverified_mu)
+    mu_set_aside: int = 0
     peer_samples: int = 0  # peer rollouts of the grafted groups (union: the peer's successes)
     peer_advantage_mismatch: int = 0  # grafted groups whose stored advantages are not their rewards' group advantages
     same_tokenizer_id_mismatch: int = 0  # same-tokenizer rows whose text does not re-tokenise to the stored ids
@@ -261,19 +265,21 @@ def peer_rows(
         tokens = retokenize_peer_rollout(
             rollout, learner.tokenizer, learner.tokenizer_id, cfg.rollout.max_response_tokens,
             peer_tokenizers.get(rollout.tokenizer_id), stop_token_id=stop_token_id,
-            uniform_projection=cfg.graft.uniform_projection,
+            uniform_projection=cfg.graft.uniform_projection, trust_unverified_mu=cfg.graft.trust_unverified_mu,
         )
         if isinstance(tokens, str):
             counts.drops[tokens] += 1
             continue
         counts.projections[tokens.projection] += 1
+        counts.mu_set_aside += int(tokens.mu_set_aside)
         counts.same_tokenizer_id_mismatch += int(not tokens.canonical)
         rows.append(TrainSample(
             prompt_id=prompt_id, group=group, prompt_ids=prompt_ids, completion_ids=tokens.token_ids,
             num_content_tokens=tokens.num_content_tokens, advantage=0.0, grafted=True,
             num_bytes=len(rollout.completion_text.encode("utf-8")), reward=rollout.reward,
             behaviour_logprobs=tokens.behaviour_logprobs, without_mu=tokens.behaviour_logprobs is None,
-            # a row without mu stores logprob_sum 0.0: NaN here, so that no sum can take it for an l_peer
+            # a row without mu stores logprob_sum 0.0, one whose mu is set aside another model's: NaN here, so that
+            # no sum can take either for an l_peer
             peer_logprob_sum=NAN if tokens.behaviour_logprobs is None else float(rollout.logprob_sum),
         ))
     return rows

@@ -1,7 +1,7 @@
 """`graft-train`: GRPO / GRAFT / DAPO training from a YAML config with command-line overrides.
 
     graft-train train --config configs/train_toy.yaml --model demo_out/models/learner-<hash>/starts/early  # after make demo
-    graft-train train --config configs/train_toy.yaml --method grpo --set graft.peer_negative_scale=0 --steps 50
+    graft-train train --config configs/train_toy.yaml --method grpo --steps 50   # the baseline, same code path
     graft-train train --config configs/train_toy.yaml --resume     # continue from the newest checkpoint (none: start)
     graft-train train --config configs/train_toy.yaml --overwrite  # delete the run in the run directory, start afresh
     graft-train show-config --config configs/train_toy.yaml        # every field, its value and its doc line
@@ -98,6 +98,7 @@ def train(
 
         _check_inputs(cfg, skip_path_check)
         typer.echo(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        typer.echo(f"# {cfg.grafting()}")
         return
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1 and cfg.parallel.strategy == "none":  # each rank would train a model of its own on the same data
@@ -148,7 +149,7 @@ def replay(
     _run(cfg, resume=False, overwrite=overwrite)
 
 
-add_show_config(app, TrainConfig)
+add_show_config(app, TrainConfig, summary=TrainConfig.grafting)
 
 
 if __name__ == "__main__":

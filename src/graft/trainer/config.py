@@ -128,6 +128,12 @@ GRAFT_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# The fields that make GRAFT's loss: which GRAFT a run trains with (the presets' fields and the options that change
+# the maths). The shipped configs leave them at the default unless they name a preset and say why (a test holds them).
+GRAFT_FORMULA_FIELDS = ("token_is", "kappa", "peer_negative_scale", "peer_loss_scale", "is_cap", "luffy_gamma",
+                        "log_rho_min", "group_normalized_weight", "union_all_success", "kl_on_peer")
+
+
 class GraftConfig(_Section):
     preset: Literal["spec", "b1_no_peer_neg"] | None = Field(
         default=None,
@@ -157,8 +163,15 @@ class GraftConfig(_Section):
     )
     require_behaviour_logprobs: bool = Field(
         default=False,
-        description="ask the store for peer groups with behaviour logprobs (mu) only; off: groups without mu (text-only "
-                    "traces, APIs without logprobs) are grafted too, with b = 1 and w = 1 (docs/algorithm.md section 11)")
+        description="ask the store for peer groups whose stored logprobs are their behaviour mu only (schemas."
+                    "mu_is_behaviour); off: groups without mu (text-only traces, APIs without logprobs, 'raw' logprobs "
+                    "away from temperature 1, rescored_unverified ones) are grafted too, with b = 1 and w = 1 (docs/algorithm.md "
+                    "section 11), and counted (peer_rollouts_mu_set_aside: stored logprobs that were not used as mu)")
+    trust_unverified_mu: bool = Field(
+        default=False,
+        description="use as mu the logprobs of rows rescored by weights not shown to be the ones that sampled them "
+                    "(logprobs_mode rescored_unverified: another model's probabilities); off: they graft as rows without "
+                    "mu (b = 1, w = 1) and are counted in peer_rollouts_mu_set_aside")
     uniform_projection: bool = Field(
         default=False,
         description="opt-in: graft peer groups whose tokenizer is not in peer_tokenizers, spreading their logprob_sum evenly "
@@ -185,7 +198,30 @@ class GraftConfig(_Section):
                 f"graft.group_normalized_weight with graft.peer_negative_scale = {self.peer_negative_scale}: the first centres "
                 "each grafted group's advantages so that sum(w A) = 0, the second rescales its negative ones afterwards and "
                 "undoes that; use one of the two")
+        if self.trust_unverified_mu and self.require_behaviour_logprobs:
+            raise ValueError(
+                "graft.trust_unverified_mu with graft.require_behaviour_logprobs: the store serves under the second only "
+                "groups whose rows show their logprobs to be mu, which rescored_unverified ones do not, so the first "
+                "would change nothing; drop one of the two")
         return self
+
+    def departures(self) -> dict[str, tuple[Any, Any]]:
+        """{field: (value, the trainers' default)} for each GRAFT_FORMULA_FIELDS field this section does not leave at
+        its default: empty for the trainers' default GRAFT."""
+        default = GraftConfig()
+        return {name: (getattr(self, name), getattr(default, name)) for name in GRAFT_FORMULA_FIELDS
+                if getattr(self, name) != getattr(default, name)}
+
+    def describe(self) -> str:
+        """One line: which GRAFT this section trains with (`graft-train show-config` prints it)."""
+        departures = self.departures()
+        if not departures:
+            named = ", ".join(f"{name} {getattr(self, name)}" for name in GRAFT_PRESETS["spec"])
+            return f"the trainers' default GRAFT ({named}: docs/training.md, 'Which GRAFT runs by default')"
+        changed = ", ".join(f"{name} {value} (default {default})" for name, (value, default) in departures.items())
+        if departures == GraftConfig(preset="spec").departures():
+            return f"the `spec` preset's formulas as written (graft.preset spec), not the trainers' default: {changed}"
+        return f"not the trainers' default GRAFT: {changed}"
 
 
 class DapoConfig(_Section):
@@ -353,6 +389,12 @@ class TrainConfig(_Section):
         if self.parallel.strategy != "none":
             raise ValueError(f"{what} is not supported under parallel.strategy {self.parallel.strategy!r} yet: run one "
                              "process")
+
+    def grafting(self) -> str:
+        """One line: which GRAFT the run trains with (show-config and --dry-run print it)."""
+        if self.method != "graft":
+            return f"method {self.method}: no grafting, the graft section is unused"
+        return f"GRAFT: {self.graft.describe()}"
 
     @property
     def publishes(self) -> bool:

@@ -62,6 +62,7 @@ def choose_peer_group(
     rule: PeerLookupRequest,
     usable_tokenizers: set[str] | None = None,
     now: int | None = None,
+    trust_unverified_mu: bool = False,
 ) -> tuple[RolloutGroup | None, Action]:
     """The most recent peer group that `rule` accepts, informative ones first (highest policy step, then newest),
     else why none: no group from an admitted peer ("skip_no_peer"), none with an admitted outcome
@@ -69,10 +70,10 @@ def choose_peer_group(
 
     An all-success group is accepted when the rule asks for no informative groups only (graft.union_all_success)
     and is grafted as "graft_union". usable_tokenizers: the tokenizer ids whose text the learner can weigh (its
-    own and the peers' it has); a group in another one is refused (one without behaviour logprobs is not: nothing of
-    it is projected), and when that leaves nothing, the most recent refused group comes back with
-    "skip_no_peer_tokenizer". None: any tokenizer. now: microseconds since the
-    epoch, for the rule's max_age_s (default: now)."""
+    own and the peers' it has); a group in another one is refused (one whose logprobs are not used as mu is not:
+    nothing of it is projected; `RolloutGroup.mu_is_behaviour` with trust_unverified_mu, graft.trust_unverified_mu),
+    and when that leaves nothing, the most recent refused group comes back with "skip_no_peer_tokenizer". None: any
+    tokenizer. now: microseconds since the epoch, for the rule's max_age_s (default: now)."""
     now = now_us() if now is None else now
     eligible = [g for g in candidates if rule.admits_source(g.model_id, g.policy_step, group_created_us(g), now)
                 and rule.admits_behaviour(g.has_behaviour_logprobs)]
@@ -83,7 +84,7 @@ def choose_peer_group(
         return None, "skip_uninformative"
     # a group without mu has nothing to project: its text is tokenised by the learner, whatever the peer's tokenizer
     usable = [g for g in useful if usable_tokenizers is None or g.rollouts[0].tokenizer_id in usable_tokenizers
-              or not g.has_behaviour_logprobs]
+              or not g.mu_is_behaviour(trust_unverified_mu)]
     if not usable:
         return _most_recent(useful), "skip_no_peer_tokenizer"
     best = _most_recent(usable)
@@ -105,13 +106,14 @@ def gate_groups(
     rng: random.Random,
     usable_tokenizers: set[str] | None = None,
     ranks: DistContext | None = None,
+    trust_unverified_mu: bool = False,
 ) -> list[GateDecision]:
     """One decision per learner group, in order; `learner_rewards` holds (prompt id, rewards) per group.
 
     Mixed and all-success groups train on-policy; all-fail groups are grafted when an acceptable peer group
     arrived (`choose_peer_group` under `rule`; None: the gate is off, GRPO and DAPO), else skipped. At most
     floor(max_grafted_fraction * groups) are grafted; the rest of the candidates (chosen at random) are
-    skipped as 'skip_capped'. ranks: data parallel, the step's groups are all ranks', and this is a collective (one
+    skipped as 'skip_capped'. trust_unverified_mu: graft.trust_unverified_mu (choose_peer_group). ranks: data parallel, the step's groups are all ranks', and this is a collective (one
     all_gather for the cap: every rank calls it together, with the same rng); None: one process."""
     now = now_us()
     decisions: list[GateDecision] = []
@@ -120,7 +122,8 @@ def gate_groups(
         if kind != "all_fail" or rule is None:
             decisions.append(GateDecision(prompt_id, kind, "onpolicy"))
             continue
-        peer_group, action = choose_peer_group(peer_candidates.get(prompt_id, []), rule, usable_tokenizers, now)
+        peer_group, action = choose_peer_group(peer_candidates.get(prompt_id, []), rule, usable_tokenizers, now,
+                                               trust_unverified_mu)
         decisions.append(GateDecision(prompt_id, kind, action, peer_group))
 
     # The cap is the job's: this rank's grafts are its block of all ranks' grafts laid end to end (one process's

@@ -174,7 +174,7 @@ def _train(cfg: TrainConfig, dist: DistContext, resume: bool, overwrite: bool,
                 candidates = found.groups if found else {}
                 decisions = gate_groups(sampled.rewards, candidates, request, max_grafted_fraction=cfg.graft.max_grafted_fraction,
                                         rng=random.Random(cfg.seed * 7_919 + policy_step), usable_tokenizers=refused.usable,
-                                        ranks=dist)
+                                        ranks=dist, trust_unverified_mu=cfg.graft.trust_unverified_mu)
                 refused.warn(decisions, candidates)
                 if peer_record is not None:
                     peer_record.write(policy_step + 1, found, decisions)

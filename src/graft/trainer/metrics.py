@@ -224,6 +224,7 @@ def graft_tally(
         "peer_group_age_steps": sum(step - d.peer_group.policy_step for d in grafted),
         "peer_group_age_steps_n": len(grafted),
         "peer_rollouts_consumed": consumed, "peer_rollouts_without_mu": without_mu,
+        "peer_rollouts_mu_set_aside": counts.mu_set_aside,
         "peer_samples": counts.peer_samples,
         **{f"dropped_{reason}": count for reason, count in drops.items()},
         **{f"projection_{kind}": count for kind, count in counts.projections.items()},
@@ -244,7 +245,7 @@ def graft_metrics(tally: dict[str, float], stats: WeightStats, *, gate_on: bool 
     dapo (graft-train's), whose peer_hit_rate is NaN; host: TRL or verl, whose G slots per group add
     peer_rollouts_unused and grafted_groups_subsampled."""
     groups_sampled, decisions = max(tally["groups_sampled"], 1), max(tally["decisions"], 1)
-    counted = ["peer_rollouts_consumed", "peer_rollouts_without_mu"]
+    counted = ["peer_rollouts_consumed", "peer_rollouts_without_mu", "peer_rollouts_mu_set_aside"]
     counted += ["peer_rollouts_unused", "grafted_groups_subsampled"] if host else []
     counted += [*gate_tally([], None), *(f"dropped_{reason}" for reason in drop_counts()),
                 *(f"projection_{kind}" for kind in projection_counts()), "peer_advantage_mismatch",

@@ -448,7 +448,8 @@ def peer_candidates(
     if cotrain:
         all_fail = [g.prompt_id for g in groups if classify_group([r.reward for r in g.rollouts]) == "all_fail"]
         missing = [p for p in all_fail
-                   if choose_peer_group(lookup.groups.get(p, []), request, usable_tokenizers)[1] not in GRAFT_ACTIONS]
+                   if choose_peer_group(lookup.groups.get(p, []), request, usable_tokenizers,
+                                        trust_unverified_mu=peers.graft.trust_unverified_mu)[1] not in GRAFT_ACTIONS]
         waited = None
         if missing:
             deadline = started + peers.store.cotrain_wait_s

@@ -17,7 +17,8 @@ docs/algorithm.md section 3 (re-tokenisation) and section 5 (mu~, the projected 
   `graft.uniform_projection` opts in to spreading the peer's log-mass evenly over characters.
 - a row without behaviour logprobs (logprobs_mode 'none', docs/algorithm.md section 11) is re-tokenised the same way and
   has nothing to project: its PeerTokens carry no behaviour logprobs (projection "none"), and the trainer grafts it
-  with b = 1 and w = 1.
+  with b = 1 and w = 1. So is a row whose stored logprobs are not its mu (`schemas.mu_is_behaviour`: 'raw' logprobs
+  away from temperature 1, rescored_unverified ones unless trusted): they are set aside (`mu_set_aside`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Literal, get_args
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from graft.schemas import NO_LOGPROBS, Rollout
+from graft.schemas import NO_LOGPROBS, Rollout, mu_is_behaviour
 
 # peer_decode: the peer's stored ids do not decode to its stored text with the tokenizer configured for its id
 DropReason = Literal["round_trip", "overlength", "non_finite", "peer_decode"]
@@ -55,9 +56,10 @@ class PeerTokens:
     behaviour_logprobs: list[float] | None
     num_content_tokens: int  # tokens before the EOS (n - 1 with EOS, n without)
     projection: Projection  # exact: same tokenizer; spans: character-span projection; uniform: peer tokenizer unknown;
-    # none: the peer row has no behaviour logprobs (logprobs_mode 'none')
+    # none: the peer row has no behaviour logprobs (logprobs_mode 'none', or stored ones that are not mu)
     # exact only: encoding the text gives the stored ids (False: the sampler's own split, kept)
     canonical: bool = True
+    mu_set_aside: bool = False  # projection none: the row stored logprobs, which are not its mu (mu_is_behaviour)
 
 
 def learner_stop_token(tokenizer: PreTrainedTokenizerBase, eos_ids: set[int], prompt_template: str) -> int:
@@ -196,6 +198,7 @@ def retokenize_peer_rollout(
     *,
     stop_token_id: int | None = None,
     uniform_projection: bool = False,
+    trust_unverified_mu: bool = False,
 ) -> PeerTokens | DropReason:
     """The learner's tokens for a peer rollout and log mu~ on them, or why the sample is dropped.
 
@@ -203,11 +206,15 @@ def retokenize_peer_rollout(
     stop_token_id: what a finished row ends with (`learner_stop_token`; default the learner's EOS).
     uniform_projection: without `peer_tokenizer`, spread the peer's log-mass evenly over characters
     (an explicit opt-in; otherwise a missing peer tokenizer is an error: the gate refuses such groups).
-    A row without behaviour logprobs (logprobs_mode 'none') needs no peer tokenizer: its text is tokenised and nothing
-    is projected (behaviour_logprobs None)."""
-    if rollout.logprobs_mode == NO_LOGPROBS:
-        return _retokenize_without_mu(rollout, learner_tokenizer, learner_tokenizer_id, max_response_tokens,
-                                      stop_token_id)
+    A row without behaviour logprobs (logprobs_mode 'none'), or whose stored logprobs are not its mu
+    (`mu_is_behaviour`, trust_unverified_mu: graft.trust_unverified_mu), needs no peer tokenizer: its text is tokenised
+    and nothing is projected (behaviour_logprobs None)."""
+    if not mu_is_behaviour(rollout, trust_unverified=trust_unverified_mu):
+        tokens = _retokenize_without_mu(rollout, learner_tokenizer, learner_tokenizer_id, max_response_tokens,
+                                        stop_token_id)
+        if isinstance(tokens, PeerTokens):
+            tokens.mu_set_aside = rollout.logprobs_mode != NO_LOGPROBS
+        return tokens
     peer_logprobs = list(rollout.token_logprobs)
     if not math.isfinite(rollout.logprob_sum) or not all(math.isfinite(lp) and lp <= 1e-6 for lp in peer_logprobs):
         return "non_finite"

@@ -158,7 +158,7 @@ class GraftGRPOTrainer(GRPOTrainer):
             decisions = gate_groups(
                 learner_rewards, found.groups, lookup.request, max_grafted_fraction=self.graft.cfg.graft.max_grafted_fraction,
                 rng=random.Random(self.args.seed * 7_919 + self.state.global_step),  # graft-train's seeding of the cap
-                usable_tokenizers=self.graft.refused.usable,
+                usable_tokenizers=self.graft.refused.usable, trust_unverified_mu=self.graft.cfg.graft.trust_unverified_mu,
             )
             self.graft.refused.warn(decisions, found.groups)
             store = {**self.graft.store.take(), "store_wait_s": wait_s}

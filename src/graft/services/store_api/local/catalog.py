@@ -20,7 +20,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
 
+from graft.schemas import MU_FIELDS, mu_is_behaviour
 from graft.services.store_api.local.lookup import ShardReader
 from graft.services.store_api.local.manifest import write_manifest
 from graft.services.store_api.local.mirror import GroupMirror, GroupRef
@@ -32,7 +35,9 @@ log = logging.getLogger("graft.store")
 # aside and rebuilt from the files, so shards indexed under the old rules are checked again)
 # 3: groups.has_mu (rows without behaviour logprobs, schema version 2). An index of version 2 gains the column in
 # place, true for every group: it indexed only rows checked under rules that required behaviour logprobs
-INDEX_VERSION = "3"
+# 4: groups.has_mu is schemas.mu_is_behaviour of the group's first row (a 'raw' group away from temperature 1 has
+# logprobs that are not mu). An index of version 2 or 3 has it recomputed in place from its shards' columns
+INDEX_VERSION = "4"
 
 SCHEMA_SQL = """
 CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR);
@@ -70,7 +75,7 @@ CREATE TABLE IF NOT EXISTS groups (
     row_start BIGINT NOT NULL,         -- first row of the group in its file
     num_rows INTEGER NOT NULL,
     indexed_us BIGINT NOT NULL,
-    has_mu BOOLEAN NOT NULL DEFAULT true  -- its rows carry behaviour logprobs (logprobs_mode is not 'none')
+    has_mu BOOLEAN NOT NULL DEFAULT true  -- its logprobs are its behaviour mu (schemas.mu_is_behaviour)
 );
 CREATE TABLE IF NOT EXISTS duplicates (
     group_id VARCHAR NOT NULL, path VARCHAR NOT NULL, seen_us BIGINT NOT NULL,
@@ -130,8 +135,16 @@ class Catalog:
         version = next(iter(self._con.execute("SELECT value FROM meta WHERE key = 'index_version'").fetchall()), None)
         if version is None:
             self._con.execute("INSERT INTO meta VALUES ('index_version', ?)", [INDEX_VERSION])
-        elif version[0] == "2":  # every group it holds has mu (see INDEX_VERSION)
-            self._con.execute("ALTER TABLE groups ADD COLUMN has_mu BOOLEAN DEFAULT true")
+        elif version[0] in ("2", "3"):  # has_mu absent, or "carries logprobs" (see INDEX_VERSION)
+            if version[0] == "2":
+                self._con.execute("ALTER TABLE groups ADD COLUMN has_mu BOOLEAN DEFAULT true")
+            try:
+                self._recompute_has_mu()
+            except (OSError, pa.ArrowException, duckdb.Error) as exc:
+                self._con.close()
+                self._set_aside(f"index version {version[0]}: has_mu not recomputable ({exc})")
+                self.connect()
+                return
             self._con.execute("UPDATE meta SET value = ? WHERE key = 'index_version'", [INDEX_VERSION])
         elif version[0] != INDEX_VERSION:
             self._con.close()
@@ -140,6 +153,23 @@ class Catalog:
             return
         self._next_file_id = self._con.execute("SELECT coalesce(max(file_id), 0) + 1 FROM files").fetchall()[0][0]
         self._next_seq = self._con.execute("SELECT coalesce(max(seq), 0) + 1 FROM groups").fetchall()[0][0]
+
+    def _recompute_has_mu(self) -> None:
+        """has_mu of every indexed group from its first row's mode and sampling (`mu_is_behaviour`), reading those four
+        columns of each live shard: an index written under an older meaning of has_mu is kept, not rebuilt."""
+        located = self._con.execute("""
+            SELECT f.path, list(g.group_id ORDER BY g.row_start), list(g.row_start ORDER BY g.row_start)
+            FROM groups g JOIN files f USING (file_id) WHERE f.retired_us IS NULL GROUP BY f.path""").fetchall()
+        without = []
+        for rel, group_ids, starts in located:
+            if not (self.root / rel).exists():
+                continue  # reconcile() drops its groups
+            firsts = pq.read_table(self.root / rel, columns=list(MU_FIELDS)).take(pa.array(starts)).to_pylist()
+            without += [group_id for group_id, row in zip(group_ids, firsts, strict=True) if not mu_is_behaviour(row)]
+        self._con.execute("UPDATE groups SET has_mu = true")
+        if without:
+            self._con.execute("UPDATE groups SET has_mu = false WHERE group_id IN (SELECT unnest(?))", [without])
+        log.info("index version 4: has_mu recomputed for %d shards, %d groups without mu", len(located), len(without))
 
     def _set_aside(self, reason: str) -> None:
         aside = self.path.with_name(f"index.duckdb.broken-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}")

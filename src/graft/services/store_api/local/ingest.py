@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from graft.schemas import NO_LOGPROBS, ROLLOUT_ARROW_SCHEMA, Problem
+from graft.schemas import MU_FIELDS, ROLLOUT_ARROW_SCHEMA, Problem, mu_is_behaviour
 from graft.services.store_api.local.catalog import Catalog
 from graft.services.store_api.local.compaction import IndexCompaction
 from graft.services.store_api.local.durable import TMP_DIR, TMP_PREFIX
@@ -75,8 +75,10 @@ def summarise_groups(table: pa.Table, starts: np.ndarray, lengths: np.ndarray, f
     return pa.table({
         **{name: table.column(name).take(first) for name in GROUP_SHARED_FIELDS},
         "successes": pa.array(np.add.reduceat(correct, starts).astype(np.int32)),
-        # a group is all with mu or all without: its first row says which
-        "has_mu": pc.not_equal(table.column("logprobs_mode").take(first), NO_LOGPROBS),
+        # whether the group's logprobs are its mu (schemas.mu_is_behaviour, no trust in rescored_unverified): its rows
+        # share their mode and sampling, its first row says which
+        "has_mu": pa.array([mu_is_behaviour(row) for row in table.select(MU_FIELDS).take(first).to_pylist()],
+                           pa.bool_()),
         "scored": pa.array(n_scored.astype(np.int32)),
         "reward_sum": pa.array(reward_sum),
         "mean_reward": pa.array(np.where(none, np.nan, reward_sum / np.maximum(n_scored, 1)), mask=none),

@@ -36,7 +36,7 @@ class GroupRef(NamedTuple):
     file: str  # relative to the store root
     row_start: int
     num_rows: int
-    has_mu: bool = True  # its rows carry behaviour logprobs (logprobs_mode is not 'none')
+    has_mu: bool = True  # its logprobs are its behaviour mu (schemas.mu_is_behaviour of its first row)
 
     def recency_key(self) -> tuple[int, int, str]:
         """Most recent first: highest policy step, then newest, then group id for a stable order."""
