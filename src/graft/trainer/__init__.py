@@ -17,7 +17,7 @@ _FACE = {
     "graft.trainer.peers": ("LookupResult", "gate_tally"),
     "graft.trainer.retokenize": ("learner_stop_token",),
     "graft.trainer.batch": ("FirstPass", "PeerRowCounts", "TrainSample", "WeightStats", "WeightedRows",
-                            "grafted_group_rows", "old_logprobs_and_weights"),
+                            "fit_grafted_group", "grafted_group_rows", "old_logprobs_and_weights", "peer_rows"),
     "graft.trainer.metrics": ("graft_metrics", "graft_tally"),
 }
 __all__ = [name for names in _FACE.values() for name in names]
