@@ -46,7 +46,7 @@ def graft_overrides(learner_dir: Path, store_url: str | None, peer_dir: Path | N
         f"actor_rollout_ref.rollout.n={GROUP}",
         f"data.train_batch_size={prompts}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts}",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",  # a DP rank's 6 rows: 3 micro-batches
         "data.max_response_length=16",
         # what docs/verl.md sets: verl's default asks for flash_attention_2, which needs flash-attn (a GPU build)
         "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
@@ -83,7 +83,10 @@ class RecordedRollouts:
         from verl.utils.model import compute_position_id_with_mask
         from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 
-        dataset_fields = [name for name in batch.keys() if not isinstance(batch[name], torch.Tensor)]
+        from tensordict import NonTensorStack
+
+        # the per-row fields (the batch's own, such as global_steps, are not a row's)
+        dataset_fields = [name for name in batch.keys() if isinstance(batch.get(name), NonTensorStack)]
         for i, uid in enumerate(list(batch["uid"])):
             row = {name: batch[name][i] for name in dataset_fields}  # what verl's agent loop gets as kwargs
             plan = self.plans[row["extra_info"]["prompt_id"]]
