@@ -70,7 +70,7 @@ def _guard_run_ppo(module: Any) -> None:
     def run_ppo(config, task_runner_class, *args, **kwargs):
         if task_runner_class is not module.TaskRunnerV1:
             name = getattr(getattr(task_runner_class, "__ray_metadata__", None), "class_name", None)
-            refuse_graft(config, f"this entry point's task runner ({name or task_runner_class!r})")
+            refuse_graft(config, f"this entry point's task runner ({name or repr(task_runner_class)})")
         return original(config, task_runner_class, *args, **kwargs)
 
     run_ppo.graft_guard = True
