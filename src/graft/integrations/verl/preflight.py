@@ -14,12 +14,12 @@ import socket
 from urllib.parse import urlsplit
 
 from graft.services.store_api.http.client import StoreClient, StoreError
-from graft.trainer import TrainConfig
+from graft.trainer import StoreConfig
 
 
 def where_this_runs() -> str:
-    """This process's node, as the errors name it."""
-    return f"node {socket.gethostname()} (verl's TaskRunner, working directory {os.getcwd()})"
+    """This process's node and working directory, as the errors name them (a relative path resolves there)."""
+    return f"node {socket.gethostname()}, working directory {os.getcwd()}"
 
 
 def ray_nodes() -> int:
@@ -42,16 +42,17 @@ def is_loopback(host: str | None) -> bool:
     return address.is_loopback or address.is_unspecified
 
 
-def preflight(cfg: TrainConfig) -> None:
+def preflight(store: StoreConfig) -> None:
     """Refuse a loopback store URL on a cluster of several nodes; check that the store answers from here."""
-    url = cfg.store.url
+    url = store.url
     nodes = ray_nodes()
     if nodes > 1 and is_loopback(urlsplit(url).hostname):
         raise ValueError(f"graft.store_url={url} is a loopback address, and this Ray cluster has {nodes} nodes: verl's "
-                         f"TaskRunner, which asks the store for peer groups, runs on whichever node Ray places it (here "
-                         f"{where_this_runs()}); give the store's address as every node reaches it")
+                         "TaskRunner, which asks the store for peer groups, runs on whichever node Ray places it "
+                         f"(this time {where_this_runs()}); give the store's address as every node reaches it")
     try:
-        with StoreClient(url, token=cfg.store.token, timeout_s=cfg.store.timeout_s, retries=cfg.store.retries) as client:
+        with StoreClient(url, token=store.token, timeout_s=store.timeout_s, retries=store.retries) as client:
             client.health()
     except (StoreError, OSError) as exc:
-        raise RuntimeError(f"graft.store_url={url} does not answer from {where_this_runs()}: {exc}") from exc
+        raise RuntimeError(f"graft.store_url={url} does not answer where verl's TaskRunner runs ({where_this_runs()}): "
+                           f"{exc}") from exc

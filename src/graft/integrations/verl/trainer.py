@@ -158,14 +158,14 @@ class GraftPPOTrainer(PPOTrainerSync):
     def graft_setup(self) -> GraftHost:
         """The preflight (preflight.py), then the learner's identities (verl's tokenizer: the one its actor trains
         with), the peers' tokenizers and the store client. Needs `self.tokenizer` (verl's `_init_tokenizer`)."""
-        preflight(self.graft_cfg)
+        preflight(self.graft_cfg.store)
         eos_ids = {int(self.tokenizer.eos_token_id)} if self.tokenizer.eos_token_id is not None else set()
         stop = learner_stop_token(self.tokenizer, eos_ids, "auto")  # verl prompts through the chat template
         try:
             return host_setup(self.graft_cfg, self.graft_cfg.model.path, self.tokenizer, eos_ids=eos_ids | {stop},
                               device=torch.device("cpu"), stop_token_id=stop)  # no model: verl's actor has it
-        except OSError as exc:  # a peer tokenizer's directory: it must resolve on the TaskRunner's node
-            raise FileNotFoundError(f"{exc} (on {where_this_runs()})") from exc
+        except OSError as exc:  # a peer tokenizer's directory: it must resolve where verl's TaskRunner runs
+            raise FileNotFoundError(f"{exc} (where verl's TaskRunner runs: {where_this_runs()})") from exc
 
     def fit(self, agent_loop_manager):
         try:
