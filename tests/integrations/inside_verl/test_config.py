@@ -180,3 +180,15 @@ def test_the_verl_trainer_runs_graft_trains_default_graft():
     bare = [o for o in graft_overrides(Path("/models/learner"), STORE, None) if not o.startswith("+graft.options")]
     mine = {"peer_tokenizers"}  # the run's own (an empty list or map: none)
     assert train_config(verl_config(bare)).graft.model_dump(exclude=mine) == GraftOptions().model_dump(exclude=mine)
+
+
+def test_the_gpu_stage_fails_a_run_that_grafted_nothing():
+    """gpu_check/verl_stage.py's verdict: every step's lookup answered in time and some step grafted; three steps
+    that grafted nothing (the learner solved every prompt, say) prove nothing of the weights: not a pass."""
+    from gpu_check.verl_stage import STEPS, passed
+
+    step = {"graft/frac_grafted": 0.0, "graft/store_lookups_late": 0, "graft/store_lookup_failures": 0}
+    assert not passed(0, [dict(step, step=k) for k in range(STEPS)])
+    assert passed(0, [dict(step, step=0, **{"graft/frac_grafted": 0.25})] + [dict(step, step=k) for k in range(1, STEPS)])
+    assert not passed(0, [dict(step, step=0, **{"graft/frac_grafted": 0.25, "graft/store_lookups_late": 1})]
+                      + [dict(step, step=k) for k in range(1, STEPS)])
