@@ -72,16 +72,25 @@ def test_an_agent_loop_of_the_runs_own_runs_with_a_stated_reward_map():
     assert graft_section(cfg).peer_reward_map == {0.0: -1.0, 1.0: 1.0}
 
 
-def test_a_peer_tokenizer_id_is_given_as_the_docs_show_it_in_a_shell():
-    """What a shell hands verl of docs/verl.md's forms (shlex splits as a POSIX shell does): one override per peer
-    (`+graft.peer_tokenizers.ID=DIR`) needs no quoting; an `'ID=DIR'` list entry needs the whole override quoted, since
-    the shell strips the quotes Hydra needs around it."""
+def test_peer_tokenizer_ids_are_given_as_docs_verl_md_shows_them_in_a_shell():
+    """docs/verl.md's peer tokenizer block (walk: skip tested, this test): each command line split as a POSIX shell
+    splits it (shlex), its graft overrides composed into verl's config. One override per peer needs no quoting; the list
+    form works with the whole override quoted, and fails unquoted (the shell strips the quotes Hydra needs)."""
+    import re
     import shlex
 
-    for line in ("+graft.peer_tokenizers.tok-1=/models/peer", """'+graft.peer_tokenizers=["tok-1=/models/peer"]'"""):
-        assert train_config(config(*shlex.split(line))).graft.peer_tokenizers == {"tok-1": "/models/peer"}, line
-    with pytest.raises(Exception, match="tok-1="):
-        config(*shlex.split("+graft.peer_tokenizers=['tok-1=/models/peer']"))
+    page = (Path(__file__).parents[3] / "docs" / "verl.md").read_text()
+    block = re.search(r"<!-- walk: skip tested tests/integrations/inside_verl/test_config.py[^>]*-->\n```bash\n(.*?)```",
+                      page, re.S).group(1)
+    lines = [line for line in block.splitlines() if line.startswith("python -m verl.trainer.main_ppo")]
+    assert len(lines) == 2
+    for line in lines:
+        overrides = [word for word in shlex.split(line) if word.startswith("+graft.")]
+        peers = train_config(config(*overrides)).graft.peer_tokenizers
+        assert peers == {"tok-1a2b3c": "/models/peer-a", "tok-9f8e7d": "/models/peer-b"}, line
+    unquoted = lines[1].replace("'+graft", "+graft").rstrip("'")
+    with pytest.raises(Exception, match="tok-1a2b3c="):
+        config(*[word for word in shlex.split(unquoted) if word.startswith("+graft.")])
 
 
 def test_the_logged_config_names_graft_sync_while_verl_runs_its_sync_mode():

@@ -1,7 +1,7 @@
 """`GraftPPOTrainer`: verl's synchronous v1 trainer (`PPOTrainerSync`), grafting peer groups from the store into its
 all-fail groups (GRAFT_SPEC), registered as `trainer.v1.trainer_mode=graft_sync`.
 
-It wraps five of verl's methods and copies none (a copied loop drifts from its parent; HACPO and LUFFY replaced
+It wraps seven of verl's methods and copies none (a copied loop drifts from its parent; HACPO and LUFFY replaced
 verl's `fit`); each calls its parent:
 - `_submit_batch_to_rollout`: the peer lookup for the submitted prompts (their `extra_info.prompt_id`) starts in a
   background thread, then verl dispatches generation: the lookup hides behind it.           trainer/peers.py
