@@ -205,8 +205,8 @@ def grafted_group_rows(
 ) -> list[TrainSample]:
     """A grafted peer group as learner rows (GRAFT_SPEC sections 2, 3): re-tokenised (`peer_rows`), then
     `fit_grafted_group` (at most `max_rows` of them, advantages over those)."""
-    rows = peer_rows(cfg, learner, list(peer.rollouts), peer.prompt_id, group, prompt_ids, peer_tokenizers, stop_token_id,
-                     counts)
+    rows = peer_rows(cfg, learner, list(peer.rollouts), peer.prompt_id, group, prompt_ids, peer_tokenizers,
+                     stop_token_id, counts)
     return fit_grafted_group(cfg, peer, rows, counts, max_rows, pick_seed)
 
 

@@ -40,8 +40,8 @@ class VerlGraftSection(BaseModel):
                                  "never grafted); default: the model's directory or hub name, as graft-train names it")
     tokenizer_id: str | None = Field(default=None, description="the learner's tokenizer id; default: its fingerprint")
     peer_tokenizers: list[str] | dict[str, str] = Field(
-        default_factory=list, description="the peers' tokenizers: directories (their fingerprints are their ids); a peer "
-        "that stored another id: ID -> DIR (+graft.peer_tokenizers.ID=DIR, one override per peer), or 'ID=DIR' entries")
+        default_factory=list, description="the peers' tokenizers: directories (their fingerprints are their ids); a "
+        "peer that stored another id: ID -> DIR (+graft.peer_tokenizers.ID=DIR, one override per peer), or 'ID=DIR'")
     prompt_id_key: str = Field(default="prompt_id", description="key of each dataset row's extra_info holding its store "
                                "prompt id (schemas.prompt_id of the problem text, as the generator stored it)")
     lookup_wait_s: float = Field(default=DEFAULT_LOOKUP_WAIT_S, ge=0.0, description="after generation, wait at most "
@@ -50,8 +50,8 @@ class VerlGraftSection(BaseModel):
                                  "(graft/store_lookups_late; a warning after a few such steps in a row)")
     peer_reward_map: dict[float, float] | None = Field(
         default=None, description="the learner's reward of each stored peer reward (e.g. {0: -1, 1: 1} for a +-1 "
-        "reward): grafted rows then carry the mapped stored reward instead of the run's own reward function's score of "
-        "their text (the default); required where verl's reward loop cannot score them (an agent loop of the run's own)")
+        "reward): grafted rows then carry the mapped stored reward instead of the run's own reward function's score "
+        "of their text (the default); required where verl's reward loop cannot score them (a run's own agent loop)")
     options: dict[str, Any] = Field(default_factory=dict, description="graft-train's graft section: kappa, is_cap, "
                                     "token_is, max_grafted_fraction, peer_models, ...")
     store_options: dict[str, Any] = Field(default_factory=dict, description="graft-train's store section but url: "
@@ -194,10 +194,10 @@ def check_config(config: DictConfig) -> None:
     agent_configs = _value(config, "actor_rollout_ref.rollout.agent.agent_loop_config_path")
     if section.peer_reward_map is None and (agent_loop != SINGLE_TURN_AGENT or agent_configs is not None):
         refusals.append(f"actor_rollout_ref.rollout.agent (default_agent_loop={agent_loop}, agent_loop_config_path="
-                        f"{agent_configs}): grafted rows are scored by the run's reward loop on their text, and an agent "
-                        "loop of the run's own may score its rollouts itself; give the learner's reward of each stored "
-                        "peer reward in +graft.peer_reward_map (e.g. '+graft.peer_reward_map={0:0,1:1}'), or use verl's "
-                        f"{SINGLE_TURN_AGENT}")
+                        f"{agent_configs}): grafted rows are scored by the run's reward loop on their text, and an "
+                        "agent loop of the run's own may score its rollouts itself; give the learner's reward of each "
+                        "stored peer reward in +graft.peer_reward_map (e.g. '+graft.peer_reward_map={0:0,1:1}'), or "
+                        f"use verl's {SINGLE_TURN_AGENT}")
     if _value(config, "distillation.enabled", False) or _value(config, "distillation.enable", False):
         refusals.append("distillation: a teacher's logprobs are of the learner's own tokens, which grafted rows replace")
     if refusals:

@@ -54,5 +54,5 @@ def preflight(store: StoreConfig) -> None:
         with StoreClient(url, token=store.token, timeout_s=store.timeout_s, retries=store.retries) as client:
             client.health()
     except (StoreError, OSError) as exc:
-        raise RuntimeError(f"graft.store_url={url} does not answer where verl's TaskRunner runs ({where_this_runs()}): "
-                           f"{exc}") from exc
+        raise RuntimeError(f"graft.store_url={url} does not answer where verl's TaskRunner runs "
+                           f"({where_this_runs()}): {exc}") from exc

@@ -37,19 +37,19 @@ def dataset_fields(source: TensorDict) -> dict:
 
 def rescore(reward_loop_manager, prompts: list[list[int]], rows: list[TrainSample], sources: list[TensorDict],
             pad_id: int) -> list[float]:
-    """verl's reward loop's score of each grafted row: its learner tokens after `prompts[k]`, with `sources[k]`'s dataset
-    fields, batched as verl's trainer batches its own colocated scoring (`_compute_reward_colocate`: right-padded
-    prompts and responses, their attention mask) and passed as its agent loop passes a trajectory's (the dataset
-    fields, `__num_turns__`: 2, one user and one assistant turn)."""
+    """verl's reward loop's score of each grafted row: its learner tokens after `prompts[k]`, with `sources[k]`'s
+    dataset fields, batched as verl's trainer batches its own colocated scoring (`_compute_reward_colocate`:
+    right-padded prompts and responses, their attention mask) and passed as its agent loop passes a trajectory's (the
+    dataset fields, `__num_turns__`: 2, one user and one assistant turn)."""
     fields = [dataset_fields(source) for source in sources]
     agents = {str(f.get("agent_name")) for f in fields if f.get("agent_name") not in (None, SINGLE_TURN_AGENT)}
     if agents:
         raise NotImplementedError(f"dataset rows name agent loops {sorted(agents)}: grafted rows are scored by the "
                                   "run's reward loop, and these loops may score their rollouts themselves; give the "
                                   "learner's reward of each stored peer reward in graft.peer_reward_map")
-    prompt_t = torch.nn.utils.rnn.pad_sequence([torch.tensor(p) for p in prompts], batch_first=True, padding_value=pad_id)
-    response_t = torch.nn.utils.rnn.pad_sequence([torch.tensor(r.completion_ids) for r in rows], batch_first=True,
-                                                 padding_value=pad_id)
+    pad = torch.nn.utils.rnn.pad_sequence
+    prompt_t = pad([torch.tensor(p) for p in prompts], batch_first=True, padding_value=pad_id)
+    response_t = pad([torch.tensor(r.completion_ids) for r in rows], batch_first=True, padding_value=pad_id)
     width = torch.arange(prompt_t.size(1))[None]
     prompt_mask = (width < torch.tensor([len(p) for p in prompts])[:, None]).long()
     width = torch.arange(response_t.size(1))[None]

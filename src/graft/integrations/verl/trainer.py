@@ -13,9 +13,9 @@ verl's `fit`); each calls its parent:
   padding rows. Then verl balances, computes pi_old (and pi_ref) on them itself.  trainer/gate.py, trainer/batch.py
 - `_compute_old_log_prob`: verl's; its rollout-vs-actor metrics recomputed over the learner's own rows (on a grafted
   row the sampler is the peer); a grafted row whose peer stored no logprobs gets pi_old as its sampler's (b = 1).
-- `_compute_advantage`: verl's, then on grafted rows the peer group's advantages (graft-train's recomputation from the
-  stored rewards, negative ones scaled) and the per-token weight c = peer_loss_scale * w * b from pi_old and the
-  peer's projected logprobs mu~ (graft-train's `old_logprobs_and_weights`). c goes into `rollout_is_weights`, which
+- `_compute_advantage`: verl's, then on grafted rows the peer group's advantages (graft-train's, from the learner's
+  rewards of the rows written, negative ones scaled) and the per-token weight c = peer_loss_scale * w * b from pi_old
+  and the peer's projected logprobs mu~ (graft-train's `old_logprobs_and_weights`). c goes into `rollout_is_weights`, which
   verl's vanilla loss multiplies into the clipped per-token loss, as graft-train's loss does; the learner's rows keep
   1 (or verl's own rollout correction weight when `rollout_is` is set). It returns TransferQueue's record of the batch
   after that write: `_update_actor` sends the actor the fields that record lists. graft-train's metrics go under
@@ -99,7 +99,7 @@ class Lookup:
     prompt_of: dict[str, str]  # uid -> store prompt id
     pending: Future | None
     started: float = field(default_factory=time.perf_counter)
-    open: set[str] = field(default_factory=set)  # uids not yet seen in a sampled batch
+    open: set[str] = field(init=False)  # uids that may still be sampled (not yet seen in a sampled batch)
 
     def __post_init__(self):
         self.open = set(self.prompt_of)
@@ -133,8 +133,8 @@ class GraftPPOTrainer(PPOTrainerSync):
         self.graft_section = graft_section(config)
         self.graft_cfg = train_config(config) if self.graft_section.grafts else None
         # verl's base constructor reads any mode but "sync" as an async one (self.trainer_mode: its replay buffer,
-        # checkpoints, prompt storage): GRAFT runs inside the sync trainer, so verl's constructor sees its own sync mode;
-        # the config, which verl logs, keeps this trainer's name
+        # checkpoints, prompt storage): GRAFT runs inside the sync trainer, so verl's constructor sees its own sync
+        # mode; the config, which verl logs, keeps this trainer's name
         with open_dict(config):
             config.trainer.v1.trainer_mode = "sync"
         try:
@@ -264,16 +264,14 @@ class GraftPPOTrainer(PPOTrainerSync):
         """Drop the lookups none of whose prompts can still be sampled: each was either in a sampled batch or left
         TransferQueue without one (a prompt whose sessions all failed has no trajectory; verl's replay buffer consumes
         it, or evicts it to refill, all the same)."""
-        if not any(lookup.open for lookup in self.graft_lookups):
-            self.graft_lookups = [lookup for lookup in self.graft_lookups if lookup.open]
-            return
-        live = set(tq.kv_list(partition_id="train").get("train", {}))  # prompt uids (and trajectories) still there
-        for lookup in list(self.graft_lookups):
-            lookup.open &= live
-            if not lookup.open:
-                self.graft_lookups.remove(lookup)
-                if lookup.pending is not None:
-                    lookup.pending.cancel()  # never collected (no prompt of it was sampled): its answer is not needed
+        if any(lookup.open for lookup in self.graft_lookups):
+            live = set(tq.kv_list(partition_id="train").get("train", {}))  # prompt uids (and trajectories) still there
+            for lookup in self.graft_lookups:
+                lookup.open &= live
+        for lookup in self.graft_lookups:
+            if not lookup.open and lookup.pending is not None:
+                lookup.pending.cancel()  # one no prompt of which was sampled is still running: its answer is not needed
+        self.graft_lookups = [lookup for lookup in self.graft_lookups if lookup.open]
 
     def graft_note_late(self, late: bool) -> None:
         """Count steps in a row whose lookup was not back within graft.lookup_wait_s, and say so (they train as GRPO)."""
@@ -304,12 +302,12 @@ class GraftPPOTrainer(PPOTrainerSync):
         firsts = [sources[position[batch.keys[rows[0]]]] for _, rows, _ in grafted]
         prompts = [source["prompts"].tolist() for source in firsts]
         # every peer rollout re-tokenised (`group` keeps each group's own centring under group_normalized_weight)
-        made = [peer_rows(cfg, learner, list(decision.peer_group.rollouts), decision.peer_group.prompt_id, group, prompt,
+        made = [peer_rows(cfg, learner, list(d.peer_group.rollouts), d.peer_group.prompt_id, group, prompt,
                           self.graft.peer_tokenizers, learner.stop_token_id, splice.counts)
-                for group, ((_, _, decision), prompt) in enumerate(zip(grafted, prompts, strict=True))]
+                for group, ((_, _, d), prompt) in enumerate(zip(grafted, prompts, strict=True))]
         stored = self.graft_learner_rewards(made, prompts, firsts, splice)
         samples, tags = [], []
-        for group, ((uid, rows, decision), group_rows) in enumerate(zip(grafted, made, strict=True)):
+        for group, ((_, rows, decision), group_rows) in enumerate(zip(grafted, made, strict=True)):
             peer = decision.peer_group
             splice.counts.peer_rollouts_unused += max(0, len(peer.rollouts) - len(rows))
             kept = fit_grafted_group(cfg, peer, group_rows, splice.counts, max_rows=len(rows),
@@ -341,10 +339,12 @@ class GraftPPOTrainer(PPOTrainerSync):
         if mapping is not None:
             learner_rewards = rewards.mapped(rows, mapping)
         else:
-            learner_rewards = rewards.rescore(
-                self.reward_loop_manager, [prompt for prompt, group_rows in zip(prompts, made) for _ in group_rows],
-                rows, [source for source, group_rows in zip(sources, made) for _ in group_rows],
-                self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.graft.learner.stop_token_id)
+            per_row = [(prompt, source) for prompt, source, group_rows in zip(prompts, sources, made, strict=True)
+                       for _ in group_rows]
+            pad = self.tokenizer.pad_token_id
+            learner_rewards = rewards.rescore(self.reward_loop_manager, [p for p, _ in per_row], rows,
+                                              [source for _, source in per_row],
+                                              pad if pad is not None else self.graft.learner.stop_token_id)
         for row, reward in zip(rows, learner_rewards, strict=True):
             row.reward = float(reward)
         splice.rows_scored += len(rows)
@@ -362,8 +362,8 @@ class GraftPPOTrainer(PPOTrainerSync):
             completion, mask, behaviour = [self.graft.learner.stop_token_id], [0], [0.0]
         else:
             completion, mask, behaviour = row.completion_ids, [1] * len(row.completion_ids), row.behaviour_logprobs
-            if not row_has_mu(row):  # unknown, not log 1: pi_old takes its place once verl has it (_compute_old_log_prob)
-                behaviour = [NAN] * len(completion)
+            if not row_has_mu(row):  # unknown, not log 1: pi_old takes its place once verl has it
+                behaviour = [NAN] * len(completion)  # (graft_unknown_mu_as_pi_old)
         responses = torch.tensor(completion, dtype=torch.int64)
         input_ids = torch.cat([torch.tensor(prompt, dtype=torch.int64), responses])
         attention_mask = torch.ones_like(input_ids)
@@ -407,9 +407,10 @@ class GraftPPOTrainer(PPOTrainerSync):
         them is 1 (b = 1, GRAFT_SPEC section 11), instead of a made-up value."""
         if not splice.mu_unknown:
             return
-        data = tq.kv_batch_get(keys=splice.mu_unknown, partition_id=batch.partition_id, select_fields=["old_log_probs"])
-        tq.kv_batch_put(keys=splice.mu_unknown, partition_id=batch.partition_id,
-                        fields=TensorDict({"rollout_log_probs": data["old_log_probs"]}, batch_size=len(splice.mu_unknown)))
+        keys = splice.mu_unknown
+        data = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id, select_fields=["old_log_probs"])
+        tq.kv_batch_put(keys=keys, partition_id=batch.partition_id,
+                        fields=TensorDict({"rollout_log_probs": data["old_log_probs"]}, batch_size=len(keys)))
 
     # ---- 4. advantages and c, after verl computed pi_old and its own advantages ---------------------------------
     def _compute_advantage(self, batch: KVBatchMeta, metrics: dict) -> KVBatchMeta:
