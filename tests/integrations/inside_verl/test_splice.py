@@ -112,6 +112,8 @@ def test_all_fail_groups_take_the_peer_rows_with_graft_trains_weights(world, ste
     assert 0 < metrics["graft/compat_weight_mean"] <= 1 and metrics["graft/learner_reward_mean"] == pytest.approx(1 / 12)
     # the gate's tally is graft-train's (graft.trainer.peers.gate_tally), reasons included: both failed groups grafted
     assert metrics["graft/groups_no_peer"] == metrics["graft/groups_no_peer_nothing_stored"] == 0
+    # every peer row scored by the learner's reward (verl's \boxed{} scorer here), which agrees with the stored one
+    assert metrics["graft/peer_rows_scored"] == sum(PEER_SIZES) and metrics["graft/peer_rows_verdict_changed"] == 0
 
 
 def test_verls_loss_on_the_spliced_batch_is_graft_trains_loss(stepped):

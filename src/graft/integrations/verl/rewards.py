@@ -16,6 +16,7 @@ import torch
 from tensordict import NonTensorData, TensorDict
 from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
 from verl.protocol import DataProto
+from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 
 from graft.integrations.verl.config import SINGLE_TURN_AGENT
 from graft.trainer import TrainSample
@@ -50,10 +51,8 @@ def rescore(reward_loop_manager, prompts: list[list[int]], rows: list[TrainSampl
     pad = torch.nn.utils.rnn.pad_sequence
     prompt_t = pad([torch.tensor(p) for p in prompts], batch_first=True, padding_value=pad_id)
     response_t = pad([torch.tensor(r.completion_ids) for r in rows], batch_first=True, padding_value=pad_id)
-    width = torch.arange(prompt_t.size(1))[None]
-    prompt_mask = (width < torch.tensor([len(p) for p in prompts])[:, None]).long()
-    width = torch.arange(response_t.size(1))[None]
-    response_mask = (width < torch.tensor([len(r.completion_ids) for r in rows])[:, None]).long()
+    prompt_mask = PPOTrainer._lengths_to_mask(torch.tensor([len(p) for p in prompts]), prompt_t.size(1))
+    response_mask = PPOTrainer._lengths_to_mask(torch.tensor([len(r.completion_ids) for r in rows]), response_t.size(1))
     names = sorted({name for f in fields for name in f})
     non_tensor = {}
     for name in names:
