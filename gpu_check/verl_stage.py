@@ -6,16 +6,21 @@
 
 The rehearsal writes the run's data (toy addition problems as verl's parquet, with extra_info.prompt_id), the peer's
 groups into a store and serves it, composes verl's own config with the run's settings, builds GraftPPOTrainer from it
-(verl's constructor: the refusals pass), asks the store for the prompts' peer groups, and prints the command a GPU
-machine runs; it stops before verl starts workers (vLLM rollouts need CUDA). The GPU run executes that command with
-PY, reads verl's file logger and writes <run-dir>/verl_check.json and .md: per step, verl's reward and GRAFT's
-graft/ metrics. PY needs `pip install 'verl[vllm]==0.9.1' 'TransferQueue>=0.1.10,<0.2' cachetools` and this
-project (`pip install --no-deps -e .` plus src/graft/integrations/verl/requirements.py's list)."""
+(verl's constructor: the refusals pass) and runs GRAFT's part of its set-up (the preflight: the store answers, the
+peer tokenizers load), asks the store for the prompts' peer groups, and prints the command a GPU machine runs; it stops
+before verl starts workers (vLLM rollouts need CUDA). The GPU run executes that command with PY, reads verl's file
+logger and writes <run-dir>/verl_check.json and .md: per step, verl's reward, GRAFT's graft/ metrics and the splice's
+time at the stage's batch (PROMPTS x GROUP rows). It passes only if every step's lookup was answered in time and some
+step grafted (graft/frac_grafted > 0): a run that grafted nothing proves nothing of the splice or the weights (the
+trainer itself raises at a step that grafted if the batch verl hands its actor lacks the weights' fields). PY needs
+`pip install 'verl[vllm]==0.9.1' 'TransferQueue>=0.1.10,<0.2' cachetools` and this project (`pip install --no-deps -e
+.` plus src/graft/integrations/verl/requirements.py's list)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -99,10 +104,14 @@ def rehearse(run_dir: Path, model: Path, store_url: str, prepared: dict, setting
     with initialize_config_dir(config_dir=str(Path(verl.__file__).parent / "trainer" / "config"), version_base=None):
         config = compose(config_name="ppo_trainer", overrides=settings)
     trainer = GraftPPOTrainer(config)
+    trainer._init_tokenizer()
+    host = trainer.graft_setup()  # what _setup runs first in verl's TaskRunner: the preflight, the peers' tokenizers
     request = PeerLookupRequest(prompt_ids=[p.prompt_id for p in prepared["problems"]], learner_model=model.name,
                                 informative_only=True, min_successes=1)
     found = StoreClient(store_url).lookup_peer_groups(request)
+    host.peers.close()
     return {"trainer": type(trainer).__name__, "trainer_mode_underneath": trainer.trainer_mode,
+            "trainer_mode_logged": config.trainer.v1.trainer_mode, "peer_tokenizers": sorted(host.peer_tokenizers),
             "graft": trainer.graft_cfg.graft.model_dump(include={"kappa", "is_cap", "token_is", "max_grafted_fraction"}),
             "ppo": trainer.graft_cfg.ppo.model_dump(), "peer_groups_found": len(found.groups),
             "prompts": len(prepared["problems"])}
@@ -117,6 +126,15 @@ def read_steps(log_path: Path) -> list[dict]:
         steps.append({"step": record["step"], "critic/score/mean": data.get("critic/score/mean"),
                       **{k: v for k, v in data.items() if k.startswith("graft/")}})
     return steps
+
+
+def passed(returncode: int, steps: list[dict]) -> bool:
+    """The run's verdict: main_ppo ran its STEPS steps, each grafting from an answered lookup, and some step grafted (a
+    run that grafted nothing runs too, and proves nothing of the splice or the weights)."""
+    answered = all("graft/frac_grafted" in step and step.get("graft/store_lookups_late") == 0
+                   and step.get("graft/store_lookup_failures") == 0 for step in steps)
+    grafted = any((step.get("graft/frac_grafted") or 0) > 0 for step in steps)
+    return returncode == 0 and len(steps) == STEPS and answered and grafted
 
 
 def run(dry_run: bool, python: str | None, model: Path | None, run_dir: Path, timeout_s: float = 1800.0) -> int:
@@ -134,7 +152,7 @@ def run(dry_run: bool, python: str | None, model: Path | None, run_dir: Path, ti
     with StoreServer(prepared["store_root"]) as store:
         settings = overrides(model, store.url, prepared, run_dir)
         command = [python or sys.executable, "-m", "verl.trainer.main_ppo", *settings]
-        report["command"] = " ".join(command)
+        report["command"] = shlex.join(command)  # as a shell takes it: the overrides' brackets quoted
         if dry_run:
             report["rehearsal"] = rehearse(run_dir, model, store.url, prepared, settings)
             report["not_run"] = ("main_ppo: verl's rollouts are vLLM/SGLang servers (CUDA); this is the command a GPU "
@@ -149,17 +167,17 @@ def run(dry_run: bool, python: str | None, model: Path | None, run_dir: Path, ti
             report["returncode"] = proc.returncode
             report["steps"] = read_steps(log_path) if log_path.exists() else []
             # every step grafted from an answered lookup: a late store would make the steps GRPO and still "run"
-            report["ok"] = proc.returncode == 0 and len(report["steps"]) == STEPS and all(
-                "graft/frac_grafted" in step and step.get("graft/store_lookups_late") == 0
-                and step.get("graft/store_lookup_failures") == 0 for step in report["steps"])
+            report["batch_rows"] = PROMPTS * GROUP
+            report["splice_s_per_step"] = [step.get("graft/splice_s") for step in report["steps"]]
+            report["ok"] = passed(proc.returncode, report["steps"])
     report["seconds"] = round(time.perf_counter() - began, 1)
     (run_dir / "verl_check.json").write_text(json.dumps(report, indent=2, default=str))
-    lines = ["| step | critic/score/mean | graft/frac_all_fail | graft/frac_grafted | graft/compat_weight_mean | "
-             "graft/store_lookups_late |", "|---|---|---|---|---|---|"]
+    columns = ["critic/score/mean", "graft/frac_all_fail", "graft/frac_grafted", "graft/compat_weight_mean",
+               "graft/peer_rows_verdict_changed", "graft/store_lookups_late", "graft/splice_s", "graft/graft_s"]
+    lines = [f"| step | {' | '.join(columns)} |", "|---" * (len(columns) + 1) + "|"]
     for step in report.get("steps", []):
-        lines.append(f"| {step['step']} | {step.get('critic/score/mean')} | {step.get('graft/frac_all_fail')} | "
-                     f"{step.get('graft/frac_grafted')} | {step.get('graft/compat_weight_mean')} | "
-                     f"{step.get('graft/store_lookups_late')} |")
+        lines.append(f"| {step['step']} | " + " | ".join(str(step.get(name)) for name in columns) + " |")
+    lines.append(f"\nsplice at {PROMPTS} prompts x {GROUP} rollouts = {PROMPTS * GROUP} rows per step")
     (run_dir / "verl_check.md").write_text("\n".join(lines) + "\n")
     print(json.dumps(report, indent=2, default=str))
     return 0 if dry_run or report.get("ok") else 1

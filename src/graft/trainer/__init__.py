@@ -18,13 +18,14 @@ _FACE = {
     "graft.trainer.peers": ("LookupResult", "gate_tally"),
     "graft.trainer.retokenize": ("learner_stop_token",),
     "graft.trainer.batch": ("FirstPass", "PeerRowCounts", "TrainSample", "WeightStats", "WeightedRows",
-                            "grafted_group_rows", "old_logprobs_and_weights"),
+                            "fit_grafted_group", "grafted_group_rows", "old_logprobs_and_weights", "peer_rows"),
     "graft.trainer.metrics": ("graft_metrics", "graft_tally"),
 }
 __all__ = [  # _FACE's names, written out for the tools that read __all__ (a test holds the two equal)
     "FirstPass", "GateDecision", "GraftConfig", "GraftHost", "LookupResult", "PeerRowCounts", "StoreConfig", "TrainConfig",
     "TrainSample", "WeightStats", "WeightedRows", "gate_groups", "gate_tally", "graft_metrics", "graft_tally",
-    "grafted_group_rows", "host_setup", "learner_stop_token", "old_logprobs_and_weights", "train",
+    "fit_grafted_group", "grafted_group_rows", "host_setup", "learner_stop_token", "old_logprobs_and_weights",
+    "peer_rows", "train",
 ]
 
 if TYPE_CHECKING:
@@ -34,8 +35,10 @@ if TYPE_CHECKING:
         TrainSample,
         WeightedRows,
         WeightStats,
+        fit_grafted_group,
         grafted_group_rows,
         old_logprobs_and_weights,
+        peer_rows,
     )
     from graft.trainer.config import GraftConfig, StoreConfig, TrainConfig
     from graft.trainer.gate import GateDecision, gate_groups

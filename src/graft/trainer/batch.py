@@ -207,10 +207,22 @@ def grafted_group_rows(
     peer_tokenizers: dict[str, Any], stop_token_id: int | None, counts: PeerRowCounts, max_rows: int | None = None,
     pick_seed: int = 0,
 ) -> list[TrainSample]:
-    """A grafted peer group as learner rows (docs/algorithm.md sections 2, 3): re-tokenised (`peer_rows`), at most
-    `max_rows` of them (a host with G slots per group: TRL, verl; `pick_rows` chooses which, seeded by `pick_seed` and
-    the group's id), with the group advantages recomputed from the stored rewards of the rows that train, so that they
-    still sum to zero when a row was dropped, and negatives scaled.
+    """A grafted peer group as learner rows (docs/algorithm.md sections 2, 3): re-tokenised (`peer_rows`), then
+    `fit_grafted_group` (at most `max_rows` of them, advantages over those)."""
+    rows = peer_rows(cfg, learner, list(peer.rollouts), peer.prompt_id, group, prompt_ids, peer_tokenizers,
+                     stop_token_id, counts)
+    return fit_grafted_group(cfg, peer, rows, counts, max_rows, pick_seed)
+
+
+def fit_grafted_group(
+    cfg: TrainConfig, peer: RolloutGroup, rows: list[TrainSample], counts: PeerRowCounts, max_rows: int | None = None,
+    pick_seed: int = 0,
+) -> list[TrainSample]:
+    """`rows` (peer group `peer`'s re-tokenised rollouts, `peer_rows`, with their rewards as they stand: the stored
+    ones, or a host's own reward of their text), at most `max_rows` of them (a host with that many slots for the group:
+    TRL, verl; `pick_rows` chooses which, seeded by `pick_seed` and the group's id), with the group advantages
+    recomputed from the rewards of the rows that train, so that they still sum to zero when a row was dropped or not
+    picked, and negatives scaled.
 
     `counts` also gets: peer_samples, whether the stored advantages match the rewards
     (peer_advantage_mismatch, over the whole stored group), whether the group lost rows (grafted_groups_short), was
@@ -219,8 +231,6 @@ def grafted_group_rows(
     _, agrees = peer_group_advantages(peer, std_normalize=std_normalize)
     counts.peer_advantage_mismatch += int(not agrees)
     counts.peer_samples += len(peer.rollouts)
-    rows = peer_rows(cfg, learner, list(peer.rollouts), peer.prompt_id, group, prompt_ids, peer_tokenizers, stop_token_id,
-                     counts)
     if max_rows is not None and len(rows) > max_rows:
         rows = pick_rows(rows, max_rows, random.Random(f"{pick_seed}:{peer.group_id}"))
         counts.grafted_groups_subsampled += 1

@@ -1,5 +1,6 @@
 """GRAFT inside verl's sync trainer on verl's real classes: its config, its replay buffer over a real TransferQueue
-(Ray on loopback), its own advantage step and loss; the store served by uvicorn on loopback; toy models from toy/.
+(Ray on loopback, verl's 8 storage units), its balancing for 2 data-parallel ranks, its reward loop, its own advantage
+step, its dispatch to the actor and its loss; the store served by uvicorn on loopback; toy models from toy/.
 
 Three prompts of G = 4: one the learner solves sometimes (trained as verl has it), two it fails; the store holds a
 peer group (another tokenizer) for each failed prompt, one of them with only 3 rollouts (a slot left empty)."""
@@ -13,134 +14,37 @@ pytest.importorskip("verl.trainer", reason="verl runs in its own environment: ma
 import torch  # noqa: E402
 import transfer_queue as tq  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.utils.config import omega_conf_to_dataclass  # noqa: E402
 from verl.workers.engine.utils import prepare_micro_batches  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
-from verl_world import GROUP, Planned, RecordedRollouts, graft_overrides, prompt_batch, verl_config  # noqa: E402
+from verl_world import (  # noqa: E402
+    DP,
+    GROUP,
+    PEER_SIZES,
+    actor_worker_group,
+    build_trainer,
+    graft_overrides,
+    peer_group,
+    prompt_batch,
+    step_to_the_actor,
+    verl_config,
+)
 
-from graft.integrations.verl.trainer import GraftPPOTrainer  # noqa: E402
-from graft.rollouts.models import tokenizer_fingerprint  # noqa: E402
 from graft.schemas import RolloutGroup, group_advantages  # noqa: E402
 from graft.services.store_api.http.testing import StoreServer  # noqa: E402
 from graft.services.store_api.local.shards import write_groups  # noqa: E402
 from graft.trainer.batch import FirstPass, grafted_group_rows, old_logprobs_and_weights  # noqa: E402
 from graft.trainer.loss import LossBatch, LossConfig, graft_loss  # noqa: E402
-from toy.models import build_tiny_model, save_model  # noqa: E402
-from toy.task import completion_text, sample_problems  # noqa: E402
-from toy.world import build_group, cached_chat_model, peer_tokenizer  # noqa: E402
-
-PEER_SIZES = (4, 3)  # the two failed prompts' peer groups: the second leaves one of the G slots empty
+from toy.task import completion_text  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def transfer_queue():
-    """verl's TransferQueue as its CPU tests start it (one storage unit: this machine has 2 cores)."""
-    import ray
-    from omegaconf import OmegaConf
-
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    tq.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}}))
-    yield tq
-    tq.close()
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    """The learner (a chat-templated toy Llama), a peer with its own BPE, the problems and the learner's plans."""
-    root = tmp_path_factory.mktemp("verl")
-    learner_dir = cached_chat_model()
-    peer_tok = peer_tokenizer()
-    peer = build_tiny_model(peer_tok, "qwen3", hidden=64, seed=3).eval()
-    peer_dir = save_model(peer, peer_tok, root / "peer")
-    problems = sample_problems(3, seed=11)
-    wrong = [completion_text(str(int(p.answer) + 1)) for p in problems]
-    plans = {
-        problems[0].prompt_id: Planned(problems[0], [completion_text(problems[0].answer)] + [wrong[0]] * 3, [1.0, 0, 0, 0]),
-        problems[1].prompt_id: Planned(problems[1], [wrong[1]] * GROUP, [0.0] * GROUP),
-        problems[2].prompt_id: Planned(problems[2], [wrong[2], "7", wrong[2], "12"], [0.0] * GROUP),
-    }
-    groups = []
-    for problem, size in zip(problems[1:], PEER_SIZES):
-        texts = [completion_text(problem.answer) if k % 2 == 0 else completion_text("0") for k in range(size)]
-        groups.append(build_group(problem, texts, [1.0 if k % 2 == 0 else 0.0 for k in range(size)], peer_tok, peer,
-                                  model_id="toy-peer", tokenizer_id=tokenizer_fingerprint(peer_tok)))
-    store_root = root / "store"
-    write_groups(store_root, groups, problems)
-    return {"learner_dir": learner_dir, "peer_dir": peer_dir, "problems": problems, "plans": plans,
-            "groups": groups, "store_root": store_root}
-
-
-@pytest.fixture(scope="module")
-def store(world):
-    with StoreServer(world["store_root"]) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def learner(world):
-    return AutoModelForCausalLM.from_pretrained(world["learner_dir"]).eval()
-
-
-def build_trainer(world, store_url: str | None, learner) -> GraftPPOTrainer:
-    """verl's trainer object as main_ppo builds it, up to the workers (they need a GPU): its real __init__, its own
-    tokenizer (`_init_tokenizer`), GRAFT's part of `_setup`, and the generation stand-in as its agent loop manager."""
-    config = verl_config(graft_overrides(world["learner_dir"], store_url, world["peer_dir"]))
-    trainer = GraftPPOTrainer(config)
-    trainer._init_tokenizer()
-    if store_url is not None:
-        trainer.graft = trainer.graft_setup()
-    trainer.global_steps = 1
-    trainer.agent_loop_manager = RecordedRollouts(learner, trainer.tokenizer, world["plans"])
-    return trainer
-
-
-class LearnerLogProbs:
-    """verl's actor worker group in the tests (its `compute_log_prob(batch)`): the learner's forward pass at the rollout
-    temperature (1), written to TransferQueue as verl's worker writes it: `log_probs` and `entropy` in the model's
-    output layout (one value per sequence token, the response's shifted left by one), which verl's
-    `_compute_old_log_prob` turns into `old_log_probs` (response_from_nested)."""
-
-    def __init__(self, learner):
-        self.learner = learner
-
-    def compute_log_prob(self, batch):
-        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["prompts", "responses"])
-        rows = []
-        with torch.no_grad():
-            for prompt, response in zip(data["prompts"].unbind(), data["responses"].unbind()):
-                ids = torch.cat([prompt, response])[None]
-                logits = self.learner(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
-                values = logits.log_softmax(-1).gather(1, response[:, None])[:, 0]
-                rows.append(torch.cat([torch.zeros(len(prompt) - 1), values, torch.zeros(1)]))
-        log_probs = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
-        entropy = torch.nested.as_nested_tensor([torch.zeros_like(r) for r in rows], layout=torch.jagged)
-        return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
-                               fields=TensorDict({"log_probs": log_probs, "entropy": entropy}, batch_size=len(rows)))
-
-
-def step_to_the_actor(trainer, learner, problems):
-    """One step of `trainer` as verl's `_step_once` runs it, up to the actor's update: submit (the lookup starts),
-    sample from verl's replay buffer, balance (the splice), verl's pi_old, verl's advantages and GRAFT's weights.
-    Returns (the batch as sampled, the meta `_compute_advantage` hands to `_update_actor`, the splice, the metrics)."""
-    trainer.actor_rollout_wg = LearnerLogProbs(learner)
-    trainer._submit_batch_to_rollout(prompt_batch(problems))
-    batch, _ = trainer.replay_buffer.sample(global_steps=1, partition_id="train", batch_size=len(problems))
-    trainer.graft_splice = splice = trainer.graft_splice_batch(batch)
-    metrics: dict = {}
-    batch = trainer._compute_old_log_prob(batch, metrics)
-    meta = trainer._compute_advantage(batch, metrics)
-    return batch, meta, splice, metrics
-
-
-@pytest.fixture(scope="module")
-def stepped(world, store, learner, transfer_queue):
-    """One step of the trainer up to the loss: submit (the lookup starts), sample from verl's replay buffer, splice,
-    pi_old, verl's advantages and GRAFT's weights."""
-    trainer = build_trainer(world, store.url, learner)
+def stepped(world, store, learner, transfer_queue, reward_loop):
+    """One step of the trainer up to the loss: submit (the lookup starts), sample from verl's replay buffer, balance
+    (the splice), pi_old, verl's advantages and GRAFT's weights."""
+    trainer = build_trainer(world, store.url, learner, reward_loop)
     batch, meta, splice, metrics = step_to_the_actor(trainer, learner, world["problems"])
     fields = ["prompts", "responses", "response_mask", "loss_mask", "rm_scores", "rollout_log_probs", "advantages",
               "rollout_is_weights", "old_log_probs", "uid", "extra_info"]
@@ -208,6 +112,8 @@ def test_all_fail_groups_take_the_peer_rows_with_graft_trains_weights(world, ste
     assert 0 < metrics["graft/compat_weight_mean"] <= 1 and metrics["graft/learner_reward_mean"] == pytest.approx(1 / 12)
     # the gate's tally is graft-train's (graft.trainer.peers.gate_tally), reasons included: both failed groups grafted
     assert metrics["graft/groups_no_peer"] == metrics["graft/groups_no_peer_nothing_stored"] == 0
+    # every peer row scored by the learner's reward (verl's \boxed{} scorer here), which agrees with the stored one
+    assert metrics["graft/peer_rows_scored"] == sum(PEER_SIZES) and metrics["graft/peer_rows_verdict_changed"] == 0
 
 
 def test_verls_loss_on_the_spliced_batch_is_graft_trains_loss(stepped):
@@ -231,7 +137,7 @@ def test_verls_loss_on_the_spliced_batch_is_graft_trains_loss(stepped):
     tu.assign_non_tensor(mini, use_dynamic_bsz=False, micro_batch_size_per_gpu=actor.ppo_micro_batch_size_per_gpu,
                          dp_size=1, batch_num_tokens=int(data["loss_mask"].values().sum()), global_batch_size=B)
     micro_batches, _ = prepare_micro_batches(mini)  # verl's engine's split of the mini-batch
-    assert len(micro_batches) == 3
+    assert len(micro_batches) == 6
     verl_loss = torch.zeros(())
     for micro in micro_batches:
         prompt_lens = micro["prompts"].offsets().diff()
@@ -247,13 +153,13 @@ def test_verls_loss_on_the_spliced_batch_is_graft_trains_loss(stepped):
     ), LossConfig.from_train(trainer.graft.cfg))
     assert metrics["clip_frac_onpolicy"] > 0 and metrics["clip_frac_grafted"] > 0 and metrics["tokens_grafted"] > 0
     assert abs(float(verl_loss) - float(ours)) <= 1e-6, (float(verl_loss), float(ours))
-    print(f"\nverl ppo_loss (3 micro-batches) {float(verl_loss):.9f}  graft_loss {float(ours):.9f}  "
+    print(f"\nverl ppo_loss (6 micro-batches) {float(verl_loss):.9f}  graft_loss {float(ours):.9f}  "
           f"|diff| {abs(float(verl_loss) - float(ours)):.2e}")
 
 
-def test_without_a_store_the_trainer_is_verls_sync_trainer(world, learner, transfer_queue):
+def test_without_a_store_the_trainer_is_verls_sync_trainer(world, learner, transfer_queue, reward_loop):
     """No graft.store_url: no lookup, no splice, verl's batch as it is."""
-    trainer = build_trainer(world, None, learner)
+    trainer = build_trainer(world, None, learner, reward_loop)
     assert isinstance(trainer, PPOTrainerSync) and trainer.graft is None
     trainer._submit_batch_to_rollout(prompt_batch(world["problems"]))
     batch, _ = trainer.replay_buffer.sample(global_steps=1, partition_id="train", batch_size=3)
@@ -263,61 +169,92 @@ def test_without_a_store_the_trainer_is_verls_sync_trainer(world, learner, trans
     tq.kv_clear(keys=batch.keys, partition_id=batch.partition_id)
 
 
-def update_actor(batch: TensorDict, overrides: list[str], tmp_path, name: str) -> dict[str, torch.Tensor]:
-    """One `train_mini_batch` of verl's actor on `batch` through the test-only CPU shim (cpu_actor.py, its own process:
-    the shim must register verl's cpu platform before anything resolves it); each parameter's change."""
+def update_actor(batches: list[TensorDict], overrides: list[str], tmp_path, name: str) -> dict[str, torch.Tensor]:
+    """One `train_mini_batch` of verl's actor on `batches` (one per data-parallel rank, gloo between the ranks) through
+    the test-only CPU shim (cpu_actor.py, one process per rank: the shim must register verl's cpu platform before
+    anything resolves it); each parameter's change."""
     import os
+    import socket
     import subprocess
     import sys
     from pathlib import Path
 
     here = Path(__file__).parent
-    source, target = tmp_path / f"{name}.in.pt", tmp_path / f"{name}.out.pt"
-    torch.save({"overrides": overrides, "batch": batch}, source)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here.parents[2]), str(here / "helpers")]), OMP_NUM_THREADS="1")
-    run = subprocess.run([sys.executable, str(here / "helpers" / "cpu_actor.py"), str(source), str(target)], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
+    target = tmp_path / f"{name}.out.pt"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    runs = []
+    for rank, batch in enumerate(batches):
+        source = tmp_path / f"{name}.{rank}.in.pt"
+        torch.save({"overrides": overrides, "batch": batch}, source)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here.parents[2]), str(here / "helpers")]), OMP_NUM_THREADS="1",
+                   RANK=str(rank), WORLD_SIZE=str(len(batches)), MASTER_PORT=str(port))
+        runs.append(subprocess.Popen([sys.executable, str(here / "helpers" / "cpu_actor.py"), str(source), str(target)], env=env,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    errors = [run.communicate(timeout=600)[1] for run in runs]
+    assert all(run.returncode == 0 for run in runs), "\n".join(error[-3000:] for error in errors)
     out = torch.load(target, weights_only=False)
     return {k: out["after"][k] - out["before"][k] for k in out["before"]}
 
 
-def test_verls_actor_trains_the_grafted_rows_by_their_weights_through_verls_dispatch(world, stepped, tmp_path):
-    """The meta `_compute_advantage` returns lists rollout_is_weights, so the batch verl's dispatch builds from it for
-    the actor's worker (tqbridge: kv_batch_meta2batch_meta, then the fields it lists) carries c; verl's actor
-    (TrainingWorker, FSDP2, ppo_loss; SGD, one step, no clipping) with the learner's own rows' advantages zeroed then
-    moves the parameters by the grafted rows' weights: not at all with their c zeroed, half as far with c halved."""
-    from verl.utils.transferqueue_utils import _meta_to_realdata, kv_batch_meta2batch_meta
+ACTOR_OVERRIDES = ["actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.actor.optim.optimizer=SGD",
+                   "actor_rollout_ref.actor.optim.lr=1.0", "actor_rollout_ref.actor.optim.weight_decay=0",
+                   "actor_rollout_ref.actor.optim.clip_grad=1e9",
+                   "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2"]
 
-    meta = stepped["meta"]
+
+def test_verls_actor_trains_the_grafted_rows_by_their_weights_through_verls_dispatch(world, learner, stepped, tmp_path):
+    """`_update_actor` hands verl's actor the record `_compute_advantage` returned; verl's dispatch splits it for the
+    DP = 2 ranks, each rank's worker reads its chunk through verl's tqbridge (kv_batch_meta2batch_meta, then the fields
+    the record lists) and verl's actor (TrainingWorker, FSDP2 over gloo, ppo_loss; SGD, one step, no clipping) trains,
+    the learner's own rows' advantages zeroed: its update equals one rank's update on the whole batch, which moves the
+    parameters by the grafted rows' weights c: not at all with their c zeroed, half as far with c halved."""
+    from verl.utils.transferqueue_utils import _meta_to_realdata, batch_meta2kv_batch_meta, kv_batch_meta2batch_meta
+
+    meta, trainer = stepped["meta"], stepped["trainer"]
+    peer_keys = {key for key, tag in zip(meta.keys, meta.tags, strict=True) if tag.get("graft") == "peer"}
     assert "rollout_is_weights" in kv_batch_meta2batch_meta(meta).field_names
-    batch = _meta_to_realdata(meta)  # the actor's batch, as verl's worker receives it
-    grafted = [tag.get("graft") == "peer" for tag in meta.tags]
-    assert sum(grafted) == sum(PEER_SIZES)
-    batch["advantages"] = torch.nested.as_nested_tensor(
-        [a if g else torch.zeros_like(a) for a, g in zip(batch["advantages"].unbind(), grafted)], layout=torch.jagged)
-    weights = batch["rollout_is_weights"].unbind()
+    overrides = graft_overrides(world["learner_dir"], None, None) + ACTOR_OVERRIDES
 
-    def scaled(factor: float) -> TensorDict:
+    def prepared(batch: TensorDict, keys: list[str], factor: float = 1.0) -> TensorDict:
+        """The learner's own rows' advantages zeroed, the grafted rows' c scaled by `factor`."""
+        grafted = [key in peer_keys for key in keys]
         out = batch.clone()
+        out["advantages"] = torch.nested.as_nested_tensor(
+            [a if g else torch.zeros_like(a) for a, g in zip(batch["advantages"].unbind(), grafted, strict=True)],
+            layout=torch.jagged)
         out["rollout_is_weights"] = torch.nested.as_nested_tensor(
-            [w * factor if g else w for w, g in zip(weights, grafted)], layout=torch.jagged)
+            [w * factor if g else w for w, g in zip(batch["rollout_is_weights"].unbind(), grafted, strict=True)],
+            layout=torch.jagged)
         return out
 
-    overrides = graft_overrides(world["learner_dir"], None, None) + [
-        "actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.actor.optim.optimizer=SGD",
-        "actor_rollout_ref.actor.optim.lr=1.0", "actor_rollout_ref.actor.optim.weight_decay=0",
-        "actor_rollout_ref.actor.optim.clip_grad=1e9", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4"]
-    full = update_actor(batch, overrides, tmp_path, "full")
-    none = update_actor(scaled(0.0), overrides, tmp_path, "zeroed")
-    half = update_actor(scaled(0.5), overrides, tmp_path, "halved")
+    sharded = {}
+
+    def train(chunks):  # the DP ranks' update, on the chunks verl's dispatch made
+        assert [chunk.size for chunk in chunks] == [len(meta) // DP] * DP
+        sharded.update(update_actor([prepared(_meta_to_realdata(chunk), batch_meta2kv_batch_meta(chunk).keys)
+                                     for chunk in chunks], overrides, tmp_path, "dp2"))
+        return {}
+
+    trainer.actor_rollout_wg = actor_worker_group(learner, train)
+    trainer._update_actor(meta, {})
+    assert len(trainer.actor_rollout_wg.dispatched) == 1 and sharded
+    whole = _meta_to_realdata(meta)  # the actor's batch, as one worker receives it (with _update_actor's settings)
+    assert len(peer_keys) == sum(PEER_SIZES)
+    full = update_actor([prepared(whole, meta.keys)], overrides, tmp_path, "full")
+    none = update_actor([prepared(whole, meta.keys, 0.0)], overrides, tmp_path, "zeroed")
+    half = update_actor([prepared(whole, meta.keys, 0.5)], overrides, tmp_path, "halved")
     largest = max(float(d.abs().max()) for d in full.values())
     off_half = max(float((half[k] - 0.5 * full[k]).abs().max()) for k in full)
+    off_dp = max(float((sharded[k] - full[k]).abs().max()) for k in full)
     print(f"\nlargest parameter change: c {largest:.3e}, c zeroed "
-          f"{max(float(d.abs().max()) for d in none.values()):.3e}, |c halved - half of c| {off_half:.3e}")
+          f"{max(float(d.abs().max()) for d in none.values()):.3e}, |c halved - half of c| {off_half:.3e}, "
+          f"|DP {DP} - one rank| {off_dp:.3e}")
     assert largest > 1e-4
     assert all(float(d.abs().max()) == 0.0 for d in none.values())
     assert off_half <= 1e-3 * largest, (off_half, largest)
+    assert off_dp <= 1e-3 * largest, (off_dp, largest)
 
 
 def test_verls_rollout_health_metrics_cover_the_learners_own_rows(stepped):
@@ -346,20 +283,18 @@ def test_verls_rollout_health_metrics_cover_the_learners_own_rows(stepped):
         assert metrics[name] == pytest.approx(corr[name], abs=1e-6, nan_ok=True), name
 
 
-def test_a_peer_group_larger_than_n_keeps_a_success_and_a_failure(world, learner, transfer_queue, tmp_path):
+def test_a_peer_group_larger_than_n_keeps_a_success_and_a_failure(world, learner, transfer_queue, reward_loop,
+                                                                   tmp_path):
     """A peer group of 8 (graft-generate's default G) for a learner with rollout.n = 4, whose one success is its last
     row: the first n rows would all fail (advantages 0, grafted for nothing); the seeded pick keeps the success."""
     problems = world["problems"]
-    peer_tok = peer_tokenizer()
-    peer = AutoModelForCausalLM.from_pretrained(world["peer_dir"]).eval()
     failed = problems[1]
     texts = [completion_text("0")] * 7 + [completion_text(failed.answer)]
-    group = build_group(failed, texts, [0.0] * 7 + [1.0], peer_tok, peer, model_id="toy-peer",
-                        tokenizer_id=tokenizer_fingerprint(peer_tok))
+    group = peer_group(failed, texts, [0.0] * 7 + [1.0], world["peer_tok"], world["peer"])
     root = tmp_path / "store"
     write_groups(root, [group], problems)
     with StoreServer(root) as server:
-        trainer = build_trainer(world, server.url, learner)
+        trainer = build_trainer(world, server.url, learner, reward_loop)
         batch, meta, splice, metrics = step_to_the_actor(trainer, learner, problems)
     rows = [row for key, row in splice.slots.items() if row is not None]
     assert len(rows) == GROUP and sorted(row.reward for row in rows) == [0.0, 0.0, 0.0, 1.0]
@@ -369,16 +304,11 @@ def test_a_peer_group_larger_than_n_keeps_a_success_and_a_failure(world, learner
     tq.kv_clear(keys=batch.keys, partition_id=batch.partition_id)
 
 
-def test_group_normalized_weights_centre_each_grafted_group_on_its_own(world, store, learner, transfer_queue):
+def test_group_normalized_weights_centre_each_grafted_group_on_its_own(world, store, learner, transfer_queue,
+                                                                       reward_loop):
     """graft.group_normalized_weight centres each grafted group's advantages under its rows' w: per group,
     sum_k w_k A'_k = 0 (the spec's cancellation on shared tokens), not across the step's grafted groups."""
-    config = verl_config(graft_overrides(world["learner_dir"], store.url, world["peer_dir"])
-                         + ["+graft.options.group_normalized_weight=true"])
-    trainer = GraftPPOTrainer(config)
-    trainer._init_tokenizer()
-    trainer.graft = trainer.graft_setup()
-    trainer.global_steps = 1
-    trainer.agent_loop_manager = RecordedRollouts(learner, trainer.tokenizer, world["plans"])
+    trainer = build_trainer(world, store.url, learner, reward_loop, ("+graft.options.group_normalized_weight=true",))
     batch, _, splice, _ = step_to_the_actor(trainer, learner, world["problems"])
     groups: dict[int, list] = {}
     for row in splice.slots.values():
@@ -390,7 +320,7 @@ def test_group_normalized_weights_centre_each_grafted_group_on_its_own(world, st
     tq.kv_clear(keys=batch.keys, partition_id=batch.partition_id)
 
 
-def test_a_late_store_waits_once_per_step_and_is_said(world, store, learner, caplog):
+def test_a_late_store_waits_once_per_step_and_is_said(world, store, learner, reward_loop, caplog):
     """graft.lookup_wait_s (30 s by default) is one deadline per step, however many lookups the step spans; a step
     whose lookup is still out after it is counted, and a few such steps in a row are warned about."""
     import time
@@ -401,7 +331,7 @@ def test_a_late_store_waits_once_per_step_and_is_said(world, store, learner, cap
 
     defaults = [o for o in graft_overrides(world["learner_dir"], store.url, None) if "lookup_wait_s" not in o]
     assert graft_section(verl_config(defaults)).lookup_wait_s == DEFAULT_LOOKUP_WAIT_S > 0
-    trainer = build_trainer(world, store.url, learner)
+    trainer = build_trainer(world, store.url, learner, reward_loop)
     trainer.graft_section.lookup_wait_s = 0.3
     for step in range(LATE_WARN_STEPS):
         ids = [p.prompt_id for p in world["problems"]]
@@ -415,12 +345,12 @@ def test_a_late_store_waits_once_per_step_and_is_said(world, store, learner, cap
     assert any("too late to graft" in r.getMessage() for r in caplog.records)
 
 
-def test_multi_modal_prompts_are_refused_before_generation(world, store, learner):
+def test_multi_modal_prompts_are_refused_before_generation(world, store, learner, reward_loop):
     """A prompt batch with images stops before verl generates, saying why (a peer's group is text), and so does a
     trajectory whose fields carry multi-modal inputs (TensorDict hands them over wrapped: NonTensorData)."""
     from verl.utils import tensordict_utils as tu
 
-    trainer = build_trainer(world, store.url, learner)
+    trainer = build_trainer(world, store.url, learner, reward_loop)
     batch = prompt_batch(world["problems"])
     tu.assign_non_tensor_stack(batch, "multi_modal_data", [{"images": ["img"]}] * len(world["problems"]))
     with pytest.raises(NotImplementedError, match="multi_modal_data"):
@@ -431,27 +361,29 @@ def test_multi_modal_prompts_are_refused_before_generation(world, store, learner
         trainer.graft_row_fields(row, {}, [1, 2], None, 0.0)
 
 
-def test_peer_groups_without_mu_graft_with_c_one_and_are_counted(world, learner, transfer_queue, tmp_path):
+def test_peer_groups_without_mu_graft_with_c_one_and_are_counted(world, learner, transfer_queue, reward_loop, tmp_path):
     """The peer's groups stored without behaviour logprobs (logprobs_mode 'none', docs/algorithm.md section 11): verl's rows
-    get c = peer_loss_scale (b = 1, w = 1) in rollout_is_weights, zeros in the rollout_log_probs field that nothing
-    reads on grafted rows, and graft/peer_rollouts_without_mu counts them."""
+    get c = peer_loss_scale (b = 1, w = 1) in rollout_is_weights, pi_old (not 0.0, which is log 1: a sampler sure of
+    every token) as their sampler's logprobs in rollout_log_probs, so that any ratio verl forms against them is 1, and
+    graft/peer_rollouts_without_mu counts them."""
     no_mu = {"logprobs_mode": "none", "token_logprobs": [], "logprob_sum": 0.0}
     groups = [RolloutGroup(rollouts=[r.model_copy(update=no_mu) for r in g.rollouts]) for g in world["groups"]]
     root = tmp_path / "store"
     write_groups(root, groups, world["problems"])
     with StoreServer(root) as server:
-        trainer = build_trainer(world, server.url, learner)
+        trainer = build_trainer(world, server.url, learner, reward_loop)
         batch, meta, splice, metrics = step_to_the_actor(trainer, learner, world["problems"])
     data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
-                           select_fields=["response_mask", "rollout_is_weights", "rollout_log_probs", "extra_info"])
+                           select_fields=["response_mask", "rollout_is_weights", "rollout_log_probs", "old_log_probs"])
     scale = trainer.graft.cfg.graft.peer_loss_scale
     grafted = [i for i, tag in enumerate(batch.tags) if tag.get("graft") == "peer"]
     assert len(grafted) == sum(PEER_SIZES)
     masks, weights = data["response_mask"].unbind(), data["rollout_is_weights"].unbind()
-    behaviour = data["rollout_log_probs"].unbind()
+    behaviour, old = data["rollout_log_probs"].unbind(), data["old_log_probs"].unbind()
     for i in grafted:
         n = int(masks[i].sum())
-        assert weights[i].tolist() == [scale] * n and behaviour[i].tolist() == [0.0] * n
+        assert weights[i].tolist() == [scale] * n
+        assert torch.equal(behaviour[i], old[i]) and bool((old[i] < 0).all())
     assert metrics["graft/peer_rollouts_without_mu"] == metrics["graft/peer_rollouts_consumed"] == sum(PEER_SIZES)
     assert metrics["graft/projection_none"] == sum(PEER_SIZES) and metrics["graft/compat_weight_mean"] == 1.0
     tq.kv_clear(keys=batch.keys, partition_id=batch.partition_id)

@@ -27,6 +27,7 @@ TRAINER_MODE = "graft_sync"
 # verl's loss aggregations that graft-train's loss has (the parity test compares them); verl's others it has not
 LOSS_AGG = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 DEFAULT_LOOKUP_WAIT_S = 30.0  # a step's wait for its lookup after generation (it runs while verl generates)
+SINGLE_TURN_AGENT = "single_turn_agent"  # verl's default agent loop: its rollouts are scored by the reward loop
 
 
 class VerlGraftSection(BaseModel):
@@ -38,14 +39,19 @@ class VerlGraftSection(BaseModel):
     model_id: str | None = Field(default=None, description="the learner's model id in the store (its own groups are "
                                  "never grafted); default: the model's directory or hub name, as graft-train names it")
     tokenizer_id: str | None = Field(default=None, description="the learner's tokenizer id; default: its fingerprint")
-    peer_tokenizers: list[str] = Field(default_factory=list, description="the peers' tokenizers: directories (their "
-                                       "fingerprints are their ids), or ID=DIR for a peer that stored another id")
+    peer_tokenizers: list[str] | dict[str, str] = Field(
+        default_factory=list, description="the peers' tokenizers: directories (their fingerprints are their ids); a "
+        "peer that stored another id: ID -> DIR (+graft.peer_tokenizers.ID=DIR, one override per peer), or 'ID=DIR'")
     prompt_id_key: str = Field(default="prompt_id", description="key of each dataset row's extra_info holding its store "
                                "prompt id (schemas.prompt_id of the problem text, as the generator stored it)")
     lookup_wait_s: float = Field(default=DEFAULT_LOOKUP_WAIT_S, ge=0.0, description="after generation, wait at most "
                                  "this long (one deadline per step) for the batch's peer lookup, which runs while verl "
                                  "generates; 0: graft only what is back. A step whose lookup was later trains as GRPO "
                                  "(graft/store_lookups_late; a warning after a few such steps in a row)")
+    peer_reward_map: dict[float, float] | None = Field(
+        default=None, description="the learner's reward of each stored peer reward (e.g. {0: -1, 1: 1} for a +-1 "
+        "reward): grafted rows then carry the mapped stored reward instead of the run's own reward function's score "
+        "of their text (the default); required where verl's reward loop cannot score them (a run's own agent loop)")
     options: dict[str, Any] = Field(default_factory=dict, description="graft-train's graft section: kappa, is_cap, "
                                     "token_is, max_grafted_fraction, peer_models, ...")
     store_options: dict[str, Any] = Field(default_factory=dict, description="graft-train's store section but url: "
@@ -57,11 +63,13 @@ class VerlGraftSection(BaseModel):
 
     def graft_options(self) -> GraftOptions:
         """graft-train's graft section: options and peer_tokenizers (validated)."""
-        entries = list(self.peer_tokenizers)
-        pairs = [entry.split("=", 1) for entry in entries if "=" in entry]
-        if pairs and len(pairs) != len(entries):
-            raise ValueError(f"graft.peer_tokenizers {entries}: give every entry as ID=DIR or none (DIR alone)")
-        peer_tokenizers: dict[str, str] | list[str] = dict(pairs) if pairs else entries
+        peer_tokenizers: dict[str, str] | list[str] = self.peer_tokenizers
+        if isinstance(peer_tokenizers, list):
+            pairs = [entry.split("=", 1) for entry in peer_tokenizers if "=" in entry]
+            if pairs and len(pairs) != len(peer_tokenizers):
+                raise ValueError(f"graft.peer_tokenizers {peer_tokenizers}: give every entry as ID=DIR or none (DIR "
+                                 "alone); +graft.peer_tokenizers.ID=DIR, one override per peer, needs no quoting")
+            peer_tokenizers = dict(pairs) if pairs else peer_tokenizers
         return GraftOptions.model_validate({**self.options, "peer_tokenizers": peer_tokenizers})
 
     def store_options_section(self) -> StoreConfig:
@@ -85,9 +93,14 @@ class VerlGraftSection(BaseModel):
 
 def graft_section(config: DictConfig) -> VerlGraftSection:
     """The config's `graft` section (absent: plain verl)."""
+    return VerlGraftSection.model_validate(graft_settings(config))
+
+
+def graft_settings(config: DictConfig) -> dict[str, Any]:
+    """What the config sets under `graft` (nothing: {})."""
     section = config.get("graft", None)
     data = OmegaConf.to_container(section, resolve=True) if section is not None else {}
-    return VerlGraftSection.model_validate(data or {})
+    return data or {}
 
 
 def _value(config: DictConfig, path: str, default: Any = None) -> Any:
@@ -100,6 +113,10 @@ def check_config(config: DictConfig) -> None:
     before verl starts a worker)."""
     section = graft_section(config)
     if not section.grafts:
+        settings = sorted(graft_settings(config))
+        if settings:
+            raise ValueError(f"graft.{', graft.'.join(settings)} set without graft.store_url: nothing would be "
+                             "grafted (set +graft.store_url to the store's URL, or drop the graft settings)")
         return
     graft = section.graft_options()
     section.store_options_section()
@@ -173,6 +190,14 @@ def check_config(config: DictConfig) -> None:
         if sync_steps != 1:
             refusals.append(f"trainer.v1.{mode}.parameter_sync_step={sync_steps}: several updates per weight sync are "
                             "verl's async trainers' (colocate_async, separate_async); GRAFT runs in the sync trainer")
+    agent_loop = _value(config, "actor_rollout_ref.rollout.agent.default_agent_loop", SINGLE_TURN_AGENT)
+    agent_configs = _value(config, "actor_rollout_ref.rollout.agent.agent_loop_config_path")
+    if section.peer_reward_map is None and (agent_loop != SINGLE_TURN_AGENT or agent_configs is not None):
+        refusals.append(f"actor_rollout_ref.rollout.agent (default_agent_loop={agent_loop}, agent_loop_config_path="
+                        f"{agent_configs}): grafted rows are scored by the run's reward loop on their text, and an "
+                        "agent loop of the run's own may score its rollouts itself; give the learner's reward of each "
+                        "stored peer reward in +graft.peer_reward_map (e.g. '+graft.peer_reward_map={0:0,1:1}'), or "
+                        f"use verl's {SINGLE_TURN_AGENT}")
     if _value(config, "distillation.enabled", False) or _value(config, "distillation.enable", False):
         refusals.append("distillation: a teacher's logprobs are of the learner's own tokens, which grafted rows replace")
     if refusals:

@@ -1,27 +1,31 @@
 """`GraftPPOTrainer`: verl's synchronous v1 trainer (`PPOTrainerSync`), grafting peer groups from the store into its
 all-fail groups (docs/algorithm.md), registered as `trainer.v1.trainer_mode=graft_sync`.
 
-It wraps five of verl's methods and copies none (a copied loop drifts from its parent; HACPO and LUFFY replaced
+It wraps seven of verl's methods and copies none (a copied loop drifts from its parent; HACPO and LUFFY replaced
 verl's `fit`); each calls its parent:
 - `_submit_batch_to_rollout`: the peer lookup for the submitted prompts (their `extra_info.prompt_id`) starts in a
   background thread, then verl dispatches generation: the lookup hides behind it.           trainer/peers.py
 - `_balance_batch`, the first step after the replay buffer's sample (and the colocated reward model) sees the batch
   with every group's rewards (`rm_scores`): the gate on them (an all-fail group: no reward > 0), then each grafted
-  group's peer rollouts, re-tokenised into the learner's tokens, are written over the failed group's rollout.n rows
-  in TransferQueue (an unfilled slot keeps one token, masked out, as verl's own padding rows), then verl balances.
-  verl then computes pi_old (and pi_ref) on them itself.                    trainer/gate.py, trainer/batch.py
+  group's peer rollouts, re-tokenised into the learner's tokens and scored by the run's own reward (rewards.py), are
+  written over the failed group's rows in TransferQueue: as many as the group has (verl keeps a group some of whose
+  sessions failed), a seeded pick keeping a success; an unfilled slot keeps one token, masked out, as verl's own
+  padding rows. Then verl balances, computes pi_old (and pi_ref) on them itself.  trainer/gate.py, trainer/batch.py
 - `_compute_old_log_prob`: verl's; its rollout-vs-actor metrics recomputed over the learner's own rows (on a grafted
-  row the sampler is the peer).
-- `_compute_advantage`: verl's, then on grafted rows the peer group's advantages (graft-train's recomputation from the
-  stored rewards, negative ones scaled) and the per-token weight c = peer_loss_scale * w * b from pi_old and the
-  peer's projected logprobs mu~ (graft-train's `old_logprobs_and_weights`). c goes into `rollout_is_weights`, which
+  row the sampler is the peer); a grafted row whose peer stored no logprobs gets pi_old as its sampler's (b = 1).
+- `_compute_advantage`: verl's, then on grafted rows the peer group's advantages (graft-train's, from the learner's
+  rewards of the rows written, negative ones scaled) and the per-token weight c = peer_loss_scale * w * b from pi_old
+  and the peer's projected logprobs mu~ (graft-train's `old_logprobs_and_weights`). c goes into `rollout_is_weights`, which
   verl's vanilla loss multiplies into the clipped per-token loss, as graft-train's loss does; the learner's rows keep
   1 (or verl's own rollout correction weight when `rollout_is` is set). It returns TransferQueue's record of the batch
   after that write: `_update_actor` sends the actor the fields that record lists. graft-train's metrics go under
   `graft/`; verl's rollout_corr/* are recomputed over the learner's own rows.
-- `_setup` builds the learner's identities and the store client after verl's; `fit` closes the client.
-verl's trainer runs in its own sync mode underneath (`trainer.v1.trainer_mode` reads `sync` once the trainer is
-built): its replay buffer, checkpoints and weight sync are the sync trainer's.
+- `_update_actor`: a batch with grafted rows goes to the actor only if the record verl dispatches lists the fields
+  GRAFT's weights ride in (`rollout_is_weights`, `advantages`, `loss_mask`, `response_mask`); else it raises.
+- `_setup` checks, in the TaskRunner, what GRAFT needs there (preflight.py) and builds the learner's identities, the
+  peers' tokenizers and the store client before verl starts its workers; `fit` closes the client.
+verl's trainer runs in its own sync mode underneath (`self.trainer_mode` is `sync`; the config, which verl logs, keeps
+`graft_sync`): its replay buffer, checkpoints and weight sync are the sync trainer's.
 """
 
 from __future__ import annotations
@@ -49,7 +53,9 @@ from verl.utils.debug.metrics import calculate_debug_metrics
 from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 from verl.workers.utils.padding import response_to_nested
 
+from graft.integrations.verl import rewards
 from graft.integrations.verl.config import TRAINER_MODE, check_config, graft_section, train_config
+from graft.integrations.verl.preflight import preflight, where_this_runs
 from graft.trainer import (
     FirstPass,
     GateDecision,
@@ -59,14 +65,15 @@ from graft.trainer import (
     TrainSample,
     WeightedRows,
     WeightStats,
+    fit_grafted_group,
     gate_groups,
     gate_tally,
     graft_metrics,
     graft_tally,
-    grafted_group_rows,
     host_setup,
     learner_stop_token,
     old_logprobs_and_weights,
+    peer_rows,
 )
 
 log = logging.getLogger(__name__)
@@ -76,6 +83,14 @@ UNSUPPORTED_FIELDS = ("routed_experts", "teacher_ids", "teacher_logprobs")
 # fields of a prompt batch that carry images, video or audio: a peer group is text
 MULTI_MODAL_FIELDS = ("multi_modal_data", "multi_modal_inputs", "images", "videos", "audios")
 LATE_WARN_STEPS = 3  # steps in a row whose lookup was not back within graft.lookup_wait_s before a warning
+# what verl's actor must receive of a batch with grafted rows: GRAFT's weights c and advantages, and the masks
+ACTOR_FIELDS = ("rollout_is_weights", "advantages", "loss_mask", "response_mask")
+
+
+def row_has_mu(row: TrainSample) -> bool:
+    """Whether a grafted row carries its sampler's logprobs mu~ (the verl trainer's one place deciding it): `peer_rows`
+    leaves `behaviour_logprobs` None where the stored logprobs are not mu (schemas.mu_is_behaviour)."""
+    return row.behaviour_logprobs is not None
 
 
 @dataclass
@@ -85,6 +100,10 @@ class Lookup:
     prompt_of: dict[str, str]  # uid -> store prompt id
     pending: Future | None
     started: float = field(default_factory=time.perf_counter)
+    open: set[str] = field(init=False)  # uids that may still be sampled (not yet seen in a sampled batch)
+
+    def __post_init__(self):
+        self.open = set(self.prompt_of)
 
 
 @dataclass
@@ -97,22 +116,33 @@ class Splice:
     gate: dict[str, int]  # the gate's tally (gate_tally)
     store: dict[str, float]  # the store client's counts since the last batch, and this batch's wait
     counts: PeerRowCounts = field(default_factory=PeerRowCounts)  # what became of the peer rollouts
-    graft_s: float = 0.0
+    rows_scored: int = 0  # peer rows given the learner's reward (the run's reward loop, or the map) before the pick
+    verdict_changed: int = 0  # written rows whose stored verdict (reward > 0) and the learner's differ
+    mu_unknown: list[str] = field(default_factory=list)  # keys of rows without mu~: their sampler's logprobs := pi_old
+    splice_s: float = 0.0  # the gate, the peer rows, their rewards and the write (in _balance_batch)
+    graft_s: float = 0.0  # splice_s and the weights (in _compute_advantage)
 
 
 @register_trainer(TRAINER_MODE)
 class GraftPPOTrainer(PPOTrainerSync):
     """verl's sync trainer with GRAFT. Without `graft.store_url` it is verl's sync trainer, unchanged."""
 
+    grafts_in_verl = True  # verl's other trainers refuse graft.* (guard.py); this one runs it
+
     def __init__(self, config: DictConfig):
         check_config(config)  # before verl starts anything: a refused setting fails here, saying why
         self.graft_section = graft_section(config)
         self.graft_cfg = train_config(config) if self.graft_section.grafts else None
+        # verl's base constructor reads any mode but "sync" as an async one (self.trainer_mode: its replay buffer,
+        # checkpoints, prompt storage): GRAFT runs inside the sync trainer, so verl's constructor sees its own sync
+        # mode; the config, which verl logs, keeps this trainer's name
         with open_dict(config):
-            # verl's base trainer reads any mode but "sync" as an async one (its replay buffer, checkpoints, prompt
-            # storage): GRAFT runs inside the sync trainer, so verl's code below sees its own sync mode
             config.trainer.v1.trainer_mode = "sync"
-        super().__init__(config)
+        try:
+            super().__init__(config)
+        finally:
+            with open_dict(config):
+                config.trainer.v1.trainer_mode = TRAINER_MODE
         self.graft: GraftHost | None = None
         self.graft_lookups: list[Lookup] = []
         self.graft_splice: Splice | None = None
@@ -120,17 +150,23 @@ class GraftPPOTrainer(PPOTrainerSync):
 
     # ---- set-up -------------------------------------------------------------------------------------------------
     def _setup(self):
-        super()._setup()
         if self.graft_cfg is not None:
+            # in the TaskRunner, before verl starts its workers: what GRAFT needs on this node fails here, cheaply
+            self._init_tokenizer()  # verl's (its _setup begins with it): the learner's tokenizer
             self.graft = self.graft_setup()
+        super()._setup()
 
     def graft_setup(self) -> GraftHost:
-        """The learner's identities (verl's tokenizer: the one its actor trains with), the peers' tokenizers and the
-        store client. Needs `self.tokenizer` (verl's `_setup` loads it)."""
+        """The preflight (preflight.py), then the learner's identities (verl's tokenizer: the one its actor trains
+        with), the peers' tokenizers and the store client. Needs `self.tokenizer` (verl's `_init_tokenizer`)."""
+        preflight(self.graft_cfg.store)
         eos_ids = {int(self.tokenizer.eos_token_id)} if self.tokenizer.eos_token_id is not None else set()
         stop = learner_stop_token(self.tokenizer, eos_ids, "auto")  # verl prompts through the chat template
-        return host_setup(self.graft_cfg, self.graft_cfg.model.path, self.tokenizer, eos_ids=eos_ids | {stop},
-                          device=torch.device("cpu"), stop_token_id=stop)  # no model: verl's actor has it
+        try:
+            return host_setup(self.graft_cfg, self.graft_cfg.model.path, self.tokenizer, eos_ids=eos_ids | {stop},
+                              device=torch.device("cpu"), stop_token_id=stop)  # no model: verl's actor has it
+        except OSError as exc:  # a peer tokenizer's directory: it must resolve where verl's TaskRunner runs
+            raise FileNotFoundError(f"{exc} (where verl's TaskRunner runs: {where_this_runs()})") from exc
 
     def fit(self, agent_loop_manager):
         try:
@@ -190,7 +226,7 @@ class GraftPPOTrainer(PPOTrainerSync):
         decisions = gate_groups(
             learner_rewards, found.groups, request, max_grafted_fraction=self.graft.cfg.graft.max_grafted_fraction,
             rng=random.Random(self.graft.cfg.seed * 7_919 + self.global_steps),  # graft-train's seeding of the cap
-            usable_tokenizers=self.graft.refused.usable,
+            usable_tokenizers=self.graft.refused.usable, trust_unverified_mu=self.graft.cfg.graft.trust_unverified_mu,
         )
         self.graft.refused.warn(decisions, found.groups)
         splice = Splice(decisions, {}, rewards, gate_tally(decisions, found),
@@ -198,7 +234,7 @@ class GraftPPOTrainer(PPOTrainerSync):
         grafted = [(uid, rows, d) for (uid, rows), d in zip(groups.items(), decisions, strict=True) if d.grafts]
         if grafted:
             self.graft_write_rows(batch, grafted, splice)
-        splice.graft_s = time.perf_counter() - began
+        splice.splice_s = splice.graft_s = time.perf_counter() - began
         return splice
 
     def graft_collect(self, uids: list[str]) -> tuple[dict[str, str], LookupResult, Any]:
@@ -215,8 +251,8 @@ class GraftPPOTrainer(PPOTrainerSync):
                 found.groups.setdefault(prompt_id, []).extend(peer_groups)
             found.miss_reasons.update(result.miss_reasons)
             prompt_of.update(lookup.prompt_of)
-            if lookup.prompt_of.keys() <= wanted:
-                self.graft_lookups.remove(lookup)
+            lookup.open -= wanted
+        self.graft_free_lookups()
         found.wait_s = time.perf_counter() - waited
         self.graft_note_late(self.graft.peers.counters.lookups_late > late_before)
         unknown = [uid for uid in uids if uid not in prompt_of]
@@ -224,6 +260,19 @@ class GraftPPOTrainer(PPOTrainerSync):
             raise RuntimeError(f"groups {unknown[:3]} were not submitted through this trainer: no prompt id is known")
         request = self.graft.peers.request([prompt_of[uid] for uid in uids], self.global_steps)
         return prompt_of, found, request
+
+    def graft_free_lookups(self) -> None:
+        """Drop the lookups none of whose prompts can still be sampled: each was either in a sampled batch or left
+        TransferQueue without one (a prompt whose sessions all failed has no trajectory; verl's replay buffer consumes
+        it, or evicts it to refill, all the same)."""
+        if any(lookup.open for lookup in self.graft_lookups):
+            live = set(tq.kv_list(partition_id="train").get("train", {}))  # prompt uids (and trajectories) still there
+            for lookup in self.graft_lookups:
+                lookup.open &= live
+        for lookup in self.graft_lookups:
+            if not lookup.open and lookup.pending is not None:
+                lookup.pending.cancel()  # one no prompt of which was sampled is still running: its answer is not needed
+        self.graft_lookups = [lookup for lookup in self.graft_lookups if lookup.open]
 
     def graft_note_late(self, late: bool) -> None:
         """Count steps in a row whose lookup was not back within graft.lookup_wait_s, and say so (they train as GRPO)."""
@@ -238,8 +287,11 @@ class GraftPPOTrainer(PPOTrainerSync):
     def graft_write_rows(self, batch: KVBatchMeta, grafted: list[tuple[str, list[int], GateDecision]],
                          splice: Splice) -> None:
         """Peer rows over the grafted groups' slots: verl's own fields of each row, rebuilt from the peer's tokens (as
-        verl's padding rows are built from a real row, trainer/ppo/padding_utils.py), the tags' lengths updated."""
-        n = self.config.actor_rollout_ref.rollout.n
+        verl's padding rows are built from a real row, trainer/ppo/padding_utils.py), the tags' lengths updated.
+
+        A group has as many slots as verl kept trajectories of it (rollout.n, fewer when some of its sessions failed):
+        its peer rows, scored by the learner's reward, are picked for those slots (a seeded pick keeping a success and a
+        failure) and their advantages computed over the rows written (graft-train's `fit_grafted_group`)."""
         cfg, learner = self.graft.cfg, self.graft.learner
         keys = [batch.keys[i] for _, rows, _ in grafted for i in rows]
         sources = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id)
@@ -248,28 +300,56 @@ class GraftPPOTrainer(PPOTrainerSync):
             raise NotImplementedError(f"GRAFT grafts text completions; these rollouts also carry {unsupported}, for "
                                       "which peer rows have nothing")
         position = {key: k for k, key in enumerate(keys)}
+        firsts = [sources[position[batch.keys[rows[0]]]] for _, rows, _ in grafted]
+        prompts = [source["prompts"].tolist() for source in firsts]
+        # every peer rollout re-tokenised (`group` keeps each group's own centring under group_normalized_weight)
+        made = [peer_rows(cfg, learner, list(d.peer_group.rollouts), d.peer_group.prompt_id, group, prompt,
+                          self.graft.peer_tokenizers, learner.stop_token_id, splice.counts)
+                for group, ((_, _, d), prompt) in enumerate(zip(grafted, prompts, strict=True))]
+        stored = self.graft_learner_rewards(made, prompts, firsts, splice)
         samples, tags = [], []
-        for group, (uid, rows, decision) in enumerate(grafted):
+        for group, ((_, rows, decision), group_rows) in enumerate(zip(grafted, made, strict=True)):
             peer = decision.peer_group
-            source = sources[position[batch.keys[rows[0]]]]
-            prompt = source["prompts"].tolist()
-            splice.counts.peer_rollouts_unused += max(0, len(peer.rollouts) - n)
-            # graft-train's rows of the group: re-tokenised, at most n (the failed group's slots: a seeded pick keeping a
-            # success and a failure), advantages over them; `group` keeps each group's own centring (group_normalized_weight)
-            made = grafted_group_rows(cfg, learner, peer, group, prompt, self.graft.peer_tokenizers,
-                                      learner.stop_token_id, splice.counts, max_rows=n,
-                                      pick_seed=cfg.seed * 7_919 + self.global_steps)
+            splice.counts.peer_rollouts_unused += max(0, len(peer.rollouts) - len(rows))
+            kept = fit_grafted_group(cfg, peer, group_rows, splice.counts, max_rows=len(rows),
+                                     pick_seed=cfg.seed * 7_919 + self.global_steps)
+            splice.verdict_changed += sum((stored[id(row)] > 0) != (row.reward > 0) for row in kept)
             for slot, i in enumerate(rows):
-                row = made[slot] if slot < len(made) else None
-                reward = (row.reward or 0.0) if row is not None else 0.0  # the peer's reward of its text
+                row = kept[slot] if slot < len(kept) else None
                 key = batch.keys[i]
                 splice.slots[key] = row
-                sample, tag = self.graft_row_fields(sources[position[key]], batch.tags[i], prompt, row, reward)
+                sample, tag = self.graft_row_fields(sources[position[key]], batch.tags[i], prompts[group], row,
+                                                    row.reward if row is not None else 0.0)
+                if row is not None and not row_has_mu(row) and "rollout_log_probs" in sample:
+                    splice.mu_unknown.append(key)
                 samples.append(sample)
                 tags.append(tag)
                 batch.tags[i] = tag  # what verl's balancing reads
         tq.kv_batch_put(keys=keys, partition_id=batch.partition_id, fields=list_of_dict_to_tensordict(samples),
                         tags=tags)
+
+    def graft_learner_rewards(self, made: list[list[TrainSample]], prompts: list[list[int]], sources: list[TensorDict],
+                              splice: Splice) -> dict[int, float]:
+        """Each peer row's reward set to the learner's (rewards.py: the run's reward loop on its text, or
+        graft.peer_reward_map); returns the stored ones, by row."""
+        rows = [row for group_rows in made for row in group_rows]
+        stored = {id(row): float(row.reward or 0.0) for row in rows}
+        if not rows:
+            return stored
+        mapping = self.graft_section.peer_reward_map
+        if mapping is not None:
+            learner_rewards = rewards.mapped(rows, mapping)
+        else:
+            per_row = [(prompt, source) for prompt, source, group_rows in zip(prompts, sources, made, strict=True)
+                       for _ in group_rows]
+            pad = self.tokenizer.pad_token_id
+            learner_rewards = rewards.rescore(self.reward_loop_manager, [p for p, _ in per_row], rows,
+                                              [source for _, source in per_row],
+                                              pad if pad is not None else self.graft.learner.stop_token_id)
+        for row, reward in zip(rows, learner_rewards, strict=True):
+            row.reward = float(reward)
+        splice.rows_scored += len(rows)
+        return stored
 
     def graft_row_fields(self, source: TensorDict, tag: dict, prompt: list[int], row: TrainSample | None,
                          reward: float) -> tuple[dict, dict]:
@@ -283,8 +363,8 @@ class GraftPPOTrainer(PPOTrainerSync):
             completion, mask, behaviour = [self.graft.learner.stop_token_id], [0], [0.0]
         else:
             completion, mask, behaviour = row.completion_ids, [1] * len(row.completion_ids), row.behaviour_logprobs
-            if behaviour is None:  # mu unknown: verl's field needs a value per token, and nothing reads it on a grafted
-                behaviour = [0.0] * len(completion)  # row (its c is GRAFT's, verl's rollout_corr/* skip grafted rows)
+            if not row_has_mu(row):  # unknown, not log 1: pi_old takes its place once verl has it
+                behaviour = [NAN] * len(completion)  # (graft_unknown_mu_as_pi_old)
         responses = torch.tensor(completion, dtype=torch.int64)
         input_ids = torch.cat([torch.tensor(prompt, dtype=torch.int64), responses])
         attention_mask = torch.ones_like(input_ids)
@@ -319,7 +399,19 @@ class GraftPPOTrainer(PPOTrainerSync):
                 del metrics[name]
             if added and own is not None:
                 metrics.update(calculate_debug_metrics(DataProto(batch=own)))
+            self.graft_unknown_mu_as_pi_old(batch, self.graft_splice)
         return batch
+
+    @staticmethod
+    def graft_unknown_mu_as_pi_old(batch: KVBatchMeta, splice: Splice) -> None:
+        """Grafted rows whose peer stored no logprobs: pi_old as their sampler's logprobs, so that every ratio against
+        them is 1 (b = 1, docs/algorithm.md section 11), instead of a made-up value."""
+        if not splice.mu_unknown:
+            return
+        keys = splice.mu_unknown
+        data = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id, select_fields=["old_log_probs"])
+        tq.kv_batch_put(keys=keys, partition_id=batch.partition_id,
+                        fields=TensorDict({"rollout_log_probs": data["old_log_probs"]}, batch_size=len(keys)))
 
     # ---- 4. advantages and c, after verl computed pi_old and its own advantages ---------------------------------
     def _compute_advantage(self, batch: KVBatchMeta, metrics: dict) -> KVBatchMeta:
@@ -337,6 +429,24 @@ class GraftPPOTrainer(PPOTrainerSync):
             splice.graft_s += time.perf_counter() - began
             metrics.update(self.graft_metrics(splice, weighted))
         return batch
+
+    # ---- 5. the actor: the weights must travel with the batch verl dispatches ----------------------------------
+    def _update_actor(self, batch: KVBatchMeta, metrics: dict) -> KVBatchMeta:
+        if self.graft is not None and any(tag.get("graft") == "peer" for tag in batch.tags):
+            self.graft_check_actor_fields(batch)
+        return super()._update_actor(batch, metrics)
+
+    @staticmethod
+    def graft_check_actor_fields(batch: KVBatchMeta) -> None:
+        """Raise unless the record verl's dispatch reads the actor's batch from lists every field GRAFT's update needs
+        (verl's own conversion, as its tqbridge runs it on the workers)."""
+        from verl.utils.transferqueue_utils import kv_batch_meta2batch_meta
+
+        sent = set(kv_batch_meta2batch_meta(batch).field_names)
+        missing = [name for name in ACTOR_FIELDS if name not in sent]
+        if missing:
+            raise RuntimeError(f"GRAFT: the batch verl hands its actor has no {missing}: the grafted rows' weights and "
+                               f"advantages would not reach its loss (the record lists {sorted(sent)})")
 
     def graft_grafted(self, batch: KVBatchMeta) -> bool:
         """Whether this batch holds grafted rows (the splice of the batch verl is working on)."""
@@ -419,6 +529,9 @@ class GraftPPOTrainer(PPOTrainerSync):
             "learner_reward_mean": float(np.mean(splice.learner_rewards)) if splice.learner_rewards else NAN,
             **graft_metrics(tally, weighted.stats if weighted is not None else WeightStats(), host=True),
             **splice.store,
+            "peer_rows_scored": splice.rows_scored,
+            "peer_rows_verdict_changed": splice.verdict_changed,
+            "splice_s": splice.splice_s,
             "graft_s": splice.graft_s,
         }
         return {f"graft/{name}": float(value) for name, value in metrics.items()}

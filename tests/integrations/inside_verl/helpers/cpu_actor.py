@@ -3,8 +3,10 @@
 the real worker trains on a batch the test saved: nothing here is part of integrations/verl, and a verl upgrade may
 break it (it touches verl's platform registry, engine registry and distributed start-up).
 
-`python cpu_actor.py IN.pt OUT.pt`: IN holds the verl config's overrides and the batch's fields (a TensorDict);
-OUT gets the parameters before and after one `train_mini_batch`."""
+`python cpu_actor.py IN.pt OUT.pt`: IN holds the verl config's overrides and the batch's fields (a TensorDict: one
+data-parallel rank's, with what verl's `_update_actor` puts in its extra_info, or the defaults below); OUT gets the
+parameters before and after one `train_mini_batch`. Data parallel: one process per rank, RANK, WORLD_SIZE and
+MASTER_PORT set by the caller (gloo between them); rank 0 writes OUT."""
 
 from __future__ import annotations
 
@@ -22,8 +24,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-os.environ.update(VERL_PLATFORM="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                  MASTER_PORT=str(_free_port()))
+os.environ.update(VERL_PLATFORM="cpu", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+for _name, _value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_PORT", None)):
+    os.environ.setdefault(_name, _value or str(_free_port()))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -98,7 +101,8 @@ def main(source: str, target: str) -> None:
 
     torch.set_num_threads(1)
     EngineRegistry.register(model_type="language_model", backend=["fsdp", "fsdp2"], device="cpu")(FSDPEngineWithLMHead)
-    dist.init_process_group("gloo", rank=0, world_size=1)  # verl would ask for cpu:gloo,cpu:nccl
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world)  # verl would ask for cpu:gloo,cpu:nccl
     saved = torch.load(source, weights_only=False)
     config = verl_config(saved["overrides"])
     actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
@@ -119,13 +123,17 @@ def main(source: str, target: str) -> None:
 
     before = parameters()
     batch = saved["batch"]
-    size = len(batch)
-    # what verl's _update_actor puts in extra_info (trainer_base.py:1797-1809): one mini-batch, one epoch
-    tu.assign_non_tensor(batch, calculate_entropy=False, distillation_use_topk=False, distillation_only=False,
-                         global_batch_size=size, mini_batch_size=size, epochs=1, seed=0, dataloader_kwargs={"shuffle": False},
-                         temperature=1.0, use_dynamic_bsz=False, micro_batch_size_per_gpu=actor.ppo_micro_batch_size_per_gpu)
+    size = len(batch) * world
+    # what verl's _update_actor puts in extra_info (trainer_base.py:1797-1809) where the batch has none: one
+    # mini-batch, one epoch
+    defaults = dict(calculate_entropy=False, distillation_use_topk=False, distillation_only=False,
+                    global_batch_size=size, mini_batch_size=size, epochs=1, seed=0, dataloader_kwargs={"shuffle": False},
+                    temperature=1.0, use_dynamic_bsz=False, micro_batch_size_per_gpu=actor.ppo_micro_batch_size_per_gpu)
+    tu.assign_non_tensor(batch, **{key: value for key, value in defaults.items() if key not in batch.keys()})
     output = worker.train_mini_batch(batch)
-    torch.save({"before": before, "after": parameters(), "metrics": tu.get(output, "metrics")}, target)
+    after = parameters()  # a collective under data parallelism: every rank gathers
+    if rank == 0:
+        torch.save({"before": before, "after": after, "metrics": tu.get(output, "metrics")}, target)
     dist.destroy_process_group()
 
 
