@@ -9,9 +9,14 @@ from graft.schemas.api import (
     PUSH_PATH,
     SERVED_PATH,
     WANTED_PATH,
+    HEARTBEAT_PATH,
+    LEASE_PATH,
     BrokerStats,
     ErrorResponse,
     HealthResponse,
+    Heartbeat,
+    HeartbeatRequest,
+    LeaseRequest,
     LakeStats,
     ModelStats,
     PeerLookupRequest,
@@ -28,6 +33,7 @@ from graft.schemas.api import (
     WantedPrompt,
     WantedRequest,
     WantedResponse,
+    WantRule,
 )
 from graft.schemas.rollout import (
     ARROW_MEDIA_TYPE,
@@ -53,6 +59,7 @@ __all__ = [
     "SCHEMA_VERSION", "ErrorResponse", "HealthResponse", "LakeStats", "ModelStats", "PeerLookupRequest", "PeerLookupResponse",
     "Problem", "PushGroupsRequest", "PushGroupsResponse", "Rollout", "RolloutGroup", "RolloutPage", "StatsResponse",
     "MAX_WANTS", "SERVED_PATH", "WANTED_PATH", "BrokerStats", "ServedRequest", "ServedResponse", "ServeOrder", "Want",
-    "WantedList", "WantedPrompt", "WantedRequest", "WantedResponse",
+    "WantedList", "WantedPrompt", "WantedRequest", "WantedResponse", "WantRule", "LEASE_PATH", "LeaseRequest",
+    "HEARTBEAT_PATH", "Heartbeat", "HeartbeatRequest",
     "group_advantages", "groups_to_table", "prompt_id", "rollout_id", "table_to_groups",
 ]
