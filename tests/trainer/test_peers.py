@@ -1,5 +1,6 @@
-"""The trainer's store exchange (trainer/peers.py) against a real store server: the outbox under a push in flight,
-co-training's wait while the store is down, a co-trainer that publishes nothing."""
+"""The trainer's link to the store (trainer/store_link.py) and its sources of peer groups (trainer/peers.py) against a
+real store server: the outbox under a push in flight, co-training's wait while the store is down, a co-trainer that
+publishes nothing, prefetch's lookup that comes late."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ import threading
 import pytest
 
 import graft.trainer.peers as peers_module
+import graft.trainer.store_link as link_module
 from graft.services.store_api.http.client import StoreClient
 from graft.services.store_api.http.testing import StoreServer, free_port
-from graft.trainer.config import GraftConfig, StoreConfig
-from graft.trainer.peers import PeerExchange, peer_candidates
+from graft.trainer.config import CotrainPeers, GraftConfig, StoreConfig
+from graft.trainer.peers import Cotrain, PeerSource
+from graft.trainer.store_link import StoreLink
 from toy.task import sample_problems
 
 LEARNER = "learner"
@@ -32,6 +35,10 @@ def groups(char_tokenizer, char_model):
 
     return [build_group(p, ["1", "2"], [0.0, 0.0], char_tokenizer, char_model, model_id=LEARNER, tokenizer_id="char")
             for p in sample_problems(12, seed=3)]
+
+
+def cotrain(config: StoreConfig, graft: GraftConfig, **settings) -> Cotrain:
+    return Cotrain(StoreLink(config, LEARNER), graft, config, LEARNER, CotrainPeers(source="cotrain", **settings))
 
 
 class GatedClient(StoreClient):
@@ -54,10 +61,10 @@ def stored_ids(url: str, model: str) -> set[str]:
 
 def test_groups_published_while_a_push_is_in_flight_are_neither_lost_nor_miscounted(store, groups, monkeypatch):
     """Outbox limit 8, 8 groups pushing, 4 published meanwhile: all 12 reach the store, 12 counted published."""
-    monkeypatch.setattr(peers_module, "OUTBOX_LIMIT", 8)
+    monkeypatch.setattr(link_module, "OUTBOX_LIMIT", 8)
     model = "race"
     mine = [g.model_copy(update={"rollouts": [r.model_copy(update={"model_id": model}) for r in g.rollouts]}) for g in groups]
-    peers = PeerExchange(StoreConfig(url=store.url, mode="cotrain"), GraftConfig(), model)
+    peers = StoreLink(StoreConfig(url=store.url), model)
     gated = GatedClient(store.url)
     peers._publish_client = gated
     try:
@@ -75,14 +82,13 @@ def test_groups_published_while_a_push_is_in_flight_are_neither_lost_nor_miscoun
 
 def test_cotraining_does_not_wait_while_the_store_is_down(groups):
     """A store known to be down cannot bring the co-trainer's groups: the step does not wait cotrain_wait_s for them."""
-    config = StoreConfig(url=f"http://127.0.0.1:{free_port()}", mode="cotrain", cotrain_wait_s=60, retries=0,
-                         timeout_s=2, backoff_initial_s=30)
-    peers = PeerExchange(config, GraftConfig(), LEARNER)
+    config = StoreConfig(url=f"http://127.0.0.1:{free_port()}", retries=0, timeout_s=2, backoff_initial_s=30)
+    peers = cotrain(config, GraftConfig(), wait_s=60)
     try:
         request = peers.request([g.prompt_id for g in groups[:4]], 0)
-        found = peer_candidates(peers, peers.start_lookup(request), request, groups[:4], None)
+        found = peers.candidates(peers.start_lookup(request), request, groups[:4], None, 0)
         assert not found.ok and found.groups == {}
-        assert found.wait_s < config.cotrain_wait_s / 2, f"waited {found.wait_s:.1f} s for a store that is down"
+        assert found.wait_s < peers.wait_s / 2, f"waited {found.wait_s:.1f} s for a store that is down"
         assert peers.counters.cotrain_waits_skipped == 1
         assert math.isnan(found.peer_silent_steps) or found.peer_silent_steps == 0  # no word either way
     finally:
@@ -92,14 +98,13 @@ def test_cotraining_does_not_wait_while_the_store_is_down(groups):
 def test_a_silent_co_trainer_is_warned_about_and_counted(store, groups, caplog):
     """The store answers but the co-trainer publishes nothing: every step's wait runs out; the count of such steps
     is the step's metric, and a warning says so after PEER_SILENT_WARN_STEPS of them."""
-    config = StoreConfig(url=store.url, mode="cotrain", cotrain_wait_s=0.3, cotrain_poll_s=0.1)
-    peers = PeerExchange(config, GraftConfig(peer_models=["nobody"]), LEARNER)
+    peers = cotrain(StoreConfig(url=store.url), GraftConfig(peer_models=["nobody"]), wait_s=0.3, poll_s=0.1)
     caplog.set_level(logging.WARNING, logger="graft.trainer.peers")
     try:
         silent = []
         for step in range(peers_module.PEER_SILENT_WARN_STEPS):
             request = peers.request([g.prompt_id for g in groups[:2]], step)
-            found = peer_candidates(peers, peers.start_lookup(request), request, groups[:2], None)
+            found = peers.candidates(peers.start_lookup(request), request, groups[:2], None, step)
             assert found.ok
             silent.append(found.peer_silent_steps)
         assert silent == list(range(1, peers_module.PEER_SILENT_WARN_STEPS + 1))
@@ -112,7 +117,7 @@ def test_a_silent_co_trainer_is_warned_about_and_counted(store, groups, caplog):
         with StoreClient(store.url) as client:
             client.push_groups([theirs])
         request = peers.request([g.prompt_id for g in groups[:2]], 99)
-        found = peer_candidates(peers, peers.start_lookup(request), request, groups[:2], None)
+        found = peers.candidates(peers.start_lookup(request), request, groups[:2], None, 99)
         assert found.peer_silent_steps == 0 and "n0" in {g.group_id for g in found.groups[groups[0].prompt_id]}
     finally:
         peers.close()
@@ -144,15 +149,17 @@ def test_offline_a_lookup_slower_than_generation_is_late_or_waited_for_as_lookup
                                                     for i, r in enumerate(theirs.rollouts)]})
     with StoreClient(store.url) as client:
         client.push_groups([theirs])
-    peers = PeerExchange(StoreConfig(url=store.url, lookup_wait_s=lookup_wait_s), GraftConfig(peer_models=[peer]), LEARNER)
+    config = StoreConfig(url=store.url)
+    peers = PeerSource(StoreLink(config, LEARNER), GraftConfig(peer_models=[peer]), config, LEARNER,
+                       lookup_wait_s=lookup_wait_s)
     held = HeldLookupClient(store.url)
-    peers._lookup_client = held
+    peers.link._lookup_client = held
     try:
         request = peers.request([groups[5].prompt_id], 0)
         pending = peers.start_lookup(request)
         if lookup_wait_s:
             threading.Timer(0.3, held.release.set).start()  # the store answers 0.3 s after generation ended
-        found = peer_candidates(peers, pending, request, groups[5:6], None)
+        found = peers.candidates(pending, request, groups[5:6], None, 0)
         held.release.set()
         if lookup_wait_s:
             assert [g.group_id for g in found.groups[problem.prompt_id]] == [f"{peer}-g"]

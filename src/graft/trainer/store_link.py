@@ -1,7 +1,7 @@
 """The trainer's one link to the store: store health, lookups, broker posts, heartbeats and the outbox.
 
 It asks, posts and pushes; how a step takes its peer groups is the source's (graft.trainer.peers), chosen once at
-setup. Nothing here ever stops training on the store:
+setup. Nothing here ever stops training on the store (but `get_group`, a replay's fetch by id):
 - A store that is down, slow or erroring, or a response that is malformed in any way: the call fails in a background
   thread, the failure is counted and logged, further calls pause with exponential backoff (`available`), and the step
   goes on without peers. The first successful call after an outage resumes.
@@ -148,7 +148,7 @@ class StoreLink:
             log.warning("store %s: %s failed (%s: %s); training goes on without peers, next try in %.1f s",
                         self.store.url, what, type(error).__name__, error, pause, exc_info=_unexpected(error))
 
-    def _count(self, name: str, by: int = 1) -> None:
+    def count(self, name: str, by: int = 1) -> None:
         with self._lock:
             setattr(self.counters, name, getattr(self.counters, name) + by)
 
@@ -156,7 +156,7 @@ class StoreLink:
     def submit_lookup(self, request: PeerLookupRequest) -> Future | None:
         """Ask for the request's peer groups in the background; None while backing off."""
         if not self.available:
-            self._count("lookups_skipped_backoff")
+            self.count("lookups_skipped_backoff")
             return None
         return self._lookup_pool.submit(self._lookup, request)
 
@@ -167,7 +167,7 @@ class StoreLink:
     def _lookup(self, request: PeerLookupRequest) -> LookupResult:
         self._send_broker_queue()  # a ledger entry of the last step is in the store before this lookup asks
         result = LookupResult()
-        self._count("lookups")
+        self.count("lookups")
         try:
             for begin in range(0, len(request.prompt_ids), MAX_LOOKUP_PROMPTS):
                 chunk = request.model_copy(update={"prompt_ids": request.prompt_ids[begin : begin + MAX_LOOKUP_PROMPTS]})
@@ -178,12 +178,17 @@ class StoreLink:
         except Exception as error:  # noqa: BLE001 - whatever went wrong, this step runs as GRPO (counted, logged)
             # Besides a store that is down (StoreError, OSError) a response can be malformed in any way (a missing
             # column is a KeyError): none of it may stop training.
-            self._count("lookup_failures")
+            self.count("lookup_failures")
             self._record_failure("peer lookup", error)
             return LookupResult()
         self._record_success()
         result.ok = True
         return result
+
+    def get_group(self, group_id: str) -> RolloutGroup | None:
+        """The group by id, asked now (None: the store does not hold it). Store trouble raises: its one caller, a
+        replay, cannot go on without the group."""
+        return self._lookup_pool.submit(self._lookup_client.get_group, group_id).result()
 
     def collect(self, pending: Future | None, wait_s: float) -> LookupResult:
         """The lookup's result if it is back within `wait_s` seconds (0: only if already back)."""
@@ -192,7 +197,7 @@ class StoreLink:
         try:
             return pending.result(timeout=wait_s)
         except FutureTimeout:
-            self._count("lookups_late")
+            self.count("lookups_late")
             return LookupResult()
 
     # ---- the store as a broker: wants and the served ledger -----------------------------------
@@ -230,24 +235,24 @@ class StoreLink:
                     self._lookup_client.record_served(request)
             except StoreError as error:
                 if isinstance(error, StoreUnavailable) or error.status_code is None or error.status_code >= 500:
-                    self._count("broker_failures")
+                    self.count("broker_failures")
                     self._record_failure("posting wants and served groups", error)
                     return  # kept: it goes again with the next post or lookup
                 # refused (4xx): sending it again would be refused again
                 log.error("store %s refused a broker post (%s): %d %s dropped", self.store.url, error,
                           len(getattr(request, "wants", None) or request.group_ids),
                           "wants" if isinstance(request, WantedRequest) else "served-ledger entries")
-                self._count("broker_refused")
+                self.count("broker_refused")
             except Exception as error:  # noqa: BLE001 - as for lookups: counted, kept, never fatal
-                self._count("broker_failures")
+                self.count("broker_failures")
                 self._record_failure("posting wants and served groups", error)
                 return
             else:
                 self._record_success()
                 if isinstance(request, WantedRequest):
-                    self._count("wants_posted", len(request.wants))
+                    self.count("wants_posted", len(request.wants))
                 else:
-                    self._count("served_posted", len(request.group_ids))
+                    self.count("served_posted", len(request.group_ids))
             with self._lock:
                 self._broker_queue.pop(0)
 
@@ -346,7 +351,7 @@ class StoreLink:
                 try:
                     self._beat_client.beat(HeartbeatRequest(model_id=self.model_id, step=step, waiting=waiting))
                 except Exception as error:  # noqa: BLE001 - a missed beat is counted; the partner's timeout is long
-                    self._count("heartbeat_failures")
+                    self.count("heartbeat_failures")
                     log.debug("heartbeat to %s failed: %s", self.store.url, error)
                 if self._stop_beating.wait(every_s):
                     return
