@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import threading
 
 import pytest
@@ -170,3 +171,96 @@ def test_offline_a_lookup_slower_than_generation_is_late_or_waited_for_as_lookup
     finally:
         held.release.set()
         peers.close()
+
+
+# ---- the broker's policies, as the trainer uses them ------------------------------------------------------------
+
+def peer_group_of(problem, tokenizer, model, peer: str, step: int, rewards: list[float]):
+    from toy.world import build_group
+
+    group = build_group(problem, [str(i) for i in range(len(rewards))], rewards, tokenizer, model, model_id=peer,
+                        tokenizer_id="char")
+    gid = f"{peer}-{step}"
+    return group.model_copy(update={"rollouts": [r.model_copy(update={"group_id": gid, "rollout_id": f"{gid}-{i}",
+                                                                        "policy_step": step})
+                                                 for i, r in enumerate(group.rollouts)]})
+
+
+def test_the_gate_takes_the_stores_serving_order_least_served_rotates(store, groups, char_tokenizer, char_model):
+    """store.serve_order least_served with three accepted peer groups of a prompt: the trainer posts what it grafts to
+    the served ledger (before its next lookup asks), the store serves the least served first, and the gate takes that
+    one: step after step the grafts rotate across the three, not the freshest again and again."""
+    from graft.trainer.gate import gate_groups
+
+    problem, learner, peer = sample_problems(12, seed=3)[0], "rotating-learner", "rotating-peer"
+    theirs = [peer_group_of(problem, char_tokenizer, char_model, peer, step, [1.0, 0.0]) for step in (3, 2, 1)]
+    with StoreClient(store.url) as client:
+        client.push_groups(theirs)
+    config = StoreConfig(url=store.url, serve_order="least_served", groups_per_prompt=4)
+    source = PeerSource(StoreLink(config, learner), GraftConfig(peer_models=[peer]), config, learner, lookup_wait_s=30)
+    rewards = [(problem.prompt_id, [0.0, 0.0])]
+    grafted = []
+    try:
+        for step in range(4):
+            request = source.request([problem.prompt_id], step)
+            found = source.candidates(source.start_lookup(request), request, groups[:1], None, step)
+            decisions = gate_groups(rewards, found.groups, request, max_grafted_fraction=1.0, rng=random.Random(0))
+            source.after_gate(step, decisions, found, {problem.prompt_id: problem}, rewards)
+            grafted.append(decisions[0].peer_group.group_id)
+        assert source.link.flush(60) and source.counters.served_posted == 4
+    finally:
+        source.close()
+    assert grafted == [f"{peer}-3", f"{peer}-2", f"{peer}-1", f"{peer}-3"]  # freshest first, then the least served
+
+
+def test_ledger_posts_that_fail_are_sent_again_and_refused_ones_are_dropped(tmp_path, groups, char_tokenizer, char_model):
+    """The store is down when the step's served-ledger entry is posted: it is kept (counted as a failure) and sent once
+    the store is back, and counted once; an entry the store refuses (a group it never had: 404) is logged, counted and
+    dropped, never sent again."""
+    from graft.services.store_api.local import write_groups
+    from graft.trainer.config import TrainConfig
+
+    problem = sample_problems(12, seed=3)[0]
+    theirs = peer_group_of(problem, char_tokenizer, char_model, "ledger-peer", 1, [1.0, 0.0])
+    write_groups(tmp_path / "store", [theirs])
+    server = StoreServer(tmp_path / "store")  # not started: the store is down
+    config = StoreConfig(url=server.url, retries=0, timeout_s=2, backoff_initial_s=0.05, backoff_max_s=0.1,
+                         max_times_served=1)
+    cfg = TrainConfig(model={"path": "m"}, data={"dataset": "d"}, store=config.model_dump())
+    link = StoreLink(config, "ledger-learner")
+    source = PeerSource(link, cfg.graft, config, "ledger-learner")
+    try:
+        link.post_broker(1, [], [theirs.group_id], source.want_rule())
+        assert not link.flush(5) and link.broker_queued == 1 and link.counters.broker_failures >= 1
+        with server:
+            assert link.flush(60)
+            with StoreClient(server.url) as client:
+                assert client.times_served(theirs.group_id) == {"ledger-learner": 1}
+            assert link.counters.served_posted == 1
+            link.post_broker(2, [], ["never-stored"], source.want_rule())
+            assert link.flush(60) and link.counters.broker_refused == 1 and link.broker_queued == 0
+    finally:
+        link.close()
+
+
+def test_no_want_is_posted_for_a_prompt_no_generator_can_serve(store):
+    """A prompt whose gold answer the scorer could not read (every reward None) is not wanted: a generator's group of it
+    could not score either. The other miss is posted, with the learner's rule."""
+    from graft.trainer.gate import GateDecision
+    from graft.trainer.store_link import LookupResult
+
+    problems = sample_problems(12, seed=4)[:2]
+    learner = "want-learner"
+    config = StoreConfig(url=store.url, want_misses=True)
+    source = PeerSource(StoreLink(config, learner), GraftConfig(peer_models=["want-peer"]), config, learner)
+    decisions = [GateDecision(p.prompt_id, "all_fail", "skip_no_peer") for p in problems]
+    rewards = [(problems[0].prompt_id, [0.0, 0.0]), (problems[1].prompt_id, [None, None])]
+    try:
+        source.after_gate(0, decisions, LookupResult(ok=True), {p.prompt_id: p for p in problems}, rewards)
+        assert source.link.flush(60) and source.counters.wants_posted == 1
+    finally:
+        source.close()
+    with StoreClient(store.url) as client:
+        listed = client.wanted(model="want-peer").prompts
+        assert [p.prompt_id for p in listed if learner in p.learners] == [problems[0].prompt_id]
+        assert client.wanted(model="not-a-peer").prompts == []  # its rule takes want-peer's groups only

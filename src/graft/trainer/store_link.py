@@ -38,6 +38,7 @@ from graft.schemas import (
     ServedRequest,
     Want,
     WantedRequest,
+    WantRule,
 )
 from graft.services.store_api.http.client import StoreClient, StoreError, StoreUnavailable
 from graft.trainer.config import StoreConfig
@@ -201,12 +202,12 @@ class StoreLink:
             return LookupResult()
 
     # ---- the store as a broker: wants and the served ledger -----------------------------------
-    def post_broker(self, learner_step: int, wants: list[Want], served: list[str], rule: PeerLookupRequest) -> None:
+    def post_broker(self, learner_step: int, wants: list[Want], served: list[str], rule: WantRule) -> None:
         """Queue the step's wants (with the learner's rule of which groups it takes: a group it would refuse clears
         none) and served-ledger entries, and send them in the background, ahead of the next lookup."""
         requests: list[WantedRequest | ServedRequest] = [
             WantedRequest(learner_model=self.model_id, policy_step=learner_step, wants=wants[begin:begin + MAX_WANTS],
-                          rule=rule.want_rule())
+                          rule=rule)
             for begin in range(0, len(wants), MAX_WANTS)]
         requests += [ServedRequest(learner_model=self.model_id, policy_step=learner_step,
                                    group_ids=served[begin:begin + MAX_WANTS]) for begin in range(0, len(served), MAX_WANTS)]
