@@ -38,7 +38,9 @@ def _named(
     """The named options by the dotted fields they set (None: not given); `--set` pairs come after them and win."""
     peers = None if peer_models is None else [m.strip() for m in peer_models.split(",") if m.strip()]
     return {
-        "model.path": model, "data.dataset": dataset, "store.url": store_url, "method": method, "peers.source": source,
+        "model.path": model, "data.dataset": dataset, "store.url": store_url, "method": method,
+        # a source of its own settings: --peers replaces the config's peers section (--set peers.<x> then sets them)
+        "peers": None if source is None else {"source": source},
         "steps": steps, "rollout.group_size": group_size, "rollout.prompts_per_step": prompts_per_step, "optim.lr": lr,
         "seed": seed, "run_dir": str(run_dir) if run_dir is not None else None, "graft.peer_models": peers,
     }
@@ -73,7 +75,7 @@ def train(
     dataset: Annotated[Optional[str], typer.Option("--dataset", help="training problems (data.dataset)")] = None,
     store_url: Annotated[Optional[str], typer.Option("--store-url", help="store base URL (store.url)")] = None,
     method: Annotated[Optional[str], typer.Option("--method", help="grpo | graft | dapo")] = None,
-    peers: Annotated[Optional[PeerSourceName], typer.Option("--peers", help="how peer groups arrive (peers.source): prefetch (read the store), cotrain (publish, wait a bounded time for the co-trainer), lockstep (publish, take the partner's groups of each step), replay (see graft-train replay)")] = None,
+    peers: Annotated[Optional[PeerSourceName], typer.Option("--peers", help="how peer groups arrive (peers.source, the config's peers section replaced: --set peers.<setting> after it): prefetch (read the store), cotrain (publish, wait a bounded time for the co-trainer), lockstep (publish, take the partner's groups of each step), replay (see graft-train replay)")] = None,
     old_mode: Annotated[Optional[bool], typer.Option("--cotrain/--offline", hidden=True)] = None,
     steps: Annotated[Optional[int], typer.Option("--steps", help="training steps")] = None,
     group_size: Annotated[Optional[int], typer.Option("--group-size", help="rollouts per prompt (rollout.group_size)")] = None,

@@ -43,7 +43,9 @@ def config(*extra: str):
     (["skip.rollout_tq.enable=true"], "rollout_tq"),
     (["graft.options.token_is=luffy"], "luffy"),  # the tests' settings name token_is already (verl_world)
     (["+graft.options.union_all_success=true"], "union_all_success"),
-    (["+graft.store_options.mode=cotrain"], "co-training"),
+    (["+graft.store_options.mode=cotrain"], "peers.source"),  # how peers arrive is no store option
+    (["+graft.store_options.replay_from=runs/graft"], "peers.source"),  # was accepted and ignored
+    (["+graft.peer_source=cotrain"], "co-training"),  # every source the trainer does not run
     (["+graft.store_options.max_times_served=2"], "max_times_served"),  # the adapter posts no grafts to the ledger
     (["+graft.options.kapa=1.0"], "kapa"),  # graft-train's own validation: a typo fails
     (["+graft.stor_url=x"], "stor_url"),
