@@ -23,7 +23,7 @@ from typing import Any
 import orjson
 import yaml
 
-from graft.schemas import Problem, RolloutGroup, groups_to_table
+from graft.schemas import ROLLOUT_ARROW_SCHEMA, Problem, RolloutGroup
 from graft.trainer.checkpoint import changed_fields
 from graft.trainer.config import TrainConfig
 from graft.trainer.gate import GateDecision
@@ -42,11 +42,16 @@ class ReplayMismatch(RuntimeError):
     another config, other own rewards, other grafts."""
 
 
+STORED_FIELDS = tuple(ROLLOUT_ARROW_SCHEMA.names)  # what a stored row holds, in the schema's order
+
+
 def group_digest(group: RolloutGroup) -> str:
-    """sha256 of the group's stored rows (its Arrow table's rows as sorted-key JSON): the same for the group as a
-    lookup returns it and as GET /v1/groups/{id} returns it, different if any stored field changed."""
-    rows = groups_to_table([group]).to_pylist()
-    return hashlib.sha256(orjson.dumps(rows, option=orjson.OPT_SORT_KEYS | orjson.OPT_NAIVE_UTC)).hexdigest()
+    """sha256 of the group's stored rows (every stored field of each row, in the schema's order, as JSON): the same for
+    the group as a lookup returns it and as GET /v1/groups/{id} returns it, different if any stored field changed.
+    Every step records one per peer group the gate chose from: built from the rows' values as they are (~50 us a
+    group), not through an Arrow table (~1 ms)."""
+    rows = [[getattr(r, name) for name in STORED_FIELDS] for r in group.rollouts]
+    return hashlib.sha256(orjson.dumps(rows, option=orjson.OPT_NAIVE_UTC)).hexdigest()
 
 
 def rewards_digest(rewards: list[float | None]) -> str:
