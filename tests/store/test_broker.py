@@ -6,14 +6,22 @@ lookup, a retried post counted once; heartbeats; bad input refused."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
+
 import httpx
 import orjson
 import pytest
 from store_factory import make_group, make_problem, wait_for
 
-from datetime import datetime, timedelta, timezone
-
-from graft.schemas import HeartbeatRequest, LeaseRequest, PeerLookupRequest, ServedRequest, Want, WantedRequest, WantRule
+from graft.schemas import (
+    HeartbeatRequest,
+    LeaseRequest,
+    PeerLookupRequest,
+    ServedRequest,
+    Want,
+    WantedRequest,
+    WantRule,
+)
 from graft.services.store_api.broker import Broker, Journal
 from graft.services.store_api.broker import broker as broker_module
 from graft.services.store_api.http.client import StoreClient, StoreError
@@ -240,14 +248,14 @@ def test_a_want_is_cleared_by_what_the_store_indexed_after_it_whatever_the_gener
     """Which group came after a want is the store's own order of indexing, never a comparison of the generator's clock
     (the rows' created_at) with the store's: a generator an hour behind clears a want with its fresh group, one four
     minutes ahead (the rows' validation takes up to five) whose group was stored before the want does not."""
-    ahead = datetime.now(timezone.utc) + timedelta(minutes=4)
+    ahead = datetime.now(UTC) + timedelta(minutes=4)
     client.push_groups([make_group(1, model="peer", created_at=ahead)])  # stored before the want
     wait_for(lambda: client.stats().total_groups == 1, what="the group indexed")
     client.post_wanted(wants("learner", 1, want(1), want(2)))
     client.push_groups([make_group(3, model="peer")])
     wait_for(lambda: client.stats().total_groups == 2, what="a group after the want indexed")
     assert backlog(client) == {make_problem(1).prompt_id, make_problem(2).prompt_id}
-    behind = datetime.now(timezone.utc) - timedelta(hours=1)
+    behind = datetime.now(UTC) - timedelta(hours=1)
     client.push_groups([make_group(2, model="peer", created_at=behind)])  # stored after the want
     wait_for(lambda: backlog(client) == {make_problem(1).prompt_id}, what="prompt 2's want cleared")
 

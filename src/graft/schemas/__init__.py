@@ -1,6 +1,8 @@
 """Data definitions shared by every process: the stored rollout, its Arrow schema, API models."""
 
 from graft.schemas.api import (
+    HEARTBEAT_PATH,
+    LEASE_PATH,
     LOOKUP_PATH,
     MAX_LOOKUP_PROMPTS,
     MAX_PAGE_SIZE,
@@ -9,15 +11,13 @@ from graft.schemas.api import (
     PUSH_PATH,
     SERVED_PATH,
     WANTED_PATH,
-    HEARTBEAT_PATH,
-    LEASE_PATH,
     BrokerStats,
     ErrorResponse,
     HealthResponse,
     Heartbeat,
     HeartbeatRequest,
-    LeaseRequest,
     LakeStats,
+    LeaseRequest,
     ModelStats,
     PeerLookupRequest,
     PeerLookupResponse,

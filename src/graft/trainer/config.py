@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -292,7 +292,7 @@ class ReplayPeers(_PeerSourceSection):
     run_dir: Path = Field(description="replay: the recorded run's directory (its config.yaml and peer_groups.jsonl)")
 
 
-PeersConfig = Annotated[Union[PrefetchPeers, CotrainPeers, LockstepPeers, ReplayPeers], Field(discriminator="source")]
+PeersConfig = Annotated[PrefetchPeers | CotrainPeers | LockstepPeers | ReplayPeers, Field(discriminator="source")]
 PEER_SOURCES = ("prefetch", "cotrain", "lockstep", "replay")
 # store.* keys of earlier releases that said how peers arrive, now peers.* (TrainConfig._peers_from_old_store_keys)
 OLD_SOURCE_KEYS = ("mode", "publish", "lookup_wait_s", "cotrain_wait_s", "cotrain_poll_s", "cotrain_lockstep", "replay_from")

@@ -13,8 +13,8 @@ import torch
 from graft.rollouts.models import default_model_id, model_fingerprint, tokenizer_fingerprint
 from graft.trainer.config import TrainConfig
 from graft.trainer.data import load_peer_tokenizers
-from graft.trainer.learner import Learner
 from graft.trainer.gate import RefusedTokenizers
+from graft.trainer.learner import Learner
 from graft.trainer.metrics import StoreCounts
 from graft.trainer.peers import PeerSource, make_source
 

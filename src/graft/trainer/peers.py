@@ -16,20 +16,21 @@ store's lookup, the gate and the co-training waits apply it alike) and the peer 
   evaluation or a checkpoint) or its new groups are signs of life; a partner without one for peers.partner_timeout_s,
   or one waiting for this trainer as it waits for the partner, is gone (PartnerGone, naming it). What a step grafts
   does not depend on timing.
-- `Replay` (graft.trainer.replay): the recorded run's groups of the step, by id; stops at the first step whose own
-  rewards or grafts differ from the record.
+- `Replay`: the recorded run's groups of the step, by id; stops at the first step whose own rewards or grafts differ
+  from the record (graft.trainer.replay.RecordedRun).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Callable
 
 from graft.schemas import MAX_LOOKUP_PROMPTS, Heartbeat, PeerLookupRequest, Problem, RolloutGroup, Want, WantRule
 from graft.trainer.config import CotrainPeers, GraftConfig, LockstepPeers, StoreConfig, TrainConfig
 from graft.trainer.gate import GRAFT_ACTIONS, GateDecision, choose_peer_group, classify_group
+from graft.trainer.replay import RecordedRun
 from graft.trainer.store_link import NAN, LookupResult, StoreLink
 
 log = logging.getLogger(__name__)
@@ -147,17 +148,28 @@ class PeerSource:
         self.link.close()
 
 
-class Cotrain(PeerSource):
-    """cotrain: publish every group, wait a bounded time for the co-trainer's groups of the step's all-fail prompts."""
+class _CoTraining(PeerSource):
+    """A source that waits for co-trainers' groups (cotrain, lockstep): it publishes every group it samples, polls the
+    store every peers.poll_s while it waits, and stops waiting when the trainer is asked to stop."""
 
-    name = "cotrain"
     co_trains = True
 
     def __init__(self, link: StoreLink, graft: GraftConfig, store: StoreConfig, learner_model: str,
-                 settings: CotrainPeers, stopping: Callable[[], bool] = lambda: False):
+                 settings: CotrainPeers | LockstepPeers, stopping: Callable[[], bool] = lambda: False):
         super().__init__(link, graft, store, learner_model, publishes=True)
-        self.wait_s, self.poll_s = settings.wait_s, settings.poll_s
-        self.stopping = stopping  # True once the trainer is asked to stop: the wait ends early
+        self.poll_s = settings.poll_s
+        self.stopping = stopping  # True once the trainer is asked to stop (SIGTERM): the wait ends early
+
+
+class Cotrain(_CoTraining):
+    """cotrain: publish every group, wait a bounded time for the co-trainer's groups of the step's all-fail prompts."""
+
+    name = "cotrain"
+
+    def __init__(self, link: StoreLink, graft: GraftConfig, store: StoreConfig, learner_model: str,
+                 settings: CotrainPeers, stopping: Callable[[], bool] = lambda: False):
+        super().__init__(link, graft, store, learner_model, settings, stopping)
+        self.wait_s = settings.wait_s
         self.silent_steps = 0  # steps in a row whose wait ran out without a group from the co-trainer
 
     def candidates(self, pending: Future | None, request: PeerLookupRequest | None, groups: list[RolloutGroup],
@@ -227,18 +239,16 @@ class Cotrain(PeerSource):
         return float(self.silent_steps)
 
 
-class Lockstep(PeerSource):
+class Lockstep(_CoTraining):
     """lockstep: every step takes exactly the partners' groups of that step, waiting for them as long as they live."""
 
     name = "lockstep"
-    co_trains = True
 
     def __init__(self, link: StoreLink, graft: GraftConfig, store: StoreConfig, learner_model: str,
                  settings: LockstepPeers, stopping: Callable[[], bool] = lambda: False):
-        super().__init__(link, graft, store, learner_model, publishes=True)
+        super().__init__(link, graft, store, learner_model, settings, stopping)
         self.partners = list(graft.peer_models or [])
-        self.timeout_s, self.poll_s = settings.partner_timeout_s, settings.poll_s
-        self.stopping = stopping
+        self.timeout_s = settings.partner_timeout_s
         self.step, self.waiting = 0, False  # what the heartbeats say
         link.start_heartbeat(settings.heartbeat_s, lambda: (self.step, self.waiting))
 
@@ -325,6 +335,31 @@ class Lockstep(PeerSource):
                 "continue both with --resume")
 
 
+class Replay(PeerSource):
+    """replay: the recorded run's peer groups, step by step, from the store by id, and the record checked as it goes
+    (graft.trainer.replay.RecordedRun)."""
+
+    name = "replay"
+
+    def __init__(self, link: StoreLink, cfg: TrainConfig):
+        super().__init__(link, cfg.graft, cfg.store, link.model_id)
+        self.recorded = RecordedRun(cfg)  # refuses another config, a missing or older record: before the model loads
+        self.co_trains = self.recorded.config.co_trains  # the recorded run's metrics lines say what its co-trainer did
+
+    def start_lookup(self, request: PeerLookupRequest | None) -> Future | None:
+        return None  # no lookup: the groups come by id
+
+    def candidates(self, pending: Future | None, request: PeerLookupRequest | None, groups: list[RolloutGroup],
+                   usable_tokenizers: set[str] | None, policy_step: int) -> LookupResult:
+        """The recorded lookup of the step (recorded under the metrics' step, policy step + 1), checked by hash."""
+        return self.recorded.lookup(policy_step + 1, self.link.get_group, self.store.url)
+
+    def after_gate(self, policy_step: int, decisions: list[GateDecision], found: LookupResult | None,
+                   problem_of: dict[str, Problem], learner_rewards: list[tuple[str, list[float | None]]]) -> None:
+        """Stop at the first difference from the record, before the step trains; nothing is posted."""
+        self.recorded.compare(policy_step + 1, learner_rewards, [d.peer_group.group_id for d in decisions if d.grafts])
+
+
 def make_source(cfg: TrainConfig, learner_model: str, stopping: Callable[[], bool] = lambda: False,
                 runs: tuple[str, ...] = ("prefetch", "cotrain", "lockstep", "replay")) -> PeerSource:
     """The run's source of peer groups, as peers.source names it, over a link to cfg.store; `runs`: the sources the
@@ -338,8 +373,6 @@ def make_source(cfg: TrainConfig, learner_model: str, stopping: Callable[[], boo
     if settings.source == "lockstep":
         return Lockstep(link, cfg.graft, cfg.store, learner_model, settings, stopping)
     if settings.source == "replay":
-        from graft.trainer.replay import Replay
-
         return Replay(link, cfg)
     return PeerSource(link, cfg.graft, cfg.store, learner_model, publishes=settings.publish,
                       lookup_wait_s=settings.lookup_wait_s)

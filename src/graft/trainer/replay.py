@@ -6,8 +6,9 @@ where it parts from it.
   of its content (`group_digest`), which of them were grafted, what the lookup said besides (ok, miss reasons, the
   co-trainer's silence), and a digest of the learner's own rewards of each prompt (`rewards_digest`): everything the
   gate reads, so that a rerun's gate decides alike, and what the rerun's sampler must reproduce for it to be one.
-- `Replay` (peers.source replay, `graft-train replay RUN_DIR`) hands a rerun of that run, step by step, exactly those
-  groups, fetched from the store by id (GET /v1/groups/{id}): no lookup, no wait, no partner. A group the store no
+- `RecordedRun` is that record as a rerun reads it (the replay source, peers.source replay, `graft-train replay
+  RUN_DIR`: graft.trainer.peers.Replay): step by step, exactly those groups, fetched from the store by id
+  (GET /v1/groups/{id}): no lookup, no wait, no partner. A group the store no
   longer has, or whose content hashes otherwise, stops the rerun with its id; so does the first step whose own
   rewards or grafted groups differ from the record (a sampler that is not bit-identical, another machine's kernels),
   naming the step, the prompts and what differed (ReplayMismatch): never a rerun that runs on with other metrics.
@@ -17,19 +18,19 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import orjson
 import yaml
 
-from graft.schemas import ROLLOUT_ARROW_SCHEMA, Problem, RolloutGroup
+from graft.schemas import ROLLOUT_ARROW_SCHEMA, RolloutGroup
 from graft.trainer.checkpoint import changed_fields
 from graft.trainer.config import TrainConfig
 from graft.trainer.gate import GateDecision
 from graft.trainer.metrics import truncate_lines
-from graft.trainer.peers import PeerSource
-from graft.trainer.store_link import LookupResult, StoreLink
+from graft.trainer.store_link import LookupResult
 
 RECORD_NAME = "peer_groups.jsonl"
 # What a replay may change from the recorded run's config: where it writes and logs, where the store answers, and
@@ -95,16 +96,13 @@ def record_line(step: int, found: LookupResult | None, decisions: list[GateDecis
     }
 
 
-class Replay(PeerSource):
-    """replay: the recorded run's peer groups, step by step, from the store by id, and the record checked as it goes."""
+class RecordedRun:
+    """The recorded run a replay reruns (peers.source replay): its config checked against the replay's, its record read,
+    and each step's groups and outcomes as the record has them."""
 
-    name = "replay"
-
-    def __init__(self, link: StoreLink, cfg: TrainConfig, rank: int = 0):
-        super().__init__(link, cfg.graft, cfg.store, link.model_id)
+    def __init__(self, cfg: TrainConfig, rank: int = 0):
         self.run_dir = Path(cfg.peers.run_dir)
-        recorded = check_replay_config(cfg, self.run_dir)
-        self.co_trains = recorded.co_trains  # the recorded run's metrics lines say what its co-trainer did
+        self.config = check_replay_config(cfg, self.run_dir)
         path = record_path(self.run_dir, rank)
         if not path.is_file():
             raise ReplayMismatch(f"peers.run_dir: {path} does not exist: only a GRAFT run made by this version of "
@@ -116,26 +114,32 @@ class Replay(PeerSource):
                                  f"{unchecked[-1]}): an older graft-train wrote it, and a replay of it could not notice "
                                  "where it parts from the run; run it again with this version, then replay it")
 
-    def start_lookup(self, request) -> None:
-        return None  # no lookup: the groups come by id
-
-    def candidates(self, pending, request, groups, usable_tokenizers, policy_step: int) -> LookupResult:
-        """The recorded lookup of the step (recorded under the metrics' step, policy step + 1), its groups fetched from
-        the store and checked against their hashes; ReplayMismatch names the first group that is gone or changed."""
-        step = policy_step + 1
-        line = self._line(step)
+    def lookup(self, step: int, fetch: Callable[[str], RolloutGroup | None], store: str) -> LookupResult:
+        """The recorded lookup of metrics step `step`, its groups fetched (`fetch`: by id, from the store `store`) and
+        checked against their hashes; ReplayMismatch names the first group that is gone or changed."""
+        line = self.line(step)
         result = LookupResult(ok=line["ok"], miss_reasons=dict(line["miss_reasons"]),
                               peer_silent_steps=math.nan if line["peer_silent_steps"] is None else line["peer_silent_steps"])
         for prompt_id, recorded in line["groups"].items():
-            result.groups[prompt_id] = [self._fetch(step, prompt_id, entry) for entry in recorded]
+            groups = []
+            for entry in recorded:
+                where = f"step {step}, prompt {prompt_id}: peer group {entry['group_id']} of the recorded run {self.run_dir}"
+                group = fetch(entry["group_id"])
+                if group is None:
+                    raise ReplayMismatch(f"{where} is gone from the store {store}: the replay cannot give this step's "
+                                         "peer groups (replay against the store that served the run, or a copy)")
+                digest = group_digest(group)
+                if digest != entry["sha256"]:
+                    raise ReplayMismatch(f"{where} has changed in the store {store} (sha256 {digest[:12]}..., recorded "
+                                         f"{entry['sha256'][:12]}...): the replay would graft other content")
+                groups.append(group)
+            result.groups[prompt_id] = groups
         return result
 
-    def after_gate(self, policy_step: int, decisions: list[GateDecision], found: LookupResult | None,
-                   problem_of: dict[str, Problem], learner_rewards: list[tuple[str, list[float | None]]]) -> None:
-        """Stop at the first difference from the record: the learner's own rewards of a prompt (its sampler drew
-        otherwise), then the groups the gate grafted."""
-        step = policy_step + 1
-        line = self._line(step)
+    def compare(self, step: int, learner_rewards: list[tuple[str, list[float | None]]], grafted: list[str]) -> None:
+        """ReplayMismatch at the first difference from the record at metrics step `step`: the learner's own rewards of
+        a prompt (its sampler drew otherwise), then the groups the gate grafted."""
+        line = self.line(step)
         now = {prompt_id: rewards_digest(rewards) for prompt_id, rewards in learner_rewards}
         recorded = line["rewards"]
         if now != recorded:
@@ -147,32 +151,19 @@ class Replay(PeerSource):
                 + ("the replay draws other prompts (another data set or seed?)" if other else
                    "its sampler drew other completions than the run's (another machine, kernels or torch build: a "
                    "replay reruns a run on what sampled it bit for bit)") + "; the replay stops here, before training it")
-        grafted = [d.peer_group.group_id for d in decisions if d.grafts]
         if grafted != line["grafted"]:
             raise ReplayMismatch(
                 f"step {step}: the gate grafted {grafted} where the recorded run ({self.run_dir}) grafted "
                 f"{line['grafted']}, from the same peer groups and own rewards: another graft setting or gate; the replay "
                 "stops here, before training it")
 
-    def _line(self, step: int) -> dict[str, Any]:
+    def line(self, step: int) -> dict[str, Any]:
         line = self.lines.get(step)
         if line is None:
             raise ReplayMismatch(f"{self.run_dir / RECORD_NAME} has no line for step {step} (it records steps "
                                  f"{min(self.lines, default=0)}..{max(self.lines, default=0)}): replay at most as many "
                                  "steps as the run took")
         return line
-
-    def _fetch(self, step: int, prompt_id: str, entry: dict[str, str]) -> RolloutGroup:
-        group = self.link.get_group(entry["group_id"])
-        where = f"step {step}, prompt {prompt_id}: peer group {entry['group_id']} of the recorded run {self.run_dir}"
-        if group is None:
-            raise ReplayMismatch(f"{where} is gone from the store {self.store.url}: the replay cannot give "
-                                 "this step's peer groups (replay against the store that served the run, or a copy)")
-        digest = group_digest(group)
-        if digest != entry["sha256"]:
-            raise ReplayMismatch(f"{where} has changed in the store {self.store.url} (sha256 {digest[:12]}..., "
-                                 f"recorded {entry['sha256'][:12]}...): the replay would graft other content")
-        return group
 
 
 def check_replay_config(cfg: TrainConfig, run_dir: Path) -> TrainConfig:

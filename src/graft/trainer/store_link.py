@@ -21,10 +21,10 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Callable
 
 from graft.schemas import (
     MAX_LOOKUP_PROMPTS,
@@ -107,7 +107,7 @@ class StoreLink:
             raise ValueError("a store link needs store.url")
         self.store, self.model_id = store, model_id
         # One client per thread: lookups, pushes and heartbeats never share a connection pool across threads.
-        client_args = dict(token=store.token, timeout_s=store.timeout_s, retries=store.retries)
+        client_args = {"token": store.token, "timeout_s": store.timeout_s, "retries": store.retries}
         self._lookup_client = StoreClient(store.url, **client_args)
         self._publish_client = StoreClient(store.url, **client_args)
         self._beat_client: StoreClient | None = None

@@ -1,6 +1,10 @@
 """The store as a two-way broker: a learner's misses become the generators' work (wanted prompts), and a served
 ledger lets a lookup limit and order what it serves (`PeerLookupRequest.max_times_served`, `order`).
 
+One module of ~470 lines: wants, rules, leases and the ledger are one state under one lock, changed by journal records
+alone (`_apply`); split apart, each part would reach into the others' maps. What stands apart is apart: the listing
+order (backlog.py), the journal file (journal.py), the heartbeats (heartbeats.py).
+
 `Broker` owns both, in memory, and keeps them in a `Journal` (journal.py: appended and fsynced before a call
 returns, rewritten atomically to the current state when it has grown; a restart reads it back):
 - a want is (prompt, learner): the reason of the learner's last miss, first and last time and step, how many
