@@ -142,13 +142,13 @@ def lockstep(world, partner, timeout_s, **overrides):
 
 
 def start_partner(world, root, store_url, pause_after, pause_s, timeout_s):
-    """The toy peer in lockstep with the learner, in a process of its own (tests/trainer/lockstep_partner.py) that
+    """The toy peer in lockstep with the learner, in a process of its own (tests/trainer/helpers/lockstep_partner.py) that
     pauses `pause_s` after its step `pause_after`."""
     cfg = make_config(world, root / "peer", store_url, steps=3, **lockstep(world, "learner", timeout_s),
                       **{"model.path": str(world.peer_dir)})
     path = root / "peer.yaml"
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-    partner = subprocess.Popen([sys.executable, str(HERE / "lockstep_partner.py"), str(path), str(pause_after),
+    partner = subprocess.Popen([sys.executable, str(HERE / "helpers" / "lockstep_partner.py"), str(path), str(pause_after),
                                 str(pause_s)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     # started (its first heartbeat is in): what follows is about a partner that lives, not one that starts up
     with StoreClient(store_url) as client:

@@ -1,7 +1,7 @@
 """A graft-train run in a process of its own that pauses after one of its steps, as a long evaluation or checkpoint
 would (the lockstep liveness tests' partner; on_step is the loop's hook for it):
 
-    python tests/trainer/lockstep_partner.py CONFIG.yaml STEP PAUSE_S
+    python tests/trainer/helpers/lockstep_partner.py CONFIG.yaml STEP PAUSE_S
 """
 
 from __future__ import annotations
