@@ -141,11 +141,10 @@ def _train(cfg: TrainConfig, dist: DistContext, resume: bool, overwrite: bool,
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     _setup_logging(run_dir, cfg, dist)  # before the check: its refusal goes to train.log too
-    graft = cfg.method == "graft"
     # Chosen once; built before the model loads: a replay refuses another config first, and a lockstep partner's
     # heartbeats start while this trainer loads (its partner may be waiting already).
     source = make_source(cfg, cfg.model.model_id or default_model_id(cfg.model.path), stopping=lambda: stop.requested) \
-        if graft or cfg.publishes else None
+        if cfg.method == "graft" or cfg.publishes else None
     try:
         return _train_with(cfg, dist, resume, overwrite, on_step, stop, run_dir, source)
     finally:
