@@ -73,7 +73,8 @@ def test_what_graft_accepts_with_its_reason_to():
                               "actor_rollout_ref.actor.kl_loss_coef=0.02", "actor_rollout_ref.actor.clip_ratio_high=0.28",
                               "algorithm.norm_adv_by_std_in_grpo=false", "+graft.options.kappa=0.5",
                               "+graft.peer_tokenizers=['tok-1=/models/peer']", "+graft.store_options.timeout_s=3"))
-    assert cfg.method == "graft" and cfg.store.url == STORE and cfg.store.timeout_s == 3 and not cfg.store.publish
+    assert cfg.method == "graft" and cfg.store.url == STORE and cfg.store.timeout_s == 3 and not cfg.publishes
+    assert cfg.peers.source == "prefetch" and cfg.peers.lookup_wait_s == 30
     assert cfg.graft.kappa == 0.5 and cfg.graft.peer_tokenizers == {"tok-1": "/models/peer"}
     assert (cfg.ppo.eps_low, cfg.ppo.eps_high, cfg.ppo.dual_clip_c, cfg.ppo.kl_beta) == (0.2, 0.28, 3.0, 0.02)
     assert cfg.ppo.advantage == "dr_grpo" and cfg.ppo.loss_agg == "token-mean"
