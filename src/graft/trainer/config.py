@@ -233,11 +233,6 @@ class StoreConfig(_Section):
         """Whether the trainer posts what it grafts to the store's served ledger: when the serving policy reads it."""
         return self.max_times_served is not None or self.serve_order == "least_served"
 
-    @property
-    def posts_to_broker(self) -> bool:
-        """Whether the trainer posts its misses or its grafts to the store (want_misses, the serving policy)."""
-        return self.want_misses or self.records_served
-
 
 # ---- how peer groups arrive: one setting, peers.source, and each source's own settings beside it -------------------
 

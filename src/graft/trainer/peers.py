@@ -44,7 +44,6 @@ class PartnerGone(RuntimeError):
 class PeerSource:
     """prefetch: the step's lookup in the background, the gate takes what is back (after peers.lookup_wait_s)."""
 
-    name = "prefetch"
     co_trains = False  # whether a co-trainer's groups are waited for (and its silence counted)
 
     def __init__(self, link: StoreLink, graft: GraftConfig, store: StoreConfig, learner_model: str,
@@ -164,8 +163,6 @@ class _CoTraining(PeerSource):
 class Cotrain(_CoTraining):
     """cotrain: publish every group, wait a bounded time for the co-trainer's groups of the step's all-fail prompts."""
 
-    name = "cotrain"
-
     def __init__(self, link: StoreLink, graft: GraftConfig, store: StoreConfig, learner_model: str,
                  settings: CotrainPeers, stopping: Callable[[], bool] = lambda: False):
         super().__init__(link, graft, store, learner_model, settings, stopping)
@@ -241,8 +238,6 @@ class Cotrain(_CoTraining):
 
 class Lockstep(_CoTraining):
     """lockstep: every step takes exactly the partners' groups of that step, waiting for them as long as they live."""
-
-    name = "lockstep"
 
     def __init__(self, link: StoreLink, graft: GraftConfig, store: StoreConfig, learner_model: str,
                  settings: LockstepPeers, stopping: Callable[[], bool] = lambda: False):
@@ -338,8 +333,6 @@ class Lockstep(_CoTraining):
 class Replay(PeerSource):
     """replay: the recorded run's peer groups, step by step, from the store by id, and the record checked as it goes
     (graft.trainer.replay.RecordedRun)."""
-
-    name = "replay"
 
     def __init__(self, link: StoreLink, cfg: TrainConfig):
         super().__init__(link, cfg.graft, cfg.store, link.model_id)
