@@ -63,10 +63,10 @@ def probe(job: dict, progress=lambda done, total: None) -> dict:
     failed = all_fail_prompts(base, learner, weak)
     # 2. their stored peer groups, chosen as the gate chooses (the most recent informative one)
     from graft.trainer.data import load_peer_tokenizers
-    from graft.trainer.peers import PeerExchange
+    from graft.trainer.peers import make_source
 
     peer_tokenizers = load_peer_tokenizers(base)
-    exchange = PeerExchange(base.store, base.graft, learner.model_id)
+    exchange = make_source(base, learner.model_id, runs=("prefetch",))
     try:
         request = exchange.request([p.prompt_id for p in failed], 0)
         found = exchange.collect(exchange.start_lookup(request), 60.0)

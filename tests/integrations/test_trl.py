@@ -275,7 +275,9 @@ def test_under_vllm_grafted_rows_are_kept_out_of_trls_importance_correction(toy_
     ({"scale_rewards": "batch"}, "scale_rewards"),
     ({"graft_options": {"kapa": 1.0}}, "kapa"),  # graft-train's own validation: a typo fails
     ({"graft_options": {"is_cap": -1.0}}, "is_cap"),
-    ({"graft_store_options": {"mode": "cotrain"}}, "offline"),
+    ({"graft_store_options": {"mode": "cotrain"}}, "peers.source"),  # how peers arrive is no store option
+    ({"graft_store_options": {"replay_from": "runs/graft"}}, "peers.source"),  # was accepted and ignored
+    ({"graft_peer_source": "lockstep"}, "runs prefetch only"),  # every source the adapter does not run
     ({"graft_store_options": {"want_misses": True}}, "want_misses"),  # the adapter posts no misses: would do nothing
     ({"graft_store_options": {"max_times_served": 2}}, "max_times_served"),  # nor its grafts to the ledger
     ({"graft_peer_tokenizers": ["tok-1=/a", "/b"]}, "ID=DIR"),

@@ -1,16 +1,29 @@
-"""The store as a broker (issue 50): wanted prompts and the served ledger, over a real store server on loopback
-(`graft-store serve` in a subprocess): recorded, listed for a generator, cleared by an informative group of another
-model, kept through a kill -9 and a restart, bounded; the ledger's cap and orders in the lookup; bad input refused."""
+"""The store as a broker (issues 50, 58): wanted prompts and the served ledger, over a real store server on loopback
+(`graft-store serve` in a subprocess): recorded, listed for a generator a page at a time, leased to one generator at a
+time, cleared only by a group the wanting learner's rule takes, indexed after the want (whatever the generator's clock
+says), kept through a kill -9 and a restart and through short writes, bounded; the ledger's cap and orders in the
+lookup, a retried post counted once; heartbeats; bad input refused."""
 
 from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
 
 import httpx
 import orjson
 import pytest
 from store_factory import make_group, make_problem, wait_for
 
-from graft.schemas import PeerLookupRequest, ServedRequest, Want, WantedRequest
+from graft.schemas import (
+    HeartbeatRequest,
+    LeaseRequest,
+    PeerLookupRequest,
+    ServedRequest,
+    Want,
+    WantedRequest,
+    WantRule,
+)
 from graft.services.store_api.broker import Broker, Journal
+from graft.services.store_api.broker import broker as broker_module
 from graft.services.store_api.http.client import StoreClient, StoreError
 from graft.services.store_api.http.testing import StoreServer
 
@@ -20,8 +33,25 @@ def want(i: int, reason: str = "nothing_stored", with_problem: bool = True) -> W
     return Want(prompt_id=problem.prompt_id, reason=reason, problem=problem if with_problem else None)
 
 
-def wants(learner: str, step: int, *items: Want) -> WantedRequest:
-    return WantedRequest(learner_model=learner, policy_step=step, wants=list(items))
+def wants(learner: str, step: int, *items: Want, rule: WantRule | None = None) -> WantedRequest:
+    return WantedRequest(learner_model=learner, policy_step=step, wants=list(items), rule=rule)
+
+
+def lease(generator: str, model: str = "peer", limit: int = 64, lease_s: float = 600.0) -> LeaseRequest:
+    return LeaseRequest(model_id=model, generator_id=generator, limit=limit, lease_s=lease_s)
+
+
+def backlog(client) -> set[str]:
+    return {p.prompt_id for p in client.all_wanted()}
+
+
+class NoGroups:
+    """A store index with no groups (the broker's GroupSource), for brokers built without a server."""
+
+    def prompt_refs(self, prompt_id): return []
+    def select_group(self, group_id): return []
+    def groups_after(self, seq): return [], 0
+    def newest_seq(self): return 1
 
 
 @pytest.fixture
@@ -184,12 +214,6 @@ def test_a_damaged_journal_line_is_kept_aside_not_skipped(tmp_path, caplog):
 
 
 def test_a_journal_grown_past_its_state_is_compacted(tmp_path):
-    class NoGroups:
-        def prompt_refs(self, prompt_id): return []
-        def select_group(self, group_id): return []
-        def groups_after(self, seq): return [], 0
-        def newest_seq(self): return 1
-
     broker = Broker(Journal(tmp_path / "broker", tmp_path), max_wanted=10, within_steps=2).open(NoGroups())
     for step in range(12_000):
         broker.want(wants("learner", step, want(step % 3)))
@@ -199,6 +223,147 @@ def test_a_journal_grown_past_its_state_is_compacted(tmp_path):
     assert again.stats() == broker.stats()
     assert [p.misses for p in again.wanted(None, "oldest", 10).prompts] == [4000, 4000, 4000]
     assert orjson.loads(lines[-1])["k"] in ("want", "step")
+
+
+def test_a_want_is_cleared_only_by_a_group_the_wanting_learners_rule_takes(client):
+    """The learner posts its rule with its wants (peer models, lag, behaviour logprobs): a group of another model, an old
+    step, or without mu leaves the want open, as the learner would not graft it; a group it takes clears it."""
+    rule = WantRule(peer_models=["good"], max_policy_lag=2, require_behaviour_logprobs=True)
+    client.post_wanted(wants("learner", 10, want(1), want(2), rule=rule))
+    client.push_groups([make_group(1, model="other", step=10)])  # not among its peer models
+    client.push_groups([make_group(1, model="good", step=7)])  # step 7 < 10 - 2: too old for its lag
+    client.push_groups([make_group(1, model="good", step=10, without_mu=True)])  # no mu, which it requires
+    client.push_groups([make_group(3, model="good", step=10)])  # a prompt nobody wants: the last group to land
+    wait_for(lambda: client.stats().total_groups == 4, what="four groups indexed")
+    client.push_groups([make_group(2, model="good", step=9)])  # one it takes: prompt 2's want goes
+    wait_for(lambda: backlog(client) == {make_problem(1).prompt_id}, what="prompt 2's want cleared, prompt 1's kept")
+    assert client.stats().broker.wants_cleared == 1
+    # a generator of a model the rule leaves out is not handed the learner's wants at all
+    assert client.wanted(model="other").prompts == [] and client.lease_wanted(lease("g", model="other")).prompts == []
+    client.push_groups([make_group(1, model="good", step=8)])
+    wait_for(lambda: backlog(client) == set(), what="prompt 1's want cleared by a group the rule takes")
+
+
+def test_a_want_is_cleared_by_what_the_store_indexed_after_it_whatever_the_generators_clock(client):
+    """Which group came after a want is the store's own order of indexing, never a comparison of the generator's clock
+    (the rows' created_at) with the store's: a generator an hour behind clears a want with its fresh group, one four
+    minutes ahead (the rows' validation takes up to five) whose group was stored before the want does not."""
+    ahead = datetime.now(UTC) + timedelta(minutes=4)
+    client.push_groups([make_group(1, model="peer", created_at=ahead)])  # stored before the want
+    wait_for(lambda: client.stats().total_groups == 1, what="the group indexed")
+    client.post_wanted(wants("learner", 1, want(1), want(2)))
+    client.push_groups([make_group(3, model="peer")])
+    wait_for(lambda: client.stats().total_groups == 2, what="a group after the want indexed")
+    assert backlog(client) == {make_problem(1).prompt_id, make_problem(2).prompt_id}
+    behind = datetime.now(UTC) - timedelta(hours=1)
+    client.push_groups([make_group(2, model="peer", created_at=behind)])  # stored after the want
+    wait_for(lambda: backlog(client) == {make_problem(1).prompt_id}, what="prompt 2's want cleared")
+
+
+def test_wanted_prompts_are_paged_and_a_page_costs_the_page(client, tmp_path, monkeypatch):
+    """GET /v1/wanted gives a page and the cursor of the next; the pages together list every wanted prompt once, in
+    order. On a broker holding 20,000 wants a page of 10 builds 10 listings, not the backlog's."""
+    client.post_wanted(wants("learner", 0, *[want(i) for i in range(5)]))
+    client.post_wanted(wants("other", 1, want(3, with_problem=False)))
+    pages, cursor = [], None
+    while True:
+        page = client.wanted(limit=2, cursor=cursor)
+        pages.append([p.prompt_id for p in page.prompts])
+        cursor = page.next_cursor
+        if cursor is None:
+            break
+    # oldest first (wants of one post are as old: then by prompt id), each once
+    assert [p for page in pages for p in page] == sorted(make_problem(i).prompt_id for i in range(5))
+    assert all(len(page) == 2 for page in pages[:2]) and page.backlog == 5
+    most = [p.prompt_id for p in client.all_wanted(order="most_wanted")]
+    assert most[0] == make_problem(3).prompt_id and sorted(most) == sorted(make_problem(i).prompt_id for i in range(5))
+    with pytest.raises(StoreError) as bad:
+        client.wanted(cursor="not-a-cursor")
+    assert bad.value.status_code == 400
+
+    broker = Broker(Journal(tmp_path / "big", tmp_path), max_wanted=100_000, within_steps=2).open(NoGroups())
+    for begin in range(0, 20_000, 1000):
+        broker.want(wants("learner", begin, *[want(i) for i in range(begin, begin + 1000)]))
+    built = []
+
+    class Counted(broker_module.WantedPrompt):
+        def __init__(self, **fields):
+            built.append(fields["prompt_id"])
+            super().__init__(**fields)
+
+    monkeypatch.setattr(broker_module, "WantedPrompt", Counted)
+    page = broker.wanted("peer", "oldest", 10, broker.wanted("peer", "oldest", 10).next_cursor)
+    assert [p.prompt_id for p in page.prompts] == sorted(make_problem(i).prompt_id for i in range(1000))[10:20]
+    assert len(built) == 20  # two pages of 10: what they hold, not 2 x 20,000
+    built.clear()
+    assert len(broker.lease(lease("g", limit=5)).prompts) == 5 and len(built) == 5
+
+
+def test_each_wanted_prompt_is_leased_to_one_generator_at_a_time(client):
+    """Two generators asking for work at once get different prompts; a prompt is free again once a group of the
+    lessee's model for it is in (here an all-fail one, which leaves the want open) or once its lease ran out."""
+    client.post_wanted(wants("learner", 0, *[want(i) for i in range(4)]))
+    first = [p.prompt_id for p in client.lease_wanted(lease("gen-a", limit=2)).prompts]
+    second = [p.prompt_id for p in client.lease_wanted(lease("gen-b", limit=3)).prompts]
+    assert len(first) == 2 and len(second) == 2 and not set(first) & set(second)  # all four taken, each once
+    assert client.lease_wanted(lease("gen-c")).prompts == []
+    assert len(client.wanted().prompts) == 4  # a listing is a read: it shows them all and leases nothing
+
+    prompt = next(i for i in range(4) if make_problem(i).prompt_id == first[0])
+    client.push_groups([make_group(prompt, model="peer", rewards=[0.0, 0.0, 0.0, 0.0])])  # gen-a's group: all-fail
+    wait_for(lambda: [p.prompt_id for p in client.lease_wanted(lease("gen-c")).prompts] == [first[0]],
+             what="the prompt free again once gen-a's group is in")
+    # a generator of another model gets none either: a prompt is held whoever asks (gen-a's, gen-b's, gen-c's now)
+    assert client.lease_wanted(lease("gen-d", model="peer-2")).prompts == []
+    with pytest.raises(StoreError) as bad:
+        client.lease_wanted(LeaseRequest.model_construct(model_id="peer", generator_id="g", limit=1, order="oldest",
+                                                         lease_s=-1))
+    assert bad.value.status_code == 422
+
+
+def test_a_lease_runs_out_by_the_stores_clock(client):
+    client.post_wanted(wants("learner", 0, want(1)))
+    assert len(client.lease_wanted(lease("gen-a", lease_s=0.5)).prompts) == 1
+    assert client.lease_wanted(lease("gen-b")).prompts == []
+    wait_for(lambda: client.lease_wanted(lease("gen-b")).prompts, what="gen-a's lease to run out")
+
+
+def test_a_ledger_post_sent_again_counts_once_and_heartbeats_are_kept(client):
+    """A learner whose post's answer was lost sends it again: the step's entries count once (a later step's count
+    again). Heartbeats: the count goes up with each, and a model that never beat is absent."""
+    group = make_group(1, model="peer")
+    client.push_groups([group])
+    post = ServedRequest(learner_model="l", policy_step=3, group_ids=[group.group_id])
+    client.record_served(post)
+    client.record_served(post)
+    assert client.times_served(group.group_id) == {"l": 1}
+    client.record_served(post.model_copy(update={"policy_step": 4}))
+    assert client.times_served(group.group_id) == {"l": 2}
+    client.post_wanted(wants("l", 3, want(2)))
+    client.post_wanted(wants("l", 3, want(2, with_problem=False)))
+    assert client.wanted().prompts[0].misses == 1
+
+    client.beat(HeartbeatRequest(model_id="learner", step=2, waiting=False))
+    client.beat(HeartbeatRequest(model_id="learner", step=3, waiting=True))
+    beats = client.heartbeats(["learner", "nobody"])
+    assert set(beats) == {"learner"} and (beats["learner"].beats, beats["learner"].step, beats["learner"].waiting) == \
+        (2, 3, True) and beats["learner"].age_s < 60
+
+
+def test_the_journal_writes_a_record_whole_however_many_writes_it_takes(tmp_path, monkeypatch):
+    """os.write may write less than it was given: the journal writes the rest (a record acknowledged is on disk whole)."""
+    import os
+
+    from graft.services.store_api.broker import journal as journal_module
+
+    real_write = os.write
+    monkeypatch.setattr(journal_module.os, "write", lambda fd, data: real_write(fd, bytes(data[:7])))
+    journal = Journal(tmp_path / "broker", tmp_path)
+    records = [{"k": "step", "learner": "a" * 40, "step": step} for step in range(5)]
+    journal.append(records)
+    journal.close()
+    monkeypatch.undo()
+    assert Journal(tmp_path / "broker", tmp_path).read() == records
 
 
 # ---------------------------------------------------------------------------------------------- on a lake

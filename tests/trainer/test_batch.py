@@ -25,7 +25,7 @@ from graft.trainer.config import TrainConfig
 from graft.trainer.gate import GateDecision
 from graft.trainer.learner import Learner
 from graft.trainer.metrics import StepOutcome, graft_metrics, graft_tally
-from graft.trainer.peers import gate_tally
+from graft.trainer.gate import gate_tally
 from toy.world import build_group
 
 PROBLEMS = [Problem.from_text("12+7=", "19", "toy_add"), Problem.from_text("3+4=", "7", "toy_add")]

@@ -51,17 +51,21 @@ def test_classify():
     assert classify_group([1.0, None]) == "mixed"
 
 
-def test_choose_most_recent_informative_peer_group_and_filters():
+def test_choose_the_first_informative_peer_group_in_serving_order_and_filters():
+    """The candidates come in the store's serving order (freshest: highest policy step first): the gate takes the first
+    group its rule accepts, informative ones first, and never re-sorts them (that would undo the serving order)."""
     p = PROBLEMS[0]
     old = group(p, [1.0, 0.0], policy_step=3)
     new = group(p, [0.0, 1.0, 0.0], policy_step=7)
     uninformative = group(p, [0.0, 0.0], policy_step=9)
     own = group(p, [1.0, 0.0], model_id="learner", policy_step=10)
     other = group(p, [1.0, 0.0, 1.0], model_id="other", policy_step=8)
-    chosen, action = choose_peer_group([old, new, uninformative, own], rule())
+    chosen, action = choose_peer_group([own, uninformative, new, old], rule())
     assert (chosen, action) == (new, "graft")
-    assert choose_peer_group([old, new, other], rule(["peer"])) == (new, "graft")
-    assert choose_peer_group([old, new, other], rule()) == (other, "graft")
+    assert choose_peer_group([other, new, old], rule(["peer"])) == (new, "graft")
+    assert choose_peer_group([other, new, old], rule()) == (other, "graft")
+    # another serving order (least_served, most_successes): its first group, whatever its step
+    assert choose_peer_group([old, new, other], rule()) == (old, "graft")
     assert choose_peer_group([old, new], rule(min_policy_step=8)) == (None, "skip_no_peer")
     assert choose_peer_group([uninformative], rule()) == (None, "skip_uninformative")
     assert choose_peer_group([own], rule()) == (None, "skip_no_peer")
@@ -76,8 +80,8 @@ def test_peer_groups_in_a_tokenizer_the_learner_lacks_are_refused():
     known = group(p, [1.0, 0.0], policy_step=2, tokenizer_id="tok-peer")
     unknown_newer = group(p, [0.0, 1.0], policy_step=5, model_id="other", tokenizer_id="tok-other")
     usable = {"tok-learner", "tok-peer"}
-    # the newest usable group wins over a newer one the learner cannot weigh
-    assert choose_peer_group([known, unknown_newer], rule(), usable) == (known, "graft")
+    # the first usable group wins over one served before it that the learner cannot weigh
+    assert choose_peer_group([unknown_newer, known], rule(), usable) == (known, "graft")
     assert choose_peer_group([unknown_newer], rule(), usable) == (unknown_newer, "skip_no_peer_tokenizer")
     assert choose_peer_group([unknown_newer], rule(), None) == (unknown_newer, "graft")
     # the learner's own tokenizer needs no entry
@@ -99,10 +103,10 @@ def test_a_group_without_mu_needs_no_peer_tokenizer_and_is_left_out_when_the_rul
         r.model_copy(update={"logprobs_mode": "none", "token_logprobs": [], "logprob_sum": 0.0})
         for r in group(p, [0.0, 1.0], policy_step=5, model_id="traces", tokenizer_id="tok-unknown").rollouts])
     usable = {"tok-learner", "tok-peer"}
-    # nothing of it is projected, so a tokenizer the learner lacks does not refuse it; the newest wins as ever
-    assert choose_peer_group([with_mu, text_only], rule(), usable) == (text_only, "graft")
+    # nothing of it is projected, so a tokenizer the learner lacks does not refuse it; the first served wins as ever
+    assert choose_peer_group([text_only, with_mu], rule(), usable) == (text_only, "graft")
     require_mu = rule().model_copy(update={"require_behaviour_logprobs": True})
-    assert choose_peer_group([with_mu, text_only], require_mu, usable) == (with_mu, "graft")
+    assert choose_peer_group([text_only, with_mu], require_mu, usable) == (with_mu, "graft")
     assert choose_peer_group([text_only], require_mu, usable) == (None, "skip_no_peer")
     now = 0
     assert rule().accepts_group(text_only, now) and not require_mu.accepts_group(text_only, now)

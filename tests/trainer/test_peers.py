@@ -1,19 +1,23 @@
-"""The trainer's store exchange (trainer/peers.py) against a real store server: the outbox under a push in flight,
-co-training's wait while the store is down, a co-trainer that publishes nothing."""
+"""The trainer's link to the store (trainer/store_link.py) and its sources of peer groups (trainer/peers.py) against a
+real store server: the outbox under a push in flight, co-training's wait while the store is down, a co-trainer that
+publishes nothing, prefetch's lookup that comes late."""
 
 from __future__ import annotations
 
 import logging
 import math
+import random
 import threading
 
 import pytest
 
 import graft.trainer.peers as peers_module
+import graft.trainer.store_link as link_module
 from graft.services.store_api.http.client import StoreClient
 from graft.services.store_api.http.testing import StoreServer, free_port
-from graft.trainer.config import GraftConfig, StoreConfig
-from graft.trainer.peers import PeerExchange, peer_candidates
+from graft.trainer.config import CotrainPeers, GraftConfig, StoreConfig
+from graft.trainer.peers import Cotrain, PeerSource
+from graft.trainer.store_link import StoreLink
 from toy.task import sample_problems
 
 LEARNER = "learner"
@@ -32,6 +36,10 @@ def groups(char_tokenizer, char_model):
 
     return [build_group(p, ["1", "2"], [0.0, 0.0], char_tokenizer, char_model, model_id=LEARNER, tokenizer_id="char")
             for p in sample_problems(12, seed=3)]
+
+
+def cotrain(config: StoreConfig, graft: GraftConfig, **settings) -> Cotrain:
+    return Cotrain(StoreLink(config, LEARNER), graft, config, LEARNER, CotrainPeers(source="cotrain", **settings))
 
 
 class GatedClient(StoreClient):
@@ -54,10 +62,10 @@ def stored_ids(url: str, model: str) -> set[str]:
 
 def test_groups_published_while_a_push_is_in_flight_are_neither_lost_nor_miscounted(store, groups, monkeypatch):
     """Outbox limit 8, 8 groups pushing, 4 published meanwhile: all 12 reach the store, 12 counted published."""
-    monkeypatch.setattr(peers_module, "OUTBOX_LIMIT", 8)
+    monkeypatch.setattr(link_module, "OUTBOX_LIMIT", 8)
     model = "race"
     mine = [g.model_copy(update={"rollouts": [r.model_copy(update={"model_id": model}) for r in g.rollouts]}) for g in groups]
-    peers = PeerExchange(StoreConfig(url=store.url, mode="cotrain"), GraftConfig(), model)
+    peers = StoreLink(StoreConfig(url=store.url), model)
     gated = GatedClient(store.url)
     peers._publish_client = gated
     try:
@@ -75,14 +83,13 @@ def test_groups_published_while_a_push_is_in_flight_are_neither_lost_nor_miscoun
 
 def test_cotraining_does_not_wait_while_the_store_is_down(groups):
     """A store known to be down cannot bring the co-trainer's groups: the step does not wait cotrain_wait_s for them."""
-    config = StoreConfig(url=f"http://127.0.0.1:{free_port()}", mode="cotrain", cotrain_wait_s=60, retries=0,
-                         timeout_s=2, backoff_initial_s=30)
-    peers = PeerExchange(config, GraftConfig(), LEARNER)
+    config = StoreConfig(url=f"http://127.0.0.1:{free_port()}", retries=0, timeout_s=2, backoff_initial_s=30)
+    peers = cotrain(config, GraftConfig(), wait_s=60)
     try:
         request = peers.request([g.prompt_id for g in groups[:4]], 0)
-        found = peer_candidates(peers, peers.start_lookup(request), request, groups[:4], None)
+        found = peers.candidates(peers.start_lookup(request), request, groups[:4], None, 0)
         assert not found.ok and found.groups == {}
-        assert found.wait_s < config.cotrain_wait_s / 2, f"waited {found.wait_s:.1f} s for a store that is down"
+        assert found.wait_s < peers.wait_s / 2, f"waited {found.wait_s:.1f} s for a store that is down"
         assert peers.counters.cotrain_waits_skipped == 1
         assert math.isnan(found.peer_silent_steps) or found.peer_silent_steps == 0  # no word either way
     finally:
@@ -92,14 +99,13 @@ def test_cotraining_does_not_wait_while_the_store_is_down(groups):
 def test_a_silent_co_trainer_is_warned_about_and_counted(store, groups, caplog):
     """The store answers but the co-trainer publishes nothing: every step's wait runs out; the count of such steps
     is the step's metric, and a warning says so after PEER_SILENT_WARN_STEPS of them."""
-    config = StoreConfig(url=store.url, mode="cotrain", cotrain_wait_s=0.3, cotrain_poll_s=0.1)
-    peers = PeerExchange(config, GraftConfig(peer_models=["nobody"]), LEARNER)
+    peers = cotrain(StoreConfig(url=store.url), GraftConfig(peer_models=["nobody"]), wait_s=0.3, poll_s=0.1)
     caplog.set_level(logging.WARNING, logger="graft.trainer.peers")
     try:
         silent = []
         for step in range(peers_module.PEER_SILENT_WARN_STEPS):
             request = peers.request([g.prompt_id for g in groups[:2]], step)
-            found = peer_candidates(peers, peers.start_lookup(request), request, groups[:2], None)
+            found = peers.candidates(peers.start_lookup(request), request, groups[:2], None, step)
             assert found.ok
             silent.append(found.peer_silent_steps)
         assert silent == list(range(1, peers_module.PEER_SILENT_WARN_STEPS + 1))
@@ -112,7 +118,7 @@ def test_a_silent_co_trainer_is_warned_about_and_counted(store, groups, caplog):
         with StoreClient(store.url) as client:
             client.push_groups([theirs])
         request = peers.request([g.prompt_id for g in groups[:2]], 99)
-        found = peer_candidates(peers, peers.start_lookup(request), request, groups[:2], None)
+        found = peers.candidates(peers.start_lookup(request), request, groups[:2], None, 99)
         assert found.peer_silent_steps == 0 and "n0" in {g.group_id for g in found.groups[groups[0].prompt_id]}
     finally:
         peers.close()
@@ -144,15 +150,17 @@ def test_offline_a_lookup_slower_than_generation_is_late_or_waited_for_as_lookup
                                                     for i, r in enumerate(theirs.rollouts)]})
     with StoreClient(store.url) as client:
         client.push_groups([theirs])
-    peers = PeerExchange(StoreConfig(url=store.url, lookup_wait_s=lookup_wait_s), GraftConfig(peer_models=[peer]), LEARNER)
+    config = StoreConfig(url=store.url)
+    peers = PeerSource(StoreLink(config, LEARNER), GraftConfig(peer_models=[peer]), config, LEARNER,
+                       lookup_wait_s=lookup_wait_s)
     held = HeldLookupClient(store.url)
-    peers._lookup_client = held
+    peers.link._lookup_client = held
     try:
         request = peers.request([groups[5].prompt_id], 0)
         pending = peers.start_lookup(request)
         if lookup_wait_s:
             threading.Timer(0.3, held.release.set).start()  # the store answers 0.3 s after generation ended
-        found = peer_candidates(peers, pending, request, groups[5:6], None)
+        found = peers.candidates(pending, request, groups[5:6], None, 0)
         held.release.set()
         if lookup_wait_s:
             assert [g.group_id for g in found.groups[problem.prompt_id]] == [f"{peer}-g"]
@@ -163,3 +171,96 @@ def test_offline_a_lookup_slower_than_generation_is_late_or_waited_for_as_lookup
     finally:
         held.release.set()
         peers.close()
+
+
+# ---- the broker's policies, as the trainer uses them ------------------------------------------------------------
+
+def peer_group_of(problem, tokenizer, model, peer: str, step: int, rewards: list[float]):
+    from toy.world import build_group
+
+    group = build_group(problem, [str(i) for i in range(len(rewards))], rewards, tokenizer, model, model_id=peer,
+                        tokenizer_id="char")
+    gid = f"{peer}-{step}"
+    return group.model_copy(update={"rollouts": [r.model_copy(update={"group_id": gid, "rollout_id": f"{gid}-{i}",
+                                                                        "policy_step": step})
+                                                 for i, r in enumerate(group.rollouts)]})
+
+
+def test_the_gate_takes_the_stores_serving_order_least_served_rotates(store, groups, char_tokenizer, char_model):
+    """store.serve_order least_served with three accepted peer groups of a prompt: the trainer posts what it grafts to
+    the served ledger (before its next lookup asks), the store serves the least served first, and the gate takes that
+    one: step after step the grafts rotate across the three, not the freshest again and again."""
+    from graft.trainer.gate import gate_groups
+
+    problem, learner, peer = sample_problems(12, seed=3)[0], "rotating-learner", "rotating-peer"
+    theirs = [peer_group_of(problem, char_tokenizer, char_model, peer, step, [1.0, 0.0]) for step in (3, 2, 1)]
+    with StoreClient(store.url) as client:
+        client.push_groups(theirs)
+    config = StoreConfig(url=store.url, serve_order="least_served", groups_per_prompt=4)
+    source = PeerSource(StoreLink(config, learner), GraftConfig(peer_models=[peer]), config, learner, lookup_wait_s=30)
+    rewards = [(problem.prompt_id, [0.0, 0.0])]
+    grafted = []
+    try:
+        for step in range(4):
+            request = source.request([problem.prompt_id], step)
+            found = source.candidates(source.start_lookup(request), request, groups[:1], None, step)
+            decisions = gate_groups(rewards, found.groups, request, max_grafted_fraction=1.0, rng=random.Random(0))
+            source.after_gate(step, decisions, found, {problem.prompt_id: problem}, rewards)
+            grafted.append(decisions[0].peer_group.group_id)
+        assert source.link.flush(60) and source.counters.served_posted == 4
+    finally:
+        source.close()
+    assert grafted == [f"{peer}-3", f"{peer}-2", f"{peer}-1", f"{peer}-3"]  # freshest first, then the least served
+
+
+def test_ledger_posts_that_fail_are_sent_again_and_refused_ones_are_dropped(tmp_path, groups, char_tokenizer, char_model):
+    """The store is down when the step's served-ledger entry is posted: it is kept (counted as a failure) and sent once
+    the store is back, and counted once; an entry the store refuses (a group it never had: 404) is logged, counted and
+    dropped, never sent again."""
+    from graft.services.store_api.local import write_groups
+    from graft.trainer.config import TrainConfig
+
+    problem = sample_problems(12, seed=3)[0]
+    theirs = peer_group_of(problem, char_tokenizer, char_model, "ledger-peer", 1, [1.0, 0.0])
+    write_groups(tmp_path / "store", [theirs])
+    server = StoreServer(tmp_path / "store")  # not started: the store is down
+    config = StoreConfig(url=server.url, retries=0, timeout_s=2, backoff_initial_s=0.05, backoff_max_s=0.1,
+                         max_times_served=1)
+    cfg = TrainConfig(model={"path": "m"}, data={"dataset": "d"}, store=config.model_dump())
+    link = StoreLink(config, "ledger-learner")
+    source = PeerSource(link, cfg.graft, config, "ledger-learner")
+    try:
+        link.post_broker(1, [], [theirs.group_id], source.want_rule())
+        assert not link.flush(5) and link.broker_queued == 1 and link.counters.broker_failures >= 1
+        with server:
+            assert link.flush(60)
+            with StoreClient(server.url) as client:
+                assert client.times_served(theirs.group_id) == {"ledger-learner": 1}
+            assert link.counters.served_posted == 1
+            link.post_broker(2, [], ["never-stored"], source.want_rule())
+            assert link.flush(60) and link.counters.broker_refused == 1 and link.broker_queued == 0
+    finally:
+        link.close()
+
+
+def test_no_want_is_posted_for_a_prompt_no_generator_can_serve(store):
+    """A prompt whose gold answer the scorer could not read (every reward None) is not wanted: a generator's group of it
+    could not score either. The other miss is posted, with the learner's rule."""
+    from graft.trainer.gate import GateDecision
+    from graft.trainer.store_link import LookupResult
+
+    problems = sample_problems(12, seed=4)[:2]
+    learner = "want-learner"
+    config = StoreConfig(url=store.url, want_misses=True)
+    source = PeerSource(StoreLink(config, learner), GraftConfig(peer_models=["want-peer"]), config, learner)
+    decisions = [GateDecision(p.prompt_id, "all_fail", "skip_no_peer") for p in problems]
+    rewards = [(problems[0].prompt_id, [0.0, 0.0]), (problems[1].prompt_id, [None, None])]
+    try:
+        source.after_gate(0, decisions, LookupResult(ok=True), {p.prompt_id: p for p in problems}, rewards)
+        assert source.link.flush(60) and source.counters.wants_posted == 1
+    finally:
+        source.close()
+    with StoreClient(store.url) as client:
+        listed = client.wanted(model="want-peer").prompts
+        assert [p.prompt_id for p in listed if learner in p.learners] == [problems[0].prompt_id]
+        assert client.wanted(model="not-a-peer").prompts == []  # its rule takes want-peer's groups only

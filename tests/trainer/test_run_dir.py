@@ -80,7 +80,7 @@ def test_sigterm_stops_at_a_step_boundary_and_resume_continues(toy_world, tmp_pa
     sampled group and exits 0; `--resume` then runs the steps after that checkpoint."""
     with StoreServer(tmp_path / "store") as server:
         cfg = make_config(toy_world, tmp_path / "run", server.url, method="grpo", steps=50,
-                          **{"store.publish": True, "model.model_id": "sigterm"})
+                          **{"peers.publish": True, "model.model_id": "sigterm"})
         config = tmp_path / "run.yaml"
         config.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
         command = [sys.executable, "-m", "graft.trainer.cli", "train", "--config", str(config)]

@@ -329,17 +329,17 @@ def test_cotraining_two_processes_through_one_store(toy_world, tmp_path):
     """Two graft-train processes, each the other's peer, through one (initially empty) store.
 
     Each step both publish their groups, then wait until the other's group of every prompt they failed is in
-    the store: the wait ends on that condition, and cotrain_wait_s (300 s) is only a deadline against a
+    the store: the wait ends on that condition, and peers.wait_s (300 s) is only a deadline against a
     co-trainer that died. So what each process trains on does not depend on the two processes' timing."""
     import subprocess
     import sys
 
     with StoreServer(tmp_path / "store") as server:
-        common = ["--store-url", server.url, "--cotrain", "--steps", "3", "--dataset", str(toy_world.problems_path),
+        common = ["--store-url", server.url, "--peers", "cotrain", "--steps", "3", "--dataset", str(toy_world.problems_path),
                   "--group-size", "4", "--prompts-per-step", "8", "--seed", "0",
                   "--set", "data.prompt_template=raw", "--set", "rollout.max_response_tokens=16",
                   "--set", "rollout.backend=hf", "--set", "rollout.scorer_workers=1", "--set", "optim.mini_batch_prompts=8",
-                  "--set", "store.cotrain_wait_s=300", "--set", "logging.progress=false", "--set", "model.device=cpu",
+                  "--set", "peers.wait_s=300", "--set", "logging.progress=false", "--set", "model.device=cpu",
                   "--set", "torch_threads=1"]
         runs = {
             "learner": ["--model", str(toy_world.learner_dir), "--run-dir", str(tmp_path / "a"), "--peer-models", "peer",

@@ -20,6 +20,23 @@ def make_group_id(model_id: str, model_revision: str, policy_step: int, prompt_i
     return hashlib.sha256(key.encode("utf-8")).hexdigest()[:32]
 
 
+WANTED_DRAW = "wanted-"
+
+
+def wanted_group_id(model_id: str, model_revision: str, policy_step: int, prompt_id: str, draw: str,
+                    sampling_key: str) -> str:
+    """The id of a group a generator drew for a wanted prompt (`draw`: unique to the draw): `wanted-<sampling key>-
+    <hash>`, so that a restarted generator knows the wanted groups its settings made among the stored ones, however
+    many draws there were (`is_wanted_draw`), where the dataset's rounds are known by recomputing their ids."""
+    digest = make_group_id(model_id, model_revision, policy_step, prompt_id, draw, sampling_key)[:24]
+    return f"{WANTED_DRAW}{sampling_key}-{digest}"
+
+
+def is_wanted_draw(group_id: str, sampling_key: str) -> bool:
+    """Whether `group_id` is a wanted prompt's draw under these settings (`wanted_group_id`)."""
+    return group_id.startswith(f"{WANTED_DRAW}{sampling_key}-")
+
+
 def logprobs_mode(params: SamplingParams, engine_mode: str = "processed_logprobs") -> str:
     """'processed': logprobs of the distribution sampled from (after temperature, top-k, top-p).
     'raw': the model's own (temperature 1) distribution: greedy decoding, or a server that reports raw logprobs

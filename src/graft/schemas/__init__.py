@@ -1,6 +1,8 @@
 """Data definitions shared by every process: the stored rollout, its Arrow schema, API models."""
 
 from graft.schemas.api import (
+    HEARTBEAT_PATH,
+    LEASE_PATH,
     LOOKUP_PATH,
     MAX_LOOKUP_PROMPTS,
     MAX_PAGE_SIZE,
@@ -12,7 +14,10 @@ from graft.schemas.api import (
     BrokerStats,
     ErrorResponse,
     HealthResponse,
+    Heartbeat,
+    HeartbeatRequest,
     LakeStats,
+    LeaseRequest,
     ModelStats,
     PeerLookupRequest,
     PeerLookupResponse,
@@ -28,6 +33,7 @@ from graft.schemas.api import (
     WantedPrompt,
     WantedRequest,
     WantedResponse,
+    WantRule,
 )
 from graft.schemas.rollout import (
     ARROW_MEDIA_TYPE,
@@ -57,6 +63,7 @@ __all__ = [
     "SCHEMA_VERSION", "ErrorResponse", "HealthResponse", "LakeStats", "ModelStats", "PeerLookupRequest", "PeerLookupResponse",
     "Problem", "PushGroupsRequest", "PushGroupsResponse", "Rollout", "RolloutGroup", "RolloutPage", "StatsResponse",
     "MAX_WANTS", "SERVED_PATH", "WANTED_PATH", "BrokerStats", "ServedRequest", "ServedResponse", "ServeOrder", "Want",
-    "WantedList", "WantedPrompt", "WantedRequest", "WantedResponse",
+    "WantedList", "WantedPrompt", "WantedRequest", "WantedResponse", "WantRule", "LEASE_PATH", "LeaseRequest",
+    "HEARTBEAT_PATH", "Heartbeat", "HeartbeatRequest",
     "group_advantages", "groups_to_table", "mu_is_behaviour", "prompt_id", "rollout_id", "table_to_groups",
 ]

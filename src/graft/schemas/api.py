@@ -17,7 +17,10 @@ MAX_PAGE_SIZE = 1000
 MAX_PUSH_GROUPS = 512
 MAX_WANTS = 1024  # wants or ledger entries in one POST /v1/wanted or /v1/served
 WANTED_PATH = "/v1/wanted"
+LEASE_PATH = "/v1/wanted/lease"
 SERVED_PATH = "/v1/served"
+HEARTBEAT_PATH = "/v1/heartbeats"
+MAX_LEASE_S = 24 * 3600.0
 
 PromptId = Annotated[str, Field(pattern=PROMPT_ID_PATTERN, description="prompt_id(problem text)")]
 ServeOrder = Literal["freshest", "most_successes", "least_served"]
@@ -214,6 +217,34 @@ class Want(BaseModel):
         return self
 
 
+class WantRule(BaseModel):
+    """Which peer groups the wanting learner takes (the rule of its lookups, posted with its wants): only a group it
+    would take clears its want, and a generator whose model it would not take is not handed it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    peer_models: list[str] | None = Field(default=None, min_length=1, description="only these models' groups (null: any model but the learner)")
+    max_policy_lag: int | None = Field(default=None, ge=0, le=INT64_MAX, description="only groups from policy step >= the learner's newest step (as it reports them) - this")
+    require_behaviour_logprobs: StrictBool = Field(default=False, description="only groups whose rows carry behaviour logprobs (mu)")
+    informative_only: StrictBool = Field(default=True, description="only groups with 0 < successes < group size (false: all-success ones too)")
+    max_times_served: int | None = Field(default=None, ge=1, le=INT32_MAX, description="only groups served to the learner fewer times than this")
+
+    def admits_model(self, learner_model: str, model_id: str) -> bool:
+        """Whether a group of `model_id` can be one the learner takes (a generator of that model can serve it)."""
+        return model_id != learner_model and (self.peer_models is None or model_id in self.peer_models)
+
+    def takes(self, learner_model: str, learner_step: int, model_id: str, policy_step: int, successes: int,
+              group_size: int, has_behaviour_logprobs: bool, times_served: int) -> bool:
+        """Whether the learner, at its step `learner_step`, takes a group with these properties (its lookup's rule,
+        PeerLookupRequest.accepts, but the wall-clock bound, which a want outlives)."""
+        lookup = PeerLookupRequest.model_construct(
+            learner_model=learner_model, peer_models=self.peer_models, informative_only=self.informative_only,
+            min_successes=1, max_age_s=None, require_behaviour_logprobs=self.require_behaviour_logprobs,
+            min_policy_step=None if self.max_policy_lag is None else max(0, learner_step - self.max_policy_lag))
+        return (lookup.accepts(model_id, policy_step, successes, group_size, 0, 0, has_behaviour_logprobs)
+                and (self.max_times_served is None or times_served < self.max_times_served))
+
+
 class WantedRequest(BaseModel):
     """A learner's misses, to become the generators' work."""
 
@@ -222,6 +253,7 @@ class WantedRequest(BaseModel):
     learner_model: str = Field(min_length=1, description="the learner that missed them (groups of its own never clear a want)")
     policy_step: int = Field(ge=0, le=INT64_MAX, description="the learner's policy step at the miss")
     wants: list[Want] = Field(min_length=1, max_length=MAX_WANTS)
+    rule: WantRule | None = Field(default=None, description="which groups the learner takes (null: any informative group of another model); the learner's newest rule holds for all its wants")
 
     @model_validator(mode="after")
     def _utf8(self) -> WantedRequest:
@@ -250,7 +282,52 @@ class WantedPrompt(BaseModel):
 
 class WantedList(BaseModel):
     prompts: list[WantedPrompt]
-    backlog: int = Field(description="prompts wanted now by a learner other than the asking model")
+    backlog: int = Field(description="prompts wanted now, all learners")
+    next_cursor: str | None = Field(default=None, description="where the next page starts (null: this was the last); a "
+                                                              "page may hold fewer prompts than asked and still have one")
+
+
+class LeaseRequest(BaseModel):
+    """A generator takes wanted prompts to sample: each is leased to it alone until it has stored a group of the prompt,
+    or for lease_s at most (then another may take it)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model_id: str = Field(min_length=1, description="the model the generator samples (wants it cannot serve are left out: its own as a learner, and those of learners whose peer_models leave it out)")
+    generator_id: str = Field(min_length=1, description="who holds the leases")
+    limit: int = Field(default=64, ge=1, le=1024, description="at most this many prompts")
+    order: Literal["oldest", "most_wanted"] = Field(default="oldest", description="oldest want first, or most learners (then most misses) first")
+    lease_s: float = Field(gt=0, le=MAX_LEASE_S, description="how long the prompts are this generator's alone (by the store's clock)")
+
+    @model_validator(mode="after")
+    def _utf8(self) -> LeaseRequest:
+        utf8_text(self.model_id, self.generator_id)
+        return self
+
+
+class HeartbeatRequest(BaseModel):
+    """A trainer that lives (lockstep co-training): its step, and whether it waits for its partners."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model_id: str = Field(min_length=1, description="the trainer's model id (what its partners name in peer_models)")
+    step: int = Field(ge=0, le=INT64_MAX, description="the policy step it is at")
+    waiting: StrictBool = Field(description="whether it is waiting for its partners' groups of that step")
+
+    @model_validator(mode="after")
+    def _utf8(self) -> HeartbeatRequest:
+        utf8_text(self.model_id)
+        return self
+
+
+class Heartbeat(BaseModel):
+    """A trainer's last heartbeat as the store holds it (in memory: a restarted store has none until the next)."""
+
+    model_id: str
+    beats: int = Field(description="heartbeats received from it since the store started: a change is a sign of life")
+    step: int
+    waiting: bool
+    age_s: float = Field(description="seconds since the store received it, by the store's own clock")
 
 
 class ServedRequest(BaseModel):

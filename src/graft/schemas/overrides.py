@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Optional, TypeVar
+from typing import Any, Optional, TypeVar, get_args
 
 import yaml
 from pydantic import BaseModel
@@ -38,6 +38,14 @@ def describe_fields(model: type[BaseModel], prefix: str = "") -> list[tuple[str,
         annotation = info.annotation
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             rows.extend(describe_fields(annotation, f"{prefix}{name}."))
+            continue
+        variants = [a for a in get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if variants and info.discriminator:  # a section of several kinds (peers: one per source): each kind's fields
+            tag = info.discriminator
+            default = info.get_default(call_default_factory=True)
+            rows.append((f"{prefix}{name}.{tag}", repr(getattr(default, tag, None)), info.description or ""))
+            rows.extend(row for variant in variants for row in describe_fields(variant, f"{prefix}{name}.")
+                        if row[0] != f"{prefix}{name}.{tag}")
             continue
         value = None if info.is_required() else info.get_default(call_default_factory=True)
         default = "(required)" if info.is_required() else repr(str(value) if isinstance(value, Path) else value)

@@ -14,8 +14,8 @@ _FACE = {
     "graft.trainer.config": ("GraftConfig", "StoreConfig", "TrainConfig"),
     "graft.trainer.loop": ("train",),
     "graft.trainer.host": ("GraftHost", "host_setup"),
-    "graft.trainer.gate": ("GateDecision", "gate_groups"),
-    "graft.trainer.peers": ("LookupResult", "gate_tally"),
+    "graft.trainer.gate": ("GateDecision", "gate_groups", "gate_tally"),
+    "graft.trainer.store_link": ("LookupResult",),
     "graft.trainer.retokenize": ("learner_stop_token",),
     "graft.trainer.batch": ("FirstPass", "PeerRowCounts", "TrainSample", "WeightStats", "WeightedRows",
                             "fit_grafted_group", "grafted_group_rows", "old_logprobs_and_weights", "peer_rows"),
@@ -41,11 +41,11 @@ if TYPE_CHECKING:
         peer_rows,
     )
     from graft.trainer.config import GraftConfig, StoreConfig, TrainConfig
-    from graft.trainer.gate import GateDecision, gate_groups
+    from graft.trainer.gate import GateDecision, gate_groups, gate_tally
     from graft.trainer.host import GraftHost, host_setup
     from graft.trainer.loop import train
     from graft.trainer.metrics import graft_metrics, graft_tally
-    from graft.trainer.peers import LookupResult, gate_tally
+    from graft.trainer.store_link import LookupResult
     from graft.trainer.retokenize import learner_stop_token
 
 

@@ -14,6 +14,7 @@ earlier releases (`graft-train train CONFIG`) still runs, with a deprecation war
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 from pathlib import Path
@@ -22,20 +23,24 @@ from typing import Annotated, Optional
 import typer
 
 from graft.schemas.overrides import add_show_config, command_line_config
-from graft.trainer.config import TrainConfig, missing_inputs
+from graft.trainer.config import PEER_SOURCES, TrainConfig, missing_inputs
+
+PeerSourceName = enum.Enum("PeerSourceName", {name: name for name in PEER_SOURCES}, type=str)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train a policy with GRPO, GRAFT or DAPO (GRAFT: docs/algorithm.md).")
 
 
 def _named(
     model: str | None, peer_models: str | None, dataset: str | None, store_url: str | None, method: str | None,
-    mode: str | None, steps: int | None, group_size: int | None, prompts_per_step: int | None, lr: float | None,
+    source: str | None, steps: int | None, group_size: int | None, prompts_per_step: int | None, lr: float | None,
     seed: int | None, run_dir: Path | None,
 ) -> dict[str, object]:
     """The named options by the dotted fields they set (None: not given); `--set` pairs come after them and win."""
     peers = None if peer_models is None else [m.strip() for m in peer_models.split(",") if m.strip()]
     return {
-        "model.path": model, "data.dataset": dataset, "store.url": store_url, "method": method, "store.mode": mode,
+        "model.path": model, "data.dataset": dataset, "store.url": store_url, "method": method,
+        # a source of its own settings: --peers replaces the config's peers section (--set peers.<x> then sets them)
+        "peers": None if source is None else {"source": source},
         "steps": steps, "rollout.group_size": group_size, "rollout.prompts_per_step": prompts_per_step, "optim.lr": lr,
         "seed": seed, "run_dir": str(run_dir) if run_dir is not None else None, "graft.peer_models": peers,
     }
@@ -70,7 +75,8 @@ def train(
     dataset: Annotated[Optional[str], typer.Option("--dataset", help="training problems (data.dataset)")] = None,
     store_url: Annotated[Optional[str], typer.Option("--store-url", help="store base URL (store.url)")] = None,
     method: Annotated[Optional[str], typer.Option("--method", help="grpo | graft | dapo")] = None,
-    cotrain: Annotated[Optional[bool], typer.Option("--cotrain/--offline", help="co-training (publish and wait) or offline store use")] = None,
+    peers: Annotated[Optional[PeerSourceName], typer.Option("--peers", help="how peer groups arrive (peers.source, the config's peers section replaced: --set peers.<setting> after it): prefetch (read the store), cotrain (publish, wait a bounded time for the co-trainer), lockstep (publish, take the partner's groups of each step), replay (see graft-train replay)")] = None,
+    old_mode: Annotated[Optional[bool], typer.Option("--cotrain/--offline", hidden=True)] = None,
     steps: Annotated[Optional[int], typer.Option("--steps", help="training steps")] = None,
     group_size: Annotated[Optional[int], typer.Option("--group-size", help="rollouts per prompt (rollout.group_size)")] = None,
     prompts_per_step: Annotated[Optional[int], typer.Option("--prompts-per-step", help="prompt batch (rollout.prompts_per_step)")] = None,
@@ -90,9 +96,11 @@ def train(
     stops at the next step boundary (checkpoint written, groups pushed) and exits 0."""
     if resume and overwrite:
         raise typer.BadParameter("--resume continues the run in the run directory, --overwrite deletes it: give one")
-    mode = None if cotrain is None else ("cotrain" if cotrain else "offline")
+    if old_mode is not None:
+        raise typer.BadParameter("--cotrain and --offline are gone: how peer groups arrive is one setting, --peers "
+                                 "(--cotrain: --peers cotrain, or lockstep; --offline: --peers prefetch)")
     cfg = command_line_config(TrainConfig, _config_path(config, positional, "train"), sets, _named(
-        model, peer_models, dataset, store_url, method, mode, steps, group_size, prompts_per_step, lr, seed, run_dir))
+        model, peer_models, dataset, store_url, method, peers.value if peers else None, steps, group_size, prompts_per_step, lr, seed, run_dir))
     if dry_run:
         import yaml
 
@@ -137,12 +145,14 @@ def replay(
     overwrite: Annotated[bool, typer.Option("--overwrite", help="delete a run already in --run-dir first")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="log INFO messages to stderr")] = False,
 ) -> None:
-    """Rerun a GRAFT run from its recorded peer groups (the run's config with store.replay_from set): each step grafts
+    """Rerun a GRAFT run from its recorded peer groups (the run's config with peers.source replay): each step grafts
     exactly the groups the run did, fetched from the store by id and checked by hash; no lookup, no partner, nothing
-    published. Its metrics equal the run's but for the times (*_s) and the store call counts (store_*)."""
-    sets = [f"run_dir={run_dir}", f"store.replay_from={recorded}"] + ([f"store.url={store_url}"] if store_url else []) \
+    published; the first step whose own rewards or grafts differ from the record stops it, naming what differed. Its
+    metrics equal the run's but for the times (*_s) and the store call counts (store_*)."""
+    sets = [f"run_dir={run_dir}"] + ([f"store.url={store_url}"] if store_url else []) \
         + ([f"steps={steps}"] if steps is not None else [])
-    cfg = command_line_config(TrainConfig, recorded / "config.yaml", sets)
+    cfg = command_line_config(TrainConfig, recorded / "config.yaml", sets,
+                              {"peers": {"source": "replay", "run_dir": str(recorded)}})
     _check_inputs(cfg, False)
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)

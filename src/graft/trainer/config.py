@@ -7,8 +7,9 @@ Override any field from the command line with a dotted path: `--set graft.peer_n
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -229,24 +230,30 @@ class DapoConfig(_Section):
 
 
 class StoreConfig(_Section):
+    """The store this run talks to, and how it asks (how peer groups arrive is `peers`, a section of its own)."""
+
     url: str | None = Field(default=None, description="store base URL, e.g. http://127.0.0.1:8600 (required for method=graft)")
     token: str | None = Field(default=None, description="bearer token for pushing groups, when the store requires one")
-    mode: Literal["offline", "cotrain"] = Field(default="offline", description="offline: read the store, waiting for it at most store.lookup_wait_s (default: never); cotrain: publish own groups and wait a bounded time for the peer's")
     timeout_s: float = Field(default=10.0, gt=0.0, description="HTTP timeout of one store call")
     retries: int = Field(default=1, ge=0, description="client retries per call (the trainer backs off across steps on its own)")
     backoff_initial_s: float = Field(default=1.0, gt=0.0, description="first pause after a failed store call; doubles per failure")
     backoff_max_s: float = Field(default=30.0, gt=0.0, description="longest pause between store attempts")
-    publish: bool | None = Field(default=None, description="push every sampled group to the store (None: on in cotrain mode, off offline)")
-    lookup_wait_s: float = Field(default=0.0, ge=0.0, description="offline: after generation, wait at most this long for the step's peer lookup (it runs while the step generates); 0: graft only what is already back. A step that waited is counted in store_wait_s; one whose lookup was still out, in store_lookups_late")
-    cotrain_wait_s: float = Field(default=30.0, ge=0.0, description="cotrain: longest wait per step for peer groups of this step's all-fail prompts")
-    cotrain_poll_s: float = Field(default=0.25, gt=0.0, description="cotrain: pause between lookups while waiting")
-    groups_per_prompt: int = Field(default=4, ge=1, le=16, description="peer groups asked per prompt (most recent first)")
-    cotrain_lockstep: bool = Field(default=False, description="cotrain (ignored offline): every step waits (up to store.cotrain_wait_s, then fails naming the partner) for each peer model's group of this very step for each of the step's prompts, and grafts only those: the same command gives the same metrics. Both trainers must draw the same prompts (same seed, data, rollout.prompts_per_step) and name each other in graft.peer_models")
-    want_misses: bool = Field(default=False, description="post each step's all-fail prompts that got no peer group to graft to the store's wanted prompts (POST /v1/wanted), with their problems: generators with follow_wanted sample them first, and later lookups find their groups")
+    groups_per_prompt: int = Field(default=4, ge=1, le=16, description="peer groups asked per prompt, in the serving order (store.serve_order)")
+    want_misses: bool = Field(default=False, description="post each step's all-fail prompts that got no peer group to graft to the store's wanted prompts (POST /v1/wanted), with their problems and this learner's rule of which groups it takes: generators with follow_wanted sample them first, a group the rule takes clears them, and later lookups find it")
     max_times_served: int | None = Field(default=None, ge=1, description="serving policy: the store serves a group to this learner at most this many times (its served ledger, which the trainer then fills with what it grafts); None: no cap")
-    serve_order: ServeOrder = Field(default="freshest", description="serving policy: which accepted groups the lookup gives first: freshest (highest policy step, then newest), most_successes, or least_served (fewest grafts by this learner; the trainer then fills the ledger)")
-    replay_from: Path | None = Field(default=None, description="rerun the run in this run directory from its peer_groups.jsonl: each step's peer groups are fetched from the store by id and checked against their recorded sha256 (no lookup, no wait, nothing published); the config must equal that run's but for run_dir, store.url/token and logging")
+    serve_order: ServeOrder = Field(default="freshest", description="serving policy: which accepted groups the lookup gives first, and the gate takes first: freshest (highest policy step, then newest), most_successes, or least_served (fewest grafts by this learner; the trainer then fills the ledger)")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_source_fields(cls, data: Any) -> Any:
+        """The store section's keys of earlier releases that said how peers arrive: refused here, naming the new setting
+        (a whole TrainConfig maps them first: `TrainConfig._peers_from_old_store_keys`)."""
+        if isinstance(data, dict):
+            old = [key for key in OLD_SOURCE_KEYS if key in data]
+            if old:
+                raise ValueError(f"store.{', store.'.join(old)}: how peer groups arrive is one setting now, peers.source "
+                                 "(prefetch | cotrain | lockstep | replay), with each source's own settings beside it")
+        return data
 
     def refuse_broker_posts(self, where: str) -> None:
         """`where` (a framework's adapter) neither posts its misses nor its grafts: the settings that need them would do
@@ -262,11 +269,90 @@ class StoreConfig(_Section):
         """Whether the trainer posts what it grafts to the store's served ledger: when the serving policy reads it."""
         return self.max_times_served is not None or self.serve_order == "least_served"
 
+
+# ---- how peer groups arrive: one setting, peers.source, and each source's own settings beside it -------------------
+
+class _PeerSourceSection(_Section):
+    @model_validator(mode="before")
+    @classmethod
+    def _own_settings_only(cls, data: Any) -> Any:
+        """A setting of another source would do nothing here: refused, naming what this source takes."""
+        if isinstance(data, dict):
+            own = set(cls.model_fields)
+            foreign = [key for key in data if key not in own]
+            if foreign:
+                source = data.get("source")
+                raise ValueError(f"peers.{', peers.'.join(foreign)} with peers.source {source}: not a setting of that "
+                                 f"source (it takes {', '.join(sorted(own - {'source'})) or 'none'}); drop it")
+        return data
+
+
+class PrefetchPeers(_PeerSourceSection):
+    """Offline: the step's lookup runs in the background while the learner samples; the gate takes what is back."""
+
+    source: Literal["prefetch"] = Field(default="prefetch", description="prefetch: read the store; the step's lookup runs while the learner samples, and the gate takes what is back")
+    lookup_wait_s: float = Field(default=0.0, ge=0.0, description="prefetch: after generation, wait at most this long for the step's peer lookup; 0: graft only what is already back. A step that waited is counted in store_wait_s; one whose lookup was still out, in store_lookups_late")
+    publish: bool = Field(default=False, description="prefetch: also push every sampled group to the store (others' peers; co-training sources always do)")
+
+
+class CotrainPeers(_PeerSourceSection):
+    """Co-training: publish every sampled group, and wait a bounded time for the co-trainer's groups."""
+
+    source: Literal["cotrain"] = Field(description="cotrain: publish every sampled group; the step waits up to wait_s for the co-trainer's groups of its all-fail prompts")
+    wait_s: float = Field(default=30.0, ge=0.0, description="cotrain: the longest wait per step for peer groups of this step's all-fail prompts")
+    poll_s: float = Field(default=0.25, gt=0.0, description="cotrain: pause between lookups while waiting")
+
+
+class LockstepPeers(_PeerSourceSection):
+    """Lockstep co-training: every step takes exactly the partners' groups of that very step, as long as they live."""
+
+    source: Literal["lockstep"] = Field(description="lockstep: publish every sampled group; every step waits for each partner's (graft.peer_models) group of that very step for each of its prompts and grafts only those: the same command gives the same metrics. Both trainers draw the same prompts (same seed, data, rollout.prompts_per_step)")
+    partner_timeout_s: float = Field(default=300.0, gt=0.0, description="lockstep: a partner that shows no sign of life for this long (no heartbeat in the store, no new group; or one waiting for this trainer as it waits for the partner) is gone: the run stops naming it. A partner busy with an evaluation or a checkpoint keeps beating and is waited for, however long")
+    poll_s: float = Field(default=0.25, gt=0.0, description="lockstep: pause between lookups while waiting")
+
     @property
-    def lockstep(self) -> bool:
-        """Whether co-training runs in lockstep: cotrain_lockstep, like the other cotrain_* fields, applies in cotrain mode
-        only (so that a config shared by offline and co-training runs, as the demo's, can set it)."""
-        return self.mode == "cotrain" and self.cotrain_lockstep
+    def heartbeat_s(self) -> float:
+        """How often this trainer tells the store it lives: several beats within a partner's timeout."""
+        return min(10.0, max(0.2, self.partner_timeout_s / 6))
+
+
+class ReplayPeers(_PeerSourceSection):
+    """A rerun of a recorded run: its peer groups by id, checked against what the run recorded."""
+
+    source: Literal["replay"] = Field(description="replay: rerun the run in run_dir from its peer_groups.jsonl: each step's peer groups are fetched from the store by id and checked against their recorded sha256 (no lookup, no wait, nothing published), and the learner's own rewards and the grafted ids are compared with the run's, stopping at the first difference; the config must equal that run's but for run_dir, peers, store.url/token and logging (graft-train replay)")
+    run_dir: Path = Field(description="replay: the recorded run's directory (its config.yaml and peer_groups.jsonl)")
+
+
+PeersConfig = Annotated[PrefetchPeers | CotrainPeers | LockstepPeers | ReplayPeers, Field(discriminator="source")]
+PEER_SOURCES = ("prefetch", "cotrain", "lockstep", "replay")
+# store.* keys of earlier releases that said how peers arrive, now peers.* (TrainConfig._peers_from_old_store_keys)
+OLD_SOURCE_KEYS = ("mode", "publish", "lookup_wait_s", "cotrain_wait_s", "cotrain_poll_s", "cotrain_lockstep", "replay_from")
+
+
+def peers_from_old_store_keys(store: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The peers section that store.mode, store.cotrain_lockstep, store.replay_from, store.publish and the waits of
+    earlier releases meant, popped from `store`, and what was mapped (said out loud by the caller). ValueError for a
+    combination that has no meaning now (co-training without publishing, a lookup wait in co-training)."""
+    old = {key: store.pop(key) for key in OLD_SOURCE_KEYS if key in store}
+    mode, lockstep = old.get("mode", "offline"), bool(old.get("cotrain_lockstep"))
+    if old.get("replay_from") is not None:
+        peers: dict[str, Any] = {"source": "replay", "run_dir": old["replay_from"]}
+    elif mode == "cotrain":
+        if old.get("publish") is False:
+            raise ValueError("store.mode cotrain with store.publish false: a co-trainer publishes its groups (its partner "
+                             "waits for them); use peers.source prefetch to read the store without publishing")
+        if old.get("lookup_wait_s"):
+            raise ValueError(f"store.lookup_wait_s = {old['lookup_wait_s']} with store.mode 'cotrain': co-training waits "
+                             "for the co-trainer's groups up to peers.wait_s (lookup_wait_s is prefetch's wait)")
+        peers = {"source": "lockstep" if lockstep else "cotrain"}
+        if "cotrain_wait_s" in old:
+            peers["partner_timeout_s" if lockstep else "wait_s"] = old["cotrain_wait_s"]
+        if "cotrain_poll_s" in old:
+            peers["poll_s"] = old["cotrain_poll_s"]
+    else:  # offline: the cotrain_* keys applied in co-training only, and did nothing here
+        peers = {"source": "prefetch", **{key: old[key] for key in ("lookup_wait_s", "publish") if old.get(key) is not None}}
+    mapped = [f"store.{key}: {value}" for key, value in old.items()]
+    return peers, mapped
 
 
 class AnchorConfig(_Section):
@@ -319,22 +405,45 @@ class TrainConfig(_Section):
     graft: GraftConfig = Field(default_factory=GraftConfig)
     dapo: DapoConfig = Field(default_factory=DapoConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
+    peers: PeersConfig = Field(default_factory=PrefetchPeers, description="how peer groups arrive: peers.source prefetch (the default), cotrain, lockstep or replay, with that source's settings beside it")
     anchor: AnchorConfig = Field(default_factory=AnchorConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _peers_from_old_store_keys(cls, data: Any) -> Any:
+        """store.mode, store.cotrain_lockstep, store.replay_from, store.publish and the waits of earlier releases mapped
+        to the peers section they meant, said out loud; a peers section without a source is prefetch's."""
+        if not isinstance(data, dict):
+            return data
+        store = data.get("store")
+        if isinstance(store, dict) and any(key in store for key in OLD_SOURCE_KEYS):
+            if "peers" in data:
+                raise ValueError(f"store.{', store.'.join(k for k in OLD_SOURCE_KEYS if k in store)} beside a peers "
+                                 "section: how peer groups arrive is peers.source now; drop the store keys")
+            store = dict(store)
+            peers, mapped = peers_from_old_store_keys(store)
+            data = {**data, "store": store, "peers": peers}
+            warnings.warn(f"{'; '.join(mapped)}: these keys are gone, read as peers: {peers} (write that instead: "
+                          "graft-train show-config lists the peers.* settings)", FutureWarning, stacklevel=2)
+        peers = data.get("peers")
+        if isinstance(peers, dict) and "source" not in peers:
+            data = {**data, "peers": {"source": "prefetch", **peers}}
+        return data
+
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
+        source = self.peers.source
         if self.method == "graft" and not self.store.url:
             raise ValueError("method 'graft' needs store.url (the store to take peer groups from); set it, or use method 'grpo'")
-        if self.store.mode == "cotrain" and not self.store.url:
-            raise ValueError("store.mode 'cotrain' needs store.url")
-        if self.store.mode == "cotrain" and self.store.lookup_wait_s:
-            raise ValueError(
-                f"store.lookup_wait_s = {self.store.lookup_wait_s} with store.mode 'cotrain': co-training waits for the "
-                "step's lookup up to store.cotrain_wait_s; set that one instead (lookup_wait_s is offline mode's wait)")
+        if self.publishes and not self.store.url:
+            raise ValueError(f"peers.source {source} publishes this run's groups: it needs store.url")
+        if source != "prefetch" and self.method != "graft":
+            raise ValueError(f"peers.source {source} with method {self.method!r}: only GRAFT takes peer groups; a run that "
+                             "only gives its groups to others is peers.source prefetch with peers.publish true")
         broker = [f"store.{name}" for name, on in (("want_misses", self.store.want_misses),
                   ("max_times_served", self.store.max_times_served is not None),
                   ("serve_order", self.store.serve_order != "freshest")) if on]
@@ -342,11 +451,11 @@ class TrainConfig(_Section):
             raise ValueError(f"{', '.join(broker)} with method {self.method!r}: only GRAFT looks peer groups up, so it would "
                              "do nothing; drop it, or use method 'graft'")
         # (a replay keeps its run's settings, as recorded, and neither looks up nor posts: graft.trainer.replay)
-        if broker and self.store.lockstep:
-            raise ValueError(f"{', '.join(broker)} with store.cotrain_lockstep: a lockstep step grafts the partner's "
+        if broker and source == "lockstep":
+            raise ValueError(f"{', '.join(broker)} with peers.source lockstep: a lockstep step grafts the partner's "
                              "groups of that very step whatever the serving policy, and the partner samples every "
                              "prompt anyway, so it would do nothing or stall the step; drop it")
-        if (self.store.lockstep and self.method == "graft") or self.store.replay_from is not None:
+        if source in ("lockstep", "replay"):
             self._check_reproducible_peers()
         if self.parallel.strategy != "none" and self.rollout.seed_per_sample is False:
             raise ValueError(
@@ -374,13 +483,10 @@ class TrainConfig(_Section):
         return self
 
     def _check_reproducible_peers(self) -> None:
-        """store.cotrain_lockstep and store.replay_from promise a step's peer groups that do not depend on timing."""
-        # A replay of a lockstep run keeps cotrain_lockstep as recorded (the configs must match) and does not wait.
-        what = "store.replay_from" if self.store.replay_from is not None else "store.cotrain_lockstep"
-        if self.method != "graft":
-            raise ValueError(f"{what} replays peer groups: it needs method 'graft' (here {self.method!r})")
-        if self.store.lockstep and not self.graft.peer_models:
-            raise ValueError("store.cotrain_lockstep waits for named partners: it needs graft.peer_models (the "
+        """peers.source lockstep and replay promise a step's peer groups that do not depend on timing."""
+        what = f"peers.source {self.peers.source}"
+        if self.peers.source == "lockstep" and not self.graft.peer_models:
+            raise ValueError("peers.source lockstep waits for named partners: it needs graft.peer_models (the "
                              "co-trainers' model ids, e.g. --peer-models peer)")
         if self.graft.max_peer_age_s is not None:
             raise ValueError(f"graft.max_peer_age_s = {self.graft.max_peer_age_s} is a wall-clock bound: with {what} "
@@ -398,12 +504,14 @@ class TrainConfig(_Section):
 
     @property
     def publishes(self) -> bool:
-        """Whether sampled groups are pushed to the store (never by a replay: its groups are the recorded run's)."""
-        if self.store.replay_from is not None:
-            return False
-        if self.store.publish is not None:
-            return self.store.publish and self.store.url is not None
-        return self.store.mode == "cotrain"
+        """Whether sampled groups are pushed to the store: co-training always, prefetch when peers.publish says so, a
+        replay never (its groups are the recorded run's)."""
+        return self.peers.source in ("cotrain", "lockstep") or (self.peers.source == "prefetch" and self.peers.publish)
+
+    @property
+    def co_trains(self) -> bool:
+        """Whether a co-trainer's groups are waited for (cotrain, lockstep)."""
+        return self.peers.source in ("cotrain", "lockstep")
 
 
 def missing_inputs(cfg: TrainConfig) -> list[str]:

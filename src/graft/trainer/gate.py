@@ -4,16 +4,18 @@ Functions over groups and tensors that keep no state; all are local but `gate_gr
 under data parallel (its cap counts the groups of all ranks: every rank calls it together, with the same rng).
 The loop calls them once per step. Which peer group may be grafted is the step's lookup request's rule
 (`PeerLookupRequest.accepts`, which the store's lookup applies too); the gate adds what only the trainer knows:
-the tokenizers it can weigh, the preference for informative groups and the most recent one, and the cap on
-grafted groups.
+the tokenizers it can weigh, the preference for informative groups (else the first in the store's serving order),
+and the cap on grafted groups. The gate's tally (`gate_tally`: why the all-fail groups it did not graft got none), the
+metrics every trainer logs alike, and the one warning per refused tokenizer (`RefusedTokenizers`) sit beside it.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import Tensor
@@ -22,6 +24,11 @@ from graft.schemas import PeerLookupRequest, RolloutGroup, group_advantages
 from graft.schemas.api import group_created_us, now_us
 from graft.schemas.rollout import ADVANTAGE_TOLERANCE
 from graft.trainer.distributed import DistContext, rank_spans
+
+if TYPE_CHECKING:
+    from graft.trainer.store_link import LookupResult
+
+log = logging.getLogger("graft.trainer.peers")  # the refused tokenizers' warning, as the peers' other messages
 
 GroupKind = Literal["all_fail", "all_success", "mixed"]
 Action = Literal[
@@ -64,16 +71,16 @@ def choose_peer_group(
     now: int | None = None,
     trust_unverified_mu: bool = False,
 ) -> tuple[RolloutGroup | None, Action]:
-    """The most recent peer group that `rule` accepts, informative ones first (highest policy step, then newest),
-    else why none: no group from an admitted peer ("skip_no_peer"), none with an admitted outcome
-    ("skip_uninformative").
+    """The first peer group of `candidates` (in the order the store served them: the request's serving order, freshest,
+    most_successes or least_served) that `rule` accepts, informative ones first, else why none: no group from an
+    admitted peer ("skip_no_peer"), none with an admitted outcome ("skip_uninformative").
 
     An all-success group is accepted when the rule asks for no informative groups only (graft.union_all_success)
     and is grafted as "graft_union". usable_tokenizers: the tokenizer ids whose text the learner can weigh (its
     own and the peers' it has); a group in another one is refused (one whose logprobs are not used as mu is not:
     nothing of it is projected; `RolloutGroup.mu_is_behaviour` with trust_unverified_mu, graft.trust_unverified_mu),
-    and when that leaves nothing, the most recent refused group comes back with "skip_no_peer_tokenizer". None: any
-    tokenizer. now: microseconds since the epoch, for the rule's max_age_s (default: now)."""
+    and when that leaves nothing, the first refused group comes back with "skip_no_peer_tokenizer".
+    None: any tokenizer. now: microseconds since the epoch, for the rule's max_age_s (default: now)."""
     now = now_us() if now is None else now
     eligible = [g for g in candidates if rule.admits_source(g.model_id, g.policy_step, group_created_us(g), now)
                 and rule.admits_behaviour(g.has_behaviour_logprobs)]
@@ -86,15 +93,15 @@ def choose_peer_group(
     usable = [g for g in useful if usable_tokenizers is None or g.rollouts[0].tokenizer_id in usable_tokenizers
               or not g.mu_is_behaviour(trust_unverified_mu)]
     if not usable:
-        return _most_recent(useful), "skip_no_peer_tokenizer"
-    best = _most_recent(usable)
+        return _first_informative(useful), "skip_no_peer_tokenizer"
+    best = _first_informative(usable)
     return best, "graft" if best.informative else "graft_union"
 
 
-def _most_recent(groups: list[RolloutGroup]) -> RolloutGroup:
-    """The most recent informative group (highest policy step, then newest), else the most recent of all."""
-    preferred = [g for g in groups if g.informative] or groups
-    return max(preferred, key=lambda g: (g.policy_step, g.rollouts[0].created_at))
+def _first_informative(groups: list[RolloutGroup]) -> RolloutGroup:
+    """The first informative group in serving order, else the first of all (the serving order is the store's, which
+    the request names: the gate re-sorting them would undo a serving policy)."""
+    return next((g for g in groups if g.informative), groups[0])
 
 
 def gate_groups(
@@ -137,6 +144,84 @@ def gate_groups(
                 grafted[index - grafts.offset].action = "skip_capped"
     return decisions
 
+
+# ---- the gate's tally: why the all-fail groups it did not graft got none -----------------------------------
+
+# Why an all-fail group that the gate found no peer group for (skip_no_peer) got none: the store's miss reasons
+# (graft.schemas.api.MISS_REASONS) but only_uninformative, which counts as groups_peer_uninformative; `unanswered`: the step's
+# lookup failed, was late (peers.lookup_wait_s) or was not sent (backing off); `unknown`: the store gave no reason (a
+# store older than miss_reasons). Metrics groups_no_peer_<reason>; they add up to groups_no_peer.
+NO_PEER_REASONS = ("nothing_stored", "only_learner", "peers_not_admitted", "only_without_mu", "served_out", "unanswered",
+                   "unknown")
+
+
+def no_peer_reasons(decisions: list[GateDecision], found: LookupResult | None) -> tuple[dict[str, int], int]:
+    """(count per NO_PEER_REASONS, count of only_uninformative) over the decisions the gate skipped for want of a
+    peer group ("skip_no_peer"), from what the step's lookup said of each prompt."""
+    counts = dict.fromkeys(NO_PEER_REASONS, 0)
+    uninformative = 0
+    for decision in decisions:
+        if decision.action != "skip_no_peer":
+            continue
+        if found is None or not found.ok:
+            counts["unanswered"] += 1
+            continue
+        reason = found.miss_reasons.get(decision.prompt_id)
+        if reason == "only_uninformative":
+            uninformative += 1
+        elif reason in counts:
+            counts[reason] += 1
+        elif decision.prompt_id in found.groups:  # groups came back, the gate admitted none (older than max_age_s now)
+            counts["peers_not_admitted"] += 1
+        else:
+            counts["unknown"] += 1
+    return counts, uninformative
+
+
+def gate_tally(decisions: list[GateDecision], found: LookupResult | None) -> dict[str, int]:
+    """Why the gate skipped the groups it did not graft, the metrics graft-train and the TRL adapter log alike:
+    groups_capped; groups_no_peer (no admitted peer group at all) with groups_no_peer_<reason> from the lookup's
+    miss_reasons (no_peer_reasons); groups_peer_uninformative (admitted peer groups, none informative: the gate's own
+    and the store's only_uninformative prompts); groups_no_peer_tokenizer."""
+    actions = [d.action for d in decisions]
+    no_peer, uninformative_stored = no_peer_reasons(decisions, found)
+    return {
+        "groups_capped": actions.count("skip_capped"),
+        "groups_no_peer": actions.count("skip_no_peer") - uninformative_stored,
+        "groups_peer_uninformative": actions.count("skip_uninformative") + uninformative_stored,
+        **{f"groups_no_peer_{reason}": count for reason, count in no_peer.items()},
+        "groups_no_peer_tokenizer": actions.count("skip_no_peer_tokenizer"),
+    }
+
+
+class RefusedTokenizers:
+    """One warning per tokenizer id whose peer groups the gate refused for want of the peer's tokenizer."""
+
+    def __init__(self, usable: set[str] | None):
+        self.usable = usable
+        self.warned: set[str] = set()
+
+    def warn(self, decisions: list[GateDecision], peer_candidates: dict[str, list[RolloutGroup]]) -> None:
+        if self.usable is None:
+            return
+        refused: dict[str, set[str]] = {}  # tokenizer id -> the models that sampled in it
+        for decision in decisions:
+            if decision.action == "skip_no_peer_tokenizer":
+                for group in peer_candidates.get(decision.prompt_id, []):
+                    refused.setdefault(group.rollouts[0].tokenizer_id, set()).add(group.model_id)
+        for tokenizer_id, models in sorted(refused.items()):
+            if tokenizer_id in self.usable or tokenizer_id in self.warned:
+                continue
+            self.warned.add(tokenizer_id)
+            log.warning(
+                "peer groups of %s are in tokenizer %r, for which this trainer has no tokenizer: they are refused "
+                "(counted as groups_no_peer_tokenizer). Map that id to the peer's tokenizer or model directory: "
+                "graft.peer_tokenizers: {%s: /path/to/peer} (or opt in to graft.uniform_projection, which spreads the "
+                "peer's logprobs evenly over characters)", ", ".join(sorted(models)), tokenizer_id, tokenizer_id,
+            )
+
+
+# ---- peer advantages and the compatibility weights ----------------------------------------------------------
 
 def peer_group_advantages(group: RolloutGroup, std_normalize: bool) -> tuple[list[float], bool]:
     """Advantages recomputed from the stored rewards, and whether they agree with the stored ones.

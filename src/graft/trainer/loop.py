@@ -3,11 +3,14 @@
 One step:
   1. draw the step's prompts and start the peer lookup for them in the background (graft)
   2. sample G rollouts per prompt from the current policy and score them (dapo: refill)      trainer/sample.py
-  3. publish the groups to the store (co-training)                                           trainer/peers.py
-  4. collect the peer groups (co-training: wait a bounded time for the co-trainer's; lockstep:
-     for its groups of this step; replay: the recorded run's, by id)                       trainer/peers.py
+  3. publish the groups to the store (co-training, or peers.publish)                        trainer/peers.py
+  4. collect the peer groups from the run's source (peers.source; prefetch: what the lookup
+     brought; cotrain: wait a bounded time for the co-trainer's; lockstep: for its groups of
+     this step, as long as it lives; replay: the recorded run's, by id)                    trainer/peers.py
   5. gate: mixed / all-success groups train on-policy; all-fail groups take a peer group
-     the step's lookup rule accepts, else are skipped; the groups it chose from are recorded trainer/gate.py
+     the step's lookup rule accepts, else are skipped; the groups it chose from, and the
+     learner's own rewards, are recorded; the source acts on the decisions (the broker's
+     wants and ledger; a replay compares them with the record)                             trainer/gate.py
   6. build the rows: the learner's and the re-tokenised peer rollouts                        trainer/batch.py
   7. pi_old on every row with signal (or the update's own forward, detached, when it is the
      only one), compatibility weights w and token ratios b on grafted rows                  trainer/batch.py
@@ -34,6 +37,7 @@ from tqdm import tqdm
 
 from graft.rollouts.files import latest_checkpoint
 from graft.rollouts.hf_backend import report_tokens_on
+from graft.rollouts.models import default_model_id
 from graft.rollouts.scoring import Scorer
 from graft.rollouts.stopping import StopFlag
 from graft.trainer.batch import build_rows, old_logprobs_and_weights
@@ -59,12 +63,12 @@ from graft.trainer.distributed import (
     reduce_metrics,
 )
 from graft.trainer.evaluation import due, evaluate_policy
-from graft.trainer.gate import gate_groups
+from graft.trainer.gate import RefusedTokenizers, gate_groups
 from graft.trainer.learner import load_learner, load_reference, make_sampler, sync_sampler
 from graft.trainer.loss import LossConfig
 from graft.trainer.metrics import MetricsLog, StepClock, StepOutcome, step_metrics
-from graft.trainer.peers import PeerExchange, RefusedTokenizers, peer_candidates
-from graft.trainer.replay import PeerGroupRecord, ReplaySource
+from graft.trainer.peers import PeerSource, make_source
+from graft.trainer.replay import PeerGroupRecord
 from graft.trainer.sample import sample_step
 from graft.trainer.update import UpdateContext, make_optimizer, single_pass_forward, update_policy
 
@@ -120,7 +124,20 @@ def _train(cfg: TrainConfig, dist: DistContext, resume: bool, overwrite: bool,
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     _setup_logging(run_dir, cfg, dist)  # before the check: its refusal goes to train.log too
-    replay = ReplaySource(cfg) if cfg.store.replay_from is not None else None  # refuses another config: first
+    # Chosen once; built before the model loads: a replay refuses another config first, and a lockstep partner's
+    # heartbeats start while this trainer loads (its partner may be waiting already).
+    source = make_source(cfg, cfg.model.model_id or default_model_id(cfg.model.path), stopping=lambda: stop.requested) \
+        if cfg.method == "graft" or cfg.publishes else None
+    try:
+        return _train_with(cfg, dist, resume, overwrite, on_step, stop, run_dir, source)
+    finally:
+        if source is not None:
+            source.close()
+
+
+def _train_with(cfg: TrainConfig, dist: DistContext, resume: bool, overwrite: bool,
+                on_step: Callable[[dict[str, Any]], None] | None, stop: StopAtStepBoundary, run_dir: Path,
+                source: PeerSource | None) -> Path:
     _claim_run_dir(run_dir, resume, overwrite, dist)
     checkpoint = latest_checkpoint(checkpoints_dir(run_dir), resumable) if resume else None
     if resume and checkpoint is None:
@@ -148,11 +165,7 @@ def _train(cfg: TrainConfig, dist: DistContext, resume: bool, overwrite: bool,
     sampler, uses_vllm = make_sampler(cfg, learner, checkpoint or cfg.model.path)
     scorer = Scorer(num_workers=cfg.rollout.scorer_workers, timeout_s=cfg.rollout.scorer_timeout_s)
     graft = cfg.method == "graft"
-    peers = PeerExchange(cfg.store, cfg.graft, learner.model_id, stopping=lambda: stop.requested) \
-        if graft or cfg.publishes else None
-    if peers is not None:
-        peers.replay = replay
-    metrics_log = MetricsLog(cfg, run_dir, state.step, peers, writes=dist.is_main)
+    metrics_log = MetricsLog(cfg, run_dir, state.step, source.link if source is not None else None, writes=dist.is_main)
     peer_record = PeerGroupRecord(run_dir, state.step, dist.rank) if graft else None  # what a replay gives back
     progress = tqdm(total=cfg.steps, initial=state.step, disable=not (cfg.logging.progress and dist.is_main),
                     desc=cfg.method, unit="step")
@@ -163,22 +176,23 @@ def _train(cfg: TrainConfig, dist: DistContext, resume: bool, overwrite: bool,
         for policy_step in range(state.step, cfg.steps):
             clock = StepClock()
             block = prompts.take_block(cfg.rollout.prompts_per_step, dist)  # this rank's share of the step's prompts
-            request = peers.request([p.prompt_id for p in block.problems], policy_step) if graft else None
-            pending = peers.start_lookup(request) if graft else None  # runs while the learner samples
+            request = source.request([p.prompt_id for p in block.problems], policy_step) if graft else None
+            pending = source.start_lookup(request) if graft else None  # runs while the learner samples
             with clock("generation_s"):
                 sampled = sample_step(cfg, sampler, scorer, learner, prompts, block, policy_step)
-            if cfg.publishes:
-                peers.publish(sampled.generated, [sampled.problem_of[g.prompt_id] for g in sampled.generated])
+            if source is not None:
+                source.publish(sampled.generated, [sampled.problem_of[g.prompt_id] for g in sampled.generated])
             with clock("gate_s"):
-                found = peer_candidates(peers, pending, request, sampled.groups, refused.usable, policy_step) if graft else None
+                found = source.candidates(pending, request, sampled.groups, refused.usable, policy_step) if graft else None
                 candidates = found.groups if found else {}
                 decisions = gate_groups(sampled.rewards, candidates, request, max_grafted_fraction=cfg.graft.max_grafted_fraction,
                                         rng=random.Random(cfg.seed * 7_919 + policy_step), usable_tokenizers=refused.usable,
                                         ranks=dist, trust_unverified_mu=cfg.graft.trust_unverified_mu)
                 refused.warn(decisions, candidates)
                 if peer_record is not None:
-                    peer_record.write(policy_step + 1, found, decisions)
-                    peers.report(policy_step, decisions, found, sampled.problem_of)  # wants and the served ledger
+                    # a replay stops here at the first difference from its record, before training the step
+                    source.after_gate(policy_step, decisions, found, sampled.problem_of, sampled.rewards)
+                    peer_record.write(policy_step + 1, found, decisions, sampled.rewards)
                 rows = build_rows(cfg, learner, decisions, sampled.groups, sampled.problem_of, peer_tokenizers)
             with clock("update_s"):
                 first_pass = single_pass_forward(update, rows.rows)
@@ -191,7 +205,8 @@ def _train(cfg: TrainConfig, dist: DistContext, resume: bool, overwrite: bool,
                 with clock("weight_sync_s"):
                     learner.sync_sampler_copy()
 
-            outcome = StepOutcome(sampled, found, decisions, rows, weighted, result)
+            outcome = StepOutcome(sampled, found, decisions, rows, weighted, result,
+                                  co_trains=source is not None and source.co_trains)
             metrics = metrics_log.write(step_metrics(cfg, state, outcome, clock, scheduler.get_last_lr()[0],
                                                      metrics_log.store.take(), dist))  # the job's line, on every rank
             log.info("%s", step_line(metrics))
@@ -219,14 +234,10 @@ def _train(cfg: TrainConfig, dist: DistContext, resume: bool, overwrite: bool,
                     evaluate_policy(cfg, sampler, scorer, run_dir, state.step, dist)
     finally:
         progress.close()
-        if peers is not None:
-            if cfg.publishes and not peers.flush(timeout_s=cfg.store.timeout_s):
-                log.warning("%d sampled groups could not be published before exit", peers.outbox_size)
-            peers.close()
+        if source is not None:
+            source.finish(timeout_s=cfg.store.timeout_s)
         metrics_log.close()
         scorer.close()
-        if replay is not None:
-            replay.close()
         if uses_vllm:  # before the process group ends (under torchrun the engine's groups live in it)
             sampler.close()
     return run_dir

@@ -23,14 +23,13 @@ from graft.trainer.batch import PeerRowCounts, StepRows, WeightedRows, WeightSta
 from graft.trainer.config import TrainConfig
 from graft.trainer.data import LoopState
 from graft.trainer.distributed import DistContext, gather_lists, reduce_metrics
-from graft.trainer.gate import GateDecision, GroupKind, classify_group
-from graft.trainer.peers import gate_tally
+from graft.trainer.gate import GateDecision, GroupKind, classify_group, gate_tally
 from graft.trainer.retokenize import drop_counts, projection_counts
 from graft.trainer.sample import SampledStep
 from graft.trainer.update import UpdateResult
 
 if TYPE_CHECKING:
-    from graft.trainer.peers import LookupResult, PeerExchange
+    from graft.trainer.store_link import LookupResult, StoreLink
 
 # The keys every metrics line has (the issue's list); more keys follow them.
 METRIC_KEYS = (
@@ -52,6 +51,7 @@ class StepOutcome:
     rows: StepRows
     weighted: WeightedRows
     update: UpdateResult
+    co_trains: bool = False  # the run's source waits for a co-trainer (peers.source cotrain, lockstep; or replays one)
 
     @property
     def grafted(self) -> list[GateDecision]:
@@ -141,7 +141,7 @@ def step_metrics(
         metrics.update(dapo_rounds=outcome.sampled.dapo_rounds, dapo_groups_kept=count["dapo_groups_kept"])
     if outcome.peers is not None:
         metrics["peer_lookup_ok"] = job["peer_lookup_ok"] / ranks.world_size  # the share of ranks whose lookup answered
-        if cfg.store.mode == "cotrain":  # steps in a row the co-trainer sent nothing (the most silent rank's count)
+        if outcome.co_trains:  # steps in a row the co-trainer sent nothing (the most silent rank's count)
             metrics["cotrain_peer_silent_steps"] = job["cotrain_peer_silent_steps"]
     if "weight_sync_s" in clock.laps:
         metrics["weight_sync_s"] = job["weight_sync_s"]
@@ -277,14 +277,14 @@ class MetricsLog:
     """metrics.jsonl (and TensorBoard) of a run. On resume, lines of steps after the checkpoint (metrics and
     evaluations) are forgotten: those steps run again."""
 
-    def __init__(self, cfg: TrainConfig, run_dir: Path, resumed_step: int, peers: PeerExchange | None,
+    def __init__(self, cfg: TrainConfig, run_dir: Path, resumed_step: int, link: StoreLink | None,
                  writes: bool = True):
         self.path = run_dir / "metrics.jsonl"
         self.writes = writes  # data parallel: rank 0 writes, the others only count their store calls
         if writes:
             truncate_lines(self.path, resumed_step)
             truncate_lines(run_dir / "eval.jsonl", resumed_step)
-        self.store = StoreCounts(peers)  # the store client's counts per step (store_*), for step_metrics
+        self.store = StoreCounts(link)  # the store client's counts per step (store_*), for step_metrics
         self.tensorboard = None
         if cfg.logging.tensorboard and writes:
             try:
@@ -320,17 +320,17 @@ class StoreCounts:
     """The store client's counts since the last `take` under their metric names (store_*, store_available): graft-train's
     line and TRL's and verl's graft/ logs alike."""
 
-    def __init__(self, peers: PeerExchange | None):
-        self.peers = peers
-        self.previous = asdict(peers.counters) if peers is not None else {}
+    def __init__(self, link: StoreLink | None):
+        self.link = link
+        self.previous = asdict(link.counters) if link is not None else {}
 
     def take(self) -> dict[str, float]:
         """The counts since the last call ({} when the run talks to no store)."""
-        if self.peers is None:
+        if self.link is None:
             return {}
-        counts: dict[str, float] = self.peers.counters.since(self.previous)
-        counts["store_available"] = float(self.peers.available)
-        self.previous = asdict(self.peers.counters)
+        counts: dict[str, float] = self.link.counters.since(self.previous)
+        counts["store_available"] = float(self.link.available)
+        self.previous = asdict(self.link.counters)
         return counts
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Literal, get_args
 
 import numpy as np
@@ -101,13 +102,11 @@ def encode(tokenizer: PreTrainedTokenizerBase, text: str) -> tuple[list[int], li
 
 def _monotone_starts(starts: list[int], text_len: int) -> list[int]:
     """Offsets may skip characters (trimmed spaces) or overlap (merged bytes): make the starts
-    non-decreasing from 0, so that every character belongs to exactly one unit."""
-    starts = list(starts)
-    if starts:
-        starts[0] = 0
-    for k in range(1, len(starts)):
-        starts[k] = min(max(starts[k], starts[k - 1]), text_len)
-    return starts
+    non-decreasing from 0, so that every character belongs to exactly one unit (a running maximum from 0, at most
+    `text_len`)."""
+    if not starts:
+        return []
+    return [min(start, text_len) for start in accumulate(starts[1:], max, initial=0)]
 
 
 def token_char_starts(tokenizer: PreTrainedTokenizerBase, text: str, token_ids: list[int]) -> list[int] | None:

@@ -46,7 +46,9 @@ def config(*extra: str):
     (["skip.rollout_tq.enable=true"], "rollout_tq"),
     (["graft.options.token_is=luffy"], "luffy"),  # the tests' settings name token_is already (verl_world)
     (["+graft.options.union_all_success=true"], "union_all_success"),
-    (["+graft.store_options.mode=cotrain"], "co-training"),
+    (["+graft.store_options.mode=cotrain"], "peers.source"),  # how peers arrive is no store option
+    (["+graft.store_options.replay_from=runs/graft"], "peers.source"),  # was accepted and ignored
+    (["+graft.peer_source=cotrain"], "co-training"),  # every source the trainer does not run
     (["+graft.store_options.max_times_served=2"], "max_times_served"),  # the adapter posts no grafts to the ledger
     (["+graft.options.kapa=1.0"], "kapa"),  # graft-train's own validation: a typo fails
     (["+graft.stor_url=x"], "stor_url"),
@@ -158,7 +160,8 @@ def test_what_graft_accepts_with_its_reason_to():
                               "actor_rollout_ref.actor.kl_loss_coef=0.02", "actor_rollout_ref.actor.clip_ratio_high=0.28",
                               "algorithm.norm_adv_by_std_in_grpo=false", "+graft.options.kappa=0.5",
                               "+graft.peer_tokenizers=['tok-1=/models/peer']", "+graft.store_options.timeout_s=3"))
-    assert cfg.method == "graft" and cfg.store.url == STORE and cfg.store.timeout_s == 3 and not cfg.store.publish
+    assert cfg.method == "graft" and cfg.store.url == STORE and cfg.store.timeout_s == 3 and not cfg.publishes
+    assert cfg.peers.source == "prefetch" and cfg.peers.lookup_wait_s == 30
     assert cfg.graft.kappa == 0.5 and cfg.graft.peer_tokenizers == {"tok-1": "/models/peer"}
     assert (cfg.ppo.eps_low, cfg.ppo.eps_high, cfg.ppo.dual_clip_c, cfg.ppo.kl_beta) == (0.2, 0.28, 3.0, 0.02)
     assert cfg.ppo.advantage == "dr_grpo" and cfg.ppo.loss_agg == "token-mean"

@@ -6,7 +6,8 @@ from graft.trainer.config import TrainConfig
 
 
 def make_config(world, run_dir, store_url, **overrides) -> TrainConfig:
-    """8 prompts x 4 rollouts of 16 tokens, one mini-batch, GRAFT through `store_url`; overrides: {"optim.lr": 1e-3, ...}."""
+    """8 prompts x 4 rollouts of 16 tokens, one mini-batch, GRAFT through `store_url`; overrides: {"optim.lr": 1e-3, "peers.source": "cotrain", ...} (prefetch waits for its lookup:
+    never late)."""
     data = {
         "run_dir": str(run_dir), "seed": 0, "steps": 3, "method": "graft", "torch_threads": 1,
         "model": {"path": str(world.learner_dir), "device": "cpu"},
@@ -16,8 +17,7 @@ def make_config(world, run_dir, store_url, **overrides) -> TrainConfig:
         # the tests of the trainer run the `spec` preset's formulas (b, peer negatives) unless they say otherwise
         "graft": {"peer_tokenizers": [str(world.peer_dir)], "max_grafted_fraction": 0.75, "token_is": "tis",
                   "peer_negative_scale": 1.0},
-        "store": {"url": store_url, "timeout_s": 2.0, "retries": 0, "backoff_initial_s": 0.05, "backoff_max_s": 0.1,
-                  "lookup_wait_s": 30.0},  # the tests' store answers in milliseconds: never late, whatever the load
+        "store": {"url": store_url, "timeout_s": 2.0, "retries": 0, "backoff_initial_s": 0.05, "backoff_max_s": 0.1},
         "checkpoint": {"every_steps": 0, "keep_last": None},
         "logging": {"progress": False},
     }
@@ -27,4 +27,7 @@ def make_config(world, run_dir, store_url, **overrides) -> TrainConfig:
         for part in parents:
             node = node.setdefault(part, {})
         node[leaf] = value
+    peers = data.setdefault("peers", {})
+    if peers.get("source", "prefetch") == "prefetch":
+        peers.setdefault("lookup_wait_s", 30.0)  # the tests' store answers in milliseconds: never late, whatever the load
     return TrainConfig.model_validate(data)

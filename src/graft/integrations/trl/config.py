@@ -18,6 +18,7 @@ from graft.trainer import StoreConfig, TrainConfig
 
 # TRL's loss aggregations and graft-train's names for the same rule (the loss equality tests compare them)
 LOSS_AGG = {"dapo": "token-mean", "bnpo": "token-mean", "grpo": "seq-mean-token-mean", "dr_grpo": "seq-mean-token-sum-norm"}
+TRL_SOURCES = ("prefetch",)  # the peer sources (graft-train's peers.source) the adapter runs
 
 
 @dataclass
@@ -49,9 +50,12 @@ class GraftConfig(GRPOConfig):
     graft_prompt_id_column: str = field(
         default="prompt_id", metadata={"help": "dataset column holding each prompt's store id (schemas.prompt_id of "
                                                "the problem text, as the generator stored it)"})
+    graft_peer_source: str = field(
+        default="prefetch", metadata={"help": "how peer groups arrive (graft-train's peers.source): prefetch, the one "
+                                              "source the TRL adapter runs (cotrain, lockstep and replay are refused)"})
     graft_lookup_wait_s: float = field(
         default=0.0, metadata={"help": "after generation, wait at most this long for the peer lookup (it runs while "
-                                       "TRL generates); 0: graft only what is already back (graft-train's store.lookup_wait_s)"})
+                                       "TRL generates); 0: graft only what is already back (graft-train's peers.lookup_wait_s)"})
     graft_options: dict | str | None = field(
         default=None, metadata={"help": "graft-train's graft section (JSON from the command line): kappa, is_cap, "
                                         "token_is, max_grafted_fraction, peer_models, ... (graft-train show-config)"})
@@ -69,6 +73,9 @@ class GraftConfig(GRPOConfig):
             raise ValueError(f"graft_lookup_wait_s = {self.graft_lookup_wait_s}: a wait cannot be negative")
         graft = self.graft_section()  # validates; the checks below are what TRL's loop cannot do as graft-train does
         self.store_section()
+        if self.graft_peer_source not in TRL_SOURCES:
+            raise ValueError(f"graft_peer_source {self.graft_peer_source!r}: the TRL adapter runs "
+                             f"{', '.join(TRL_SOURCES)} only (co-training, lockstep and replay are graft-train's)")
         if graft.union_all_success:
             raise ValueError("graft_options.union_all_success: a union group has more rows than the G slots TRL's "
                              "batch holds for the prompt; leave it off under TRL")
@@ -99,15 +106,15 @@ class GraftConfig(GRPOConfig):
         return GraftOptions.model_validate({**(self.graft_options or {}), "peer_tokenizers": peer_tokenizers})
 
     def store_section(self) -> StoreConfig:
-        """graft-train's store section (offline: TRL runs never publish nor wait for a co-trainer)."""
+        """graft-train's store section (how peers arrive is graft_peer_source, never a store option)."""
         options = dict(self.graft_store_options or {})
-        if "url" in options or options.get("mode", "offline") != "offline" or options.get("publish"):
-            raise ValueError("graft_store_options: the URL is graft_store_url, and TRL runs only read the store "
-                             "(mode offline, publish off)")
-        if "lookup_wait_s" in options:
-            raise ValueError("graft_store_options: the lookup's wait is graft_lookup_wait_s")
-        store = StoreConfig.model_validate({**options, "url": self.graft_store_url, "publish": False,
-                                            "lookup_wait_s": self.graft_lookup_wait_s})
+        if "url" in options:
+            raise ValueError("graft_store_options: the URL is graft_store_url")
+        try:
+            store = StoreConfig.model_validate({**options, "url": self.graft_store_url})
+        except ValueError as error:
+            raise ValueError(f"graft_store_options: {error} (the TRL adapter's source is graft_peer_source, its wait "
+                             "graft_lookup_wait_s)") from None
         store.refuse_broker_posts("graft_store_options")
         return store
 
@@ -136,5 +143,6 @@ class GraftConfig(GRPOConfig):
                     **({"loss_agg": LOSS_AGG[self.loss_type]} if self.loss_type in LOSS_AGG else {})},
             "graft": self.graft_section().model_dump(),
             "store": self.store_section().model_dump() if self.grafts else {},
+            "peers": {"source": self.graft_peer_source, "lookup_wait_s": self.graft_lookup_wait_s},
         })
 

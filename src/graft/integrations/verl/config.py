@@ -28,6 +28,7 @@ TRAINER_MODE = "graft_sync"
 LOSS_AGG = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 DEFAULT_LOOKUP_WAIT_S = 30.0  # a step's wait for its lookup after generation (it runs while verl generates)
 SINGLE_TURN_AGENT = "single_turn_agent"  # verl's default agent loop: its rollouts are scored by the reward loop
+VERL_SOURCES = ("prefetch",)  # the peer sources (graft-train's peers.source) the verl trainer runs
 
 
 class VerlGraftSection(BaseModel):
@@ -44,6 +45,8 @@ class VerlGraftSection(BaseModel):
         "peer that stored another id: ID -> DIR (+graft.peer_tokenizers.ID=DIR, one override per peer), or 'ID=DIR'")
     prompt_id_key: str = Field(default="prompt_id", description="key of each dataset row's extra_info holding its store "
                                "prompt id (schemas.prompt_id of the problem text, as the generator stored it)")
+    peer_source: str = Field(default="prefetch", description="how peer groups arrive (graft-train's peers.source): "
+                             "prefetch, the one source the verl trainer runs (cotrain, lockstep and replay are refused)")
     lookup_wait_s: float = Field(default=DEFAULT_LOOKUP_WAIT_S, ge=0.0, description="after generation, wait at most "
                                  "this long (one deadline per step) for the batch's peer lookup, which runs while verl "
                                  "generates; 0: graft only what is back. A step whose lookup was later trains as GRPO "
@@ -73,20 +76,21 @@ class VerlGraftSection(BaseModel):
         return GraftOptions.model_validate({**self.options, "peer_tokenizers": peer_tokenizers})
 
     def store_options_section(self) -> StoreConfig:
-        """graft-train's store section (offline: a verl run only reads the store)."""
+        """graft-train's store section (how peers arrive is graft.peer_source, never a store option)."""
         options = dict(self.store_options)
         if "url" in options:
             raise ValueError("graft.store_options.url: the URL is graft.store_url")
-        if "lookup_wait_s" in options:
-            raise ValueError("graft.store_options.lookup_wait_s: the lookup's wait is graft.lookup_wait_s")
-        if options.get("mode", "offline") != "offline" or options.get("publish"):
+        if self.peer_source not in VERL_SOURCES:
             raise ValueError(
-                "graft.store_options: co-training (mode cotrain, publish) is not built for verl: publishing needs the "
-                "learner's own groups as stored rows (text, sampling logprobs, finish reason) before the splice "
-                "replaces its all-fail groups, which the verl trainer does not assemble; a verl run reads the store "
-                "(mode offline). graft-train co-trains (store.mode cotrain)")
-        store = StoreConfig.model_validate({**options, "url": self.store_url, "publish": False,
-                                            "lookup_wait_s": self.lookup_wait_s})
+                f"graft.peer_source {self.peer_source!r}: the verl trainer runs {', '.join(VERL_SOURCES)} only; "
+                "co-training (cotrain, lockstep) is not built for verl: publishing needs the learner's own groups as "
+                "stored rows (text, sampling logprobs, finish reason) before the splice replaces its all-fail groups, "
+                "which the verl trainer does not assemble; replay is graft-train's")
+        try:
+            store = StoreConfig.model_validate({**options, "url": self.store_url})
+        except ValueError as error:
+            raise ValueError(f"graft.store_options: {error} (the verl trainer's source is graft.peer_source, its wait "
+                             "graft.lookup_wait_s)") from None
         store.refuse_broker_posts("graft.store_options")
         return store
 
@@ -240,4 +244,5 @@ def train_config(config: DictConfig) -> TrainConfig:
                 **({"loss_agg": agg} if agg in LOSS_AGG else {})},
         "graft": section.graft_options().model_dump(),
         "store": section.store_options_section().model_dump() if section.grafts else {},
+        "peers": {"source": section.peer_source, "lookup_wait_s": section.lookup_wait_s},
     })

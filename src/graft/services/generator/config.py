@@ -16,6 +16,7 @@ from graft.rollouts.openai_backend import OpenAIBackendConfig
 from graft.rollouts.prompts import MAX_FEW_SHOT, PromptTemplate, check_few_shot
 from graft.rollouts.sampling import samples_the_model
 from graft.rollouts.traces import FORMAT_COLUMNS, TraceColumns, TraceFormat
+from graft.schemas.api import MAX_LEASE_S
 from graft.schemas.rollout import SAFE_NAME_PATTERN
 
 
@@ -63,8 +64,9 @@ class GeneratorConfig(BaseModel):
     continuous: bool = Field(default=False, description="keep sampling (rounds without end); reload when watch_dir has a newer checkpoint")
     watch_dir: str | None = Field(default=None, description="continuous mode: a folder of step_<N>/ HF checkpoints (a trainer's checkpoints/)")
     max_batches: int | None = Field(default=None, ge=1, description="stop after this many batches (default: when done, or never in continuous mode)")
-    follow_wanted: bool = Field(default=False, description="continuous mode with a store URL: before each batch of the dataset, sample a batch of the prompts learners want (GET /v1/wanted: all-fail prompts no peer group served yet), their problems as the store has them")
+    follow_wanted: bool = Field(default=False, description="continuous mode with a store URL: before each batch of the dataset, sample a batch of the prompts learners want (all-fail prompts no peer group served yet, that this model can serve), their problems as the store has them, each leased to this generator alone (POST /v1/wanted/lease)")
     wanted_order: Literal["oldest", "most_wanted"] = Field(default="oldest", description="follow_wanted: oldest want first, or most learners (then most misses) first")
+    wanted_lease_s: float = Field(default=900.0, gt=0, le=MAX_LEASE_S, description="follow_wanted: how long a wanted prompt is this generator's alone (by the store's clock) if no group of it comes back sooner: longer than one batch takes")
     idle_sleep_s: float = Field(default=5.0, gt=0, description="continuous mode: wait between checks when nothing is left to sample")
     progress: bool = Field(default=True, description="show a progress bar")
 
@@ -78,8 +80,9 @@ class GeneratorConfig(BaseModel):
         if self.follow_wanted and not (self.continuous and self.store.startswith(("http://", "https://"))):
             raise ValueError("follow_wanted asks a store server for wanted prompts between batches: it needs continuous: "
                              f"true and store set to the server's URL (here continuous={self.continuous}, store={self.store})")
-        if self.wanted_order != "oldest" and not self.follow_wanted:
-            raise ValueError("wanted_order orders wanted prompts, read only with follow_wanted: set follow_wanted, or drop it")
+        for name in ("wanted_order", "wanted_lease_s"):
+            if getattr(self, name) != type(self).model_fields[name].default and not self.follow_wanted:
+                raise ValueError(f"{name} is read only with follow_wanted: set follow_wanted, or drop it")
         check_few_shot(self.template, self.few_shot, self.instruction, self.system_prompt)
         check_served(self.backend, self.openai)
         return self

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from graft.rollouts.backends import load_backend
 from graft.rollouts.datasets import load_problems
 from graft.rollouts.files import checkpoint_step, latest_checkpoint
-from graft.rollouts.groups import assemble_group, make_group_id
+from graft.rollouts.groups import assemble_group, is_wanted_draw, make_group_id, wanted_group_id
 from graft.rollouts.hf_backend import report_tokens_on
 from graft.rollouts.models import default_model_id, default_model_revision
 from graft.rollouts.openai_backend import OpenAIBackend
@@ -32,7 +32,7 @@ from graft.rollouts.prompts import build_prompt
 from graft.rollouts.sampling import Backend, SamplingParams
 from graft.rollouts.scoring import Scorer
 from graft.rollouts.stopping import StopFlag
-from graft.schemas import Problem, RolloutGroup
+from graft.schemas import LeaseRequest, Problem, RolloutGroup
 from graft.services.generator.config import GeneratorConfig
 
 RETRY_INITIAL_S = 1.0  # continuous mode, store down: first pause before the call is tried again; doubles per failure
@@ -58,7 +58,7 @@ class RunStats:
     reloads: int = 0
     store_retries: int = 0  # store calls tried again after an outage (continuous mode)
     wanted_groups: int = 0  # groups sampled for wanted prompts (follow_wanted)
-    wanted_informative: int = 0  # of those, informative ones (each clears its prompt's wants)
+    wanted_informative: int = 0  # of those, informative ones (each clears the wants of learners whose rule takes it)
     stored_ids_held: int = 0  # ids of stored groups the run still checked against at its end (one round's, at most)
     server: dict[str, float] | None = None  # backend openai: requests, retries, tokens and time (RequestCounts)
     sampling_s: float = 0.0
@@ -170,11 +170,12 @@ def _stored_ids_of_these_settings(
     rounds: int,
 ) -> set[str]:
     """The stored group ids (group id -> prompt id) a resumed run skips; OtherSettingsStored when any stored group of
-    this run's prompts is not one its settings make (group ids hold `GeneratorConfig.sampling_key`)."""
+    this run's prompts is not one its settings make (group ids hold `GeneratorConfig.sampling_key`; a wanted prompt's
+    draws name it: `wanted_group_id`)."""
     ours = {p.prompt_id for p in problems}
     per_prompt: dict[str, list[str]] = {}
     for group_id, prompt in stored.items():
-        if prompt in ours:
+        if prompt in ours and not is_wanted_draw(group_id, key):
             per_prompt.setdefault(prompt, []).append(group_id)
     others, prompts = 0, 0
     for prompt, group_ids in per_prompt.items():
@@ -272,7 +273,6 @@ def _run(config: GeneratorConfig, stop: StopFlag) -> RunStats:
             problems, model_id, revision, policy_step, key, config.rounds)
         problems_written = False
         round_index = 0
-        wanted: set[str] = set()  # wanted prompts this run sent an informative group for, until the store clears them
         with scorer:
             while not stop.requested:
                 if not config.continuous and round_index >= config.rounds:
@@ -283,7 +283,7 @@ def _run(config: GeneratorConfig, stop: StopFlag) -> RunStats:
                 reload_to = None
                 for start in range(0, len(pending), config.prompts_per_batch):
                     if config.follow_wanted:  # learners' misses first: one batch of them before each of the dataset's
-                        _serve_wanted(sink, wanted, backend, scorer, params, config, model_id, revision, policy_step,
+                        _serve_wanted(sink, backend, scorer, params, config, model_id, revision, policy_step,
                                       generator_id, key, stop, stats)
                         if stop.requested:
                             break
@@ -354,23 +354,23 @@ def _run(config: GeneratorConfig, stop: StopFlag) -> RunStats:
     return stats
 
 
-def _serve_wanted(sink: GroupSink, served: set[str], backend: Backend, scorer: Scorer, params: SamplingParams,
+def _serve_wanted(sink: GroupSink, backend: Backend, scorer: Scorer, params: SamplingParams,
                   config: GeneratorConfig, model_id: str, revision: str, policy_step: int, generator_id: str, key: str,
                   stop: StopFlag, stats: RunStats) -> None:
-    """follow_wanted: sample and store one batch of the prompts learners want (`served`: those this run sent an
-    informative group for, left out until the store has cleared them, so a want is not sampled twice meanwhile). A
-    group that is not informative leaves its want open: it comes again in a later batch."""
-    limit = min(1024, config.prompts_per_batch + len(served))
-    listed = through_outages(sink, lambda: sink.client.wanted(model=model_id, order=config.wanted_order, limit=limit),
-                             "asking for wanted prompts", config, stop, stats)
-    served.intersection_update(p.prompt_id for p in listed.prompts)  # the others are cleared: forget them
-    batch = [Problem(prompt_id=p.prompt_id, dataset=p.dataset, problem=p.problem, answer=p.answer)
-             for p in listed.prompts if p.prompt_id not in served][: config.prompts_per_batch]
+    """follow_wanted: sample and store one batch of the prompts learners want, leased to this generator alone (no other
+    samples them meanwhile; the lease ends when its group is in the store, or after wanted_lease_s). A group the
+    wanting learner would not take (all-fail, say) leaves its want open: it is leased again, to this generator or
+    another."""
+    lease = LeaseRequest(model_id=model_id, generator_id=generator_id, limit=config.prompts_per_batch,
+                         order=config.wanted_order, lease_s=config.wanted_lease_s)
+    listed = through_outages(sink, lambda: sink.client.lease_wanted(lease), "leasing wanted prompts", config, stop, stats)
+    batch = [Problem(prompt_id=p.prompt_id, dataset=p.dataset, problem=p.problem, answer=p.answer) for p in listed.prompts]
     if not batch:
         return
-    # a fresh id per draw: a want whose first group was all-fail is sampled again under another id
-    draw = f"wanted-{time.time_ns()}"
-    group_ids = [make_group_id(model_id, revision, policy_step, p.prompt_id, draw, key) for p in batch]
+    # a fresh id per draw (a want whose first group was all-fail is sampled again under another), which names the
+    # settings: a restart knows it as its own
+    draw = f"{generator_id}-{time.time_ns()}"
+    group_ids = [wanted_group_id(model_id, revision, policy_step, p.prompt_id, draw, key) for p in batch]
     groups = sample_batch(backend, scorer, batch, group_ids, params, config, model_id, revision, policy_step,
                            generator_id, stats)
     t0 = time.perf_counter()
@@ -381,7 +381,6 @@ def _serve_wanted(sink: GroupSink, served: set[str], backend: Backend, scorer: S
     stats.wanted_groups += len(groups)
     informative = [g.prompt_id for g in groups if g.informative]
     stats.wanted_informative += len(informative)
-    served.update(informative)
     log.info("sampled %d wanted prompts: %d informative groups", len(groups), len(informative))
 
 

@@ -1,7 +1,7 @@
 """The broker's durable journal on a store root: `<root>/broker/journal.jsonl`, one JSON record a line.
 
 The same promise as a shard: an append is written and fdatasynced before the call that made it returns (a want, a
-ledger entry acknowledged is on disk); a rewrite (compaction to the current state) goes to a temporary file, is
+ledger entry acknowledged is on disk, however many writes it takes); a rewrite (compaction to the current state) goes to a temporary file, is
 fsynced and renamed over the journal, so a reader meets the old journal or the new one, never half of one. A crash in
 the middle of an append leaves at most a torn last line: `read` cuts the journal back to its last whole record (the
 torn one was never acknowledged). A damaged line inside the journal (a disk fault) is not skipped silently: the
@@ -26,6 +26,8 @@ log = logging.getLogger("graft.store")
 
 class Journal:
     """Append-only JSON lines with fsync, and an atomic rewrite; thread-safe."""
+
+    writer = "root"  # the one writer of a store root's journal: every record is its own
 
     def __init__(self, directory: Path, store_root: Path):
         self.path = directory / "journal.jsonl"
@@ -73,7 +75,9 @@ class Journal:
             return
         with self._lock:
             fd = self._open()
-            os.write(fd, data)
+            view = memoryview(data)
+            while view:  # os.write may write less than it was given (a signal, a full pipe, a quota): write the rest
+                view = view[os.write(fd, view):]
             os.fdatasync(fd)
 
     def rewrite(self, records: Iterable[dict]) -> None:

@@ -23,10 +23,15 @@ import pyarrow.compute as pc
 
 from graft.schemas import (
     ARROW_MEDIA_TYPE,
+    HEARTBEAT_PATH,
+    LEASE_PATH,
     LOOKUP_PATH,
     MAX_PUSH_GROUPS,
     PUSH_PATH,
     HealthResponse,
+    Heartbeat,
+    HeartbeatRequest,
+    LeaseRequest,
     PeerLookupRequest,
     PeerLookupResponse,
     Problem,
@@ -38,6 +43,7 @@ from graft.schemas import (
     ServedResponse,
     StatsResponse,
     WantedList,
+    WantedPrompt,
     WantedRequest,
     WantedResponse,
     table_to_groups,
@@ -284,10 +290,36 @@ class StoreClient:
             "POST", WANTED_PATH, content=req.model_dump_json(exclude_none=True),
             headers={"Content-Type": "application/json"}).content)
 
-    def wanted(self, model: str | None = None, order: str = "oldest", limit: int = 64) -> WantedList:
-        """The prompts learners other than `model` want, with their problems (a generator's work)."""
-        params = {"order": order, "limit": limit} | ({"model": model} if model else {})
+    def wanted(self, model: str | None = None, order: str = "oldest", limit: int = 64,
+               cursor: str | None = None) -> WantedList:
+        """One page of the prompts learners other than `model` want (and whose rules take `model`'s groups), with
+        their problems; its `next_cursor` gives the next page."""
+        params = {"order": order, "limit": limit} | ({"model": model} if model else {}) | ({"cursor": cursor} if cursor else {})
         return WantedList.model_validate_json(self._request("GET", WANTED_PATH, params=params).content)
+
+    def all_wanted(self, model: str | None = None, order: str = "oldest", page: int = 1024) -> list[WantedPrompt]:
+        """Every prompt `wanted` lists, page after page."""
+        prompts, cursor = [], None
+        while True:
+            listed = self.wanted(model, order, page, cursor)
+            prompts += listed.prompts
+            cursor = listed.next_cursor
+            if cursor is None:
+                return prompts
+
+    def lease_wanted(self, req: LeaseRequest) -> WantedList:
+        """Wanted prompts leased to this generator alone (a generator's work; another gets others meanwhile)."""
+        return WantedList.model_validate_json(self._request(
+            "POST", LEASE_PATH, content=req.model_dump_json(), headers={"Content-Type": "application/json"}).content)
+
+    def beat(self, req: HeartbeatRequest) -> None:
+        """Tell the store this trainer lives (lockstep co-training)."""
+        self._request("POST", HEARTBEAT_PATH, content=req.model_dump_json(), headers={"Content-Type": "application/json"})
+
+    def heartbeats(self, models: list[str]) -> dict[str, Heartbeat]:
+        """The last heartbeat of each of `models` that the store holds."""
+        answer = orjson.loads(self._request("GET", HEARTBEAT_PATH, params=[("model", m) for m in models]).content)
+        return {model: Heartbeat.model_validate(beat) for model, beat in answer.items()}
 
     def record_served(self, req: ServedRequest) -> ServedResponse:
         """Ledger entries: the groups a learner grafted at a step."""
