@@ -85,13 +85,13 @@ def toy_world(tmp_path_factory, one_torch_thread):
 @pytest.fixture(scope="session")
 def text_only_store_root(toy_world, tmp_path_factory):
     """A store root holding the toy peer's groups as a source without behaviour logprobs stores them (logprobs_mode
-    'none', token_logprobs empty, logprob_sum 0.0: GRAFT_SPEC section 11)."""
+    'none', token_logprobs empty, logprob_sum null: GRAFT_SPEC section 11)."""
     import pyarrow.parquet as pq
 
     from graft.schemas import RolloutGroup, table_to_groups
     from graft.services.store_api.local.shards import write_groups
 
-    no_mu = {"logprobs_mode": "none", "token_logprobs": [], "logprob_sum": 0.0}
+    no_mu = {"logprobs_mode": "none", "token_logprobs": [], "logprob_sum": None}
     stored = [g for path in sorted((toy_world.store_root / "rollouts").rglob("*.parquet"))
               for g in table_to_groups(pq.read_table(path))]
     root = tmp_path_factory.mktemp("text_only") / "store"

@@ -36,6 +36,7 @@ from graft.schemas.rollout import (
     PROBLEM_ARROW_SCHEMA,
     PROMPT_ID_PATTERN,
     RESCORED,
+    RESCORED_UNVERIFIED,
     ROLLOUT_ARROW_SCHEMA,
     SCHEMA_VERSION,
     Problem,
@@ -49,8 +50,8 @@ from graft.schemas.rollout import (
 )
 
 __all__ = [
-    "ARROW_MEDIA_TYPE", "GROUP_ID_PATTERN", "LOOKUP_PATH", "MAX_LOOKUP_PROMPTS", "PROMPT_ID_PATTERN", "PUSH_PATH", "MAX_PAGE_SIZE", "MAX_PUSH_GROUPS", "NO_LOGPROBS", "PROBLEM_ARROW_SCHEMA", "RESCORED", "ROLLOUT_ARROW_SCHEMA",
-    "SCHEMA_VERSION", "ErrorResponse", "HealthResponse", "LakeStats", "ModelStats", "PeerLookupRequest", "PeerLookupResponse",
+    "ARROW_MEDIA_TYPE", "GROUP_ID_PATTERN", "LOOKUP_PATH", "MAX_LOOKUP_PROMPTS", "PROMPT_ID_PATTERN", "PUSH_PATH", "MAX_PAGE_SIZE", "MAX_PUSH_GROUPS", "NO_LOGPROBS", "PROBLEM_ARROW_SCHEMA", "RESCORED", "RESCORED_UNVERIFIED",
+    "ROLLOUT_ARROW_SCHEMA", "SCHEMA_VERSION", "ErrorResponse", "HealthResponse", "LakeStats", "ModelStats", "PeerLookupRequest", "PeerLookupResponse",
     "Problem", "PushGroupsRequest", "PushGroupsResponse", "Rollout", "RolloutGroup", "RolloutPage", "StatsResponse",
     "MAX_WANTS", "SERVED_PATH", "WANTED_PATH", "BrokerStats", "ServedRequest", "ServedResponse", "ServeOrder", "Want",
     "WantedList", "WantedPrompt", "WantedRequest", "WantedResponse",

@@ -435,7 +435,7 @@ def test_peer_groups_without_mu_graft_with_c_one_and_are_counted(world, learner,
     """The peer's groups stored without behaviour logprobs (logprobs_mode 'none', GRAFT_SPEC section 11): verl's rows
     get c = peer_loss_scale (b = 1, w = 1) in rollout_is_weights, zeros in the rollout_log_probs field that nothing
     reads on grafted rows, and graft/peer_rollouts_without_mu counts them."""
-    no_mu = {"logprobs_mode": "none", "token_logprobs": [], "logprob_sum": 0.0}
+    no_mu = {"logprobs_mode": "none", "token_logprobs": [], "logprob_sum": None}
     groups = [RolloutGroup(rollouts=[r.model_copy(update=no_mu) for r in g.rollouts]) for g in world["groups"]]
     root = tmp_path / "store"
     write_groups(root, groups, world["problems"])

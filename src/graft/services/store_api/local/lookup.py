@@ -75,7 +75,7 @@ from graft.services.store_api.tables import (
 LOOKUP_DIR = "lookup"
 LOOKUP_SUFFIX = ".lookup"
 LOOKUP_MAGIC = b"GRAFTLK1"
-LOOKUP_VERSION = 3
+LOOKUP_VERSION = 4  # 4: the rows of schema version 3 (the prompt columns); older files are rebuilt
 # groups, pages, CRC-32 of the block and page tables, CRC-32 and size of the shard's Parquet footer, version, magic
 _LOOKUP_TRAILER = struct.Struct("<qqIIqI8s")
 
@@ -437,7 +437,9 @@ def read_whole_groups(shard: Path, parquet: pq.ParquetFile, schema: pa.Schema = 
     file cannot be decoded."""
     pending = schema.empty_table()  # rows read and not yet yielded, from file row `pending_start`
     pending_start = 0
-    batches = parquet.iter_batches(batch_size=chunk_rows, columns=schema.names, use_threads=False)
+    present = set(parquet.schema_arrow.names)  # a shard written before a column was added lacks it: conformed as null
+    batches = parquet.iter_batches(batch_size=chunk_rows, columns=[n for n in schema.names if n in present],
+                                   use_threads=False)
     while True:
         try:
             batch = next(batches, None)
