@@ -247,7 +247,8 @@ class ImportConfig(BaseModel):
 
 
 class RescoreConfig(BaseModel):
-    """`graft-rescore`: fill in mu for stored groups from the peer's weights, teacher-forced (new groups, rows 'rescored')."""
+    """`graft-rescore`: fill in mu for stored groups from the peer's weights, teacher-forced at the rows' own sampling
+    (new groups: rows 'rescored', or 'rescored_unverified' when the weights are not shown to be the traces' author)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -265,12 +266,9 @@ class RescoreConfig(BaseModel):
     backend: Literal["hf", "openai"] = Field(default="hf", description="hf: transformers in-process; openai: a vLLM "
                                              "server's prompt_logprobs (the openai section)")
     openai: OpenAIBackendConfig = Field(default_factory=OpenAIBackendConfig, description="backend openai: the server and how to call it")
-    temperature: float | None = Field(default=None, ge=0.0, description="temperature assumed (default: each row's "
-                                      "own; backend openai: 1.0, the only one a server's prompt logprobs have)")
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0, description="nucleus mass assumed (default: each row's own)")
-    top_k: int | None = Field(default=None, ge=0, description="top-k assumed (default: each row's own; 0: none)")
-    template: PromptTemplate = Field(default="auto", description="the prompt the completions followed: auto (chat "
-                                     "template if any), chat, plain, raw (as graft-generate's)")
+    template: PromptTemplate = Field(default="auto", description="the prompt the completions followed, for rows that do "
+                                     "not keep it (prompt_text): auto (chat template if any), chat, plain, raw (as "
+                                     "graft-generate's)")
     few_shot: int = Field(default=0, ge=0, le=MAX_FEW_SHOT, description="worked examples before each problem (as graft-generate's)")
     instruction: str | None = Field(default=None, description="the line after each problem (as graft-generate's)")
     system_prompt: str | None = Field(default=None, description="a system turn before the problem (as graft-generate's)")
@@ -282,15 +280,9 @@ class RescoreConfig(BaseModel):
     groups_per_shard: int = Field(default=64, ge=1, description="rescored groups written together (one shard)")
 
     @model_validator(mode="after")
-    def _served_is_temperature_one(self) -> RescoreConfig:
+    def _checked(self) -> RescoreConfig:
         check_few_shot(self.template, self.few_shot, self.instruction, self.system_prompt)
         check_served(self.backend, self.openai)
-        if self.backend == "openai":
-            if (self.temperature not in (None, 1.0) or self.top_p not in (None, 1.0) or self.top_k not in (None, 0)):
-                raise ValueError("backend openai: a vLLM server's prompt logprobs are the temperature-1 distribution "
-                                 "without top-p or top-k; rescore at temperature 1.0 (the rows then say 1.0), or with "
-                                 "backend hf at the temperature the traces were sampled at")
-            self.temperature, self.top_p, self.top_k = 1.0, 1.0, None
         return self
 
 
