@@ -115,8 +115,22 @@ def test_trl_completions_of_a_conversational_run_with_repeats_and_eval_rows(trl_
     assert any(r["prompt"][-1]["content"] in user for r in written[5] + written[6])  # eval rows in the same files
     assert written[1][0]["prompt"][0]["role"] == "system" and written[1][0]["completion"][0]["role"] == "assistant"
 
-    store = tmp_path / "store"
     problems = write_problems(tmp_path / "p.jsonl", [p.model_dump() for p in toy_world.learner_problems])
+    tokenizer = load_tokenizer_of(run / "tokenizer")
+    # with the options of the first graft-import (no eval set named: the eval groups are stored, under their steps):
+    # each group once, at its own step, ended as the data says
+    plain = tmp_path / "store-plain"
+    summary_of(graft_import("--format", "trl", "--file", str(run), "--problems", str(problems), "--model-id", "trl-peer",
+                            "--tokenizer", str(run / "tokenizer"), "--store", str(plain), "--set", "max_tokens=12",
+                            cwd=tmp_path))
+    stored = stored_groups(plain, "trl-peer")
+    contents = [tuple(r.completion_text for r in g.rollouts) for g in stored]
+    assert len(set(contents)) == len(contents) == 7  # 5 training groups, 2 eval groups (one twice in the files)
+    assert {g.policy_step for g in stored} == {1, 3, 5, 6}
+    for group in stored:
+        check_tokens(group, tokenizer)
+
+    store = tmp_path / "store"
     evals = write_problems(tmp_path / "eval.jsonl", [p.model_dump() for p in evaluate])
     paths = {"runs/trl-grpo": str(run), "--problems gsm8k": f"--problems {problems}",
              "models/peer": str(run / "tokenizer"), "stores/local": str(store), "max_tokens=256": "max_tokens=12",
@@ -135,7 +149,6 @@ def test_trl_completions_of_a_conversational_run_with_repeats_and_eval_rows(trl_
     assert summary["scored_by"] == {"given:accuracy>=1": 20} and summary["disagreement"]["differ"] == 0
     train_rows = sum(len(rows) for rows in written.values()) - eval_rows
     assert summary["disagreement"]["compared"] == 20 and f"{train_rows} of {train_rows} rows' prompts match" in proc.stderr
-    tokenizer = load_tokenizer_of(run / "tokenizer")
     by_text = {p.problem: p for p in toy_world.learner_problems}
     for group in groups:
         problem = next(p for p in train if p.prompt_id == group.prompt_id)
@@ -296,29 +309,16 @@ def test_an_openr1_shaped_set_as_the_hubs_parquet_export_and_save_to_disk(tiny_m
         check_tokens(group, tokenizer)
 
 
-def test_deepmath_solution_columns_form_one_group_and_openthoughts_chats_answer_alone(tiny_model_dir, tmp_path):
-    """DeepMath-103K's three solution columns are one group per row, scored by math-verify against final_answer; an
-    OpenThoughts-114k row's `conversations` (ShareGPT's from/value) gives its user turn as the prompt, matched to the
-    learner's problems, and only the assistant's turn as the completion."""
+def test_openthoughts_chats_answer_alone_and_deepmath_solution_columns_form_one_group(tiny_model_dir, tmp_path):
+    """An OpenThoughts-114k `save_to_disk` folder: a row's `conversations` (ShareGPT's from/value) gives its user turn
+    as the prompt, matched to the learner's problems, and only the assistant's turn as the completion. DeepMath-103K's
+    three solution columns (a Hub Parquet export) are one group per row, scored by math-verify against final_answer."""
     from testbed.trace_sets import deepmath_dataset, openthoughts_dataset, parquet_export
-
-    deepmath = parquet_export(deepmath_dataset([
-        ("Compute $39+47$.", "86", ["\\boxed{86}", "\\boxed{87}", "It is \\boxed{86}."]),
-        ("Compute $48+34$.", "82", ["\\boxed{82}", "\\boxed{82}", "\\boxed{82}"]),
-    ]), tmp_path / "DeepMath-103K")
-    store = tmp_path / "store"
-    summary = summary_of(graft_import(
-        "--file", str(deepmath), "--model-id", "deepmath", "--tokenizer", str(tiny_model_dir), "--store", str(store),
-        "--set", "problem_column=question", "--set", "gold_column=final_answer", "--set", "finish_reason=stop",
-        "--set", "completion_column=[r1_solution_1, r1_solution_2, r1_solution_3]", cwd=tmp_path))
-    assert (summary["groups"], summary["rollouts"], summary["scored_by"]) == (2, 6, {"math-verify:boxed": 6})
-    groups = {g.prompt_id: g for g in stored_groups(store, "deepmath")}
-    assert [r.reward for r in groups[prompt_id("Compute $39+47$.")].rollouts] == [1.0, 0.0, 1.0]
-    assert [r.completion_text for r in groups[prompt_id("Compute $48+34$.")].rollouts] == ["\\boxed{82}"] * 3
 
     chats = tmp_path / "OpenThoughts-114k"
     openthoughts_dataset([("39+47=", "<|begin_of_thought|>add<|end_of_thought|> \\boxed{86}"),
                           ("48+34=", "\\boxed{80}"), ("48+34=", "\\boxed{82}")]).save_to_disk(str(chats))
+    store = tmp_path / "store"
     summary = summary_of(graft_import(
         "--file", str(chats), "--problems", str(write_problems(tmp_path / "p.jsonl")), "--model-id", "thoughts",
         "--tokenizer", str(tiny_model_dir), "--store", str(store), "--set", "problem_column=conversations",
@@ -328,6 +328,19 @@ def test_deepmath_solution_columns_form_one_group_and_openthoughts_chats_answer_
     assert [r.completion_text for r in groups[prompt_id("48+34=")].rollouts] == ["\\boxed{80}", "\\boxed{82}"]
     assert [r.reward for r in groups[prompt_id("48+34=")].rollouts] == [0.0, 1.0]
     assert groups[prompt_id("39+47=")].rollouts[0].completion_text.startswith("<|begin_of_thought|>")
+
+    deepmath = parquet_export(deepmath_dataset([
+        ("Compute $39+47$.", "86", ["\\boxed{86}", "\\boxed{87}", "It is \\boxed{86}."]),
+        ("Compute $48+34$.", "82", ["\\boxed{82}", "\\boxed{82}", "\\boxed{82}"]),
+    ]), tmp_path / "DeepMath-103K")
+    summary = summary_of(graft_import(
+        "--file", str(deepmath), "--model-id", "deepmath", "--tokenizer", str(tiny_model_dir), "--store", str(store),
+        "--set", "problem_column=question", "--set", "gold_column=final_answer", "--set", "finish_reason=stop",
+        "--set", "completion_column=[r1_solution_1, r1_solution_2, r1_solution_3]", cwd=tmp_path))
+    assert (summary["groups"], summary["rollouts"], summary["scored_by"]) == (2, 6, {"math-verify:boxed": 6})
+    groups = {g.prompt_id: g for g in stored_groups(store, "deepmath")}
+    assert [r.reward for r in groups[prompt_id("Compute $39+47$.")].rollouts] == [1.0, 0.0, 1.0]
+    assert [r.completion_text for r in groups[prompt_id("Compute $48+34$.")].rollouts] == ["\\boxed{82}"] * 3
 
 
 # ------------------------------------------------------------------------------------------------ named columns
@@ -386,6 +399,37 @@ def test_named_columns_bad_rows_given_rewards_and_a_missing_column(tiny_model_di
                            "--store", str(elsewhere), "--set", "completion_column=outputs", "--set",
                            "finish_reason=stop", cwd=tmp_path)
     refused(missing, elsewhere, f"{traces / 'a.jsonl'} has no column 'problem'")
+
+
+def test_a_lost_line_a_cut_completion_and_a_format_bonus_are_not_stored_as_if_whole(tiny_model_dir, tmp_path):
+    """With the options the first graft-import had: a group whose line is not JSON is left out, never stored one row
+    short; a completion reaching max_tokens was cut (finish 'length', no EOS; the others end with it); a run's reward of
+    0.5 (a format bonus) is no success without a stated threshold; no row stores a placeholder logprob_sum."""
+    traces = tmp_path / "t.jsonl"
+    cut = "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20"
+    lines = [json.dumps({"problem": "39+47=", "completion": c, "answer": "86"}) for c in ("\\boxed{86}", cut)]
+    lines += [json.dumps({"problem": "48+34=", "completion": "\\boxed{82}", "answer": "82"}), "{\"problem\": \"48+34=\", "]
+    lines += [json.dumps({"problem": "48+34=", "completion": "\\boxed{81}", "answer": "82"})]
+    traces.write_text("\n".join(lines) + "\n")
+    tokenizer = load_tokenizer_of(tiny_model_dir)
+    budget = len(tokenizer(cut, add_special_tokens=False)["input_ids"])
+    store = tmp_path / "store"
+    proc = graft_import("--file", str(traces), "--model-id", "x", "--tokenizer", str(tiny_model_dir), "--store",
+                        str(store), "--set", f"max_tokens={budget}", cwd=tmp_path)
+    summary = summary_of(proc)
+    assert (summary["groups"], summary["bad_rows"], summary["groups_left_out"]) == (1, 1, 1), proc.stderr
+    [group] = stored_groups(store, "x")
+    assert group.prompt_id == prompt_id("39+47=")
+    assert [r.finish_reason for r in group.rollouts] == ["stop", "length"]
+    check_tokens(group, tokenizer)
+
+    bonus = tmp_path / "bonus.jsonl"
+    bonus.write_text("".join(json.dumps({"problem": "1+2=", "completion": c, "reward": r}) + "\n"
+                             for c, r in (("\\boxed{4}", 0.5), ("\\boxed{3}", 1.0))))
+    proc = graft_import("--file", str(bonus), "--model-id", "y", "--tokenizer", str(tiny_model_dir), "--store",
+                        str(store), "--set", "reward=given", "--set", "finish_reason=stop", cwd=tmp_path)
+    assert summary_of(proc)["groups"] == 0 and not stored_groups(store, "y")
+    assert "reward 0.5 is a number: state the run's success rule with --set success_threshold=X" in proc.stderr
 
 
 def test_imports_that_would_store_what_no_learner_finds_or_cannot_end_are_refused(tiny_model_dir, tmp_path):

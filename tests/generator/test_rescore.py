@@ -19,12 +19,13 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from graft.schemas import RESCORED, RESCORED_UNVERIFIED, PeerLookupRequest, table_to_groups
+from graft.schemas import PeerLookupRequest, table_to_groups
 from graft.services.generator.config import GeneratorConfig, ImportConfig, RescoreConfig
 from graft.services.generator.generate import run_generator
 from toy.task import sample_problems, write_problems_jsonl
 
 TOLERANCE = 1e-4  # float32 forward passes of one model: the sampler's logits and a teacher-forced pass
+RESCORED, RESCORED_UNVERIFIED = "rescored", "rescored_unverified"  # schemas' constants: the rows' logprobs_mode
 
 
 def graft_rescore(*args: str) -> subprocess.CompletedProcess:
@@ -99,23 +100,26 @@ def test_imported_rows_rescored_at_their_own_sampling_after_their_own_prompt(tin
     traces.write_text(json.dumps({"problem": "39+47=", "sent": kept, "answer": "86",
                                   "completion": ["\\boxed{86}", "\\boxed{85}", "86"]}) + "\n")
     model, tokenizer = load_model_and_tokenizer(tiny_model_dir)
-    for revision, mode in (("", RESCORED_UNVERIFIED), (model_fingerprint(tiny_model_dir), RESCORED)):
+    rebuilt = tokenizer("39+47=", add_special_tokens=False)["input_ids"]  # template raw: the problem's text
+    # first as the import of the first graft-rescore stored them (no revision, no prompt kept), then with both
+    for kept_prompt, revision, mode in ((False, "", RESCORED_UNVERIFIED), (True, model_fingerprint(tiny_model_dir), RESCORED)):
         store = tmp_path / f"store-{mode}"
+        settings = {"prompt_column": "sent", "model_revision": revision} if kept_prompt else {}
         run_import(ImportConfig(files=[str(traces)], model_id="r1", tokenizer=str(tiny_model_dir), store=str(store),
-                                temperature=0.6, score_workers=1, finish_reason="stop", prompt_column="sent",
-                                model_revision=revision), on_note=lambda _: None)
+                                temperature=0.6, score_workers=1, finish_reason="stop", **settings))
         proc = graft_rescore("--store", str(store), "--source-model", "r1", "--model", str(tiny_model_dir), "--set",
                              "template=raw")
         assert proc.returncode == 0, proc.stderr[-3000:]
         summary = json.loads(proc.stdout.strip().splitlines()[-1])
-        assert summary["logprobs_mode"] == {mode: 1} and summary["prompts_from"] == {"prompt_text": 1}
+        assert summary["logprobs_mode"] == {mode: 1}
+        assert summary["prompts_from"] == {"prompt_text" if kept_prompt else "rebuilt": 1}
         groups = groups_of(store, "r1")
         assert sorted(g.rollouts[0].logprobs_mode for g in groups) == sorted(["none", mode])
         rescored = next(g for g in groups if g.has_behaviour_logprobs)
         assert {round(r.temperature, 6) for r in rescored.rollouts} == {0.6}  # float32 column: the stated 0.6, kept
-        prompt_ids = tokenizer(kept, add_special_tokens=False)["input_ids"]
+        prompt_ids = tokenizer(kept, add_special_tokens=False)["input_ids"] if kept_prompt else rebuilt
         for r in rescored.rollouts:
-            assert (r.prompt_text, r.prompt_token_ids) == (kept, prompt_ids)
+            assert r.prompt_token_ids == prompt_ids and r.prompt_text == (kept if kept_prompt else "39+47=")
             expected = teacher_forced_logprobs(model, prompt_ids, r.completion_token_ids,
                                                SamplingParams(n=1, temperature=0.6))
             assert max(abs(a - b) for a, b in zip(r.token_logprobs, expected, strict=True)) <= TOLERANCE

@@ -27,6 +27,7 @@ import json
 import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -215,6 +216,7 @@ class _Importer:
         self.seen: set[bytes] = set()  # content of the groups met, step aside: a repeat is stored once
         self.pending: list[_Pending] = []
         self.scorer: Scorer | None = None  # math-verify's workers, started when a group first needs them
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="import-scoring")
 
     def run(self, items) -> None:
         for item in items:
@@ -235,6 +237,7 @@ class _Importer:
         self._flush()
 
     def close(self) -> None:
+        self.pool.shutdown()
         self.sink.close()
         if self.scorer is not None:
             self.scorer.close()
@@ -333,8 +336,11 @@ class _Importer:
         batch, self.pending = self.pending, []
         config, stats = self.config, self.stats
         texts = [c for p in batch for c in p.trace.completions]
+        # math-verify works in its worker processes while this one tokenises (the tokenizer's Rust code releases the
+        # GIL): the batch costs the longer of the two, not their sum
+        scoring = self.pool.submit(self._math_verify, batch)
         ids = iter(self.tokenizer(texts, add_special_tokens=False)["input_ids"])
-        verified = iter(self._math_verify(batch))
+        verified = iter(scoring.result())
         eos = self.tokenizer.eos_token_id
         groups, problems = [], {}
         for pending in batch:
@@ -345,8 +351,9 @@ class _Importer:
                 stats.gold_unparsed += sum(s.reward is None for s in scores)
                 stats.no_answer += sum(s.extracted_answer is None for s in scores)
             else:
-                scores = [Score(reward=float(ok), correct=ok, extracted_answer=self.extract(text))
-                          for ok, text in zip(pending.given, pending.trace.completions, strict=True)]
+                scores = [Score(reward=float(ok), correct=ok, extracted_answer=(
+                    check.extracted_answer if check is not None else self.extract(text)))
+                          for ok, text, check in zip(pending.given, pending.trace.completions, checks, strict=True)]
             if pending.given is not None:
                 for ok, check in zip(pending.given, checks, strict=True):
                     if check is not None and check.reward is not None:
