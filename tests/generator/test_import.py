@@ -423,6 +423,15 @@ def test_a_lost_line_a_cut_completion_and_a_format_bonus_are_not_stored_as_if_wh
     assert [r.finish_reason for r in group.rollouts] == ["stop", "length"]
     check_tokens(group, tokenizer)
 
+    # stated, the run's group size holds a group whose other rows are lost without a trace (none left to say so)
+    with traces.open("a") as f:
+        f.write(json.dumps({"problem": "17+25=", "completion": "\\boxed{42}", "answer": "42"}) + "\n")
+    sized = tmp_path / "store-sized"
+    proc = graft_import("--file", str(traces), "--model-id", "x", "--tokenizer", str(tiny_model_dir), "--store",
+                        str(sized), "--set", f"max_tokens={budget}", "--set", "group_size=2", cwd=tmp_path)
+    assert (summary_of(proc)["groups"], summary_of(proc)["groups_left_out"]) == (1, 2)
+    assert "rows 6: " not in proc.stderr and "1 completions where the run's groups (group_size) have 2" in proc.stderr
+
     bonus = tmp_path / "bonus.jsonl"
     bonus.write_text("".join(json.dumps({"problem": "1+2=", "completion": c, "reward": r}) + "\n"
                              for c, r in (("\\boxed{4}", 0.5), ("\\boxed{3}", 1.0))))

@@ -279,9 +279,9 @@ def read_groups(files: list[Path], fmt: TraceFormat, columns: TraceColumns, name
     """Every group of `files` (and every row that cannot be read, as a BadRow: its group, when known, is left out).
 
     group_size: the completions of every group of single-completion rows (TRL's num_generations, verl's rollout.n);
-    TRL and verl, when not given: each file's most common group size. A prompt with a multiple of it (the same prompt
-    twice in a batch) is cut into groups of that size in file order; one with another count (a row lost: a line that
-    is not JSON) is left out."""
+    TRL and verl, when not given: each file's most common group size (the columns format: none, groups as they are).
+    A prompt with a multiple of it (the same prompt twice in a batch) is cut into groups of that size in file order;
+    one with another count (a row lost: a line that is not JSON) is left out."""
     across: dict[tuple, TraceGroup] = {}  # columns format: single completions grouped across files
     broken: set[tuple] = set()  # groups holding a bad row
     for path in files:
@@ -318,9 +318,8 @@ def read_groups(files: list[Path], fmt: TraceFormat, columns: TraceColumns, name
             else:
                 target[key] = read.group
         if fmt != "columns":
-            yield from _sized(within, broken, group_size)
-    for key, group in across.items():
-        yield LeftOut(group, UNREADABLE_ROW) if key in broken else group
+            yield from _sized(within, broken, group_size, infer=True)
+    yield from _sized(across, broken, group_size, infer=False)
 
 
 def _extend(group: TraceGroup, more: TraceGroup) -> None:
@@ -334,17 +333,21 @@ def _extend(group: TraceGroup, more: TraceGroup) -> None:
 UNREADABLE_ROW = "it holds a row that could not be read (reported above)"
 
 
-def _sized(groups: dict[tuple, TraceGroup], broken: set[tuple],
-           group_size: int | None) -> Iterator[TraceGroup | LeftOut]:
-    """A TRL or verl file's groups cut to the run's group size; those of another size or holding a bad row left out."""
+def _sized(groups: dict[tuple, TraceGroup], broken: set[tuple], group_size: int | None,
+           infer: bool) -> Iterator[TraceGroup | LeftOut]:
+    """Groups cut to the run's group size (stated, or with `infer` the most common: TRL's and verl's files); those of
+    another size, or holding a bad row, left out. Without a size, every group as it is."""
     sizes = Counter(len(g.completions) for key, g in groups.items() if key not in broken)
-    size = group_size or (sizes.most_common(1)[0][0] if sizes else None)
+    size = group_size or (sizes.most_common(1)[0][0] if sizes and infer else None)
     for key, group in groups.items():
         if key in broken:
             yield LeftOut(group, UNREADABLE_ROW)
             continue
         n = len(group.completions)
-        if size is None or n % size:
+        if size is None:
+            yield group
+            continue
+        if n % size:
             said = "the run's groups (group_size)" if group_size else "this file's other groups"
             yield LeftOut(group, f"{n} completions where {said} have {size}: a row is missing (a line that is not "
                                  "JSON?); set group_size if the run's groups differ in size")
