@@ -141,7 +141,9 @@ class Rollout(BaseModel):
     # outcome
     reward: Annotated[float | None, Arrow(pa.float32(), nullable=True)] = Field(default=None, description="in [0, 1]; null when the gold cannot be parsed")
     correct: Annotated[StrictBool, Arrow(pa.bool_())] = Field(description="reward > 0")
-    extracted_answer: Annotated[str | None, Arrow(pa.string(), nullable=True)] = Field(default=None, description="last \\boxed{} of the completion")
+    extracted_answer: Annotated[str | None, Arrow(pa.string(), nullable=True)] = Field(
+        default=None, description="the final answer the scoring rule took from the completion (by default its last "
+                                  "\\boxed{})")
     advantage: Annotated[float, Arrow(pa.float32())] = Field(ge=-FLOAT32_MAX, le=FLOAT32_MAX, description="group-normalised advantage")
     group_size: Annotated[int, Arrow(pa.int32())] = Field(ge=1, le=INT32_MAX, description="number of rollouts in the group")
     # the prompt the completion followed (ADDED_COLUMNS: last, nullable; version 3)
