@@ -366,7 +366,7 @@ def test_peer_groups_without_mu_graft_with_c_one_and_are_counted(world, learner,
     get c = peer_loss_scale (b = 1, w = 1) in rollout_is_weights, pi_old (not 0.0, which is log 1: a sampler sure of
     every token) as their sampler's logprobs in rollout_log_probs, so that any ratio verl forms against them is 1, and
     graft/peer_rollouts_without_mu counts them."""
-    no_mu = {"logprobs_mode": "none", "token_logprobs": [], "logprob_sum": 0.0}
+    no_mu = {"logprobs_mode": "none", "token_logprobs": [], "logprob_sum": None}
     groups = [RolloutGroup(rollouts=[r.model_copy(update=no_mu) for r in g.rollouts]) for g in world["groups"]]
     root = tmp_path / "store"
     write_groups(root, groups, world["problems"])
