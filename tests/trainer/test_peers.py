@@ -81,6 +81,55 @@ def test_groups_published_while_a_push_is_in_flight_are_neither_lost_nor_miscoun
         peers.close()
 
 
+def relabel(group, model: str, **update):
+    """`group` as `model`'s, its rows changed by `update` (unvalidated: the store is the judge)."""
+    return group.model_copy(update={"rollouts": [r.model_copy(update={"model_id": model, **update})
+                                                 for r in group.rollouts]})
+
+
+def test_groups_the_store_refuses_are_named_counted_and_dropped_and_the_others_land(store, groups, caplog):
+    """One push of 11 groups, two of which the store refuses: a group id it holds under another prompt (409) and a
+    reward outside [0, 1] (422). The other 9 land, the two are named in the log, counted, and never sent again."""
+    model = "refused"
+    mine = [relabel(g, model) for g in groups]
+    with StoreClient(store.url) as client:
+        client.push_groups([mine[0]])
+    clash = relabel(mine[0], model, prompt_id=mine[1].prompt_id)  # mine[0]'s id, another prompt
+    bad = mine[2].model_copy(update={"rollouts": [mine[2].rollouts[0].model_copy(update={"reward": 2.0, "correct": True}),
+                                                  *mine[2].rollouts[1:]]})
+    link = StoreLink(StoreConfig(url=store.url, retries=0), model)
+    caplog.set_level(logging.ERROR, logger="graft.trainer.peers")
+    try:
+        link.publish([clash, bad, *mine[3:]], [None] * 11)
+        assert link.flush(timeout_s=60), f"{link.outbox_size} groups still wait: refused ones are retried forever"
+        assert stored_ids(store.url, model) == {g.group_id for g in [mine[0], *mine[3:]]}
+        assert (link.counters.groups_published, link.counters.groups_refused) == (9, 2)
+        said = " ".join(r.getMessage() for r in caplog.records)
+        assert f"refused group {clash.group_id}" in said and f"refused group {bad.group_id}" in said
+        link.publish([mine[1]], [None])
+        assert link.flush(timeout_s=60) and link.counters.groups_published == 10  # nothing refused waits or goes again
+    finally:
+        link.close()
+
+
+def test_groups_published_while_the_store_is_down_are_delivered_when_it_is_back_before_the_end(tmp_path, groups):
+    """The store is down while the run publishes, and comes back while the link still backs off from it: the end's
+    flush waits the pause out and delivers every group, instead of giving up on a store it believes down."""
+    model = "outage"
+    server = StoreServer(tmp_path / "store")  # not started: the store is down
+    link = StoreLink(StoreConfig(url=server.url, retries=0, timeout_s=2, backoff_initial_s=20), model)
+    try:
+        link.publish([relabel(g, model) for g in groups[:4]], [None] * 4)
+        link._publishing.result(timeout=30)
+        assert link.counters.publish_failures == 1 and link.outbox_size == 4 and not link.available
+        with server:
+            assert not link.available  # still backing off: the run ends now
+            assert link.flush(timeout_s=60)
+            assert stored_ids(server.url, model) == {g.group_id for g in groups[:4]}
+    finally:
+        link.close()
+
+
 def test_cotraining_does_not_wait_while_the_store_is_down(groups):
     """A store known to be down cannot bring the co-trainer's groups: the step does not wait cotrain_wait_s for them."""
     config = StoreConfig(url=f"http://127.0.0.1:{free_port()}", retries=0, timeout_s=2, backoff_initial_s=30)
@@ -231,7 +280,7 @@ def test_ledger_posts_that_fail_are_sent_again_and_refused_ones_are_dropped(tmp_
     source = PeerSource(link, cfg.graft, config, "ledger-learner")
     try:
         link.post_broker(1, [], [theirs.group_id], source.want_rule())
-        assert not link.flush(5) and link.broker_queued == 1 and link.counters.broker_failures >= 1
+        assert not link.flush(1) and link.broker_queued == 1 and link.counters.broker_failures >= 1
         with server:
             assert link.flush(60)
             with StoreClient(server.url) as client:

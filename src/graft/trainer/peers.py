@@ -140,8 +140,9 @@ class PeerSource:
     def finish(self, timeout_s: float) -> None:
         """Deliver what waits (published groups, broker posts), at most `timeout_s`; say what could not be."""
         if not self.link.flush(timeout_s):
-            log.warning("%d sampled groups and %d broker posts could not be delivered to the store %s before exit",
-                        self.link.outbox_size, self.link.broker_queued, self.store.url)
+            log.warning("%d sampled groups and %d broker posts could not be delivered to the store %s within %g s of the "
+                        "end (its last error: %s): they are dropped", self.link.outbox_size, self.link.broker_queued,
+                        self.store.url, timeout_s, self.link.last_error or "none: still being sent")
 
     def close(self) -> None:
         self.link.close()
