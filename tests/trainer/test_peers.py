@@ -81,10 +81,18 @@ def test_groups_published_while_a_push_is_in_flight_are_neither_lost_nor_miscoun
         peers.close()
 
 
+def rewards_of(groups) -> list[tuple[str, list[float | None]]]:
+    """The learner's rewards of `groups`, as a step hands them to its source."""
+    return [(g.prompt_id, [r.reward for r in g.rollouts]) for g in groups]
+
+
 def relabel(group, model: str, **update):
-    """`group` as `model`'s, its rows changed by `update` (unvalidated: the store is the judge)."""
-    return group.model_copy(update={"rollouts": [r.model_copy(update={"model_id": model, **update})
-                                                 for r in group.rollouts]})
+    """`group` as `model`'s, under an id of its own, its rows changed by `update` (unvalidated: the store is the
+    judge)."""
+    gid = group.group_id if group.group_id.startswith(f"{model}-") else f"{model}-{group.group_id}"
+    return group.model_copy(update={"rollouts": [r.model_copy(update={"model_id": model, "group_id": gid,
+                                                                      "rollout_id": f"{gid}-{i}", **update})
+                                                 for i, r in enumerate(group.rollouts)]})
 
 
 def test_groups_the_store_refuses_are_named_counted_and_dropped_and_the_others_land(store, groups, caplog):
@@ -125,7 +133,7 @@ def test_groups_published_while_the_store_is_down_are_delivered_when_it_is_back_
         with server:
             assert not link.available  # still backing off: the run ends now
             assert link.flush(timeout_s=60)
-            assert stored_ids(server.url, model) == {g.group_id for g in groups[:4]}
+            assert stored_ids(server.url, model) == {relabel(g, model).group_id for g in groups[:4]}
     finally:
         link.close()
 
@@ -136,7 +144,7 @@ def test_cotraining_does_not_wait_while_the_store_is_down(groups):
     peers = cotrain(config, GraftConfig(), wait_s=60)
     try:
         request = peers.request([g.prompt_id for g in groups[:4]], 0)
-        found = peers.candidates(peers.start_lookup(request), request, groups[:4], None, 0)
+        found = peers.candidates(peers.start_lookup(request), request, rewards_of(groups[:4]), None, 0)
         assert not found.ok and found.groups == {}
         assert found.wait_s < peers.wait_s / 2, f"waited {found.wait_s:.1f} s for a store that is down"
         assert peers.counters.cotrain_waits_skipped == 1
@@ -154,7 +162,7 @@ def test_a_silent_co_trainer_is_warned_about_and_counted(store, groups, caplog):
         silent = []
         for step in range(peers_module.PEER_SILENT_WARN_STEPS):
             request = peers.request([g.prompt_id for g in groups[:2]], step)
-            found = peers.candidates(peers.start_lookup(request), request, groups[:2], None, step)
+            found = peers.candidates(peers.start_lookup(request), request, rewards_of(groups[:2]), None, step)
             assert found.ok
             silent.append(found.peer_silent_steps)
         assert silent == list(range(1, peers_module.PEER_SILENT_WARN_STEPS + 1))
@@ -167,7 +175,7 @@ def test_a_silent_co_trainer_is_warned_about_and_counted(store, groups, caplog):
         with StoreClient(store.url) as client:
             client.push_groups([theirs])
         request = peers.request([g.prompt_id for g in groups[:2]], 99)
-        found = peers.candidates(peers.start_lookup(request), request, groups[:2], None, 99)
+        found = peers.candidates(peers.start_lookup(request), request, rewards_of(groups[:2]), None, 99)
         assert found.peer_silent_steps == 0 and "n0" in {g.group_id for g in found.groups[groups[0].prompt_id]}
     finally:
         peers.close()
@@ -209,7 +217,7 @@ def test_offline_a_lookup_slower_than_generation_is_late_or_waited_for_as_lookup
         pending = peers.start_lookup(request)
         if lookup_wait_s:
             threading.Timer(0.3, held.release.set).start()  # the store answers 0.3 s after generation ended
-        found = peers.candidates(pending, request, groups[5:6], None, 0)
+        found = peers.candidates(pending, request, rewards_of(groups[5:6]), None, 0)
         held.release.set()
         if lookup_wait_s:
             assert [g.group_id for g in found.groups[problem.prompt_id]] == [f"{peer}-g"]
@@ -235,6 +243,29 @@ def peer_group_of(problem, tokenizer, model, peer: str, step: int, rewards: list
                                                  for i, r in enumerate(group.rollouts)]})
 
 
+def test_a_late_store_waits_once_per_step_however_many_lookups_and_is_said(store, caplog):
+    """The lookup wait (peers.lookup_wait_s; TRL's graft_lookup_wait_s and verl's graft.lookup_wait_s are it) is one
+    deadline per step, however many lookups a host's step spans (verl's submissions); a step whose lookup is still out
+    after it is counted late, and LATE_WARN_STEPS such steps in a row are warned about, in every trainer."""
+    import time
+    from concurrent.futures import Future
+
+    config = StoreConfig(url=store.url)
+    source = PeerSource(StoreLink(config, LEARNER), GraftConfig(), config, LEARNER, lookup_wait_s=0.3)
+    caplog.set_level(logging.WARNING, logger="graft.trainer.peers")
+    try:
+        request = source.request([p.prompt_id for p in sample_problems(2, seed=5)], 0)
+        for _ in range(peers_module.LATE_WARN_STEPS):
+            began = time.monotonic()
+            found = source.candidates([Future(), Future()], request, [], None, 0)  # never answered
+            assert time.monotonic() - began < 0.55 and not found.groups  # one 0.3 s wait, not one per lookup
+        assert source.counters.lookups_late == 2 * peers_module.LATE_WARN_STEPS
+        assert source.late_steps == peers_module.LATE_WARN_STEPS
+        assert sum("too late to graft" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        source.close()
+
+
 def test_the_gate_takes_the_stores_serving_order_least_served_rotates(store, groups, char_tokenizer, char_model):
     """store.serve_order least_served with three accepted peer groups of a prompt: the trainer posts what it grafts to
     the served ledger (before its next lookup asks), the store serves the least served first, and the gate takes that
@@ -252,7 +283,7 @@ def test_the_gate_takes_the_stores_serving_order_least_served_rotates(store, gro
     try:
         for step in range(4):
             request = source.request([problem.prompt_id], step)
-            found = source.candidates(source.start_lookup(request), request, groups[:1], None, step)
+            found = source.candidates(source.start_lookup(request), request, rewards_of(groups[:1]), None, step)
             decisions = gate_groups(rewards, found.groups, request, max_grafted_fraction=1.0, rng=random.Random(0))
             source.after_gate(step, decisions, found, {problem.prompt_id: problem}, rewards)
             grafted.append(decisions[0].peer_group.group_id)
