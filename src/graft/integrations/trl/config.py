@@ -91,9 +91,13 @@ class GraftConfig(GRPOConfig):
                 setattr(self, name, json.loads(value))
         if self.graft_lookup_wait_s is not None and self.graft_lookup_wait_s < 0:
             raise ValueError(f"graft_lookup_wait_s = {self.graft_lookup_wait_s}: a wait cannot be negative")
+        if self.graft_publish and not self.grafts:
+            raise ValueError("graft_publish without graft_store_url: there is no store to publish to")
         graft = self.graft_section()  # validates; the checks below are what TRL's loop cannot do as graft-train does
         self.store_section()
         self.peers_section()
+        if self.grafts:  # graft-train's rules across its sections (lockstep and the broker's settings, ...)
+            self.train_config("model")
         if graft.union_all_success:
             raise ValueError("graft_options.union_all_success: a union group has more rows than the G slots TRL's "
                              "batch holds for the prompt; leave it off under TRL")

@@ -7,9 +7,10 @@ TRL's sampler decides what its logprobs are, and so whether the stored rows carr
 - vLLM, a server: the server's --logprobs-mode (TRL's own vllm-serve: processed_logprobs): `processed`; raw_logprobs:
   `raw` (mu only at temperature 1 without a cut); any other mode: none.
 - transformers: TRL keeps no sampling logprobs. The policy that sampled is the one TRL trains on until its next update,
-  so one forward pass right after generation (TRL's own, at its temperature; the old logprobs TRL computed, where it
-  did) gives the logprobs of the sampled distribution when sampling cuts nothing (top_p 1, top_k 0, no min_p, no
-  penalty, no suppressed tokens): mu (`processed`). With a cut these are not the sampler's: published without mu, said.
+  and its forward is the one generation ran (under TRL's mixed precision: accelerate wraps the model's forward), so
+  TRL's logprobs right after generation (its old logprobs, or one forward pass of its own, at its temperature) are the
+  logprobs of the sampled distribution when sampling cuts nothing (top_p 1, top_k 0, no min_p, no penalty, no
+  suppressed tokens): mu (`processed`). With a cut they are not the sampler's: published without mu, said.
 The rows' rewards are TRL's total reward (the weighted sum of its reward functions), which the store keeps in [0, 1].
 """
 
@@ -53,4 +54,4 @@ def sampler_logprobs(trainer: Any) -> tuple[SamplingParams, str, str]:
         return params, NO_LOGPROBS, (f"transformers samples with {cuts}, which the logprobs of TRL's forward pass (the "
                                      "policy at its temperature) do not apply: not the sampler's, published without mu")
     return params, "processed_logprobs", (f"transformers at temperature {args.temperature} without a cut: the policy's "
-                                          "logprobs right after generation (TRL's own forward pass), mu")
+                                          "logprobs right after generation (its forward as it sampled), mu")

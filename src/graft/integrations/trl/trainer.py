@@ -245,9 +245,10 @@ class GraftGRPOTrainer(GRPOTrainer):
 
     @torch.no_grad()
     def _sampler_logprobs(self, output: dict[str, Any], completion_ids: list[list[int]]) -> list[list[float]]:
-        """The policy's logprobs of this process's sampled tokens at TRL's temperature, right after generation (the
-        policy that sampled them: publish.py says when they are mu): TRL's old logprobs where it computed them on the
-        whole completions, else one forward pass of TRL's own."""
+        """The policy's logprobs of this process's sampled tokens at TRL's temperature, right after generation: the
+        policy that sampled them (publish.py says when they are mu), through the forward it sampled with (accelerate's
+        mixed precision wraps it: bfloat16 autocast on a CPU by default, for generation as for TRL's logprobs). TRL's
+        old logprobs where it computed them on the whole completions, else one forward pass of TRL's own."""
         if "old_per_token_logps" in output and not self.mask_truncated_completions:
             logps = output["old_per_token_logps"]
         else:
