@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from typing import NamedTuple
 
 from graft.rollouts.sampling import Sample, SamplingParams
 from graft.rollouts.scoring import Score
@@ -18,6 +19,13 @@ def make_group_id(model_id: str, model_revision: str, policy_step: int, prompt_i
     parts = [model_id, model_revision, str(policy_step), prompt_id, str(round_index)]
     key = "\x1f".join(parts + [sampling_key] if sampling_key else parts)
     return hashlib.sha256(key.encode("utf-8")).hexdigest()[:32]
+
+
+class PromptRef(NamedTuple):
+    """A prompt by its store id and dataset, where its problem text is not at hand (a framework's own rollouts)."""
+
+    prompt_id: str
+    dataset: str
 
 
 WANTED_DRAW = "wanted-"
@@ -48,7 +56,7 @@ def logprobs_mode(params: SamplingParams, engine_mode: str = "processed_logprobs
 
 
 def assemble_group(
-    problem: Problem,
+    problem: Problem | PromptRef,
     samples: list[Sample],
     scores: list[Score],
     *,

@@ -136,7 +136,7 @@ def _train(cfg: TrainConfig, dist: DistContext, resume: bool, overwrite: bool,
 
 
 def _train_with(cfg: TrainConfig, dist: DistContext, resume: bool, overwrite: bool,
-                on_step: Callable[[dict[str, Any]], None] | None, stop: StopAtStepBoundary, run_dir: Path,
+                on_step: Callable[[dict[str, Any]], None] | None, stop: StopFlag, run_dir: Path,
                 source: PeerSource | None) -> Path:
     _claim_run_dir(run_dir, resume, overwrite, dist)
     checkpoint = latest_checkpoint(checkpoints_dir(run_dir), resumable) if resume else None
@@ -183,7 +183,7 @@ def _train_with(cfg: TrainConfig, dist: DistContext, resume: bool, overwrite: bo
             if source is not None:
                 source.publish(sampled.generated, [sampled.problem_of[g.prompt_id] for g in sampled.generated])
             with clock("gate_s"):
-                found = source.candidates(pending, request, sampled.groups, refused.usable, policy_step) if graft else None
+                found = source.candidates(pending, request, sampled.rewards, refused.usable, policy_step) if graft else None
                 candidates = found.groups if found else {}
                 decisions = gate_groups(sampled.rewards, candidates, request, max_grafted_fraction=cfg.graft.max_grafted_fraction,
                                         rng=random.Random(cfg.seed * 7_919 + policy_step), usable_tokenizers=refused.usable,
