@@ -121,23 +121,23 @@ demo: install
 	$(BIN)/python -m demo.run
 
 demo-study: install
-	$(BIN)/python -m demo.run --config configs/demo_study.yaml
+	$(BIN)/python -m demo.run --config studies/configs/study.yaml
 
 # Two models, each strong where the other is weak, co-training with GRAFT against GRPO alone (docs/demo.md, "Mutual benefit")
 demo-mutual: install
-	$(BIN)/python -m demo.mutual
+	$(BIN)/python -m studies.mutual
 
-# Which GRAFT the trainers run by default: demo/recommend.py's rule (written before the runs) on dev seeds 10-13; its
+# Which GRAFT the trainers run by default: studies/recommend.py's rule (written before the runs) on dev seeds 10-13; its
 # figure is `make demo`'s (seeds 0-3)
 demo-choose: install
-	$(BIN)/python -m demo.run --config configs/demo_choose.yaml
-	$(BIN)/python -m demo.recommend report/choose/summary.json
+	$(BIN)/python -m demo.run --config studies/configs/choose.yaml
+	$(BIN)/python -m studies.recommend report/choose/summary.json
 
 # Which GRAFT the trainers ship: the confirmatory run (issue 48), the amended rule on seeds 20-27 from warm starts of
 # their own (initialisation seed 1); docs/demo.md, "The confirmatory run"
 demo-confirm: install
-	$(BIN)/python -m demo.run --config configs/demo_confirm.yaml --set learner.seed=1 --set peer.seed=1 --set learner_sft_threads=1
-	$(BIN)/python -m demo.recommend report/confirm/summary.json --confirm
+	$(BIN)/python -m demo.run --config studies/configs/confirm.yaml --set learner.seed=1 --set peer.seed=1 --set learner_sft_threads=1
+	$(BIN)/python -m studies.recommend report/confirm/summary.json --confirm
 
 demo-real: install-dev
 	$(BIN)/python -m demo.real

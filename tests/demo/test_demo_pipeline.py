@@ -24,7 +24,7 @@ def test_quick_demo_end_to_end(tmp_path):
     out, report = tmp_path / "demo_out", tmp_path / "report"
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
     # The study's config (the demo's runs, every variant and the co-training pairs), shrunk by --quick
-    args = ["--quick", "--config", str(REPO / "configs" / "demo_study.yaml"), "--out-dir", str(out), "--report-dir", str(report)]
+    args = ["--quick", "--config", str(REPO / "studies" / "configs" / "study.yaml"), "--out-dir", str(out), "--report-dir", str(report)]
     proc = subprocess.run([sys.executable, "-m", "demo.run", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 

@@ -85,11 +85,11 @@ def test_git_ignores_the_local_file_of_every_report():
 
 
 def test_the_committed_reports_are_the_current_rules_reading_of_their_runs(tmp_path):
-    """demo.rerender on a copy of every committed report changes nothing: each REPORT.md, summary.json (and the choose
-    run's recommendation) is what demo.stats and demo.recommend say now of the runs it holds."""
+    """studies.rerender on a copy of every committed report changes nothing: each REPORT.md, summary.json (and the choose
+    run's recommendation) is what demo.stats and studies.recommend say now of the runs it holds."""
     import shutil
 
-    from demo.rerender import rerender
+    from studies.rerender import rerender
 
     repo = Path(__file__).resolve().parents[2]
     for folder in ("report", "report/avx2", "report/portable", "report/choose", "report/cotrain", "report/mutual"):

@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from demo.config import DemoConfig
-from demo.report import LOCAL_FILE, paired_values, primary, save_fig, write_summary
+from demo.report import LOCAL_FILE, header_lines, paired_values, primary, save_fig, write_summary
 from demo.report import run_record as report_run_record
-from demo.stats import STRONG_MARGIN, VERDICT_RULE, Interval, pct, stratified_interval, verdict
+from demo.stats import STRONG_MARGIN, VERDICT_RULE, Interval, p_text, pct, stratified_interval, verdict, verdict_text
 from graft.rollouts.files import write_text_atomic
 
-# The pair, and the budget pilot's rule (demo.mutual runs them; this module judges them)
+# The pair, and the budget pilot's rule (studies.mutual runs them; this module judges them)
 ROLES = ("learner", "peer")  # DemoConfig's two build slots: A is built in the learner's, B in the peer's
 NAME = {"learner": "A", "peer": "B"}
 OTHER = {"learner": "peer", "peer": "learner"}
@@ -35,7 +35,7 @@ BUDGET_RULE = (
     f"report says that no budget here moves a weak family that far); if none is kept, the demo stops and says so")
 
 
-# The dose study (`python -m demo.mutual --dose`, issue 48), written before its runs. The mutual demo's GRAFT moved A's
+# The dose study (`python -m studies.mutual --dose`, issue 48), written before its runs. The mutual demo's GRAFT moved A's
 # weak family by about a point where its ceiling (24 supervised answers a step) moved it by twenty: the single changes
 # below tell the candidate causes apart, offline (no co-training timing), on seeds no mutual verdict uses.
 DOSE_SEEDS = [10, 11, 12, 13, 14, 15]
@@ -177,7 +177,7 @@ def verdict_lines(summary: dict) -> list[str]:
         for mode, c in per_mode.items():
             weak_i, strong_i = Interval(**c["weak"]), Interval(**c["strong"])
             lines.append(f"| {name} (weak `{summary['weak_family'][name]}`) | {mode_label(mode, summary['config']['rl']['methods'])} | {weak_i.pairs} | {pct(weak_i)} | "
-                         f"{weak_i.p_value:.3f} | {pct(strong_i)} | **{c['verdict']}** | {ceiling_text} |")
+                         f"{p_text(weak_i)} | {pct(strong_i)} | **{verdict_text(c['verdict'], weak_i)}** | {ceiling_text} |")
     return lines
 
 
@@ -189,7 +189,9 @@ def markdown(summary: dict) -> str:
         "",
         f"{cfg['rl']['steps']} RL steps of {cfg['rl']['prompts_per_step']} prompts x {cfg['rl']['group_size']} rollouts, lr "
         f"{cfg['rl']['lr']:g}, each model anchored on its own strong family, seeds {cfg['rl']['seeds']}. Primary metric: "
-        f"{summary['primary_metric']}. Rule (written before the runs): {summary['rule']}.",
+        f"{summary['primary_metric']}.",
+        "",
+        *header_lines(summary),
         "",
         *verdict_lines(summary),
         "",
@@ -298,7 +300,7 @@ def write_budget(cfg: DemoConfig, models: dict, runs: list[dict], timings: dict,
 
 
 def budget_lines(result: dict) -> list[str]:
-    lines = [f"Rule (written before the pilot's runs): {result['rule']}.", "",
+    lines = [*header_lines(result), "",
              "| lr | A strong: start -> GRPO | A weak: start -> GRPO / ceiling | B strong: start -> GRPO | "
              "B weak: start -> GRPO / ceiling | strong families kept |", "|---|---|---|---|---|---|"]
     for row in result["rows"]:
@@ -381,7 +383,7 @@ def write_dose(cfg: DemoConfig, models: dict, runs: list[dict], timings: dict, w
 
 
 def dose_lines(result: dict) -> list[str]:
-    lines = [f"Rule (written before the runs): {result['rule']}.", "",
+    lines = [*header_lines(result), "",
              "| model | against its GRPO (same lr), paired by seed | weak family, points [95% CI] | p | strong family [95% CI] | verdict |",
              "|---|---|---|---|---|---|"]
     labels = {"graft": "the default GRAFT", "ceiling": "the full ceiling (24 answers a step)",
@@ -389,15 +391,15 @@ def dose_lines(result: dict) -> list[str]:
     for name, m in result["models"].items():
         for mode, c in m["vs_grpo"].items():
             weak_i, strong_i = Interval(**c["weak"]), Interval(**c["strong"])
-            lines.append(f"| {name} (weak `{m['weak_family']}`) | {labels[mode]} | {pct(weak_i)} | {weak_i.p_value:.3f} | "
-                         f"{pct(strong_i)} | {c['verdict']} |")
+            lines.append(f"| {name} (weak `{m['weak_family']}`) | {labels[mode]} | {pct(weak_i)} | {p_text(weak_i)} | "
+                         f"{pct(strong_i)} | {verdict_text(c['verdict'], weak_i)} |")
     lines += ["", "| model | single change, against the default GRAFT | weak family, points [95% CI] | p | strong family [95% CI] | verdict |",
               "|---|---|---|---|---|---|"]
     for name, m in result["models"].items():
         for mode, c in m["changes"].items():
             weak_i, strong_i = Interval(**c["weak"]), Interval(**c["strong"])
-            lines.append(f"| {name} | {DOSE_CHANGES[mode]} | {pct(weak_i)} | {weak_i.p_value:.3f} | {pct(strong_i)} | "
-                         f"**{c['verdict']}** |")
+            lines.append(f"| {name} | {DOSE_CHANGES[mode]} | {pct(weak_i)} | {p_text(weak_i)} | {pct(strong_i)} | "
+                         f"**{verdict_text(c['verdict'], weak_i)}** |")
     lines.append("")
     for name, m in result["models"].items():
         hits = ", ".join(f"{mode} {rate:.2f}" for mode, rate in m["peer_hit_rate"].items())

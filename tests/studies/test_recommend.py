@@ -1,4 +1,4 @@
-"""demo.recommend: the rule that chooses the trainers' default GRAFT, on made-up runs whose answer is known."""
+"""studies.recommend: the rule that chooses the trainers' default GRAFT, on made-up runs whose answer is known."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from demo.config import load_demo_config
-from demo.recommend import CANDIDATES, CHOOSE_SEEDS, SPEC, choose, main
+from studies.recommend import CANDIDATES, CHOOSE_SEEDS, SPEC, choose, main
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,7 +29,7 @@ def _summary(accuracy: dict[str, tuple[float, float]], seeds: list[int], noise: 
 
 
 def test_the_choose_config_runs_exactly_the_candidates_on_the_dev_seeds():
-    cfg = load_demo_config(REPO / "configs" / "demo_choose.yaml", [], use_quick=False)
+    cfg = load_demo_config(REPO / "studies" / "configs" / "choose.yaml", [], use_quick=False)
     assert dict(cfg.rl.methods) == {mode: overrides for mode, (_, overrides) in CANDIDATES.items()}
     assert cfg.rl.seeds == CHOOSE_SEEDS and not cfg.rl.cotrain_seeds and not cfg.rl.imitation_examples_per_step
     assert not set(CHOOSE_SEEDS) & set(load_demo_config(None, [], use_quick=False).rl.seeds)  # make demo's seeds differ
@@ -105,10 +105,10 @@ def test_the_rule_refuses_runs_on_other_seeds_or_without_a_candidate(tmp_path):
 
 def test_the_confirmatory_run_reads_its_own_seeds_and_two_candidates(tmp_path):
     """make demo-confirm: its config runs the spec and b = 1 with peer negatives x0 on seeds no other run uses, and
-    demo.recommend --confirm applies the same rule to them."""
-    from demo.recommend import CONFIRM_CANDIDATES, CONFIRM_SEEDS
+    studies.recommend --confirm applies the same rule to them."""
+    from studies.recommend import CONFIRM_CANDIDATES, CONFIRM_SEEDS
 
-    cfg = load_demo_config(REPO / "configs" / "demo_confirm.yaml", [], use_quick=False)
+    cfg = load_demo_config(REPO / "studies" / "configs" / "confirm.yaml", [], use_quick=False)
     assert sorted(cfg.rl.methods) == sorted(CONFIRM_CANDIDATES) and cfg.rl.seeds == CONFIRM_SEEDS
     assert not set(CONFIRM_SEEDS) & (set(CHOOSE_SEEDS) | set(load_demo_config(None, [], use_quick=False).rl.seeds))
     for variant, chosen in (((0.40, 0.95), "graft_b1_no_peer_neg"), ((0.12, 0.95), SPEC)):

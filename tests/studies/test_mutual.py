@@ -1,4 +1,4 @@
-"""`python -m demo.mutual --quick` (and its budget pilot): the mutual demo's whole pipeline, small (structure, not
+"""`python -m studies.mutual --quick` (and its budget pilot): the mutual demo's whole pipeline, small (structure, not
 accuracy): both warm starts by level, both starts' stored groups through graft-generate and the store, every run of
 both models under the same budget, the ceilings, and a report with each model's verdicts, interference and plots."""
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from demo.config import load_demo_config
-from demo.mutual import BUDGET_LRS, DEFAULT_CONFIG, check_config
-from demo.mutual_report import DOSE_CHANGES, DOSE_LR, DOSE_RULE, DOSE_RUNS, DOSE_SEEDS, claim
+from studies.mutual import BUDGET_LRS, DEFAULT_CONFIG, check_config
+from studies.mutual_report import DOSE_CHANGES, DOSE_LR, DOSE_RULE, DOSE_RUNS, DOSE_SEEDS, claim
 
 REPO = Path(__file__).resolve().parents[2]
 MODES = {"grpo", "cotrain", "offline", "cotrain_graft_spec", "offline_graft_spec"}  # configs/demo_mutual.yaml
@@ -23,7 +23,7 @@ MODES = {"grpo", "cotrain", "offline", "cotrain_graft_spec", "offline_graft_spec
 def _run(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess, Path]:
     out, report = tmp_path / "out", tmp_path / "report"
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-m", "demo.mutual", "--quick", "--out-dir", str(out), "--report-dir", str(report),
+    proc = subprocess.run([sys.executable, "-m", "studies.mutual", "--quick", "--out-dir", str(out), "--report-dir", str(report),
                            *extra], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     return proc, report
 

@@ -14,10 +14,10 @@ designated teacher? The paper's headline claim, measured on the main demo's desi
    per family, the ceilings, plots
 
 The budget (lr, with the anchors) was chosen before any GRAFT run by BUDGET_RULE on GRPO and the ceilings alone:
-`python -m demo.mutual --budget` runs that pilot (report/mutual/budget/). `python -m demo.mutual --dose` runs the dose
-study (demo.mutual_report.DOSE_RULE, report/mutual/dose/): offline, on seeds of its own, the single changes that tell
+`python -m studies.mutual --budget` runs that pilot (report/mutual/budget/). `python -m studies.mutual --dose` runs the dose
+study (studies.mutual_report.DOSE_RULE, report/mutual/dose/): offline, on seeds of its own, the single changes that tell
 apart why GRAFT moves a weak family so much less than the ceiling. Every stage is cached under demo_out/mutual/:
-    python -m demo.mutual [--quick] [--budget | --dose] [--config configs/demo_mutual.yaml] [--set rl.seeds=[4,5,6,7] ...]
+    python -m studies.mutual [--quick] [--budget | --dose] [--config configs/demo_mutual.yaml] [--set rl.seeds=[4,5,6,7] ...]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import yaml
 
 from demo.config import DemoConfig, config_hash
 from demo.jobs import CodeGuard, Job, python_module, run_jobs
-from demo.mutual_report import (
+from studies.mutual_report import (
     BUDGET_LRS,
     DOSE_LR,
     DOSE_LR_MODES,
@@ -60,7 +60,7 @@ from demo.stats import MIN_PAIRS_FOR_GAIN
 from graft.rollouts.files import write_jsonl_atomic
 from toy.task import completion_text, dataset_name, family_splits
 
-DEFAULT_CONFIG = REPO_ROOT / "configs" / "demo_mutual.yaml"
+DEFAULT_CONFIG = REPO_ROOT / "studies" / "configs" / "mutual_v1.yaml"
 MODEL_ID = {"learner": "mutual-a-llama", "peer": "mutual-b-qwen2"}  # ids of the RL runs' own groups (co-training)
 STORED_ID = {role: f"{model_id}-stored" for role, model_id in MODEL_ID.items()}  # the starts' groups, made once
 
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     dose = "--dose" in args  # the dose study (DOSE_RULE)
     if budget and dose:
         raise SystemExit("--budget and --dose are two studies: run one at a time")
-    cfg, env, kernels, out = command_line("python -m demo.mutual", __doc__, DEFAULT_CONFIG,
+    cfg, env, kernels, out = command_line("python -m studies.mutual", __doc__, DEFAULT_CONFIG,
                                           [a for a in args if a not in ("--budget", "--dose")])
     guard = CodeGuard.of_checkout()  # the code every job runs: none starts once it has changed
     check_config(cfg)
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         models[role].update(json.loads((Path(models[role]["dir"]) / "done.json").read_text()))
     stored = {role: json.loads((store_root / f"groups-done-{STORED_ID[role]}.json").read_text()) for role in ROLES}
 
-    from demo import mutual_report
+    from studies import mutual_report
 
     if budget:
         result = mutual_report.write_budget(cfg, models, runs, timings, wall_time_s=time.perf_counter() - started)
@@ -237,7 +237,7 @@ def mutual_jobs(cfg: DemoConfig, data: dict[str, Path], models: dict[str, dict],
 
 def dose_jobs(cfg: DemoConfig, data: dict[str, Path], models: dict[str, dict], store_root: Path, store_url: str,
               out: Path) -> tuple[list[Job], list[dict]]:
-    """The dose study (demo.mutual_report.DOSE_RULE): on DOSE_SEEDS, each model offline from the other's stored groups,
+    """The dose study (studies.mutual_report.DOSE_RULE): on DOSE_SEEDS, each model offline from the other's stored groups,
     every run of DOSE_RUNS (GRPO and the default GRAFT at the demo's lr, each single change, GRPO and the default GRAFT
     at DOSE_LR) and its two ceilings (the full one, and the dose-matched one on the default GRAFT run's grafted rows)."""
     seeds = DOSE_SEEDS if cfg.mode == "full" else DOSE_SEEDS[:1]
