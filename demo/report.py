@@ -58,12 +58,14 @@ PRESET_LABEL = {"spec": "the spec's formulas (b = min(pi_old/mu, 2), w, peer neg
 
 
 def label(mode: str, summary: dict | None = None) -> str:
-    """A method's name in the report. `graft` (the trainers' default) is named by what it ran: the preset its resolved
-    settings match (summary.json's `graft_presets`; for runs from before issue 60, the record's `graft_default`)."""
-    if mode == "graft" and summary is not None:
-        ran = (summary.get("graft_presets") or {}).get("graft") or (summary.get("record") or {}).get("graft_default")
+    """A method's name in the report. `graft` and `graft_cotrain` (the trainers' default) are named by what they ran:
+    the preset their resolved settings match (summary.json's `graft_presets`; for runs from before issue 60, the
+    record's `graft_default`)."""
+    if mode in ("graft", "graft_cotrain") and summary is not None:
+        ran = (summary.get("graft_presets") or {}).get(mode) or (summary.get("record") or {}).get("graft_default")
         if ran in PRESET_LABEL:
-            return f"GRAFT, {PRESET_LABEL[ran]}: the trainers' default when it ran"
+            kind = "GRAFT co-training (peer trained beside the learner)" if mode == "graft_cotrain" else "GRAFT"
+            return f"{kind}, {PRESET_LABEL[ran]}: the trainers' default when it ran"
     return MODE_LABEL.get(mode, mode)
 
 

@@ -252,7 +252,9 @@ def imitate(job: dict) -> dict:
     rows of exactly the peer groups that run grafted at that step (its peer_groups.jsonl, fetched from the store by id),
     their summed NLL divided by that step's token-mean denominator in the run (its `completion_tokens`: the learner's
     sampled tokens, up to the swap of a failed group for a peer group), so that a row weighs what a grafted row with
-    weight 1 would. What is left between it and the GRAFT run is the loss's form (w, A, b), not the rows or their dose.
+    weight 1 would. It is supervised alone: it lacks the RL on the model's own groups that the GRAFT run also had, so
+    it differs from that run in more than the loss's form (issue 60); the mutual study's control for the loss's form
+    is GRPO plus these rows (`train` with `matched_run`).
 
     With `gated_run` (a GRAFT run's train dir), the ceiling on the gate's prompts: each update is supervised on
     examples_per_step rows drawn (with replacement) from the correct rows of exactly the peer groups that run grafted

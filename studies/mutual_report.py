@@ -82,8 +82,9 @@ CLAIM_RULE = (
     f"points) and offline from the other's stored groups keeps most of it (each model's mean offline gain at least "
     f"{100 * MOST:.0f}% of its co-training gain); it does not hold when a model's co-training verdict is small gain, no "
     "gain or harm, or offline keeps less than that for a model whose co-training gained; otherwise undecided")
-MODE_LABEL = {"grpo": "GRPO alone", "cotrain": "co-training (the default GRAFT)",
-              "offline": "offline from the other's stored groups (the default GRAFT)"}
+MODE_LABEL = {"grpo": "GRPO alone", "cotrain": "co-training (the trainers' default GRAFT when it ran: b = 1, peer negatives x0)",
+              "offline": "offline from the other's stored groups (the trainers' default GRAFT when it ran: b = 1, peer "
+                         "negatives x0)"}
 
 
 def mode_name(kind: str, method: str) -> str:
@@ -405,6 +406,11 @@ def dose_lines(result: dict) -> list[str]:
         hits = ", ".join(f"{mode} {rate:.2f}" for mode, rate in m["peer_hit_rate"].items())
         lines.append(f"{name}: {m['grafted_rows_per_step']:.1f} grafted rows a step under the default GRAFT, "
                      f"{m['matched_examples_per_step']:.1f} of them correct (the matched ceiling's rows); peer hit rate {hits}.")
+    lines += ["", "Read again (issue 60): the dose-matched ceiling is supervised learning on the grafted correct rows (and "
+              "the anchor) alone, with none of the RL on the model's own groups that the GRAFT run also had, so it "
+              "differs from that run in more than the loss's form and cannot isolate it, as the rule above hoped. The lr "
+              "row is a change in GRAFT's gain over GRPO: in absolute terms GRAFT's weak family is about the same at both "
+              "lrs while GRPO's falls at 5e-4 (the runs' primary metrics in summary.json)."]
     adopted = result["adopted"]
     lines += ["", f"**Adopted for the mutual demo's next design: {', '.join(DOSE_CHANGES[a] for a in adopted)}.**" if adopted
               else "**No change is adopted: the mutual demo's design stays.**"]
