@@ -232,6 +232,9 @@ def load_demo_config(path: Path | None, overrides: list[str], use_quick: bool) -
         if not path.is_file():
             raise FileNotFoundError(f"demo config {path} does not exist (studies/configs/study.yaml is one: a YAML of DemoConfig fields)")
         data = yaml.safe_load(path.read_text()) or {}
+    # `overrides:` in the file: KEY=VALUE settings on the defaults, for a field inside a section it does not give whole
+    # (studies/configs/confirm.yaml: learner.seed=1), applied before the command line's
+    overrides = [*data.pop("overrides", []), *overrides]
     cfg = DemoConfig.model_validate(data)
     if use_quick:
         cfg = quick(cfg)

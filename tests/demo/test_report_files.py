@@ -79,7 +79,7 @@ def test_git_ignores_the_local_file_of_every_report():
     import subprocess
 
     repo = Path(__file__).resolve().parents[2]
-    for folder in ("report", "report/avx2", "report/mutual/budget"):
+    for folder in ("report", "report/avx2", "report/mutual-v1/budget"):
         checked = subprocess.run(["git", "check-ignore", "-q", f"{folder}/{LOCAL_FILE}"], cwd=repo)
         assert checked.returncode == 0, f"{folder}/{LOCAL_FILE} is not ignored"
 
@@ -92,10 +92,13 @@ def test_the_committed_reports_are_the_current_rules_reading_of_their_runs(tmp_p
     from studies.rerender import rerender
 
     repo = Path(__file__).resolve().parents[2]
-    for folder in ("report", "report/avx2", "report/portable", "report/choose", "report/cotrain", "report/mutual"):
+    # (report/mutual-v1, the first mutual design's, was rendered once more at issue 60 by that design's code, since
+    # removed: its header names the commit)
+    for folder in ("report", "report/avx2", "report/portable", "report/choose", "report/cotrain", "report/confirm",
+                   *(["report/mutual"] if (repo / "report" / "mutual" / "summary.json").exists() else [])):
         copy = tmp_path / folder.replace("/", "_")
         shutil.copytree(repo / folder, copy, ignore=shutil.ignore_patterns("*.png", LOCAL_FILE, "avx2", "portable",
-                                                                             "choose", "cotrain", "mutual"))
+                                                                             "choose", "cotrain", "confirm", "mutual*"))
         rerender(copy)
         for path in sorted(p for p in copy.rglob("*") if p.is_file() and p.name != LOCAL_FILE):
             assert path.read_bytes() == (repo / folder / path.relative_to(copy)).read_bytes(), f"{folder}: {path.name}"

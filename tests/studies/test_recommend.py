@@ -25,7 +25,8 @@ def _summary(accuracy: dict[str, tuple[float, float]], seeds: list[int], noise: 
                 wobble = noise * ((zlib.crc32(f"{mode}/{start}/{s}".encode()) % 7) - 3) / 3  # the same in every process
                 runs.append({"mode": mode, "start": start, "seed": s,
                              "primary": {"add3": weak + shared + wobble, "add2": strong + shared + wobble / 4}})
-    return {"weak_family": "add3", "strong_family": "add2", "runs": runs}
+    return {"weak_family": "add3", "strong_family": "add2", "runs": runs,
+            "config": {"learner": {"seed": 1}, "peer": {"seed": 1}}}
 
 
 def test_the_choose_config_runs_exactly_the_candidates_on_the_dev_seeds():
@@ -116,3 +117,15 @@ def test_the_confirmatory_run_reads_its_own_seeds_and_two_candidates(tmp_path):
                                          CONFIRM_SEEDS))
         assert main([str(path), "--confirm"]) == 0
         assert json.loads(path.with_name("recommendation.json").read_text())["chosen"] == chosen
+    assert {cfg.learner.seed, cfg.peer.seed} == {1} and cfg.learner_sft_threads == 1  # in the config, not the Makefile
+
+
+def test_the_confirmatory_rule_refuses_warm_starts_of_another_init_seed(tmp_path):
+    """Issue 60: --confirm checked the RL seeds but not the warm starts' initialisation seed (1: warm starts no earlier
+    run had used), so runs from the usual warm starts on seeds 20-27 would have been read as the confirmatory run."""
+    from studies.recommend import CONFIRM_SEEDS
+
+    summary = _summary({"grpo": (0.10, 0.95), SPEC: (0.12, 0.95), "graft_b1_no_peer_neg": (0.40, 0.95)}, CONFIRM_SEEDS)
+    summary["config"] = {"learner": {"seed": 0}, "peer": {"seed": 1}}
+    with pytest.raises(SystemExit, match="initialised with seeds"):
+        main([str(_write(tmp_path, summary)), "--confirm"])
