@@ -70,11 +70,12 @@ class CodeGuard:
 
     @classmethod
     def of_checkout(cls) -> CodeGuard:
-        """The demo's own code and the installed graft package's (the checkout's src/graft/ under `make install`)."""
+        """The demo's and the studies' own code and the installed graft package's (the checkout's src/graft/ under
+        `make install`)."""
         import graft
 
         repo = Path(__file__).resolve().parents[1]
-        return cls([repo / "demo", repo / "toy", Path(graft.__file__).resolve().parent])
+        return cls([repo / "demo", repo / "toy", repo / "studies", Path(graft.__file__).resolve().parent])
 
     def _stat(self) -> dict[Path, tuple[int, int]]:
         files = {}

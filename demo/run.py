@@ -424,15 +424,17 @@ def trainer_config(cfg: DemoConfig, base: dict, dataset: Path, checkpoint: str, 
 
 
 def train_job(cfg: DemoConfig, name: str, trains: list[dict], out: Path, models: dict[str, dict], eval_sets: dict[str, str],
-              deps: list[str]) -> tuple[Job, Path]:
+              deps: list[str], extra: dict | None = None) -> tuple[Job, Path]:
     """One RL run as a job: `demo.worker train` per trainer config (two at once for a co-training pair: the first in
-    the job's folder, the second in its `peer/`), in a folder keyed by what the run computes."""
+    the job's folder, the second in its `peer/`), in a folder keyed by what the run computes. `extra`: more fields of
+    the job file, part of the key (a GRPO run given another run's grafted rows: `matched_run`, demo.worker.train)."""
     # Keyed by the config as the trainer resolves it, defaults included: a changed default is another run, never a
     # cached one. The store's URL (a fresh port each time) is no part of what a run computes: left out of the key.
     resolved = [TrainConfig.model_validate(train).model_dump(mode="json") for train in trains]
     portable = [{**train, "store": {**train["store"], "url": None}} for train in resolved]
     key = config_hash(portable, models["learner"]["checkpoint_hash"], models["peer"]["checkpoint_hash"], eval_sets,
-                      cfg.rl.eval_samples, cfg.evaluated_steps())
+                      cfg.rl.eval_samples, cfg.evaluated_steps(), *([{k: v for k, v in extra.items() if k != "store_url"}]
+                                                                      if extra else []))
     job_dir = out / "runs" / f"{name}-{key}"
     commands, logs, done = [], [], []
     for index, train in enumerate(trains):
@@ -441,7 +443,8 @@ def train_job(cfg: DemoConfig, name: str, trains: list[dict], out: Path, models:
         part_dir.mkdir(parents=True, exist_ok=True)
         job_file = part_dir / "job.json"
         job_file.write_text(json.dumps({"out": str(part_dir), "train": train, "eval_sets": eval_sets,
-                                        "eval_samples": cfg.rl.eval_samples, "eval_steps": cfg.evaluated_steps()}))
+                                        "eval_samples": cfg.rl.eval_samples, "eval_steps": cfg.evaluated_steps(),
+                                        **(extra or {})}))
         commands.append(python_module("demo.worker", "train", str(job_file)))
         logs.append(part_dir / "log.txt")
         done.append(part_dir / "done.json")

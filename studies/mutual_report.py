@@ -1,9 +1,9 @@
-"""report/mutual/: summary.json, REPORT.md (the verdicts first) and the plots of `make demo-mutual`; report/mutual/budget/:
-the budget pilot's table and choice.
+"""The mutual study's rules, written before its runs (issue 60), and its reports: report/mutual/ (the study) and
+report/mutual/pilot/ (the budget's pilot).
 
-Every number is read from the runs' outputs; every verdict is demo.stats's rule per model (its weak family's paired
-interval and permutation test against its own GRPO runs, its strong family as non-inferiority), and the claim's verdict
-CLAIM_RULE, both written before the runs.
+PILOT_RULE sets each pair's budget (lr and run length) from GRPO alone, on a seed of its own, before any GRAFT run.
+MUTUAL_RULE reads the study: every number is read from the runs' outputs, every interval and label is demo.stats's
+(paired by (start, seed), stratified by start, the sign-flip test), and the answers follow from them as the rule says.
 """
 
 from __future__ import annotations
@@ -15,56 +15,25 @@ from typing import Any
 
 from demo.config import DemoConfig
 from demo.report import LOCAL_FILE, header_lines, paired_values, primary, save_fig, write_summary
-from demo.report import run_record as report_run_record
-from demo.stats import STRONG_MARGIN, VERDICT_RULE, Interval, p_text, pct, stratified_interval, verdict, verdict_text
+from demo.report import run_record as rl_run_record
+from demo.stats import (
+    ALPHA,
+    RULE_VERSION,
+    STRONG_MARGIN,
+    VERDICT_RULE,
+    WEAK_MIN_GAIN,
+    Interval,
+    p_text,
+    pct,
+    stratified_interval,
+    verdict,
+    verdict_text,
+)
 from graft.rollouts.files import write_text_atomic
 
-# The pair, and the budget pilot's rule (studies.mutual runs them; this module judges them)
 ROLES = ("learner", "peer")  # DemoConfig's two build slots: A is built in the learner's, B in the peer's
 NAME = {"learner": "A", "peer": "B"}
 OTHER = {"learner": "peer", "peer": "learner"}
-BUDGET_LRS = [1e-4, 3e-4, 5e-4]
-PILOT_SEED = 100  # the budget pilot's seed: none of the verdict's
-BUDGET_MIN_CEILING = 0.10
-BUDGET_RULE = (
-    f"on seed {PILOT_SEED} only, before any GRAFT run, for each lr of {BUDGET_LRS} (each model anchored on its own strong "
-    f"family): GRPO alone and the ceiling (supervised on the other's correct answers) for both models; keep the lrs at "
-    f"which GRPO alone leaves each model's strong family within 2 points of its start (sampled, late evaluations), and "
-    f"choose the smallest of those at which both ceilings raise their model's weak family by at least "
-    f"{100 * BUDGET_MIN_CEILING:.0f} points; if none does, the kept lr with the largest smaller ceiling gain (and the "
-    f"report says that no budget here moves a weak family that far); if none is kept, the demo stops and says so")
-
-
-# The dose study (`python -m studies.mutual --dose`, issue 48), written before its runs. The mutual demo's GRAFT moved A's
-# weak family by about a point where its ceiling (24 supervised answers a step) moved it by twenty: the single changes
-# below tell the candidate causes apart, offline (no co-training timing), on seeds no mutual verdict uses.
-DOSE_SEEDS = [10, 11, 12, 13, 14, 15]
-DOSE_LR = 5e-4  # the main demo's lr (demo.config.RLConfig.lr)
-# mode -> trainer overrides on the default GRAFT (None: GRPO), one change each
-DOSE_RUNS: dict[str, list[str] | None] = {
-    "grpo": None,
-    "graft": [],
-    # a grafted row's weight in the step's token-mean (~96 rows) against a ceiling row's (24 rows): x 96 / 24
-    "graft_scale4": ["graft.peer_loss_scale=4.0"],
-    # B's peer solves most of B's weak prompts, so most of its stored groups there are all-success and refused
-    "graft_union": ["graft.union_all_success=true"],
-    "grpo_lr": None,
-    "graft_lr": [],
-}
-DOSE_LR_MODES = ("grpo_lr", "graft_lr")  # run at DOSE_LR (both: the change's effect is the gain over GRPO at that lr)
-DOSE_CHANGES = {"graft_scale4": "peer loss scale x4", "graft_union": "all-success peer groups grafted (union)",
-                "graft_lr": f"lr {DOSE_LR:g} (GRAFT's gain over GRPO, both at that lr)"}
-DOSE_RULE = (
-    f"offline, on seeds {DOSE_SEEDS} (none of the mutual demo's), per model, paired by seed: each single change against "
-    "the default GRAFT at the demo's lr (the lr change: GRAFT's gain over GRPO at "
-    f"{DOSE_LR:g} against its gain at the demo's lr), judged by the demo's rule with the default GRAFT in GRPO's place; "
-    "a change is adopted for the mutual demo's next design when that verdict is gain or small gain for at least one "
-    "model and harm for neither; the adopted changes go in together (their combination is then what the rerun tests); "
-    "if none is adopted the design stays, and the study says what limits GRAFT here instead. The ceilings are read, "
-    "not decided on: the full one (24 of the other's correct answers a step) and the dose-matched one (exactly the "
-    "correct rows the default GRAFT run grafted, each step, over that step's token-mean denominator) against GRPO; "
-    "what the matched ceiling gains beyond the default GRAFT is the loss's form (w, A, b), what the full ceiling gains "
-    "beyond the matched one is the dose")
 
 
 def strong_family(cfg: DemoConfig, role: str) -> str:
@@ -75,343 +44,403 @@ def weak_family(cfg: DemoConfig, role: str) -> str:
     return strong_family(cfg, OTHER[role])
 
 
-MOST = 0.5  # "offline keeps most of co-training's gain": at least half of it
-CLAIM_RULE = (
-    "the paper's claim holds when, under co-training with the trainers' default GRAFT, both models' weak families gain "
-    "by the demo's rule (verdict gain: interval above 0, p < 0.05, mean at least +2 points, strong family kept within 2 "
-    f"points) and offline from the other's stored groups keeps most of it (each model's mean offline gain at least "
-    f"{100 * MOST:.0f}% of its co-training gain); it does not hold when a model's co-training verdict is small gain, no "
-    "gain or harm, or offline keeps less than that for a model whose co-training gained; otherwise undecided")
-MODE_LABEL = {"grpo": "GRPO alone", "cotrain": "co-training (the trainers' default GRAFT when it ran: b = 1, peer negatives x0)",
-              "offline": "offline from the other's stored groups (the trainers' default GRAFT when it ran: b = 1, peer "
-                         "negatives x0)"}
+# ---- the rules, written before the runs -----------------------------------------------------------------------------
+
+PILOT_LRS = [1e-4, 3e-4, 1e-3]
+PILOT_STEPS = 160
+PILOT_SEED = 100  # none of the study's seeds
+PILOT_MIN_STEPS = 40
+PILOT_SHARE = 0.8
+PILOT_RULE = (
+    f"per task pair, on seed {PILOT_SEED} only, before any GRAFT run of this design: GRPO alone, each model from each of "
+    f"its two starts, at each lr of {PILOT_LRS} for {PILOT_STEPS} steps, evaluated every 20 steps (the curves are the "
+    f"pilot's report); an lr is kept when each of the pair's four runs keeps its strong family within "
+    f"{100 * STRONG_MARGIN:.0f} points of its start (the mean of its evaluations at step >= {PILOT_STEPS // 2}); GRPO's "
+    f"best lr is the kept lr with the largest weak-family gain over the start (each run's mean at step >= "
+    f"{PILOT_STEPS // 2} minus its start, averaged over the four runs); the run length is the first evaluated step >= "
+    f"{PILOT_MIN_STEPS} at which the four runs' mean weak-family gain at that lr reaches {100 * PILOT_SHARE:.0f}% of its "
+    f"largest over the {PILOT_STEPS} steps; if no lr is kept, the smallest lr at {PILOT_STEPS} steps, and the pilot says so")
+
+CEILING_SHARE = 0.25  # the bar tied to the ceiling: GRAFT - GRPO >= this share of (ceiling - GRPO)
+ARMS = ("cotrain", "offline")  # GRAFT, the two ways the claim names
+MODE_LABEL = {
+    "grpo": "GRPO alone",
+    "cotrain": "GRAFT co-training (the other model as it trains)",
+    "offline": "GRAFT offline (the other's stored groups of the same start)",
+    "grpo_matched": "GRPO + the offline run's grafted correct rows, supervised at their step",
+    "ceiling": "ceiling: 24 of the other's correct answers a step, supervised",
+    "ceiling_gated": "ceiling on the gate's prompts: 24 a step from the groups the offline run grafted",
+}
+# control -> (mode, baseline, what their difference is)
+CONTROLS = {
+    "loss form": ("grpo_matched", "offline", "the same grafted rows at the same dose as supervised rows beside GRPO, "
+                                             "against GRAFT's loss (w, A~, the PPO ratio) on them"),
+    "the rows as supervised rows": ("grpo_matched", "grpo", "what the grafted rows add to GRPO as supervised rows"),
+    "prompts": ("ceiling", "ceiling_gated", "24 rows a step on any weak-family prompt, against 24 on the gate's prompts"),
+}
+MUTUAL_RULE = (
+    "per task pair and model, each run paired by (start, seed) over 2 starts x the seeds, the metric the model's held-out "
+    "sampled accuracy on its weak family (and on its strong family for non-inferiority) averaged over the evaluations "
+    "at step >= half the run, every interval, p and label demo.stats's (the demo's rule of the same date). (1) "
+    "Co-training beats offline for a model when the demo's verdict of co-training against offline (offline in GRPO's "
+    "place) is gain; it does not when that verdict is small gain, no gain, loss or harm; otherwise undecided. (2) For "
+    "each of co-training and offline against GRPO, two bars: the 2-point bar is reached when the weak family's gain is "
+    f"shown (interval above 0, p < {ALPHA}) with its mean at least +{100 * WEAK_MIN_GAIN:.0f} points, and short when "
+    f"its interval lies below +{100 * WEAK_MIN_GAIN:.0f}; the ceiling bar, with d = (GRAFT - GRPO) - "
+    f"{CEILING_SHARE:g} x (ceiling - GRPO) per pair (the ceiling run of the same start and seed), is reached when the "
+    "gain is shown and d's mean is at least 0, and short when d's interval lies below 0; otherwise undecided. (3) The "
+    "controls are read, each against its baseline by the demo's rule, not decided on: GRPO plus the offline run's "
+    "grafted correct rows (the loss's form: against offline; the rows' worth: against GRPO), and the ceiling on the "
+    "gate's prompts (the prompts: the full ceiling against it). (4) The peers' change: in each co-training run, the "
+    "partner's accuracy on its strong family (the family whose groups it gives) at its last evaluation minus at its "
+    "start, pooled over the model's pairs; offline's peer does not change by construction. (5) The paper's claim holds "
+    "for a pair when both models' co-training reaches the 2-point bar and offline's mean gain is at least half of "
+    "co-training's for each; it does not when either model's co-training is short of it; otherwise undecided")
 
 
-def mode_name(kind: str, method: str) -> str:
-    """A GRAFT run's mode (and its jobs' name prefix): `cotrain` / `offline` for the default GRAFT (its runs keep their
-    names and caches), `cotrain_<method>` / `offline_<method>` for each other entry of rl.methods."""
-    return kind if method == "graft" else f"{kind}_{method}"
+def bar(weak: Interval, d: Interval | None = None) -> str:
+    """reached / short / undecided for one bar: the 2-point bar on the gain itself (`d` None), the ceiling bar on d."""
+    shown = weak.low > 0 and weak.p_value < ALPHA
+    if d is None:
+        return "reached" if shown and weak.mean >= WEAK_MIN_GAIN else "short" if weak.high < WEAK_MIN_GAIN else "undecided"
+    return "reached" if shown and d.mean >= 0 else "short" if d.high < 0 else "undecided"
 
 
-def graft_modes(methods: dict[str, list[str]]) -> list[str]:
-    return [mode_name(kind, name) for name in methods for kind in ("cotrain", "offline")]
+def compare(records: list[dict], mode: str, baseline: str, weak: str, strong: str) -> dict:
+    """`mode` against `baseline` by the demo's rule, paired by (start, seed): weak and strong intervals, the verdict."""
+    weak_i, strong_i = (stratified_interval(paired_values(records, mode, f, baseline=baseline)) for f in (weak, strong))
+    return {"weak": weak_i.as_dict(), "strong": strong_i.as_dict(), "verdict": verdict(weak_i, strong_i)}
 
 
-def mode_label(mode: str, methods: dict[str, list[str]]) -> str:
-    if mode in MODE_LABEL:
-        return MODE_LABEL[mode]
-    kind, name = mode.split("_", 1)
-    where = "co-training" if kind == "cotrain" else "offline from the other's stored groups"
-    return f"{where}, `{name}` ({', '.join(methods[name]) or 'no overrides'})"
+def ceiling_bar_interval(records: list[dict], arm: str, weak: str) -> Interval:
+    """d = (arm - GRPO) - CEILING_SHARE x (ceiling - GRPO) per (start, seed), stratified by start."""
+    def by_pair(mode: str) -> dict[tuple, float]:
+        return {(r["start"], r["seed"]): r["primary"][weak] for r in records if r["mode"] == mode}
+
+    arm_v, grpo_v, ceiling_v = by_pair(arm), by_pair("grpo"), by_pair("ceiling")
+    strata: dict[str, list[float]] = {}
+    for start, seed in sorted(set(arm_v) & set(grpo_v) & set(ceiling_v)):
+        key = (start, seed)
+        strata.setdefault(start, []).append(arm_v[key] - grpo_v[key] - CEILING_SHARE * (ceiling_v[key] - grpo_v[key]))
+    return stratified_interval(strata)
 
 
-def run_record(run: dict, families: list[str], steps: int) -> dict[str, Any]:
-    return {**report_run_record(run, families, steps), "model": run["model"]}
+def peer_change(records: list[dict], partner: str, strong: str, starts: dict[str, dict]) -> Interval | None:
+    """The partner's strong family over a co-training run: its last evaluation minus its start, stratified by start."""
+    strata: dict[str, list[float]] = {}
+    for r in records:
+        if r["model"] == partner and r["mode"] == "cotrain":
+            strata.setdefault(r["start"], []).append(r["evals"][-1]["acc_sampled"][strong]
+                                                     - starts[r["start"]]["acc_sampled"][strong])
+    return stratified_interval(strata) if strata else None
 
 
-def compare(records: list[dict], name: str, mode: str, weak: str, strong: str, families: list[str]) -> dict:
-    """One model's `mode` against its own GRPO runs, paired by seed: weak and strong intervals, the verdict, and every
-    family's interval (interference)."""
-    mine = [r for r in records if r["model"] == name]
-    weak_i, strong_i = (stratified_interval(paired_values(mine, mode, f)) for f in (weak, strong))
-    return {"weak": weak_i.as_dict(), "strong": strong_i.as_dict(), "verdict": verdict(weak_i, strong_i),
-            "per_family": {f: stratified_interval(paired_values(mine, mode, f)).as_dict() for f in families}}
+def answer(records: list[dict], model: str, partner: str, weak: str, strong: str, partner_strong: str,
+           starts: dict[str, dict]) -> dict:
+    """MUTUAL_RULE for one model of a pair."""
+    mine = [r for r in records if r["model"] == model]
+    vs_grpo = {mode: compare(mine, mode, "grpo", weak, strong) for mode in MODE_LABEL if mode != "grpo"}
+    head = compare(mine, "cotrain", "offline", weak, strong)
+    outcome = {"gain": "yes"}.get(head["verdict"], "no" if head["verdict"] in ("small gain", "no gain", "loss", "harm")
+                                  else "undecided")
+    bars = {}
+    for arm in ARMS:
+        weak_i = Interval(**vs_grpo[arm]["weak"])
+        d = ceiling_bar_interval(mine, arm, weak)
+        bars[arm] = {"two_points": bar(weak_i), "ceiling": bar(weak_i, d), "d": d.as_dict()}
+    controls = {name: compare(mine, mode, base, weak, strong) for name, (mode, base, _) in CONTROLS.items()}
+    change = peer_change(records, partner, partner_strong, starts)
+    return {"weak_family": weak, "strong_family": strong, "vs_grpo": vs_grpo, "cotrain_vs_offline": {**head, "answer": outcome},
+            "bars": bars, "controls": controls, "peer_change": change.as_dict() if change else None}
 
 
-def claim(comparisons: dict[str, dict[str, dict]]) -> dict:
-    """CLAIM_RULE on both models' co-training and offline comparisons."""
-    cotrain = {name: c["cotrain"] for name, c in comparisons.items()}
-    offline_share = {}
-    for name, c in comparisons.items():
-        gain = c["cotrain"]["weak"]["mean"]
-        offline_share[name] = c["offline"]["weak"]["mean"] / gain if gain > 0 else None
-    if any(c["verdict"] in ("small gain", "no gain", "harm") for c in cotrain.values()):
-        outcome = "does not hold"
-    elif all(c["verdict"] == "gain" for c in cotrain.values()):
-        outcome = "holds" if all(share is not None and share >= MOST for share in offline_share.values()) else "does not hold"
+def claim(answers: dict[str, dict]) -> str:
+    """MUTUAL_RULE (5) for one pair's two models."""
+    cotrain = [a["bars"]["cotrain"]["two_points"] for a in answers.values()]
+    if "short" in cotrain:
+        return "does not hold"
+    if all(c == "reached" for c in cotrain):
+        kept = all(a["vs_grpo"]["offline"]["weak"]["mean"] >= 0.5 * a["vs_grpo"]["cotrain"]["weak"]["mean"]
+                   for a in answers.values())
+        return "holds" if kept else "does not hold"
+    return "undecided"
+
+
+# ---- the study's report -------------------------------------------------------------------------------------------
+
+def run_record(run: dict, families: list[str]) -> dict[str, Any]:
+    """One run's entry: an RL run's (demo.report.run_record) or a ceiling's (its evaluations), with its pair, model
+    and the evaluations that draw its curve."""
+    steps = run["steps"]
+    if run["mode"].startswith("ceiling"):
+        done = json.loads((Path(run["dir"]) / "done.json").read_text())
+        from demo.records import run_provenance
+
+        record = {"name": run["name"], "mode": run["mode"], "start": run["start"], "seed": run["seed"],
+                  "primary": {f: primary(done["evals"], steps, f) for f in families}, "evals": done["evals"],
+                  "rows_per_step": done.get("gated_rows_per_step"), "steps_without_rows": done.get("steps_without_rows"),
+                  **run_provenance(done)}
     else:
-        outcome = "undecided"
-    return {"rule": CLAIM_RULE, "verdict": outcome, "cotrain_verdicts": {n: c["verdict"] for n, c in cotrain.items()},
-            "offline_share_of_cotrain_gain": offline_share}
+        record = rl_run_record(run, families, steps)
+    return {**record, "pair": run["pair"], "model": run["model"], "lr": run["lr"]}
 
 
-def write_report(cfg: DemoConfig, models: dict, runs: list[dict], stored: dict, timings: dict, wall_time_s: float) -> dict:
-    families = list(cfg.task.n_eval)
-    records = [run_record(r, families, cfg.rl.steps) for r in runs if r["mode"] != "ceiling"]
-    ceilings = [{"model": r["model"], "seed": r["seed"], **json.loads((Path(r["dir"]) / "done.json").read_text())}
-                for r in runs if r["mode"] == "ceiling"]
-    role_of = {NAME[role]: role for role in ROLES}
-    weak = {name: weak_family(cfg, role) for name, role in role_of.items()}
-    strong = {name: strong_family(cfg, role) for name, role in role_of.items()}
-    comparisons = {name: {mode: compare(records, name, mode, weak[name], strong[name], families)
-                          for mode in graft_modes(cfg.rl.methods)} for name in role_of}
-    starts = {name: {**next(iter(models[role]["starts"].values())), "architecture": models[role]["architecture"],
-                     "parameters": models[role]["parameters"], "vocab_size": models[role]["vocab_size"],
-                     "sft_steps": models[role]["sft_steps"]} for name, role in role_of.items()}
-    budget_path = cfg.report_dir / "budget" / "summary.json"
-    summary = {
-        "rule": VERDICT_RULE, "claim": claim(comparisons),
-        "primary_metric": f"sampled accuracy ({cfg.rl.eval_samples} samples per held-out problem at T = 1), averaged over "
-                          f"the evaluations at step >= {cfg.rl.steps // 2}",
-        "families": families, "weak_family": weak, "strong_family": strong, "comparisons": comparisons,
-        "starts": starts, "ceilings": ceilings,
-        "stored_groups": {NAME[role]: v for role, v in stored.items()},
-        "budget": json.loads(budget_path.read_text()) if budget_path.exists() else None,
-        "runs": records, "job_wall_s": {k: round(v, 1) for k, v in timings.items()}, "wall_time_s": wall_time_s,
-        "config": cfg.model_dump(mode="json"),
-    }
-    committed = write_summary(cfg.report_dir, summary)
-    _plot(committed, cfg.report_dir)
-    write_text_atomic(cfg.report_dir / "REPORT.md", markdown(committed))
+def write_report(plans: dict, report_dir: Path, record: dict, timings: dict, wall_time_s: float, pilot: Path) -> dict:
+    """report/mutual/: summary.json, REPORT.md, a curve plot per pair."""
+    pairs = {}
+    for name, plan in plans.items():
+        cfg = plan.cfg
+        families = list(cfg.task.n_eval)
+        records = [run_record(r, families) for r in plan.runs]
+        starts = {NAME[role]: {s: {k: v for k, v in info.items() if k != "checkpoint"}
+                               for s, info in plan.models[role]["starts"].items()} for role in ROLES}
+        answers = {NAME[role]: answer(records, NAME[role], NAME[OTHER[role]], weak_family(cfg, role), strong_family(cfg, role),
+                                      strong_family(cfg, OTHER[role]), starts[NAME[OTHER[role]]]) for role in ROLES}
+        pairs[name] = {
+            "families": families, "models": {NAME[role]: {k: plan.models[role][k] for k in ("architecture", "parameters",
+                                                                                         "vocab_size", "sft_steps")}
+                                             for role in ROLES},
+            "starts": starts, "stored_groups": plan.stored, "answers": answers, "claim": claim(answers),
+            "runs": records, "config": cfg.model_dump(mode="json"),
+        }
+    summary = {"study": "mutual", "record": record, "rule": MUTUAL_RULE, "rule_verdicts": VERDICT_RULE,
+               "rule_version": RULE_VERSION, "pilot_rule": PILOT_RULE, "pairs": pairs,
+               "job_wall_s": {k: round(v, 1) for k, v in timings.items()}, "wall_time_s": wall_time_s}
+    summary["pilot"] = _pilot_choice(json.loads(pilot.read_text())) if pilot.exists() else None  # the committed one
+    committed = write_summary(report_dir, summary)
+    render(committed, report_dir)
     return summary
 
 
-def verdict_lines(summary: dict) -> list[str]:
-    lines = ["| model | method vs its GRPO, paired by seed | pairs | weak family gain, points [95% CI] | p | strong family "
-             "change [95% CI] | verdict | ceiling: weak family, start -> supervised on the other's answers |",
-             "|---|---|---|---|---|---|---|---|"]
-    for name, per_mode in summary["comparisons"].items():
-        ceiling = [c for c in summary["ceilings"] if c["model"] == name]
-        start = summary["starts"][name]["acc_sampled"][summary["weak_family"][name]]
-        ceiling_text = " / ".join(f"{100 * start:.1f} -> {100 * c['acc_sampled'][summary['weak_family'][name]]:.1f}"
-                                  for c in ceiling) or "-"
-        for mode, c in per_mode.items():
-            weak_i, strong_i = Interval(**c["weak"]), Interval(**c["strong"])
-            lines.append(f"| {name} (weak `{summary['weak_family'][name]}`) | {mode_label(mode, summary['config']['rl']['methods'])} | {weak_i.pairs} | {pct(weak_i)} | "
-                         f"{p_text(weak_i)} | {pct(strong_i)} | **{verdict_text(c['verdict'], weak_i)}** | {ceiling_text} |")
+def _pilot_choice(pilot: dict) -> dict:
+    return {name: {k: p[k] for k in ("chosen_lr", "steps", "kept")} for name, p in pilot["pairs"].items()}
+
+
+def render(summary: dict, report_dir: Path) -> None:
+    """REPORT.md and the plots from summary.json alone (studies.rerender calls it too)."""
+    for name, pair in summary["pairs"].items():
+        _curves(pair, name, report_dir / f"curves_{name}.png", [m for m in MODE_LABEL])
+    write_text_atomic(report_dir / "REPORT.md", markdown(summary))
+
+
+def rerender(report_dir: Path, summary: dict, stamp) -> dict:
+    """The study's report under the current rule (studies.rerender): every answer computed again from its runs."""
+    for pair in summary["pairs"].values():
+        cfg = DemoConfig.model_validate(pair["config"])
+        starts = pair["starts"]
+        pair["answers"] = {NAME[role]: answer(pair["runs"], NAME[role], NAME[OTHER[role]], weak_family(cfg, role),
+                                              strong_family(cfg, role), strong_family(cfg, OTHER[role]),
+                                              starts[NAME[OTHER[role]]]) for role in ROLES}
+        pair["claim"] = claim(pair["answers"])
+    summary.update(rule=MUTUAL_RULE, rule_verdicts=VERDICT_RULE)
+    committed = write_summary(report_dir, stamp(summary))
+    write_text_atomic(report_dir / "REPORT.md", markdown(committed))
+    return committed
+
+
+def _row(label: str, c: dict) -> str:
+    weak_i, strong_i = Interval(**c["weak"]), Interval(**c["strong"])
+    return (f"| {label} | {weak_i.pairs} | {pct(weak_i)} | {p_text(weak_i)} | {pct(strong_i)} | "
+            f"**{verdict_text(c['verdict'], weak_i)}** |")
+
+
+def answer_lines(summary: dict) -> list[str]:
+    """The answers first: per pair and model, co-training against offline, and each arm's two bars."""
+    lines = ["| pair | model (weak family) | co-training beats offline? co-training - offline [95% CI], p | GRAFT "
+             "co-training - GRPO [95% CI]: 2-point bar / ceiling bar | GRAFT offline - GRPO [95% CI]: 2-point bar / "
+             f"ceiling bar | ceiling - GRPO [95% CI] | the peer's change over co-training (its strong family) |",
+             "|---|---|---|---|---|---|---|"]
+    for name, pair in summary["pairs"].items():
+        for model, a in pair["answers"].items():
+            head = a["cotrain_vs_offline"]
+            head_i = Interval(**head["weak"])
+            arms = []
+            for arm in ARMS:
+                weak_i = Interval(**a["vs_grpo"][arm]["weak"])
+                arms.append(f"{pct(weak_i)}: **{a['bars'][arm]['two_points']}** / **{a['bars'][arm]['ceiling']}**")
+            ceiling = Interval(**a["vs_grpo"]["ceiling"]["weak"])
+            change = f"{pct(Interval(**a['peer_change']))}" if a["peer_change"] else "-"
+            lines.append(f"| {name} | {model} (`{a['weak_family']}`) | **{head['answer']}** "
+                         f"({verdict_text(head['verdict'], head_i)}): {pct(head_i)}, p {p_text(head_i)} | {arms[0]} | "
+                         f"{arms[1]} | {pct(ceiling)} | {change} |")
     return lines
 
 
 def markdown(summary: dict) -> str:
-    cfg = summary["config"]
-    c = summary["claim"]
-    lines = [
-        "# GRAFT mutual demo: two models, each strong where the other is weak",
-        "",
-        f"{cfg['rl']['steps']} RL steps of {cfg['rl']['prompts_per_step']} prompts x {cfg['rl']['group_size']} rollouts, lr "
-        f"{cfg['rl']['lr']:g}, each model anchored on its own strong family, seeds {cfg['rl']['seeds']}. Primary metric: "
-        f"{summary['primary_metric']}.",
-        "",
-        *header_lines(summary),
-        "",
-        *verdict_lines(summary),
-        "",
-        f"**The claim: {c['verdict']}.** ({c['rule']}.)",
-        "",
-        "<!-- table-end -->",
-        "",
-        "## Interference: what each method does to every family of each model (points against its GRPO, 95% CI)",
-        "",
-        "| model | method | " + " | ".join(f"`{f}`" for f in summary["families"]) + " |",
-        "|---|---|" + "---|" * len(summary["families"]),
-    ]
-    for name, per_mode in summary["comparisons"].items():
-        for mode, comp in per_mode.items():
-            lines.append(f"| {name} | {mode_label(mode, summary['config']['rl']['methods'])} | "
-                         + " | ".join(pct(Interval(**comp["per_family"][f])) for f in summary["families"]) + " |")
-    lines += ["", "## The pair and its starts", "",
-              "| model | architecture | parameters | start: step | level: weak family sampled (dev) | held-out sampled, per family |",
-              "|---|---|---|---|---|---|"]
-    for name, s in summary["starts"].items():
-        held = ", ".join(f"`{f}` {100 * a:.1f}" for f, a in s["acc_sampled"].items())
-        lines.append(f"| {name} | {s['architecture']} | {s['parameters']:,} | {s['step']} | {100 * s['level']:.0f}% "
-                     f"({100 * s['dev_sampled'][summary['weak_family'][name]]:.1f}% there) | {held} |")
-    for name, stored in summary["stored_groups"].items():
-        lines.append(f"\n{name}'s stored groups (its start, before any training): {stored['indexed_groups']} groups, "
-                     f"{stored['informative_groups']} informative, success rate {100 * stored['success_rate']:.1f}%.")
-    if summary["budget"]:
-        lines += ["", "## The budget, chosen before any GRAFT run", "", *budget_lines(summary["budget"])]
-    lines += ["", "![accuracy per family and step](accuracy_vs_step.png)", "",
-              f"The run's times (every job's, and its own) are in `{LOCAL_FILE}` beside this file, which git ignores.", ""]
+    lines = ["# GRAFT mutual study: two models each strong where the other is weak, two task pairs", "",
+             *header_lines(summary),
+             f"**The verdicts' rule** ({summary['rule_version']}): {summary['rule_verdicts']}.", ""]
+    if summary.get("pilot"):
+        budget = "; ".join(f"{name}: lr {p['chosen_lr']:g}, {p['steps']} steps" for name, p in summary["pilot"].items())
+        lines += [f"**Budget** (set by the pilot's GRPO runs before any GRAFT run, pilot/REPORT.md): {budget}.", ""]
+    lines += [*answer_lines(summary), ""]
+    for name, pair in summary["pairs"].items():
+        lines.append(f"**{name}: the paper's claim {pair['claim']}.**")
+    lines += ["", "<!-- table-end -->", ""]
+    for name, pair in summary["pairs"].items():
+        cfg = pair["config"]
+        lines += [f"## {name}", "",
+                  f"{cfg['rl']['steps']} RL steps of {cfg['rl']['prompts_per_step']} prompts x {cfg['rl']['group_size']} "
+                  f"rollouts, lr {cfg['rl']['lr']:g}, seeds {cfg['rl']['seeds']} at the starts "
+                  f"{', '.join(f'{k} ({100 * v:.0f}%)' for k, v in cfg['starts'].items())} of each model's weak family.",
+                  "", "| model | start | step | weak family sampled (held-out) | strong family sampled | architecture |",
+                  "|---|---|---|---|---|---|"]
+        for model, starts in pair["starts"].items():
+            a = pair["answers"][model]
+            for start, s in starts.items():
+                lines.append(f"| {model} | {start} | {s['step']} | `{a['weak_family']}` {100 * s['acc_sampled'][a['weak_family']]:.1f} | "
+                             f"`{a['strong_family']}` {100 * s['acc_sampled'][a['strong_family']]:.1f} | "
+                             f"{pair['models'][model]['architecture']} ({pair['models'][model]['parameters']:,}) |")
+        lines += ["", "Every arm against GRPO alone (the weak family's gain, the strong family's change):", "",
+                  "| model: arm | pairs | weak family [95% CI] | p | strong family [95% CI] | verdict |",
+                  "|---|---|---|---|---|---|"]
+        for model, a in pair["answers"].items():
+            for mode, c in a["vs_grpo"].items():
+                lines.append(_row(f"{model}: {MODE_LABEL[mode]}", c))
+        lines += ["", "The controls (read, not decided on):", "",
+                  "| model: control (what the difference is) | pairs | weak family [95% CI] | p | strong family [95% CI] | label |",
+                  "|---|---|---|---|---|---|"]
+        for model, a in pair["answers"].items():
+            for control, c in a["controls"].items():
+                lines.append(_row(f"{model}: {control} ({CONTROLS[control][2]})", c))
+        for key, stored in pair["stored_groups"].items():
+            lines.append(f"\n{key}'s stored groups: {stored['indexed_groups']}, {stored['informative_groups']} informative, "
+                         f"success rate {100 * stored['success_rate']:.1f}%.")
+        lines += ["", f"![{name}: curves](curves_{name}.png)", ""]
+    lines += [f"Every job's times are in `{LOCAL_FILE}` beside this file, which git ignores.", ""]
     return "\n".join(lines)
 
 
-def _plot(summary: dict, report_dir: Path) -> None:
+def _curves(pair: dict, name: str, path: Path, modes: list[str]) -> None:
+    """Absolute curves: per model and start, its weak and strong family's held-out sampled accuracy over the run, each
+    arm's mean over the seeds (the band: their range), from its start."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    families, records = summary["families"], summary["runs"]
-    names = list(summary["comparisons"])
-    methods = summary["config"]["rl"]["methods"]
-    modes = ["grpo", *graft_modes(methods)]
-    fig, axes = plt.subplots(len(names), len(families), figsize=(4.2 * len(families), 3.6 * len(names)), squeeze=False)
-    for row, name in enumerate(names):
-        for col, family in enumerate(families):
+    rows = [(model, start) for model in pair["starts"] for start in pair["starts"][model]]
+    fig, axes = plt.subplots(len(rows), 2, figsize=(11, 3.2 * len(rows)), squeeze=False)
+    for row, (model, start) in enumerate(rows):
+        a = pair["answers"][model]
+        for col, family in enumerate((a["weak_family"], a["strong_family"])):
             ax = axes[row][col]
+            begin = pair["starts"][model][start]["acc_sampled"][family]
             for index, mode in enumerate(modes):
-                runs = [r for r in records if r["model"] == name and r["mode"] == mode]
+                runs = [r for r in pair["runs"] if r["model"] == model and r["start"] == start and r["mode"] == mode]
                 if not runs:
                     continue
                 steps = [0] + [e["step"] for e in runs[0]["evals"]]
-                begin = summary["starts"][name]["acc_sampled"][family]
                 values = [[begin] + [e["acc_sampled"][family] for e in r["evals"]] for r in runs]
                 mean = [100 * statistics.fmean(v[i] for v in values) for i in range(len(steps))]
-                low = [100 * min(v[i] for v in values) for i in range(len(steps))]
-                high = [100 * max(v[i] for v in values) for i in range(len(steps))]
-                ax.plot(steps, mean, color=f"C{index}", marker="o", markersize=3, label=mode_label(mode, methods))
-                ax.fill_between(steps, low, high, color=f"C{index}", alpha=0.12)
-            kind = "strong" if family == summary["strong_family"][name] else "weak" if family == summary["weak_family"][name] else "shared"
-            ax.set_title(f"model {name}, {family} ({kind})", fontsize=10)
+                ax.plot(steps, mean, color=f"C{index}", marker="o", markersize=3, label=MODE_LABEL[mode])
+                ax.fill_between(steps, [100 * min(v[i] for v in values) for i in range(len(steps))],
+                                [100 * max(v[i] for v in values) for i in range(len(steps))], color=f"C{index}", alpha=0.1)
+            ax.set_title(f"{name}: {model} from {start}, `{family}` ({'weak' if col == 0 else 'strong'})", fontsize=9)
+            ax.set_xlabel("RL step")
+            ax.set_ylabel("held-out sampled accuracy (%)")
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=6)
+    fig.tight_layout()
+    save_fig(fig, path)
+    plt.close(fig)
+
+
+# ---- the pilot ----------------------------------------------------------------------------------------------------
+
+def pilot_choice(records: list[dict], starts: dict[str, dict[str, dict]], strong: dict[str, str], weak: dict[str, str]) -> dict:
+    """PILOT_RULE on one pair's pilot runs: per lr, whether it keeps the strong families and its mean weak-family gain
+    curve; the chosen lr and run length."""
+    rows = []
+    for lr in PILOT_LRS:
+        runs = [r for r in records if r["lr"] == lr]
+        if not runs:
+            continue
+
+        def start_of(r: dict, family: str) -> float:
+            return starts[r["model"]][r["start"]]["acc_sampled"][family]
+
+        kept = all(r["primary"][strong[r["model"]]] >= start_of(r, strong[r["model"]]) - STRONG_MARGIN for r in runs)
+        gain = statistics.fmean(r["primary"][weak[r["model"]]] - start_of(r, weak[r["model"]]) for r in runs)
+        steps = [e["step"] for e in runs[0]["evals"]]
+        curve = [statistics.fmean(r["evals"][i]["acc_sampled"][weak[r["model"]]] - start_of(r, weak[r["model"]])
+                                  for r in runs) for i in range(len(steps))]
+        rows.append({"lr": lr, "kept": kept, "weak_gain": gain, "steps": steps, "gain_curve": curve,
+                     "strong_change": {f"{r['model']} {r['start']}": r["primary"][strong[r["model"]]] - start_of(r, strong[r["model"]])
+                                       for r in runs}})
+    kept = [row for row in rows if row["kept"]]
+    chosen = max(kept, key=lambda row: row["weak_gain"]) if kept else min(rows, key=lambda row: row["lr"])
+    best = max(chosen["gain_curve"])
+    length = next((s for s, g in zip(chosen["steps"], chosen["gain_curve"])
+                   if s >= PILOT_MIN_STEPS and best > 0 and g >= PILOT_SHARE * best), chosen["steps"][-1])
+    return {"rows": rows, "kept": bool(kept), "chosen_lr": chosen["lr"], "steps": length}
+
+
+def write_pilot(plans: dict, report_dir: Path, record: dict, timings: dict, wall_time_s: float) -> dict:
+    out = report_dir / "pilot" if report_dir.name != "pilot" else report_dir
+    out.mkdir(parents=True, exist_ok=True)
+    pairs = {}
+    for name, plan in plans.items():
+        cfg = plan.cfg
+        families = list(cfg.task.n_eval)
+        records = [run_record(r, families) for r in plan.runs]
+        starts = {NAME[role]: plan.models[role]["starts"] for role in ROLES}
+        strong = {NAME[role]: strong_family(cfg, role) for role in ROLES}
+        weak = {NAME[role]: weak_family(cfg, role) for role in ROLES}
+        choice = pilot_choice(records, starts, strong, weak)
+        pairs[name] = {**choice, "weak_family": weak, "strong_family": strong,
+                       "starts": {m: {s: {k: v for k, v in info.items() if k != "checkpoint"} for s, info in ss.items()}
+                                  for m, ss in starts.items()},
+                       "runs": records, "config": cfg.model_dump(mode="json")}
+        _pilot_plot(pairs[name], name, out / f"pilot_{name}.png")
+    result = {"study": "mutual-pilot", "record": record, "rule": PILOT_RULE, "rule_version": RULE_VERSION, "pairs": pairs,
+              "job_wall_s": {k: round(v, 1) for k, v in timings.items()}, "wall_time_s": wall_time_s}
+    committed = write_summary(out, result)
+    write_text_atomic(out / "REPORT.md", "# The mutual study's budget pilot\n\n" + "\n".join(pilot_lines(committed)) + "\n")
+    return result
+
+
+def pilot_lines(result: dict) -> list[str]:
+    lines = [*header_lines(result), "",
+             "| pair | lr | strong families kept (each run's change, points) | weak-family gain over the start (mean of 4 "
+             "runs, second half) | mean weak-family gain at each evaluation |", "|---|---|---|---|---|"]
+    for name, pair in result["pairs"].items():
+        for row in pair["rows"]:
+            changes = ", ".join(f"{k} {100 * v:+.1f}" for k, v in row["strong_change"].items())
+            curve = " ".join(f"{s}:{100 * g:+.1f}" for s, g in zip(row["steps"], row["gain_curve"]))
+            lines.append(f"| {name} | {row['lr']:g} | {'yes' if row['kept'] else 'no'} ({changes}) | "
+                         f"{100 * row['weak_gain']:+.1f} | {curve} |")
+    lines.append("")
+    for name, pair in result["pairs"].items():
+        lines.append(f"**{name}: lr {pair['chosen_lr']:g}, {pair['steps']} steps**"
+                     + ("" if pair["kept"] else " (no lr kept the strong families: the smallest, said)") + "; "
+                     f"![{name}](pilot_{name}.png)")
+    return lines
+
+
+def _pilot_plot(pair: dict, name: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [(model, start) for model in pair["starts"] for start in pair["starts"][model]]
+    fig, axes = plt.subplots(len(rows), 2, figsize=(10, 3 * len(rows)), squeeze=False)
+    for row, (model, start) in enumerate(rows):
+        for col, family in enumerate((pair["weak_family"][model], pair["strong_family"][model])):
+            ax = axes[row][col]
+            begin = pair["starts"][model][start]["acc_sampled"][family]
+            for index, lr in enumerate(PILOT_LRS):
+                run = next((r for r in pair["runs"] if r["model"] == model and r["start"] == start and r["lr"] == lr), None)
+                if run is None:
+                    continue
+                ax.plot([0] + [e["step"] for e in run["evals"]], [100 * begin] + [100 * e["acc_sampled"][family] for e in run["evals"]],
+                        color=f"C{index}", marker="o", markersize=3, label=f"GRPO, lr {lr:g}")
+            ax.set_title(f"{name}: {model} from {start}, `{family}`", fontsize=9)
             ax.set_xlabel("RL step")
             ax.set_ylabel("held-out sampled accuracy (%)")
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
-    save_fig(fig, report_dir / "accuracy_vs_step.png")
+    save_fig(fig, path)
     plt.close(fig)
-
-
-# ---- the budget pilot ---------------------------------------------------------------------------------------------
-
-def write_budget(cfg: DemoConfig, models: dict, runs: list[dict], timings: dict, wall_time_s: float) -> dict:
-    """BUDGET_RULE on the pilot's runs; report/mutual/budget/."""
-    families = list(cfg.task.n_eval)
-    rows = []
-    for lr in BUDGET_LRS:
-        row: dict[str, Any] = {"lr": lr}
-        for role in ROLES:
-            name, start = NAME[role], next(iter(models[role]["starts"].values()))
-            grpo = next(r for r in runs if r["mode"] == "grpo" and r["model"] == name and r["lr"] == lr)
-            evals = json.loads((Path(grpo["dir"]) / "done.json").read_text())["evals"]
-            ceiling = next(r for r in runs if r["mode"] == "ceiling" and r["model"] == name and r["lr"] == lr)
-            done = json.loads((Path(ceiling["dir"]) / "done.json").read_text())
-            strong, weak = strong_family(cfg, role), weak_family(cfg, role)
-            row[name] = {
-                "strong_start": start["acc_sampled"][strong], "strong_grpo": primary(evals, cfg.rl.steps, strong),
-                "weak_start": start["acc_sampled"][weak], "weak_grpo": primary(evals, cfg.rl.steps, weak),
-                "weak_ceiling": done["acc_sampled"][weak], "strong_ceiling": done["acc_sampled"][strong],
-                "per_family_grpo": {f: primary(evals, cfg.rl.steps, f) for f in families},
-            }
-            row[name]["strong_kept"] = row[name]["strong_grpo"] >= row[name]["strong_start"] - STRONG_MARGIN
-            row[name]["ceiling_gain"] = row[name]["weak_ceiling"] - row[name]["weak_start"]
-        row["kept"] = all(row[NAME[r]]["strong_kept"] for r in ROLES)
-        row["min_ceiling_gain"] = min(row[NAME[r]]["ceiling_gain"] for r in ROLES)
-        rows.append(row)
-    kept = [r for r in rows if r["kept"]]
-    moving = [r for r in kept if r["min_ceiling_gain"] >= BUDGET_MIN_CEILING]
-    chosen = min(moving, key=lambda r: r["lr"]) if moving else max(kept, key=lambda r: r["min_ceiling_gain"]) if kept else None
-    result = {"rule": BUDGET_RULE, "rows": rows, "chosen_lr": chosen["lr"] if chosen else None,
-              "moves_weak_family": bool(moving), "wall_time_s": wall_time_s, "job_wall_s": {k: round(v, 1) for k, v in timings.items()}}
-    out = cfg.report_dir / "budget"
-    write_summary(out, result)
-    write_text_atomic(out / "REPORT.md", "# The mutual demo's budget\n\n" + "\n".join(budget_lines(result)) + "\n")
-    return result
-
-
-def budget_lines(result: dict) -> list[str]:
-    lines = [*header_lines(result), "",
-             "| lr | A strong: start -> GRPO | A weak: start -> GRPO / ceiling | B strong: start -> GRPO | "
-             "B weak: start -> GRPO / ceiling | strong families kept |", "|---|---|---|---|---|---|"]
-    for row in result["rows"]:
-        cells = []
-        for name in ("A", "B"):
-            m = row[name]
-            cells += [f"{100 * m['strong_start']:.1f} -> {100 * m['strong_grpo']:.1f}",
-                      f"{100 * m['weak_start']:.1f} -> {100 * m['weak_grpo']:.1f} / {100 * m['weak_ceiling']:.1f}"]
-        lines.append(f"| {row['lr']:g} | " + " | ".join(cells) + f" | {'yes' if row['kept'] else 'no'} |")
-    chosen = result["chosen_lr"]
-    lines += ["", f"Chosen lr: **{chosen:g}**" if chosen is not None else "No lr keeps both strong families: the demo stops here.",
-              "" if result["moves_weak_family"] or chosen is None else
-              f"No kept lr lets the ceiling raise both weak families by {100 * BUDGET_MIN_CEILING:.0f} points: the chosen one "
-              "moves them most, and no method here can be expected to move them further."]
-    return lines
-
-
-# ---- the dose study -----------------------------------------------------------------------------------------------
-
-def _ceiling_record(run: dict, families: list[str], steps: int) -> dict[str, Any]:
-    done = json.loads((Path(run["dir"]) / "done.json").read_text())
-    return {"name": run["name"], "mode": run["mode"], "model": run["model"], "start": run["start"], "seed": run["seed"],
-            "primary": {f: primary(done["evals"], steps, f) for f in families}, "evals": done["evals"],
-            "examples_per_step": done["examples_per_step"], "denominator_mean": done.get("denominator_mean")}
-
-
-def _relative(records: list[dict], name: str, mode: str, baseline: str, weak: str, strong: str) -> dict:
-    mine = [r for r in records if r["model"] == name]
-    weak_i, strong_i = (stratified_interval(paired_values(mine, mode, f, baseline=baseline)) for f in (weak, strong))
-    return {"weak": weak_i.as_dict(), "strong": strong_i.as_dict(), "verdict": verdict(weak_i, strong_i)}
-
-
-def _lr_change(records: list[dict], name: str, weak: str, strong: str) -> dict:
-    """Per seed, (GRAFT - GRPO) at DOSE_LR minus (GRAFT - GRPO) at the demo's lr, judged as a change against the default."""
-    mine = [r for r in records if r["model"] == name]
-
-    def by_seed(mode: str, family: str) -> dict[int, float]:
-        return {r["seed"]: r["primary"][family] for r in mine if r["mode"] == mode}
-
-    out = {}
-    for key, family in (("weak", weak), ("strong", strong)):
-        v = {m: by_seed(m, family) for m in ("grpo", "graft", "grpo_lr", "graft_lr")}
-        seeds = sorted(set.intersection(*(set(x) for x in v.values())))
-        out[key] = stratified_interval({name: [(v["graft_lr"][s] - v["grpo_lr"][s]) - (v["graft"][s] - v["grpo"][s])
-                                               for s in seeds]})
-    return {"weak": out["weak"].as_dict(), "strong": out["strong"].as_dict(), "verdict": verdict(out["weak"], out["strong"])}
-
-
-def write_dose(cfg: DemoConfig, models: dict, runs: list[dict], timings: dict, wall_time_s: float) -> dict:
-    """DOSE_RULE on the dose study's runs; report/mutual/dose/."""
-    families, steps = list(cfg.task.n_eval), cfg.rl.steps
-    records = [_ceiling_record(r, families, steps) if r["mode"].startswith("ceiling") else run_record(r, families, steps)
-               for r in runs]
-    result: dict[str, Any] = {"rule": DOSE_RULE, "rule_verdicts": VERDICT_RULE, "seeds": DOSE_SEEDS, "models": {}}
-    for role in ROLES:
-        name, weak, strong = NAME[role], weak_family(cfg, role), strong_family(cfg, role)
-        vs_grpo = {mode: _relative(records, name, mode, "grpo_lr" if mode in DOSE_LR_MODES else "grpo", weak, strong)
-                   for mode in [*DOSE_RUNS, "ceiling", "ceiling_matched"] if not mode.startswith("grpo")}
-        changes = {mode: _relative(records, name, mode, "graft", weak, strong) for mode in DOSE_CHANGES if mode != "graft_lr"}
-        changes["graft_lr"] = _lr_change(records, name, weak, strong)
-        mine = [r for r in records if r["model"] == name]
-        result["models"][name] = {
-            "weak_family": weak, "strong_family": strong, "vs_grpo": vs_grpo, "changes": changes,
-            "grafted_rows_per_step": statistics.fmean(r["frac_grafted_mean"] * cfg.rl.prompts_per_step * cfg.rl.group_size
-                                                      for r in mine if r["mode"] == "graft"),
-            "matched_examples_per_step": statistics.fmean(r["examples_per_step"] for r in mine if r["mode"] == "ceiling_matched"),
-            "peer_hit_rate": {m: statistics.fmean(r["peer_hit_rate_mean"] for r in mine if r["mode"] == m)
-                              for m in DOSE_RUNS if DOSE_RUNS[m] is not None},
-        }
-    adopted = [mode for mode in DOSE_CHANGES
-               if any(result["models"][n]["changes"][mode]["verdict"] in ("gain", "small gain") for n in result["models"])
-               and not any(result["models"][n]["changes"][mode]["verdict"] == "harm" for n in result["models"])]
-    result["adopted"] = adopted
-    result.update(runs=records, job_wall_s={k: round(v, 1) for k, v in timings.items()}, wall_time_s=wall_time_s,
-                  config=cfg.model_dump(mode="json"))
-    out = cfg.report_dir / "dose"
-    committed = write_summary(out, result)
-    write_text_atomic(out / "REPORT.md", "# The mutual demo's dose study\n\n" + "\n".join(dose_lines(committed)) + "\n")
-    return result
-
-
-def dose_lines(result: dict) -> list[str]:
-    lines = [*header_lines(result), "",
-             "| model | against its GRPO (same lr), paired by seed | weak family, points [95% CI] | p | strong family [95% CI] | verdict |",
-             "|---|---|---|---|---|---|"]
-    labels = {"graft": "the default GRAFT", "ceiling": "the full ceiling (24 answers a step)",
-              "ceiling_matched": "the dose-matched ceiling (the grafted correct rows)", **DOSE_CHANGES}
-    for name, m in result["models"].items():
-        for mode, c in m["vs_grpo"].items():
-            weak_i, strong_i = Interval(**c["weak"]), Interval(**c["strong"])
-            lines.append(f"| {name} (weak `{m['weak_family']}`) | {labels[mode]} | {pct(weak_i)} | {p_text(weak_i)} | "
-                         f"{pct(strong_i)} | {verdict_text(c['verdict'], weak_i)} |")
-    lines += ["", "| model | single change, against the default GRAFT | weak family, points [95% CI] | p | strong family [95% CI] | verdict |",
-              "|---|---|---|---|---|---|"]
-    for name, m in result["models"].items():
-        for mode, c in m["changes"].items():
-            weak_i, strong_i = Interval(**c["weak"]), Interval(**c["strong"])
-            lines.append(f"| {name} | {DOSE_CHANGES[mode]} | {pct(weak_i)} | {p_text(weak_i)} | {pct(strong_i)} | "
-                         f"**{verdict_text(c['verdict'], weak_i)}** |")
-    lines.append("")
-    for name, m in result["models"].items():
-        hits = ", ".join(f"{mode} {rate:.2f}" for mode, rate in m["peer_hit_rate"].items())
-        lines.append(f"{name}: {m['grafted_rows_per_step']:.1f} grafted rows a step under the default GRAFT, "
-                     f"{m['matched_examples_per_step']:.1f} of them correct (the matched ceiling's rows); peer hit rate {hits}.")
-    lines += ["", "Read again (issue 60): the dose-matched ceiling is supervised learning on the grafted correct rows (and "
-              "the anchor) alone, with none of the RL on the model's own groups that the GRAFT run also had, so it "
-              "differs from that run in more than the loss's form and cannot isolate it, as the rule above hoped. The lr "
-              "row is a change in GRAFT's gain over GRPO: in absolute terms GRAFT's weak family is about the same at both "
-              "lrs while GRPO's falls at 5e-4 (the runs' primary metrics in summary.json)."]
-    adopted = result["adopted"]
-    lines += ["", f"**Adopted for the mutual demo's next design: {', '.join(DOSE_CHANGES[a] for a in adopted)}.**" if adopted
-              else "**No change is adopted: the mutual demo's design stays.**"]
-    return lines

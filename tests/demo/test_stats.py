@@ -138,7 +138,7 @@ def test_p_is_printed_below_a_thousandth_or_at_its_floor(p, pairs, text):
 
 
 def test_docs_state_the_amended_rules_as_the_code_has_them():
-    """docs/demo.md's "The rule, amended (issue 48)" quotes VERDICT_RULE and studies.recommend's RULE word for word (line
+    """docs/demo.md's "The rule, amended (issues 48 and 60)" quotes VERDICT_RULE and studies.recommend's RULE word for word (line
     breaks aside): a change to either shows in the page, with its commit, before a run reads it."""
     from pathlib import Path
 
@@ -146,6 +146,6 @@ def test_docs_state_the_amended_rules_as_the_code_has_them():
     from demo.stats import VERDICT_RULE
 
     page = (Path(__file__).resolve().parents[2] / "docs" / "demo.md").read_text()
-    section = page.split("## The rule, amended (issue 48)", 1)[1].split("\n## ", 1)[0]
+    section = page.split("## The rule, amended (issues 48 and 60)", 1)[1].split("\n## ", 1)[0]
     section = " ".join(section.replace("\n> ", " ").split())
     assert " ".join(VERDICT_RULE.split()) in section and " ".join(RULE.split()) in section
