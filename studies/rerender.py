@@ -1,6 +1,6 @@
 """A committed report again under the current rule, from its summary.json alone (no run, no demo_out/ needed).
 
-    python -m studies.rerender report report/avx2 report/mutual ...
+    python -m studies.rerender report report/avx2 report/confirm ...
 
 For each report folder: every comparison is recomputed from its runs' values with demo.stats as it is now (and the
 mutual study's claim), the times, clock times and paths move to local.json (demo.report.write_summary: git ignores it),

@@ -56,6 +56,17 @@ def test_quick_mutual_study_end_to_end(tmp_path):
     text = (report / "REPORT.md").read_text()
     assert "co-training beats offline?" in text and "**Record**" in text and "the paper's claim" in text
     assert (report / "curves_digit_order.png").read_bytes()[:4] == b"\x89PNG"
+    # co-training in lockstep (issue 50): the same command, in a fresh folder, gives the same co-training rows to the
+    # last digit (every metric the report reads, every evaluation)
+    again, report_again = _run(tmp_path / "again", "--pairs", "digit_order")
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    rerun = json.loads((report_again / "summary.json").read_text())["pairs"]["digit_order"]
+
+    def cotrain_rows(p: dict) -> list[dict]:
+        rows = sorted((r for r in p["runs"] if r["mode"] == "cotrain"), key=lambda r: (r["name"], r["model"]))
+        return [{k: v for k, v in r.items() if k != "record"} for r in rows]
+
+    assert cotrain_rows(pair) and cotrain_rows(rerun) == cotrain_rows(pair)
 
 
 def test_the_pair_configs_are_the_designs():
