@@ -102,3 +102,24 @@ def test_the_committed_reports_are_the_current_rules_reading_of_their_runs(tmp_p
         rerender(copy)
         for path in sorted(p for p in copy.rglob("*") if p.is_file() and p.name != LOCAL_FILE):
             assert path.read_bytes() == (repo / folder / path.relative_to(copy)).read_bytes(), f"{folder}: {path.name}"
+
+
+def test_every_committed_report_says_what_ran_and_under_which_rule():
+    """Issue 60: re-rendered reports printed "Rule (written before the runs)" above a rule amended after them, and no
+    report recorded its code. Every committed summary.json now holds a record (a reconstructed one says so) and the
+    rule's version its runs were judged under; a re-rendered one says when, at which commit and under which version;
+    every REPORT.md prints them."""
+    repo = Path(__file__).resolve().parents[2]
+    summaries = sorted(p for p in (repo / "report").rglob("summary.json"))
+    assert len(summaries) >= 9
+    for path in summaries:
+        summary = json.loads(path.read_text())
+        record = summary["record"]
+        assert record and (record.get("reconstructed") or (record["commit"] and record["host"]["cpu"])), path
+        assert summary.get("rule_version") or record.get("rule"), path
+        if "rerendered" in summary:
+            assert {"date", "commit", "rule_version"} <= set(summary["rerendered"]), path
+        text = (path.parent / "REPORT.md").read_text()
+        assert "**Record**" in text and "**Rule**" in text and "Rule (written before the runs)" not in text, path
+        if "rerendered" in summary:
+            assert "re-rendered from its summary.json on" in text, path
