@@ -219,7 +219,9 @@ def _pilot_choice(pilot: dict) -> dict:
 def render(summary: dict, report_dir: Path) -> None:
     """REPORT.md and the plots from summary.json alone (studies.rerender calls it too)."""
     for name, pair in summary["pairs"].items():
-        _curves(pair, name, report_dir / f"curves_{name}.png", [m for m in MODE_LABEL])
+        families = {model: (a["weak_family"], a["strong_family"]) for model, a in pair["answers"].items()}
+        _curves(pair, name, report_dir / f"curves_{name}.png", families,
+                {label: (lambda r, mode=mode: r["mode"] == mode) for mode, label in MODE_LABEL.items()})
     write_text_atomic(report_dir / "REPORT.md", markdown(summary))
 
 
@@ -311,9 +313,9 @@ def markdown(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def _curves(pair: dict, name: str, path: Path, modes: list[str]) -> None:
-    """Absolute curves: per model and start, its weak and strong family's held-out sampled accuracy over the run, each
-    arm's mean over the seeds (the band: their range), from its start."""
+def _curves(pair: dict, name: str, path: Path, families: dict[str, tuple[str, str]], series: dict[str, Any]) -> None:
+    """Absolute curves: per model and start, its weak and strong family's held-out sampled accuracy over the run from
+    its start, one line per series (label -> which runs: their mean, the band their range)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -322,18 +324,17 @@ def _curves(pair: dict, name: str, path: Path, modes: list[str]) -> None:
     rows = [(model, start) for model in pair["starts"] for start in pair["starts"][model]]
     fig, axes = plt.subplots(len(rows), 2, figsize=(11, 3.2 * len(rows)), squeeze=False)
     for row, (model, start) in enumerate(rows):
-        a = pair["answers"][model]
-        for col, family in enumerate((a["weak_family"], a["strong_family"])):
+        for col, family in enumerate(families[model]):
             ax = axes[row][col]
             begin = pair["starts"][model][start]["acc_sampled"][family]
-            for index, mode in enumerate(modes):
-                runs = [r for r in pair["runs"] if r["model"] == model and r["start"] == start and r["mode"] == mode]
+            for index, (label, wanted) in enumerate(series.items()):
+                runs = [r for r in pair["runs"] if r["model"] == model and r["start"] == start and wanted(r)]
                 if not runs:
                     continue
                 steps = [0] + [e["step"] for e in runs[0]["evals"]]
                 values = [[begin] + [e["acc_sampled"][family] for e in r["evals"]] for r in runs]
-                mean = [100 * statistics.fmean(v[i] for v in values) for i in range(len(steps))]
-                ax.plot(steps, mean, color=f"C{index}", marker="o", markersize=3, label=MODE_LABEL[mode])
+                ax.plot(steps, [100 * statistics.fmean(v[i] for v in values) for i in range(len(steps))],
+                        color=f"C{index}", marker="o", markersize=3, label=label)
                 ax.fill_between(steps, [100 * min(v[i] for v in values) for i in range(len(steps))],
                                 [100 * max(v[i] for v in values) for i in range(len(steps))], color=f"C{index}", alpha=0.1)
             ax.set_title(f"{name}: {model} from {start}, `{family}` ({'weak' if col == 0 else 'strong'})", fontsize=9)
@@ -392,7 +393,8 @@ def write_pilot(plans: dict, report_dir: Path, record: dict, timings: dict, wall
                        "starts": {m: {s: {k: v for k, v in info.items() if k != "checkpoint"} for s, info in ss.items()}
                                   for m, ss in starts.items()},
                        "runs": records, "config": cfg.model_dump(mode="json")}
-        _pilot_plot(pairs[name], name, out / f"pilot_{name}.png")
+        _curves(pairs[name], name, out / f"pilot_{name}.png", {m: (weak[m], strong[m]) for m in weak},
+                {f"GRPO, lr {lr:g}": (lambda r, lr=lr: r["lr"] == lr) for lr in PILOT_LRS})
     result = {"study": "mutual-pilot", "record": record, "rule": PILOT_RULE, "rule_version": RULE_VERSION, "pairs": pairs,
               "job_wall_s": {k: round(v, 1) for k, v in timings.items()}, "wall_time_s": wall_time_s}
     committed = write_summary(out, result)
@@ -416,31 +418,3 @@ def pilot_lines(result: dict) -> list[str]:
                      + ("" if pair["kept"] else " (no lr kept the strong families: the smallest, said)") + "; "
                      f"![{name}](pilot_{name}.png)")
     return lines
-
-
-def _pilot_plot(pair: dict, name: str, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [(model, start) for model in pair["starts"] for start in pair["starts"][model]]
-    fig, axes = plt.subplots(len(rows), 2, figsize=(10, 3 * len(rows)), squeeze=False)
-    for row, (model, start) in enumerate(rows):
-        for col, family in enumerate((pair["weak_family"][model], pair["strong_family"][model])):
-            ax = axes[row][col]
-            begin = pair["starts"][model][start]["acc_sampled"][family]
-            for index, lr in enumerate(PILOT_LRS):
-                run = next((r for r in pair["runs"] if r["model"] == model and r["start"] == start and r["lr"] == lr), None)
-                if run is None:
-                    continue
-                ax.plot([0] + [e["step"] for e in run["evals"]], [100 * begin] + [100 * e["acc_sampled"][family] for e in run["evals"]],
-                        color=f"C{index}", marker="o", markersize=3, label=f"GRPO, lr {lr:g}")
-            ax.set_title(f"{name}: {model} from {start}, `{family}`", fontsize=9)
-            ax.set_xlabel("RL step")
-            ax.set_ylabel("held-out sampled accuracy (%)")
-            ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    save_fig(fig, path)
-    plt.close(fig)
