@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 import statistics
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ import orjson
 
 from demo.compare_runs import measured_here
 from demo.config import PEER_MODEL_ID, DemoConfig
-from demo.records import run_provenance
+from demo.records import cpu_model, run_provenance
 from demo.stats import (
     RULE_HISTORY,
     RULE_VERSION,
@@ -273,15 +272,7 @@ def machine(kernels: str) -> dict:
     """The CPU the numbers came from (they move with it: docs/demo.md)."""
     import torch
 
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": model, "cores": os.cpu_count(), "torch_kernels": torch.backends.cpu.get_cpu_capability(),
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_kernels": torch.backends.cpu.get_cpu_capability(),
             "kernels": kernels, "torch": torch.__version__}
 
 
