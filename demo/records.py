@@ -1,9 +1,9 @@
 """What ran: every job's record (the code it imported, the checkout's commit and whether its tree was clean, the host's
 CPU and kernels, when), and the check that a resumed demo or study reuses no job computed by other code (issue 60).
 
-A job (`demo.worker`) writes `record` into its done.json as it ends: `code` holds the sha1 of every first-party file it
+A job (`demo.worker`) writes `record` into its done.json as it ends: `files` holds the sha1 of every first-party file it
 had imported (the demo's, the toy world's and graft's: `first_party_files`), so a later invocation can tell whether
-the cached result is what the code of now would compute. The parent keeps the invocation's own record (`invocation`)
+the cached result is what the code of now would compute. The parent keeps the invocation's own record (`invocation_record`)
 in the report's summary.json, with how many jobs it ran, how many it found done, and under which commits and hosts
 they ran (`summarize`).
 

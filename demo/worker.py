@@ -319,7 +319,7 @@ def imitate(job: dict) -> dict:
     eval_sets = load_eval_sets({f: Path(p) for f, p in job["eval_sets"].items()})
     eval_every = job.get("eval_every") or steps
     eval_steps = set(job["eval_steps"]) if "eval_steps" in job else {
-        done for done in range(eval_every, steps, eval_every) if done >= steps / 2}
+        done for done in range(eval_every, steps, eval_every or 1) if done >= steps / 2}  # steps 0: none
     evals: list[dict] = []
 
     def evaluate(step: int) -> None:
