@@ -24,10 +24,16 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from demo.jobs import kernel_settings
-
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CHECKOUT_PACKAGES = ("demo", "toy", "studies")  # the checkout's own code a job or a study runs
+
+# What chooses the kernels besides the CPU: ATen's kernel set, and MKL's instruction set and code branch.
+KERNEL_VARIABLES = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR")
+
+
+def kernel_settings(env: dict[str, str]) -> dict[str, str]:
+    """The KERNEL_VARIABLES that `env` sets (a job's environment: demo.jobs.child_env), in that order."""
+    return {name: env[name] for name in KERNEL_VARIABLES if env.get(name)}
 
 
 def now() -> str:
@@ -110,20 +116,6 @@ def package_files() -> dict[str, str]:
     root = Path(graft.__file__).resolve().parent
     return {key: hashlib.sha1(path.read_bytes()).hexdigest() for path in sorted(root.rglob("*.py"))
             if (key := _key(path)) is not None}
-
-
-def run_recorded(jobs: list, slots: int, desc: str, env: dict[str, str], guard, invocation: dict,
-                 accept_cached_code: bool) -> tuple[dict[str, float], dict]:
-    """demo.jobs.run_jobs with the records: refuse the jobs found done that other code computed (unless
-    `accept_cached_code`), run the rest, and return the timings and the report's record (`summarize`)."""
-    from demo.jobs import run_jobs
-
-    found = {job.name: job.done[0] for job in jobs if job.is_done()}
-    stale = cached_under_other_code(found)
-    refuse_other_code(stale, accept_cached_code)
-    timings = run_jobs(jobs, slots, desc=desc, env=env, guard=guard)
-    ran = [job.name for job in jobs if job.name not in found]
-    return timings, summarize(invocation, {job.name: job.done[0] for job in jobs}, ran, stale)
 
 
 def invocation_record(env: dict[str, str], rule: str, argv: list[str]) -> dict:

@@ -46,12 +46,12 @@ from demo.jobs import (
     CodeGuard,
     Job,
     child_env,
-    kernel_settings,
     portable_kernels_available,
     python_module,
+    run_recorded,
 )
 from demo.report import graft_preset
-from demo.records import invocation_record, job_record, now, package_files, run_recorded
+from demo.records import invocation_record, job_record, kernel_settings, now, package_files
 from demo.stats import RULE_VERSION
 from graft.rollouts.files import write_jsonl_atomic, write_text_atomic
 from graft.trainer.config import TrainConfig
@@ -117,7 +117,7 @@ def probe_jobs(jobs: list[Job]) -> dict[str, Job]:
 
 def kernel_label(kernels: dict[str, str] | None, env: dict[str, str]) -> str:
     """Which kernels the jobs ran on, as the report names them: the pin (`kernels`), else the CPU's own but for what
-    the jobs' environment `env` sets (demo.jobs.KERNEL_VARIABLES)."""
+    the jobs' environment `env` sets (demo.records.KERNEL_VARIABLES)."""
     settings = " ".join(f"{k}={v}" for k, v in kernel_settings(env).items())
     if kernels:
         return f"portable: {settings}"
@@ -137,7 +137,7 @@ class Invocation:
     record: dict
 
     def jobs(self, jobs: list[Job], desc: str, guard: CodeGuard) -> tuple[dict[str, float], dict]:
-        """Run the jobs with their records (demo.records.run_recorded): timings, and the report's record."""
+        """Run the jobs with their records (demo.jobs.run_recorded): timings, and the report's record."""
         return run_recorded(jobs, self.cfg.workers, desc, self.env, guard, self.record, self.accept_cached_code)
 
 

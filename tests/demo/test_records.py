@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from demo.jobs import Job, child_env
-from demo.records import REPO_ROOT, first_party_files, git_state, host_state, invocation_record, job_record, run_recorded
+from demo.jobs import Job, child_env, run_recorded
+from demo.records import REPO_ROOT, first_party_files, git_state, host_state, invocation_record, job_record
 
 WRITE = "import sys; open(sys.argv[1], 'w').write('{}')"
 
