@@ -61,7 +61,7 @@ from toy.task import completion_text, dataset_name, family_splits
 CONFIGS = REPO_ROOT / "studies" / "configs"
 PAIRS = {"digit_order": CONFIGS / "mutual_digit_order.yaml", "three_terms": CONFIGS / "mutual_three_terms.yaml"}
 OUT_DIR = Path("demo_out") / "mutual"
-COMMITTED_PILOT = REPO_ROOT / "report" / "mutual" / "pilot" / "summary.json"
+COMMITTED = REPO_ROOT / "report" / "mutual"  # <pair>/pilot/summary.json: the committed pilots, which set the budgets
 MODEL_ID = {"learner": "mutual-a", "peer": "mutual-b"}  # the RL runs' own groups (co-training) extend these ids
 
 
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     report_dir = Path(options["report_dir"] or out / "report")
     pairs = {name: pair_config(name, out, options) for name in options["pairs"]}
     if not options["pilot"]:
-        check_budget(pairs, COMMITTED_PILOT)
+        check_budget(pairs, COMMITTED)
     guard = CodeGuard.of_checkout()  # the code every job runs: none starts once it has changed
     print(f"GRAFT mutual study ({'the budget pilot' if options['pilot'] else 'the study'}, {run.cfg.mode}): pairs "
           f"{', '.join(pairs)}; outputs in {out}, report in {report_dir}, {run.cfg.workers} processes at once", flush=True)
@@ -102,13 +102,13 @@ def main(argv: list[str] | None = None) -> int:
 
     wall = time.perf_counter() - started
     if options["pilot"]:
-        result = mutual_report.write_pilot(plans, report_dir, record, timings, wall)
-        print("\n".join(mutual_report.pilot_lines(result)))
+        for result in mutual_report.write_pilot(plans, report_dir, record, timings, wall).values():
+            print("\n".join(mutual_report.pilot_lines(result)))
         return 0
-    summary = mutual_report.write_report(plans, report_dir, record, timings, wall, COMMITTED_PILOT)
+    mutual_report.write_report(plans, report_dir, record, timings, wall, COMMITTED)
     print()
-    print((report_dir / "REPORT.md").read_text().split("<!-- table-end -->")[0])
-    print(f"wall time {summary['wall_time_s']:.0f} s; report written to {report_dir}/", flush=True)
+    print((report_dir / "REPORT.md").read_text())
+    print(f"wall time {wall:.0f} s; reports written to {report_dir}/<pair>/", flush=True)
     return 0
 
 
@@ -125,16 +125,17 @@ def pair_config(name: str, out: Path, options: dict) -> DemoConfig:
     return load_demo_config(PAIRS[name], [*options["overrides"], f"out_dir={out / name}"], options["quick"])
 
 
-def check_budget(pairs: dict[str, DemoConfig], pilot_summary: Path) -> None:
-    """The study's lr and steps are the committed pilot's choice (PILOT_RULE): refuse others in a full run."""
-    if not pilot_summary.exists():
-        return  # no pilot committed yet: the run says so in its report (summary.json's `pilot` is None)
-    chosen = json.loads(pilot_summary.read_text())["pairs"]
+def check_budget(pairs: dict[str, DemoConfig], committed: Path) -> None:
+    """Each pair's lr and steps are its committed pilot's choice (PILOT_RULE): refuse others in a full run."""
     for name, cfg in pairs.items():
-        if cfg.mode == "full" and name in chosen and (cfg.rl.lr, cfg.rl.steps) != (chosen[name]["chosen_lr"], chosen[name]["steps"]):
-            raise SystemExit(f"{name}: lr {cfg.rl.lr:g} and {cfg.rl.steps} steps, but the committed pilot ({pilot_summary}) "
-                             f"chose lr {chosen[name]['chosen_lr']:g} and {chosen[name]['steps']} steps: the budget is "
-                             "GRPO's, set before any GRAFT run (studies.mutual_report.PILOT_RULE)")
+        path = committed / name / "pilot" / "summary.json"
+        if cfg.mode != "full" or not path.exists():
+            continue  # no pilot committed yet: the report says so (its summary's `pilot` is None)
+        chosen = json.loads(path.read_text())["pairs"][name]
+        if (cfg.rl.lr, cfg.rl.steps) != (chosen["chosen_lr"], chosen["steps"]):
+            raise SystemExit(f"{name}: lr {cfg.rl.lr:g} and {cfg.rl.steps} steps, but its committed pilot ({path}) chose lr "
+                             f"{chosen['chosen_lr']:g} and {chosen['steps']} steps: the budget is GRPO's, set before any "
+                             "GRAFT run (studies.mutual_report.PILOT_RULE)")
 
 
 def check_config(cfg: DemoConfig, pilot: bool) -> None:

@@ -1,5 +1,5 @@
-"""The mutual study's rules, written before its runs (issue 60), and its reports: report/mutual/ (the study) and
-report/mutual/pilot/ (the budget's pilot).
+"""The mutual study's rules, written before its runs (issue 60), and its reports: report/mutual/<pair>/ (the study)
+and report/mutual/<pair>/pilot/ (the budget's pilot), with report/mutual/REPORT.md, every pair's answers.
 
 PILOT_RULE sets each pair's budget (lr and run length) from GRPO alone, on a seed of its own, before any GRAFT run.
 MUTUAL_RULE reads the study: every number is read from the runs' outputs, every interval and label is demo.stats's
@@ -185,9 +185,11 @@ def run_record(run: dict, families: list[str]) -> dict[str, Any]:
     return {**record, "pair": run["pair"], "model": run["model"], "lr": run["lr"]}
 
 
-def write_report(plans: dict, report_dir: Path, record: dict, timings: dict, wall_time_s: float, pilot: Path) -> dict:
-    """report/mutual/: summary.json, REPORT.md, a curve plot per pair."""
-    pairs = {}
+def write_report(plans: dict, report_dir: Path, record: dict, timings: dict, wall_time_s: float,
+                 committed_pilots: Path) -> None:
+    """report/mutual/<pair>/: each pair's summary.json (with its record), REPORT.md and curves; then report/mutual/
+    REPORT.md, the answers of every pair whose report is there (`write_index`). A pair's report is its invocation's:
+    the pairs can run apart (`--pairs`), each under the code and at the time its record names."""
     for name, plan in plans.items():
         cfg = plan.cfg
         families = list(cfg.task.n_eval)
@@ -196,37 +198,58 @@ def write_report(plans: dict, report_dir: Path, record: dict, timings: dict, wal
                                for s, info in plan.models[role]["starts"].items()} for role in ROLES}
         answers = {NAME[role]: answer(records, NAME[role], NAME[OTHER[role]], weak_family(cfg, role), strong_family(cfg, role),
                                       strong_family(cfg, OTHER[role]), starts[NAME[OTHER[role]]]) for role in ROLES}
-        pairs[name] = {
+        pair = {
             "families": families, "models": {NAME[role]: {k: plan.models[role][k] for k in ("architecture", "parameters",
                                                                                          "vocab_size", "sft_steps")}
                                              for role in ROLES},
             "starts": starts, "stored_groups": plan.stored, "answers": answers, "claim": claim(answers),
             "runs": records, "config": cfg.model_dump(mode="json"),
         }
-    summary = {"study": "mutual", "record": record, "rule": MUTUAL_RULE, "rule_verdicts": VERDICT_RULE,
-               "rule_version": RULE_VERSION, "pilot_rule": PILOT_RULE, "pairs": pairs,
-               "job_wall_s": {k: round(v, 1) for k, v in timings.items()}, "wall_time_s": wall_time_s}
-    summary["pilot"] = _pilot_choice(json.loads(pilot.read_text())) if pilot.exists() else None  # the committed one
-    committed = write_summary(report_dir, summary)
-    render(committed, report_dir)
-    return summary
+        pilot = committed_pilots / name / "pilot" / "summary.json"
+        summary = {"study": "mutual", "record": record, "rule": MUTUAL_RULE, "rule_verdicts": VERDICT_RULE,
+                   "rule_version": RULE_VERSION, "pilot_rule": PILOT_RULE, "pairs": {name: pair},
+                   "pilot": {name: {k: json.loads(pilot.read_text())["pairs"][name][k] for k in ("chosen_lr", "steps", "kept")}}
+                   if pilot.exists() else None,  # the committed one, which set this pair's budget
+                   "job_wall_s": {k: round(v, 1) for k, v in timings.items() if k.startswith(f"{name}: ")},
+                   "wall_time_s": wall_time_s}
+        render(write_summary(report_dir / name, summary), report_dir / name)
+    write_index(report_dir)
 
 
-def _pilot_choice(pilot: dict) -> dict:
-    return {name: {k: p[k] for k in ("chosen_lr", "steps", "kept")} for name, p in pilot["pairs"].items()}
-
-
-def render(summary: dict, report_dir: Path) -> None:
-    """REPORT.md and the plots from summary.json alone (studies.rerender calls it too)."""
+def render(summary: dict, pair_dir: Path) -> None:
+    """A pair's REPORT.md and curves from its summary.json alone (studies.rerender calls it too)."""
     for name, pair in summary["pairs"].items():
         families = {model: (a["weak_family"], a["strong_family"]) for model, a in pair["answers"].items()}
-        _curves(pair, name, report_dir / f"curves_{name}.png", families,
+        _curves(pair, name, pair_dir / "curves.png", families,
                 {label: (lambda r, mode=mode: r["mode"] == mode) for mode, label in MODE_LABEL.items()})
-    write_text_atomic(report_dir / "REPORT.md", markdown(summary))
+    write_text_atomic(pair_dir / "REPORT.md", markdown(summary))
 
 
-def rerender(report_dir: Path, summary: dict, stamp) -> dict:
-    """The study's report under the current rule (studies.rerender): every answer computed again from its runs."""
+def write_index(report_dir: Path) -> None:
+    """report/mutual/REPORT.md: the answers of every pair reported under it, each with when and where it ran."""
+    summaries = [json.loads(path.read_text()) for path in sorted(report_dir.glob("*/summary.json"))]
+    summaries = [s for s in summaries if s.get("study") == "mutual"]
+    if not summaries:
+        return
+    merged = {"pairs": {name: pair for s in summaries for name, pair in s["pairs"].items()}}
+    lines = ["# GRAFT mutual study: two models each strong where the other is weak", "",
+             f"The rule (written before the runs; every pair's report prints it whole): {MUTUAL_RULE}.", "",
+             *answer_lines(merged), ""]
+    for s in summaries:
+        (name, pair), = s["pairs"].items()
+        record, host = s.get("record") or {}, (s.get("record") or {}).get("host", {})
+        budget = s.get("pilot") or {}
+        lines.append(f"- **{name}: the paper's claim {pair['claim']}.** [{name}/REPORT.md]({name}/REPORT.md): ran "
+                     f"{record.get('started')} to {record.get('finished')} at commit {str(record.get('commit'))[:12]} "
+                     f"({'clean' if record.get('clean') else 'tree NOT clean'}) on {host.get('cpu')}; budget "
+                     + (f"lr {budget[name]['chosen_lr']:g}, {budget[name]['steps']} steps, from its pilot "
+                        f"([{name}/pilot/REPORT.md]({name}/pilot/REPORT.md))" if name in budget else "not from a committed pilot"))
+    write_text_atomic(report_dir / "REPORT.md", "\n".join(lines) + "\n")
+
+
+def rerender(pair_dir: Path, summary: dict, stamp) -> dict:
+    """A pair's report under the current rule (studies.rerender): every answer computed again from its runs; the
+    index beside it again."""
     for pair in summary["pairs"].values():
         cfg = DemoConfig.model_validate(pair["config"])
         starts = pair["starts"]
@@ -235,8 +258,9 @@ def rerender(report_dir: Path, summary: dict, stamp) -> dict:
                                               starts[NAME[OTHER[role]]]) for role in ROLES}
         pair["claim"] = claim(pair["answers"])
     summary.update(rule=MUTUAL_RULE, rule_verdicts=VERDICT_RULE)
-    committed = write_summary(report_dir, stamp(summary))
-    write_text_atomic(report_dir / "REPORT.md", markdown(committed))
+    committed = write_summary(pair_dir, stamp(summary))
+    write_text_atomic(pair_dir / "REPORT.md", markdown(committed))
+    write_index(pair_dir.parent)
     return committed
 
 
@@ -269,12 +293,12 @@ def answer_lines(summary: dict) -> list[str]:
 
 
 def markdown(summary: dict) -> str:
-    lines = ["# GRAFT mutual study: two models each strong where the other is weak, two task pairs", "",
+    lines = [f"# GRAFT mutual study, {', '.join(summary['pairs'])}: two models each strong where the other is weak", "",
              *header_lines(summary),
              f"**The verdicts' rule** ({summary['rule_version']}): {summary['rule_verdicts']}.", ""]
     if summary.get("pilot"):
         budget = "; ".join(f"{name}: lr {p['chosen_lr']:g}, {p['steps']} steps" for name, p in summary["pilot"].items())
-        lines += [f"**Budget** (set by the pilot's GRPO runs before any GRAFT run, pilot/REPORT.md): {budget}.", ""]
+        lines += [f"**Budget** (set by the pilot's GRPO runs before any GRAFT run, [pilot/REPORT.md](pilot/REPORT.md)): {budget}.", ""]
     lines += [*answer_lines(summary), ""]
     for name, pair in summary["pairs"].items():
         lines.append(f"**{name}: the paper's claim {pair['claim']}.**")
@@ -308,7 +332,7 @@ def markdown(summary: dict) -> str:
         for key, stored in pair["stored_groups"].items():
             lines.append(f"\n{key}'s stored groups: {stored['indexed_groups']}, {stored['informative_groups']} informative, "
                          f"success rate {100 * stored['success_rate']:.1f}%.")
-        lines += ["", f"![{name}: curves](curves_{name}.png)", ""]
+        lines += ["", f"![{name}: curves](curves.png)", ""]
     lines += [f"Every job's times are in `{LOCAL_FILE}` beside this file, which git ignores.", ""]
     return "\n".join(lines)
 
@@ -378,28 +402,30 @@ def pilot_choice(records: list[dict], starts: dict[str, dict[str, dict]], strong
 
 
 def write_pilot(plans: dict, report_dir: Path, record: dict, timings: dict, wall_time_s: float) -> dict:
-    out = report_dir / "pilot" if report_dir.name != "pilot" else report_dir
-    out.mkdir(parents=True, exist_ok=True)
-    pairs = {}
+    """report/mutual/<pair>/pilot/: PILOT_RULE's choice for each pair, its runs and curves, with its record."""
+    results = {}
     for name, plan in plans.items():
         cfg = plan.cfg
+        out = report_dir / name / "pilot"
+        out.mkdir(parents=True, exist_ok=True)
         families = list(cfg.task.n_eval)
         records = [run_record(r, families) for r in plan.runs]
         starts = {NAME[role]: plan.models[role]["starts"] for role in ROLES}
         strong = {NAME[role]: strong_family(cfg, role) for role in ROLES}
         weak = {NAME[role]: weak_family(cfg, role) for role in ROLES}
-        choice = pilot_choice(records, starts, strong, weak)
-        pairs[name] = {**choice, "weak_family": weak, "strong_family": strong,
-                       "starts": {m: {s: {k: v for k, v in info.items() if k != "checkpoint"} for s, info in ss.items()}
-                                  for m, ss in starts.items()},
-                       "runs": records, "config": cfg.model_dump(mode="json")}
-        _curves(pairs[name], name, out / f"pilot_{name}.png", {m: (weak[m], strong[m]) for m in weak},
+        pair = {**pilot_choice(records, starts, strong, weak), "weak_family": weak, "strong_family": strong,
+                "starts": {m: {s: {k: v for k, v in info.items() if k != "checkpoint"} for s, info in ss.items()}
+                           for m, ss in starts.items()},
+                "runs": records, "config": cfg.model_dump(mode="json")}
+        _curves(pair, name, out / "pilot.png", {m: (weak[m], strong[m]) for m in weak},
                 {f"GRPO, lr {lr:g}": (lambda r, lr=lr: r["lr"] == lr) for lr in PILOT_LRS})
-    result = {"study": "mutual-pilot", "record": record, "rule": PILOT_RULE, "rule_version": RULE_VERSION, "pairs": pairs,
-              "job_wall_s": {k: round(v, 1) for k, v in timings.items()}, "wall_time_s": wall_time_s}
-    committed = write_summary(out, result)
-    write_text_atomic(out / "REPORT.md", "# The mutual study's budget pilot\n\n" + "\n".join(pilot_lines(committed)) + "\n")
-    return result
+        result = {"study": "mutual-pilot", "record": record, "rule": PILOT_RULE, "rule_version": RULE_VERSION,
+                  "pairs": {name: pair}, "job_wall_s": {k: round(v, 1) for k, v in timings.items() if k.startswith(f"{name}: ")},
+                  "wall_time_s": wall_time_s}
+        committed = write_summary(out, result)
+        write_text_atomic(out / "REPORT.md", "# The mutual study's budget pilot\n\n" + "\n".join(pilot_lines(committed)) + "\n")
+        results[name] = committed
+    return results
 
 
 def pilot_lines(result: dict) -> list[str]:
@@ -416,5 +442,5 @@ def pilot_lines(result: dict) -> list[str]:
     for name, pair in result["pairs"].items():
         lines.append(f"**{name}: lr {pair['chosen_lr']:g}, {pair['steps']} steps**"
                      + ("" if pair["kept"] else " (no lr kept the strong families: the smallest, said)") + "; "
-                     f"![{name}](pilot_{name}.png)")
+                     f"![{name}](pilot.png)")
     return lines

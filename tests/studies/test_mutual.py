@@ -32,12 +32,12 @@ def _run(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess, Path
 def test_quick_mutual_study_end_to_end(tmp_path):
     pilot, report = _run(tmp_path, "--pilot", "--pairs", "digit_order")
     assert pilot.returncode == 0, pilot.stdout[-3000:] + pilot.stderr[-3000:]
-    result = json.loads((report / "pilot" / "summary.json").read_text())
-    assert result["pairs"]["digit_order"]["chosen_lr"] in (1e-4, 3e-4, 1e-3)
-    assert (report / "pilot" / "pilot_digit_order.png").read_bytes()[:4] == b"\x89PNG"
+    result = json.loads((report / "digit_order" / "pilot" / "summary.json").read_text())
+    assert result["pairs"]["digit_order"]["chosen_lr"] in (1e-4, 3e-4, 1e-3) and result["record"]["commit"]
+    assert (report / "digit_order" / "pilot" / "pilot.png").read_bytes()[:4] == b"\x89PNG"
     proc, report = _run(tmp_path, "--pairs", "digit_order")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads((report / "summary.json").read_text())
+    summary = json.loads((report / "digit_order" / "summary.json").read_text())
     pair = summary["pairs"]["digit_order"]
     assert summary["record"]["jobs_ran"] > 0 and summary["record"]["host"]["cpu"]
     assert {r["mode"] for r in pair["runs"]} == set(MODE_LABEL)
@@ -53,14 +53,16 @@ def test_quick_mutual_study_end_to_end(tmp_path):
     # the offline run grafted rows, which the matched GRPO run trained on at their step
     matched = [r for r in pair["runs"] if r["mode"] == "grpo_matched"]
     assert matched and all(r["steps"] for r in matched)
-    text = (report / "REPORT.md").read_text()
+    text = (report / "digit_order" / "REPORT.md").read_text()
     assert "co-training beats offline?" in text and "**Record**" in text and "the paper's claim" in text
-    assert (report / "curves_digit_order.png").read_bytes()[:4] == b"\x89PNG"
+    assert (report / "digit_order" / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    index = (report / "REPORT.md").read_text()  # every pair's answers, each pair's report linked
+    assert "co-training beats offline?" in index and "[digit_order/REPORT.md](digit_order/REPORT.md)" in index
     # co-training in lockstep (issue 50): the same command, in a fresh folder, gives the same co-training rows to the
     # last digit (every metric the report reads, every evaluation)
     again, report_again = _run(tmp_path / "again", "--pairs", "digit_order")
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    rerun = json.loads((report_again / "summary.json").read_text())["pairs"]["digit_order"]
+    rerun = json.loads((report_again / "digit_order" / "summary.json").read_text())["pairs"]["digit_order"]
 
     def cotrain_rows(p: dict) -> list[dict]:
         rows = sorted((r for r in p["runs"] if r["mode"] == "cotrain"), key=lambda r: (r["name"], r["model"]))
