@@ -124,3 +124,26 @@ def test_every_committed_report_says_what_ran_and_under_which_rule():
         assert "**Record**" in text and "**Rule**" in text and "Rule (written before the runs)" not in text, path
         if "rerendered" in summary:
             assert "re-rendered from its summary.json on" in text, path
+
+
+def test_make_demo_writes_the_committed_report_only_when_asked():
+    """Issue 59: `make demo` on another machine left four files of report/ modified. Its report now goes to
+    <out_dir>/report, which git ignores, unless --report-dir (make demo REPORT=...) names the committed folder."""
+    import signal
+    import subprocess
+
+    from demo.run import command_line
+
+    repo = Path(__file__).resolve().parents[2]
+    handler = signal.getsignal(signal.SIGTERM)  # command_line takes SIGTERM over (to stop a demo's jobs): give it back
+    try:
+        run = command_line("test", "", None, ["--quick", "--out-dir", "demo_out"])
+        committed = command_line("test", "", None, ["--quick", "--out-dir", "demo_out", "--report-dir", "report"])
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    assert run.cfg.report_dir == Path("demo_out") / "report"
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(run.cfg.report_dir / "summary.json")], cwd=repo)
+    assert ignored.returncode == 0, "make demo's default report folder is not ignored by git"
+    assert committed.cfg.report_dir == Path("report")
+    makefile = (repo / "Makefile").read_text()
+    assert "python -m demo.run $(if $(REPORT),--report-dir $(REPORT))" in makefile
