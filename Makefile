@@ -117,27 +117,30 @@ test: install-dev install-vllm install-verl install-verl-pins system-deps
 check: install-dev
 	$(BIN)/python -m pytest -q -m "not slow and not vllm and not system"
 
+# REPORT=DIR: where the report goes. By default a folder under demo_out/, which git does not track, so that a run leaves
+# the checkout as it was on any machine (issue 59); `make demo REPORT=report` writes the committed one.
 demo: install
-	$(BIN)/python -m demo.run
+	$(BIN)/python -m demo.run $(if $(REPORT),--report-dir $(REPORT))
 
 demo-study: install
-	$(BIN)/python -m demo.run --config configs/demo_study.yaml
+	$(BIN)/python -m demo.run --config studies/configs/study.yaml $(if $(REPORT),--report-dir $(REPORT))
 
-# Two models, each strong where the other is weak, co-training with GRAFT against GRPO alone (docs/demo.md, "Mutual benefit")
+# Do two models, each strong where the other is weak, help each other through GRAFT, co-training and offline? Two task
+# pairs, two starts per model, its rule written before its runs (studies/mutual.py; docs/demo.md, "Mutual benefit")
 demo-mutual: install
-	$(BIN)/python -m demo.mutual
+	$(BIN)/python -m studies.mutual $(if $(REPORT),--report-dir $(REPORT))
 
-# Which GRAFT the trainers run by default: demo/recommend.py's rule (written before the runs) on dev seeds 10-13; its
-# figure is `make demo`'s (seeds 0-3)
+# Which GRAFT the trainers run by default: studies/recommend.py's rule (written before the runs) on dev seeds 10-13; its
+# figure is `make demo`'s (seeds 0-7)
 demo-choose: install
-	$(BIN)/python -m demo.run --config configs/demo_choose.yaml
-	$(BIN)/python -m demo.recommend report/choose/summary.json
+	$(BIN)/python -m demo.run --config studies/configs/choose.yaml $(if $(REPORT),--report-dir $(REPORT))
+	$(BIN)/python -m studies.recommend $(or $(REPORT),demo_out/reports/choose)/summary.json
 
 # Which GRAFT the trainers ship: the confirmatory run (issue 48), the amended rule on seeds 20-27 from warm starts of
-# their own (initialisation seed 1); docs/demo.md, "The confirmatory run"
+# their own (initialisation seed 1, one thread: studies/configs/confirm.yaml); docs/demo.md, "The confirmatory run"
 demo-confirm: install
-	$(BIN)/python -m demo.run --config configs/demo_confirm.yaml --set learner.seed=1 --set peer.seed=1 --set learner_sft_threads=1
-	$(BIN)/python -m demo.recommend report/confirm/summary.json --confirm
+	$(BIN)/python -m demo.run --config studies/configs/confirm.yaml $(if $(REPORT),--report-dir $(REPORT))
+	$(BIN)/python -m studies.recommend $(or $(REPORT),demo_out/reports/confirm)/summary.json --confirm
 
 demo-real: install-dev
 	$(BIN)/python -m demo.real

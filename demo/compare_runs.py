@@ -26,9 +26,10 @@ def measured_here(key: str) -> bool:
 
 
 def computed(value):
-    """The value without its timings, clock times and paths (`measured_here`)."""
+    """The value without its timings, clock times and paths (`measured_here`), and without its records (where, when
+    and under which commit it ran: demo.records), which two runs of one computation differ in too."""
     if isinstance(value, dict):
-        return {k: computed(v) for k, v in value.items() if not measured_here(k)}
+        return {k: computed(v) for k, v in value.items() if not measured_here(k) and k != "record"}
     if isinstance(value, list):
         return [computed(v) for v in value]
     return value

@@ -1,7 +1,7 @@
 """The demo's one config: the task, the two warm starts, the peer's stored groups, and the RL runs.
 
 Defaults are the full demo (`make demo`); `quick()` shrinks it for the test. Readable from YAML
-(`--config configs/demo_study.yaml`, a YAML of DemoConfig fields) and settable from the command line (`--set rl.steps=50`).
+(`--config studies/configs/study.yaml`, a YAML of DemoConfig fields) and settable from the command line (`--set rl.steps=50`).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class RLConfig(_Section):
     anchor_weight: float = Field(default=1.0, ge=0, description="weight of the anchor NLL")
     eval_every: int = Field(default=25, ge=1, description="checkpoints every N steps (and at the end); those at step >= steps / 2 are evaluated, the ones the primary metric averages (evaluated_steps)")
     eval_samples: int = Field(default=4, ge=1, description="samples per held-out problem at T = 1 (the primary metric: sampled accuracy, a seed per problem, the same in every run)")
-    cotrain_wait_s: float = Field(default=120.0, gt=0, description="co-training: the longest wait per step for the other model's groups of that very step (store.cotrain_lockstep); past it the run fails naming the partner, which is then gone, not slow")
+    cotrain_wait_s: float = Field(default=120.0, gt=0, description="lockstep co-training (peers.source lockstep): how long the partner may be silent (no heartbeat, no group) before the run stops naming it as gone (peers.partner_timeout_s)")
     seeds: list[int] = Field(default=[0, 1, 2, 3, 4, 5, 6, 7], description="seeds of the paired runs, at every start: each method's run shares its start and seed with a GRPO run (8 x 2 starts: 16 pairs, issue 48)")
     methods: dict[str, list[str]] = Field(
         default={"graft": []},
@@ -79,6 +79,7 @@ class RLConfig(_Section):
                     "with the RL runs' lr, updates and anchor (about what GRAFT grafts per step, at full weight; 0: no such run)",
     )
     imitation_seeds: list[int] = Field(default=[0], description="seeds of the ceiling run, at every start")
+    eval_all: bool = Field(default=False, description="evaluate every checkpoint (every eval_every steps), not only those the primary metric averages: the curves over the whole run (the mutual study's)")
 
 
 class ProbeConfig(_Section):
@@ -98,10 +99,13 @@ class ProbeConfig(_Section):
 
 class DemoConfig(_Section):
     out_dir: Path = Field(default=Path("demo_out"), description="models, store, runs (cached by config hash)")
-    report_dir: Path = Field(default=Path("report"), description="summary.json, REPORT.md, plots")
+    report_dir: Path | None = Field(
+        default=None,
+        description="summary.json, REPORT.md, plots. None: <out_dir>/report, which git does not track (a run writes the "
+                    "committed report only when this, or --report-dir, names it: report/ for make demo)")
     workers: int = Field(
         default=2, ge=1,
-        description="processes run at once, one torch thread each: one a core (configs/demo_study.yaml, whose co-training "
+        description="processes run at once, one torch thread each: one a core (studies/configs/study.yaml, whose co-training "
                     "peers wait for the learner's groups about 40% of their time, runs 3)",
     )
     learner_sft_threads: int = Field(
@@ -141,6 +145,11 @@ class DemoConfig(_Section):
                     "measured on 200 x 4 samples (SE <= 1.8 points); the committed runs' starts are 0.4-5.8 points off. "
                     "None: not checked (the quick pipeline, whose 40-step warm start reaches no level)",
     )
+    peer_starts: dict[str, float] | None = Field(
+        default=None,
+        description="the peer's starts, as `starts` is the learner's (name -> its level family's sampled dev accuracy): "
+                    "the mutual study starts both models twice. None: one start, `peer`, at peer_level",
+    )
     peer_level: float = Field(
         default=0.5, gt=0, lt=1,
         description="the peer's sampled dev accuracy on its own family (the learner's weak one): the peer's checkpoint "
@@ -164,17 +173,21 @@ class DemoConfig(_Section):
 
     def evaluated_steps(self) -> list[int]:
         """The checkpoints an RL run evaluates: every rl.eval_every steps and the last, from steps / 2 on (the ones the
-        primary metric averages; issue 48: evaluation only where the verdict reads it)."""
+        primary metric averages; issue 48: evaluation only where the verdict reads it); with rl.eval_all, from the first."""
         rl = self.rl
-        return sorted(s for s in set(range(rl.eval_every, rl.steps + 1, rl.eval_every)) | {rl.steps} if s >= rl.steps / 2)
+        return sorted(s for s in set(range(rl.eval_every, rl.steps + 1, rl.eval_every)) | {rl.steps}
+                      if rl.eval_all or s >= rl.steps / 2)
 
     def level_family(self, role: str) -> str:
         """The family whose sampled dev accuracy places `role`'s starts."""
         return (self.learner if role == "learner" else self.peer).level_family or self.task.weak_family
 
     def start_levels(self, role: str) -> dict[str, float]:
-        """`role`'s starts: name -> level (the learner's `starts`; the peer's one, `peer`, at `peer_level`)."""
-        return dict(self.starts) if role == "learner" else {"peer": self.peer_level}
+        """`role`'s starts: name -> level (the learner's `starts`; the peer's `peer_starts`, else one, `peer`, at
+        `peer_level`)."""
+        if role == "learner":
+            return dict(self.starts)
+        return dict(self.peer_starts) if self.peer_starts else {"peer": self.peer_level}
 
     @model_validator(mode="after")
     def _levels(self) -> DemoConfig:
@@ -217,8 +230,11 @@ def load_demo_config(path: Path | None, overrides: list[str], use_quick: bool) -
     data: dict[str, Any] = {}
     if path is not None:
         if not path.is_file():
-            raise FileNotFoundError(f"demo config {path} does not exist (configs/demo_study.yaml is one: a YAML of DemoConfig fields)")
+            raise FileNotFoundError(f"demo config {path} does not exist (studies/configs/study.yaml is one: a YAML of DemoConfig fields)")
         data = yaml.safe_load(path.read_text()) or {}
+    # `overrides:` in the file: KEY=VALUE settings on the defaults, for a field inside a section it does not give whole
+    # (studies/configs/confirm.yaml: learner.seed=1), applied before the command line's
+    overrides = [*data.pop("overrides", []), *overrides]
     cfg = DemoConfig.model_validate(data)
     if use_quick:
         cfg = quick(cfg)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from demo.records import cached_under_other_code, refuse_other_code, summarize
 from graft.rollouts.files import write_text_atomic
 
 
@@ -70,11 +71,12 @@ class CodeGuard:
 
     @classmethod
     def of_checkout(cls) -> CodeGuard:
-        """The demo's own code and the installed graft package's (the checkout's src/graft/ under `make install`)."""
+        """The demo's and the studies' own code and the installed graft package's (the checkout's src/graft/ under
+        `make install`)."""
         import graft
 
         repo = Path(__file__).resolve().parents[1]
-        return cls([repo / "demo", repo / "toy", Path(graft.__file__).resolve().parent])
+        return cls([repo / "demo", repo / "toy", repo / "studies", Path(graft.__file__).resolve().parent])
 
     def _stat(self) -> dict[Path, tuple[int, int]]:
         files = {}
@@ -174,6 +176,18 @@ def run_jobs(jobs: list[Job], slots: int, desc: str, env: dict[str, str], guard:
     return timings
 
 
+def run_recorded(jobs: list, slots: int, desc: str, env: dict[str, str], guard, invocation: dict,
+                 accept_cached_code: bool) -> tuple[dict[str, float], dict]:
+    """run_jobs with the records (demo.records): refuse the jobs found done that other code computed (unless
+    `accept_cached_code`), run the rest, and return the timings and the report's record (`summarize`)."""
+    found = {job.name: job.done[0] for job in jobs if job.is_done()}
+    stale = cached_under_other_code(found)
+    refuse_other_code(stale, accept_cached_code)
+    timings = run_jobs(jobs, slots, desc=desc, env=env, guard=guard)
+    ran = [job.name for job in jobs if job.name not in found]
+    return timings, summarize(invocation, {job.name: job.done[0] for job in jobs}, ran, stale)
+
+
 def _listed(paths: list[str], most: int = 3) -> str:
     return ", ".join(paths[:most]) + (f" and {len(paths) - most} more" if len(paths) > most else "")
 
@@ -270,15 +284,6 @@ def python_module(module: str, *args: str) -> list[str]:
 # Measured (docs/demo.md, "Numbers across x86-64 CPUs"): the same bits under every choice one machine offers, but an AMD
 # EPYC and an Intel Xeon, both pinned, still train other weights; what differs between them is not one of these switches.
 PORTABLE_KERNELS = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"}
-# What chooses the kernels besides the CPU: ATen's kernel set, and MKL's instruction set and code branch.
-KERNEL_VARIABLES = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR")
-
-
-def kernel_settings(env: dict[str, str]) -> dict[str, str]:
-    """The KERNEL_VARIABLES that `env` sets (a job's environment: child_env), in that order."""
-    return {name: env[name] for name in KERNEL_VARIABLES if env.get(name)}
-
-
 def portable_kernels_available() -> bool:
     """Whether this CPU runs PORTABLE_KERNELS: every x86-64 CPU does (an Arm CPU has neither ATen's x86 kernels nor MKL)."""
     return platform.machine().lower() in ("x86_64", "amd64")

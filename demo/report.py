@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 import statistics
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,19 @@ import orjson
 
 from demo.compare_runs import measured_here
 from demo.config import PEER_MODEL_ID, DemoConfig
-from demo.stats import VERDICT_RULE, Interval, paired_interval, pct, stratified_interval, verdict
+from demo.records import cpu_model, run_provenance
+from demo.stats import (
+    RULE_HISTORY,
+    RULE_VERSION,
+    VERDICT_RULE,
+    Interval,
+    p_text,
+    paired_interval,
+    pct,
+    stratified_interval,
+    verdict,
+    verdict_text,
+)
 from graft.rollouts.files import write_text_atomic
 
 MODE_LABEL = {
@@ -39,8 +50,31 @@ MODE_LABEL = {
 }
 
 
-def label(mode: str) -> str:
+# graft.preset -> what it is, as a report names the runs of a GRAFT whose settings match it (issue 60: a row named "the
+# trainer's default" must say which GRAFT that was when it ran)
+PRESET_LABEL = {"spec": "the spec's formulas (b = min(pi_old/mu, 2), w, peer negatives)",
+                "b1_no_peer_neg": "b = 1 and peer negatives x0"}
+
+
+def label(mode: str, summary: dict | None = None) -> str:
+    """A method's name in the report. `graft` and `graft_cotrain` (the trainers' default) are named by what they ran:
+    the preset their resolved settings match (summary.json's `graft_presets`; for runs from before issue 60, the
+    record's `graft_default`)."""
+    if mode in ("graft", "graft_cotrain") and summary is not None:
+        ran = (summary.get("graft_presets") or {}).get(mode) or (summary.get("record") or {}).get("graft_default")
+        if ran in PRESET_LABEL:
+            kind = "GRAFT co-training (peer trained beside the learner)" if mode == "graft_cotrain" else "GRAFT"
+            return f"{kind}, {PRESET_LABEL[ran]}: the trainers' default when it ran"
     return MODE_LABEL.get(mode, mode)
+
+
+def graft_preset(train: dict) -> str | None:
+    """The graft.preset whose every field a trainer config's resolved graft section has, or None."""
+    from graft.trainer.config import GRAFT_PRESETS, TrainConfig
+
+    resolved = TrainConfig.model_validate(train).graft.model_dump()
+    return next((name for name, fields in GRAFT_PRESETS.items()
+                 if all(resolved[field] == value for field, value in fields.items())), None)
 
 
 def _finite_mean(values: list[float | None]) -> float | None:
@@ -87,6 +121,7 @@ def run_record(run: dict, families: list[str], steps: int) -> dict[str, Any]:
         "stage_s": stage_times(metrics, done),
         "evals": evals,
         "frac_all_fail_by_step": [m["frac_all_fail"] for m in metrics],
+        **run_provenance(done),
     }
     if run.get("peer_dir"):
         peer_dir = Path(run["peer_dir"])
@@ -134,7 +169,7 @@ def comparison(records: list[dict], mode: str, weak: str, strong: str) -> dict:
 
 def write_report(cfg: DemoConfig, models: dict, runs: list[dict], data: dict, store_stats: dict, timings: dict,
                  wall_time_s: float, server_stopped: bool, store_root: Path, probes: dict[str, dict] | None = None,
-                 kernels: str = "own") -> dict:
+                 kernels: str = "own", record: dict | None = None) -> dict:
     weak, strong = cfg.task.weak_family, cfg.task.strong_family
     families = list(cfg.task.n_eval)
     aliases = {r["mode"]: r["same_as"] for r in runs if r.get("same_as")}
@@ -148,7 +183,10 @@ def write_report(cfg: DemoConfig, models: dict, runs: list[dict], data: dict, st
         comparisons[alias] = {"same_as": target}
     peer_groups_done = store_root / f"groups-done-{PEER_MODEL_ID}.json"
     summary = {
+        "record": record,
         "rule": VERDICT_RULE,
+        "rule_version": RULE_VERSION,
+        "graft_presets": {r["mode"]: r.get("graft_preset") for r in runs if r["mode"] not in ("grpo", "peer_imitation")},
         "primary_metric": f"{weak} sampled accuracy ({cfg.rl.eval_samples} samples per held-out problem at T = 1), "
                           f"averaged over the evaluations at step >= {cfg.rl.steps // 2}",
         "comparisons": comparisons,
@@ -171,7 +209,7 @@ def write_report(cfg: DemoConfig, models: dict, runs: list[dict], data: dict, st
     }
     report_dir = cfg.report_dir
     committed = write_summary(report_dir, summary)
-    _plots(records, report_dir, weak, strong, models, starts)
+    _plots(records, report_dir, weak, strong, models, starts, {mode: label(mode, summary) for mode in summary["per_mode"]})
     if any(probe["batches"] for probe in (probes or {}).values()):
         _probe_plot({start: probe for start, probe in probes.items() if probe["batches"]}, report_dir)
     write_text_atomic(report_dir / "REPORT.md", markdown(committed, cfg))
@@ -234,15 +272,7 @@ def machine(kernels: str) -> dict:
     """The CPU the numbers came from (they move with it: docs/demo.md)."""
     import torch
 
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": model, "cores": os.cpu_count(), "torch_kernels": torch.backends.cpu.get_cpu_capability(),
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_kernels": torch.backends.cpu.get_cpu_capability(),
             "kernels": kernels, "torch": torch.__version__}
 
 
@@ -262,11 +292,56 @@ def verdict_lines(summary: dict) -> list[str]:
              "|---|---|---|---|---|---|---|"]
     for mode, c in summary["comparisons"].items():
         if "same_as" in c:
-            lines.append(f"| {label(mode)} | = {label(c['same_as'])} (the same runs: the same trainer settings) | | | | | |")
+            lines.append(f"| {label(mode, summary)} | = {label(c['same_as'], summary)} (the same runs: the same trainer "
+                         "settings when they ran) | | | | | |")
             continue
         weak_i, strong_i = Interval(**c["weak"]), Interval(**c["strong"])
-        lines.append(f"| {label(mode)} | {weak_i.pairs} | {pct(weak_i)} | {weak_i.p_value:.3f} | {pct(strong_i)} | "
-                     f"**{c['verdict']}** | {pct(Interval(**c['weak_greedy']))} |")
+        lines.append(f"| {label(mode, summary)} | {weak_i.pairs} | {pct(weak_i)} | {p_text(weak_i)} | {pct(strong_i)} | "
+                     f"**{verdict_text(c['verdict'], weak_i)}** | {pct(Interval(**c['weak_greedy']))} |")
+    return lines
+
+
+def rule_version_text(version: str) -> str:
+    """`2026-12-04 (issue 48)` with what that version changed (demo.stats.RULE_HISTORY)."""
+    what = next((f": {change}" for date, issue, change in RULE_HISTORY if f"{date} ({issue})" == version), "")
+    return f"the version of {version}{what}"
+
+
+OWN_KERNELS = "none (the CPU's own)"
+
+
+def header_lines(summary: dict) -> list[str]:
+    """What ran and under which rule, as every report's header says it (issue 60): the record's commit, tree, host,
+    kernels and dates, the jobs it took from a cache and the code they ran; the rule's version the runs were judged
+    under when they ran and, when re-rendered under a later one (studies.rerender), that one and when."""
+    record = summary.get("record") or {}
+    lines = []
+    if record.get("reconstructed"):
+        lines.append(f"**Record** (reconstructed at re-rendering, from git history: the runs wrote none): "
+                     f"{record['reconstructed']}")
+    elif record:
+        host = record.get("host", {})
+        tree = "clean" if record.get("clean") else "NOT clean: " + ", ".join(record.get("changed", [])[:5])
+        lines.append(
+            f"**Record**: `{record.get('command', '?')}` from {record.get('started')} to {record.get('finished')} (UTC) "
+            f"at commit {str(record.get('commit'))[:12]}, tree {tree}; host {host.get('cpu')}, {host.get('cores')} "
+            f"cores, kernel settings {host.get('kernel_settings') or OWN_KERNELS}. Jobs: {record.get('jobs_ran')} run "
+            f"by this invocation, {record.get('jobs_found_done')} found done; every job's commit "
+            f"{record.get('job_commits')}, CPU {record.get('job_cpus')}, kernels {record.get('job_kernels')}.")
+        if record.get("accepted_from_other_code"):
+            taken = "; ".join(f"{name} ({why})" for name, why in record["accepted_from_other_code"].items())
+            lines.append(f"**Taken from a cache though other code computed them** (--accept-cached-code): {taken}.")
+    else:
+        lines.append("**Record**: none (this report's runs wrote none).")
+    ran_under = summary.get("rule_version") or record.get("rule") or "?"
+    rerendered = summary.get("rerendered")
+    if rerendered:
+        lines.append(f"**Rule**: these runs were judged, when they ran, under {rule_version_text(ran_under)}. This "
+                     f"report was re-rendered from its summary.json on {rerendered['date']} at commit "
+                     f"{str(rerendered['commit'])[:12]} (its code's tree {'clean' if rerendered.get('code_clean') else 'NOT clean'}) "
+                     f"under {rule_version_text(rerendered['rule_version'])}, written after these runs: {summary['rule']}.")
+    else:
+        lines.append(f"**Rule** ({rule_version_text(ran_under)}; fixed before these runs): {summary['rule']}.")
     return lines
 
 
@@ -281,9 +356,10 @@ def markdown(summary: dict, cfg: DemoConfig) -> str:
         f"character-level tokenizer); peer: {summary['models']['peer']['architecture']} ({summary['models']['peer']['parameters']:,} "
         f"parameters, byte-level BPE). Weak family `{weak}`, strong family `{strong}`. {cfg.rl.steps} RL steps of "
         f"{cfg.rl.prompts_per_step} prompts x {cfg.rl.group_size} rollouts from each of {len(cfg.starts)} starts x "
-        f"{len(cfg.rl.seeds)} seeds. Primary metric: {summary['primary_metric']}. Rule (written before the runs): "
-        f"{summary['rule']}. Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} on its {m['torch_kernels']} "
-        f"kernels ({m['kernels']}).",
+        f"{len(cfg.rl.seeds)} seeds. Primary metric: {summary['primary_metric']}. Machine: {m['cpu']}, {m['cores']} "
+        f"cores, torch {m['torch']} on its {m['torch_kernels']} kernels ({m['kernels']}).",
+        "",
+        *header_lines(summary),
         "",
         *verdict_lines(summary),
         "",
@@ -317,7 +393,7 @@ def markdown(summary: dict, cfg: DemoConfig) -> str:
     for mode, c in summary["comparisons"].items():
         for start, interval in c.get("per_start", {}).items():
             weak_i, strong_i = Interval(**interval), c.get("strong_per_start", {}).get(start)  # none before issue 48
-            lines.append(f"| {label(mode)} | {start} | {weak_i.pairs} | {pct(weak_i)} | {weak_i.p_value:.3f} | "
+            lines.append(f"| {label(mode, summary)} | {start} | {weak_i.pairs} | {pct(weak_i)} | {p_text(weak_i)} | "
                          f"{pct(Interval(**strong_i)) if strong_i else '-'} |")
 
     lines += ["", "## What each run did (means over its runs)", "",
@@ -326,7 +402,7 @@ def markdown(summary: dict, cfg: DemoConfig) -> str:
               "w (mean) | b at the decisive token (median) | peer rollouts consumed |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for mode, r in per.items():
-        lines.append(f"| {label(mode)} | {r['pairs']} | {_pct(r['weak_primary_mean'])} | {_pct(r['strong_primary_mean'])} | "
+        lines.append(f"| {label(mode, summary)} | {r['pairs']} | {_pct(r['weak_primary_mean'])} | {_pct(r['strong_primary_mean'])} | "
                      f"{_pct(r['weak_greedy_mean'])} | {_num(r['frac_all_fail_mean'])} | {_num(r['peer_hit_rate_mean'])} | "
                      f"{_num(r['frac_grafted_mean'])} | {_num(r['groups_capped_per_step'])} | "
                      f"{_num(r['grafted_groups_short_per_step'])} | {_num(r['compat_weight_mean'])} | "
@@ -409,6 +485,30 @@ def markdown(summary: dict, cfg: DemoConfig) -> str:
     return "\n".join(lines)
 
 
+def committed_table_lines(summary: dict, committed: Path, report_dir: Path) -> list[str]:
+    """How this run's verdict table compares with the committed report's (`committed`, report/): the same to the last
+    digit, or which rows differ, with where each ran (the numbers move with the CPU and its kernels)."""
+    path = committed / "summary.json"
+    if report_dir.resolve() == committed.resolve() or not path.exists():
+        return []
+    theirs = json.loads(path.read_text())
+    record, host = theirs.get("record") or {}, (theirs.get("record") or {}).get("host", {})
+    where = (f"ran {record.get('started', '?')} at commit {str(record.get('commit'))[:12]} on {host.get('cpu', '?')} "
+             f"({(theirs.get('machine') or {}).get('torch_kernels', '?')} kernels)")
+    mine_host = (summary.get("machine") or {})
+    here = f"this run: {mine_host.get('cpu', '?')} ({mine_host.get('torch_kernels', '?')} kernels)"
+    table = ("weak", "strong", "verdict")
+    differing = [label(mode, summary) for mode, c in summary["comparisons"].items()
+                 if {k: c.get(k) for k in table} != {k: theirs["comparisons"].get(mode, {}).get(k) for k in table}]
+    missing = sorted(set(theirs["comparisons"]) - set(summary["comparisons"]))
+    if not differing and not missing:
+        return [f"The committed report ({committed.name}/, {where}): this run's verdict table is the same to the last "
+                f"digit ({here})."]
+    return [f"The committed report ({committed.name}/, {where}) differs from this run's in: "
+            f"{', '.join(differing + missing)} ({here}; the starts, and with them every number, move with the CPU and "
+            "its kernels: docs/demo.md, \"Numbers across x86-64 CPUs\")."]
+
+
 # stage -> the trainer's per-step metric (graft.trainer.loop's clock laps)
 STAGES = {"sampling and scoring": "generation_s", "gate and grafted rows": "gate_s", "update": "update_s"}
 
@@ -449,7 +549,8 @@ def stage_lines(runs: list[dict]) -> list[str]:
             + ", ".join(f"{stage} {seconds:.0f} ({100 * seconds / whole:.0f}%)" for stage, seconds in total.items()) + "."]
 
 
-def _plots(records: list[dict], report_dir: Path, weak: str, strong: str, models: dict, starts: list[str]) -> None:
+def _plots(records: list[dict], report_dir: Path, weak: str, strong: str, models: dict, starts: list[str],
+           names: dict[str, str]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -467,7 +568,7 @@ def _plots(records: list[dict], report_dir: Path, weak: str, strong: str, models
                 steps = [0] + [e["step"] for e in r["evals"]]
                 acc = [100 * begin[family]] + [100 * e["acc_sampled"][family] for e in r["evals"]]
                 ax.plot(steps, acc, color=colors[r["mode"]], alpha=0.7, marker="o", markersize=3,
-                        label=label(r["mode"]) if r["mode"] not in seen else None)
+                        label=names.get(r["mode"], r["mode"]) if r["mode"] not in seen else None)
                 seen.add(r["mode"])
             ax.set_title(f"start {start}: held-out sampled accuracy, {family} ({'weak' if family == weak else 'strong'})")
             ax.set_xlabel("RL step")

@@ -13,7 +13,7 @@
 7. report/: summary.json, REPORT.md, plots; the server is stopped; how to serve the store again
 
 Every stage is cached in demo_out/ under a hash of its config: a rerun skips what is finished.
-    python -m demo.run [--quick] [--config configs/demo_study.yaml] [--set rl.steps=50 ...]
+    python -m demo.run [--quick] [--config studies/configs/study.yaml] [--set rl.steps=50 ...]
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
@@ -44,11 +46,13 @@ from demo.jobs import (
     CodeGuard,
     Job,
     child_env,
-    kernel_settings,
     portable_kernels_available,
     python_module,
-    run_jobs,
+    run_recorded,
 )
+from demo.report import graft_preset
+from demo.records import invocation_record, job_record, kernel_settings, now, package_files
+from demo.stats import RULE_VERSION
 from graft.rollouts.files import write_jsonl_atomic, write_text_atomic
 from graft.trainer.config import TrainConfig
 from toy.task import completion_text, dataset_name, family_splits, write_problems_jsonl
@@ -59,7 +63,8 @@ TRAIN_BASE = REPO_ROOT / "configs" / "demo_train.yaml"
 
 def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
-    cfg, env, kernels, out = command_line("python -m demo.run", __doc__, None, argv)
+    run = command_line("python -m demo.run", __doc__, None, argv)
+    cfg, env, kernels, out = run.cfg, run.env, run.kernels, run.out
     guard = CodeGuard.of_checkout()  # the code every job runs: none starts once it has changed
     print(f"GRAFT demo ({cfg.mode}): outputs in {out}, report in {cfg.report_dir}, {cfg.workers} processes at once", flush=True)
 
@@ -76,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         jobs, runs = rl_jobs(cfg, data, models, store_root, server.url, out)
         # One schedule for everything: while the learner warms up, the other process warms up the
         # peer and fills the store with its groups.
-        timings = run_jobs(build_jobs + jobs, cfg.workers, desc="SFT, peer groups, RL runs", env=env, guard=guard)
+        timings, record = run.jobs(build_jobs + jobs, "SFT, peer groups, RL runs", guard)
         from graft.services.store_api.http.client import StoreClient
 
         with StoreClient(server.url) as client:
@@ -87,17 +92,19 @@ def main(argv: list[str] | None = None) -> int:
         models[role].update(json.loads((Path(models[role]["dir"]) / "done.json").read_text()))
 
     probes = {start: json.loads((Path(job.done[0])).read_text()) for start, job in probe_jobs(jobs).items()}
-    from demo.report import LOCAL_FILE, time_lines, verdict_lines, write_report
+    from demo.report import LOCAL_FILE, committed_table_lines, time_lines, verdict_lines, write_report
 
     summary = write_report(cfg, models, runs, data, store_stats, timings, wall_time_s=time.perf_counter() - started,
                            server_stopped=server_stopped, store_root=store_root, probes=probes,
-                           kernels=kernel_label(kernels, env))
+                           kernels=kernel_label(kernels, env), record=record)
     print()
     print((cfg.report_dir / "REPORT.md").read_text().split("<!-- table-end -->")[0])
     print_serve_instructions(store_root, runs, data, models)
     print(f"Each GRAFT against GRPO ({summary['primary_metric']}; {summary['rule']}):")
     print("\n".join(verdict_lines(summary)))
     print("\n".join(time_lines(summary, cfg.workers)))
+    if run.record["options"]["config"] is None:  # `make demo`: against the committed report/ (a study has its own)
+        print("\n".join(committed_table_lines(summary, REPO_ROOT / "report", cfg.report_dir)))
     print(f"wall time {summary['wall_time_s']:.0f} s; report written to {cfg.report_dir}/ (the times in "
           f"{cfg.report_dir / LOCAL_FILE}, which git ignores)", flush=True)
     return 0
@@ -110,28 +117,55 @@ def probe_jobs(jobs: list[Job]) -> dict[str, Job]:
 
 def kernel_label(kernels: dict[str, str] | None, env: dict[str, str]) -> str:
     """Which kernels the jobs ran on, as the report names them: the pin (`kernels`), else the CPU's own but for what
-    the jobs' environment `env` sets (demo.jobs.KERNEL_VARIABLES)."""
+    the jobs' environment `env` sets (demo.records.KERNEL_VARIABLES)."""
     settings = " ".join(f"{k}={v}" for k, v in kernel_settings(env).items())
     if kernels:
         return f"portable: {settings}"
     return f"set by the environment: {settings} (the rest the CPU's own)" if settings else "the CPU's own"
 
 
-def command_line(prog: str, description: str, default_config: Path | None,
-                 argv: list[str] | None) -> tuple[DemoConfig, dict[str, str], dict[str, str] | None, Path]:
+@dataclass
+class Invocation:
+    """One demo or study command, as its options made it: the config, the jobs' environment, the pinned kernels (or
+    None), the output folder, whether jobs cached under other code are taken, and its record (demo.records)."""
+
+    cfg: DemoConfig
+    env: dict[str, str]
+    kernels: dict[str, str] | None
+    out: Path
+    accept_cached_code: bool
+    record: dict
+
+    def jobs(self, jobs: list[Job], desc: str, guard: CodeGuard) -> tuple[dict[str, float], dict]:
+        """Run the jobs with their records (demo.jobs.run_recorded): timings, and the report's record."""
+        return run_recorded(jobs, self.cfg.workers, desc, self.env, guard, self.record, self.accept_cached_code)
+
+
+def command_line(prog: str, description: str, default_config: Path | None, argv: list[str] | None,
+                 add_arguments: Callable[[argparse.ArgumentParser], None] | None = None) -> Invocation:
     """The options every demo command takes (`--quick`, `--config`, `--set`, `--out-dir`, `--report-dir`,
-    `--portable-kernels`), and what they give: the DemoConfig, the jobs' environment, the pinned kernels (or None) and
-    the output folder, made. SIGTERM now stops the jobs and the server."""
+    `--portable-kernels`, `--accept-cached-code`; `add_arguments` adds a command's own, read back from
+    `record["options"]`), and what they give (Invocation), the output folder made. The report goes to
+    <out_dir>/report, which git does not track, unless --report-dir (or the config) names another folder: a run writes
+    the committed report only when asked (issue 59). SIGTERM now stops the jobs and the server."""
     parser = argparse.ArgumentParser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a small pipeline (minutes): structure, not the accuracy target")
     parser.add_argument("--config", type=Path, default=default_config,
                         help="YAML with DemoConfig fields" + (" (default %(default)s)" if default_config else ""))
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a field, e.g. rl.steps=50")
     parser.add_argument("--out-dir", type=Path, default=None, help="where models, store and runs go (default: the config's out_dir, demo_out/)")
-    parser.add_argument("--report-dir", type=Path, default=None, help="where the report goes (default: the config's report_dir, report/)")
+    parser.add_argument("--report-dir", type=Path, default=None,
+                        help="where the report goes (default: the config's report_dir, else <out-dir>/report, which git "
+                             "does not track; the committed one is written only when named here, e.g. report/)")
     parser.add_argument("--portable-kernels", action="store_true",
                         help="ATen's baseline kernels and MKL's SSE2 branch: the same numbers under every kernel choice of one "
                              "machine, about 1.6x slower; not the same as another CPU model's (measured: docs/demo.md)")
+    parser.add_argument("--accept-cached-code", action="store_true",
+                        help="take the jobs found done in the output folder though other code computed them (or no "
+                             "record says which): the report's record lists them. Without it the command stops and "
+                             "names them")
+    if add_arguments is not None:
+        add_arguments(parser)
     args = parser.parse_args(argv)
     overrides = list(args.overrides)
     if args.out_dir is not None:
@@ -139,13 +173,17 @@ def command_line(prog: str, description: str, default_config: Path | None,
     if args.report_dir is not None:
         overrides.append(f"report_dir={args.report_dir}")
     cfg = load_demo_config(args.config, overrides, args.quick)
+    if cfg.report_dir is None:
+        cfg = cfg.model_copy(update={"report_dir": cfg.out_dir / "report"})
     # SIGTERM (or SIGINT in a background shell, where it is ignored) must still stop the jobs and the server.
     signal.signal(signal.SIGTERM, _exit_on_signal)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     env, kernels = kernel_environment(args.portable_kernels)
     out = cfg.out_dir.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    return cfg, env, kernels, out
+    record = invocation_record(env, RULE_VERSION, [prog, *(sys.argv[1:] if argv is None else argv)])
+    record["options"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    return Invocation(cfg, env, kernels, out, args.accept_cached_code, record)
 
 
 def kernel_environment(portable: bool) -> tuple[dict[str, str], dict[str, str] | None]:
@@ -303,8 +341,7 @@ def rl_jobs(cfg: DemoConfig, data: dict[str, Path], models: dict[str, dict], sto
             tag = config_hash(seed, models["learner"]["checkpoint_hash"], start, models["peer"]["checkpoint_hash"], pair_rl)[:8]
             learner_id, peer_id = f"{LEARNER_MODEL_ID}-co{tag}", f"{PEER_MODEL_ID}-co{tag}"
             # lockstep: each step grafts the partner's groups of that very step, so the pair's table reproduces
-            cotrain = ["store.mode=cotrain", "store.cotrain_lockstep=true", f"store.cotrain_wait_s={cfg.rl.cotrain_wait_s}",
-                       "store.lookup_wait_s=0",
+            cotrain = ["peers.source=lockstep", f"peers.partner_timeout_s={cfg.rl.cotrain_wait_s}",
                        f"model.model_id={learner_id}", f"graft.peer_models=[{peer_id}]"]
             learner = learner_config(seed, "graft", cotrain)
             peer = learner_config(seed, "graft", cotrain)
@@ -312,6 +349,7 @@ def rl_jobs(cfg: DemoConfig, data: dict[str, Path], models: dict[str, dict], sto
             peer["graft"].update(peer_models=[learner_id], peer_tokenizers=[learner_ckpt])
             peer["anchor"]["dataset"] = str(data["anchor_weak"]) if cfg.rl.cotrain_peer_anchor else None
             add_run(f"graft_cotrain-{start}-s{seed}", "graft_cotrain", start, seed, [learner, peer], deps=["sft learner", "sft peer"])
+            runs[-1]["graft_preset"] = graft_preset(learner)
         for seed in cfg.rl.seeds:
             add_run(f"grpo-{start}-s{seed}", "grpo", start, seed, [learner_config(seed, "grpo", [])], deps=["sft learner"])
             resolved: dict[str, str] = {}  # resolved trainer config -> the first method that has it
@@ -324,6 +362,7 @@ def rl_jobs(cfg: DemoConfig, data: dict[str, Path], models: dict[str, dict], sto
                     continue
                 resolved[key] = method
                 add_run(f"{method}-{start}-s{seed}", method, start, seed, [train], deps=["sft learner", "peer groups"])
+                runs[-1]["graft_preset"] = graft_preset(train)
         if cfg.rl.imitation_examples_per_step:
             for seed in cfg.rl.imitation_seeds:
                 train = learner_config(seed, "grpo", [])
@@ -385,15 +424,17 @@ def trainer_config(cfg: DemoConfig, base: dict, dataset: Path, checkpoint: str, 
 
 
 def train_job(cfg: DemoConfig, name: str, trains: list[dict], out: Path, models: dict[str, dict], eval_sets: dict[str, str],
-              deps: list[str]) -> tuple[Job, Path]:
+              deps: list[str], extra: dict | None = None) -> tuple[Job, Path]:
     """One RL run as a job: `demo.worker train` per trainer config (two at once for a co-training pair: the first in
-    the job's folder, the second in its `peer/`), in a folder keyed by what the run computes."""
+    the job's folder, the second in its `peer/`), in a folder keyed by what the run computes. `extra`: more fields of
+    the job file, part of the key (a GRPO run given another run's grafted rows: `matched_run`, demo.worker.train)."""
     # Keyed by the config as the trainer resolves it, defaults included: a changed default is another run, never a
     # cached one. The store's URL (a fresh port each time) is no part of what a run computes: left out of the key.
     resolved = [TrainConfig.model_validate(train).model_dump(mode="json") for train in trains]
     portable = [{**train, "store": {**train["store"], "url": None}} for train in resolved]
     key = config_hash(portable, models["learner"]["checkpoint_hash"], models["peer"]["checkpoint_hash"], eval_sets,
-                      cfg.rl.eval_samples)
+                      cfg.rl.eval_samples, cfg.evaluated_steps(), *([{k: v for k, v in extra.items() if k != "store_url"}]
+                                                                      if extra else []))
     job_dir = out / "runs" / f"{name}-{key}"
     commands, logs, done = [], [], []
     for index, train in enumerate(trains):
@@ -402,7 +443,8 @@ def train_job(cfg: DemoConfig, name: str, trains: list[dict], out: Path, models:
         part_dir.mkdir(parents=True, exist_ok=True)
         job_file = part_dir / "job.json"
         job_file.write_text(json.dumps({"out": str(part_dir), "train": train, "eval_sets": eval_sets,
-                                        "eval_samples": cfg.rl.eval_samples, "eval_steps": cfg.evaluated_steps()}))
+                                        "eval_samples": cfg.rl.eval_samples, "eval_steps": cfg.evaluated_steps(),
+                                        **(extra or {})}))
         commands.append(python_module("demo.worker", "train", str(job_file)))
         logs.append(part_dir / "log.txt")
         done.append(part_dir / "done.json")
@@ -439,6 +481,8 @@ def generator_job(cfg: DemoConfig, data: dict[str, Path], checkpoint: str, model
     def groups() -> float:  # the bar's progress: a shard holds one batch of prompts
         return float(sum(1 for _ in shards.rglob("*.parquet"))) * cfg.peer_groups.prompts_per_batch
 
+    started, files = now(), package_files()  # when this invocation planned it, and the code graft-generate will run
+
     def after() -> None:
         # The generator wrote shards; wait until the store's ingest loop has indexed every group.
         from graft.services.store_api.http.client import StoreClient
@@ -453,7 +497,8 @@ def generator_job(cfg: DemoConfig, data: dict[str, Path], checkpoint: str, model
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"the store indexed {0 if stats is None else stats.groups} of {n_prompts} groups of {model_id} after 60 s")
                 time.sleep(0.2)
-        summary.update(indexed_groups=stats.groups, informative_groups=stats.informative_groups, success_rate=stats.success_rate)
+        summary.update(indexed_groups=stats.groups, informative_groups=stats.informative_groups, success_rate=stats.success_rate,
+                       record=job_record(started, files, package_files()))  # graft-generate ran graft's code
         write_text_atomic(done, json.dumps(summary))
 
     return Job(name=name, commands=[command], logs=[log], done=[done], progress=groups, total=n_prompts, after=after, deps=deps)

@@ -26,13 +26,19 @@ seeded patterns with the observed one counted in, (count + 1) / (samples + 1), s
 
 The verdict (VERDICT_RULE below, the words the report prints), W = WEAK_MIN_GAIN, M = STRONG_MARGIN, "shown" meaning
 the weak family's interval excludes 0 on that side and p < ALPHA:
-- harm: the strong family's interval lies below -M, or a weak-family loss is shown with its mean at most -W (the same
-  bar as a gain, mirrored: -0.8 [-1.3, -0.3] is a loss smaller than the one that matters, not harm);
+- harm: the strong family's interval lies below -M (a loss of what the model had, beyond the margin);
+- loss: a weak-family loss is shown (its interval below 0), whatever its size: the label carries the size
+  (`verdict_text`: "loss of 6.5 points"), so a small shown loss and a large one are told apart, and neither is called
+  "no gain";
 - gain: a weak-family gain is shown with its mean at least +W, and the strong family is non-inferior;
 - small gain: a weak-family gain is shown and its whole interval lies below +W (real, and smaller than what matters);
-- no gain: the weak family's interval lies below +W (a gain that matters is ruled out);
-- undecided: anything else (too few pairs or too much spread to tell, a shown gain whose size is not, or a gain with
-  the strong family's non-inferiority not shown).
+- no gain: the weak family's interval lies below +W and reaches 0 or above (a gain that matters is ruled out, and no
+  loss is shown);
+- undecided: anything else (too few pairs or too much spread to tell, a shown gain whose size is not, a gain with the
+  strong family's non-inferiority not shown, or an interval below 0 whose p does not show it).
+
+RULE_HISTORY dates each version; a report names the version its runs were judged under and, when a later one re-renders
+it, both (studies.rerender). An amendment is dated and committed before any run that uses it.
 """
 
 from __future__ import annotations
@@ -52,17 +58,26 @@ WEAK_MIN_GAIN = 0.02  # the smallest weak-family change that matters, gain or lo
 MIN_PAIRS_FOR_GAIN = next(n for n in range(1, 64) if 2 / 2 ** n < ALPHA)
 EXACT_PERMUTATIONS_UP_TO = 16  # pairs; beyond, a seeded Monte Carlo sample of sign patterns
 MONTE_CARLO_SAMPLES = 20_000
-Verdict = Literal["gain", "small gain", "no gain", "harm", "undecided"]
+Verdict = Literal["gain", "small gain", "no gain", "loss", "harm", "undecided"]
 VERDICT_RULE = (
     f"paired by (start, seed) with GRPO; the estimate is the mean of the per-start means, its 95% t-interval stratified "
-    f"by start (Welch-Satterthwaite df), its p a sign-flip permutation test of the same estimate; gain: the weak "
-    f"family's interval above 0, p < {ALPHA}, its mean at least +{100 * WEAK_MIN_GAIN:.0f} points, and the strong "
-    f"family's interval above -{100 * STRONG_MARGIN:.0f} points; small gain: the weak family's interval inside (0, "
-    f"+{100 * WEAK_MIN_GAIN:.0f}) points with p < {ALPHA}; harm: the strong family's interval below "
-    f"-{100 * STRONG_MARGIN:.0f} points, or the weak family's below 0 with p < {ALPHA} and its mean at most "
-    f"-{100 * WEAK_MIN_GAIN:.0f} points; no gain: the weak family's interval below +{100 * WEAK_MIN_GAIN:.0f} points; "
-    f"otherwise undecided"
+    f"by start (Welch-Satterthwaite df), its p a sign-flip permutation test of the same estimate; harm: the strong "
+    f"family's interval below -{100 * STRONG_MARGIN:.0f} points; loss: the weak family's interval below 0 with p < "
+    f"{ALPHA} (its size given); gain: the weak family's interval above 0, p < {ALPHA}, its mean at least "
+    f"+{100 * WEAK_MIN_GAIN:.0f} points, and the strong family's interval above -{100 * STRONG_MARGIN:.0f} points; small "
+    f"gain: the weak family's interval inside (0, +{100 * WEAK_MIN_GAIN:.0f}) points with p < {ALPHA}; no gain: the weak "
+    f"family's interval below +{100 * WEAK_MIN_GAIN:.0f} points and not below 0; otherwise undecided"
 )
+# (date, issue, what changed): the rule's versions, oldest first; the last is VERDICT_RULE. Each was committed before
+# any run it judged (issue 35's with its runs' design; the amendments before the runs that first used them).
+RULE_HISTORY = [
+    ("2026-12-03", "issue 35", "paired t-intervals and the sign-flip test; gain / no gain / harm / undecided"),
+    ("2026-12-04", "issue 48", "intervals stratified by start, exact t quantiles, margins on both sides (small gain; "
+                               "harm on the weak family only from -2 points)"),
+    ("2026-12-06", "issue 60", "a shown weak-family loss is a loss, with its size, at any size; no gain only where no "
+                               "loss is shown; harm for the strong family alone; p printed as < 0.001 or at its floor"),
+]
+RULE_VERSION = f"{RULE_HISTORY[-1][0]} ({RULE_HISTORY[-1][1]})"
 
 
 @dataclass(frozen=True)
@@ -184,16 +199,39 @@ def _incomplete_beta(a: float, b: float, x: float) -> float:
 def verdict(weak: Interval, strong: Interval) -> Verdict:
     """VERDICT_RULE on a method's weak-family and strong-family intervals against GRPO."""
     significant = weak.p_value < ALPHA
-    if strong.high < -STRONG_MARGIN or (weak.high < 0 and significant and weak.mean <= -WEAK_MIN_GAIN):
+    if strong.high < -STRONG_MARGIN:
         return "harm"
+    if weak.high < 0 and significant:
+        return "loss"
     if weak.low > 0 and significant:
         if weak.mean >= WEAK_MIN_GAIN and strong.low > -STRONG_MARGIN:
             return "gain"
         if weak.high < WEAK_MIN_GAIN:
             return "small gain"
-    if weak.high < WEAK_MIN_GAIN:
+    if 0 <= weak.high < WEAK_MIN_GAIN:
         return "no gain"
     return "undecided"
+
+
+def verdict_text(label: str, weak: Interval) -> str:
+    """The verdict as a report prints it: a loss with its size ("loss of 6.5 points"), any other label as it is."""
+    return f"loss of {-100 * weak.mean:.1f} points" if label == "loss" else label
+
+
+def p_floor(pairs: int) -> float:
+    """The smallest p the sign-flip test can give with `pairs` pairs: 2 / 2^n exact (every pair on one side), 1 / (samples
+    + 1) past EXACT_PERMUTATIONS_UP_TO."""
+    return 2 / 2 ** pairs if pairs <= EXACT_PERMUTATIONS_UP_TO else 1 / (MONTE_CARLO_SAMPLES + 1)
+
+
+def p_text(interval: Interval) -> str:
+    """An interval's p as a report prints it: "< 0.001" below a thousandth (never 0.000: the test's floor is above 0,
+    2/65536 at 16 pairs), else three decimals, with "(the floor at n pairs)" when no sign pattern could give less."""
+    if interval.p_value < 0.001:
+        return "< 0.001"
+    floor = p_floor(interval.pairs)
+    at_floor = interval.p_value <= floor * (1 + 1e-9)
+    return f"{interval.p_value:.3f}" + (f" (the floor at {interval.pairs} pairs)" if at_floor else "")
 
 
 def pct(interval: Interval) -> str:

@@ -24,6 +24,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from demo.config import DemoConfig, warm_start_checkpoint
 from demo.evaluation import family_accuracy, load_eval_sets
+from demo.records import first_party_files, job_record, now
 from graft.rollouts.files import write_text_atomic
 from toy.models import build_learner, build_peer, count_parameters
 from toy.sft import SFTConfig, stop_check, train_sft, write_progress
@@ -156,9 +157,10 @@ def choose_starts(curve: list[dict], family: str, levels: dict[str, float], requ
                  if len(names) > 1]
     if problems:
         raise SystemExit(f"the warm start has no checkpoint at its starts' levels (tolerance {100 * tolerance:.0f} points): "
-                         + "; ".join(problems) + ". Runs from there would not be the starts they are named for; the "
-                         "curve (every check) is in the warm start's curve.json: another seed or kernel choice, or "
-                         "--set start_tolerance=..., decides")
+                         + "; ".join(problems) + ". Runs from there would not be the starts they are named for, so "
+                         "none is run: this is the result on this machine (report it as such; trying other seeds until "
+                         "a warm start fits would choose the data). The curve (every check) is in the warm start's "
+                         "curve.json")
     return {name: check["step"] for name, check in chosen.items()}
 
 
@@ -193,7 +195,10 @@ def train(job: dict) -> dict:
     from graft.trainer.loop import train as run_training
 
     started = time.perf_counter()
-    cfg = TrainConfig.model_validate(job["train"])
+    train_cfg = dict(job["train"])
+    if job.get("matched_run"):  # GRPO plus the rows a GRAFT run grafted, supervised at their step (the mutual study)
+        train_cfg["anchor"] = {**train_cfg["anchor"], "step_rows": str(write_step_rows(job))}
+    cfg = TrainConfig.model_validate(train_cfg)
     run_dir = run_training(cfg, overwrite=True)  # a job runs again only when it did not finish (no done.json): afresh
     train_s = time.perf_counter() - started
     # only the checkpoints the verdict reads (DemoConfig.evaluated_steps); a job file from before it: all of them
@@ -218,6 +223,22 @@ def train(job: dict) -> dict:
     }
 
 
+def write_step_rows(job: dict) -> Path:
+    """The correct rows of the peer groups job["matched_run"] grafted, by step (`matched_examples`), as the trainer's
+    anchor.step_rows file in the job's folder."""
+    import orjson
+
+    from graft.services.store_api.http.client import StoreClient
+
+    problems = {row["prompt_id"]: row["problem"] for row in map(orjson.loads, Path(job["rl_dataset"]).read_bytes().splitlines())}
+    with StoreClient(job["store_url"]) as client:
+        per_step, _ = matched_examples(Path(job["matched_run"]), problems, client)
+    path = Path(job["out"]) / "step_rows.jsonl"
+    write_text_atomic(path, "".join(json.dumps({"step": step, "problem": q, "completion": c}) + "\n"
+                                    for step, pairs in enumerate(per_step) for q, c in pairs))
+    return path
+
+
 def imitate(job: dict) -> dict:
     """What the peer's stored groups could teach at best in this setting, measured.
 
@@ -231,10 +252,18 @@ def imitate(job: dict) -> dict:
     rows of exactly the peer groups that run grafted at that step (its peer_groups.jsonl, fetched from the store by id),
     their summed NLL divided by that step's token-mean denominator in the run (its `completion_tokens`: the learner's
     sampled tokens, up to the swap of a failed group for a peer group), so that a row weighs what a grafted row with
-    weight 1 would. What is left between it and the GRAFT run is the loss's form (w, A, b), not the rows or their dose.
+    weight 1 would. It is supervised alone: it lacks the RL on the model's own groups that the GRAFT run also had, so
+    it differs from that run in more than the loss's form (issue 60); the mutual study's control for the loss's form
+    is GRPO plus these rows (`train` with `matched_run`).
 
-    With `eval_every`, the held-out accuracy at every such step from steps / 2 on (`evals`, read as the RL runs'
-    primary metric is); the last evaluation's is also `acc_greedy` / `acc_sampled`."""
+    With `gated_run` (a GRAFT run's train dir), the ceiling on the gate's prompts: each update is supervised on
+    examples_per_step rows drawn (with replacement) from the correct rows of exactly the peer groups that run grafted
+    at that step, token-mean as the full ceiling's: the full ceiling's rows and weight, the prompts GRAFT had. A step
+    that grafted nothing trains on the anchor alone.
+
+    With `eval_steps` (or, in a job file from before it, `eval_every`: every such step from steps / 2 on), the held-out
+    accuracy at those steps (`evals`, read as the RL runs' are); the last evaluation's is also `acc_greedy` /
+    `acc_sampled`."""
     import random
 
     import orjson
@@ -251,9 +280,12 @@ def imitate(job: dict) -> dict:
     # problem or its family: the RL dataset maps one to the other.
     rl_rows = [orjson.loads(line) for line in Path(job["rl_dataset"]).read_bytes().splitlines()]
     weak = {row["prompt_id"]: row["problem"] for row in rl_rows if row["dataset"] == job["weak_dataset"]}
-    matched = job.get("matched_run")
+    matched, gated = job.get("matched_run"), job.get("gated_run")
     with StoreClient(job["store_url"]) as client:
-        if matched:
+        if gated:
+            per_step, _ = matched_examples(Path(gated), {row["prompt_id"]: row["problem"] for row in rl_rows}, client)
+            examples = [pair for pairs in per_step for pair in pairs]
+        elif matched:
             per_step, denominators = matched_examples(Path(matched), {row["prompt_id"]: row["problem"] for row in rl_rows},
                                                       client)
             examples = [pair for pairs in per_step for pair in pairs]
@@ -286,6 +318,8 @@ def imitate(job: dict) -> dict:
 
     eval_sets = load_eval_sets({f: Path(p) for f, p in job["eval_sets"].items()})
     eval_every = job.get("eval_every") or steps
+    eval_steps = set(job["eval_steps"]) if "eval_steps" in job else {
+        done for done in range(eval_every, steps, eval_every or 1) if done >= steps / 2}  # steps 0: none
     evals: list[dict] = []
 
     def evaluate(step: int) -> None:
@@ -300,7 +334,10 @@ def imitate(job: dict) -> dict:
 
     rng = random.Random(train_cfg["seed"])
     for step in range(steps):
-        if matched:
+        if gated:
+            loss = nll([rng.choice(per_step[step]) for _ in range(job["examples_per_step"])]) if per_step[step] \
+                else torch.zeros(())
+        elif matched:
             pairs = per_step[step]
             loss = nll(pairs, denominators[step]) if pairs else torch.zeros(())
         else:
@@ -312,7 +349,7 @@ def imitate(job: dict) -> dict:
         optimizer.step()
         write_progress(Path(job["out"]) / "progress", step + 1, train_cfg["steps"])
         done = step + 1
-        if done < steps and done % eval_every == 0 and done >= steps / 2:
+        if done < steps and done in eval_steps:
             evaluate(done)
     evaluate(train_cfg["steps"])  # with nothing to teach (steps 0) the start's accuracy, at the run's last step
     result = {"peer_correct_answers": len(examples), "examples_per_step": job["examples_per_step"], "steps": steps,
@@ -321,6 +358,9 @@ def imitate(job: dict) -> dict:
     if matched:
         result.update(matched_run=matched, examples_per_step=round(len(examples) / max(1, steps), 2),
                       denominator_mean=round(sum(denominators) / max(1, len(denominators)), 1))
+    if gated:
+        result.update(gated_run=gated, gated_rows_per_step=round(len(examples) / max(1, steps), 2),
+                      steps_without_rows=sum(not pairs for pairs in per_step))
     return result
 
 
@@ -369,10 +409,12 @@ def main() -> None:
     if wanted and wanted.lower() != used.lower():
         raise SystemExit(f"ATEN_CPU_CAPABILITY={wanted} but torch runs its {used} kernels (was torch imported before the variable was set?)")
     torch.set_num_threads(job.get("threads", 1))  # one process per core, but the learner's warm start, which all RL waits for
+    started, at_start = now(), first_party_files()  # the code as the job starts (demo.records.job_record)
     result = COMMANDS[sys.argv[1]](job)
     # CPU seconds of this process and its finished children (the scorer): what the job costs on an idle core.
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     result["cpu_s"] = round(own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime, 1)
+    result["record"] = job_record(started, at_start)  # the code it imported, the commit, the host, when (demo.records)
     write_json_atomic(Path(job["out"]) / "done.json", result)
 
 

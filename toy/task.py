@@ -12,6 +12,7 @@ The demo's splits are fixed by a stable hash of the problem text (sha256, never 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,32 +23,37 @@ from graft.schemas.rollout import Problem
 
 @dataclass(frozen=True)
 class Family:
-    """All problems `a+b=` with a and b in inclusive ranges."""
+    """All problems `a+b=` (or `a+b+c=`, one range per term) with each term in an inclusive range."""
 
     name: str
     a_range: tuple[int, int]
     b_range: tuple[int, int]
+    c_range: tuple[int, int] | None = None  # a third term: a sum of another shape than two operands
 
-    def problems(self) -> list[tuple[int, int]]:
-        return [(a, b) for a in range(self.a_range[0], self.a_range[1] + 1) for b in range(self.b_range[0], self.b_range[1] + 1)]
+    def problems(self) -> list[tuple[int, ...]]:
+        ranges = [r for r in (self.a_range, self.b_range, self.c_range) if r is not None]
+        return list(itertools.product(*(range(low, high + 1) for low, high in ranges)))
 
 
 ADD2 = Family("add2", (10, 99), (10, 99))  # 8,100 problems: the learner's strong family
 ADD3 = Family("add3", (100, 999), (10, 99))  # 81,000 problems: the learner's weak family, the peer's strong one
-# add3 with its operands swapped: as hard by construction, aligned the other way (demo.mutual's pair, one strong on each)
+# add3 with its operands swapped: as hard by construction, aligned the other way (the mutual study's first pair)
 ADD3R = Family("add3r", (10, 99), (100, 999))
-FAMILIES: dict[str, Family] = {f.name: f for f in (ADD2, ADD3, ADD3R)}
+# three two-digit terms (`12+34+45=`): a weak family of another shape than a swapped operand order, two carries into
+# one column (the mutual study's second pair, issue 60)
+SUM3 = Family("sum3", (10, 49), (10, 49), (10, 49))
+FAMILIES: dict[str, Family] = {f.name: f for f in (ADD2, ADD3, ADD3R, SUM3)}
 SMALL = Family("small", (0, 49), (0, 49))  # 2,500 problems: the tests' worlds
 SMALL_DATASET = "toy_add"
 SPLITS = ("eval", "rl", "sft")
 
 
-def problem_text(a: int, b: int) -> str:
-    return f"{a}+{b}="
+def problem_text(*terms: int) -> str:
+    return "+".join(map(str, terms)) + "="
 
 
-def answer_text(a: int, b: int) -> str:
-    return str(a + b)
+def answer_text(*terms: int) -> str:
+    return str(sum(terms))
 
 
 def completion_text(answer: str) -> str:
@@ -72,8 +78,8 @@ def family_splits(family: str, n_eval: int, n_rl: int) -> dict[str, list[Problem
     pairs = FAMILIES[family].problems()
     if n_eval + n_rl >= len(pairs):
         raise ValueError(f"family {family} has {len(pairs)} problems; n_eval={n_eval} + n_rl={n_rl} leaves none for SFT")
-    items = sorted(((stable_rank(problem_text(a, b)), a, b) for a, b in pairs))
-    problems = [Problem.from_text(problem_text(a, b), answer_text(a, b), dataset_name(family)) for _, a, b in items]
+    items = sorted((stable_rank(problem_text(*terms)), terms) for terms in pairs)
+    problems = [Problem.from_text(problem_text(*terms), answer_text(*terms), dataset_name(family)) for _, terms in items]
     return {"eval": problems[:n_eval], "rl": problems[n_eval : n_eval + n_rl], "sft": problems[n_eval + n_rl :]}
 
 
@@ -83,7 +89,7 @@ def sample_problems(count: int, seed: int = 0, family: Family = SMALL, dataset: 
     random.Random(seed).shuffle(pairs)
     if count > len(pairs):
         raise ValueError(f"family {family.name} has {len(pairs)} distinct problems; asked for {count}")
-    return [Problem.from_text(problem_text(a, b), answer_text(a, b), dataset) for a, b in pairs[:count]]
+    return [Problem.from_text(problem_text(*terms), answer_text(*terms), dataset) for terms in pairs[:count]]
 
 
 def write_problems_jsonl(problems: list[Problem], path: Path, with_completion: bool = False) -> Path:

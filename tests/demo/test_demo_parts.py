@@ -198,7 +198,8 @@ def test_the_warm_start_job_stops_on_a_start_off_its_level(tmp_path):
 
 def test_the_kernel_line_says_what_the_environment_sets(monkeypatch, capsys):
     """issue 48: run with ATEN_CPU_CAPABILITY=default, the demo's first line said "kernels: this CPU's own"."""
-    from demo.jobs import KERNEL_VARIABLES, portable_kernels_available
+    from demo.jobs import portable_kernels_available
+    from demo.records import KERNEL_VARIABLES
     from demo.run import kernel_environment, kernel_label
 
     for name in KERNEL_VARIABLES:

@@ -24,12 +24,17 @@ def test_quick_demo_end_to_end(tmp_path):
     out, report = tmp_path / "demo_out", tmp_path / "report"
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
     # The study's config (the demo's runs, every variant and the co-training pairs), shrunk by --quick
-    args = ["--quick", "--config", str(REPO / "configs" / "demo_study.yaml"), "--out-dir", str(out), "--report-dir", str(report)]
+    args = ["--quick", "--config", str(REPO / "studies" / "configs" / "study.yaml"), "--out-dir", str(out), "--report-dir", str(report)]
     proc = subprocess.run([sys.executable, "-m", "demo.run", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     summary = json.loads((report / "summary.json").read_text())
     assert {"runs", "comparisons", "rule", "primary_metric", "starts", "probes", "machine"} <= set(summary)
+    # what ran (issue 60): the invocation's commit, tree, host and time, and every run's own
+    record = summary["record"]
+    assert record["commit"] and record["clean"] in (True, False) and record["host"]["cpu"] and record["started"]
+    assert record["jobs_ran"] > 0 and record["rule"] == summary["rule_version"]
+    assert all(r["record"]["commit"] and r["record"]["cpu"] and r["record"]["finished"] for r in summary["runs"])
     local = json.loads((report / "local.json").read_text())  # the times, beside the committed files (issue 51)
     assert "wall_time_s" not in summary and local["wall_time_s"] > 0
     assert all(run["stage_s"]["sampling and scoring"] > 0 and run["stage_s"]["evaluation"] > 0 for run in local["runs"])
@@ -45,7 +50,7 @@ def test_quick_demo_end_to_end(tmp_path):
             assert comparison["same_as"] in config["rl"]["methods"] and mode not in ran
             continue
         assert comparison["weak"]["pairs"] == len(starts) * len(seeds)
-        assert comparison["verdict"] in ("gain", "small gain", "no gain", "harm", "undecided")
+        assert comparison["verdict"] in ("gain", "small gain", "no gain", "loss", "harm", "undecided")
         assert set(comparison["per_start"]) == set(starts)
     assert summary["comparisons"]["graft_cotrain"]["weak"]["pairs"] == len(starts) * len(config["rl"]["cotrain_seeds"])
     for run in summary["runs"]:

@@ -14,12 +14,14 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_demo_run_help_names_only_files_the_repository_has():
-    proc = subprocess.run([sys.executable, "-m", "demo.run", "--help"], cwd=REPO_ROOT, capture_output=True, text=True,
+@pytest.mark.parametrize("module", ["demo.run", "studies.mutual"])
+def test_the_help_names_only_files_the_repository_has(module):
+    proc = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO_ROOT, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr
-    named = set(re.findall(r"configs/[\w.-]+\.yaml", proc.stdout))
-    assert named and not [n for n in named if not (REPO_ROOT / n).is_file()], named
+    named = set(re.findall(r"(?:studies/)?configs/[\w.-]+\.yaml", proc.stdout))
+    assert not [n for n in named if not (REPO_ROOT / n).is_file()], named
+    assert named or module == "studies.mutual"
 
 
 def test_browser_shots_refuses_to_replace_screenshots_without_overwrite(tmp_path):

@@ -98,6 +98,6 @@ def test_a_file_rewritten_with_the_same_text_or_a_non_python_file_changes_nothin
     assert guard.changed() == [str(code / "loss.py"), str(code / "new.py")]
 
 
-def test_the_demos_guard_watches_its_own_code_and_the_installed_graft():
+def test_the_demos_guard_watches_its_own_code_the_studies_and_the_installed_graft():
     roots = CodeGuard.of_checkout().roots
-    assert [r.name for r in roots] == ["demo", "toy", "graft"] and all((r / "__init__.py").is_file() for r in roots)
+    assert [r.name for r in roots] == ["demo", "toy", "studies", "graft"] and all((r / "__init__.py").is_file() for r in roots)

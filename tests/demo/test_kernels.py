@@ -65,7 +65,8 @@ def warm_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, portable_kernel
         start = done["starts"]["early"]
         weights = hashlib.sha256((Path(start["checkpoint"]) / "model.safetensors").read_bytes()).hexdigest()
         starts = {n: {k: v for k, v in s.items() if k != "checkpoint"} for n, s in done["starts"].items()}
-        results[name] = (weights, {k: v for k, v in done.items() if k not in ("starts", "sft_s", "wall_s", "cpu_s")} | {"starts": starts})
+        results[name] = (weights, {k: v for k, v in done.items() if k not in ("starts", "sft_s", "wall_s", "cpu_s", "record")}
+                         | {"starts": starts})  # (the record: when and on which kernels it ran)
     return results
 
 

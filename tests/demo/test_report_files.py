@@ -79,23 +79,71 @@ def test_git_ignores_the_local_file_of_every_report():
     import subprocess
 
     repo = Path(__file__).resolve().parents[2]
-    for folder in ("report", "report/avx2", "report/mutual/budget"):
+    for folder in ("report", "report/avx2", "report/mutual-v1/budget"):
         checked = subprocess.run(["git", "check-ignore", "-q", f"{folder}/{LOCAL_FILE}"], cwd=repo)
         assert checked.returncode == 0, f"{folder}/{LOCAL_FILE} is not ignored"
 
 
 def test_the_committed_reports_are_the_current_rules_reading_of_their_runs(tmp_path):
-    """demo.rerender on a copy of every committed report changes nothing: each REPORT.md, summary.json (and the choose
-    run's recommendation) is what demo.stats and demo.recommend say now of the runs it holds."""
+    """studies.rerender on a copy of every committed report changes nothing: each REPORT.md, summary.json (and the choose
+    run's recommendation) is what demo.stats and studies.recommend say now of the runs it holds."""
     import shutil
 
-    from demo.rerender import rerender
+    from studies.rerender import rerender
 
     repo = Path(__file__).resolve().parents[2]
-    for folder in ("report", "report/avx2", "report/portable", "report/choose", "report/cotrain", "report/mutual"):
+    # (report/mutual-v1, the first mutual design's, was rendered once more at issue 60 by that design's code, since
+    # removed: its header names the commit)
+    pairs = sorted(str(p.parent.relative_to(repo)) for p in (repo / "report" / "mutual").glob("*/summary.json"))
+    for folder in ("report", "report/avx2", "report/portable", "report/choose", "report/cotrain", "report/confirm", *pairs):
         copy = tmp_path / folder.replace("/", "_")
         shutil.copytree(repo / folder, copy, ignore=shutil.ignore_patterns("*.png", LOCAL_FILE, "avx2", "portable",
-                                                                             "choose", "cotrain", "mutual"))
+                                                                             "choose", "cotrain", "confirm", "mutual*",
+                                                                             "pilot"))
         rerender(copy)
         for path in sorted(p for p in copy.rglob("*") if p.is_file() and p.name != LOCAL_FILE):
             assert path.read_bytes() == (repo / folder / path.relative_to(copy)).read_bytes(), f"{folder}: {path.name}"
+
+
+def test_every_committed_report_says_what_ran_and_under_which_rule():
+    """Issue 60: re-rendered reports printed "Rule (written before the runs)" above a rule amended after them, and no
+    report recorded its code. Every committed summary.json now holds a record (a reconstructed one says so) and the
+    rule's version its runs were judged under; a re-rendered one says when, at which commit and under which version;
+    every REPORT.md prints them."""
+    repo = Path(__file__).resolve().parents[2]
+    summaries = sorted(p for p in (repo / "report").rglob("summary.json"))
+    assert len(summaries) >= 9
+    for path in summaries:
+        summary = json.loads(path.read_text())
+        record = summary["record"]
+        assert record and (record.get("reconstructed") or (record["commit"] and record["host"]["cpu"])), path
+        assert summary.get("rule_version") or record.get("rule"), path
+        if "rerendered" in summary:
+            assert {"date", "commit", "rule_version"} <= set(summary["rerendered"]), path
+        text = (path.parent / "REPORT.md").read_text()
+        assert "**Record**" in text and "**Rule**" in text and "Rule (written before the runs)" not in text, path
+        if "rerendered" in summary:
+            assert "re-rendered from its summary.json on" in text, path
+
+
+def test_make_demo_writes_the_committed_report_only_when_asked():
+    """Issue 59: `make demo` on another machine left four files of report/ modified. Its report now goes to
+    <out_dir>/report, which git ignores, unless --report-dir (make demo REPORT=...) names the committed folder."""
+    import signal
+    import subprocess
+
+    from demo.run import command_line
+
+    repo = Path(__file__).resolve().parents[2]
+    handler = signal.getsignal(signal.SIGTERM)  # command_line takes SIGTERM over (to stop a demo's jobs): give it back
+    try:
+        run = command_line("test", "", None, ["--quick", "--out-dir", "demo_out"])
+        committed = command_line("test", "", None, ["--quick", "--out-dir", "demo_out", "--report-dir", "report"])
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    assert run.cfg.report_dir == Path("demo_out") / "report"
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(run.cfg.report_dir / "summary.json")], cwd=repo)
+    assert ignored.returncode == 0, "make demo's default report folder is not ignored by git"
+    assert committed.cfg.report_dir == Path("report")
+    makefile = (repo / "Makefile").read_text()
+    assert "python -m demo.run $(if $(REPORT),--report-dir $(REPORT))" in makefile

@@ -6,7 +6,17 @@ import math
 
 import pytest
 
-from demo.stats import MONTE_CARLO_SAMPLES, Interval, paired_interval, sign_flip_p_value, stratified_interval, t_quantile, verdict
+from demo.stats import (
+    MONTE_CARLO_SAMPLES,
+    Interval,
+    p_text,
+    paired_interval,
+    sign_flip_p_value,
+    stratified_interval,
+    t_quantile,
+    verdict,
+    verdict_text,
+)
 
 
 def test_paired_interval_by_hand():
@@ -89,31 +99,53 @@ def test_the_reports_comparison_is_stratified_by_start():
 @pytest.mark.parametrize("weak, strong, expected", [
     ((0.10, 0.05, 0.15, 0.01), (0.0, -0.01, 0.01, 0.5), "gain"),
     ((0.10, 0.05, 0.15, 0.01), (-0.01, -0.03, 0.01, 0.5), "undecided"),  # strong family's non-inferiority not shown
-    ((-0.10, -0.15, -0.05, 0.01), (0.0, -0.01, 0.01, 0.5), "harm"),
+    ((-0.10, -0.15, -0.05, 0.01), (0.0, -0.01, 0.01, 0.5), "loss"),  # a large shown loss
     ((0.0, -0.01, 0.01, 0.9), (-0.05, -0.07, -0.03, 0.01), "harm"),  # the strong family clearly lost beyond 2 points
     ((0.0, -0.01, 0.015, 0.9), (0.0, -0.01, 0.01, 0.9), "no gain"),
     ((0.05, -0.02, 0.12, 0.2), (0.0, -0.01, 0.01, 0.9), "undecided"),
     ((0.10, 0.01, 0.19, 0.06), (0.0, -0.01, 0.01, 0.9), "undecided"),  # interval above 0 but the test does not agree
     # issue 48: report/mutual's A, +0.8 [+0.3, +1.2], p 0.031: real, and below the +2 that matters
     ((0.008, 0.003, 0.012, 0.031), (-0.002, -0.005, 0.001, 0.9), "small gain"),
-    # ... and -0.8 [-1.3, -0.3]: a loss smaller than the one that matters is no harm (a gain that matters is ruled out)
-    ((-0.008, -0.013, -0.003, 0.031), (0.002, -0.001, 0.005, 0.9), "no gain"),
-    ((-0.03, -0.05, -0.01, 0.01), (0.0, -0.01, 0.01, 0.9), "harm"),  # a loss of 3 points, shown
+    # issue 60: -0.8 [-1.3, -0.3], a small shown loss, is a loss (issue 48 had called it "no gain")
+    ((-0.008, -0.013, -0.003, 0.031), (0.002, -0.001, 0.005, 0.9), "loss"),
+    ((-0.03, -0.05, -0.01, 0.01), (0.0, -0.01, 0.01, 0.9), "loss"),  # a loss of 3 points, shown
+    # issue 60: the confirmatory run's spec, -3.7 [-8.7, +1.4]: a large loss not shown, a gain of +2 ruled out: no gain
+    ((-0.037, -0.087, 0.014, 0.137), (-0.001, -0.012, 0.011, 0.9), "no gain"),
+    # ... and its early start, -6.5 [-12.3, -0.7]: a shown loss
+    ((-0.065, -0.123, -0.007, 0.039), (0.0, -0.01, 0.01, 0.9), "loss"),
+    ((-0.02, -0.04, -0.001, 0.2), (0.0, -0.01, 0.01, 0.9), "undecided"),  # below 0, but the test does not show it
     ((0.015, 0.003, 0.027, 0.01), (0.0, -0.01, 0.01, 0.9), "undecided"),  # a gain shown, its mean below +2, its size not
 ])
 def test_verdicts(weak, strong, expected):
     assert verdict(Interval(*weak, pairs=8), Interval(*strong, pairs=8)) == expected
 
 
+def test_a_loss_is_printed_with_its_size():
+    weak = Interval(-0.065, -0.123, -0.007, 0.039, 8)
+    assert verdict_text(verdict(weak, Interval(0.0, -0.01, 0.01, 0.9, 8)), weak) == "loss of 6.5 points"
+    assert verdict_text("no gain", weak) == "no gain"
+
+
+@pytest.mark.parametrize("p, pairs, text", [
+    (2 / 65536, 16, "< 0.001"),  # every pair one way at 16 pairs: never "0.000"
+    (2 / 64, 6, "0.031 (the floor at 6 pairs)"),
+    (0.0625, 6, "0.062"),
+    (0.137, 16, "0.137"),
+    (1 / 20_001, 32, "< 0.001"),
+])
+def test_p_is_printed_below_a_thousandth_or_at_its_floor(p, pairs, text):
+    assert p_text(Interval(0.1, 0.05, 0.15, p, pairs)) == text
+
+
 def test_docs_state_the_amended_rules_as_the_code_has_them():
-    """docs/demo.md's "The rule, amended (issue 48)" quotes VERDICT_RULE and demo.recommend's RULE word for word (line
+    """docs/demo.md's "The rule, amended (issues 48 and 60)" quotes VERDICT_RULE and studies.recommend's RULE word for word (line
     breaks aside): a change to either shows in the page, with its commit, before a run reads it."""
     from pathlib import Path
 
-    from demo.recommend import RULE
+    from studies.recommend import RULE
     from demo.stats import VERDICT_RULE
 
     page = (Path(__file__).resolve().parents[2] / "docs" / "demo.md").read_text()
-    section = page.split("## The rule, amended (issue 48)", 1)[1].split("\n## ", 1)[0]
+    section = page.split("## The rule, amended (issues 48 and 60)", 1)[1].split("\n## ", 1)[0]
     section = " ".join(section.replace("\n> ", " ").split())
     assert " ".join(VERDICT_RULE.split()) in section and " ".join(RULE.split()) in section

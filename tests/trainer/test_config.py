@@ -241,3 +241,18 @@ def test_a_graft_preset_names_the_formulas_and_refuses_a_clash():
         GraftConfig(preset="spec", peer_negative_scale=0.0)
     with pytest.raises(ValueError):
         GraftConfig(preset="no_such_preset")
+
+
+@pytest.mark.parametrize("field, value", [("is_cap", 5.0), ("log_rho_min", -2.0), ("max_grafted_fraction", 1.0),
+                                          ("union_all_success", True), ("kl_on_peer", True)])
+def test_the_spec_preset_pins_every_field_the_spec_names(field, value):
+    """Issue 60: `preset: spec` left is_cap (the spec's C = 2), log_rho_min (no floor) and group_normalized_weight
+    (off) to the defaults, so `preset: spec` with `is_cap: 5` ran other formulas under the spec's name."""
+    from graft.trainer.config import GRAFT_PRESETS, GraftConfig
+
+    named = {"token_is", "is_cap", "kappa", "log_rho_min", "peer_negative_scale", "group_normalized_weight",
+             "union_all_success", "kl_on_peer", "max_grafted_fraction"}  # docs/algorithm.md sections 1, 4, 5, 6
+    assert named <= set(GRAFT_PRESETS["spec"])
+    with pytest.raises(ValueError, match=field):
+        GraftConfig(preset="spec", **{field: value})
+    assert GraftConfig(preset="spec").is_cap == 2.0 and GraftConfig(preset="spec").group_normalized_weight is False

@@ -325,6 +325,39 @@ def test_anchor_evaluation_and_tensorboard(toy_world, store, tmp_path):
     assert any(e["benchmarks"]["toy"]["avg_at_k"] > 0 for e in evals)
 
 
+def test_step_rows_are_supervised_at_their_step(toy_world, tmp_path):
+    """anchor.step_rows (the mutual study's control for GRAFT's loss form, issue 60): the rows of a step are trained on
+    at that step, summed over the step's token-mean denominator, and pull the model toward them."""
+    from graft.rollouts.models import load_model_and_tokenizer
+    from graft.trainer.batch import collate, response_logprobs
+    from graft.trainer.update import reference_rows
+
+    problems = [orjson.loads(line) for line in toy_world.problems_path.read_bytes().splitlines()][:3]
+    pairs = [(p["problem"], "\\boxed{" + p["answer"] + "}") for p in problems]
+    rows_path = tmp_path / "rows.jsonl"
+    rows_path.write_bytes(b"".join(orjson.dumps({"step": step, "problem": q, "completion": c}) + b"\n"
+                                   for step in (0, 1) for q, c in pairs))
+    plain = make_config(toy_world, tmp_path / "plain", None, steps=3, method="grpo", **{"store.url": None})
+    with_rows = make_config(toy_world, tmp_path / "rows", None, steps=3, method="grpo",
+                            **{"store.url": None, "anchor.step_rows": str(rows_path)})
+    runs = {name: train(cfg) for name, cfg in (("plain", plain), ("rows", with_rows))}
+    metrics = read_metrics(runs["rows"])
+    assert [("step_rows_nll" in m) for m in metrics] == [True, True, False] and metrics[0]["step_rows_nll"] > 0
+    assert all("step_rows_nll" not in m for m in read_metrics(runs["plain"]))
+
+    def rows_logprob(run_dir) -> float:
+        model, tokenizer = load_model_and_tokenizer(latest_checkpoint(run_dir))
+        learner = type("L", (), {"tokenizer": tokenizer, "end_token_id": tokenizer.eos_token_id})
+        batch = collate(reference_rows(with_rows, learner, pairs), tokenizer.pad_token_id)
+        with torch.no_grad():
+            return float((response_logprobs(model, batch) * batch.mask).sum())
+
+    assert rows_logprob(runs["rows"]) > rows_logprob(runs["plain"])
+    with pytest.raises(ValueError, match="one optimizer update per step"):
+        make_config(toy_world, tmp_path / "x", None, method="grpo", **{"store.url": None, "anchor.step_rows": str(rows_path),
+                                                                        "optim.mini_batch_prompts": 4})
+
+
 def test_cotraining_two_processes_through_one_store(toy_world, tmp_path):
     """Two graft-train processes, each the other's peer, through one (initially empty) store.
 

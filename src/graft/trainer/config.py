@@ -120,12 +120,21 @@ class PPOConfig(_Section):
     kl_beta: float = Field(default=0.0, ge=0.0, description="weight of the k3 KL to the initial policy (0: off, no reference model kept)")
 
 
-# Named sets of the fields that make GRAFT's per-token weight (docs/algorithm.md sections 4-5, 11): graft.preset picks one.
-# spec: the formulas as first read from the paper (b = min(pi_old / mu~, C), the peer's negative advantages kept);
-# b1_no_peer_neg: b = 1 and the peer's negative advantages x0 (docs/training.md, "Which GRAFT runs by default").
+# Named sets of the graft fields the spec's formulas name (docs/algorithm.md sections 1, 4-7, 11): graft.preset picks one, and refuses another
+# value of any of them beside it (issue 60: `spec` had left is_cap, log_rho_min and group_normalized_weight to the
+# defaults, so a config could change the spec's formulas under the spec's name).
+# spec: the formulas as first read from the paper (b = min(pi_old / mu~, C = 2), the peer's negative advantages kept, w =
+# min(1, rho)^1 with no floor, no group centring, no union, no KL on grafted tokens, at most half a step grafted);
+# b1_no_peer_neg: the same but b = 1 and the peer's negative advantages x0 (docs/training.md, "Which GRAFT runs by
+# default").
+_SPEC_FIELDS: dict[str, Any] = {
+    "token_is": "tis", "is_cap": 2.0, "kappa": 1.0, "log_rho_min": None, "peer_negative_scale": 1.0,
+    "group_normalized_weight": False, "peer_loss_scale": 1.0, "union_all_success": False, "kl_on_peer": False,
+    "max_grafted_fraction": 0.5, "luffy_gamma": 0.1,
+}
 GRAFT_PRESETS: dict[str, dict[str, Any]] = {
-    "spec": {"token_is": "tis", "kappa": 1.0, "peer_negative_scale": 1.0, "peer_loss_scale": 1.0},
-    "b1_no_peer_neg": {"token_is": "none", "kappa": 1.0, "peer_negative_scale": 0.0, "peer_loss_scale": 1.0},
+    "spec": _SPEC_FIELDS,
+    "b1_no_peer_neg": {**_SPEC_FIELDS, "token_is": "none", "peer_negative_scale": 0.0},
 }
 
 
@@ -138,9 +147,12 @@ GRAFT_FORMULA_FIELDS = ("token_is", "kappa", "peer_negative_scale", "peer_loss_s
 class GraftConfig(_Section):
     preset: Literal["spec", "b1_no_peer_neg"] | None = Field(
         default=None,
-        description="a named GRAFT: spec (the formulas as first read from the paper, docs/algorithm.md section 7: token_is tis, peer negatives x1) or "
-                    "b1_no_peer_neg (token_is none, peer_negative_scale 0); sets token_is, kappa, peer_negative_scale "
-                    "and peer_loss_scale, and refuses another value of them beside it. None: the fields as given")
+        description="a named GRAFT: spec (the formulas as first read from the paper, docs/algorithm.md section 7: "
+                    "token_is tis, peer negatives x1) or "
+                    "b1_no_peer_neg (token_is none, peer_negative_scale 0); sets every field those formulas name (token_is, "
+                    "is_cap, kappa, log_rho_min, peer_negative_scale, group_normalized_weight, peer_loss_scale, "
+                    "union_all_success, kl_on_peer, max_grafted_fraction, luffy_gamma) and refuses another value of "
+                    "them beside it. None: the fields as given")
     peer_models: list[str] | None = Field(default=None, min_length=1, description="accept peer groups only from these model ids (None: any model but the learner; an empty list would accept none and is refused)")
     union_all_success: bool = Field(default=False, description="all-fail learner + all-success peer: advantages over the union of learner failures and peer successes instead of skipping")
     kappa: float = Field(default=1.0, ge=0.0, description="exponent of the sequence compatibility weight w = min(1, rho) ** kappa")
@@ -388,6 +400,13 @@ class AnchorConfig(_Section):
     dataset: str | None = Field(default=None, description="JSONL of problems with reference completions (fields problem, completion); None: no anchor")
     prompts_per_step: int = Field(default=4, ge=1, description="reference completions per step in the anchor term")
     weight: float = Field(default=1.0, ge=0.0, description="weight of the anchor's token-mean NLL added to the loss")
+    step_rows: str | None = Field(
+        default=None,
+        description="JSONL of rows (fields step, problem, completion) supervised at that step (0-based) beside the "
+                    "update, their summed NLL over the step's token-mean denominator: each weighs what a grafted row "
+                    "of weight 1 and advantage 1 would. With one update per step only. A control, not a method: the "
+                    "mutual study (issue 60) gives GRPO the rows a GRAFT run grafted, to tell GRAFT's loss form from "
+                    "its rows. None: none")
 
 
 class EvalConfig(_Section):
@@ -503,6 +522,12 @@ class TrainConfig(_Section):
                 "model.dtype bfloat16, rollout.backend hf (or auto on a CPU) and parallel.strategy none or ddp; "
                 f"here model.dtype={self.model.dtype}, rollout.backend={self.rollout.backend}, "
                 f"parallel.strategy={self.parallel.strategy}: drop it")
+        if self.anchor.step_rows is not None and (self.optim.ppo_epochs != 1
+                                                  or self.optim.mini_batch_prompts != self.rollout.prompts_per_step
+                                                  or self.ppo.loss_agg != "token-mean"):
+            raise ValueError("anchor.step_rows weighs its rows over the step's token-mean denominator: it needs one "
+                             "optimizer update per step (optim.ppo_epochs 1, optim.mini_batch_prompts = "
+                             "rollout.prompts_per_step) and ppo.loss_agg token-mean")
         if self.optim.mini_batch_prompts > self.rollout.prompts_per_step:
             raise ValueError(
                 f"optim.mini_batch_prompts = {self.optim.mini_batch_prompts} exceeds rollout.prompts_per_step = "
@@ -566,6 +591,8 @@ def missing_inputs(cfg: TrainConfig) -> list[str]:
             missing.append(f"{field}: {error}")
     if cfg.anchor.dataset is not None and not Path(cfg.anchor.dataset).is_file():
         missing.append(f"anchor.dataset: {cfg.anchor.dataset} does not exist (a JSONL of problem + completion)")
+    if cfg.anchor.step_rows is not None and not Path(cfg.anchor.step_rows).is_file():
+        missing.append(f"anchor.step_rows: {cfg.anchor.step_rows} does not exist (a JSONL of step + problem + completion)")
     tokenizers = cfg.graft.peer_tokenizers
     for where, path in (tokenizers.items() if isinstance(tokenizers, dict) else enumerate(tokenizers)):
         if not Path(path).expanduser().exists():

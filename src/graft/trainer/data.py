@@ -111,6 +111,23 @@ def load_anchor(cfg: TrainConfig) -> list[tuple[str, str]]:
     return pairs
 
 
+def load_step_rows(cfg: TrainConfig) -> dict[int, list[tuple[str, str]]]:
+    """anchor.step_rows: step -> its (problem, completion) rows, or {} when there are none."""
+    if cfg.anchor.step_rows is None:
+        return {}
+    path = Path(cfg.anchor.step_rows)
+    rows: dict[int, list[tuple[str, str]]] = {}
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        row = orjson.loads(line)
+        if not isinstance(row.get("step"), int) or not isinstance(row.get("problem"), str) \
+                or not isinstance(row.get("completion"), str):
+            raise ValueError(f"{path}:{number}: a step row needs an integer 'step' and string 'problem' and 'completion'")
+        rows.setdefault(row["step"], []).append((row["problem"], row["completion"]))
+    return rows
+
+
 def load_peer_tokenizers(cfg: TrainConfig) -> dict[str, Any]:
     """Peer tokenizers by the tokenizer_id their stored rows carry, loaded as the generator loads them.
 

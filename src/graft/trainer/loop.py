@@ -52,7 +52,7 @@ from graft.trainer.checkpoint import (
     write_run_config,
 )
 from graft.trainer.config import TrainConfig
-from graft.trainer.data import LoopState, load_anchor, load_peer_tokenizers, training_prompts
+from graft.trainer.data import LoopState, load_anchor, load_peer_tokenizers, load_step_rows, training_prompts
 from graft.trainer.distributed import (
     DistContext,
     barrier,
@@ -151,7 +151,7 @@ def _train_with(cfg: TrainConfig, dist: DistContext, resume: bool, overwrite: bo
     learner = load_learner(cfg, checkpoint, dist)  # wrapped for parallel.strategy; the optimizer comes after
     optimizer, scheduler = make_optimizer(cfg, learner.hf_model)
     update = UpdateContext(cfg, LossConfig.from_train(cfg), learner, optimizer, scheduler, load_reference(cfg, learner),
-                           load_anchor(cfg))
+                           load_anchor(cfg), load_step_rows(cfg))
     state = LoopState(**restore_training_state(checkpoint, learner.grad_model, optimizer, scheduler, dist)) \
         if checkpoint else LoopState()
     if state.step >= cfg.steps:  # a finished run started again (a container restarted with --resume): say so

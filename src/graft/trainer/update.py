@@ -49,6 +49,7 @@ class UpdateContext:
     scheduler: Any  # a torch LR scheduler, stepped with the optimizer
     reference: torch.nn.Module | None = None  # the frozen initial policy when the KL is on
     anchors: list[tuple[str, str]] = field(default_factory=list)  # (problem, reference completion) of the anchor
+    step_rows: dict[int, list[tuple[str, str]]] = field(default_factory=dict)  # anchor.step_rows: step -> its rows
 
 
 def make_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> tuple[torch.optim.Optimizer, Any]:
@@ -129,6 +130,7 @@ def update_policy(
     num_mini, micro = num_mini_batches(cfg), cfg.optim.micro_batch_size
     # the same anchor rows on every rank: DDP and FSDP average their identical gradients into one anchor term
     anchor_rows = anchor_batch(cfg, learner, ctx.anchors, random.Random(cfg.seed * 65_537 + policy_step))
+    step_rows = reference_rows(cfg, learner, ctx.step_rows.get(policy_step, []))  # anchor.step_rows (one update a step)
     means = _WeightedMeans()
     grad_norms: list[float] = []
     skipped = 0
@@ -139,17 +141,17 @@ def update_policy(
         plans = plan_mini_batches(dist, [agg_denominator(_length_mask(mini), loss_cfg) if mini else 0.0
                                          for mini in minis], [math.ceil(len(active) / micro) for active in actives])
         for active, plan in zip(actives, plans):
-            if plan.micro_batches == 0 and not anchor_rows:
+            if plan.micro_batches == 0 and not anchor_rows and not step_rows:
                 skipped += 1
                 continue
             ctx.optimizer.zero_grad(set_to_none=True)
             mini_loss = 0.0  # this rank's micro-batch losses as scaled for their backward: the ranks' mean is the loss
-            # DDP all-reduces in the mini-batch's last backward: the anchor's, which runs after the micro-batches, when
-            # the step has an anchor term; else the last micro-batch's
-            anchor_is_sync_point = bool(anchor_rows)
+            # DDP all-reduces in the mini-batch's last backward: the step rows' or the anchor's, which run after the
+            # micro-batches, when the step has such a term; else the last micro-batch's
+            anchor_is_sync_point = bool(anchor_rows) and not step_rows
             for k in range(plan.micro_batches):
                 chunk = active[k * micro : (k + 1) * micro]
-                last_backward = k == plan.micro_batches - 1 and not anchor_is_sync_point
+                last_backward = k == plan.micro_batches - 1 and not anchor_rows and not step_rows
                 with gradient_sync(learner.grad_model, last_backward=last_backward):
                     if not chunk:  # this rank has run out of rows: it takes part in the others' collectives
                         _padding(learner, first_pass)
@@ -171,13 +173,19 @@ def update_policy(
                     (cfg.anchor.weight * nll).backward()
                 means.add("anchor_nll", float(nll.detach()), 1.0 / dist.world_size)  # every rank holds the same term
                 mini_loss += cfg.anchor.weight * float(nll.detach())
+            if step_rows:  # summed over the rows, divided by the step's token-mean denominator (every rank: the same)
+                with gradient_sync(learner.grad_model, last_backward=True):
+                    term = summed_nll(learner, step_rows) / max(plan.denominator, 1.0)
+                    term.backward()
+                means.add("step_rows_nll", float(term.detach()), 1.0 / dist.world_size)
+                mini_loss += float(term.detach())
             grad_norms.append(clip_grad_norm(learner.grad_model, cfg.optim.grad_clip))
             ctx.optimizer.step()
             ctx.scheduler.step()
             means.add("loss", mini_loss, 1.0 / dist.world_size)  # the weights of one optimizer step add up to 1
     ctx.optimizer.zero_grad(set_to_none=True)
     names = ("loss", "clip_frac_onpolicy", "clip_frac_grafted", "clip_frac_grafted_without_mu", "ratio_mean", "kl") + (
-        ("anchor_nll",) if anchor_rows else ())
+        ("anchor_nll",) if anchor_rows else ()) + (("step_rows_nll",) if step_rows else ())
     return UpdateResult(
         totals={name: means.total(name) for name in names},
         grad_norm=sum(grad_norms) / len(grad_norms) if grad_norms else NAN, optimizer_updates=len(grad_norms),
@@ -228,8 +236,13 @@ def anchor_batch(cfg: TrainConfig, learner: Learner, anchors: list[tuple[str, st
     """The step's anchor rows: anchor.prompts_per_step reference completions, ending as the learner's own do."""
     if not anchors:
         return []
+    return reference_rows(cfg, learner, rng.sample(anchors, min(cfg.anchor.prompts_per_step, len(anchors))))
+
+
+def reference_rows(cfg: TrainConfig, learner: Learner, pairs: list[tuple[str, str]]) -> list[TrainSample]:
+    """(problem, completion) pairs as supervised rows, ending as the learner's own do."""
     rows = []
-    for problem, completion in rng.sample(anchors, min(cfg.anchor.prompts_per_step, len(anchors))):
+    for problem, completion in pairs:
         prompt_ids = cfg.data.prompt_ids(learner.tokenizer, problem)
         completion_ids = list(learner.tokenizer(completion, add_special_tokens=False)["input_ids"])
         completion_ids.append(learner.end_token_id)
@@ -244,9 +257,15 @@ def anchor_batch(cfg: TrainConfig, learner: Learner, anchors: list[tuple[str, st
 def anchor_nll(learner: Learner, rows: list[TrainSample]) -> torch.Tensor:
     """Token-mean negative log-likelihood of the reference completions (temperature 1)."""
     tokens = collate(rows, learner.tokenizer.pad_token_id).to(learner.device)
+    return summed_nll(learner, rows, tokens) / tokens.mask.sum().clamp(min=1)
+
+
+def summed_nll(learner: Learner, rows: list[TrainSample], tokens=None) -> torch.Tensor:
+    """Negative log-likelihood of the rows' completions (temperature 1), summed over their tokens."""
+    tokens = collate(rows, learner.tokenizer.pad_token_id).to(learner.device) if tokens is None else tokens
     with learner.autocast():
         logprobs = response_logprobs(learner.grad_model, tokens, 1.0)  # (b, T)
-    return -(logprobs * tokens.mask).sum() / tokens.mask.sum().clamp(min=1)
+    return -(logprobs * tokens.mask).sum()
 
 
 class _WeightedMeans:

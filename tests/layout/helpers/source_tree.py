@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[3]
 SRC = ROOT / "src"  # the installed name on disk: graft.trainer.loop is src/graft/trainer/loop.py
 GRAFT = SRC / "graft"
 INSTALLED = ("schemas", "rollouts", "services", "trainer", "integrations")  # graft.<name>: src/graft/<name>/
-CHECKOUT_ONLY = ("demo", "toy", "benchmarks", "gpu_check", "testbed")  # top-level folders, run from the checkout
+CHECKOUT_ONLY = ("demo", "studies", "toy", "benchmarks", "gpu_check", "testbed")  # top-level folders, run from the checkout
 PACKAGES = (*INSTALLED, *CHECKOUT_ONLY)
 
 

@@ -1,50 +1,64 @@
 """A committed report again under the current rule, from its summary.json alone (no run, no demo_out/ needed).
 
-    python -m demo.rerender report report/avx2 report/mutual ...
+    python -m studies.rerender report report/avx2 report/confirm ...
 
 For each report folder: every comparison is recomputed from its runs' values with demo.stats as it is now (and the
-mutual demo's claim), the times, clock times and paths move to local.json (demo.report.write_summary: git ignores it),
+mutual study's claim), the times, clock times and paths move to local.json (demo.report.write_summary: git ignores it),
 and REPORT.md is written again; the plots do not depend on the rule and stay. A folder with a recommendation (`make
-demo-choose`'s report/choose) gets demo.recommend's choice again. The runs' numbers are left as they were.
+demo-choose`'s report/choose) gets studies.recommend's choice again. The runs' numbers are left as they were.
+
+The header says so (issue 60): summary.json's `rerendered` holds when, at which commit (and whether the code's tree
+was clean) and under which version of the rule (demo.stats.RULE_HISTORY) it was rendered again, beside the version
+its runs were judged under when they ran (`rule_version`, or the record's). A rerender that changes nothing keeps the
+earlier stamp, so that a second one leaves the files as they are.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import sys
 from pathlib import Path
 
-from demo import mutual_report, recommend, report
+from demo import report
 from demo.config import DemoConfig
+from demo.records import git_state
+from demo.stats import RULE_VERSION
 from graft.rollouts.files import write_text_atomic
+from studies import recommend
+
+
+RECOMPUTED = ("rule", "comparisons", "claim", "models", "adopted", "answers")  # what a rerender computes again
+
+
+def stamp(before: dict, after: dict) -> dict:
+    """`after` with its `rerendered` stamp: `before`'s (or none) when every recomputed field is as it was, else now's
+    (the date, the commit and whether its code was clean, the rule's version), beside the version the runs were judged
+    under when they ran (`rule_version`: the summary's, or its record's)."""
+    if all(before.get(key) == after.get(key) for key in RECOMPUTED):
+        return after
+    state = git_state()
+    code_clean = state["clean"] or all(path.startswith("report/") for path in state.get("changed", []))
+    return {**after, "rule_version": before.get("rule_version") or (before.get("record") or {}).get("rule"),
+            "rerendered": {"date": dt.date.today().isoformat(), "commit": state["commit"], "code_clean": code_clean,
+                           "rule_version": RULE_VERSION}}
 
 
 def rerender(report_dir: Path) -> dict:
     """One report folder under the current rule; returns its new summary (what summary.json now holds)."""
-    summary = json.loads((report_dir / "summary.json").read_text())
-    local = report_dir / report.LOCAL_FILE
-    if local.exists():  # put back what an earlier rerender moved out, so that it stays in local.json
-        summary = _merge(summary, json.loads(local.read_text()))
+    before = json.loads((report_dir / "summary.json").read_text())
+    summary = _merge(before, _read(report_dir / report.LOCAL_FILE))  # put back what an earlier rerender moved out
+    if summary.get("study") == "mutual":  # the mutual study's (studies.mutual_report)
+        from studies import mutual_report
+
+        return mutual_report.rerender(report_dir, summary, lambda after: stamp(before, after))
     cfg = DemoConfig.model_validate(summary["config"])
-    if "claim" in summary:  # the mutual demo's
-        families = summary["families"]
-        summary["comparisons"] = {
-            name: {mode: mutual_report.compare(summary["runs"], name, mode, summary["weak_family"][name],
-                                               summary["strong_family"][name], families)
-                   for mode in per_mode} for name, per_mode in summary["comparisons"].items()}
-        summary.update(rule=mutual_report.VERDICT_RULE, claim=mutual_report.claim(summary["comparisons"]))
-        budget = report_dir / "budget"
-        if (budget / "summary.json").exists():
-            report.write_summary(budget, _merge(json.loads((budget / "summary.json").read_text()),
-                                                _read(budget / report.LOCAL_FILE)))
-        committed = report.write_summary(report_dir, summary)
-        write_text_atomic(report_dir / "REPORT.md", mutual_report.markdown(committed))
-        return committed
     weak, strong = summary["weak_family"], summary["strong_family"]
     summary["comparisons"] = {mode: c if "same_as" in c else report.comparison(summary["runs"], mode, weak, strong)
                               for mode, c in summary["comparisons"].items()}
     summary["rule"] = report.VERDICT_RULE
+    summary = stamp(before, summary)
     committed = report.write_summary(report_dir, summary)
     write_text_atomic(report_dir / "REPORT.md", report.markdown(committed, cfg))
     if (report_dir / "recommendation.json").exists():  # the choose run's, or the confirmatory run's (its own seeds)
@@ -67,14 +81,11 @@ def _merge(kept, local):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m demo.rerender", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m studies.rerender", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("report_dirs", type=Path, nargs="+", help="report folders holding a summary.json")
     for report_dir in parser.parse_args(argv).report_dirs:
         summary = rerender(report_dir)
-        if "claim" in summary:
-            print(f"{report_dir}: the claim {summary['claim']['verdict']}; co-training {summary['claim']['cotrain_verdicts']}")
-            continue
         verdicts = {mode: c.get("verdict", f"= {c.get('same_as')}") for mode, c in summary["comparisons"].items()}
         print(f"{report_dir}: {verdicts}")
     return 0

@@ -3,7 +3,7 @@ amended before any new run (issue 48).
 
 The `spec` preset's formulas are this project's reading of a paper whose exact formulas are not public, so its default is
 what the evidence picks among the spec's own options, by RULE below, on dev seeds (`make demo-choose`:
-configs/demo_choose.yaml, seeds 10-13 at both starts). The figure of the chosen default then comes from `make demo`
+studies/configs/choose.yaml, seeds 10-13 at both starts). The figure of the chosen default then comes from `make demo`
 (seeds 0-7), which plays no part in choosing.
 
 The candidates are the four combinations of the two options every GRAFT host runs (graft-train, the TRL adapter, verl):
@@ -22,13 +22,13 @@ evidence that bears on it is their paired difference; a test against GRPO that b
 when the spec fails it, and asks a question (GRAFT or GRPO) the demo's verdict table already answers. The intervals
 against GRPO stay in the table, for reading.
 
-    python -m demo.recommend report/choose/summary.json
+    python -m studies.recommend report/choose/summary.json
 
-The confirmatory run (issue 48, `make demo-confirm`: configs/demo_confirm.yaml) reads its runs with the same rule, on
+The confirmatory run (issue 48, `make demo-confirm`: studies/configs/confirm.yaml) reads its runs with the same rule, on
 seeds no run had used (CONFIRM_SEEDS) from a warm start of its own, between the spec and the candidate the choose run's
 figures favoured (CONFIRM_CANDIDATES); what it picks is what the trainers ship:
 
-    python -m demo.recommend report/confirm/summary.json --confirm
+    python -m studies.recommend report/confirm/summary.json --confirm
 """
 
 from __future__ import annotations
@@ -38,8 +38,19 @@ import json
 import sys
 from pathlib import Path
 
-from demo.report import paired_values
-from demo.stats import ALPHA, STRONG_MARGIN, VERDICT_RULE, WEAK_MIN_GAIN, Interval, pct, stratified_interval, verdict
+from demo.report import header_lines, paired_values
+from demo.stats import (
+    ALPHA,
+    STRONG_MARGIN,
+    VERDICT_RULE,
+    WEAK_MIN_GAIN,
+    Interval,
+    p_text,
+    pct,
+    stratified_interval,
+    verdict,
+    verdict_text,
+)
 from graft.rollouts.files import write_text_atomic
 
 # mode -> (what it is, its trainer overrides on top of the demo's offline GRAFT); the first is the spec
@@ -58,6 +69,7 @@ CHOOSE_SEEDS = [10, 11, 12, 13]
 # The confirmatory run: 8 seeds at each of 2 starts (16 pairs), from warm starts initialised with seed 1 (every earlier
 # run's warm starts used 0), between the spec and the one challenger (report/choose: +17.7 over the spec on add3)
 CONFIRM_SEEDS = list(range(20, 28))
+CONFIRM_INIT_SEED = 1  # the confirmatory run's warm starts' initialisation seed, the learner's and the peer's
 CONFIRM_CANDIDATES = [SPEC, "graft_b1_no_peer_neg"]
 
 
@@ -75,13 +87,19 @@ RULE = rule(CHOOSE_SEEDS)
 
 
 def choose(summary: dict, expected_seeds: list[int] = CHOOSE_SEEDS, candidates: list[str] | None = None,
-           make: str = "make demo-choose") -> dict:
-    """The default by RULE from `summary`'s runs, which must be on `expected_seeds` and hold every candidate."""
+           make: str = "make demo-choose", init_seed: int | None = None) -> dict:
+    """The default by RULE from `summary`'s runs, which must be on `expected_seeds`, from warm starts initialised with
+    `init_seed` (None: any), and hold every candidate."""
     weak, strong, runs = summary["weak_family"], summary["strong_family"], summary["runs"]
     candidates = candidates or list(CANDIDATES)
     seeds = sorted({r["seed"] for r in runs})
     if seeds != expected_seeds:
         raise SystemExit(f"the summary's runs are on seeds {seeds}, not the seeds {expected_seeds} of this rule: run `{make}`")
+    if init_seed is not None:
+        used = {role: summary["config"][role]["seed"] for role in ("learner", "peer")}
+        if set(used.values()) != {init_seed}:
+            raise SystemExit(f"the summary's warm starts were initialised with seeds {used}, not {init_seed} as this "
+                             f"rule's runs must be (warm starts no earlier run had used): run `{make}`")
     table = {}
     for mode in candidates:
         if not any(r["mode"] == mode for r in runs):
@@ -99,13 +117,14 @@ def choose(summary: dict, expected_seeds: list[int] = CHOOSE_SEEDS, candidates: 
     winners = [m for m in candidates if table[m]["beats_spec"]]
     # max keeps the first of a tie
     chosen = max(winners, key=lambda m: table[m]["weak_over_spec"]["mean"]) if winners else SPEC
-    return {"rule": rule(expected_seeds), "weak_family": weak, "strong_family": strong, "candidates": table, "chosen": chosen,
+    provenance = {key: summary[key] for key in ("record", "rule_version", "rerendered") if summary.get(key)}
+    return {**provenance, "rule": rule(expected_seeds), "weak_family": weak, "strong_family": strong, "candidates": table, "chosen": chosen,
             "overrides": CANDIDATES[chosen][1]}
 
 
 def lines(result: dict) -> list[str]:
     weak, strong = result["weak_family"], result["strong_family"]
-    out = [f"Rule (written before the runs): {result['rule']}.", "",
+    out = [*header_lines(result), "",
            f"| candidate | `{weak}` gain over the spec's GRAFT [95% CI] | p | `{strong}` change over the spec's GRAFT "
            f"[95% CI] | verdict against the spec | beats the spec | `{weak}` gain over GRPO [95% CI] | `{strong}` change "
            "over GRPO [95% CI] |",
@@ -114,7 +133,7 @@ def lines(result: dict) -> list[str]:
         if row["weak_over_spec"]:
             over = Interval(**row["weak_over_spec"])
             strong_over = pct(Interval(**row["strong_over_spec"]))
-            head = f"{pct(over)} | {over.p_value:.3f} | {strong_over} | {row['verdict_over_spec']}"
+            head = f"{pct(over)} | {p_text(over)} | {strong_over} | {verdict_text(row['verdict_over_spec'], over)}"
         else:
             head = "- | - | - | -"
         out.append(f"| {mode}: {CANDIDATES[mode][0]} | {head} | {'yes' if row['beats_spec'] else 'no'} | "
@@ -124,14 +143,14 @@ def lines(result: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m demo.recommend", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m studies.recommend", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("choose", type=Path, help="summary.json of the dev-seed runs (make demo-choose)")
     parser.add_argument("--out", type=Path, default=None, help="write the result as JSON here (default: recommendation.json beside it)")
     parser.add_argument("--confirm", action="store_true", help="the confirmatory run's summary (make demo-confirm): "
                         f"seeds {CONFIRM_SEEDS[0]}-{CONFIRM_SEEDS[-1]}, candidates {', '.join(CONFIRM_CANDIDATES)}")
     args = parser.parse_args(argv)
     summary = json.loads(args.choose.read_text())
-    result = choose(summary, CONFIRM_SEEDS, CONFIRM_CANDIDATES, "make demo-confirm") if args.confirm else choose(summary)
+    result = choose(summary, CONFIRM_SEEDS, CONFIRM_CANDIDATES, "make demo-confirm", CONFIRM_INIT_SEED) if args.confirm else choose(summary)
     text = "\n".join(lines(result))
     print(text)
     out = args.out or args.choose.with_name("recommendation.json")

@@ -1,4 +1,4 @@
-"""demo.recommend: the rule that chooses the trainers' default GRAFT, on made-up runs whose answer is known."""
+"""studies.recommend: the rule that chooses the trainers' default GRAFT, on made-up runs whose answer is known."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from demo.config import load_demo_config
-from demo.recommend import CANDIDATES, CHOOSE_SEEDS, SPEC, choose, main
+from studies.recommend import CANDIDATES, CHOOSE_SEEDS, SPEC, choose, main
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -25,11 +25,12 @@ def _summary(accuracy: dict[str, tuple[float, float]], seeds: list[int], noise: 
                 wobble = noise * ((zlib.crc32(f"{mode}/{start}/{s}".encode()) % 7) - 3) / 3  # the same in every process
                 runs.append({"mode": mode, "start": start, "seed": s,
                              "primary": {"add3": weak + shared + wobble, "add2": strong + shared + wobble / 4}})
-    return {"weak_family": "add3", "strong_family": "add2", "runs": runs}
+    return {"weak_family": "add3", "strong_family": "add2", "runs": runs,
+            "config": {"learner": {"seed": 1}, "peer": {"seed": 1}}}
 
 
 def test_the_choose_config_runs_exactly_the_candidates_on_the_dev_seeds():
-    cfg = load_demo_config(REPO / "configs" / "demo_choose.yaml", [], use_quick=False)
+    cfg = load_demo_config(REPO / "studies" / "configs" / "choose.yaml", [], use_quick=False)
     assert dict(cfg.rl.methods) == {mode: overrides for mode, (_, overrides) in CANDIDATES.items()}
     assert cfg.rl.seeds == CHOOSE_SEEDS and not cfg.rl.cotrain_seeds and not cfg.rl.imitation_examples_per_step
     assert not set(CHOOSE_SEEDS) & set(load_demo_config(None, [], use_quick=False).rl.seeds)  # make demo's seeds differ
@@ -105,10 +106,10 @@ def test_the_rule_refuses_runs_on_other_seeds_or_without_a_candidate(tmp_path):
 
 def test_the_confirmatory_run_reads_its_own_seeds_and_two_candidates(tmp_path):
     """make demo-confirm: its config runs the spec and b = 1 with peer negatives x0 on seeds no other run uses, and
-    demo.recommend --confirm applies the same rule to them."""
-    from demo.recommend import CONFIRM_CANDIDATES, CONFIRM_SEEDS
+    studies.recommend --confirm applies the same rule to them."""
+    from studies.recommend import CONFIRM_CANDIDATES, CONFIRM_SEEDS
 
-    cfg = load_demo_config(REPO / "configs" / "demo_confirm.yaml", [], use_quick=False)
+    cfg = load_demo_config(REPO / "studies" / "configs" / "confirm.yaml", [], use_quick=False)
     assert sorted(cfg.rl.methods) == sorted(CONFIRM_CANDIDATES) and cfg.rl.seeds == CONFIRM_SEEDS
     assert not set(CONFIRM_SEEDS) & (set(CHOOSE_SEEDS) | set(load_demo_config(None, [], use_quick=False).rl.seeds))
     for variant, chosen in (((0.40, 0.95), "graft_b1_no_peer_neg"), ((0.12, 0.95), SPEC)):
@@ -116,3 +117,15 @@ def test_the_confirmatory_run_reads_its_own_seeds_and_two_candidates(tmp_path):
                                          CONFIRM_SEEDS))
         assert main([str(path), "--confirm"]) == 0
         assert json.loads(path.with_name("recommendation.json").read_text())["chosen"] == chosen
+    assert {cfg.learner.seed, cfg.peer.seed} == {1} and cfg.learner_sft_threads == 1  # in the config, not the Makefile
+
+
+def test_the_confirmatory_rule_refuses_warm_starts_of_another_init_seed(tmp_path):
+    """Issue 60: --confirm checked the RL seeds but not the warm starts' initialisation seed (1: warm starts no earlier
+    run had used), so runs from the usual warm starts on seeds 20-27 would have been read as the confirmatory run."""
+    from studies.recommend import CONFIRM_SEEDS
+
+    summary = _summary({"grpo": (0.10, 0.95), SPEC: (0.12, 0.95), "graft_b1_no_peer_neg": (0.40, 0.95)}, CONFIRM_SEEDS)
+    summary["config"] = {"learner": {"seed": 0}, "peer": {"seed": 1}}
+    with pytest.raises(SystemExit, match="initialised with seeds"):
+        main([str(_write(tmp_path, summary)), "--confirm"])
