@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                         "max_response_tokens": args.max_tokens, "generation_batch_size": 32, "scorer_workers": 1},
             "optim": {"lr": 1e-6, "mini_batch_prompts": args.prompts_per_step, "micro_batch_size": 4},
             "graft": {"peer_models": [PEER_ID], "peer_tokenizers": [peer["path"]]},
-            "store": {"url": server.url, "mode": "offline"},
+            "store": {"url": server.url},
             "checkpoint": {"keep_last": 1},
         })
         train(cfg, overwrite=True)  # a rerun of the demo starts its training over

@@ -341,7 +341,7 @@ def rl_jobs(cfg: DemoConfig, data: dict[str, Path], models: dict[str, dict], sto
             tag = config_hash(seed, models["learner"]["checkpoint_hash"], start, models["peer"]["checkpoint_hash"], pair_rl)[:8]
             learner_id, peer_id = f"{LEARNER_MODEL_ID}-co{tag}", f"{PEER_MODEL_ID}-co{tag}"
             # lockstep: each step grafts the partner's groups of that very step, so the pair's table reproduces
-            cotrain = ["peers.source=lockstep", f"peers.partner_timeout_s={cfg.rl.cotrain_wait_s}",
+            cotrain = [f"peers={{source: lockstep, partner_timeout_s: {cfg.rl.cotrain_wait_s}}}",
                        f"model.model_id={learner_id}", f"graft.peer_models=[{peer_id}]"]
             learner = learner_config(seed, "graft", cotrain)
             peer = learner_config(seed, "graft", cotrain)

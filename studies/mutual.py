@@ -255,7 +255,7 @@ class Plan:
                 # grafts the other's groups of that very step, so the same command gives the same table
                 tag = config_hash(seed, start, *(self.models[r]["checkpoint_hash"] for r in ROLES), rl)[:8]
                 ids = {role: f"{MODEL_ID[role]}-co{tag}" for role in ROLES}
-                cotrain = ["peers.source=lockstep", f"peers.partner_timeout_s={self.cfg.rl.cotrain_wait_s}"]
+                cotrain = [f"peers={{source: lockstep, partner_timeout_s: {self.cfg.rl.cotrain_wait_s}}}"]
                 self.add("cotrain", start, seed, [(role, self.config(role, start, seed, "graft", ids[role],
                                                                      (ids[OTHER[role]], self.checkpoint(OTHER[role], start)),
                                                                      cotrain)) for role in ROLES], both)
