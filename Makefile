@@ -107,7 +107,7 @@ system-deps:
 
 # The verl tests (tests/integrations/inside_verl) skip in .venv and run in .venv-verl, where a missing verl fails them.
 test: install-dev install-vllm install-verl install-verl-pins system-deps
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=20
 	GRAFT_REQUIRE_VERL=1 $(VERL_VENV)/bin/python -m pytest -q tests/integrations/inside_verl
 	GRAFT_REQUIRE_VERL=1 $(VERL_PINS_VENV)/bin/python -m pytest -q tests/integrations/inside_verl
 
@@ -115,7 +115,7 @@ test: install-dev install-vllm install-verl install-verl-pins system-deps
 # tests that need Debian packages (marker `system`: PostgreSQL, Chromium, Docker). No apt-get, no .venv-vllm, no
 # .venv-verl; CI runs `make test`, which includes all of it.
 check: install-dev
-	$(BIN)/python -m pytest -q -m "not slow and not vllm and not system"
+	$(BIN)/python -m pytest -q --durations=20 -m "not slow and not vllm and not system"
 
 # REPORT=DIR: where the report goes. By default a folder under demo_out/, which git does not track, so that a run leaves
 # the checkout as it was on any machine (issue 59); `make demo REPORT=report` writes the committed one.
