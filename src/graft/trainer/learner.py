@@ -108,9 +108,7 @@ def load_learner(cfg: TrainConfig, checkpoint: Path | None, dist: DistContext | 
     return Learner(
         hf_model=model,
         tokenizer=tokenizer,
-        model_id=cfg.model.model_id or default_model_id(cfg.model.path),
-        tokenizer_id=cfg.model.tokenizer_id or tokenizer_fingerprint(tokenizer),
-        revision=cfg.model.revision or model_fingerprint(resolve_model_dir(cfg.model.path)),
+        **learner_identity(cfg, tokenizer),
         eos_ids=eos_ids,
         device=dist.device,
         compute_dtype=compute_dtype,
@@ -118,6 +116,21 @@ def load_learner(cfg: TrainConfig, checkpoint: Path | None, dist: DistContext | 
         dist=dist,
         grad_model=grad_model,
     )
+
+
+def learner_model_id(cfg: TrainConfig) -> str:
+    """The model id the learner's groups carry in the store: model.model_id, else the name of model.path."""
+    return cfg.model.model_id or default_model_id(cfg.model.path)
+
+
+def learner_identity(cfg: TrainConfig, tokenizer: Any) -> dict[str, str]:
+    """The ids the learner's groups carry, as `Learner` takes them (graft-train's and the host trainers' alike): its
+    model id, its tokenizer's id (model.tokenizer_id, else the fingerprint the generator stores) and its revision
+    (model.revision, else the fingerprint of the initial checkpoint; a hub name that is no local path: the name)."""
+    path = Path(cfg.model.path).expanduser()
+    revision = cfg.model.revision or (model_fingerprint(resolve_model_dir(path)) if path.exists() else cfg.model.path)
+    return {"model_id": learner_model_id(cfg), "tokenizer_id": cfg.model.tokenizer_id or tokenizer_fingerprint(tokenizer),
+            "revision": revision}
 
 
 def load_reference(cfg: TrainConfig, learner: Learner) -> torch.nn.Module | None:

@@ -163,7 +163,7 @@ class GraftPPOTrainer(PPOTrainerSync):
         eos_ids = {int(self.tokenizer.eos_token_id)} if self.tokenizer.eos_token_id is not None else set()
         stop = learner_stop_token(self.tokenizer, eos_ids, "auto")  # verl prompts through the chat template
         try:
-            return host_setup(self.graft_cfg, self.graft_cfg.model.path, self.tokenizer, eos_ids=eos_ids | {stop},
+            return host_setup(self.graft_cfg, self.tokenizer, eos_ids=eos_ids | {stop},
                               device=torch.device("cpu"), stop_token_id=stop)  # no model: verl's actor has it
         except OSError as exc:  # a peer tokenizer's directory: it must resolve where verl's TaskRunner runs
             raise FileNotFoundError(f"{exc} (where verl's TaskRunner runs: {where_this_runs()})") from exc
