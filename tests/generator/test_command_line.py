@@ -29,10 +29,10 @@ def _dry_run(*args: str) -> dict:
 
 
 def test_the_per_field_flags_of_earlier_releases_are_gone_and_set_reads_every_field():
-    cfg = _dry_run("--set", "group_size=4", "--set", "top_p=0.9", "--set", "progress=false", "--set", "template=plain",
-                   "--set", "instruction=''")
-    assert (cfg["group_size"], cfg["top_p"], cfg["progress"], cfg["template"]) == (4, 0.9, False, "plain")
-    assert cfg["instruction"] == ""  # an empty instruction; not "no value"
+    cfg = _dry_run("--set", "group_size=4", "--set", "top_p=0.9", "--set", "progress=false", "--set", "prompt.template=plain",
+                   "--set", "prompt.instruction=''")
+    assert (cfg["group_size"], cfg["top_p"], cfg["progress"], cfg["prompt"]["template"]) == (4, 0.9, False, "plain")
+    assert cfg["prompt"]["instruction"] == ""  # an empty instruction; not "no value"
     for old in (["--group-size", "4"], ["--no-progress"]):
         result = CliRunner().invoke(generate_app, ["--model", "m", "--dataset", "d", "--store", "s", *old, "--dry-run",
                                                    "--skip-path-check"])

@@ -45,8 +45,8 @@ def test_rescored_logprobs_equal_the_sampled_ones(tiny_model_dir, tmp_path):
     store = tmp_path / "store"
     dataset = write_problems_jsonl(sample_problems(3, seed=11), tmp_path / "problems.jsonl")
     run_generator(GeneratorConfig(model=str(tiny_model_dir), model_id="tiny", dataset=str(dataset), store=str(store),
-                                  template="raw", group_size=4, temperature=0.7, top_k=40, max_tokens=12, seed=3,
-                                  score_workers=1, progress=False))
+                                  prompt={"template": "raw"}, group_size=4, temperature=0.7, top_k=40, max_tokens=12,
+                                  seed=3, scoring={"workers": 1}, progress=False))
     sampled = {g.group_id: g for g in groups_of(store, "tiny")}
     assert len(sampled) == 3
     before = digest(store / "rollouts" / "model=tiny")

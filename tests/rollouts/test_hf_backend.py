@@ -238,7 +238,7 @@ def test_few_shot_prompts(tiny_backend):
     with pytest.raises(ValueError, match=f"0 to {MAX_FEW_SHOT}"):
         build_prompt(tok, "1+1=", "chat", few_shot=MAX_FEW_SHOT + 1)
     with pytest.raises(ValueError, match="raw"):
-        GeneratorConfig(model="m", dataset="d", store="s", template="raw", few_shot=2)
+        GeneratorConfig(model="m", dataset="d", store="s", prompt={"template": "raw", "few_shot": 2})
 
 
 def test_progress_counts_tokens_within_a_call_and_changes_no_sample(tiny_backend):

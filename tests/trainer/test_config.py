@@ -217,26 +217,26 @@ def test_dry_run_reads_the_training_data_and_names_its_columns(tmp_path, monkeyp
     refused = _toy_dry_run(*args)
     assert refused.exit_code != 0 and "data.problem_field=question" in refused.output, refused.output
     assert "Traceback" not in refused.output
-    read = _toy_dry_run(*args, "--set", "data.problem_field=question", "--set", "data.prompt_template=auto",
-                        "--set", "data.system_prompt=Be brief.", "--set", "data.instruction=Box it.")
+    read = _toy_dry_run(*args, "--set", "data.problem_field=question", "--set", "prompt.template=auto",
+                        "--set", "prompt.system_prompt=Be brief.", "--set", "prompt.instruction=Box it.")
     assert read.exit_code == 0, read.output
     assert "problem_field: question" in read.output and "system_prompt: Be brief." in read.output
-    plain = _toy_dry_run(*args, "--set", "data.problem_field=question", "--set", "data.prompt_template=plain",
-                         "--set", "data.system_prompt=Be brief.")
+    plain = _toy_dry_run(*args, "--set", "data.problem_field=question", "--set", "prompt.template=plain",
+                         "--set", "prompt.system_prompt=Be brief.")
     assert plain.exit_code != 0 and "system_prompt" in plain.output
 
 
 def test_a_graft_preset_names_the_formulas_and_refuses_a_clash():
     """graft.preset sets the fields of GRAFT's per-token weight by name (the spec's formulas stay one name away
     whatever the default is) and refuses another value of them beside it, saying which."""
-    from graft.trainer.config import GRAFT_PRESETS, GraftConfig
+    from graft.trainer.config import GRAFT_PRESETS, GraftOptions
 
     for name, fields in GRAFT_PRESETS.items():
-        graft = GraftConfig(preset=name)
+        graft = GraftOptions(preset=name)
         assert {field: getattr(graft, field) for field in fields} == fields
-        assert GraftConfig.model_validate(graft.model_dump()) == graft  # a saved config loads back
-    assert GraftConfig(preset="spec").token_is == "tis" and GraftConfig(preset="b1_no_peer_neg").token_is == "none"
+        assert GraftOptions.model_validate(graft.model_dump()) == graft  # a saved config loads back
+    assert GraftOptions(preset="spec").token_is == "tis" and GraftOptions(preset="b1_no_peer_neg").token_is == "none"
     with pytest.raises(ValueError, match="peer_negative_scale"):
-        GraftConfig(preset="spec", peer_negative_scale=0.0)
+        GraftOptions(preset="spec", peer_negative_scale=0.0)
     with pytest.raises(ValueError):
-        GraftConfig(preset="no_such_preset")
+        GraftOptions(preset="no_such_preset")

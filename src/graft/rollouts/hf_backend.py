@@ -10,9 +10,8 @@ normalised nor free of whatever processors a model's generation config adds.
 from __future__ import annotations
 
 import contextlib
-import time
-from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AttentionInterface, GenerationConfig, LogitsProcessor, LogitsProcessorList
@@ -20,7 +19,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from graft.rollouts.models import eos_token_ids, load_model_and_tokenizer, tokenizer_fingerprint
-from graft.rollouts.sampling import Sample, SamplingParams
+from graft.rollouts.sampling import ProgressCallback, Sample, SamplingParams
+
+if TYPE_CHECKING:
+    from graft.rollouts.backends import HFSettings
 
 DEFAULT_LOGITS_BUDGET_BYTES = 2 << 30  # raw logits kept per generate call (steps x sequences x vocab x 4 bytes)
 DEFAULT_STATIC_CACHE_BUDGET_BYTES = 4 << 30  # a preallocated KV cache up to this size, else one that grows
@@ -119,9 +121,8 @@ class HFBackend:
         self.static_cache_budget_bytes = static_cache_budget_bytes
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        # Progress inside a generate call, which on a CPU can take minutes: called after each decoding step with
-        # (tokens sampled so far in the call, at most that many in all), the latter rows x max_tokens over its batches.
-        self.on_tokens: Callable[[int, int], None] | None = None
+        # Progress inside a generate call, told after each decoding step (the budget: rows x max_tokens over its batches)
+        self.on_tokens: ProgressCallback | None = None
 
     @classmethod
     def from_path(cls, path: str | Path, model_id: str | None = None, dtype: torch.dtype = torch.float32, **kwargs) -> HFBackend:
@@ -132,11 +133,20 @@ class HFBackend:
             model = model.to("cuda")
         return cls(model, tokenizer, model_id=model_id or default_model_id(path), **kwargs)
 
+    @classmethod
+    def from_settings(cls, settings: HFSettings, path: str | Path, *, model_id: str | None = None,
+                      seed: int = 0) -> HFBackend:
+        """The registered loader (`backends.load_backend`); each call's seed comes with its SamplingParams."""
+        return cls.from_path(path, model_id=model_id, dtype=getattr(torch, settings.dtype), batch_size=settings.batch_size)
+
     def close(self) -> None:
         """Drop the model (before loading a newer checkpoint)."""
         self.model = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+    def server_counts(self) -> None:
+        return None  # samples in this process
 
     def generate(self, prompts: list[str], params: SamplingParams) -> list[list[Sample]]:
         prompt_ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
@@ -296,7 +306,7 @@ class _TokenCounter(LogitsProcessor):
     """Reports (tokens sampled so far, budget) to a progress callback at each decoding step, counting every row of the
     batch until it ends (then corrected to what was sampled: `finish_batch`); leaves the scores as they are."""
 
-    def __init__(self, report: Callable[[int, int], None], budget: int):
+    def __init__(self, report: ProgressCallback, budget: int):
         self.report, self.budget, self.done, self.batch_tokens = report, budget, 0, 0
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -310,19 +320,6 @@ class _TokenCounter(LogitsProcessor):
         self.budget -= budget - sampled
         self.batch_tokens = 0
         self.report(self.done, self.budget)
-
-
-def report_tokens_on(bar, every_s: float = 0.5) -> Callable[[int, int], None]:
-    """An `HFBackend.on_tokens` that shows `sampling: 312/2048 tok` in a tqdm bar's postfix, at most every `every_s`."""
-    last = [0.0]
-
-    def report(sampled: int, budget: int) -> None:
-        now = time.monotonic()
-        if now - last[0] >= every_s or sampled >= budget:
-            last[0] = now
-            bar.set_postfix_str(f"sampling: {sampled}/{budget} tok")
-
-    return report
 
 
 class SeededDraw(LogitsProcessor):

@@ -25,6 +25,7 @@ from graft.rollouts.models import (
     resolve_model_dir,
     tokenizer_fingerprint,
 )
+from graft.rollouts.sampling import ProgressCallback
 from graft.trainer.config import TrainConfig
 from graft.trainer.distributed import DistContext, gathered_weights, wrap_model, wrap_reference
 from graft.trainer.retokenize import learner_stop_token
@@ -112,7 +113,7 @@ def load_learner(cfg: TrainConfig, checkpoint: Path | None, dist: DistContext | 
         eos_ids=eos_ids,
         device=dist.device,
         compute_dtype=compute_dtype,
-        stop_token_id=learner_stop_token(tokenizer, eos_ids, cfg.data.prompt_template),
+        stop_token_id=learner_stop_token(tokenizer, eos_ids, cfg.prompt.template),
         dist=dist,
         grad_model=grad_model,
     )
@@ -172,6 +173,14 @@ class GatheredSampler:
     def generate(self, prompts, params):
         with gathered_weights(self.backend.model):
             return self.backend.generate(prompts, params)
+
+    @property
+    def on_tokens(self) -> ProgressCallback | None:
+        return self.backend.on_tokens
+
+    @on_tokens.setter
+    def on_tokens(self, report: ProgressCallback | None) -> None:  # the progress line: the backend's
+        self.backend.on_tokens = report
 
     def __getattr__(self, name: str) -> Any:  # tokenizer, model_id, eos_token_ids, ...: the backend's
         return getattr(self.backend, name)

@@ -36,7 +36,7 @@ import torch
 from tqdm import tqdm
 
 from graft.rollouts.files import latest_checkpoint
-from graft.rollouts.hf_backend import report_tokens_on
+from graft.rollouts.sampling import report_tokens_on
 from graft.rollouts.scoring import Scorer
 from graft.rollouts.stopping import StopFlag
 from graft.trainer.batch import build_rows, old_logprobs_and_weights
@@ -168,9 +168,8 @@ def _train_with(cfg: TrainConfig, dist: DistContext, resume: bool, overwrite: bo
     peer_record = PeerGroupRecord(run_dir, state.step, dist.rank) if graft else None  # what a replay gives back
     progress = tqdm(total=cfg.steps, initial=state.step, disable=not (cfg.logging.progress and dist.is_main),
                     desc=cfg.method, unit="step")
-    hf_sampler = getattr(sampler, "backend", sampler)  # under fsdp, the HF sampler inside GatheredSampler
-    if not progress.disable and hasattr(hf_sampler, "on_tokens"):  # a step samples for minutes on a CPU: show its tokens
-        hf_sampler.on_tokens = report_tokens_on(progress)
+    if not progress.disable:  # a step samples for minutes on a CPU: show its tokens
+        sampler.on_tokens = report_tokens_on(progress)
     try:
         for policy_step in range(state.step, cfg.steps):
             clock = StepClock()

@@ -230,7 +230,7 @@ def anchor_batch(cfg: TrainConfig, learner: Learner, anchors: list[tuple[str, st
         return []
     rows = []
     for problem, completion in rng.sample(anchors, min(cfg.anchor.prompts_per_step, len(anchors))):
-        prompt_ids = cfg.data.prompt_ids(learner.tokenizer, problem)
+        prompt_ids = cfg.prompt.token_ids(learner.tokenizer, problem)
         completion_ids = list(learner.tokenizer(completion, add_special_tokens=False)["input_ids"])
         completion_ids.append(learner.end_token_id)
         rows.append(TrainSample(

@@ -8,7 +8,7 @@ A verl user adds, with Hydra's `+` (verl's schema has no `graft` section):
     +graft.peer_tokenizers=[/models/peer]
     +graft.options.kappa=0.5            # any field of graft-train's graft section (graft-train show-config)
 
-The GRAFT options are graft-train's own sections (`graft.trainer.config.GraftConfig` and `StoreConfig`), validated by them:
+The GRAFT options are graft-train's own sections (`graft.trainer.config.GraftOptions` and `StoreConfig`), validated by them:
 the same defaults, the same errors. What verl cannot do the way graft-train does is refused here, saying why.
 """
 
@@ -20,8 +20,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from pydantic import BaseModel, ConfigDict, Field
 
-from graft.trainer import GraftConfig as GraftOptions
-from graft.trainer import StoreConfig, TrainConfig
+from graft.trainer import GraftOptions, StoreConfig, TrainConfig
 
 TRAINER_MODE = "graft_sync"
 # verl's loss aggregations that graft-train's loss has (the parity test compares them); verl's others it has not
