@@ -119,7 +119,7 @@ def _worst_logprob_gap(groups, tiny_backend, config: GeneratorConfig, dataset: P
         prompt_ids = tiny_backend.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         for rollout in group.rollouts:
             params = SamplingParams(n=1, temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k)
-            expected = teacher_forced_logprobs(tiny_backend.model, prompt_ids, rollout.completion_token_ids, params)
+            expected = teacher_forced_logprobs(tiny_backend.model, prompt_ids, [rollout.completion_token_ids], params)[0]
             worst = max([worst, *(abs(a - b) for a, b in zip(expected, rollout.token_logprobs, strict=True))])
             tokens += len(expected)
     return worst, tokens

@@ -117,5 +117,5 @@ def test_smollm2_generates_groups_and_finds_correct_gsm8k_answers(tmp_path, capl
     problem = next(p for p in load_problems(str(gsm8k_file)) if p.prompt_id == row.prompt_id)
     prompt_ids = tokenizer(build_prompt(tokenizer, problem.problem, few_shot=GSM8K_FEW_SHOT), add_special_tokens=False)["input_ids"]
     params = SamplingParams(n=1, temperature=0.7)
-    expected = teacher_forced_logprobs(model, prompt_ids, row.completion_token_ids, params)
+    expected = teacher_forced_logprobs(model, prompt_ids, [row.completion_token_ids], params)[0]
     assert max(abs(a - b) for a, b in zip(expected, row.token_logprobs, strict=True)) < 1e-4

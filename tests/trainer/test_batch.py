@@ -39,7 +39,7 @@ def learner_of(model, tokenizer, tokenizer_id="tok-char"):
 def forced(model, tokenizer, prompt: str, completion_ids: list[int]) -> list[float]:
     """The model's own (temperature 1) logprobs of `completion_ids` after `prompt`, from one forward pass."""
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    return teacher_forced_logprobs(model, prompt_ids, completion_ids, SamplingParams(n=1))
+    return teacher_forced_logprobs(model, prompt_ids, [completion_ids], SamplingParams(n=1))[0]
 
 
 def config(**graft):

@@ -80,13 +80,23 @@ def processed_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Te
 
 
 @torch.inference_mode()
-def teacher_forced_logprobs(model, prompt_ids: list[int], completion_ids: list[int], params: SamplingParams) -> list[float]:
-    """Behaviour logprobs of `completion_ids` after `prompt_ids` from one full forward pass (no cache, no padding)."""
-    ids = torch.tensor([prompt_ids + completion_ids], device=model.device)  # (1, P + L)
-    logits = model(input_ids=ids, use_cache=False).logits[0, len(prompt_ids) - 1 : -1]  # (L, V): position t predicts token t + 1
-    logprobs = processed_logprobs(logits, params)  # (L, V)
-    targets = torch.tensor(completion_ids, device=model.device)  # (L,)
-    return logprobs.gather(-1, targets[:, None])[:, 0].tolist()
+def teacher_forced_logprobs(model, prompt_ids: list[int], completions: list[list[int]], params: SamplingParams,
+                            pad_token_id: int = 0) -> list[list[float]]:
+    """Behaviour logprobs (`processed_logprobs` at `params`) of each completion's tokens after `prompt_ids`: one
+    forward pass over them all, no cache, right-padded after the shared prompt (causal attention: a real position
+    sees what it sees in a pass of its own). The in-process teacher forcing, of graft-rescore and of the tests'
+    checks of stored logprobs alike."""
+    longest = max((len(c) for c in completions), default=0)
+    if longest == 0:
+        return [[] for _ in completions]
+    rows = [prompt_ids + c + [pad_token_id] * (longest - len(c)) for c in completions]
+    ids = torch.tensor(rows, device=model.device)  # (G, P + L)
+    mask = torch.tensor([[1] * (len(prompt_ids) + len(c)) + [0] * (longest - len(c)) for c in completions],
+                        device=model.device)  # (G, P + L)
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, len(prompt_ids) - 1 : -1]  # (G, L, V)
+    logprobs = processed_logprobs(logits.reshape(-1, logits.shape[-1]), params).view(len(rows), longest, -1)  # (G, L, V)
+    taken = logprobs.gather(-1, ids[:, len(prompt_ids):, None])[..., 0]  # (G, L): position t predicts token t + 1
+    return [taken[i, : len(c)].tolist() for i, c in enumerate(completions)]
 
 
 class HFBackend:

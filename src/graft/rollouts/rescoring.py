@@ -14,9 +14,7 @@ import math
 from datetime import datetime, timezone
 from typing import Protocol
 
-import torch
-
-from graft.rollouts.hf_backend import processed_logprobs
+from graft.rollouts.hf_backend import teacher_forced_logprobs
 from graft.rollouts.sampling import SamplingParams
 from graft.schemas import RESCORED, RolloutGroup
 
@@ -33,6 +31,10 @@ class Rescorer(Protocol):
         """One list per completion: the logprob of each of its tokens (params: the distribution assumed)."""
         ...
 
+    def close(self) -> None:
+        """Free the weights, or the server's connections."""
+        ...
+
 
 class HFRescorer:
     """In-process: one forward pass over a group's completions (right-padded after the shared prompt)."""
@@ -42,20 +44,12 @@ class HFRescorer:
     def __init__(self, model, tokenizer, tokenizer_id: str, eos_token_ids: set[int]):
         self.model, self.tokenizer, self.tokenizer_id, self.eos_token_ids = model.eval(), tokenizer, tokenizer_id, eos_token_ids
 
-    @torch.inference_mode()
     def logprobs(self, prompt_ids: list[int], completions: list[list[int]], params: SamplingParams) -> list[list[float]]:
-        longest = max(len(c) for c in completions)
-        if longest == 0:
-            return [[] for _ in completions]
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        rows = [prompt_ids + c + [pad] * (longest - len(c)) for c in completions]
-        ids = torch.tensor(rows, device=self.model.device)  # (G, P + L)
-        mask = torch.tensor([[1] * (len(prompt_ids) + len(c)) + [0] * (longest - len(c)) for c in completions],
-                            device=self.model.device)  # (G, P + L): right padding, so the real positions are unchanged
-        logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, len(prompt_ids) - 1 : -1]  # (G, L, V)
-        logprobs = processed_logprobs(logits.reshape(-1, logits.shape[-1]), params).view(len(rows), longest, -1)
-        taken = logprobs.gather(-1, ids[:, len(prompt_ids):, None])[..., 0]  # (G, L)
-        return [taken[i, : len(c)].tolist() for i, c in enumerate(completions)]
+        return teacher_forced_logprobs(self.model, prompt_ids, completions, params, pad)
+
+    def close(self) -> None:
+        self.model = None
 
 
 class ServedRescorer:
@@ -72,6 +66,9 @@ class ServedRescorer:
             raise ValueError("a vLLM server's prompt logprobs are the temperature-1 distribution without top-p or top-k: "
                              "rescore with temperature 1.0 (the rows say so), or in-process (--backend hf)")
         return self.backend.teacher_forced_logprobs(prompt_ids, completions)
+
+    def close(self) -> None:
+        self.backend.close()
 
 
 def rescored_group_id(source_group_id: str, model_id: str, model_revision: str, params: SamplingParams) -> str:

@@ -103,9 +103,7 @@ def run_rescore(config: RescoreConfig, on_failed_group: Callable[[str], None] = 
             _write(sink, batch, problems, stats)
     finally:
         sink.close()
-        close = getattr(getattr(rescorer, "backend", None), "close", None)
-        if close is not None:
-            close()
+        rescorer.close()
         stats.wall_s = time.perf_counter() - started
     return stats
 
