@@ -31,8 +31,9 @@ def generate(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML file with GeneratorConfig fields; flags and --set override it"),
     model: Optional[str] = typer.Option(None, help=_help("model")),
     model_id: Optional[str] = typer.Option(None, help=_help("model_id")),
-    backend: Optional[str] = typer.Option(None, help="sampler.backend: hf (transformers), vllm or openai (a completions "
-                                          "server: --set sampler.base_url=...)"),
+    backend: Optional[str] = typer.Option(None, help="which backend samples (sampler.backend, the config's sampler section "
+                                          "replaced: --set sampler.<setting> after it): hf (transformers), vllm, or "
+                                          "openai (a completions server: --set sampler.base_url=...)"),
     dataset: Optional[str] = typer.Option(None, help=_help("dataset")),
     store: Optional[str] = typer.Option(None, help=_help("store")),
     store_token: Optional[str] = typer.Option(None, envvar="GRAFT_STORE_TOKEN", help=_help("store_token")),
@@ -54,8 +55,9 @@ def generate(
 
     Any field: --set field=value (`graft-generate show-config` lists them).
     """
-    named = {"model": model, "model_id": model_id, "sampler.backend": backend, "dataset": dataset, "store": store,
-             "store_token": store_token}
+    named = {"model": model, "model_id": model_id, "dataset": dataset, "store": store, "store_token": store_token,
+             # a backend takes its own settings: --backend replaces the config's sampler section
+             "sampler": None if backend is None else {"backend": backend}}
     if ctx.invoked_subcommand:  # show-config
         return
     cfg = command_line_config(GeneratorConfig, config, sets, named)

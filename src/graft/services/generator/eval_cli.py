@@ -31,8 +31,9 @@ def evaluate_model(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML file with EvalConfig fields; flags and --set override it"),
     model: Optional[str] = typer.Option(None, help=_help("model")),
     model_id: Optional[str] = typer.Option(None, help=_help("model_id")),
-    backend: Optional[str] = typer.Option(None, help="sampler.backend: hf (transformers), vllm or openai (a completions "
-                                          "server: --set sampler.base_url=...)"),
+    backend: Optional[str] = typer.Option(None, help="which backend samples (sampler.backend, the config's sampler section "
+                                          "replaced: --set sampler.<setting> after it): hf (transformers), vllm, or "
+                                          "openai (a completions server: --set sampler.base_url=...)"),
     benchmark: Optional[list[str]] = typer.Option(None, "--benchmark", "-b", help=_help("benchmarks") + " (repeat the flag)"),
     limit: Optional[int] = typer.Option(None, help=_help("limit")),
     k: Optional[int] = typer.Option(None, "--k", "-k", help=_help("k")),
@@ -43,8 +44,9 @@ def evaluate_model(
 
     Any field: --set field=value (`graft-eval show-config` lists them).
     """
-    named = {"model": model, "model_id": model_id, "sampler.backend": backend, "benchmarks": benchmark or None, "limit": limit,
-             "k": k}
+    named = {"model": model, "model_id": model_id, "benchmarks": benchmark or None, "limit": limit, "k": k,
+             # a backend takes its own settings: --backend replaces the config's sampler section
+             "sampler": None if backend is None else {"backend": backend}}
     if ctx.invoked_subcommand:  # show-config
         return
     cfg = command_line_config(EvalConfig, config, sets, named)
