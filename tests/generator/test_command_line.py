@@ -72,6 +72,49 @@ def test_set_wins_over_flags_and_the_file(tmp_path):
         load_config(GeneratorConfig, config, ["group_size=0"])
 
 
+@pytest.mark.parametrize("command, old, new", [
+    (generate_app, "template=raw", "prompt.template"), (generate_app, "score_workers=1", "scoring.workers"),
+    (generate_app, "hf_batch_size=8", "sampler.batch_size"), (generate_app, "backend=vllm", "sampler.backend"),
+    (generate_app, "openai.base_url=http://h:1", "the sampler section (sampler.backend openai"),
+    (generate_app, "vllm_max_model_len=2048", "sampler.max_model_len"),
+    (eval_app, "few_shot=3", "prompt.few_shot"), (eval_app, "dtype=bfloat16", "sampler.dtype"),
+])
+def test_the_flat_keys_of_earlier_releases_are_refused_naming_the_new_one(command, old, new):
+    """Issue 59: the prompt, sampler and scoring settings are sections now; an old key (a config file's, a --set's)
+    fails in one line that names the key that replaced it, before anything loads."""
+    flags = ["--model", "m", "--store", "s", "--dataset", "d", "--dry-run", "--skip-path-check"] if command is generate_app \
+        else ["--model", "m"]
+    result = CliRunner().invoke(command, [*flags, "--set", old])
+    assert result.exit_code == 2 and f"{old.split('=')[0].split('.')[0]}: now {new}" in result.output, result.output
+    assert "Traceback" not in result.output
+
+
+def test_backend_replaces_the_configs_sampler_section_and_takes_its_own_settings_only(tmp_path):
+    """A backend takes its own settings: a config's hf batch size would do nothing under vllm, so --backend replaces the
+    section (as graft-train's --peers replaces peers), and a setting of another backend is refused, naming the
+    backend's own."""
+    config = tmp_path / "gen.yaml"
+    config.write_text("model: m\ndataset: d\nstore: s\nsampler:\n  backend: hf\n  batch_size: 8\n")
+    kept = load_config(GeneratorConfig, config)
+    assert (kept.sampler.backend, kept.sampler.batch_size) == ("hf", 8)
+    swapped = load_config(GeneratorConfig, config, ["sampler.max_model_len=2048"], {"sampler": {"backend": "vllm"}})
+    assert swapped.sampler.model_dump() == {"backend": "vllm", "dtype": "float32", "max_model_len": 2048,
+                                            "gpu_memory_utilization": None}
+    with pytest.raises(ValueError, match="sampler.batch_size with sampler.backend vllm: not a setting of that backend "
+                                         r"\(it takes dtype, gpu_memory_utilization, max_model_len\)"):
+        load_config(GeneratorConfig, config, ["sampler.backend=vllm"])
+
+
+def test_the_resume_key_of_earlier_releases_stands():
+    """Group ids hold the sampling key: the same settings written as sections make the key the flat fields made (the
+    value a release before the sections gave these settings), so a store of an earlier run resumes."""
+    base = {"model": "m", "dataset": "d", "store": "s"}
+    assert GeneratorConfig(**base, prompt={"template": "raw"}, group_size=4, temperature=0.7).sampling_key() == \
+        "b0bc9372d4d4"
+    assert GeneratorConfig(**base, sampler={"backend": "openai", "base_url": "http://h",
+                                            "logprobs_mode": "raw_logprobs"}).sampling_key() == "67f6c5e6284b"
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
 

@@ -273,6 +273,23 @@ def test_the_api_key_comes_from_the_environment_and_is_stored_nowhere(stub, tiny
     assert "sk-secret" not in dumped and "GRAFT_TEST_KEY" in dumped
 
 
+def test_the_progress_line_hears_of_each_prompt_as_its_samples_come_back(stub, tiny_model_dir):
+    """A served batch can take minutes: `on_tokens` is told (tokens so far, at most that many) as each prompt's samples
+    come back, the budget shrinking by what a prompt's samples left unused, as the hf backend tells it per step."""
+    server = stub("ok")
+    backend = OpenAIBackend.from_path(tiny_model_dir, OpenAIBackendConfig(base_url=server.url, concurrency=1,
+                                                                          check_logprobs_mode=False))
+    told = []
+    backend.on_tokens = lambda sampled, budget: told.append((sampled, budget))
+    try:
+        backend.generate(["1+1=", "2+3=", "4+4="], SamplingParams(n=2, max_tokens=8))
+    finally:
+        backend.close()
+    per_prompt = 2 * len(COMPLETION_IDS)
+    assert told == [(per_prompt, per_prompt + 2 * 2 * 8), (2 * per_prompt, 2 * per_prompt + 2 * 8),
+                    (3 * per_prompt, 3 * per_prompt)]
+
+
 def test_the_configuration_says_what_backend_openai_needs(tmp_path):
     with pytest.raises(ValueError, match="sampler.base_url=http://HOST:PORT"):
         GeneratorConfig(model="m", dataset="d", store="s", sampler={"backend": "openai"})

@@ -226,6 +226,22 @@ def test_dry_run_reads_the_training_data_and_names_its_columns(tmp_path, monkeyp
     assert plain.exit_code != 0 and "system_prompt" in plain.output
 
 
+def test_the_learners_prompt_is_the_generators_section_and_the_old_keys_are_refused():
+    """Issue 59: the learner's `data.prompt_template` and the peer's `template` named one thing apart; both are the
+    `prompt` section now (PromptConfig, one validator), and the data section's old keys are refused naming it."""
+    from graft.rollouts.prompts import PromptConfig
+    from graft.services.generator.config import GeneratorConfig
+
+    base = {"model": {"path": "m"}, "data": {"dataset": "d"}, "method": "grpo"}
+    cfg = TrainConfig.model_validate({**base, "prompt": {"template": "plain", "few_shot": 2}})
+    assert type(cfg.prompt) is PromptConfig is type(GeneratorConfig(model="m", dataset="d", store="s").prompt)
+    with pytest.raises(ValidationError, match=r"data.prompt_template: now prompt.template; data.system_prompt: now "
+                                              r"prompt.system_prompt \(keys of an earlier release"):
+        TrainConfig.model_validate({**base, "data": {"dataset": "d", "prompt_template": "raw", "system_prompt": "x"}})
+    with pytest.raises(ValidationError, match="template 'raw' shows the problem verbatim and takes no worked examples"):
+        TrainConfig.model_validate({**base, "prompt": {"template": "raw", "few_shot": 2}})
+
+
 def test_a_graft_preset_names_the_formulas_and_refuses_a_clash():
     """graft.preset sets the fields of GRAFT's per-token weight by name (the spec's formulas stay one name away
     whatever the default is) and refuses another value of them beside it, saying which."""
