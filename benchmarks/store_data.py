@@ -129,6 +129,7 @@ class ShardMaker:
             "logprobs_mode": pa.array(["processed"] * n), "num_tokens": pa.array(np.diff(token_offsets)),
             "num_bytes": pa.array(np.diff(text_offsets)), "finish_reason": pa.array(finish),
             "extracted_answer": pa.array(["42"] * n), "group_size": pa.array(np.full(n, GROUP, np.int32)),
+            "prompt_text": pa.nulls(n, pa.string()), "prompt_token_ids": pa.nulls(n, pa.list_(pa.int32())),
         }
         self.per_model: dict[str, dict[str, pa.Array]] = {}
 

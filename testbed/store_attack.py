@@ -128,6 +128,8 @@ def mutate_json(rng: random.Random, payload: dict) -> dict:
     payload = copy.deepcopy(payload)
     for _ in range(rng.randint(1, 3)):
         paths = [p for p, _ in _leaves(payload) if p]
+        if not paths:  # an earlier change deleted the whole push: nothing left to change
+            break
         path = rng.choice(paths)
         parent, key = _at(payload, path[:-1]), path[-1]
         kind = rng.choice(["value", "value", "value", "delete", "add", "copy"])

@@ -98,8 +98,8 @@ def _toy_peer_store_as(toy_world, root: Path, update: dict) -> Path:
 @pytest.fixture(scope="session")
 def text_only_store_root(toy_world, tmp_path_factory):
     """A store root holding the toy peer's groups as a source without behaviour logprobs stores them (logprobs_mode
-    'none', token_logprobs empty, logprob_sum 0.0: docs/algorithm.md section 11)."""
-    no_mu = {"logprobs_mode": "none", "token_logprobs": [], "logprob_sum": 0.0}
+    'none', token_logprobs empty, logprob_sum null: docs/algorithm.md section 11)."""
+    no_mu = {"logprobs_mode": "none", "token_logprobs": [], "logprob_sum": None}
     return _toy_peer_store_as(toy_world, tmp_path_factory.mktemp("text_only") / "store", no_mu)
 
 

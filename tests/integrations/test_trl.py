@@ -21,6 +21,7 @@ from trl_run import accuracy, dataset, make_args, make_trainer  # noqa: E402
 
 from graft.integrations.trl import GraftGRPOTrainer  # noqa: E402
 from graft.schemas import Problem  # noqa: E402
+from graft.services.store_api.http.client import StoreClient  # noqa: E402
 from graft.services.store_api.http.testing import StoreServer  # noqa: E402
 from graft.trainer.batch import build_rows  # noqa: E402
 from graft.trainer.data import load_peer_tokenizers  # noqa: E402
@@ -268,6 +269,36 @@ def test_under_vllm_grafted_rows_are_kept_out_of_trls_importance_correction(toy_
     assert torch.equal(batch["sampling_per_token_logps"][rows], batch["old_per_token_logps"][rows])
 
 
+def test_the_brokers_settings_act_in_trl(toy_world, store, fresh_learner, tmp_path):
+    """want_misses and max_times_served in a TRL run: the all-fail prompts that got no peer group to graft become wants
+    (with their problems: a generator can sample them), and each grafted group goes to the store's served ledger, whose
+    cap then keeps it from being served again."""
+    problems = toy_world.learner_problems[:2] + toy_world.peer_problems[:2]
+    args = make_args(tmp_path / "trl", store.url, toy_world.peer_dir, graft_model_id="broker-learner",
+                     graft_store_options={"want_misses": True, "max_times_served": 1},
+                     graft_options={"max_grafted_fraction": 1.0, "token_is": "tis", "peer_negative_scale": 1.0})
+    trainer = make_trainer(fresh_learner, problems, args)
+    trainer.train()
+    lines = graft_lines(trainer)
+    with StoreClient(store.url) as client:
+        wanted = {p.prompt_id: p for p in client.all_wanted() if "broker-learner" in p.learners}
+        peer_groups = {row["group_id"] for page in client.iter_rollouts(model=toy_world.peer_model_id)
+                       for row in page.to_pylist()}
+        times = [client.times_served(group).get("broker-learner", 0) for group in peer_groups]
+    assert sum(line["graft/store_broker_refused"] + line["graft/store_broker_failures"] for line in lines) == 0
+    # every grafted group in the ledger, once: the cap served none of them again
+    assert sum(times) == sum(line["graft/store_served_posted"] for line in lines) > 0 and max(times) == 1
+    assert lines[1]["graft/groups_no_peer_served_out"] == round(lines[0]["graft/frac_grafted"] * len(problems)) > 0
+    # the misses are wants, with their problems (a generator samples and scores them): the prompts whose peer groups
+    # are uninformative at both steps, the served-out ones at the second (sent at the end: no line counts those)
+    uninformative = lines[0]["graft/groups_peer_uninformative"]
+    assert trainer.graft.peers.counters.wants_posted == 2 * uninformative + lines[1]["graft/groups_no_peer_served_out"]
+    assert set(wanted) == {p.prompt_id for p in problems}
+    problem_of = {p.prompt_id: p for p in problems}
+    assert all((w.problem, w.answer) == (problem_of[w.prompt_id].problem, problem_of[w.prompt_id].answer)
+               for w in wanted.values())
+
+
 @pytest.mark.parametrize("settings, named", [
     ({"graft_options": {"union_all_success": True}}, "union_all_success"),
     ({"graft_options": {"token_is": "luffy"}}, "luffy"),
@@ -277,9 +308,13 @@ def test_under_vllm_grafted_rows_are_kept_out_of_trls_importance_correction(toy_
     ({"graft_options": {"is_cap": -1.0}}, "is_cap"),
     ({"graft_store_options": {"mode": "cotrain"}}, "peers.source"),  # how peers arrive is no store option
     ({"graft_store_options": {"replay_from": "runs/graft"}}, "peers.source"),  # was accepted and ignored
-    ({"graft_peer_source": "lockstep"}, "runs prefetch only"),  # every source the adapter does not run
-    ({"graft_store_options": {"want_misses": True}}, "want_misses"),  # the adapter posts no misses: would do nothing
-    ({"graft_store_options": {"max_times_served": 2}}, "max_times_served"),  # nor its grafts to the ledger
+    ({"graft_peer_source": "replay"}, "graft-train replay"),  # the one source the adapter does not run
+    ({"graft_peer_source": "cotrain", "graft_lookup_wait_s": 5.0}, "prefetch's wait"),  # would do nothing there
+    ({"graft_peer_source": "cotrain", "graft_publish": False}, "a co-trainer publishes"),
+    ({"graft_peer_source": "cotrain", "graft_peer_options": {"partner_timeout_s": 5}}, "partner_timeout_s"),
+    ({"graft_peer_options": {"publish": True}}, "graft_publish"),  # one setting, one name
+    ({"graft_publish": True, "graft_store_url": None}, "graft_store_url"),  # nowhere to publish to
+    ({"graft_peer_source": "lockstep", "graft_store_options": {"want_misses": True}}, "lockstep"),  # graft-train's rule
     ({"graft_peer_tokenizers": ["tok-1=/a", "/b"]}, "ID=DIR"),
 ])
 def test_graft_config_refuses_what_trl_cannot_do_as_graft_train_does(tmp_path, settings, named):

@@ -572,3 +572,43 @@ def test_lake_file_grace_has_a_floor_of_minutes():
         with pytest.raises(ValidationError, match="lake_file_grace_s"):
             StoreSettings(lake_file_grace_s=too_short)
     assert StoreSettings().lake_file_grace_s == 3600
+
+
+def test_a_lake_of_schema_version_2_gains_the_new_columns_and_reads_its_rows_unchanged(sqlite_lake):
+    """A lake made before schema version 3 (no prompt columns, logprob_sum NOT NULL) and holding version-2 rows, one
+    group without mu (logprob_sum 0.0): opening it adds the columns (DuckLake's schema evolution, no file rewritten),
+    its rows read as they were with null prompt columns, and a version-3 group (null logprob_sum, a prompt) commits."""
+    from graft.schemas.rollout import ADDED_COLUMNS
+    from graft.services.store_api.lake.connection import LAYOUT_COMMENT, column_ddl
+
+    old_schema = pa.schema([f.with_nullable(False) if f.name == "logprob_sum" else f for f in ROLLOUT_ARROW_SCHEMA
+                            if f.name not in ADDED_COLUMNS])
+    con = lake_module.lake_connection(sqlite_lake)
+    con.execute(f"ATTACH '{sqlite_lake.catalog}' AS old (DATA_PATH '{sqlite_lake.data_path}', DATA_INLINING_ROW_LIMIT 0)")
+    con.execute(f"CREATE TABLE old.rollouts ({column_ddl(old_schema)})")
+    con.execute("ALTER TABLE old.rollouts SET PARTITIONED BY (model_id)")
+    con.execute(f"COMMENT ON TABLE old.rollouts IS '{LAYOUT_COMMENT}'")
+    con.execute(f"CREATE TABLE old.problems ({column_ddl(PROBLEM_ARROW_SCHEMA)})")
+    version_2 = table_of([make_group(1, "old-peer", without_mu=True), make_group(2, "old-peer")]).drop_columns(
+        list(ADDED_COLUMNS))
+    version_2 = version_2.set_column(version_2.schema.get_field_index("schema_version"), "schema_version",
+                                     pa.array([2] * 8, pa.int32()))
+    version_2 = version_2.set_column(version_2.schema.get_field_index("logprob_sum"), "logprob_sum",
+                                     pc.fill_null(version_2.column("logprob_sum"), 0.0))
+    con.register("incoming", version_2)
+    con.execute("INSERT INTO old.rollouts BY NAME SELECT * FROM incoming")
+    with pytest.raises(duckdb.Error, match="(?i)not null|constraint"):  # the old table takes no null logprob_sum
+        con.execute("INSERT INTO old.rollouts BY NAME SELECT * REPLACE (NULL AS logprob_sum) FROM incoming LIMIT 1")
+    con.close()
+
+    new = make_group(3, "new-peer", without_mu=True)
+    new = type(new)(rollouts=[r.model_copy(update={"prompt_text": "user: 3+3=\nassistant: ",
+                                                   "prompt_token_ids": [5, 6, 7]}) for r in new.rollouts])
+    with Lake(sqlite_lake) as lake:
+        rows = lake_rows(lake)
+        assert rows.drop_columns(list(ADDED_COLUMNS)).equals(validate_table(version_2).drop_columns(list(ADDED_COLUMNS)))
+        assert all(rows.column(name).null_count == 8 for name in ADDED_COLUMNS)
+        assert lake.writing.commit(table_of([new])).accepted_groups == 1
+        stored = lake_rows(lake)
+    assert stored.slice(8).equals(table_of([new]))
+    assert stored.column("logprob_sum").slice(8).null_count == 4 and stored.column("logprob_sum")[0].as_py() == 0.0

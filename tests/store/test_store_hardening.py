@@ -112,8 +112,8 @@ BAD_VALUES = {
     "a NaN reward": (lambda r: {**r, "reward": float("nan")}, "reward"),
     "created_at in year 9999": (lambda r: {**r, "created_at": datetime(9999, 1, 1, tzinfo=timezone.utc)}, "created_at"),
     # a row without behaviour logprobs (logprobs_mode 'none') that holds some, or sits in a group with mu
-    "mode none with logprobs": (lambda r: {**r, "logprobs_mode": "none", "logprob_sum": 0.0}, "token_logprobs is not empty"),
-    "mode none in a group with mu": (lambda r: {**r, "logprobs_mode": "none", "token_logprobs": [], "logprob_sum": 0.0},
+    "mode none with logprobs": (lambda r: {**r, "logprobs_mode": "none", "logprob_sum": None}, "token_logprobs is not empty"),
+    "mode none in a group with mu": (lambda r: {**r, "logprobs_mode": "none", "token_logprobs": [], "logprob_sum": None},
                                      "mixes rows with logprobs_mode 'none'"),
 }
 

@@ -25,6 +25,7 @@ from graft.schemas import (
     prompt_id,
     table_to_groups,
 )
+from graft.schemas.rollout import ADDED_COLUMNS
 from graft.services.store_api.http.client import StoreClient
 from graft.services.store_api.http.testing import StoreServer
 from graft.services.store_api.local.lookup import BLOCK, lookup_path
@@ -32,6 +33,8 @@ from graft.services.store_api.local.shards import write_groups
 from graft.services.store_api.tables import ShardValidationError, validate_table
 
 V1_STORE = Path(__file__).parent / "data" / "v1_store"  # written by the store of e5bf61a (schema version 1)
+# written by the store of d13b8d8 (schema version 2): a group without mu (logprob_sum 0.0) and one with, a shard each
+V2_STORE = Path(__file__).parent / "data" / "v2_store"
 
 
 def test_a_row_without_mu_that_holds_logprobs_or_a_group_mixing_modes_is_refused():
@@ -60,12 +63,12 @@ def test_a_row_without_mu_that_holds_logprobs_or_a_group_mixing_modes_is_refused
     sums = table.column("logprob_sum").to_pylist()
     sums[1] = -3.0
     bad = table.set_column(table.schema.get_field_index("logprob_sum"), "logprob_sum", pa.array(sums, pa.float64()))
-    with pytest.raises(ShardValidationError, match=r"row 1 .*logprob_sum is not 0.0"):
+    with pytest.raises(ShardValidationError, match=r"row 1 .*logprobs_mode is 'none' .*logprob_sum is not null"):
         validate_table(bad)
     table = groups_to_table([with_mu])
     changes = {"logprobs_mode": ["processed", "processed", "none", "processed"],
                "token_logprobs": [r.token_logprobs if i != 2 else [] for i, r in enumerate(with_mu.rollouts)],
-               "logprob_sum": [r.logprob_sum if i != 2 else 0.0 for i, r in enumerate(with_mu.rollouts)]}
+               "logprob_sum": [r.logprob_sum if i != 2 else None for i, r in enumerate(with_mu.rollouts)]}
     for name, values in changes.items():
         index = table.schema.get_field_index(name)
         table = table.set_column(index, name, pa.array(values, table.schema.field(name).type))
@@ -85,7 +88,7 @@ def test_groups_without_mu_are_stored_served_and_left_out_when_the_learner_asks_
     with StoreServer(root) as srv, StoreClient(srv.url) as client:
         found = client.lookup_peer_groups(PeerLookupRequest(prompt_ids=ids, learner_model="learner"), validate=True)
         assert found.groups == [only_text, newer_text] and found.misses == []  # every stored field, empty logprobs too
-        assert all(r.token_logprobs == [] and r.logprob_sum == 0.0 for g in found.groups for r in g.rollouts)
+        assert all(r.token_logprobs == [] and r.logprob_sum is None for g in found.groups for r in g.rollouts)
         assert client.get_group(only_text.group_id) == only_text
 
         body = {"prompt_ids": ids, "learner_model": "learner", "require_behaviour_logprobs": True}
@@ -124,7 +127,32 @@ def test_a_shard_of_schema_version_1_reads_validates_and_is_served_unchanged(tmp
     assert all(r.schema_version == 1 and r.logprobs_mode == "processed" and len(r.token_logprobs) == r.num_tokens
                for g in found.groups for r in g.rollouts)
     served = groups_to_table(found.groups)
-    assert served.to_pylist() == table.to_pylist()  # every value as the version-1 writer stored it
+    # every value as the version-1 writer stored it; the columns of version 3 (the prompt followed) read as null
+    assert served.drop_columns(list(ADDED_COLUMNS)).to_pylist() == table.to_pylist()
+    assert all(served.column(name).null_count == served.num_rows for name in ADDED_COLUMNS)
+
+
+def test_shards_of_schema_version_2_read_validate_and_are_served_unchanged(tmp_path):
+    """A version-2 row without mu keeps its logprob_sum 0.0 (version 3 writes null); both shards' lookup files, of
+    the previous lookup version, are rebuilt; every value is served as the version-2 writer stored it."""
+    root = tmp_path / "store"
+    shutil.copytree(V2_STORE, root)
+    tables = {shard.name: pq.read_table(shard) for shard in sorted((root / "rollouts").rglob("*.parquet"))}
+    assert all(t.schema.metadata[b"graft_schema_version"] == b"2" and ADDED_COLUMNS[0] not in t.column_names
+               for t in tables.values())
+    without_mu = tables["part-v2a.parquet"]
+    assert set(without_mu.column("logprobs_mode").to_pylist()) == {"none"}
+    assert set(without_mu.column("logprob_sum").to_pylist()) == {0.0}
+    assert all(validate_table(t).num_rows == 4 for t in tables.values())
+    with pytest.raises(ShardValidationError, match="logprob_sum is not null"):  # the same row written as version 3
+        validate_table(without_mu.set_column(without_mu.schema.get_field_index("schema_version"), "schema_version",
+                                             pa.array([3] * 4, pa.int32())))
+    ids = [prompt_id(problem_text(910 + i)) for i in range(2)]
+    with StoreServer(root) as srv, StoreClient(srv.url) as client:
+        found = client.lookup_peer_groups(PeerLookupRequest(prompt_ids=ids, learner_model="learner"), validate=True)
+    served = groups_to_table(found.groups)
+    assert served.drop_columns(list(ADDED_COLUMNS)).to_pylist() == pa.concat_tables(tables.values()).to_pylist()
+    assert [g.has_behaviour_logprobs for g in found.groups] == [False, True]
 
 
 def test_compaction_and_a_rebuild_keep_groups_without_mu_whole_and_known(settings):

@@ -327,7 +327,7 @@ def test_a_chat_learner_ends_grafted_and_anchor_rows_with_its_end_of_turn(tmp_pa
 
 def without_mu(group: RolloutGroup) -> RolloutGroup:
     """The same group as a source without behaviour logprobs stores it (logprobs_mode 'none', docs/algorithm.md section 11)."""
-    no_mu = {"logprobs_mode": "none", "token_logprobs": [], "logprob_sum": 0.0}
+    no_mu = {"logprobs_mode": "none", "token_logprobs": [], "logprob_sum": None}
     return RolloutGroup(rollouts=[r.model_copy(update=no_mu) for r in group.rollouts])
 
 

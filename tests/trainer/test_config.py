@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from graft.schemas.overrides import apply_overrides, describe_fields, load_config
 from graft.trainer.cli import app
-from graft.trainer.config import GRAFT_PRESETS, StoreConfig, TrainConfig
+from graft.trainer.config import GRAFT_PRESETS, LOOKUP_WAIT_S, StoreConfig, TrainConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -27,7 +27,8 @@ def test_defaults_follow_the_spec_but_b_and_peer_negatives():
     assert cfg.graft.max_grafted_fraction == 0.5 and cfg.ppo.kl_beta == 0.0 and cfg.ppo.loss_agg == "token-mean"
     assert (cfg.rollout.group_size, cfg.rollout.prompts_per_step, cfg.optim.mini_batch_prompts) == (8, 128, 64)
     assert cfg.optim.lr == 1e-6 and cfg.rollout.max_response_tokens == 4096 and cfg.optim.ppo_epochs == 1
-    assert cfg.peers.source == "prefetch" and cfg.peers.lookup_wait_s == 0 and not cfg.publishes and not cfg.co_trains
+    assert cfg.peers.source == "prefetch" and cfg.peers.lookup_wait_s == LOOKUP_WAIT_S == 30 and not cfg.publishes
+    assert not cfg.co_trains
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in [*CONFIGS.glob("train*.yaml"), *CONFIGS.glob("compose_cpu_*.yaml")]

@@ -100,7 +100,7 @@ def test_a_group_without_mu_needs_no_peer_tokenizer_and_is_left_out_when_the_rul
     p = PROBLEMS[0]
     with_mu = group(p, [1.0, 0.0], policy_step=2, tokenizer_id="tok-peer")
     text_only = RolloutGroup(rollouts=[
-        r.model_copy(update={"logprobs_mode": "none", "token_logprobs": [], "logprob_sum": 0.0})
+        r.model_copy(update={"logprobs_mode": "none", "token_logprobs": [], "logprob_sum": None})
         for r in group(p, [0.0, 1.0], policy_step=5, model_id="traces", tokenizer_id="tok-unknown").rollouts])
     usable = {"tok-learner", "tok-peer"}
     # nothing of it is projected, so a tokenizer the learner lacks does not refuse it; the first served wins as ever

@@ -81,13 +81,70 @@ def test_groups_published_while_a_push_is_in_flight_are_neither_lost_nor_miscoun
         peers.close()
 
 
+def rewards_of(groups) -> list[tuple[str, list[float | None]]]:
+    """The learner's rewards of `groups`, as a step hands them to its source."""
+    return [(g.prompt_id, [r.reward for r in g.rollouts]) for g in groups]
+
+
+def relabel(group, model: str, **update):
+    """`group` as `model`'s, under an id of its own, its rows changed by `update` (unvalidated: the store is the
+    judge)."""
+    gid = group.group_id if group.group_id.startswith(f"{model}-") else f"{model}-{group.group_id}"
+    return group.model_copy(update={"rollouts": [r.model_copy(update={"model_id": model, "group_id": gid,
+                                                                      "rollout_id": f"{gid}-{i}", **update})
+                                                 for i, r in enumerate(group.rollouts)]})
+
+
+def test_groups_the_store_refuses_are_named_counted_and_dropped_and_the_others_land(store, groups, caplog):
+    """One push of 11 groups, two of which the store refuses: a group id it holds under another prompt (409) and a
+    reward outside [0, 1] (422). The other 9 land, the two are named in the log, counted, and never sent again."""
+    model = "refused"
+    mine = [relabel(g, model) for g in groups]
+    with StoreClient(store.url) as client:
+        client.push_groups([mine[0]])
+    clash = relabel(mine[0], model, prompt_id=mine[1].prompt_id)  # mine[0]'s id, another prompt
+    bad = mine[2].model_copy(update={"rollouts": [mine[2].rollouts[0].model_copy(update={"reward": 2.0, "correct": True}),
+                                                  *mine[2].rollouts[1:]]})
+    link = StoreLink(StoreConfig(url=store.url, retries=0), model)
+    caplog.set_level(logging.ERROR, logger="graft.trainer.peers")
+    try:
+        link.publish([clash, bad, *mine[3:]], [None] * 11)
+        assert link.flush(timeout_s=60), f"{link.outbox_size} groups still wait: refused ones are retried forever"
+        assert stored_ids(store.url, model) == {g.group_id for g in [mine[0], *mine[3:]]}
+        assert (link.counters.groups_published, link.counters.groups_refused) == (9, 2)
+        said = " ".join(r.getMessage() for r in caplog.records)
+        assert f"refused group {clash.group_id}" in said and f"refused group {bad.group_id}" in said
+        link.publish([mine[1]], [None])
+        assert link.flush(timeout_s=60) and link.counters.groups_published == 10  # nothing refused waits or goes again
+    finally:
+        link.close()
+
+
+def test_groups_published_while_the_store_is_down_are_delivered_when_it_is_back_before_the_end(tmp_path, groups):
+    """The store is down while the run publishes, and comes back while the link still backs off from it: the end's
+    flush waits the pause out and delivers every group, instead of giving up on a store it believes down."""
+    model = "outage"
+    server = StoreServer(tmp_path / "store")  # not started: the store is down
+    link = StoreLink(StoreConfig(url=server.url, retries=0, timeout_s=2, backoff_initial_s=20), model)
+    try:
+        link.publish([relabel(g, model) for g in groups[:4]], [None] * 4)
+        link._publishing.result(timeout=30)
+        assert link.counters.publish_failures == 1 and link.outbox_size == 4 and not link.available
+        with server:
+            assert not link.available  # still backing off: the run ends now
+            assert link.flush(timeout_s=60)
+            assert stored_ids(server.url, model) == {relabel(g, model).group_id for g in groups[:4]}
+    finally:
+        link.close()
+
+
 def test_cotraining_does_not_wait_while_the_store_is_down(groups):
     """A store known to be down cannot bring the co-trainer's groups: the step does not wait cotrain_wait_s for them."""
     config = StoreConfig(url=f"http://127.0.0.1:{free_port()}", retries=0, timeout_s=2, backoff_initial_s=30)
     peers = cotrain(config, GraftOptions(), wait_s=60)
     try:
         request = peers.request([g.prompt_id for g in groups[:4]], 0)
-        found = peers.candidates(peers.start_lookup(request), request, groups[:4], None, 0)
+        found = peers.candidates(peers.start_lookup(request), request, rewards_of(groups[:4]), None, 0)
         assert not found.ok and found.groups == {}
         assert found.wait_s < peers.wait_s / 2, f"waited {found.wait_s:.1f} s for a store that is down"
         assert peers.counters.cotrain_waits_skipped == 1
@@ -105,7 +162,7 @@ def test_a_silent_co_trainer_is_warned_about_and_counted(store, groups, caplog):
         silent = []
         for step in range(peers_module.PEER_SILENT_WARN_STEPS):
             request = peers.request([g.prompt_id for g in groups[:2]], step)
-            found = peers.candidates(peers.start_lookup(request), request, groups[:2], None, step)
+            found = peers.candidates(peers.start_lookup(request), request, rewards_of(groups[:2]), None, step)
             assert found.ok
             silent.append(found.peer_silent_steps)
         assert silent == list(range(1, peers_module.PEER_SILENT_WARN_STEPS + 1))
@@ -118,7 +175,7 @@ def test_a_silent_co_trainer_is_warned_about_and_counted(store, groups, caplog):
         with StoreClient(store.url) as client:
             client.push_groups([theirs])
         request = peers.request([g.prompt_id for g in groups[:2]], 99)
-        found = peers.candidates(peers.start_lookup(request), request, groups[:2], None, 99)
+        found = peers.candidates(peers.start_lookup(request), request, rewards_of(groups[:2]), None, 99)
         assert found.peer_silent_steps == 0 and "n0" in {g.group_id for g in found.groups[groups[0].prompt_id]}
     finally:
         peers.close()
@@ -160,7 +217,7 @@ def test_offline_a_lookup_slower_than_generation_is_late_or_waited_for_as_lookup
         pending = peers.start_lookup(request)
         if lookup_wait_s:
             threading.Timer(0.3, held.release.set).start()  # the store answers 0.3 s after generation ended
-        found = peers.candidates(pending, request, groups[5:6], None, 0)
+        found = peers.candidates(pending, request, rewards_of(groups[5:6]), None, 0)
         held.release.set()
         if lookup_wait_s:
             assert [g.group_id for g in found.groups[problem.prompt_id]] == [f"{peer}-g"]
@@ -186,6 +243,29 @@ def peer_group_of(problem, tokenizer, model, peer: str, step: int, rewards: list
                                                  for i, r in enumerate(group.rollouts)]})
 
 
+def test_a_late_store_waits_once_per_step_however_many_lookups_and_is_said(store, caplog):
+    """The lookup wait (peers.lookup_wait_s; TRL's graft_lookup_wait_s and verl's graft.lookup_wait_s are it) is one
+    deadline per step, however many lookups a host's step spans (verl's submissions); a step whose lookup is still out
+    after it is counted late, and LATE_WARN_STEPS such steps in a row are warned about, in every trainer."""
+    import time
+    from concurrent.futures import Future
+
+    config = StoreConfig(url=store.url)
+    source = PeerSource(StoreLink(config, LEARNER), GraftOptions(), config, LEARNER, lookup_wait_s=0.3)
+    caplog.set_level(logging.WARNING, logger="graft.trainer.peers")
+    try:
+        request = source.request([p.prompt_id for p in sample_problems(2, seed=5)], 0)
+        for _ in range(peers_module.LATE_WARN_STEPS):
+            began = time.monotonic()
+            found = source.candidates([Future(), Future()], request, [], None, 0)  # never answered
+            assert time.monotonic() - began < 0.55 and not found.groups  # one 0.3 s wait, not one per lookup
+        assert source.counters.lookups_late == 2 * peers_module.LATE_WARN_STEPS
+        assert source.late_steps == peers_module.LATE_WARN_STEPS
+        assert sum("too late to graft" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        source.close()
+
+
 def test_the_gate_takes_the_stores_serving_order_least_served_rotates(store, groups, char_tokenizer, char_model):
     """store.serve_order least_served with three accepted peer groups of a prompt: the trainer posts what it grafts to
     the served ledger (before its next lookup asks), the store serves the least served first, and the gate takes that
@@ -203,7 +283,7 @@ def test_the_gate_takes_the_stores_serving_order_least_served_rotates(store, gro
     try:
         for step in range(4):
             request = source.request([problem.prompt_id], step)
-            found = source.candidates(source.start_lookup(request), request, groups[:1], None, step)
+            found = source.candidates(source.start_lookup(request), request, rewards_of(groups[:1]), None, step)
             decisions = gate_groups(rewards, found.groups, request, max_grafted_fraction=1.0, rng=random.Random(0))
             source.after_gate(step, decisions, found, {problem.prompt_id: problem}, rewards)
             grafted.append(decisions[0].peer_group.group_id)
@@ -231,7 +311,7 @@ def test_ledger_posts_that_fail_are_sent_again_and_refused_ones_are_dropped(tmp_
     source = PeerSource(link, cfg.graft, config, "ledger-learner")
     try:
         link.post_broker(1, [], [theirs.group_id], source.want_rule())
-        assert not link.flush(5) and link.broker_queued == 1 and link.counters.broker_failures >= 1
+        assert not link.flush(1) and link.broker_queued == 1 and link.counters.broker_failures >= 1
         with server:
             assert link.flush(60)
             with StoreClient(server.url) as client:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from pathlib import Path
@@ -121,3 +122,50 @@ def _read_rows(path: Path) -> list[dict]:
                         raise ValueError(f"{path} line {n} is not valid JSON ({e}): one JSON object per line expected") from e
         return rows
     raise ValueError(f"{path}: unsupported dataset format {path.suffix!r}; use .jsonl or .parquet")
+
+
+class ProblemIndex:
+    """A trace prompt's problem: the one whose text it equals, else the longest one whose text it holds (a prompt
+    rendered with a template or worked examples holds the problem), found through an index rather than a scan.
+
+    Problems of at least ANCHOR characters are indexed by their first ANCHOR characters: each position of the prompt
+    is one dict lookup, and only problems starting there are compared whole. Shorter problems are looked up by every
+    substring of their lengths. A prompt costs O(its length x (1 + distinct short lengths)), whatever the number of
+    problems (the scan it replaces compared every problem with every prompt: ~10^9 substring checks for a long dump
+    against MATH's train set)."""
+
+    ANCHOR = 16
+
+    def __init__(self, problems: list[Problem]):
+        self.exact = {p.problem.strip(): p for p in problems}
+        self.by_anchor: dict[str, list[Problem]] = {}
+        self.short: dict[int, dict[str, Problem]] = {}
+        for p in self.exact.values():
+            text = p.problem.strip()
+            if len(text) >= self.ANCHOR:
+                self.by_anchor.setdefault(text[: self.ANCHOR], []).append(p)
+            else:
+                self.short.setdefault(len(text), {}).setdefault(text, p)
+        self.match = functools.lru_cache(maxsize=4096)(self._match)  # rows of a group repeat their prompt
+
+    def _match(self, prompt: str) -> Problem | None:
+        text = prompt.strip()
+        found = self.exact.get(text)
+        if found is not None:
+            return found
+        best: Problem | None = None
+        best_length = 0
+        for i in range(len(text) - self.ANCHOR + 1):
+            for p in self.by_anchor.get(text[i : i + self.ANCHOR], ()):
+                length = len(p.problem.strip())
+                if length > best_length and text.startswith(p.problem.strip(), i):
+                    best, best_length = p, length
+        if best is not None:
+            return best  # any indexed match is longer than every short problem
+        for length in sorted(self.short, reverse=True):
+            table = self.short[length]
+            for i in range(len(text) - length + 1):
+                found = table.get(text[i : i + length])
+                if found is not None:
+                    return found
+        return None

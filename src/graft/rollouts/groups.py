@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from typing import NamedTuple
 
 from graft.rollouts.sampling import Sample, SamplingParams
 from graft.rollouts.scoring import Score
@@ -18,6 +19,13 @@ def make_group_id(model_id: str, model_revision: str, policy_step: int, prompt_i
     parts = [model_id, model_revision, str(policy_step), prompt_id, str(round_index)]
     key = "\x1f".join(parts + [sampling_key] if sampling_key else parts)
     return hashlib.sha256(key.encode("utf-8")).hexdigest()[:32]
+
+
+class PromptRef(NamedTuple):
+    """A prompt by its store id and dataset, where its problem text is not at hand (a framework's own rollouts)."""
+
+    prompt_id: str
+    dataset: str
 
 
 WANTED_DRAW = "wanted-"
@@ -48,7 +56,7 @@ def logprobs_mode(params: SamplingParams, engine_mode: str = "processed_logprobs
 
 
 def assemble_group(
-    problem: Problem,
+    problem: Problem | PromptRef,
     samples: list[Sample],
     scores: list[Score],
     *,
@@ -62,19 +70,23 @@ def assemble_group(
     group_id: str,
     std_normalize: bool = True,
     engine_logprobs_mode: str = "processed_logprobs",
+    prompt_text: str | None = None,
+    prompt_token_ids: list[int] | None = None,
 ) -> RolloutGroup:
     """One validated group: rewards, group advantages, and logprob sums with the EOS token excluded.
 
     The EOS token stays in completion_token_ids and token_logprobs (the trainer trains on it), but
     not in logprob_sum: another tokenizer's re-tokenisation has its own EOS, so a sequence-level
     likelihood compared across models covers the text only (docs/algorithm.md section 4). engine_logprobs_mode: what the
-    sampler's logprobs are (`Backend.logprobs_mode`), recorded in the rows' logprobs_mode.
+    sampler's logprobs are (`Backend.logprobs_mode`), recorded in the rows' logprobs_mode; without logprobs ('none')
+    the rows' logprob_sum is null. prompt_text / prompt_token_ids: the prompt the samples followed, where known.
     """
     if len(samples) != len(scores):
         raise ValueError(f"assemble_group got {len(samples)} samples but {len(scores)} scores: one score per sample")
     if not samples:
         raise ValueError("assemble_group got no samples: a group needs at least one rollout")
     advantages = group_advantages([s.reward for s in scores], std_normalize=std_normalize)
+    mode = logprobs_mode(params, engine_logprobs_mode)
     rollouts = []
     for index, (sample, score, advantage) in enumerate(zip(samples, scores, advantages)):
         ends_with_eos = sample.finish_reason == "stop" and bool(sample.token_ids) and sample.token_ids[-1] in eos_token_ids
@@ -94,11 +106,12 @@ def assemble_group(
                 top_p=params.top_p,
                 top_k=params.effective_top_k,
                 max_tokens=params.max_tokens,
-                logprobs_mode=logprobs_mode(params, engine_logprobs_mode),
+                logprobs_mode=mode,
                 completion_text=sample.text,
                 completion_token_ids=sample.token_ids,
                 token_logprobs=sample.token_logprobs,
-                logprob_sum=min(0.0, float(sum(text_logprobs))),  # float32 rounding can put a sum of ~0 above 0
+                # float32 rounding can put a sum of ~0 above 0
+                logprob_sum=None if mode == NO_LOGPROBS else min(0.0, float(sum(text_logprobs))),
                 num_tokens=len(sample.token_ids),
                 num_bytes=len(sample.text.encode("utf-8")),
                 finish_reason=sample.finish_reason,
@@ -107,6 +120,8 @@ def assemble_group(
                 extracted_answer=score.extracted_answer,
                 advantage=advantage,
                 group_size=len(samples),
+                prompt_text=prompt_text,
+                prompt_token_ids=prompt_token_ids,
             )
         )
     return RolloutGroup(rollouts=rollouts)

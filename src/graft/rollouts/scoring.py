@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -45,7 +46,7 @@ log = logging.getLogger(__name__)
 class Score:
     reward: float | None  # 1.0 correct, 0.0 wrong / no boxed answer / timeout, None when the gold does not parse
     correct: bool  # reward > 0
-    extracted_answer: str | None  # content of the completion's last \boxed{}, None when there is none
+    extracted_answer: str | None  # the completion's final answer (its last \boxed{} by default), None without one
 
 
 _BOXED_TOKENS = re.compile(r"\\boxed|\\fbox|[{}]")
@@ -76,6 +77,50 @@ def extract_last_boxed(text: str) -> str | None:
                 if bare:
                     return bare.group(1)
     return None
+
+
+ANSWER_RULES = ("boxed", "gsm8k", "answer_tag", "regex")
+_GSM8K_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
+
+
+def answer_extractor(rule: str, pattern: str | None = None) -> Callable[[str], str | None]:
+    """The function that takes a completion's final answer by a run's rule (None when it gives none):
+    - boxed: the last `\\boxed{}` (graft's own);
+    - gsm8k: the last `#### <number>` (GSM8K's solutions, verl's gsm8k reward's strict rule), commas and `$` removed;
+    - answer_tag: the last `<answer>...</answer>` (the R1-style format reward TRL recipes use);
+    - regex: the last match of `pattern` (its first group if it has one)."""
+    if rule == "boxed":
+        return extract_last_boxed
+    if rule == "gsm8k":
+        return _last_gsm8k_answer
+    if rule == "answer_tag":
+        return _last_answer_tag
+    if rule == "regex":
+        if not pattern:
+            raise ValueError("answer rule regex needs a pattern (extract_regex)")
+        compiled = re.compile(pattern, re.S)
+
+        def last_match(text: str) -> str | None:
+            found = None
+            for found in compiled.finditer(text):  # noqa: B007 (the last one is kept)
+                pass
+            if found is None:
+                return None
+            return (found.group(1) if compiled.groups else found.group(0)).strip()
+
+        return last_match
+    raise ValueError(f"unknown answer rule {rule!r}: one of {', '.join(ANSWER_RULES)}")
+
+
+def _last_gsm8k_answer(text: str) -> str | None:
+    found = _GSM8K_ANSWER.findall(text)
+    return found[-1].replace(",", "").replace("$", "") if found else None
+
+
+def _last_answer_tag(text: str) -> str | None:
+    found = _ANSWER_TAG.findall(text)
+    return found[-1].strip() if found else None
 
 
 class ItemTimeout(BaseException):
@@ -246,10 +291,12 @@ class Scorer:
         self._lock = threading.Lock()
         self._workers = [_Worker(timeout_s) for _ in range(num_workers)]
 
-    def score(self, completions: list[str], golds: list[str]) -> list[Score]:
+    def score(self, completions: list[str], golds: list[str],
+              extract: Callable[[str], str | None] = extract_last_boxed) -> list[Score]:
+        """Each completion's reward against its gold; `extract` takes its final answer (`answer_extractor`)."""
         if len(completions) != len(golds):
             raise ValueError(f"score() got {len(completions)} completions but {len(golds)} golds: pass one gold per completion")
-        extracted = [extract_last_boxed(c) for c in completions]
+        extracted = [extract(c) for c in completions]
         with self._lock:
             known: dict[tuple[str | None, str], float | None] = {}
             missing = []

@@ -1,9 +1,13 @@
 """One stored rollout, a rollout group, a problem, and the one Arrow schema they map to.
 
 A row's behaviour logprobs (mu, docs/algorithm.md section 5) may be unknown: a text-only trace or an API without logprobs
-(docs/algorithm.md section 11). Such a row says so with `logprobs_mode = "none"`, an empty `token_logprobs` and
-`logprob_sum = 0.0` (no placeholder a reader could take for a logprob); a group is all with mu or all without.
-Schema version 2 added that value; rows of version 1 read unchanged (they all carry mu).
+(docs/algorithm.md section 11). Such a row says so with `logprobs_mode = "none"`, an empty `token_logprobs` and a null
+`logprob_sum` (no placeholder a reader could take for a logprob); a group is all with mu or all without. A row may
+also keep the prompt its completion followed (`prompt_text`, `prompt_token_ids`: an imported trace's own prompt, which
+a rescoring conditions on), beside the problem its `prompt_id` names.
+Versions: 2 added logprobs_mode 'none' (its logprob_sum then 0.0); 3 made that logprob_sum null and added the two
+prompt columns (last in the schema, nullable). Rows of versions 1 and 2 read unchanged: a shard without the prompt
+columns reads them as null, and a version-2 row without mu keeps its 0.0.
 
 Every writer and reader of the store uses `ROLLOUT_ARROW_SCHEMA`, which is derived from the
 `Rollout` model below (each field carries its Arrow type as annotation metadata), so the pydantic
@@ -21,7 +25,10 @@ from typing import Annotated, Any, Literal
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
-SCHEMA_VERSION = 2  # 2: logprobs_mode 'none' (no behaviour logprobs); version-1 rows read unchanged
+SCHEMA_VERSION = 3  # 2: logprobs_mode 'none'; 3: its logprob_sum null, the prompt columns; older rows read unchanged
+NULL_LOGPROB_SUM_VERSION = 3  # rows of this version on store a null logprob_sum without mu (version 2: 0.0)
+# columns added after version 1, nullable, last in the schema: a shard written before them reads them as null
+ADDED_COLUMNS = ("prompt_text", "prompt_token_ids")
 ADVANTAGE_EPS = 1e-6  # docs/algorithm.md section 2: A = (r - mean) / (std + eps)
 ADVANTAGE_TOLERANCE = 1e-3  # stored advantages are float32; recomputed ones must agree to this
 LOGPROB_TOLERANCE = 1e-6  # a logprob may exceed 0 by this much (rounding in the sampler)
@@ -39,7 +46,8 @@ FLOAT32_MAX = 3.4028234663852886e38  # larger finite floats become inf in a floa
 FLOAT32_TINY = 1.401298464324817e-45  # smaller positive floats become 0 in a float32 column
 NO_LOGPROBS = "none"  # logprobs_mode of a row whose behaviour logprobs (mu) are unknown
 # logprobs_mode of a row whose mu was computed after the fact (graft-rescore): the weights model_revision names,
-# teacher-forced on the stored tokens at the row's temperature (top_p, top_k): an ordinary row with mu to the trainers
+# teacher-forced on the stored tokens at the row's temperature (top_p, top_k), those weights shown to be the ones that
+# wrote the trace (their fingerprint is the source rows' model_revision): an ordinary row with mu to the trainers
 RESCORED = "rescored"
 # logprobs_mode of a row rescored by weights not shown to be the ones that sampled the trace: its logprobs are another
 # model's, mu to the trainers only when a setting says so (graft.trust_unverified_mu)
@@ -140,25 +148,38 @@ class Rollout(BaseModel):
         default="processed",
         description="'processed': logprobs after temperature/top-p (the behaviour policy); 'raw': the model's own "
                     "distribution (greedy); 'none': mu unknown (text-only traces, APIs without logprobs), token_logprobs "
-                    "empty and logprob_sum 0.0; 'rescored': mu teacher-forced after the fact by the weights "
-                    "model_revision names, at the row's temperature (graft-rescore)")
+                    "empty and logprob_sum null (0.0 in rows of schema version 2); 'rescored': mu teacher-forced after "
+                    "the fact by the weights model_revision names, shown to be the trace's author, at the row's "
+                    "temperature (graft-rescore); 'rescored_unverified': the same by weights not shown to be its author")
     # content
     completion_text: Annotated[str, Arrow(pa.string())] = Field(description="decoded completion, special tokens excluded")
     completion_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Arrow(pa.list_(pa.int32()))] = Field(
         description="sampled token ids (EOS included when finished)")
     token_logprobs: Annotated[list[Annotated[float, Field(ge=-FLOAT32_MAX, le=LOGPROB_TOLERANCE)]], Arrow(pa.list_(pa.float32()))] = Field(
         description="behaviour logprob of each sampled token (finite, <= 0); empty when logprobs_mode is 'none'")
-    logprob_sum: Annotated[float, Arrow(pa.float64())] = Field(
-        le=0.0, description="sum of token_logprobs, EOS excluded; 0.0 when logprobs_mode is 'none'")
+    logprob_sum: Annotated[float | None, Arrow(pa.float64(), nullable=True)] = Field(
+        le=0.0, description="sum of token_logprobs, EOS excluded; null when logprobs_mode is 'none' (0.0 in rows of "
+                            "schema version 2)")
     num_tokens: Annotated[int, Arrow(pa.int32())] = Field(ge=0, le=INT32_MAX, description="len(completion_token_ids)")
     num_bytes: Annotated[int, Arrow(pa.int32())] = Field(ge=0, le=INT32_MAX, description="UTF-8 length of completion_text")
     finish_reason: Annotated[FinishReason, Arrow(pa.string())] = Field(description="'stop' (EOS or stop string), 'length' or 'abort'")
     # outcome
     reward: Annotated[float | None, Arrow(pa.float32(), nullable=True)] = Field(default=None, description="in [0, 1]; null when the gold cannot be parsed")
     correct: Annotated[StrictBool, Arrow(pa.bool_())] = Field(description="reward > 0")
-    extracted_answer: Annotated[str | None, Arrow(pa.string(), nullable=True)] = Field(default=None, description="last \\boxed{} of the completion")
+    extracted_answer: Annotated[str | None, Arrow(pa.string(), nullable=True)] = Field(
+        default=None, description="the final answer the scoring rule took from the completion (by default its last "
+                                  "\\boxed{})")
     advantage: Annotated[float, Arrow(pa.float32())] = Field(ge=-FLOAT32_MAX, le=FLOAT32_MAX, description="group-normalised advantage")
     group_size: Annotated[int, Arrow(pa.int32())] = Field(ge=1, le=INT32_MAX, description="number of rollouts in the group")
+    # the prompt the completion followed (ADDED_COLUMNS: last, nullable; version 3)
+    prompt_text: Annotated[str | None, Arrow(pa.string(), nullable=True)] = Field(
+        default=None, description="the prompt the completion followed, as its source gives it (an imported trace's "
+                                  "prompt, chat template included where the source applied one); null: not kept (the "
+                                  "prompt is rebuilt from the problem prompt_id names)")
+    prompt_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None,
+                                Arrow(pa.list_(pa.int32()), nullable=True)] = Field(
+        default=None, description="the prompt's token ids in tokenizer_id's vocabulary, where the source gives them; "
+                                  "null: not known")
 
     @field_validator("token_logprobs")
     @classmethod
@@ -189,12 +210,17 @@ class Rollout(BaseModel):
     def _consistent_lengths(self) -> Rollout:
         n_ids, n_lps = len(self.completion_token_ids), len(self.token_logprobs)
         if self.logprobs_mode == NO_LOGPROBS:
-            if n_lps or self.logprob_sum != 0.0:
+            unknown = None if self.schema_version >= NULL_LOGPROB_SUM_VERSION else 0.0
+            if n_lps or self.logprob_sum != unknown:
                 raise ValueError(f"logprobs_mode = 'none' (mu unknown) but token_logprobs has {n_lps} entries and "
                                  f"logprob_sum = {self.logprob_sum!r}: a row without behaviour logprobs stores an "
-                                 "empty token_logprobs and logprob_sum 0.0")
-        elif n_ids != n_lps:
-            raise ValueError(f"completion_token_ids has {n_ids} entries but token_logprobs has {n_lps}: they must be equal")
+                                 f"empty token_logprobs and logprob_sum {unknown} (schema version {self.schema_version})")
+        else:
+            if n_ids != n_lps:
+                raise ValueError(f"completion_token_ids has {n_ids} entries but token_logprobs has {n_lps}: they must be equal")
+            if self.logprob_sum is None:
+                raise ValueError(f"logprob_sum is null but logprobs_mode = {self.logprobs_mode!r}: only a row without "
+                                 "behaviour logprobs ('none') has no logprob_sum")
         if self.num_tokens != n_ids:
             raise ValueError(f"num_tokens = {self.num_tokens} but completion_token_ids has {n_ids} entries")
         n_bytes = len(self.completion_text.encode("utf-8"))
@@ -202,7 +228,7 @@ class Rollout(BaseModel):
             raise ValueError(f"num_bytes = {self.num_bytes} but completion_text is {n_bytes} UTF-8 bytes")
         if self.correct != (self.reward is not None and self.reward > 0):
             raise ValueError(f"correct = {self.correct} disagrees with reward = {self.reward!r} (correct means reward > 0)")
-        if not math.isfinite(self.advantage) or not math.isfinite(self.logprob_sum):
+        if not math.isfinite(self.advantage) or (self.logprob_sum is not None and not math.isfinite(self.logprob_sum)):
             raise ValueError("advantage and logprob_sum must be finite")
         return self
 

@@ -11,9 +11,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _FACE = {
-    "graft.trainer.config": ("GraftOptions", "StoreConfig", "TrainConfig"),
+    "graft.trainer.config": ("GraftOptions", "StoreConfig", "TrainConfig", "host_peers"),
     "graft.trainer.loop": ("train",),
-    "graft.trainer.host": ("GraftHost", "host_setup"),
+    "graft.trainer.host": ("GraftHost", "OwnRow", "host_setup"),
     "graft.trainer.gate": ("GateDecision", "gate_groups", "gate_tally"),
     "graft.trainer.store_link": ("LookupResult",),
     "graft.trainer.retokenize": ("learner_stop_token",),
@@ -22,10 +22,10 @@ _FACE = {
     "graft.trainer.metrics": ("graft_metrics", "graft_tally"),
 }
 __all__ = [  # _FACE's names, written out for the tools that read __all__ (a test holds the two equal)
-    "FirstPass", "GateDecision", "GraftHost", "GraftOptions", "LookupResult", "PeerRowCounts", "StoreConfig", "TrainConfig",
-    "TrainSample", "WeightStats", "WeightedRows", "gate_groups", "gate_tally", "graft_metrics", "graft_tally",
-    "fit_grafted_group", "grafted_group_rows", "host_setup", "learner_stop_token", "old_logprobs_and_weights",
-    "peer_rows", "train",
+    "FirstPass", "GateDecision", "GraftHost", "GraftOptions", "LookupResult", "OwnRow", "PeerRowCounts", "StoreConfig",
+    "TrainConfig", "TrainSample", "WeightStats", "WeightedRows", "gate_groups", "gate_tally", "graft_metrics",
+    "graft_tally", "fit_grafted_group", "grafted_group_rows", "host_peers", "host_setup", "learner_stop_token",
+    "old_logprobs_and_weights", "peer_rows", "train",
 ]
 
 if TYPE_CHECKING:
@@ -40,9 +40,9 @@ if TYPE_CHECKING:
         old_logprobs_and_weights,
         peer_rows,
     )
-    from graft.trainer.config import GraftOptions, StoreConfig, TrainConfig
+    from graft.trainer.config import GraftOptions, StoreConfig, TrainConfig, host_peers
     from graft.trainer.gate import GateDecision, gate_groups, gate_tally
-    from graft.trainer.host import GraftHost, host_setup
+    from graft.trainer.host import GraftHost, OwnRow, host_setup
     from graft.trainer.loop import train
     from graft.trainer.metrics import graft_metrics, graft_tally
     from graft.trainer.store_link import LookupResult

@@ -240,15 +240,6 @@ class StoreConfig(_Section):
                                  "(prefetch | cotrain | lockstep | replay), with each source's own settings beside it")
         return data
 
-    def refuse_broker_posts(self, where: str) -> None:
-        """`where` (a framework's adapter) neither posts its misses nor its grafts: the settings that need them would do
-        nothing there, so they are refused. (serve_order most_successes orders without the ledger: allowed.)"""
-        needing = [name for name, on in (("want_misses", self.want_misses), ("max_times_served", self.max_times_served is not None),
-                                         ("serve_order least_served", self.serve_order == "least_served")) if on]
-        if needing:
-            raise ValueError(f"{where}: {', '.join(needing)} needs the trainer to post its misses and grafts to the store "
-                             "(graft-train does; this adapter does not yet), so it would do nothing here: drop it")
-
     @property
     def records_served(self) -> bool:
         """Whether the trainer posts what it grafts to the store's served ledger: when the serving policy reads it."""
@@ -261,12 +252,19 @@ class _PeerSourceSection(KindSection):
     SECTION, KIND = "peers", "source"  # a setting of another source is refused, naming what this source takes
 
 
+# After generation, how long a step waits at most for the peer lookup that ran while it sampled, in every trainer
+# (graft-train's peers.lookup_wait_s, TRL's graft_lookup_wait_s, verl's graft.lookup_wait_s): the lookup is back long
+# before a step's sampling ends unless the store is slow, so the wait costs nothing then, and a step's grafts do not
+# depend on the store's speed; a slow store costs each step at most this (counted; said after a few steps in a row)
+LOOKUP_WAIT_S = 30.0
+
+
 class PrefetchPeers(_PeerSourceSection):
     """Offline: the step's lookup runs in the background while the learner samples; the gate takes what is back."""
 
     source: Literal["prefetch"] = Field(default="prefetch", description="prefetch: read the store; the step's lookup runs while the learner samples, and the gate takes what is back")
-    lookup_wait_s: float = Field(default=0.0, ge=0.0, description="prefetch: after generation, wait at most this long for the step's peer lookup; 0: graft only what is already back. A step that waited is counted in store_wait_s; one whose lookup was still out, in store_lookups_late")
-    publish: bool = Field(default=False, description="prefetch: also push every sampled group to the store (others' peers; co-training sources always do)")
+    lookup_wait_s: float = Field(default=LOOKUP_WAIT_S, ge=0.0, description="prefetch: after generation, wait at most this long for the step's peer lookup (it ran while the step sampled); 0: graft only what is already back. A step's wait is store_wait_s; a step whose lookup was still out trains as GRPO, counted in store_lookups_late, and a few such steps in a row are warned about")
+    publish: bool = Field(default=False, description="prefetch: also push every sampled group to the store, in the background (others' peers; co-training sources always do)")
 
 
 class CotrainPeers(_PeerSourceSection):
@@ -298,6 +296,37 @@ class ReplayPeers(_PeerSourceSection):
 
 
 PeersConfig = Annotated[PrefetchPeers | CotrainPeers | LockstepPeers | ReplayPeers, Field(discriminator="source")]
+SOURCE_SECTIONS = {"prefetch": PrefetchPeers, "cotrain": CotrainPeers, "lockstep": LockstepPeers, "replay": ReplayPeers}
+
+
+def host_peers(source: str, lookup_wait_s: float | None, publish: bool | None, options: dict[str, Any] | None,
+               runs: tuple[str, ...], why_not: dict[str, str], names: dict[str, str]) -> dict[str, Any]:
+    """The peers section of a framework's run (TRL's, verl's) from its settings: the source, prefetch's wait (None: its
+    default), whether prefetch publishes (None: the source's own way) and the source's other settings (`options`:
+    cotrain's wait_s, ...). `runs`: the sources the framework's trainer runs; another is refused, with `why_not` its
+    reason, and so is a setting that would do nothing with the source. `names`: the framework's name of each of the four
+    settings (source, lookup_wait_s, publish, options)."""
+    if source not in runs:
+        raise ValueError(f"{names['source']} {source!r}: this trainer runs {', '.join(runs)}"
+                         + (f"; {source}: {why_not[source]}" if source in why_not else ""))
+    options = dict(options or {})
+    own = [key for key in ("source", "lookup_wait_s", "publish") if key in options]
+    if own:
+        raise ValueError(f"{names['options']}: give {', '.join(own)} as {', '.join(names[key] for key in own)}")
+    if lookup_wait_s is not None and source != "prefetch":
+        raise ValueError(f"{names['lookup_wait_s']} with {names['source']} {source}: it is prefetch's wait (a co-training "
+                         f"source waits as {names['options']} says: cotrain wait_s, lockstep partner_timeout_s)")
+    if publish is False and source in ("cotrain", "lockstep"):
+        raise ValueError(f"{names['publish']} false with {names['source']} {source}: a co-trainer publishes its groups "
+                         "(its partner waits for them); read the store without publishing with prefetch")
+    peers = {"source": source, **options}
+    if source == "prefetch":
+        peers |= {key: value for key, value in (("lookup_wait_s", lookup_wait_s), ("publish", publish)) if value is not None}
+    try:
+        SOURCE_SECTIONS[source].model_validate(peers)
+    except ValueError as error:
+        raise ValueError(f"{names['options']}: {error}") from None
+    return peers
 PEER_SOURCES = ("prefetch", "cotrain", "lockstep", "replay")
 # store.* keys of earlier releases that said how peers arrive, now peers.* (TrainConfig._peers_from_old_store_keys)
 OLD_SOURCE_KEYS = ("mode", "publish", "lookup_wait_s", "cotrain_wait_s", "cotrain_poll_s", "cotrain_lockstep", "replay_from")

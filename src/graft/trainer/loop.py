@@ -181,7 +181,7 @@ def _train_with(cfg: TrainConfig, dist: DistContext, resume: bool, overwrite: bo
             if source is not None:
                 source.publish(sampled.generated, [sampled.problem_of[g.prompt_id] for g in sampled.generated])
             with clock("gate_s"):
-                found = source.candidates(pending, request, sampled.groups, host.refused.usable, policy_step) if graft else None
+                found = source.candidates(pending, request, sampled.rewards, host.refused.usable, policy_step) if graft else None
                 candidates = found.groups if found else {}
                 decisions = gate_groups(sampled.rewards, candidates, request, max_grafted_fraction=cfg.graft.max_grafted_fraction,
                                         rng=random.Random(cfg.seed * 7_919 + policy_step), usable_tokenizers=host.refused.usable,

@@ -3,10 +3,13 @@
 
 Every source gives the step's lookup rule (`request`: its `accepts` is the rule of which peer group may be grafted; the
 store's lookup, the gate and the co-training waits apply it alike) and the peer groups the gate chooses from
-(`candidates`), publishes the run's own groups when it should (`publish`), and acts on the gate's decisions
-(`after_gate`: the broker's wants and served ledger, a replay's comparison).
+(`candidates`, from the step's lookup(s) and the learner's own rewards), publishes the run's own groups when it should
+(`publish`), and acts on the gate's decisions (`after_gate`: the broker's wants and served ledger, a replay's
+comparison). graft-train's loop and the framework trainers that host GRAFT (TRL, verl) call the same sources.
 - `PeerSource` (prefetch): the step's lookup runs in the background while the learner samples; the gate takes what is
-  back within peers.lookup_wait_s (default 0: what is already back). Publishes when peers.publish says so.
+  back within peers.lookup_wait_s (one deadline per step, however many lookups a host's step spans); a step whose
+  lookup was later trains as GRPO, counted, and LATE_WARN_STEPS such steps in a row are warned about. Publishes when
+  peers.publish says so.
 - `Cotrain`: publishes every sampled group; waits up to peers.wait_s for the co-trainer's groups of the step's all-fail
   prompts that have none the gate would graft yet (the co-trainer may still be sampling them); does not wait while
   the store is known to be down, and counts (metric `cotrain_peer_silent_steps`) and warns about steps whose wait ran
@@ -35,6 +38,9 @@ from graft.trainer.store_link import NAN, LookupResult, StoreLink
 
 log = logging.getLogger(__name__)
 PEER_SILENT_WARN_STEPS = 5  # co-training steps in a row without a group from the co-trainer before a warning
+LATE_WARN_STEPS = 3  # steps in a row whose lookup was not back within the lookup wait before a warning
+Pending = Future | list[Future | None] | None  # a step's background lookup(s): a host may start several for one step
+LearnerRewards = list[tuple[str, list[float | None]]]  # (prompt id, the learner's rewards of its group), per group
 
 
 class PartnerGone(RuntimeError):
@@ -50,6 +56,7 @@ class PeerSource:
                  publishes: bool = False, lookup_wait_s: float = 0.0):
         self.link, self.graft, self.store, self.learner_model = link, graft, store, learner_model
         self.publishes, self.lookup_wait_s = publishes, lookup_wait_s
+        self.late_steps = 0  # steps in a row whose lookup was not back within the wait
 
     @property
     def counters(self):
@@ -91,19 +98,45 @@ class PeerSource:
         """The background lookup's result if it is back within `wait_s` seconds (0: only if already back)."""
         return self.link.collect(pending, wait_s)
 
+    def gather(self, pending: Pending, wait_s: float) -> LookupResult:
+        """What the step's lookup(s) brought within `wait_s` seconds, one deadline for them all, by prompt; the step is
+        counted late (`note_late`) when one was still out. ok: every lookup was asked and answered."""
+        deadline = time.monotonic() + wait_s
+        found, late = LookupResult(ok=True), False
+        for future in pending if isinstance(pending, list) else [pending]:
+            before = self.counters.lookups_late
+            result = self.collect(future, max(0.0, deadline - time.monotonic()))
+            late |= self.counters.lookups_late > before
+            found.ok &= result.ok
+            for prompt_id, groups in result.groups.items():
+                found.groups.setdefault(prompt_id, []).extend(groups)
+            found.miss_reasons.update(result.miss_reasons)
+        self.note_late(late)
+        return found
+
+    def note_late(self, late: bool) -> None:
+        """Count the steps in a row whose lookup was not back within the wait, and say so: they train as GRPO."""
+        self.late_steps = self.late_steps + 1 if late else 0
+        if self.late_steps == LATE_WARN_STEPS or (late and self.late_steps % (10 * LATE_WARN_STEPS) == 0):
+            log.warning("the store's answer came too late to graft from in %d steps in a row (each waited up to %g s "
+                        "after generation: peers.lookup_wait_s, TRL's graft_lookup_wait_s, verl's graft.lookup_wait_s; "
+                        "metric store_lookups_late): those steps' all-fail groups train as GRPO. Is the store %s slow or "
+                        "overloaded? Raise the wait, or serve it closer", self.late_steps, self.lookup_wait_s,
+                        self.store.url)
+
     # ---- after sampling -------------------------------------------------------------------------
     def publish(self, groups: list[RolloutGroup], problems: list[Problem | None]) -> None:
         """The run's own groups to the store, in the background (when this source publishes)."""
         if self.publishes:
             self.link.publish(groups, problems)
 
-    def candidates(self, pending: Future | None, request: PeerLookupRequest | None, groups: list[RolloutGroup],
+    def candidates(self, pending: Pending, request: PeerLookupRequest | None, learner_rewards: LearnerRewards,
                    usable_tokenizers: set[str] | None, policy_step: int) -> LookupResult:
         """The peer groups the step's gate chooses from, by prompt, in serving order. No request: nothing asked."""
         if request is None:
             return LookupResult(ok=True)
         started = time.monotonic()
-        found = self.collect(pending, self.lookup_wait_s)
+        found = self.gather(pending, self.lookup_wait_s)
         found.wait_s = time.monotonic() - started
         return found
 
@@ -115,7 +148,7 @@ class PeerSource:
                         informative_only=not self.graft.union_all_success, max_times_served=self.store.max_times_served)
 
     def after_gate(self, policy_step: int, decisions: list[GateDecision], found: LookupResult | None,
-                   problem_of: dict[str, Problem], learner_rewards: list[tuple[str, list[float | None]]]) -> None:
+                   problem_of: dict[str, Problem], learner_rewards: LearnerRewards) -> None:
         """Post the step's all-fail prompts that got no peer group to graft to the store's wanted prompts
         (store.want_misses), and the peer groups grafted to its served ledger (when the serving policy reads it), in the
         background, ahead of the next lookup; a failure is counted, logged and sent again later, never fatal. Nothing
@@ -131,7 +164,8 @@ class PeerSource:
                     continue
                 reason = found.miss_reasons.get(decision.prompt_id) or (
                     "only_uninformative" if decision.action == "skip_uninformative" else "peers_not_admitted")
-                wants.append(Want(prompt_id=decision.prompt_id, reason=reason, problem=problem_of[decision.prompt_id]))
+                # a host that does not know a prompt's problem sends none: the store takes it for a prompt it knows
+                wants.append(Want(prompt_id=decision.prompt_id, reason=reason, problem=problem_of.get(decision.prompt_id)))
         served = [d.peer_group.group_id for d in decisions if d.grafts] if self.store.records_served else []
         if wants or served:
             self.link.post_broker(policy_step, wants, served, self.want_rule())
@@ -140,8 +174,9 @@ class PeerSource:
     def finish(self, timeout_s: float) -> None:
         """Deliver what waits (published groups, broker posts), at most `timeout_s`; say what could not be."""
         if not self.link.flush(timeout_s):
-            log.warning("%d sampled groups and %d broker posts could not be delivered to the store %s before exit",
-                        self.link.outbox_size, self.link.broker_queued, self.store.url)
+            log.warning("%d sampled groups and %d broker posts could not be delivered to the store %s within %g s of the "
+                        "end (its last error: %s): they are dropped", self.link.outbox_size, self.link.broker_queued,
+                        self.store.url, timeout_s, self.link.last_error or "none: still being sent")
 
     def close(self) -> None:
         self.link.close()
@@ -159,6 +194,10 @@ class _CoTraining(PeerSource):
         self.poll_s = settings.poll_s
         self.stopping = stopping  # True once the trainer is asked to stop (SIGTERM): the wait ends early
 
+    def note_late(self, late: bool) -> None:
+        """Nothing: a late lookup is counted (store_lookups_late), and what a co-trainer did not deliver is waited for,
+        counted and said as its silence (`Cotrain.note_wait`)."""
+
 
 class Cotrain(_CoTraining):
     """cotrain: publish every group, wait a bounded time for the co-trainer's groups of the step's all-fail prompts."""
@@ -169,15 +208,15 @@ class Cotrain(_CoTraining):
         self.wait_s = settings.wait_s
         self.silent_steps = 0  # steps in a row whose wait ran out without a group from the co-trainer
 
-    def candidates(self, pending: Future | None, request: PeerLookupRequest | None, groups: list[RolloutGroup],
+    def candidates(self, pending: Pending, request: PeerLookupRequest | None, learner_rewards: LearnerRewards,
                    usable_tokenizers: set[str] | None, policy_step: int) -> LookupResult:
         """The background lookup's answer (waited for up to peers.wait_s), and what arrives within peers.wait_s for the
         all-fail prompts that have no group the gate would graft yet."""
         if request is None:
             return LookupResult(ok=True)
         started = time.monotonic()
-        lookup = self.collect(pending, self.wait_s)
-        all_fail = [g.prompt_id for g in groups if classify_group([r.reward for r in g.rollouts]) == "all_fail"]
+        lookup = self.gather(pending, self.wait_s)
+        all_fail = [prompt for prompt, rewards in learner_rewards if classify_group(rewards) == "all_fail"]
         missing = [p for p in all_fail
                    if choose_peer_group(lookup.groups.get(p, []), request, usable_tokenizers,
                                         trust_unverified_mu=self.graft.trust_unverified_mu)[1] not in GRAFT_ACTIONS]
@@ -255,7 +294,7 @@ class Lockstep(_CoTraining):
     def start_lookup(self, request: PeerLookupRequest | None) -> Future | None:
         return None  # a lookup before sampling would see the step before: the groups of the step come after it
 
-    def candidates(self, pending: Future | None, request: PeerLookupRequest | None, groups: list[RolloutGroup],
+    def candidates(self, pending: Pending, request: PeerLookupRequest | None, learner_rewards: LearnerRewards,
                    usable_tokenizers: set[str] | None, policy_step: int) -> LookupResult:
         if request is None:
             return LookupResult(ok=True)
@@ -343,13 +382,13 @@ class Replay(PeerSource):
     def start_lookup(self, request: PeerLookupRequest | None) -> Future | None:
         return None  # no lookup: the groups come by id
 
-    def candidates(self, pending: Future | None, request: PeerLookupRequest | None, groups: list[RolloutGroup],
+    def candidates(self, pending: Pending, request: PeerLookupRequest | None, learner_rewards: LearnerRewards,
                    usable_tokenizers: set[str] | None, policy_step: int) -> LookupResult:
         """The recorded lookup of the step (recorded under the metrics' step, policy step + 1), checked by hash."""
         return self.recorded.lookup(policy_step + 1, self.link.get_group, self.store.url)
 
     def after_gate(self, policy_step: int, decisions: list[GateDecision], found: LookupResult | None,
-                   problem_of: dict[str, Problem], learner_rewards: list[tuple[str, list[float | None]]]) -> None:
+                   problem_of: dict[str, Problem], learner_rewards: LearnerRewards) -> None:
         """Stop at the first difference from the record, before the step trains; nothing is posted."""
         self.recorded.compare(policy_step + 1, learner_rewards, [d.peer_group.group_id for d in decisions if d.grafts])
 

@@ -10,7 +10,11 @@ setup. Nothing here ever stops training on the store (but `get_group`, a replay'
   ledger entry of a step is in the store when the next step asks (the serving policy reads it).
 - A broker post that could not be sent waits (bounded) and goes with the next one; one the store refuses (4xx) is
   logged, counted and dropped, never retried forever. The store takes the same entry twice as once (idempotent).
-- Publishing: groups go into a bounded outbox pushed by a second worker; groups a failed push left wait for the next.
+- Publishing: groups go into a bounded outbox pushed by a second worker; groups a failed push left wait for the next
+  (the store down, slow or erroring: 5xx, 408, 429). A push the store refuses (another 4xx: a group id it holds under
+  another prompt, 409; a row it finds invalid, 422) is split into one push per group, so that the store takes the others:
+  each group it still refuses is named in the log, counted (groups_refused) and dropped, never retried. At the end
+  (`flush`) what waits is pushed through the backoff until the deadline; what is left is said in one line.
 - Heartbeats (lockstep co-training): a third thread tells the store, every few seconds, that this trainer lives, at
   which step, and whether it is waiting for its partners (`start_heartbeat`); `heartbeats` reads the partners'.
 """
@@ -71,7 +75,9 @@ class StoreCounters:
     lookups_late: int = 0  # not back when the gate needed them (prefetch: within peers.lookup_wait_s, default 0)
     groups_published: int = 0
     publish_failures: int = 0
-    groups_dropped_from_outbox: int = 0
+    groups_dropped_from_outbox: int = 0  # more than OUTBOX_LIMIT groups waited while the store was down (oldest dropped)
+    groups_refused: int = 0  # groups the store refused (4xx but 408, 429: named in the log, dropped, never retried)
+    groups_not_publishable: int = 0  # a host's own groups that are no stored group (a reward outside [0, 1]: logged)
     cotrain_waits_skipped: int = 0  # co-training waits not started: the store was known to be down
     wants_posted: int = 0  # all-fail prompts without a peer group posted to the store's wanted prompts (store.want_misses)
     served_posted: int = 0  # grafted groups posted to the store's served ledger (store.max_times_served, serve_order)
@@ -99,6 +105,13 @@ def _unexpected(error: Exception) -> bool:
     return not isinstance(error, (StoreError, OSError))
 
 
+def refused(error: Exception) -> bool:
+    """Whether the store refused the request itself (a 4xx but 408 and 429, which say "later"): sending it again
+    would be refused again. Anything else (the store down, a 5xx, a timeout) is worth another try."""
+    return (isinstance(error, StoreError) and not isinstance(error, StoreUnavailable) and error.status_code is not None
+            and 400 <= error.status_code < 500 and error.status_code not in (408, 429))
+
+
 class StoreLink:
     """One trainer's calls to one store, each kind on a thread of its own, none ever fatal."""
 
@@ -120,6 +133,8 @@ class StoreLink:
         self._next_seq = 0
         self._in_flight: set[int] = set()  # seqs of the outbox's groups a push is sending now
         self._publishing: Future | None = None
+        self._overflow_said = False  # the outbox's overflow was said (once per outage)
+        self.last_error = ""  # what the last failed call said (the end's line names it)
         self._broker_queue: list[WantedRequest | ServedRequest] = []  # oldest first, sent by the lookup worker
         self._posting: Future | None = None
         self._beating: threading.Thread | None = None
@@ -139,6 +154,7 @@ class StoreLink:
                             self.store.url, self._consecutive_failures)
             self._consecutive_failures = 0
             self._down_until = 0.0
+            self._overflow_said = False
 
     def _record_failure(self, what: str, error: Exception) -> None:
         """Back off, and say so."""
@@ -146,6 +162,7 @@ class StoreLink:
             self._consecutive_failures += 1
             pause = min(self.store.backoff_initial_s * 2 ** (self._consecutive_failures - 1), self.store.backoff_max_s)
             self._down_until = time.monotonic() + pause
+            self.last_error = f"{what}: {type(error).__name__}: {error}"
             log.warning("store %s: %s failed (%s: %s); training goes on without peers, next try in %.1f s",
                         self.store.url, what, type(error).__name__, error, pause, exc_info=_unexpected(error))
 
@@ -235,7 +252,7 @@ class StoreLink:
                 else:
                     self._lookup_client.record_served(request)
             except StoreError as error:
-                if isinstance(error, StoreUnavailable) or error.status_code is None or error.status_code >= 500:
+                if not refused(error):
                     self.count("broker_failures")
                     self._record_failure("posting wants and served groups", error)
                     return  # kept: it goes again with the next post or lookup
@@ -283,13 +300,18 @@ class StoreLink:
 
     def _trim_outbox(self) -> None:
         """Drop the oldest groups beyond OUTBOX_LIMIT among those waiting (a push in flight keeps its own: they are
-        counted published or, if it fails, wait again); with the lock held."""
+        counted published or, if it fails, wait again), saying so once per outage; with the lock held."""
         waiting = [entry.seq for entry in self._outbox if entry.seq not in self._in_flight]
         overflow = len(waiting) - OUTBOX_LIMIT
         if overflow > 0:
             dropped = set(waiting[:overflow])
             self._outbox = [entry for entry in self._outbox if entry.seq not in dropped]
             self.counters.groups_dropped_from_outbox += overflow
+            if not self._overflow_said:
+                self._overflow_said = True
+                log.warning("store %s: more than %d sampled groups wait to be published while it cannot be reached: "
+                            "the oldest are dropped, never pushed (metric store_groups_dropped_from_outbox)",
+                            self.store.url, OUTBOX_LIMIT)
 
     def _flush(self) -> None:
         while True:
@@ -298,11 +320,11 @@ class StoreLink:
                 self._in_flight = {entry.seq for entry in batch}
             if not batch:
                 return
-            groups = [entry.group for entry in batch]
-            problems = list({e.problem.prompt_id: e.problem for e in batch if e.problem is not None}.values())
-            try:
-                self._publish_client.push_groups(groups, problems=problems or None)
-            except Exception as error:  # noqa: BLE001 - as for lookups: counted, retried later, never fatal
+            error = self._push(batch)
+            if error is not None and refused(error):
+                # One bad group refuses the whole push: the store then takes the others one by one
+                error = self._push_each(batch) if len(batch) > 1 else self._drop_refused(batch[0], error)
+            if error is not None:
                 with self._lock:
                     self.counters.publish_failures += 1
                     self._in_flight = set()
@@ -310,29 +332,66 @@ class StoreLink:
                 self._record_failure("publishing groups", error)
                 return
             self._record_success()
-            with self._lock:
-                # By name: publish() may have trimmed or added groups while this push was on its way.
-                self._outbox = [entry for entry in self._outbox if entry.seq not in self._in_flight]
-                self._in_flight = set()
-                self.counters.groups_published += len(batch)
+
+    def _push(self, entries: list[_Queued]) -> Exception | None:
+        """Push `entries` in one request: None when the store took them (they leave the outbox, counted published),
+        else what went wrong (they stay)."""
+        problems = list({e.problem.prompt_id: e.problem for e in entries if e.problem is not None}.values())
+        try:
+            self._publish_client.push_groups([entry.group for entry in entries], problems=problems or None)
+        except Exception as error:  # noqa: BLE001 - as for lookups: counted, retried later, never fatal
+            return error
+        self._settle(entries, "groups_published")
+        return None
+
+    def _push_each(self, entries: list[_Queued]) -> Exception | None:
+        """A push the store refused, one group at a time: the store takes the others, and each group it refuses is
+        dropped (`_drop_refused`). Returns the first error that is no refusal (the rest then wait), else None."""
+        for entry in entries:
+            error = self._push([entry])
+            if error is not None:
+                error = self._drop_refused(entry, error) if refused(error) else error
+            if error is not None:
+                return error
+        return None
+
+    def _drop_refused(self, entry: _Queued, error: Exception) -> None:
+        """A group the store refused: named in the log, counted, dropped (pushing it again would be refused again)."""
+        group = entry.group
+        log.error("store %s refused group %s (model %s, prompt %s, policy step %d): %s; the group is dropped, not sent "
+                  "again (metric store_groups_refused)", self.store.url, group.group_id, group.model_id, group.prompt_id,
+                  group.policy_step, error)
+        self._settle([entry], "groups_refused")
+
+    def _settle(self, entries: list[_Queued], counter: str) -> None:
+        """`entries` leave the outbox, by name (publish() may have trimmed or added groups meanwhile), counted."""
+        seqs = {entry.seq for entry in entries}
+        with self._lock:
+            self._outbox = [entry for entry in self._outbox if entry.seq not in seqs]
+            self._in_flight -= seqs
+            setattr(self.counters, counter, getattr(self.counters, counter) + len(entries))
 
     def flush(self, timeout_s: float) -> bool:
-        """Push what is queued (groups and broker posts), waiting at most `timeout_s`; True when nothing is left."""
+        """Deliver what waits (groups and broker posts) within `timeout_s`: the run's last chance, so a store backed off
+        from is tried again when its pause ends, until the deadline. True when nothing is left."""
         deadline = time.monotonic() + timeout_s
-        for name, pool, send in (("_publishing", self._publish_pool, self._flush),
-                                 ("_posting", self._lookup_pool, self._send_broker_queue)):
-            if getattr(self, name) is not None:
-                try:
-                    getattr(self, name).result(timeout=max(0.0, deadline - time.monotonic()))
-                except FutureTimeout:
-                    return False
-            if (self.outbox_size if name == "_publishing" else self.broker_queued) and self.available:
-                setattr(self, name, pool.submit(send))
-                try:
-                    getattr(self, name).result(timeout=max(0.0, deadline - time.monotonic()))
-                except FutureTimeout:
-                    return False
-        return not self.outbox_size and not self.broker_queued
+        while True:
+            for pending in (self._publishing, self._posting):
+                if pending is not None:
+                    try:
+                        pending.result(timeout=max(0.0, deadline - time.monotonic()))
+                    except FutureTimeout:
+                        return False
+            if not self.outbox_size and not self.broker_queued:
+                return True
+            pause = max(0.0, self._down_until - time.monotonic())
+            if time.monotonic() + pause >= deadline:
+                return False
+            time.sleep(pause)
+            if self.outbox_size:
+                self._publishing = self._publish_pool.submit(self._flush)
+            if self.broker_queued:
+                self._posting = self._lookup_pool.submit(self._send_broker_queue)
 
     @property
     def outbox_size(self) -> int:

@@ -23,8 +23,10 @@ def accuracy(completions: list[str], answer: list[str], **_: Any) -> list[float]
 
 
 def dataset(problems: list[Problem]) -> Dataset:
-    """The problems as a TRL dataset: the prompt (the problem text, as the toy models were trained), its store id."""
-    return Dataset.from_list([{"prompt": p.problem, "prompt_id": p.prompt_id, "answer": p.answer} for p in problems])
+    """The problems as a TRL dataset: the prompt (the problem text, as the toy models were trained), its store id, the
+    problem and its answer (what a want and a published group carry)."""
+    return Dataset.from_list([{"prompt": p.problem, "prompt_id": p.prompt_id, "problem": p.problem, "answer": p.answer}
+                              for p in problems])
 
 
 def make_args(out_dir: Path, store_url: str | None, peer_dir: Path | None, **overrides: Any) -> GraftConfig:
@@ -33,7 +35,6 @@ def make_args(out_dir: Path, store_url: str | None, peer_dir: Path | None, **ove
         output_dir=str(out_dir), per_device_train_batch_size=32, num_generations=8, max_completion_length=16,
         max_steps=2, learning_rate=1e-3, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", seed=0,
         disable_tqdm=True, graft_store_url=store_url, graft_peer_tokenizers=[str(peer_dir)] if peer_dir else None,
-        graft_lookup_wait_s=30.0,  # the tests' store answers in milliseconds: never late, whatever the machine's load
         # the `spec` preset's formulas (b, peer negatives) unless a test says otherwise: the tests check b and peer negatives
         graft_options={"token_is": "tis", "peer_negative_scale": 1.0},
     )

@@ -16,6 +16,7 @@ from verl_world import graft_overrides, verl_config  # noqa: E402
 
 from graft.integrations.verl.config import check_config, graft_section, train_config  # noqa: E402
 from graft.integrations.verl.trainer import GraftPPOTrainer  # noqa: E402
+from graft.trainer.config import LOOKUP_WAIT_S  # noqa: E402
 
 STORE = "http://127.0.0.1:8600"
 # a fresh user's environment has none of the test-only CPU shim's settings (cpu_actor.py sets VERL_PLATFORM=cpu and
@@ -48,8 +49,11 @@ def config(*extra: str):
     (["+graft.options.union_all_success=true"], "union_all_success"),
     (["+graft.store_options.mode=cotrain"], "peers.source"),  # how peers arrive is no store option
     (["+graft.store_options.replay_from=runs/graft"], "peers.source"),  # was accepted and ignored
-    (["+graft.peer_source=cotrain"], "co-training"),  # every source the trainer does not run
-    (["+graft.store_options.max_times_served=2"], "max_times_served"),  # the adapter posts no grafts to the ledger
+    (["+graft.peer_source=lockstep"], "fixed set of prompts"),  # the sources verl's loop cannot run, with why
+    (["+graft.peer_source=replay"], "graft-train replay"),
+    (["+graft.peer_source=cotrain", "+graft.lookup_wait_s=5"], "prefetch's wait"),  # a setting that would do nothing
+    (["+graft.peer_source=cotrain", "+graft.publish=false"], "a co-trainer publishes"),
+    (["+graft.peer_options.partner_timeout_s=5"], "partner_timeout_s"),  # another source's setting
     (["+graft.options.kapa=1.0"], "kapa"),  # graft-train's own validation: a typo fails
     (["+graft.stor_url=x"], "stor_url"),
     (["+graft.peer_tokenizers=['tok-1=/a','/b']"], "ID=DIR"),
@@ -161,7 +165,11 @@ def test_what_graft_accepts_with_its_reason_to():
                               "algorithm.norm_adv_by_std_in_grpo=false", "+graft.options.kappa=0.5",
                               "+graft.peer_tokenizers=['tok-1=/models/peer']", "+graft.store_options.timeout_s=3"))
     assert cfg.method == "graft" and cfg.store.url == STORE and cfg.store.timeout_s == 3 and not cfg.publishes
-    assert cfg.peers.source == "prefetch" and cfg.peers.lookup_wait_s == 30
+    assert cfg.peers.source == "prefetch" and cfg.peers.lookup_wait_s == LOOKUP_WAIT_S  # graft-train's, as TRL's
+    co = train_config(config("+graft.peer_source=cotrain", "+graft.peer_options.wait_s=60",
+                             "+graft.store_options.want_misses=true", "+graft.store_options.serve_order=least_served"))
+    assert co.peers.source == "cotrain" and co.peers.wait_s == 60 and co.publishes and co.store.want_misses
+    assert train_config(config("+graft.publish=true")).publishes
     assert cfg.graft.kappa == 0.5 and cfg.graft.peer_tokenizers == {"tok-1": "/models/peer"}
     assert (cfg.ppo.eps_low, cfg.ppo.eps_high, cfg.ppo.dual_clip_c, cfg.ppo.kl_beta) == (0.2, 0.28, 3.0, 0.02)
     assert cfg.ppo.advantage == "dr_grpo" and cfg.ppo.loss_agg == "token-mean"

@@ -29,7 +29,6 @@ from verl_world import (  # noqa: E402
     peer_group,
     prompt_batch,
     step_to_the_actor,
-    verl_config,
 )
 
 from graft.schemas import RolloutGroup, group_advantages  # noqa: E402
@@ -320,31 +319,6 @@ def test_group_normalized_weights_centre_each_grafted_group_on_its_own(world, st
     tq.kv_clear(keys=batch.keys, partition_id=batch.partition_id)
 
 
-def test_a_late_store_waits_once_per_step_and_is_said(world, store, learner, reward_loop, caplog):
-    """graft.lookup_wait_s (30 s by default) is one deadline per step, however many lookups the step spans; a step
-    whose lookup is still out after it is counted, and a few such steps in a row are warned about."""
-    import time
-    from concurrent.futures import Future
-
-    from graft.integrations.verl.config import DEFAULT_LOOKUP_WAIT_S, graft_section
-    from graft.integrations.verl.trainer import LATE_WARN_STEPS, Lookup
-
-    defaults = [o for o in graft_overrides(world["learner_dir"], store.url, None) if "lookup_wait_s" not in o]
-    assert graft_section(verl_config(defaults)).lookup_wait_s == DEFAULT_LOOKUP_WAIT_S > 0
-    trainer = build_trainer(world, store.url, learner, reward_loop)
-    trainer.graft_section.lookup_wait_s = 0.3
-    for step in range(LATE_WARN_STEPS):
-        ids = [p.prompt_id for p in world["problems"]]
-        trainer.graft_lookups = [Lookup({"a": ids[0]}, Future()), Lookup({"b": ids[1]}, Future())]  # never answered
-        began = time.perf_counter()
-        with caplog.at_level("WARNING", logger="graft.integrations.verl.trainer"):
-            _, found, _ = trainer.graft_collect(["a", "b"])
-        assert time.perf_counter() - began < 0.55 and not found.groups  # one 0.3 s wait, not one per lookup
-    assert trainer.graft.peers.counters.lookups_late == 2 * LATE_WARN_STEPS
-    assert trainer.graft_late_steps == LATE_WARN_STEPS
-    assert any("too late to graft" in r.getMessage() for r in caplog.records)
-
-
 def test_multi_modal_prompts_are_refused_before_generation(world, store, learner, reward_loop):
     """A prompt batch with images stops before verl generates, saying why (a peer's group is text), and so does a
     trajectory whose fields carry multi-modal inputs (TensorDict hands them over wrapped: NonTensorData)."""
@@ -366,7 +340,7 @@ def test_peer_groups_without_mu_graft_with_c_one_and_are_counted(world, learner,
     get c = peer_loss_scale (b = 1, w = 1) in rollout_is_weights, pi_old (not 0.0, which is log 1: a sampler sure of
     every token) as their sampler's logprobs in rollout_log_probs, so that any ratio verl forms against them is 1, and
     graft/peer_rollouts_without_mu counts them."""
-    no_mu = {"logprobs_mode": "none", "token_logprobs": [], "logprob_sum": 0.0}
+    no_mu = {"logprobs_mode": "none", "token_logprobs": [], "logprob_sum": None}
     groups = [RolloutGroup(rollouts=[r.model_copy(update=no_mu) for r in g.rollouts]) for g in world["groups"]]
     root = tmp_path / "store"
     write_groups(root, groups, world["problems"])

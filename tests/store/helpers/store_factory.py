@@ -36,7 +36,7 @@ def make_group(
     without_mu: bool = False,
 ) -> RolloutGroup:
     """A group of `size` rollouts for problem `prompt`; rewards default to a mixed (informative) pattern. without_mu:
-    rows without behaviour logprobs (logprobs_mode 'none', token_logprobs empty, logprob_sum 0.0)."""
+    rows without behaviour logprobs (logprobs_mode 'none', token_logprobs empty, logprob_sum null)."""
     rng = random.Random(seed if seed is not None else hash((prompt, model, step)) & 0xFFFF)
     rewards = rewards if rewards is not None else [1.0 if i % 2 == 0 else 0.0 for i in range(size)]
     size = len(rewards)
@@ -55,10 +55,10 @@ def make_group(
             generator_id="tests", created_at=created + timedelta(microseconds=i), temperature=1.0, top_p=1.0,
             max_tokens=64, completion_text=text, completion_token_ids=ids,
             token_logprobs=[] if without_mu else logprobs,
-            logprob_sum=0.0 if without_mu else sum(logprobs[:-1]), logprobs_mode="none" if without_mu else "processed",
+            logprob_sum=None if without_mu else sum(logprobs[:-1]), logprobs_mode="none" if without_mu else "processed",
             num_tokens=tokens, num_bytes=len(text.encode()), finish_reason="stop",
             reward=reward, correct=reward is not None and reward > 0, extracted_answer="1", advantage=advantage,
-            group_size=size,
+            group_size=size, prompt_text=f"user: {problem_text(prompt)}\nassistant: ", prompt_token_ids=ids[:3],
         ))
     return RolloutGroup(rollouts=rollouts)
 

@@ -1,9 +1,9 @@
-"""`GraftConfig`: TRL's GRPOConfig plus the store to graft from and graft-train's GRAFT options.
+"""`GraftConfig`: TRL's GRPOConfig plus the store to graft from (and publish to) and graft-train's GRAFT options.
 
-The GRAFT options are graft-train's own sections (`graft.trainer.config.GraftOptions` and `StoreConfig`), validated by
-them: the same defaults, the same errors. What TRL cannot do the way graft-train does is refused here, saying why;
-everything else about the loss stays TRL's (the per-token weight c = w * b rides in the advantages, and every TRL
-loss is linear in them).
+The GRAFT options are graft-train's own sections (`graft.trainer.config.GraftOptions`, `StoreConfig` and the peers
+section: how peer groups arrive, whether the run publishes), validated by them: the same defaults, the same errors.
+What TRL cannot do the way graft-train does is refused here, saying why; everything else about the loss stays TRL's (the
+per-token weight c = w * b rides in the advantages, and every TRL loss is linear in them).
 """
 
 from __future__ import annotations
@@ -13,11 +13,14 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from graft.trainer import GraftOptions, StoreConfig, TrainConfig
+from graft.trainer import GraftOptions, StoreConfig, TrainConfig, host_peers
 
 # TRL's loss aggregations and graft-train's names for the same rule (the loss equality tests compare them)
 LOSS_AGG = {"dapo": "token-mean", "bnpo": "token-mean", "grpo": "seq-mean-token-mean", "dr_grpo": "seq-mean-token-sum-norm"}
-TRL_SOURCES = ("prefetch",)  # the peer sources (graft-train's peers.source) the adapter runs
+TRL_SOURCES = ("prefetch", "cotrain", "lockstep")  # the peer sources (graft-train's peers.source) the adapter runs
+TRL_WHY_NOT = {"replay": "it reruns a graft-train run from the record that run wrote (graft-train replay)"}
+TRL_NAMES = {"source": "graft_peer_source", "lookup_wait_s": "graft_lookup_wait_s", "publish": "graft_publish",
+             "options": "graft_peer_options"}
 
 
 @dataclass
@@ -50,31 +53,50 @@ class GraftConfig(GRPOConfig):
         default="prompt_id", metadata={"help": "dataset column holding each prompt's store id (schemas.prompt_id of "
                                                "the problem text, as the generator stored it)"})
     graft_peer_source: str = field(
-        default="prefetch", metadata={"help": "how peer groups arrive (graft-train's peers.source): prefetch, the one "
-                                              "source the TRL adapter runs (cotrain, lockstep and replay are refused)"})
-    graft_lookup_wait_s: float = field(
-        default=0.0, metadata={"help": "after generation, wait at most this long for the peer lookup (it runs while "
-                                       "TRL generates); 0: graft only what is already back (graft-train's peers.lookup_wait_s)"})
+        default="prefetch", metadata={"help": "how peer groups arrive (graft-train's peers.source): prefetch (the lookup "
+                                              "runs while TRL generates), cotrain or lockstep (co-training: the run "
+                                              "publishes its groups and waits for its co-trainer's); replay is refused"})
+    graft_lookup_wait_s: float | None = field(
+        default=None, metadata={"help": "prefetch: after generation, wait at most this long for the peer lookup (it runs "
+                                        "while TRL generates); 0: graft only what is already back; None: graft-train's "
+                                        "peers.lookup_wait_s (30 s)"})
+    graft_publish: bool | None = field(
+        default=None, metadata={"help": "push this run's own groups to the store, in the background: the sampled token "
+                                        "ids, their behaviour logprobs (the mode TRL's sampler ran: say GraftGRPOTrainer's "
+                                        "log), the run's rewards, model id, revision and step (None: the source's way: "
+                                        "prefetch does not, cotrain and lockstep always do)"})
+    graft_peer_options: dict | str | None = field(
+        default=None, metadata={"help": "the source's other settings, graft-train's peers.* (JSON from the command line): "
+                                        "cotrain's wait_s, poll_s; lockstep's partner_timeout_s, poll_s"})
+    graft_problem_column: str = field(
+        default="problem", metadata={"help": "dataset column holding each prompt's problem text (prompt_id(text) is its "
+                                             "store id), with graft_answer_column its gold answer: sent with the run's "
+                                             "wants (graft_store_options want_misses needs them) and pushed with its "
+                                             "groups, where the dataset has them"})
+    graft_answer_column: str = field(
+        default="answer", metadata={"help": "dataset column holding each prompt's gold answer (see graft_problem_column)"})
     graft_options: dict | str | None = field(
         default=None, metadata={"help": "graft-train's graft section (JSON from the command line): kappa, is_cap, "
                                         "token_is, max_grafted_fraction, peer_models, ... (graft-train show-config)"})
     graft_store_options: dict | str | None = field(
         default=None, metadata={"help": "graft-train's store section but url: token, timeout_s, retries, backoff_*, "
-                                        "groups_per_prompt"})
+                                        "groups_per_prompt, and the broker's want_misses, max_times_served, serve_order"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("graft_options", "graft_store_options"):
+        for name in ("graft_options", "graft_store_options", "graft_peer_options"):
             value = getattr(self, name)
             if isinstance(value, str):
                 setattr(self, name, json.loads(value))
-        if self.graft_lookup_wait_s < 0:
+        if self.graft_lookup_wait_s is not None and self.graft_lookup_wait_s < 0:
             raise ValueError(f"graft_lookup_wait_s = {self.graft_lookup_wait_s}: a wait cannot be negative")
+        if self.graft_publish and not self.grafts:
+            raise ValueError("graft_publish without graft_store_url: there is no store to publish to")
         graft = self.graft_section()  # validates; the checks below are what TRL's loop cannot do as graft-train does
         self.store_section()
-        if self.graft_peer_source not in TRL_SOURCES:
-            raise ValueError(f"graft_peer_source {self.graft_peer_source!r}: the TRL adapter runs "
-                             f"{', '.join(TRL_SOURCES)} only (co-training, lockstep and replay are graft-train's)")
+        self.peers_section()
+        if self.grafts:  # graft-train's rules across its sections (lockstep and the broker's settings, ...)
+            self.train_config("model")
         if graft.union_all_success:
             raise ValueError("graft_options.union_all_success: a union group has more rows than the G slots TRL's "
                              "batch holds for the prompt; leave it off under TRL")
@@ -110,12 +132,15 @@ class GraftConfig(GRPOConfig):
         if "url" in options:
             raise ValueError("graft_store_options: the URL is graft_store_url")
         try:
-            store = StoreConfig.model_validate({**options, "url": self.graft_store_url})
+            return StoreConfig.model_validate({**options, "url": self.graft_store_url})
         except ValueError as error:
             raise ValueError(f"graft_store_options: {error} (the TRL adapter's source is graft_peer_source, its wait "
-                             "graft_lookup_wait_s)") from None
-        store.refuse_broker_posts("graft_store_options")
-        return store
+                             "graft_lookup_wait_s, whether it publishes graft_publish)") from None
+
+    def peers_section(self) -> dict:
+        """graft-train's peers section: graft_peer_source, graft_lookup_wait_s, graft_publish, graft_peer_options."""
+        return host_peers(self.graft_peer_source, self.graft_lookup_wait_s, self.graft_publish, self.graft_peer_options,
+                          TRL_SOURCES, TRL_WHY_NOT, TRL_NAMES)
 
     def train_config(self, model_path: str, dataset: str = "trl-dataset") -> TrainConfig:
         """graft-train's configuration of the same run: what the shared functions (weights, peer tokenizers, the
@@ -142,6 +167,6 @@ class GraftConfig(GRPOConfig):
                     **({"loss_agg": LOSS_AGG[self.loss_type]} if self.loss_type in LOSS_AGG else {})},
             "graft": self.graft_section().model_dump(),
             "store": self.store_section().model_dump() if self.grafts else {},
-            "peers": {"source": self.graft_peer_source, "lookup_wait_s": self.graft_lookup_wait_s},
+            "peers": self.peers_section(),
         })
 

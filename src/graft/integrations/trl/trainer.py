@@ -1,18 +1,24 @@
-"""`GraftGRPOTrainer`: TRL's GRPOTrainer, grafting peer groups from the store into its all-fail groups (docs/algorithm.md).
+"""`GraftGRPOTrainer`: TRL's GRPOTrainer, grafting peer groups from the store into its all-fail groups (docs/algorithm.md),
+and a peer of other runs: it can publish its own groups (graft_publish; co-training sources always do).
 
-It wraps two of TRL's methods and copies none (TRL's replay-buffer GRPO was a copied
+It wraps three of TRL's methods and copies none (TRL's replay-buffer GRPO was a copied
 `_generate_and_score_completions` that drifted from its parent; this calls the parent and splices its output):
 - `_calculate_rewards`: the parent's, whose rewards (gathered over processes) are kept: TRL does not return them,
   and the all-fail groups are found from them (`graft.trainer.gate.classify_group`: no reward > 0).
+- `_generate`: the parent's, whose sampled ids and sampling logprobs are kept for publishing.
 - `_generate_and_score_completions`, per generation batch:
   1. the peer lookup for the batch's prompts starts in the background on the main process      trainer/peers.py
   2. the parent generates, scores, and computes its advantages
-  3. the gate on the main process (the store's answer if it is back, else none: plain GRPO for the batch, counted),
-     its decisions broadcast, so every process takes the same ones                             trainer/gate.py
-  4. each grafted group's peer rollouts re-tokenised into the learner's tokens, taking the G slots of the failed
+  3. publishing: the batch's groups, with their behaviour logprobs (publish.py says which), go to the store in the
+     background, before the wait for a co-trainer's                                             trainer/host.py
+  4. the gate on the main process, on what the run's source brings (prefetch: the lookup's answer if it is back within
+     the wait, else none: plain GRPO for the batch, counted; cotrain, lockstep: the co-trainer's groups, waited for),
+     its decisions broadcast, so every process takes the same ones; the broker's wants and served ledger posted
+                                                                                                trainer/gate.py
+  5. each grafted group's peer rollouts re-tokenised into the learner's tokens, taking the G slots of the failed
      group in TRL's global row order (RepeatSampler may split a group over processes: each fills its own slots) trainer/retokenize.py
-  5. pi_old of the grafted rows (TRL's own logprob function, no grad), then w and b on them     trainer/batch.py
-  6. the splice: completion ids and masks re-padded, per-token advantages A[:, None] * c with c = w * b on
+  6. pi_old of the grafted rows (TRL's own logprob function, no grad), then w and b on them     trainer/batch.py
+  7. the splice: completion ids and masks re-padded, per-token advantages A[:, None] * c with c = w * b on
      grafted rows and 1 elsewhere, old / reference / sampling logprobs of grafted rows, TRL's vLLM importance
      ratio 1 on them (their correction is b), num_items_in_batch recounted over all processes
 A failed group's slots that no peer row fills (a shorter peer group, a dropped row) keep no token (mask 0), as
@@ -27,6 +33,7 @@ import random
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,13 +43,15 @@ from trl import GRPOTrainer
 from trl.data_utils import is_conversational
 from trl.models.utils import disable_gradient_checkpointing
 
-from graft.integrations.trl.config import GraftConfig
-from graft.schemas import PeerLookupRequest
+from graft.integrations.trl.config import TRL_SOURCES, GraftConfig
+from graft.integrations.trl.publish import sampler_logprobs
+from graft.rollouts.sampling import SamplingParams
+from graft.schemas import NO_LOGPROBS, PeerLookupRequest, Problem, prompt_id
 from graft.trainer import (
     FirstPass,
     GateDecision,
     GraftHost,
-    LookupResult,
+    OwnRow,
     PeerRowCounts,
     TrainSample,
     WeightedRows,
@@ -68,6 +77,7 @@ class _Lookup:
 
     prompt_ids: list[str]  # (N,) every process's rows' store prompt ids, in TRL's global row order
     stop_token: int  # what the learner's completions of these prompts end with
+    problems: dict[str, Problem] = field(default_factory=dict)  # prompt id -> its problem, where the dataset has it
     request: PeerLookupRequest | None = None  # main process only
     pending: Future | None = None
     started: float = field(default_factory=time.perf_counter)
@@ -101,20 +111,62 @@ class GraftGRPOTrainer(GRPOTrainer):
         self._graft_rewards: Tensor | None = None  # (N, F) the parent's gathered rewards of the current batch
         self._graft_stop_tokens: dict[str, int] = {}  # prompt template -> the learner's stop token
         self._graft_warned_unused = False
+        self._graft_generated: tuple[list, list | None] | None = None  # the last _generate's ids and sampling logprobs
+        self._graft_publishing: tuple[SamplingParams, str] | None = None  # what the sampler ran, what its logprobs are
         self.graft: GraftHost | None = None
         if self.args.grafts:
             model = self.accelerator.unwrap_model(self.model)
             name = str(model.config.name_or_path)
             self.graft = host_setup(self.args.train_config(name), self._tokenizer, eos_ids=set(self.eos_token_ids),
                                     device=self.accelerator.device, hf_model=model,
-                                    talks_to_store=self.accelerator.is_main_process)  # the main process decides for all
+                                    talks_to_store=self.accelerator.is_main_process,  # the main process decides for all
+                                    runs=TRL_SOURCES, generator_id=f"trl:{Path(self.args.output_dir).name}")
+            self._graft_check_problems()
+            if self.graft.cfg.publishes:
+                self._graft_publishing = self._graft_publishing_setup()
+
+    def _graft_check_problems(self) -> None:
+        """A want carries its prompt's problem and gold answer, so that a generator can sample and score it: the
+        dataset must have them (refused here, in one line, rather than at the first miss)."""
+        if not self.graft.cfg.store.want_misses:
+            return
+        columns = getattr(self.train_dataset, "column_names", None) or []
+        missing = [c for c in (self.args.graft_problem_column, self.args.graft_answer_column) if c not in columns]
+        if missing:
+            raise ValueError(f"graft_store_options want_misses: a want carries its prompt's problem text and gold answer "
+                             f"(a generator samples and scores it), and the dataset has no column {missing} (name them in "
+                             "graft_problem_column, graft_answer_column)")
+
+    def _graft_publishing_setup(self) -> tuple[SamplingParams, str]:
+        """Refuse what is no sampled group; decide (on the main process: a vLLM server is asked there) and say what the
+        published rows' logprobs are."""
+        others = [name for name, value in (("tools", self.tools), ("environment_factory", self.environment_factories),
+                                           ("rollout_func", self.rollout_func)) if value]
+        if others:
+            raise ValueError(f"graft_publish (or a co-training graft_peer_source) with {', '.join(others)}: a completion "
+                             "then holds what the tools or environment returned, or the function's own rollouts, which "
+                             "no sampler drew with the logprobs TRL has: it is not a group to store")
+        decided = [sampler_logprobs(self) if self.accelerator.is_main_process else None]
+        params, mode, why = broadcast_object_list(decided, from_process=0)[0]
+        if self.accelerator.is_main_process:
+            (log.warning if mode == NO_LOGPROBS else log.info)(
+                "GRAFT publishing: this run's groups go to the store %s as model %s, with behaviour logprobs of %s",
+                self.graft.cfg.store.url, self.graft.learner.model_id, why)
+        return params, mode
 
     def train(self, *args: Any, **kwargs: Any):
         try:
             return super().train(*args, **kwargs)
         finally:
             if self.graft is not None and self.graft.peers is not None:
+                self.graft.peers.finish(timeout_s=self.graft.cfg.store.timeout_s)  # deliver what waits, or say it
                 self.graft.peers.close()
+
+    def _generate(self, prompts: list):
+        generated = super()._generate(prompts)
+        _, completion_ids, _, _, sampling_logprobs, *_ = generated
+        self._graft_generated = (completion_ids, sampling_logprobs)
+        return generated
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
@@ -129,7 +181,10 @@ class GraftGRPOTrainer(GRPOTrainer):
         self._graft_rewards = None
         output = super()._generate_and_score_completions(inputs)
         began = time.perf_counter()
-        plan = self._plan(lookup)
+        learner_rewards = self._group_rewards(lookup.prompt_ids)
+        if self._graft_publishing is not None:  # before the gate: a co-trainer may be waiting for these groups
+            self._publish(lookup, output, learner_rewards)
+        plan = self._plan(lookup, learner_rewards)
         output, weighted, kept = self._splice(output, plan)
         self._log_graft(plan, weighted, kept, graft_s=lookup_s + time.perf_counter() - began)
         return output
@@ -140,28 +195,89 @@ class GraftGRPOTrainer(GRPOTrainer):
         if column not in inputs[0]:
             raise KeyError(f"GRAFT finds peer groups by each prompt's store id: the dataset has no column {column!r} "
                            "(add schemas.prompt_id(problem text) per row, or name the column in graft_prompt_id_column)")
-        lookup = _Lookup(gather_object([str(row[column]) for row in inputs]), self._stop_token(inputs))
+        problem, answer = self.args.graft_problem_column, self.args.graft_answer_column
+        rows = gather_object([(str(row[column]), row.get(problem), row.get(answer)) for row in inputs])
+        lookup = _Lookup([prompt for prompt, _, _ in rows], self._stop_token(inputs), self._problems(rows))
         if self.graft.peers is not None:
             lookup.request = self.graft.peers.request(lookup.prompt_ids, self.state.global_step)
             lookup.pending = self.graft.peers.start_lookup(lookup.request)
         return lookup
 
-    # ---- 3, 4. the gate and the peer rows ---------------------------------------------------------------------
-    def _plan(self, lookup: _Lookup) -> _Plan:
+    def _problems(self, rows: list[tuple[str, Any, Any]]) -> dict[str, Problem]:
+        """The problems of (prompt id, problem text, answer) rows whose text is the one the id names (sent with wants
+        and pushed with groups); a text that is not is refused where wants need it (store_options want_misses)."""
+        problems: dict[str, Problem] = {}
+        for prompt, text, answer in rows:
+            if prompt in problems or not isinstance(text, str) or not text.strip() or answer is None:
+                continue
+            if prompt_id(text) != prompt:
+                if self.graft.cfg.store.want_misses:
+                    raise ValueError(f"a row's {self.args.graft_prompt_id_column} is {prompt}, but its "
+                                     f"{self.args.graft_problem_column} hashes to {prompt_id(text)}: its wants would name "
+                                     "another problem (the store's id of a problem is schemas.prompt_id(problem text))")
+                continue
+            problems[prompt] = Problem(prompt_id=prompt, dataset=self.graft.cfg.data.dataset, problem=text,
+                                       answer=str(answer))
+        return problems
+
+    # ---- 3. publishing ----------------------------------------------------------------------------------------
+    def _publish(self, lookup: _Lookup, output: dict[str, Any], learner_rewards: list[tuple[str, list[float | None]]]):
+        """The batch's groups to the store, from the main process, in the background (GraftHost.publish_own): every
+        process's sampled ids, their behaviour logprobs and texts, gathered in TRL's global row order."""
+        params, mode = self._graft_publishing
+        completion_ids, sampling_logprobs = self._graft_generated
+        if mode == NO_LOGPROBS:
+            logprobs = [None] * len(completion_ids)
+        elif self.use_vllm:  # vLLM's, a missing one (None) as NaN: such a row's group is stored without mu
+            logprobs = [[math.nan if lp is None else float(lp) for lp in row] for row in sampling_logprobs]
+        else:
+            logprobs = self._sampler_logprobs(output, completion_ids)
+        eos = set(self.eos_token_ids)
+        rows = gather_object([(list(ids), lps, self._tokenizer.decode(ids, skip_special_tokens=True),
+                               bool(ids) and ids[-1] in eos) for ids, lps in zip(completion_ids, logprobs, strict=True)])
+        if self.graft.peers is None:
+            return
         G = self.num_generations
-        learner_rewards = self._group_rewards(lookup.prompt_ids)
+        groups = [(prompt, [OwnRow(ids, lps, text, finished, reward)
+                            for (ids, lps, text, finished), reward in zip(rows[g * G : (g + 1) * G], rewards, strict=True)])
+                  for g, (prompt, rewards) in enumerate(learner_rewards)]
+        self.graft.publish_own(groups, self.state.global_step, params, mode, lookup.problems)
+
+    @torch.no_grad()
+    def _sampler_logprobs(self, output: dict[str, Any], completion_ids: list[list[int]]) -> list[list[float]]:
+        """The policy's logprobs of this process's sampled tokens at TRL's temperature, right after generation: the
+        policy that sampled them (publish.py says when they are mu), through the forward it sampled with (accelerate's
+        mixed precision wraps it: bfloat16 autocast on a CPU by default, for generation as for TRL's logprobs). TRL's
+        old logprobs where it computed them on the whole completions, else one forward pass of TRL's own."""
+        if "old_per_token_logps" in output and not self.mask_truncated_completions:
+            logps = output["old_per_token_logps"]
+        else:
+            mask = torch.zeros_like(output["completion_mask"])  # (B, T): every sampled token, truncated rows' too
+            for i, ids in enumerate(completion_ids):
+                mask[i, : len(ids)] = 1
+            ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+            attention = torch.cat([output["prompt_mask"], mask], dim=1)
+            with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+                logps, _, _ = self._get_per_token_logps_and_entropies(
+                    self.model, ids, attention, output["completion_ids"].shape[1],
+                    batch_size=self.args.per_device_train_batch_size)
+        return [logps[i, : len(row)].float().tolist() for i, row in enumerate(completion_ids)]
+
+    # ---- 4, 5. the gate and the peer rows ---------------------------------------------------------------------
+    def _plan(self, lookup: _Lookup, learner_rewards: list[tuple[str, list[float | None]]]) -> _Plan:
+        G = self.num_generations
         if self.graft.peers is not None:  # the main process decides, every process takes its decisions
-            waited = time.perf_counter()
-            found = self.graft.peers.collect(lookup.pending, self.args.graft_lookup_wait_s) if lookup.request \
-                else LookupResult(ok=True)
-            wait_s = time.perf_counter() - waited
+            peers, step = self.graft.peers, self.state.global_step
+            found = peers.candidates(lookup.pending, lookup.request, learner_rewards, self.graft.refused.usable, step)
             decisions = gate_groups(
                 learner_rewards, found.groups, lookup.request, max_grafted_fraction=self.graft.cfg.graft.max_grafted_fraction,
-                rng=random.Random(self.args.seed * 7_919 + self.state.global_step),  # graft-train's seeding of the cap
+                rng=random.Random(self.args.seed * 7_919 + step),  # graft-train's seeding of the cap
                 usable_tokenizers=self.graft.refused.usable, trust_unverified_mu=self.graft.cfg.graft.trust_unverified_mu,
             )
             self.graft.refused.warn(decisions, found.groups)
-            store = {**self.graft.store.take(), "store_wait_s": wait_s}
+            # the broker's wants and served ledger, in the background
+            peers.after_gate(step, decisions, found, lookup.problems, learner_rewards)
+            store = {**self.graft.store.take(), "store_wait_s": found.wait_s}
             payload = [decisions, gate_tally(decisions, found), store]
         else:
             payload = [None, None, None]
@@ -217,7 +333,7 @@ class GraftGRPOTrainer(GRPOTrainer):
                                   self.graft.peer_tokenizers, stop_token, plan.counts, max_rows=self.num_generations,
                                   pick_seed=self.args.seed * 7_919 + self.state.global_step)
 
-    # ---- 5, 6. pi_old, the weights and the splice -------------------------------------------------------------
+    # ---- 6, 7. pi_old, the weights and the splice -------------------------------------------------------------
     def _splice(self, output: dict[str, Any], plan: _Plan) -> tuple[dict[str, Any], WeightedRows | None, int]:
         """The parent's output with this process's slots of the grafted groups filled; the grafted rows' weights and
         how many grafted rows kept tokens (this process's)."""

@@ -7,9 +7,11 @@ A verl user adds, with Hydra's `+` (verl's schema has no `graft` section):
     +graft.store_url=http://127.0.0.1:8600
     +graft.peer_tokenizers=[/models/peer]
     +graft.options.kappa=0.5            # any field of graft-train's graft section (graft-train show-config)
+    +graft.publish=true                 # the run's own groups to the store too: a peer of other runs
 
-The GRAFT options are graft-train's own sections (`graft.trainer.config.GraftOptions` and `StoreConfig`), validated by them:
-the same defaults, the same errors. What verl cannot do the way graft-train does is refused here, saying why.
+The GRAFT options are graft-train's own sections (`graft.trainer.config.GraftOptions`, `StoreConfig` and the peers
+section: how peer groups arrive, whether the run publishes), validated by them: the same defaults, the same errors.
+What verl cannot do the way graft-train does is refused here, saying why.
 """
 
 from __future__ import annotations
@@ -20,14 +22,22 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from pydantic import BaseModel, ConfigDict, Field
 
-from graft.trainer import GraftOptions, StoreConfig, TrainConfig
+from graft.trainer import GraftOptions, StoreConfig, TrainConfig, host_peers
 
 TRAINER_MODE = "graft_sync"
 # verl's loss aggregations that graft-train's loss has (the parity test compares them); verl's others it has not
 LOSS_AGG = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-DEFAULT_LOOKUP_WAIT_S = 30.0  # a step's wait for its lookup after generation (it runs while verl generates)
 SINGLE_TURN_AGENT = "single_turn_agent"  # verl's default agent loop: its rollouts are scored by the reward loop
-VERL_SOURCES = ("prefetch",)  # the peer sources (graft-train's peers.source) the verl trainer runs
+VERL_SOURCES = ("prefetch", "cotrain")  # the peer sources (graft-train's peers.source) the verl trainer runs
+VERL_WHY_NOT = {
+    "lockstep": "a lockstep step waits for its partner's group of each of its prompts at that very step, and verl's sync "
+                "trainer does not train a fixed set of prompts per step (a prompt whose sessions all failed leaves its "
+                "batch, and its replay buffer refills from later prompts), so two runs would wait for groups the other "
+                "never samples; co-train with cotrain",
+    "replay": "it reruns a graft-train run from the record that run wrote (graft-train replay)",
+}
+VERL_NAMES = {"source": "graft.peer_source", "lookup_wait_s": "graft.lookup_wait_s", "publish": "graft.publish",
+              "options": "graft.peer_options"}
 
 
 class VerlGraftSection(BaseModel):
@@ -45,11 +55,22 @@ class VerlGraftSection(BaseModel):
     prompt_id_key: str = Field(default="prompt_id", description="key of each dataset row's extra_info holding its store "
                                "prompt id (schemas.prompt_id of the problem text, as the generator stored it)")
     peer_source: str = Field(default="prefetch", description="how peer groups arrive (graft-train's peers.source): "
-                             "prefetch, the one source the verl trainer runs (cotrain, lockstep and replay are refused)")
-    lookup_wait_s: float = Field(default=DEFAULT_LOOKUP_WAIT_S, ge=0.0, description="after generation, wait at most "
-                                 "this long (one deadline per step) for the batch's peer lookup, which runs while verl "
-                                 "generates; 0: graft only what is back. A step whose lookup was later trains as GRPO "
-                                 "(graft/store_lookups_late; a warning after a few such steps in a row)")
+                             "prefetch (the lookup runs while verl generates) or cotrain (the run publishes its groups and "
+                             "waits for its co-trainer's); lockstep and replay are refused")
+    lookup_wait_s: float | None = Field(default=None, ge=0.0, description="prefetch: after generation, wait at most "
+                                        "this long (one deadline per step) for the batch's peer lookup, which runs while "
+                                        "verl generates; 0: graft only what is back; None: graft-train's "
+                                        "peers.lookup_wait_s (30 s). A step whose lookup was later trains as GRPO "
+                                        "(graft/store_lookups_late; a warning after a few such steps in a row)")
+    publish: bool | None = Field(default=None, description="push this run's own groups to the store, in the background: "
+                                 "the sampled token ids, their behaviour logprobs (rollout_log_probs: the mode the rollout "
+                                 "engine ran, said at start), the run's rewards, model id, revision and step (None: the "
+                                 "source's way: prefetch does not, cotrain always does)")
+    peer_options: dict[str, Any] = Field(default_factory=dict, description="the source's other settings, graft-train's "
+                                         "peers.*: cotrain's wait_s, poll_s")
+    problem_key: str = Field(default="problem", description="key of each dataset row's extra_info holding its problem "
+                             "text (prompt_id(text) is its store id), with reward_model.ground_truth its gold answer: sent "
+                             "with the run's wants (store_options.want_misses needs them) and pushed with its groups")
     peer_reward_map: dict[float, float] | None = Field(
         default=None, description="the learner's reward of each stored peer reward (e.g. {0: -1, 1: 1} for a +-1 "
         "reward): grafted rows then carry the mapped stored reward instead of the run's own reward function's score "
@@ -57,7 +78,8 @@ class VerlGraftSection(BaseModel):
     options: dict[str, Any] = Field(default_factory=dict, description="graft-train's graft section: kappa, is_cap, "
                                     "token_is, max_grafted_fraction, peer_models, ...")
     store_options: dict[str, Any] = Field(default_factory=dict, description="graft-train's store section but url: "
-                                          "token, timeout_s, retries, backoff_*, groups_per_prompt")
+                                          "token, timeout_s, retries, backoff_*, groups_per_prompt, and the broker's "
+                                          "want_misses, max_times_served, serve_order")
 
     @property
     def grafts(self) -> bool:
@@ -79,19 +101,16 @@ class VerlGraftSection(BaseModel):
         options = dict(self.store_options)
         if "url" in options:
             raise ValueError("graft.store_options.url: the URL is graft.store_url")
-        if self.peer_source not in VERL_SOURCES:
-            raise ValueError(
-                f"graft.peer_source {self.peer_source!r}: the verl trainer runs {', '.join(VERL_SOURCES)} only; "
-                "co-training (cotrain, lockstep) is not built for verl: publishing needs the learner's own groups as "
-                "stored rows (text, sampling logprobs, finish reason) before the splice replaces its all-fail groups, "
-                "which the verl trainer does not assemble; replay is graft-train's")
         try:
-            store = StoreConfig.model_validate({**options, "url": self.store_url})
+            return StoreConfig.model_validate({**options, "url": self.store_url})
         except ValueError as error:
             raise ValueError(f"graft.store_options: {error} (the verl trainer's source is graft.peer_source, its wait "
-                             "graft.lookup_wait_s)") from None
-        store.refuse_broker_posts("graft.store_options")
-        return store
+                             "graft.lookup_wait_s, whether it publishes graft.publish)") from None
+
+    def peers_section(self) -> dict[str, Any]:
+        """graft-train's peers section: graft.peer_source, graft.lookup_wait_s, graft.publish, graft.peer_options."""
+        return host_peers(self.peer_source, self.lookup_wait_s, self.publish, self.peer_options, VERL_SOURCES,
+                          VERL_WHY_NOT, VERL_NAMES)
 
 
 def graft_section(config: DictConfig) -> VerlGraftSection:
@@ -123,6 +142,7 @@ def check_config(config: DictConfig) -> None:
         return
     graft = section.graft_options()
     section.store_options_section()
+    section.peers_section()
     refusals = []
     if _value(config, "algorithm.adv_estimator") != "grpo":
         refusals.append(f"algorithm.adv_estimator={_value(config, 'algorithm.adv_estimator')}: GRAFT replaces whole "
@@ -243,5 +263,5 @@ def train_config(config: DictConfig) -> TrainConfig:
                 **({"loss_agg": agg} if agg in LOSS_AGG else {})},
         "graft": section.graft_options().model_dump(),
         "store": section.store_options_section().model_dump() if section.grafts else {},
-        "peers": {"source": section.peer_source, "lookup_wait_s": section.lookup_wait_s},
+        "peers": section.peers_section(),
     })

@@ -1,12 +1,16 @@
 """`GraftPPOTrainer`: verl's synchronous v1 trainer (`PPOTrainerSync`), grafting peer groups from the store into its
-all-fail groups (docs/algorithm.md), registered as `trainer.v1.trainer_mode=graft_sync`.
+all-fail groups (docs/algorithm.md), registered as `trainer.v1.trainer_mode=graft_sync`, and a peer of other runs: it can
+publish its own groups (graft.publish; graft.peer_source cotrain always does).
 
 It wraps seven of verl's methods and copies none (a copied loop drifts from its parent; HACPO and LUFFY replaced
 verl's `fit`); each calls its parent:
 - `_submit_batch_to_rollout`: the peer lookup for the submitted prompts (their `extra_info.prompt_id`) starts in a
   background thread, then verl dispatches generation: the lookup hides behind it.           trainer/peers.py
 - `_balance_batch`, the first step after the replay buffer's sample (and the colocated reward model) sees the batch
-  with every group's rewards (`rm_scores`): the gate on them (an all-fail group: no reward > 0), then each grafted
+  with every group's rewards (`rm_scores`): the run's own groups are published (publish.py: their rollout_log_probs
+  and what they are), in the background, before anything is written over them; the gate on what the run's source
+  brings (prefetch: the lookups' answers within the wait; cotrain: the co-trainer's groups, waited for) and the rewards
+  (an all-fail group: no reward > 0), the broker's wants and served ledger posted, then each grafted
   group's peer rollouts, re-tokenised into the learner's tokens and scored by the run's own reward (rewards.py), are
   written over the failed group's rows in TransferQueue: as many as the group has (verl keeps a group some of whose
   sessions failed), a seeded pick keeping a success; an unfilled slot keeps one token, masked out, as verl's own
@@ -54,13 +58,15 @@ from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 from verl.workers.utils.padding import response_to_nested
 
 from graft.integrations.verl import rewards
-from graft.integrations.verl.config import TRAINER_MODE, check_config, graft_section, train_config
+from graft.integrations.verl.config import TRAINER_MODE, VERL_SOURCES, check_config, graft_section, train_config
 from graft.integrations.verl.preflight import preflight, where_this_runs
+from graft.integrations.verl.publish import own_rows, problems_of, sampler_logprobs
+from graft.rollouts.sampling import SamplingParams
+from graft.schemas import NO_LOGPROBS, Problem
 from graft.trainer import (
     FirstPass,
     GateDecision,
     GraftHost,
-    LookupResult,
     PeerRowCounts,
     TrainSample,
     WeightedRows,
@@ -82,7 +88,6 @@ NAN = float("nan")
 UNSUPPORTED_FIELDS = ("routed_experts", "teacher_ids", "teacher_logprobs")
 # fields of a prompt batch that carry images, video or audio: a peer group is text
 MULTI_MODAL_FIELDS = ("multi_modal_data", "multi_modal_inputs", "images", "videos", "audios")
-LATE_WARN_STEPS = 3  # steps in a row whose lookup was not back within graft.lookup_wait_s before a warning
 # what verl's actor must receive of a batch with grafted rows: GRAFT's weights c and advantages, and the masks
 ACTOR_FIELDS = ("rollout_is_weights", "advantages", "loss_mask", "response_mask")
 
@@ -99,6 +104,7 @@ class Lookup:
 
     prompt_of: dict[str, str]  # uid -> store prompt id
     pending: Future | None
+    problems: dict[str, Problem] = field(default_factory=dict)  # prompt id -> its problem, where the dataset has it
     started: float = field(default_factory=time.perf_counter)
     open: set[str] = field(init=False)  # uids that may still be sampled (not yet seen in a sampled batch)
 
@@ -146,7 +152,7 @@ class GraftPPOTrainer(PPOTrainerSync):
         self.graft: GraftHost | None = None
         self.graft_lookups: list[Lookup] = []
         self.graft_splice: Splice | None = None
-        self.graft_late_steps = 0  # steps in a row whose lookup came back too late to graft from
+        self.graft_publishing: tuple[SamplingParams, str] | None = None  # what the rollout ran, what its logprobs are
 
     # ---- set-up -------------------------------------------------------------------------------------------------
     def _setup(self):
@@ -163,17 +169,32 @@ class GraftPPOTrainer(PPOTrainerSync):
         eos_ids = {int(self.tokenizer.eos_token_id)} if self.tokenizer.eos_token_id is not None else set()
         stop = learner_stop_token(self.tokenizer, eos_ids, "auto")  # verl prompts through the chat template
         try:
-            return host_setup(self.graft_cfg, self.tokenizer, eos_ids=eos_ids | {stop},
-                              device=torch.device("cpu"), stop_token_id=stop)  # no model: verl's actor has it
+            host = host_setup(self.graft_cfg, self.tokenizer, eos_ids=eos_ids | {stop},
+                              device=torch.device("cpu"), stop_token_id=stop,  # no model: verl's actor has it
+                              runs=VERL_SOURCES, generator_id=f"verl:{self.config.trainer.experiment_name}")
         except OSError as exc:  # a peer tokenizer's directory: it must resolve where verl's TaskRunner runs
             raise FileNotFoundError(f"{exc} (where verl's TaskRunner runs: {where_this_runs()})") from exc
+        if self.graft_cfg.publishes:
+            params, mode, why = sampler_logprobs(self.config)
+            self.graft_publishing = (params, mode)
+            (log.warning if mode == NO_LOGPROBS else log.info)(
+                "GRAFT publishing: this run's groups go to the store %s as model %s, with behaviour logprobs %s",
+                self.graft_cfg.store.url, host.learner.model_id, why)
+        return host
 
     def fit(self, agent_loop_manager):
         try:
             return super().fit(agent_loop_manager)
         finally:
             if self.graft is not None:
+                self.graft.peers.finish(timeout_s=self.graft.cfg.store.timeout_s)  # deliver what waits, or say it
                 self.graft.peers.close()
+
+    @property
+    def graft_policy_step(self) -> int:
+        """The step of the policy that samples this step (verl counts steps from 1: step g samples after g - 1
+        updates), as graft-train numbers it: its groups' policy_step, its lookups' learner step."""
+        return max(0, self.global_steps - 1)
 
     # ---- 1. the lookup, while verl generates -------------------------------------------------------------------
     def _submit_batch_to_rollout(self, batch: TensorDict) -> int:
@@ -195,8 +216,11 @@ class GraftPPOTrainer(PPOTrainerSync):
             raise NotImplementedError(f"GRAFT grafts text completions; this batch's prompts carry {images}: a peer's text "
                                       "group cannot stand in for a multi-modal trajectory")
         prompt_of = {str(uid): str(info[key]) for uid, info in zip(list(batch["uid"]), extra, strict=True)}
-        request = self.graft.peers.request(list(prompt_of.values()), self.global_steps)
-        lookup = Lookup(prompt_of, self.graft.peers.start_lookup(request))
+        reward_models = list(batch["reward_model"]) if "reward_model" in batch.keys() else [None] * len(extra)
+        problems = problems_of(extra, reward_models, key, self.graft_section.problem_key, self.graft.cfg.data.dataset,
+                               required=self.graft.cfg.store.want_misses)
+        request = self.graft.peers.request(list(prompt_of.values()), self.graft_policy_step)
+        lookup = Lookup(prompt_of, self.graft.peers.start_lookup(request), problems)
         self.graft_lookups.append(lookup)
         return lookup
 
@@ -221,14 +245,27 @@ class GraftPPOTrainer(PPOTrainerSync):
         scores = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["rm_scores"])
         rewards = [float(row.sum()) for row in scores["rm_scores"].unbind()]  # verl's reward: rm_scores' sum
 
-        prompt_of, found, request = self.graft_collect(list(groups))
+        lookups = self.graft_lookups_of(list(groups))
+        prompt_of = {uid: prompt for lookup in lookups for uid, prompt in lookup.prompt_of.items()}
+        problems = {prompt: problem for lookup in lookups for prompt, problem in lookup.problems.items()}
+        unknown = [uid for uid in groups if uid not in prompt_of]
+        if unknown:
+            raise RuntimeError(f"groups {unknown[:3]} were not submitted through this trainer: no prompt id is known")
         learner_rewards = [(prompt_of[uid], [rewards[i] for i in rows]) for uid, rows in groups.items()]
+        if self.graft_publishing is not None:  # before the wait for a co-trainer's groups, and before the splice
+            self.graft_publish(batch, groups, prompt_of, rewards, problems)
+        step, peers = self.graft_policy_step, self.graft.peers
+        request = peers.request([prompt for prompt, _ in learner_rewards], step)
+        found = peers.candidates([lookup.pending for lookup in lookups], request, learner_rewards,
+                                 self.graft.refused.usable, step)  # one wait for the step, however many lookups
+        self.graft_free_lookups()
         decisions = gate_groups(
             learner_rewards, found.groups, request, max_grafted_fraction=self.graft.cfg.graft.max_grafted_fraction,
             rng=random.Random(self.graft.cfg.seed * 7_919 + self.global_steps),  # graft-train's seeding of the cap
             usable_tokenizers=self.graft.refused.usable, trust_unverified_mu=self.graft.cfg.graft.trust_unverified_mu,
         )
         self.graft.refused.warn(decisions, found.groups)
+        peers.after_gate(step, decisions, found, problems, learner_rewards)  # the broker's wants and served ledger
         splice = Splice(decisions, {}, rewards, gate_tally(decisions, found),
                         {**self.graft.store.take(), "store_wait_s": found.wait_s})
         grafted = [(uid, rows, d) for (uid, rows), d in zip(groups.items(), decisions, strict=True) if d.grafts]
@@ -237,29 +274,21 @@ class GraftPPOTrainer(PPOTrainerSync):
         splice.splice_s = splice.graft_s = time.perf_counter() - began
         return splice
 
-    def graft_collect(self, uids: list[str]) -> tuple[dict[str, str], LookupResult, Any]:
-        """The prompt ids of `uids` and what their lookups found (waiting at most graft.lookup_wait_s for each), and
-        the rule the gate applies (the lookup request of the batch's prompts)."""
-        wanted, prompt_of, found = set(uids), {}, LookupResult(ok=True)
-        waited = time.perf_counter()
-        deadline = waited + self.graft_section.lookup_wait_s  # one wait per step, however many lookups it spans
-        late_before = self.graft.peers.counters.lookups_late
-        for lookup in [lookup for lookup in self.graft_lookups if wanted & lookup.prompt_of.keys()]:
-            result = self.graft.peers.collect(lookup.pending, max(0.0, deadline - time.perf_counter()))
-            found.ok &= result.ok
-            for prompt_id, peer_groups in result.groups.items():
-                found.groups.setdefault(prompt_id, []).extend(peer_groups)
-            found.miss_reasons.update(result.miss_reasons)
-            prompt_of.update(lookup.prompt_of)
+    def graft_lookups_of(self, uids: list[str]) -> list[Lookup]:
+        """The lookups started for `uids` (a step's prompts may span several submissions); those uids leave them."""
+        wanted = set(uids)
+        lookups = [lookup for lookup in self.graft_lookups if wanted & lookup.prompt_of.keys()]
+        for lookup in lookups:
             lookup.open -= wanted
-        self.graft_free_lookups()
-        found.wait_s = time.perf_counter() - waited
-        self.graft_note_late(self.graft.peers.counters.lookups_late > late_before)
-        unknown = [uid for uid in uids if uid not in prompt_of]
-        if unknown:
-            raise RuntimeError(f"groups {unknown[:3]} were not submitted through this trainer: no prompt id is known")
-        request = self.graft.peers.request([prompt_of[uid] for uid in uids], self.global_steps)
-        return prompt_of, found, request
+        return lookups
+
+    def graft_publish(self, batch: KVBatchMeta, groups: dict[str, list[int]], prompt_of: dict[str, str],
+                      rewards: list[float], problems: dict[str, Problem]) -> None:
+        """The batch's own groups, as the rollout sampled them, to the store in the background (publish.py)."""
+        params, mode = self.graft_publishing
+        rows = own_rows(batch, groups, rewards, self.tokenizer, self.graft.learner.eos_ids, mode)
+        self.graft.publish_own([(prompt_of[uid], rows[uid]) for uid in groups], self.graft_policy_step,
+                               params, mode, problems)
 
     def graft_free_lookups(self) -> None:
         """Drop the lookups none of whose prompts can still be sampled: each was either in a sampled batch or left
@@ -273,16 +302,6 @@ class GraftPPOTrainer(PPOTrainerSync):
             if not lookup.open and lookup.pending is not None:
                 lookup.pending.cancel()  # one no prompt of which was sampled is still running: its answer is not needed
         self.graft_lookups = [lookup for lookup in self.graft_lookups if lookup.open]
-
-    def graft_note_late(self, late: bool) -> None:
-        """Count steps in a row whose lookup was not back within graft.lookup_wait_s, and say so (they train as GRPO)."""
-        self.graft_late_steps = self.graft_late_steps + 1 if late else 0
-        if self.graft_late_steps == LATE_WARN_STEPS or (late and self.graft_late_steps % (10 * LATE_WARN_STEPS) == 0):
-            log.warning("GRAFT: the store's answer came too late to graft from in %d steps in a row (each waited up to "
-                        "graft.lookup_wait_s = %g s after generation; metric graft/store_lookups_late): those steps' "
-                        "all-fail groups train as GRPO. Is the store %s slow or overloaded? Raise graft.lookup_wait_s, "
-                        "or serve it closer", self.graft_late_steps, self.graft_section.lookup_wait_s,
-                        self.graft.cfg.store.url)
 
     def graft_write_rows(self, batch: KVBatchMeta, grafted: list[tuple[str, list[int], GateDecision]],
                          splice: Splice) -> None:

@@ -17,7 +17,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from graft.rollouts.backends import HFSettings, SamplerConfig
 from graft.rollouts.openai_backend import OpenAIBackendConfig
 from graft.rollouts.prompts import MAX_FEW_SHOT, PromptConfig, PromptTemplate, check_few_shot
-from graft.rollouts.sampling import samples_the_model
 from graft.rollouts.traces import FORMAT_COLUMNS, TraceColumns, TraceFormat
 from graft.schemas.api import MAX_LEASE_S
 from graft.schemas.rollout import SAFE_NAME_PATTERN
@@ -168,61 +167,120 @@ class ImportConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     files: list[str] = Field(min_length=1, description="trace files, or folders of them (a TRL run's output_dir or its "
-                                                       "completions/, a verl rollout_data_dir)")
-    format: TraceFormat = Field(default="columns", description="columns (JSONL/Parquet, the *_column fields), trl "
-                                "(completions/*.parquet) or verl (rollout_data_dir/*.jsonl)")
+                                                       "completions/, a verl rollout_data_dir, a save_to_disk folder)")
+    format: TraceFormat = Field(default="columns", description="columns (JSONL/Parquet/save_to_disk, the *_column "
+                                "fields), trl (completions/*.parquet) or verl (rollout_data_dir/*.jsonl)")
     model_id: str = Field(pattern=SAFE_NAME_PATTERN, description="the model that wrote the traces, stored with every "
                                                                  "row (a path-safe name)")
-    model_revision: str = Field(default="", description="its revision, stored with every row (unknown: empty)")
+    model_revision: str = Field(default="", description="its revision, stored with every row (unknown: empty; the "
+                                "weights' fingerprint, as graft-generate stores it, lets a rescoring by those weights "
+                                "show it is the traces' author)")
     tokenizer: str = Field(description="the traces' tokenizer: an HF model or tokenizer folder, or a .gguf file (the "
-                                       "completions are stored as its token ids)")
+                                       "completions are stored as its token ids; TRL: the run's own, whose chat "
+                                       "template rendered its conversational prompts)")
     store: str = Field(description="store root directory, store URL http(s)://... (push ingest), or a lake "
                                    "'ducklake:...', as graft-generate's")
     store_token: str | None = Field(default=None, description="bearer token for push ingest (URL mode)")
-    problems: str | None = Field(default=None, description="a dataset (JSONL/Parquet or a known name) the trace "
-                                 "prompts are matched to: a prompt equal to a problem, or holding one's text (the "
-                                 "longest), takes its text (the store's prompt id), dataset and gold")
+    problems: str | None = Field(default=None, description="the learner's dataset (JSONL/Parquet or a known name) the "
+                                 "trace prompts are matched to: a prompt equal to a problem, or holding one's text (the "
+                                 "longest), takes its text (the store's prompt id, which a learner's lookup asks for), "
+                                 "dataset and gold; trl and verl need it (or prompts_are_problems)")
     problem_field: str = Field(default="problem", min_length=1, description="problems: the column of the problem text")
     answer_field: str | None = Field(default=None, min_length=1, description="problems: the column of the gold answer "
                                      "(default: answer)")
+    prompts_are_problems: bool = Field(default=False, description="trl/verl without problems: the prompts are the "
+                                       "problems' own texts (stored under their ids as they are)")
+    eval_problems: str | None = Field(default=None, description="the run's evaluation set (a dataset as problems): rows "
+                                      "whose prompt matches one are its eval completions (TRL 1.16 writes them into "
+                                      "the same files) and are left out")
     dataset: str = Field(default="imported", pattern=SAFE_NAME_PATTERN, description="dataset name of the rows when "
                          "problems is not set (with problems: the problems' own)")
-    problem_column: str | None = Field(default=None, min_length=1, description="the column of the prompt (default: "
-                                       "columns: problem, trl: prompt, verl: input)")
-    completion_column: str | None = Field(default=None, min_length=1, description="the column of the completion, a "
-                                          "text or a list of texts (a whole group) (default: completion; verl: output)")
+    problem_column: str | None = Field(default=None, min_length=1, description="the column of the prompt: a text or a "
+                                       "conversation (default: columns: problem, trl: prompt, verl: input)")
+    completion_column: str | list[str] | None = Field(
+        default=None, description="the column of the completion: a text, a list of texts (a whole group) or a "
+                                  "conversation (its assistant turns); several columns ([a, b, c]): one group per row "
+                                  "(default: completion; verl: output)")
     gold_column: str | None = Field(default=None, min_length=1, description="the column of the gold answer, read when "
                                     "there (default: columns: answer, verl: gts, trl: none)")
-    reward_column: str | None = Field(default=None, min_length=1, description="the column of a given reward in [0, 1] "
-                                      "(default: columns: reward, verl: score, trl: the one reward function's column)")
+    reward_column: str | None = Field(default=None, min_length=1, description="the column of the run's own reward: a "
+                                      "number (success: success_threshold) or a boolean, one per completion (default: "
+                                      "columns: reward, verl: score, trl: the one reward function's column)")
+    finish_column: str | None = Field(default=None, min_length=1, description="the column of each completion's finish "
+                                      "reason (stop, length, abort; OpenR1's finish_reasons)")
+    prompt_column: str | None = Field(default=None, min_length=1, description="the column of the prompt the model "
+                                      "followed, stored with the rows (default: trl: prompt, verl: input; columns: none)")
+    prompt_ids_column: str | None = Field(default=None, min_length=1, description="the column of that prompt's token "
+                                          "ids in the tokenizer's vocabulary, stored with the rows")
     reward: Literal["auto", "gold", "given"] = Field(
-        default="auto", description="auto: math-verify against the gold where a row has one, else the given reward; "
-                                    "gold: math-verify only; given: the file's reward only")
+        default="auto", description="auto: the run's own reward where every row has one and its success rule is known "
+                                    "(a boolean, or success_threshold), else math-verify against the gold; gold: "
+                                    "math-verify only; given: the run's own reward only")
+    success_threshold: float | None = Field(default=None, description="a number reward counts as success at >= this "
+                                            "(the run's own rule: e.g. 1.0 for verl's gsm8k score); stored as 1 or 0")
+    extract: Literal["boxed", "gsm8k", "answer_tag", "regex"] = Field(
+        default="boxed", description="how math-verify takes a completion's answer: boxed (the last \\boxed{}), gsm8k "
+                                     "(the last '#### N', verl's gsm8k reward), answer_tag (<answer>...</answer>), "
+                                     "regex (extract_regex)")
+    extract_regex: str | None = Field(default=None, description="extract regex: the pattern whose last match (its "
+                                      "first group, if any) is the answer")
+    max_disagreement: float = Field(default=0.05, ge=0.0, le=1.0, description="the share of rows whose run's own "
+                                    "success and math-verify's differ above which the import says so")
     temperature: float = Field(default=1.0, ge=0.0, description="the sampling temperature the traces were written at "
-                                                                "(stored; assumed by a later rescoring)")
+                                                                "(stored; a rescoring refuses rows it cannot apply)")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="their nucleus mass (stored)")
     top_k: int | None = Field(default=None, ge=0, description="their top-k cut (stored)")
-    max_tokens: int | None = Field(default=None, ge=1, description="their token budget (stored; default: the group's "
-                                   "longest completion)")
-    finish_reason: Literal["stop", "length"] = Field(
-        default="stop", description="stop: the completions ended (the tokenizer's EOS is appended); length: they were cut")
-    policy_step: int = Field(default=0, ge=0, description="training step of the model, stored with every row")
+    max_tokens: int | None = Field(default=None, ge=1, description="the run's completion budget (TRL's "
+                                   "max_completion_length, verl's response_length): a completion of this many tokens "
+                                   "was cut (finish 'length'); stored (default: the group's longest completion)")
+    finish_reason: Literal["auto", "stop", "length"] = Field(
+        default="auto", description="auto: each row's finish_column value, else 'length' for a completion reaching "
+                                    "max_tokens and 'stop' below it (one of the two is needed); stop / length: every "
+                                    "row without a finish value ended / was cut (the tokenizer's EOS ends a stopped one)")
+    group_size: int | None = Field(default=None, ge=1, description="the completions of every group of one-completion "
+                                   "rows (TRL's num_generations, verl's rollout.n; default for trl/verl: each file's "
+                                   "most common): a group of another size (a lost row) is left out")
+    policy_step: int | None = Field(default=None, ge=0, description="training step of the model stored with every "
+                                    "row (default: the trace's own step column, 0 without one)")
     std_normalize: bool = Field(default=True, description="GRPO advantages divide by the group's std (false: Dr. GRPO)")
     groups_per_shard: int = Field(default=256, ge=1, description="groups written together (one shard, or one push)")
     score_workers: int = Field(default=2, ge=1, description="math-verify worker processes")
     score_timeout_s: float = Field(default=5.0, gt=0, description="per-item scoring timeout (reward 0 when hit)")
 
+    @model_validator(mode="after")
+    def _rules_stated(self) -> ImportConfig:
+        if self.extract == "regex":
+            import re
+
+            if not self.extract_regex:
+                raise ValueError("extract regex needs the pattern: --set extract_regex='...'")
+            try:
+                re.compile(self.extract_regex)
+            except re.error as error:
+                raise ValueError(f"extract_regex {self.extract_regex!r} is not a regular expression: {error}") from None
+        elif self.extract_regex is not None:
+            raise ValueError(f"extract_regex is set but extract is {self.extract!r}: set extract=regex, or drop it")
+        columns = [self.completion_column] if isinstance(self.completion_column, str) else self.completion_column
+        if columns is not None and (not columns or len(set(columns)) != len(columns) or not all(columns)):
+            raise ValueError(f"completion_column {self.completion_column!r}: a column name, or a list of distinct ones")
+        return self
+
     def trace_columns(self) -> tuple[TraceColumns, frozenset[str]]:
         """The columns to read (the format's, with the ones set here) and which of them were set."""
         defaults = FORMAT_COLUMNS[self.format]
-        given = {"problem": self.problem_column, "completion": self.completion_column, "gold": self.gold_column,
-                 "reward": self.reward_column}
+        completion = self.completion_column
+        given = {"problem": self.problem_column,
+                 "completion": None if completion is None else tuple([completion] if isinstance(completion, str)
+                                                                     else completion),
+                 "gold": self.gold_column, "reward": self.reward_column, "finish": self.finish_column,
+                 "prompt": self.prompt_column, "prompt_ids": self.prompt_ids_column}
         named = frozenset(k for k, v in given.items() if v is not None)
         return replace(defaults, **{k: v for k, v in given.items() if v is not None}), named
 
 
 class RescoreConfig(BaseModel):
-    """`graft-rescore`: fill in mu for stored groups from the peer's weights, teacher-forced (new groups, rows 'rescored')."""
+    """`graft-rescore`: fill in mu for stored groups from the peer's weights, teacher-forced at the rows' own sampling
+    (new groups: rows 'rescored', or 'rescored_unverified' when the weights are not shown to be the traces' author)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -240,12 +298,9 @@ class RescoreConfig(BaseModel):
     backend: Literal["hf", "openai"] = Field(default="hf", description="hf: transformers in-process; openai: a vLLM "
                                              "server's prompt_logprobs (the openai section)")
     openai: OpenAIBackendConfig | None = Field(default=None, description="backend openai: the server and how to call it")
-    temperature: float | None = Field(default=None, ge=0.0, description="temperature assumed (default: each row's "
-                                      "own; backend openai: 1.0, the only one a server's prompt logprobs have)")
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0, description="nucleus mass assumed (default: each row's own)")
-    top_k: int | None = Field(default=None, ge=0, description="top-k assumed (default: each row's own; 0: none)")
-    template: PromptTemplate = Field(default="auto", description="the prompt the completions followed: auto (chat "
-                                     "template if any), chat, plain, raw (as graft-generate's)")
+    template: PromptTemplate = Field(default="auto", description="the prompt the completions followed, for rows that do "
+                                     "not keep it (prompt_text): auto (chat template if any), chat, plain, raw (as "
+                                     "graft-generate's)")
     few_shot: int = Field(default=0, ge=0, le=MAX_FEW_SHOT, description="worked examples before each problem (as graft-generate's)")
     instruction: str | None = Field(default=None, description="the line after each problem (as graft-generate's)")
     system_prompt: str | None = Field(default=None, description="a system turn before the problem (as graft-generate's)")
@@ -257,17 +312,9 @@ class RescoreConfig(BaseModel):
     groups_per_shard: int = Field(default=64, ge=1, description="rescored groups written together (one shard)")
 
     @model_validator(mode="after")
-    def _served_is_temperature_one(self) -> RescoreConfig:
+    def _checked(self) -> RescoreConfig:
         check_few_shot(self.template, self.few_shot, self.instruction, self.system_prompt)
         check_served(self.backend, self.openai)
-        if self.backend == "openai":
-            # None: each row's own, which the served rescorer checks row by row
-            if not samples_the_model(1.0 if self.temperature is None else self.temperature,
-                                     1.0 if self.top_p is None else self.top_p, self.top_k):
-                raise ValueError("backend openai: a vLLM server's prompt logprobs are the temperature-1 distribution "
-                                 "without top-p or top-k; rescore at temperature 1.0 (the rows then say 1.0), or with "
-                                 "backend hf at the temperature the traces were sampled at")
-            self.temperature, self.top_p, self.top_k = 1.0, 1.0, None
         return self
 
 

@@ -1,9 +1,10 @@
-"""`graft-import`: text-only traces (a JSONL/Parquet file, TRL's completions, verl's rollout dump) into stored groups.
+"""`graft-import`: text-only traces (a JSONL/Parquet file, a published trace set, TRL's completions, verl's rollout
+dump) into stored groups.
 
-    graft-import --format trl --file runs/trl/completions --problems data.jsonl --model-id peer --tokenizer models/peer \\
-        --store stores/local
+    graft-import --format trl --file runs/trl --problems data.jsonl --model-id peer --tokenizer models/peer \\
+        --store stores/local --set max_tokens=256 --set eval_problems=eval.jsonl
     graft-import --file traces.jsonl --model-id r1 --tokenizer models/peer --store stores/local \\
-        --set completion_column=completions --set gold_column=solution
+        --set completion_column=completions --set gold_column=solution --set finish_reason=stop
     graft-import show-config    # every field, its default and its doc line
 
 The rows have no behaviour logprobs (logprobs_mode 'none'): the trainers graft them with b = 1 and w = 1;
@@ -44,8 +45,9 @@ def import_traces(
     """Import text-only traces as whole groups without behaviour logprobs; a re-import skips what is stored.
 
     Each row that cannot be imported is one line on stderr (file, row, reason), its group left out, and counted in
-    the summary (stdout's last line, JSON). A file that cannot be read or lacks a named column stops the import
-    before anything is stored.
+    the summary (stdout's last line, JSON); what the import notices (how many prompts matched, the run's rewards
+    disagreeing with math-verify) is a `note:` line. A file that cannot be read or lacks a named column, prompts
+    matching no problem, or a run whose completions' ends cannot be told stops the import before anything is stored.
     """
     if ctx.invoked_subcommand:  # show-config
         return
@@ -59,12 +61,15 @@ def import_traces(
     def bad_row(line: str) -> None:
         typer.echo(f"bad row: {line}", err=True)
 
+    def note(line: str) -> None:
+        typer.echo(f"note: {line}", err=True)
+
     try:
-        stats = run_import(cfg, on_bad_row=bad_row)
+        stats = run_import(cfg, on_bad_row=bad_row, on_note=note)
     except (TraceFileError, FileNotFoundError, ValueError, OSError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
-    summary = stats.summary()
+    summary = stats.summary(cfg.max_disagreement)
     print_summary(summary, summary_json)
 
 

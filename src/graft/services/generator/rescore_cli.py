@@ -5,8 +5,10 @@
         --set openai.base_url=http://127.0.0.1:8000
     graft-rescore show-config    # every field, its default and its doc line
 
-Each rescored group is written as a new group (rows with logprobs_mode 'rescored', the temperature assumed, the
-weights' revision); the source groups stay as they are. A second run skips what the first stored."""
+Each rescored group is written as a new group at the sampling its rows state (logprobs_mode 'rescored' when the
+weights' fingerprint is the rows' model_revision, else 'rescored_unverified'; the weights' revision; the prompt the
+rows kept, else one rebuilt from the problem); the source groups stay as they are. A group whose stated sampling the
+backend cannot apply is refused. A second run skips what the first stored."""
 
 from __future__ import annotations
 
@@ -35,14 +37,14 @@ def rescore(
     model: Optional[str] = typer.Option(None, help=_help("model")),
     model_id: Optional[str] = typer.Option(None, help=_help("model_id")),
     backend: Optional[str] = typer.Option(None, help=_help("backend")),
-    sets: list[str] = typer.Option([], "--set", help="any field as field=value, e.g. --set temperature=0.7 (repeatable; "
+    sets: list[str] = typer.Option([], "--set", help="any field as field=value, e.g. --set template=raw (repeatable; "
                                    "`graft-rescore show-config` lists them)"),
     summary_json: Optional[Path] = typer.Option(None, help="also write the JSON summary to this file (whole or not at all)"),
 ) -> None:
-    """Teacher-force a model's stored groups through the peer's weights and store them again with mu ('rescored').
+    """Teacher-force a model's stored groups through the peer's weights and store them again with mu.
 
-    A group that cannot be rescored (its prompt unknown, a token the weights give probability 0) is one line on
-    stderr and counted; the summary is stdout's last line (JSON).
+    A group that cannot be rescored (its stated sampling one the backend cannot apply, its prompt unknown, a token the
+    weights give probability 0) is one line on stderr and counted; the summary is stdout's last line (JSON).
     """
     if ctx.invoked_subcommand:  # show-config
         return

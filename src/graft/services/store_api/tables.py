@@ -23,12 +23,14 @@ from pydantic import ValidationError
 
 from graft.schemas import PROBLEM_ARROW_SCHEMA, PROMPT_ID_PATTERN, ROLLOUT_ARROW_SCHEMA, Problem, RolloutGroup
 from graft.schemas.rollout import (
+    ADDED_COLUMNS,
     ADVANTAGE_EPS,
     ADVANTAGE_TOLERANCE,
     CLOCK_SKEW_S,
     GROUP_ID_PATTERN,
     LOGPROB_TOLERANCE,
     NO_LOGPROBS,
+    NULL_LOGPROB_SUM_VERSION,
     SAFE_NAME_PATTERN,
 )
 
@@ -70,6 +72,9 @@ def groups_table(groups: Iterable[RolloutGroup]) -> pa.Table:
         values = list(map(operator.attrgetter(field.name), rollouts))
         try:
             if field.name in _LIST_ITEM_DTYPES:
+                nulls = [v is None for v in values] if field.nullable else []
+                if any(nulls):
+                    values = [[] if v is None else v for v in values]
                 offsets = np.zeros(n + 1, np.int64)  # (rollouts + 1,)
                 np.cumsum(np.fromiter(map(len, values), np.int64, n), out=offsets[1:])
                 if offsets[-1] > np.iinfo(np.int32).max:
@@ -78,7 +83,7 @@ def groups_table(groups: Iterable[RolloutGroup]) -> pa.Table:
                 items = np.fromiter(itertools.chain.from_iterable(values), _LIST_ITEM_DTYPES[field.name],
                                     int(offsets[-1]))  # (total items,)
                 arrays.append(pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(items),
-                                                       type=field.type))
+                                                       type=field.type, mask=pa.array(nulls) if any(nulls) else None))
             else:
                 arrays.append(pa.array(values, type=field.type))
         except (OverflowError, ValueError, TypeError, pa.ArrowException) as exc:
@@ -94,8 +99,13 @@ def groups_table(groups: Iterable[RolloutGroup]) -> pa.Table:
 
 def conform_table(table: pa.Table, schema: pa.Schema = ROLLOUT_ARROW_SCHEMA) -> pa.Table:
     """The table with exactly the columns of `schema`, in order and cast to its types; ColumnTypeError naming a
-    column whose type does not cast."""
+    column whose type does not cast. A column added to the schema after version 1 (`ADDED_COLUMNS`) that the table
+    lacks (rows written before it) is read as null."""
     names = collections.Counter(table.column_names)
+    for name in ADDED_COLUMNS:
+        if name in schema.names and name not in names:
+            table = table.append_column(schema.field(name), pa.nulls(table.num_rows, schema.field(name).type))
+            names[name] = 1
     missing = [n for n in schema.names if n not in names]
     extra = [n for n in names if n not in schema.names]
     repeated = sorted(n for n, count in names.items() if count > 1)
@@ -205,7 +215,8 @@ def validate_table(table: pa.Table, bulk: bool = True) -> pa.Table:
     for field in schema:
         column = table.column(field.name)
         if not field.nullable and column.null_count:
-            _fail_first(pc.is_valid(column), table, f"{field.name} is null; only top_k, reward and extracted_answer may be")
+            _fail_first(pc.is_valid(column), table, f"{field.name} is null; only top_k, reward, extracted_answer, "
+                        "logprob_sum (without mu) and the prompt columns may be")
         if pa.types.is_list(field.type):
             flat = pc.list_flatten(column)
             if flat.null_count:
@@ -226,18 +237,23 @@ def validate_table(table: pa.Table, bulk: bool = True) -> pa.Table:
     _fail_first(pc.greater_equal(col("group_size"), 1), table, "group_size must be >= 1", col("group_size"))
     _fail_first(pc.is_in(col("finish_reason"), pa.array(["stop", "length", "abort"])), table,
                 "finish_reason must be 'stop', 'length' or 'abort'", col("finish_reason"))
-    _fail_first(pc.and_(pc.is_finite(col("logprob_sum")), pc.less_equal(col("logprob_sum"), 0)), table,
-                "logprob_sum must be finite and <= 0", col("logprob_sum"))
     without_mu = pc.equal(col("logprobs_mode"), NO_LOGPROBS)
-    _fail_first(pc.or_(pc.invert(without_mu), pc.equal(col("logprob_sum"), 0.0)), table,
-                "logprobs_mode is 'none' (mu unknown) but logprob_sum is not 0.0: a row without behaviour logprobs "
-                "stores logprob_sum 0.0 and an empty token_logprobs", col("logprob_sum"))
+    logprob_sum = col("logprob_sum")
+    _fail_first(pc.or_kleene(without_mu, pc.and_(pc.is_finite(logprob_sum), pc.less_equal(logprob_sum, 0))), table,
+                "logprob_sum must be finite and <= 0 (and not null) in a row with behaviour logprobs", logprob_sum)
+    # without mu: null from version 3 on, 0.0 before (version 2 rows read unchanged)
+    nulls_version = pc.greater_equal(col("schema_version"), NULL_LOGPROB_SUM_VERSION)
+    unknown_ok = pc.if_else(nulls_version, pc.is_null(logprob_sum), pc.fill_null(pc.equal(logprob_sum, 0.0), False))
+    _fail_first(pc.or_(pc.invert(without_mu), unknown_ok), table,
+                "logprobs_mode is 'none' (mu unknown) but logprob_sum is not null (schema version 3 on; 0.0 before): a "
+                "row without behaviour logprobs stores no logprob_sum and an empty token_logprobs", logprob_sum)
     _fail_first(pc.is_finite(col("advantage")), table, "advantage must be finite", col("advantage"))
     reward = col("reward")
     _fail_first(pc.or_kleene(pc.is_null(reward), pc.and_(pc.greater_equal(reward, 0), pc.less_equal(reward, 1))),
                 table, "reward must be in [0, 1] or null", reward)
     correct_expected = pc.fill_null(pc.greater(reward, 0), False)
     _fail_first(pc.equal(col("correct"), correct_expected), table, "correct disagrees with reward (correct means reward > 0)")
+    _check_token_ids(table, "prompt_token_ids")
     if bulk:
         _check_bulk_columns(table)
     starts, lengths = group_runs(col("group_id"))
@@ -282,9 +298,7 @@ def _check_bulk_columns(table: pa.Table) -> None:
     if len(logprobs_flat) and not (logprobs_flat.max() <= LOGPROB_TOLERANCE and logprobs_flat.min() > -np.inf):
         _fail_first_item(col("token_logprobs"), (logprobs_flat <= LOGPROB_TOLERANCE) & (logprobs_flat > -np.inf), table,
                          "token_logprobs must be finite and <= 0")  # NaN fails both comparisons
-    ids_flat = pc.list_flatten(col("completion_token_ids")).to_numpy()  # (total tokens,) int32, no copy
-    if len(ids_flat) and ids_flat.min() < 0:
-        _fail_first_item(col("completion_token_ids"), ids_flat >= 0, table, "completion_token_ids must be >= 0")
+    _check_token_ids(table, "completion_token_ids")
     n_ids = pc.list_value_length(col("completion_token_ids"))
     n_logprobs = pc.list_value_length(col("token_logprobs"))
     without_mu = pc.equal(col("logprobs_mode"), NO_LOGPROBS)
@@ -298,9 +312,15 @@ def _check_bulk_columns(table: pa.Table) -> None:
                 "num_bytes must equal the UTF-8 length of completion_text", col("num_bytes"))
 
 
+def _check_token_ids(table: pa.Table, name: str) -> None:
+    ids_flat = pc.list_flatten(table.column(name)).to_numpy()  # (total tokens,) int32, no copy
+    if len(ids_flat) and ids_flat.min() < 0:
+        _fail_first_item(table.column(name), ids_flat >= 0, table, f"{name} must be >= 0")
+
+
 def _fail_first_item(column: pa.ChunkedArray, item_ok: np.ndarray, table: pa.Table, message: str) -> None:
     """Raise naming the row of the first list item where `item_ok` (one bool per flattened item) is false."""
-    lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False)
+    lengths = pc.fill_null(pc.list_value_length(column), 0).to_numpy(zero_copy_only=False)
     row_of_item = np.repeat(np.arange(table.num_rows), lengths)  # (items,)
     ok = np.ones(table.num_rows, bool)
     ok[row_of_item[np.flatnonzero(~item_ok)[0]]] = False

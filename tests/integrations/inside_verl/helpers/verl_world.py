@@ -53,8 +53,7 @@ def graft_overrides(learner_dir: Path, store_url: str | None, peer_dir: Path | N
         "reward.num_workers=1",  # verl's reward loop (the learner's reward of grafted rows): one Ray worker here
     ]
     if store_url is not None:
-        settings += [f"+graft.store_url={store_url}", "+graft.lookup_wait_s=30",
-                     "+graft.options.max_grafted_fraction=1.0",
+        settings += [f"+graft.store_url={store_url}", "+graft.options.max_grafted_fraction=1.0",
                      # the `spec` preset's formulas (b, peer negatives): the tests check b and the peer's negative rows
                      "+graft.options.token_is=tis", "+graft.options.peer_negative_scale=1.0"]
     if peer_dir is not None:
@@ -120,7 +119,8 @@ class RecordedRollouts:
 
 def prompt_batch(problems: list[Problem], data_source: str = TOY_SOURCE):
     """One dataloader batch of `problems` as verl's `_fetch_one_gen_batch` hands it to `_submit_batch_to_rollout`:
-    RLHFDataset's rows (the chat prompt, data_source, the ground truth, extra_info with the store's prompt id, ...),
+    RLHFDataset's rows (the chat prompt, data_source, the ground truth, extra_info with the store's prompt id and the
+    problem text, ...),
     a uid per prompt."""
     import uuid
 
@@ -132,7 +132,7 @@ def prompt_batch(problems: list[Problem], data_source: str = TOY_SOURCE):
         "data_source": [data_source] * len(problems),
         "ability": ["math"] * len(problems),
         "reward_model": [{"style": "rule", "ground_truth": p.answer} for p in problems],
-        "extra_info": [{"prompt_id": p.prompt_id, "index": i} for i, p in enumerate(problems)],
+        "extra_info": [{"prompt_id": p.prompt_id, "index": i, "problem": p.problem} for i, p in enumerate(problems)],
         "index": list(range(len(problems))),
         "uid": np.array([str(uuid.uuid4()) for _ in problems], dtype=object),
     }

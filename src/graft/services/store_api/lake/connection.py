@@ -16,6 +16,7 @@ import duckdb
 import pyarrow as pa
 
 from graft.schemas import PROBLEM_ARROW_SCHEMA, ROLLOUT_ARROW_SCHEMA
+from graft.schemas.rollout import ADDED_COLUMNS
 from graft.services.store_api.lake.config import (
     NO_PROGRESS_BAR,
     ExtensionMissing,
@@ -200,14 +201,40 @@ class LakeConnection:
                     raise self._error("create the tables of", exc) from None
         comment = con.execute("SELECT comment FROM duckdb_tables() WHERE database_name = ? AND table_name = 'rollouts'",
                               [ALIAS]).fetchall()
-        columns = con.execute("SELECT column_name, data_type FROM duckdb_columns() WHERE database_name = ? AND "
-                              "table_name = 'rollouts' ORDER BY column_index", [ALIAS]).fetchall()
         expected = [(f.name, _DUCK_TYPES[f.type]) for f in ROLLOUT_ARROW_SCHEMA]
-        actual = [(name, "TIMESTAMPTZ" if kind == "TIMESTAMP WITH TIME ZONE" else kind) for name, kind in columns]
+        actual = self._rollout_columns(con)
+        before_added = [column for column in expected if column[0] not in ADDED_COLUMNS]
+        if actual == before_added and comment and comment[0][0] == LAYOUT_COMMENT:
+            self._add_columns(con)  # a lake made before schema version 3
+            actual = self._rollout_columns(con)
         if actual != expected or not comment or comment[0][0] != LAYOUT_COMMENT:
             raise LakeError(f"lake {self.config.describe()}: its rollouts table is not one this store wrote "
                             f"({LAYOUT_COMMENT!r}, the columns of ROLLOUT_ARROW_SCHEMA); found comment "
                             f"{comment[0][0] if comment else None!r} and columns {actual[:4]}...")
+
+    @staticmethod
+    def _rollout_columns(con: duckdb.DuckDBPyConnection) -> list[tuple[str, str]]:
+        columns = con.execute("SELECT column_name, data_type FROM duckdb_columns() WHERE database_name = ? AND "
+                              "table_name = 'rollouts' ORDER BY column_index", [ALIAS]).fetchall()
+        return [(name, "TIMESTAMPTZ" if kind == "TIMESTAMP WITH TIME ZONE" else kind) for name, kind in columns]
+
+    def _add_columns(self, con: duckdb.DuckDBPyConnection) -> None:
+        """Evolve a rollouts table of schema version 2 or 1 to version 3 in one transaction (DuckLake's schema
+        evolution rewrites no data file; its rows read the new columns as null): the prompt columns, and a
+        logprob_sum that may be null. Another process doing the same at once makes this one's commit fail: then
+        the table is as wanted, which the caller checks."""
+        try:
+            con.execute("BEGIN")
+            for name in ADDED_COLUMNS:
+                field = ROLLOUT_ARROW_SCHEMA.field(name)
+                con.execute(f"ALTER TABLE {ALIAS}.rollouts ADD COLUMN IF NOT EXISTS {name} {_DUCK_TYPES[field.type]}")
+            con.execute(f"ALTER TABLE {ALIAS}.rollouts ALTER COLUMN logprob_sum DROP NOT NULL")  # null without mu
+            con.execute("COMMIT")
+            log.info("lake %s: added the columns of schema version 3 to the rollouts table", self.config.describe())
+        except duckdb.Error as exc:
+            _rollback_quietly(con)
+            log.info("lake %s: adding the columns of schema version 3 failed (%s); another process may have",
+                     self.config.describe(), redact(str(exc)))
 
     def _acquire(self) -> tuple[_Attached, duckdb.DuckDBPyConnection]:
         """The current attach (attaching if there is none), counted as used until `_release`, and this thread's

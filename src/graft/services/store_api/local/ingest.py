@@ -26,7 +26,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from graft.schemas import MU_FIELDS, ROLLOUT_ARROW_SCHEMA, Problem, mu_is_behaviour
+from graft.schemas import MU_FIELDS, NO_LOGPROBS, ROLLOUT_ARROW_SCHEMA, Problem, mu_is_behaviour
+from graft.schemas.rollout import ADDED_COLUMNS
 from graft.services.store_api.local.catalog import Catalog
 from graft.services.store_api.local.compaction import IndexCompaction
 from graft.services.store_api.local.durable import TMP_DIR, TMP_PREFIX
@@ -109,9 +110,11 @@ def validate_shard(path: Path, expected_model: str) -> pa.Table:
     except (OSError, pa.ArrowException) as exc:
         raise ShardReadError(path, str(exc)) from exc
     names = schema.names
+    # a shard written before a column was added (ADDED_COLUMNS) lacks it: read as null
+    expected = [f for f in ROLLOUT_ARROW_SCHEMA if f.name in names or f.name not in ADDED_COLUMNS]
     wrong = [f"{f.name}: {names.count(f.name)} columns" if names.count(f.name) != 1 else
              f"{f.name}: {schema.field(f.name).type} (expected {f.type})"
-             for f in ROLLOUT_ARROW_SCHEMA if names.count(f.name) != 1 or schema.field(f.name).type != f.type]
+             for f in expected if names.count(f.name) != 1 or schema.field(f.name).type != f.type]
     extra = [n for n in names if n not in ROLLOUT_ARROW_SCHEMA.names]
     if wrong or extra:
         raise ShardValidationError(f"schema differs from ROLLOUT_ARROW_SCHEMA: {'; '.join(wrong[:5])}; "

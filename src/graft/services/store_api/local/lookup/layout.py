@@ -20,7 +20,7 @@ from graft.services.store_api.local.pages import PAGE_CODECS
 LOOKUP_DIR = "lookup"
 LOOKUP_SUFFIX = ".lookup"
 LOOKUP_MAGIC = b"GRAFTLK1"
-LOOKUP_VERSION = 3
+LOOKUP_VERSION = 4  # 4: the rows of schema version 3 (the prompt columns); older files are rebuilt
 # groups, pages, CRC-32 of the block and page tables, CRC-32 and size of the shard's Parquet footer, version, magic
 LOOKUP_TRAILER = struct.Struct("<qqIIqI8s")
 

@@ -27,7 +27,9 @@ def read_whole_groups(shard: Path, parquet: pq.ParquetFile, schema: pa.Schema = 
     file cannot be decoded."""
     pending = schema.empty_table()  # rows read and not yet yielded, from file row `pending_start`
     pending_start = 0
-    batches = parquet.iter_batches(batch_size=chunk_rows, columns=schema.names, use_threads=False)
+    present = set(parquet.schema_arrow.names)  # a shard written before a column was added lacks it: conformed as null
+    batches = parquet.iter_batches(batch_size=chunk_rows, columns=[n for n in schema.names if n in present],
+                                   use_threads=False)
     while True:
         try:
             batch = next(batches, None)
