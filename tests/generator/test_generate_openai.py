@@ -255,11 +255,11 @@ def test_graft_rescore_through_the_server_equals_the_in_process_rescoring(vllm_s
         f"\\boxed{{{p.answer}}}", "\\boxed{1}", f"{p.problem}{p.answer}"]}) + "\n" for p in problems))
     store = tmp_path / "store"
     run_import(ImportConfig(files=[str(traces)], model_id="traces", tokenizer=str(tiny_model_dir), store=str(store),
-                            score_workers=1))
-    for backend in ("openai", "hf"):
+                            scoring={"workers": 1}))
+    for backend, server in (("openai", ["--set", f"sampler.base_url={vllm_server}"]), ("hf", [])):
         result = CliRunner().invoke(rescore_app, [
             "--store", str(store), "--source-model", "traces", "--model", str(tiny_model_dir), "--backend", backend,
-            "--model-id", f"traces-{backend}", "--set", "template=raw", "--set", f"openai.base_url={vllm_server}"])
+            "--model-id", f"traces-{backend}", "--set", "prompt.template=raw", *server])
         assert result.exit_code == 0, result.stderr
         assert json.loads(result.stdout.strip().splitlines()[-1])["groups"] == 3
     by_model = {m: {g.prompt_id: g for g in _stored_groups(store) if g.model_id == m} for m in ("traces-openai", "traces-hf")}

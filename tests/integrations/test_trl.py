@@ -160,7 +160,7 @@ def test_a_peer_with_another_tokenizer_is_retokenised_as_graft_train_does(toy_wo
     trainer = make_trainer(fresh_learner, toy_world.peer_problems, args)
     plans = []
     planned = trainer._plan
-    trainer._plan = lambda lookup: plans.append(planned(lookup)) or plans[-1]  # a spy on the real plan
+    trainer._plan = lambda lookup, rewards: plans.append(planned(lookup, rewards)) or plans[-1]  # a spy on the real plan
     trainer.model.train()
     batch = trainer._generate_and_score_completions(first_batch(trainer, toy_world.peer_problems))
     (plan,) = plans

@@ -10,13 +10,13 @@ import hashlib
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from graft.rollouts.backends import HFSettings, SamplerConfig
 from graft.rollouts.openai_backend import OpenAIBackendConfig
-from graft.rollouts.prompts import MAX_FEW_SHOT, PromptConfig, PromptTemplate, check_few_shot
+from graft.rollouts.prompts import PromptConfig
 from graft.rollouts.traces import FORMAT_COLUMNS, TraceColumns, TraceFormat
 from graft.schemas.api import MAX_LEASE_S
 from graft.schemas.rollout import SAFE_NAME_PATTERN
@@ -55,10 +55,13 @@ SAMPLER_DOC = ("which backend samples, and its settings beside it: backend hf (d
 
 
 class _GeneratorSide(Section):
+    # the keys of MOVED_TO_SECTIONS this command took in earlier releases (refused naming the new one; others: typos)
+    MOVED: ClassVar[tuple[str, ...]] = tuple(MOVED_TO_SECTIONS)
+
     @model_validator(mode="before")
     @classmethod
     def _refuse_moved_keys(cls, data: Any) -> Any:
-        refuse_moved(data, MOVED_TO_SECTIONS)
+        refuse_moved(data, {key: MOVED_TO_SECTIONS[key] for key in cls.MOVED})
         return data
 
 
@@ -161,10 +164,10 @@ class GeneratorConfig(_GeneratorSide):
         return problems  # watch_dir may not exist yet: the trainer it follows makes it
 
 
-class ImportConfig(BaseModel):
+class ImportConfig(_GeneratorSide):
     """`graft-import`: text-only traces from local files into stored groups without behaviour logprobs."""
 
-    model_config = ConfigDict(extra="forbid")
+    MOVED = ("score_workers", "score_timeout_s")
 
     files: list[str] = Field(min_length=1, description="trace files, or folders of them (a TRL run's output_dir or its "
                                                        "completions/, a verl rollout_data_dir, a save_to_disk folder)")
@@ -244,8 +247,7 @@ class ImportConfig(BaseModel):
                                     "row (default: the trace's own step column, 0 without one)")
     std_normalize: bool = Field(default=True, description="GRPO advantages divide by the group's std (false: Dr. GRPO)")
     groups_per_shard: int = Field(default=256, ge=1, description="groups written together (one shard, or one push)")
-    score_workers: int = Field(default=2, ge=1, description="math-verify worker processes")
-    score_timeout_s: float = Field(default=5.0, gt=0, description="per-item scoring timeout (reward 0 when hit)")
+    scoring: ScoringConfig = Field(default_factory=ScoringConfig, description="math-verify's workers and time limit")
 
     @model_validator(mode="after")
     def _rules_stated(self) -> ImportConfig:
@@ -278,11 +280,14 @@ class ImportConfig(BaseModel):
         return replace(defaults, **{k: v for k, v in given.items() if v is not None}), named
 
 
-class RescoreConfig(BaseModel):
+class RescoreConfig(_GeneratorSide):
     """`graft-rescore`: fill in mu for stored groups from the peer's weights, teacher-forced at the rows' own sampling
     (new groups: rows 'rescored', or 'rescored_unverified' when the weights are not shown to be the traces' author)."""
 
-    model_config = ConfigDict(extra="forbid")
+    MOVED = ("backend", "openai", "dtype", "template", "few_shot", "instruction", "system_prompt")
+    # the settings of a sampler that only sampling reads: graft-rescore samples nothing, so they would do nothing
+    SAMPLING_ONLY: ClassVar[dict[str, tuple[str, ...]]] = {"hf": ("batch_size",),
+                                                           "openai": ("logprobs_mode", "check_logprobs_mode")}
 
     store: str = Field(description="store root directory: its groups are read, the rescored ones written beside them")
     source_model: str = Field(pattern=SAFE_NAME_PATTERN, description="the model id whose stored groups are rescored")
@@ -295,33 +300,28 @@ class RescoreConfig(BaseModel):
                                  "(default: source_model)")
     model_revision: str | None = Field(default=None, description="revision of the rescored rows (default: a fingerprint "
                                        "of the weights; backend openai with a tokenizer-only folder: required)")
-    backend: Literal["hf", "openai"] = Field(default="hf", description="hf: transformers in-process; openai: a vLLM "
-                                             "server's prompt_logprobs (the openai section)")
-    openai: OpenAIBackendConfig | None = Field(default=None, description="backend openai: the server and how to call it")
-    template: PromptTemplate = Field(default="auto", description="the prompt the completions followed, for rows that do "
-                                     "not keep it (prompt_text): auto (chat template if any), chat, plain, raw (as "
-                                     "graft-generate's)")
-    few_shot: int = Field(default=0, ge=0, le=MAX_FEW_SHOT, description="worked examples before each problem (as graft-generate's)")
-    instruction: str | None = Field(default=None, description="the line after each problem (as graft-generate's)")
-    system_prompt: str | None = Field(default=None, description="a system turn before the problem (as graft-generate's)")
+    sampler: SamplerConfig = Field(default_factory=HFSettings, description="what teacher-forces the completions: "
+                                   "backend hf (in this process: dtype) or openai (a vLLM server's prompt_logprobs: "
+                                   "base_url, served_model, concurrency, ...)")
+    prompt: PromptConfig = Field(default_factory=PromptConfig, description="the prompt the completions followed, for "
+                                 "rows that do not keep it (prompt_text): graft-generate's prompt section, the same")
     dataset: str | None = Field(default=None, description="problems (JSONL/Parquet or a known name) for the prompts "
                                                           "the store's prompts/ does not hold")
     problem_field: str = Field(default="problem", min_length=1, description="dataset: the column of the problem text")
     answer_field: str | None = Field(default=None, min_length=1, description="dataset: the column of the gold answer")
-    dtype: str = Field(default="float32", description="backend hf: weights dtype (float32, bfloat16, float16)")
     groups_per_shard: int = Field(default=64, ge=1, description="rescored groups written together (one shard)")
 
     @model_validator(mode="after")
-    def _checked(self) -> RescoreConfig:
-        check_few_shot(self.template, self.few_shot, self.instruction, self.system_prompt)
-        check_served(self.backend, self.openai)
+    def _teacher_forces(self) -> RescoreConfig:
+        backend = self.sampler.backend
+        if backend not in self.SAMPLING_ONLY:
+            raise ValueError(f"sampler.backend {backend}: graft-rescore teacher-forces in this process (hf) or through a "
+                             "vLLM server's prompt_logprobs (openai: serve the weights and set sampler.base_url)")
+        inert = [name for name in self.SAMPLING_ONLY[backend] if name in self.sampler.model_fields_set]
+        if inert:
+            raise ValueError(f"sampler.{', sampler.'.join(inert)}: read only when sampling, and graft-rescore samples "
+                             "nothing: drop it")
         return self
-
-
-def check_served(backend: str, openai: OpenAIBackendConfig | None) -> None:
-    """Backend openai needs a server URL."""
-    if backend == "openai" and openai is None:
-        raise ValueError("backend openai needs the server's URL: --set openai.base_url=http://HOST:PORT")
 
 
 def served_model_problems(model: Path, openai: OpenAIBackendConfig, needs_revision: bool) -> list[str]:
