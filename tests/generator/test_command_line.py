@@ -121,8 +121,8 @@ def test_graft_rescore_takes_the_sampler_section_of_what_teacher_forces_and_noth
                          {**base, "sampler": {"backend": "openai"}})
     assert (served.sampler.backend, served.sampler.base_url, served.prompt.template) == ("openai", "http://h:1", "raw")
     assert load_config(RescoreConfig, None, ["sampler.dtype=bfloat16"], base).sampler.dtype == "bfloat16"
-    for sets, message in ((["sampler.backend=vllm"], "sampler.backend vllm: graft-rescore teacher-forces in this "
-                                                     r"process \(hf\) or through a vLLM server's prompt_logprobs"),
+    for sets, message in ((["sampler.backend=vllm"], r"sampler.backend: one of hf, openai \(graft-rescore "
+                                                     "teacher-forces in this process, or through a vLLM server's"),
                           (["sampler.batch_size=8"], "sampler.batch_size: read only when sampling"),
                           (["sampler.backend=openai", "sampler.base_url=http://h:1", "sampler.logprobs_mode=raw_logprobs"],
                            "sampler.logprobs_mode: read only when sampling")):

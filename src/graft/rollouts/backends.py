@@ -69,12 +69,18 @@ def _backend_of(value: Any) -> str:
     return DEFAULT_BACKEND if named is None else named
 
 
-# The config's `sampler` section: one kind per registered backend, told apart by `backend`.
-SamplerConfig = Annotated[
-    Union[tuple(Annotated[entry.settings, Tag(name)] for name, entry in BACKENDS.items())],  # noqa: UP007
-    Discriminator(_backend_of, custom_error_type="unknown_backend",
-                  custom_error_message=f"sampler.backend: one of {', '.join(BACKENDS)}"),
-]
+def sampler_section(names: tuple[str, ...], why: str = "") -> Any:
+    """A config's `sampler` section over the backends `names`: one kind per backend, told apart by `backend` (another
+    backend refused, with `why`)."""
+    return Annotated[
+        Union[tuple(Annotated[BACKENDS[name].settings, Tag(name)] for name in names)],  # noqa: UP007
+        Discriminator(_backend_of, custom_error_type="unknown_backend",
+                      custom_error_message=f"sampler.backend: one of {', '.join(names)}{why}"),
+    ]
+
+
+# The sampler section of the commands that sample (graft-generate, graft-eval): every registered backend.
+SamplerConfig = sampler_section(tuple(BACKENDS))
 
 
 def load_backend(settings: Any, path: str, *, model_id: str | None = None, seed: int = 0) -> Backend:

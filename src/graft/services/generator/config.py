@@ -1,8 +1,8 @@
 """Configs of `graft-generate`, `graft-eval`, `graft-import` and `graft-rescore`: one pydantic model each, readable from
 YAML, every field settable from the command line as graft-train's are (`--config PATH`, a few named flags, `--set
 field=value` over the file, `show-config`: graft.schemas.overrides). What they share is a section each, written once
-with its one validator: `prompt` (rollouts.prompts.PromptConfig, graft-train's too), `sampler` (which backend samples,
-rollouts.backends) and `scoring` (math-verify's workers)."""
+with its one validator: `prompt` (rollouts.prompts.PromptConfig, graft-train's too), `sampler` (which backend samples, or
+teacher-forces for graft-rescore: rollouts.backends) and `scoring` (math-verify's workers)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from graft.rollouts.backends import HFSettings, SamplerConfig
+from graft.rollouts.backends import HFSettings, SamplerConfig, sampler_section
 from graft.rollouts.openai_backend import OpenAIBackendConfig
 from graft.rollouts.prompts import PromptConfig
 from graft.rollouts.traces import FORMAT_COLUMNS, TraceColumns, TraceFormat
@@ -280,6 +280,11 @@ class ImportConfig(_GeneratorSide):
         return replace(defaults, **{k: v for k, v in given.items() if v is not None}), named
 
 
+# What graft-rescore teacher-forces with (vLLM in-process has no teacher forcing here: a server's does).
+RESCORERS = sampler_section(("hf", "openai"), " (graft-rescore teacher-forces in this process, or through a vLLM "
+                            "server's prompt_logprobs: serve the weights and set sampler.base_url)")
+
+
 class RescoreConfig(_GeneratorSide):
     """`graft-rescore`: fill in mu for stored groups from the peer's weights, teacher-forced at the rows' own sampling
     (new groups: rows 'rescored', or 'rescored_unverified' when the weights are not shown to be the traces' author)."""
@@ -300,7 +305,7 @@ class RescoreConfig(_GeneratorSide):
                                  "(default: source_model)")
     model_revision: str | None = Field(default=None, description="revision of the rescored rows (default: a fingerprint "
                                        "of the weights; backend openai with a tokenizer-only folder: required)")
-    sampler: SamplerConfig = Field(default_factory=HFSettings, description="what teacher-forces the completions: "
+    sampler: RESCORERS = Field(default_factory=HFSettings, description="what teacher-forces the completions: "
                                    "backend hf (in this process: dtype) or openai (a vLLM server's prompt_logprobs: "
                                    "base_url, served_model, concurrency, ...)")
     prompt: PromptConfig = Field(default_factory=PromptConfig, description="the prompt the completions followed, for "
@@ -313,11 +318,7 @@ class RescoreConfig(_GeneratorSide):
 
     @model_validator(mode="after")
     def _teacher_forces(self) -> RescoreConfig:
-        backend = self.sampler.backend
-        if backend not in self.SAMPLING_ONLY:
-            raise ValueError(f"sampler.backend {backend}: graft-rescore teacher-forces in this process (hf) or through a "
-                             "vLLM server's prompt_logprobs (openai: serve the weights and set sampler.base_url)")
-        inert = [name for name in self.SAMPLING_ONLY[backend] if name in self.sampler.model_fields_set]
+        inert = [name for name in self.SAMPLING_ONLY[self.sampler.backend] if name in self.sampler.model_fields_set]
         if inert:
             raise ValueError(f"sampler.{', sampler.'.join(inert)}: read only when sampling, and graft-rescore samples "
                              "nothing: drop it")
