@@ -32,10 +32,10 @@ def measure(backend: str, model: Path, prompts: int, group_size: int, max_tokens
 
     with tempfile.TemporaryDirectory() as store:
         config = GeneratorConfig(
-            model=str(model), model_id="SmolLM2-135M-Instruct", backend=backend, dataset="gsm8k",
-            dataset_limit=prompts, few_shot=few_shot, group_size=group_size, temperature=1.0, max_tokens=max_tokens, seed=0,
-            prompts_per_batch=max(1, prompts // batches), store=store, score_workers=1, progress=False,
-            vllm_max_model_len=2048,
+            model=str(model), model_id="SmolLM2-135M-Instruct", dataset="gsm8k", dataset_limit=prompts,
+            prompt={"few_shot": few_shot}, group_size=group_size, temperature=1.0, max_tokens=max_tokens, seed=0,
+            prompts_per_batch=max(1, prompts // batches), store=store, scoring={"workers": 1}, progress=False,
+            sampler={"backend": backend, **({"max_model_len": 2048} if backend == "vllm" else {})},
         )
         stats = run_generator(config)
     busy = stats.sampling_s + stats.scoring_s + stats.assembly_s + stats.writing_s

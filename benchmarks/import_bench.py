@@ -117,7 +117,7 @@ def run_import(file: Path, tokenizer: str, args: argparse.Namespace) -> dict:
         graft_import, "--file", str(file), "--model-id", "openr1-bench", "--tokenizer", tokenizer,
         "--store", str(store), "--set", "completion_column=generations",
         "--set", "reward_column=correctness_math_verify", "--set", "finish_column=finish_reasons",
-        "--set", f"score_workers={args.workers}", "--set", f"groups_per_shard={BATCH_GROUPS}"])
+        "--set", f"scoring.workers={args.workers}", "--set", f"groups_per_shard={BATCH_GROUPS}"])
     shutil.rmtree(store)
     return {"wall_s": round(wall, 1), "rows_per_s": round(summary["rows"] / wall, 1), "peak_rss_mb": round(rss),
             "load_after": [round(x, 1) for x in os.getloadavg()], "summary": summary}
@@ -135,7 +135,7 @@ def main() -> None:
     parser.add_argument("--completions", type=int, default=200_000)
     parser.add_argument("--chars", type=int, default=6000, help="characters a generation (about 1,500 SmolLM2 tokens)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/import_bench"))
-    parser.add_argument("--workers", type=int, default=2, help="math-verify workers (the import's score_workers)")
+    parser.add_argument("--workers", type=int, default=2, help="math-verify workers (the import's scoring.workers)")
     parser.add_argument("--pairs", type=int, default=1, help="import/reference pairs, alternating which runs first")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--reference-only", type=Path, default=None, help=argparse.SUPPRESS)  # the child's entry

@@ -1,7 +1,7 @@
 """graft-train's sampling against graft-generate's, on SmolLM2-135M-Instruct, same prompts and settings, side by side.
 
 Each arm is the product's own code path for one batch of rollouts: sample, score with math-verify, assemble groups.
-- `generate`: graft-generate's (`graft.services.generator.generate`: the backend `load_generator_backend` builds, `sample_batch`);
+- `generate`: graft-generate's (`graft.services.generator.generate`: a `GeneratorRun`'s backend and `sample`);
 - `train`: graft-train's (`graft.trainer.learner.load_learner` + `make_sampler`, `graft.trainer.sample.generate_groups` under the
   learner's autocast), which is what a step's `generation_s` times.
 Both sample the same GSM8K prompts with the same G, temperature, max_tokens and seed (graft-train's `sampling_params`
@@ -42,15 +42,16 @@ def smollm2_dir() -> Path:
 
 
 def arms(model: Path, prompts: int, group_size: int, max_tokens: int, dtype: str, threads: int | None,
-         sampler_copy: bool = False):
-    """(problems, {name: call() -> (groups, completion tokens)}) for the two arms."""
+         sampler_copy: bool = False) -> tuple[dict, contextlib.ExitStack]:
+    """({name: call(step) -> groups} for the two arms, what to close when done with them)."""
     import torch
 
     from graft.rollouts.datasets import load_problems
     from graft.rollouts.scoring import Scorer
+    from graft.rollouts.stopping import StopFlag
     from graft.schemas.overrides import load_config
     from graft.services.generator.config import GeneratorConfig
-    from graft.services.generator.generate import RunStats, load_generator_backend, sample_batch
+    from graft.services.generator.generate import Batch, GeneratorRun
     from graft.trainer.config import TrainConfig
     from graft.trainer.data import PromptBlock
     from graft.trainer.learner import load_learner, make_sampler
@@ -59,10 +60,12 @@ def arms(model: Path, prompts: int, group_size: int, max_tokens: int, dtype: str
     if threads:
         torch.set_num_threads(threads)
     problems = load_problems("gsm8k", limit=prompts)
+    resources = contextlib.ExitStack()
     generator_cfg = GeneratorConfig(model=str(model), model_id="smollm2", dataset="gsm8k", dataset_limit=prompts,
-                                    group_size=group_size, temperature=1.0, max_tokens=max_tokens, seed=0, store="unused",
-                                    score_workers=1, progress=False, dtype=dtype, hf_batch_size=prompts * group_size)
-    backend = load_generator_backend(generator_cfg, str(model), "smollm2")
+                                    group_size=group_size, temperature=1.0, max_tokens=max_tokens, seed=0,
+                                    store=resources.enter_context(tempfile.TemporaryDirectory()), scoring={"workers": 1},
+                                    progress=False, sampler={"dtype": dtype, "batch_size": prompts * group_size})
+    run = resources.enter_context(GeneratorRun(generator_cfg, StopFlag()))  # its own scorer: no cache shared
     train_cfg = load_config(TrainConfig, None, [
         f"model.path={model}", "model.device=cpu", f"model.dtype={dtype}", "data.dataset=gsm8k", f"data.limit={prompts}",
         "method=grpo", "rollout.backend=hf", f"rollout.group_size={group_size}", f"rollout.prompts_per_step={prompts}",
@@ -71,20 +74,17 @@ def arms(model: Path, prompts: int, group_size: int, max_tokens: int, dtype: str
         "logging.progress=false", f"rollout.hf_sampler_copy={str(sampler_copy).lower()}"])
     learner = load_learner(train_cfg, None)
     sampler, _ = make_sampler(train_cfg, learner, model)
-    scorers = {"generate": Scorer(num_workers=1), "train": Scorer(num_workers=1)}
-    stats = RunStats()
+    train_scorer = resources.enter_context(Scorer(num_workers=1))
 
     def generate(step: int):
         params = sampling_params(train_cfg, step, 0)  # graft-train's own for the step: the same samples in float32
-        groups = sample_batch(backend, scorers["generate"], problems, [f"g{step}-{i}" for i in range(prompts)], params,
-                               generator_cfg, "smollm2", "r", 0, "bench", stats)
-        return groups
+        return run.sample(Batch(problems, [f"g{step}-{i}" for i in range(prompts)], None), params)
 
     def train(step: int):
         # generate_groups seeds each call from (run seed, step, round), as graft-train's steps do
-        return generate_groups(train_cfg, sampler, scorers["train"], learner, PromptBlock(problems), step, 0)
+        return generate_groups(train_cfg, sampler, train_scorer, learner, PromptBlock(problems), step, 0)
 
-    return {"generate": generate, "train": train}, scorers
+    return {"generate": generate, "train": train}, resources
 
 
 def loop_pairs(model: Path, steps: int, prompts: int, group_size: int, max_tokens: int, dtype: str,
@@ -96,10 +96,10 @@ def loop_pairs(model: Path, steps: int, prompts: int, group_size: int, max_token
     import torch
 
     from graft.rollouts.datasets import load_problems
-    from graft.rollouts.scoring import Scorer
+    from graft.rollouts.stopping import StopFlag
     from graft.schemas.overrides import load_config
     from graft.services.generator.config import GeneratorConfig
-    from graft.services.generator.generate import RunStats, load_generator_backend, sample_batch
+    from graft.services.generator.generate import Batch, GeneratorRun
     from graft.trainer.config import TrainConfig
     from graft.trainer.data import LoopState, PromptStream
     from graft.trainer.loop import train
@@ -113,18 +113,17 @@ def loop_pairs(model: Path, steps: int, prompts: int, group_size: int, max_token
         "rollout.scorer_workers=1", "seed=0", f"steps={steps}", f"run_dir={workdir / 'run'}", "logging.progress=false",
         "checkpoint.keep_last=1"] + ([f"torch_threads={threads}"] if threads else []))
     generator_cfg = GeneratorConfig(model=str(model), model_id="smollm2", dataset="gsm8k", group_size=group_size,
-                                    temperature=1.0, max_tokens=max_tokens, store="unused", score_workers=1, progress=False,
-                                    dtype=dtype, hf_batch_size=prompts * group_size)
-    backend = load_generator_backend(generator_cfg, str(model), "smollm2")
+                                    temperature=1.0, max_tokens=max_tokens, store=str(workdir / "store"),
+                                    scoring={"workers": 1}, progress=False,
+                                    sampler={"dtype": dtype, "batch_size": prompts * group_size})
     stream = PromptStream(load_problems("gsm8k", limit=prompts * steps), cfg.seed, cfg.data.shuffle, LoopState())
     rows: list[dict] = []
-    with Scorer(num_workers=1) as scorer:
+    with GeneratorRun(generator_cfg, StopFlag()) as run:
         def after_step(metrics: dict) -> None:
             step = metrics["step"] - 1
-            stats = RunStats()
             started, cpu = time.perf_counter(), time.process_time()
-            groups = sample_batch(backend, scorer, stream.take(prompts), [f"g{step}-{i}" for i in range(prompts)],
-                                   sampling_params(cfg, step, 0), generator_cfg, "smollm2", "r", 0, "bench", stats)
+            groups = run.sample(Batch(stream.take(prompts), [f"g{step}-{i}" for i in range(prompts)], None),
+                                sampling_params(cfg, step, 0))
             wall = time.perf_counter() - started
             row = {"pair": step + 1, "load_1min": loadavg(),
                    "train": {"generation_s": round(metrics["generation_s"], 3), "tokens": metrics["completion_tokens"],
@@ -178,9 +177,9 @@ def main(argv: list[str] | None = None) -> int:
             rows = loop_pairs(smollm2_dir(), args.pairs, args.prompts, args.group_size, args.max_tokens, args.dtype,
                               args.threads, Path(workdir))
         return _report(args, rows, ("ratio_wall", "ratio_wall_per_token"))
-    calls, scorers = arms(smollm2_dir(), args.prompts, args.group_size, args.max_tokens, args.dtype, args.threads,
-                          args.sampler_copy)
-    try:
+    calls, resources = arms(smollm2_dir(), args.prompts, args.group_size, args.max_tokens, args.dtype, args.threads,
+                            args.sampler_copy)
+    with resources:
         for name, call in calls.items():  # warm-up: the scorers' workers import sympy, the first call allocates
             call(10_000)
         rows = []
@@ -193,9 +192,6 @@ def main(argv: list[str] | None = None) -> int:
             row["ratio_cpu_per_token"] = round(row["train"]["cpu_ms_per_token"] / row["generate"]["cpu_ms_per_token"], 3)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    finally:
-        for scorer in scorers.values():
-            scorer.close()
     return _report(args, rows, ("ratio_wall", "ratio_cpu_per_token"))
 
 

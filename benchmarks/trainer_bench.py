@@ -72,7 +72,7 @@ def bench_config(world, store_url: str, method: str, steps: int, run_dir: Path, 
     return TrainConfig.model_validate({
         "run_dir": str(run_dir), "seed": 0, "steps": steps, "method": method, "torch_threads": 1,
         "model": {"path": str(world.learner_dir), "device": "cpu"},
-        "data": {"dataset": str(world.problems_path), "prompt_template": "raw"},
+        "data": {"dataset": str(world.problems_path)}, "prompt": {"template": "raw"},
         "rollout": {"backend": "hf", "group_size": group_size, "prompts_per_step": prompts_per_step,
                     "max_response_tokens": 16, "generation_batch_size": 512, "scorer_workers": 1},
         "optim": {"lr": lr, "mini_batch_prompts": prompts_per_step, "micro_batch_size": 256,

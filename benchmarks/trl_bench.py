@@ -103,7 +103,7 @@ def run_graft_train(world, store_url: str, method: str, steps: int, run_dir: Pat
     same.update(run_dir=str(run_dir), method=method, torch_threads=1, checkpoint={"every_steps": 0, "keep_last": 1},
                 logging={"progress": False})
     same["model"]["device"] = "cpu"
-    same["data"]["prompt_template"] = "raw"  # TRL's prompt is the problem text, as the toy models learnt it
+    same["prompt"] = {"template": "raw"}  # TRL's prompt is the problem text, as the toy models learnt it
     same["rollout"].update(backend="hf", generation_batch_size=512, scorer_workers=1)
     same["optim"]["micro_batch_size"] = 256  # one forward for the batch, as TRL's one optimizer step here
     train(TrainConfig.model_validate(same))

@@ -10,10 +10,12 @@ import orjson
 from graft.rollouts.evaluation import evaluate
 from graft.rollouts.hf_backend import HFBackend
 from graft.rollouts.models import load_model_and_tokenizer
+from graft.rollouts.prompts import PromptConfig
 from graft.rollouts.sampling import SamplingParams
 from graft.rollouts.scoring import Scorer
 from graft.schemas import Problem
 
+RAW = PromptConfig(template="raw")  # the tiny models see `a+b=` verbatim
 MAX_TOKENS = 16  # the longest reference completion, `\boxed{1098}` + EOS, is 13 characters
 
 
@@ -32,5 +34,5 @@ def family_accuracy(
     backend = HFBackend(model, tokenizer, model_id=checkpoint.name, batch_size=512)
     k = samples if sampled else 1
     params = SamplingParams(n=k, temperature=1.0 if sampled else 0.0, max_tokens=MAX_TOKENS, seed=seed, seed_per_sample=sampled)
-    result = evaluate(backend, eval_sets, k, params, scorer, template="raw", prompts_per_batch=512 // k)
+    result = evaluate(backend, eval_sets, k, params, scorer, prompt=RAW, prompts_per_batch=512 // k)
     return {family: r["avg_at_k"] for family, r in result["benchmarks"].items()}

@@ -132,7 +132,7 @@ def all_fail_prompts(cfg: TrainConfig, learner, problems: list[Problem]) -> list
     G = cfg.rollout.group_size
     params = SamplingParams(n=G, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                             max_tokens=cfg.rollout.max_response_tokens, seed=cfg.seed, seed_per_sample=True)
-    prompts = [cfg.data.prompt(learner.tokenizer, p.problem) for p in problems]
+    prompts = [cfg.prompt.render(learner.tokenizer, p.problem) for p in problems]
     samples = backend.generate(prompts, params)  # (prompts, G)
     with Scorer(num_workers=1, timeout_s=5.0) as scorer:
         scores = scorer.score([s.text for group in samples for s in group], [p.answer for p in problems for _ in range(G)])
@@ -145,7 +145,7 @@ def correction_gradient(cfg: TrainConfig, learner, batch: list, peer_tokenizers:
     counts = PeerRowCounts()
     rows: list[TrainSample] = []
     for index, (problem, group) in enumerate(batch):
-        prompt_ids = cfg.data.prompt_ids(learner.tokenizer, problem.problem)
+        prompt_ids = cfg.prompt.token_ids(learner.tokenizer, problem.problem)
         rows += grafted_group_rows(cfg, learner, group, index, prompt_ids, peer_tokenizers, learner.stop_token_id, counts)
     # rows without signal (a group whose rows that survive re-tokenisation share one reward has zero advantages) get
     # no forward pass under optim.skip_zero_advantage, and add nothing to the gradient either way
@@ -179,7 +179,7 @@ def correction_gradient(cfg: TrainConfig, learner, batch: list, peer_tokenizers:
 
 
 def supervised_row(cfg: TrainConfig, learner, problem: str, completion: str) -> TrainSample:
-    prompt_ids = cfg.data.prompt_ids(learner.tokenizer, problem)
+    prompt_ids = cfg.prompt.token_ids(learner.tokenizer, problem)
     ids = list(learner.tokenizer(completion, add_special_tokens=False)["input_ids"]) + [learner.end_token_id]
     return TrainSample(prompt_id="", group=-1, prompt_ids=prompt_ids, completion_ids=ids, num_content_tokens=len(ids) - 1,
                        advantage=0.0, grafted=False, num_bytes=len(completion.encode()))

@@ -79,13 +79,14 @@ def heldout_accuracy(model_path: str, heldout: dict[str, list], max_tokens: int)
     from graft.rollouts.evaluation import evaluate
     from graft.rollouts.hf_backend import HFBackend
     from graft.rollouts.models import load_model_and_tokenizer
+    from graft.rollouts.prompts import PromptConfig
     from graft.rollouts.sampling import SamplingParams
     from graft.rollouts.scoring import Scorer
 
     model, tokenizer = load_model_and_tokenizer(model_path)
     backend = HFBackend(model, tokenizer, LEARNER_ID, batch_size=32)
     with Scorer(num_workers=1, timeout_s=5.0) as scorer:
-        result = evaluate(backend, heldout, 1, SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens), scorer, template="auto",
+        result = evaluate(backend, heldout, 1, SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens), scorer, prompt=PromptConfig(),
                           prompts_per_batch=32, progress=True)
     return {name: r["avg_at_k"] for name, r in result["benchmarks"].items()}
 
@@ -140,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     with StoreServer(store_root) as server:
         print(f"store API at {server.url} over {store_root}", flush=True)
         generate = [sys.executable, "-m", "graft.services.generator.cli", "--model", peer["path"], "--model-id", PEER_ID,
-                    "--dataset", str(train_path), "--set", "template=raw", "--set", f"group_size={args.group_size}", "--set", "max_tokens=24",
-                    "--set", "seed=0", "--store", server.url, "--set", "score_workers=1", "--set", "progress=false"]
+                    "--dataset", str(train_path), "--set", "prompt.template=raw", "--set", f"group_size={args.group_size}", "--set", "max_tokens=24",
+                    "--set", "seed=0", "--store", server.url, "--set", "scoring.workers=1", "--set", "progress=false"]
         result = subprocess.run(generate, capture_output=True, text=True, cwd=REPO_ROOT)
         if result.returncode != 0:
             raise SystemExit(f"graft-generate failed:\n{result.stderr[-3000:]}")
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = TrainConfig.model_validate({
             "run_dir": str(run_dir), "seed": 0, "steps": args.steps, "method": "graft",
             "model": {"path": str(learner_dir), "model_id": LEARNER_ID, "device": "cpu"},
-            "data": {"dataset": str(train_path), "prompt_template": "auto", "shuffle": False},
+            "data": {"dataset": str(train_path), "shuffle": False}, "prompt": {"template": "auto"},
             "rollout": {"backend": "hf", "group_size": args.group_size, "prompts_per_step": args.prompts_per_step,
                         "max_response_tokens": args.max_tokens, "generation_batch_size": 32, "scorer_workers": 1},
             "optim": {"lr": 1e-6, "mini_batch_prompts": args.prompts_per_step, "micro_batch_size": 4},

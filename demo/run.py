@@ -468,10 +468,10 @@ def generator_job(cfg: DemoConfig, data: dict[str, Path], checkpoint: str, model
     command = python_module(
         "graft.services.generator.cli",
         "--model", checkpoint, "--model-id", model_id, "--dataset", str(data["rl"]),
-        "--set", "template=raw", "--set", f"group_size={cfg.peer_groups.group_size}", "--set", "temperature=1.0",
+        "--set", "prompt.template=raw", "--set", f"group_size={cfg.peer_groups.group_size}", "--set", "temperature=1.0",
         "--set", "max_tokens=16", "--set", f"seed={cfg.peer_groups.seed}", "--store", str(store_root),
-        "--set", f"prompts_per_batch={cfg.peer_groups.prompts_per_batch}", "--set", "hf_batch_size=1024",
-        "--set", "score_workers=1", "--set", "progress=false",
+        "--set", f"prompts_per_batch={cfg.peer_groups.prompts_per_batch}", "--set", "sampler.batch_size=1024",
+        "--set", "scoring.workers=1", "--set", "progress=false",
     )
 
     from graft.services.store_api.local import model_dir

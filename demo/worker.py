@@ -269,10 +269,10 @@ def imitate(job: dict) -> dict:
     import orjson
 
     from graft.rollouts.models import load_model_and_tokenizer
+    from graft.rollouts.prompts import PromptConfig
     from graft.rollouts.scoring import Scorer
     from graft.services.store_api.http.client import StoreClient
     from graft.trainer.batch import TrainSample, collate, response_logprobs
-    from graft.trainer.config import DataConfig
 
     started = time.perf_counter()
     train_cfg = job["train"]
@@ -301,13 +301,13 @@ def imitate(job: dict) -> dict:
     optim = train_cfg["optim"]
     optimizer = torch.optim.AdamW(model.parameters(), lr=optim["lr"], weight_decay=0.0)
 
-    data = DataConfig.model_validate(train_cfg["data"])  # the RL runs' prompts (demo_train.yaml: the raw template)
+    prompt = PromptConfig.model_validate(train_cfg.get("prompt", {}))  # the RL runs' prompts (demo_train.yaml: raw)
 
     def nll(pairs: list[tuple[str, str]], denominator: float | None = None) -> torch.Tensor:
         """Token-mean NLL of the pairs; with `denominator`, their summed NLL divided by it instead."""
         rows = []
         for problem, completion in pairs:
-            prompt_ids = data.prompt_ids(tokenizer, problem)
+            prompt_ids = prompt.token_ids(tokenizer, problem)
             completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
             rows.append(TrainSample(prompt_id="", group=-1, prompt_ids=list(prompt_ids), completion_ids=list(completion_ids),
                                     num_content_tokens=len(completion_ids) - 1, advantage=0.0, grafted=False,

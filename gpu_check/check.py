@@ -20,7 +20,7 @@ every model here. Then, each through the console script a user runs, timed, its 
     data      the GSM8K problems the peer and the learner share, and the evaluation sets (data/)
     store     `graft-store serve` on loopback, healthy
     configs   every command below passes its own validation (`--dry-run`; graft-eval's config model)
-    generate  `graft-generate --backend vllm --dtype bfloat16`: the peer's scored groups (3-shot, T = 0.7),
+    generate  `graft-generate --backend vllm --set sampler.dtype=bfloat16`: the peer's scored groups (3-shot, T = 0.7),
               pushed to the store over HTTP; its summary read from --summary-json (vLLM logs to stderr)
     grpo      `graft-train --method grpo`: bf16 autocast, vLLM rollouts, weight sync after every step
     graft     `graft-train --method graft`: the same, all-fail groups replaced by the peer's; a checkpoint per step
@@ -507,17 +507,18 @@ def run_check(args: argparse.Namespace, stages: dict[str, Stage]) -> None:
             return
 
         if offline:
-            peer_run = {"model": str(model_dir), "model_id": OFFLINE_PEER_ID, "backend": "hf", "dataset": dataset,
-                        "dataset_limit": sizes.problems, "template": "raw", "group_size": sizes.peer_group_size,
+            peer_run = {"model": str(model_dir), "model_id": OFFLINE_PEER_ID, "sampler.backend": "hf", "dataset": dataset,
+                        "dataset_limit": sizes.problems, "prompt.template": "raw", "group_size": sizes.peer_group_size,
                         "temperature": 1.0, "max_tokens": sizes.response_tokens, "seed": sizes.peer_seed,
-                        "store": store.url, "prompts_per_batch": sizes.problems, "hf_batch_size": sizes.problems,
-                        "score_workers": sizes.workers, "dtype": sizes.dtype, "progress": False}
+                        "store": store.url, "prompts_per_batch": sizes.problems, "sampler.batch_size": sizes.problems,
+                        "scoring.workers": sizes.workers, "sampler.dtype": sizes.dtype, "progress": False}
         else:
-            peer_run = {"model": str(model_dir), "model_id": PEER_ID, "backend": "vllm", "dataset": dataset,
-                        "dataset_limit": sizes.problems, "few_shot": 3, "group_size": sizes.peer_group_size,
+            peer_run = {"model": str(model_dir), "model_id": PEER_ID, "sampler.backend": "vllm", "dataset": dataset,
+                        "dataset_limit": sizes.problems, "prompt.few_shot": 3, "group_size": sizes.peer_group_size,
                         "temperature": 0.7, "max_tokens": sizes.response_tokens, "seed": sizes.peer_seed, "store": store.url,
-                        "prompts_per_batch": sizes.problems, "score_workers": sizes.workers, "dtype": sizes.dtype,
-                        "vllm_max_model_len": 2048, "vllm_gpu_memory_utilization": sizes.vllm_memory, "progress": False}
+                        "prompts_per_batch": sizes.problems, "scoring.workers": sizes.workers, "sampler.dtype": sizes.dtype,
+                        "sampler.max_model_len": 2048, "sampler.gpu_memory_utilization": sizes.vllm_memory,
+                        "progress": False}
         generate_command = [tool(python, "graft-generate"), *_flags(peer_run)]
         learner = _Learner(python, OFFLINE_LEARNER_CONFIG if offline else LEARNER_CONFIG, model_dir, dataset, store.url,
                            sizes, "toy" if offline else "smollm2")
@@ -528,9 +529,9 @@ def run_check(args: argparse.Namespace, stages: dict[str, Stage]) -> None:
             "fsdp": learner.command("graft", sizes.dist_steps, run_dir / "fsdp", strategy="fsdp"),
             "ddp": learner.command("graft", sizes.dist_steps, run_dir / "ddp", strategy="ddp"),
         }
-        eval_run = {"backend": "vllm", "limit": sizes.eval_limit, "k": 1, "max_tokens": sizes.eval_max_tokens,
-                    "score_workers": sizes.workers, "dtype": sizes.dtype, "vllm_max_model_len": 2048,
-                    "vllm_gpu_memory_utilization": sizes.vllm_memory, "output_json": str(run_dir / "eval" / "result.json"),
+        eval_run = {"sampler.backend": "vllm", "limit": sizes.eval_limit, "k": 1, "max_tokens": sizes.eval_max_tokens,
+                    "scoring.workers": sizes.workers, "sampler.dtype": sizes.dtype, "sampler.max_model_len": 2048,
+                    "sampler.gpu_memory_utilization": sizes.vllm_memory, "output_json": str(run_dir / "eval" / "result.json"),
                     "output_md": str(run_dir / "eval" / "result.md"), "progress": False}
 
         # configs: the exact commands, validated by the commands themselves (graft-eval has no --dry-run: its model)

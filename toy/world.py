@@ -74,7 +74,7 @@ def build_group(
     for i, (text, reward, advantage) in enumerate(zip(texts, rewards, advantages)):
         ids = tokenizer(text, add_special_tokens=False)["input_ids"] + ([tokenizer.eos_token_id] if finished else [])
         prompt_ids = tokenizer(problem.problem, add_special_tokens=False)["input_ids"]
-        logprobs = teacher_forced_logprobs(model, prompt_ids, ids, SamplingParams(n=1))  # temperature 1: the model's own
+        logprobs = teacher_forced_logprobs(model, prompt_ids, [ids], SamplingParams(n=1))[0]  # temperature 1: the model's own
         content_sum = sum(logprobs[:-1]) if finished else sum(logprobs)
         rollouts.append(Rollout(
             rollout_id=f"{group_id}-{i}", group_id=group_id, prompt_id=problem.prompt_id, dataset=problem.dataset,

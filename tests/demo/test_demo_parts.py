@@ -302,11 +302,11 @@ def test_a_runs_cache_key_is_the_config_as_the_trainer_resolves_it(tmp_path):
     import yaml
 
     from demo.run import TRAIN_BASE, train_job, trainer_config
-    from graft.trainer.config import GraftConfig
+    from graft.trainer.config import GraftOptions
 
     cfg, base = quick(DemoConfig()), yaml.safe_load(TRAIN_BASE.read_text())
     models = {"learner": {"checkpoint_hash": "l"}, "peer": {"checkpoint_hash": "p"}}
-    defaults = GraftConfig()
+    defaults = GraftOptions()
 
     def folder(overrides: list[str], url: str = "http://127.0.0.1:1") -> str:
         train = trainer_config(cfg, base, tmp_path / "rl.jsonl", str(tmp_path / "ckpt"), "learner", 0, "graft", None,

@@ -142,8 +142,8 @@ def test_the_generate_stage_reads_graft_generates_summary_from_its_file(tiny_mod
 
     dataset = write_problems_jsonl(sample_problems(4, seed=3), tmp_path / "toy.jsonl")
     command = [sys.executable, "-m", "graft.services.generator.cli", "--model", str(tiny_model_dir), "--model-id", "tiny",
-               "--dataset", str(dataset), "--set", "template=raw", "--set", "group_size=2", "--set", "max_tokens=8",
-               "--store", str(tmp_path / "store"), "--set", "score_workers=1", "--set", "progress=false"]
+               "--dataset", str(dataset), "--set", "prompt.template=raw", "--set", "group_size=2", "--set", "max_tokens=8",
+               "--store", str(tmp_path / "store"), "--set", "scoring.workers=1", "--set", "progress=false"]
     summary = run_generate(command, tmp_path / "generate.json", tmp_path / "generate.log", timeout_s=300)
     assert summary["groups"] == 4 and summary["rollouts"] == 8
     assert json.loads((tmp_path / "generate.json").read_text()) == summary
@@ -163,10 +163,10 @@ def test_run_generator_closes_its_backend_before_returning(tiny_model_dir, tmp_p
             closed.append(True)
             super().close()
 
-    monkeypatch.setattr(generate, "load_generator_backend", lambda config, path, model_id, bar=None: RecordingBackend.from_path(path, model_id=model_id))
+    monkeypatch.setattr(generate, "load_backend", lambda sampler, path, model_id, seed: RecordingBackend.from_path(path, model_id=model_id))
     dataset = write_problems_jsonl(sample_problems(2, seed=3), tmp_path / "toy.jsonl")
-    config = GeneratorConfig(model=str(tiny_model_dir), model_id="tiny", dataset=str(dataset), template="raw", group_size=2,
-                             max_tokens=8, store=str(tmp_path / "store"), score_workers=1, progress=False)
+    config = GeneratorConfig(model=str(tiny_model_dir), model_id="tiny", dataset=str(dataset), prompt={"template": "raw"}, group_size=2,
+                             max_tokens=8, store=str(tmp_path / "store"), scoring={"workers": 1}, progress=False)
     assert generate.run_generator(config).groups == 2
     assert closed == [True]
 

@@ -26,8 +26,9 @@ def listed_files() -> dict[str, tuple[int, str]]:
 def config_datasets() -> list[str]:
     """Every data set named by a config in configs/: the trainer's data.dataset and eval benchmarks, the
     generator's dataset, graft-eval's benchmarks. Files that `make demo` writes (demo_out/) and that compose's one-shot
-    `models` service writes into its volume (/models/, configs/compose_cpu_*.yaml) or the offline GPU check into its
-    run folder (runs/gpu-check-offline/) are not data sets."""
+    `models` service writes into its volume (/models/, configs/compose_cpu_*.yaml), the offline GPU check into its
+    run folder (runs/gpu-check-offline/) or `python -m toy.setup_models runs/pair` beside the toy pair
+    (configs/train_toy_pair.yaml) are not data sets."""
     names = []
     for path in sorted((ROOT / "configs").glob("*.yaml")):
         if path.name.startswith("demo"):
@@ -38,7 +39,7 @@ def config_datasets() -> list[str]:
         names += list((eval_section.get("benchmarks") or {}).values())
         names += [cfg["dataset"]] if "dataset" in cfg else []
         names += list(cfg["benchmarks"]) if isinstance(cfg.get("benchmarks"), list) else []
-    return [name for name in names if not name.startswith(("demo_out/", "/models/", "runs/gpu-check-offline/"))]
+    return [name for name in names if not name.startswith(("demo_out/", "/models/", "runs/gpu-check-offline/", "runs/pair/"))]
 
 
 def test_every_listed_file_is_in_the_repository_with_its_rows_and_checksum():

@@ -7,12 +7,14 @@ import json
 from typer.testing import CliRunner
 
 from graft.rollouts.evaluation import evaluate, markdown_table
-from graft.rollouts.prompts import build_prompt
+from graft.rollouts.prompts import PromptConfig, build_prompt
 from graft.rollouts.sampling import SamplingParams
 from graft.rollouts.scoring import Scorer
 from graft.schemas import Problem
 from graft.services.generator.eval_cli import app
 from toy.task import sample_problems, write_problems_jsonl
+
+RAW = PromptConfig(template="raw")
 
 
 def toy(count: int, seed: int, name: str) -> list[Problem]:
@@ -23,7 +25,7 @@ def test_greedy_evaluation_matches_scoring_by_hand(tiny_backend):
     problems = {"math500": toy(12, 1, "math500"), "gsm8k": toy(8, 2, "gsm8k")}
     params = SamplingParams(n=1, temperature=0.0, max_tokens=12)
     with Scorer(num_workers=1) as scorer:
-        result = evaluate(tiny_backend, problems, 1, params, scorer, template="raw", prompts_per_batch=5)
+        result = evaluate(tiny_backend, problems, 1, params, scorer, prompt=RAW, prompts_per_batch=5)
         for name, items in problems.items():
             samples = tiny_backend.generate([build_prompt(tiny_backend.tokenizer, p.problem, "raw") for p in items], params)
             scores = scorer.score([g[0].text for g in samples], [p.answer for p in items])
@@ -40,7 +42,7 @@ def test_sampled_evaluation_pass_at_k_bounds(tiny_backend):
     problems = {"aime24": toy(10, 3, "aime24"), "amc23": toy(6, 4, "amc23")}
     params = SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=0)
     with Scorer(num_workers=1) as scorer:
-        result = evaluate(tiny_backend, problems, 4, params, scorer, template="raw")
+        result = evaluate(tiny_backend, problems, 4, params, scorer, prompt=RAW)
     for r in result["benchmarks"].values():
         assert 0.0 <= r["avg_at_k"] <= r["pass_at_k"] <= min(1.0, 4 * r["avg_at_k"])
         assert r["samples"] == 4 * r["problems"]
@@ -52,8 +54,8 @@ def test_eval_cli_writes_json_and_markdown(tiny_model_dir, tmp_path):
     data = write_problems_jsonl(sample_problems(6, 5), tmp_path / "toy.jsonl")
     out_json, out_md = tmp_path / "eval.json", tmp_path / "eval.md"
     result = CliRunner().invoke(app, [
-        "--model", str(tiny_model_dir), "-b", str(data), "--k", "2", "--set", "max_tokens=12", "--set", "template=raw",
-        "--set", "score_workers=1", "--set", f"output_json={out_json}", "--set", f"output_md={out_md}", "--set", "progress=false",
+        "--model", str(tiny_model_dir), "-b", str(data), "--k", "2", "--set", "max_tokens=12", "--set", "prompt.template=raw",
+        "--set", "scoring.workers=1", "--set", f"output_json={out_json}", "--set", f"output_md={out_md}", "--set", "progress=false",
     ])
     assert result.exit_code == 0, result.output
     saved = json.loads(out_json.read_text())

@@ -24,8 +24,8 @@ pytestmark = pytest.mark.slow
 def generator(world, dataset: Path, store_url: str, log: Path, *settings: str) -> subprocess.Popen:
     """The toy peer, following wanted prompts, in a process of its own (settings: more --set pairs)."""
     command = [sys.executable, "-m", "graft.services.generator.cli", "--model", str(world.peer_dir), "--model-id",
-               "toy-peer", "--dataset", str(dataset), "--store", store_url, "--set", "template=raw",
-               "--set", "group_size=8", "--set", "max_tokens=16", "--set", "score_workers=1", "--set", "progress=false",
+               "toy-peer", "--dataset", str(dataset), "--store", store_url, "--set", "prompt.template=raw",
+               "--set", "group_size=8", "--set", "max_tokens=16", "--set", "scoring.workers=1", "--set", "progress=false",
                "--set", "prompts_per_batch=4", "--set", "seed=0", "--set", "continuous=true",
                "--set", "follow_wanted=true", "--set", "idle_sleep_s=0.2"]
     for setting in settings:

@@ -33,8 +33,8 @@ pytestmark = pytest.mark.slow
 
 def generator_command(model: Path, dataset: Path, store: str, *extra: str) -> list[str]:
     return [sys.executable, "-m", "graft.services.generator.cli", "--model", str(model), "--model-id", "tiny",
-            "--dataset", str(dataset), "--set", "template=raw", "--set", "group_size=4", "--set", "max_tokens=12",
-            "--store", store, "--set", "score_workers=1", "--set", "progress=false", *extra]
+            "--dataset", str(dataset), "--set", "prompt.template=raw", "--set", "group_size=4", "--set", "max_tokens=12",
+            "--store", store, "--set", "scoring.workers=1", "--set", "progress=false", *extra]
 
 
 def start(command: list[str], log: Path) -> subprocess.Popen:
@@ -92,7 +92,7 @@ def test_sigterm_then_sigkill_then_restart_stores_exactly_the_groups_asked_for(t
     assert summary["skipped_already_stored"] == len(before) and summary["groups"] == 48 - len(before)
     rows = stored_rows(root)
     revision = default_model_revision(tiny_model_dir)
-    key = GeneratorConfig(model=str(tiny_model_dir), dataset=str(dataset), store=str(root), template="raw", group_size=4,
+    key = GeneratorConfig(model=str(tiny_model_dir), dataset=str(dataset), store=str(root), prompt={"template": "raw"}, group_size=4,
                           max_tokens=12).sampling_key()  # generator_command's settings
     expected = {make_group_id("tiny", revision, 0, p.prompt_id, r, key) for p in load_problems(str(dataset)) for r in range(2)}
     assert len(rows) == 48 * 4 and {r["group_id"] for r in rows} == expected  # none lost, none twice
@@ -110,8 +110,8 @@ def test_continuous_mode_reloads_a_newer_checkpoint(tiny_model_dir, tmp_path, ca
     dataset = write_problems_jsonl(sample_problems(8, seed=7), tmp_path / "toy.jsonl")
     root, watch = tmp_path / "store", tmp_path / "checkpoints"
     shutil.copytree(tiny_model_dir, watch / "step_000001")
-    config = GeneratorConfig(model=str(tiny_model_dir), model_id="tiny", dataset=str(dataset), template="raw", group_size=4,
-                             max_tokens=12, store=str(root), score_workers=1, progress=False, continuous=True,
+    config = GeneratorConfig(model=str(tiny_model_dir), model_id="tiny", dataset=str(dataset), prompt={"template": "raw"}, group_size=4,
+                             max_tokens=12, store=str(root), scoring={"workers": 1}, progress=False, continuous=True,
                              watch_dir=str(watch), prompts_per_batch=4, idle_sleep_s=0.2)
     stop = StopFlag()
     result: list = []
@@ -142,8 +142,8 @@ def test_push_to_a_store_server_and_resume_through_its_api(tiny_model_dir, tmp_p
 
     dataset = write_problems_jsonl(sample_problems(6, seed=7), tmp_path / "toy.jsonl")
     with StoreServer(tmp_path / "store", token="secret") as server:
-        config = GeneratorConfig(model=str(tiny_model_dir), model_id="tiny", dataset=str(dataset), template="raw",
-                                 group_size=4, max_tokens=12, store=server.url, store_token="secret", score_workers=1,
+        config = GeneratorConfig(model=str(tiny_model_dir), model_id="tiny", dataset=str(dataset), prompt={"template": "raw"},
+                                 group_size=4, max_tokens=12, store=server.url, store_token="secret", scoring={"workers": 1},
                                  progress=False, prompts_per_batch=4)
         first = run_generator(config)
         assert first.groups == 6 and first.batches == 2
@@ -162,8 +162,8 @@ def test_commit_to_a_lake_and_resume_from_it(tiny_model_dir, tmp_path, monkeypat
     dataset = write_problems_jsonl(sample_problems(6, seed=7), tmp_path / "toy.jsonl")
     catalog = f"ducklake:sqlite:{tmp_path / 'catalog.sqlite'}"
     monkeypatch.setenv("GRAFT_LAKE_DATA_PATH", f"{tmp_path / 'lake'}/")
-    config = GeneratorConfig(model=str(tiny_model_dir), model_id="tiny", dataset=str(dataset), template="raw",
-                             group_size=4, max_tokens=12, store=catalog, score_workers=1, progress=False,
+    config = GeneratorConfig(model=str(tiny_model_dir), model_id="tiny", dataset=str(dataset), prompt={"template": "raw"},
+                             group_size=4, max_tokens=12, store=catalog, scoring={"workers": 1}, progress=False,
                              prompts_per_batch=4)
     first = run_generator(config)
     assert first.groups == 6 and first.batches == 2
@@ -204,8 +204,8 @@ def test_continuous_mode_keeps_its_batch_through_a_store_outage(tiny_model_dir, 
         with StoreClient(server.url) as client:
             return {g for page in client.iter_rollouts(model="tiny") for g in page.column("group_id").to_pylist()}
 
-    config = GeneratorConfig(model=str(tiny_model_dir), model_id="tiny", dataset=str(dataset), template="raw", group_size=4,
-                             max_tokens=12, store=server.url, score_workers=1, progress=False, continuous=True,
+    config = GeneratorConfig(model=str(tiny_model_dir), model_id="tiny", dataset=str(dataset), prompt={"template": "raw"}, group_size=4,
+                             max_tokens=12, store=server.url, scoring={"workers": 1}, progress=False, continuous=True,
                              prompts_per_batch=2, idle_sleep_s=0.2)
     stop, result, failure = StopFlag(), [], []
 
@@ -242,8 +242,8 @@ def test_continuous_mode_forgets_the_group_ids_of_finished_rounds(tiny_model_dir
     """The ids of groups already stored are asked per round; a finished round's are never asked again, and a
     continuous run must not keep them all."""
     dataset = write_problems_jsonl(sample_problems(2, seed=7), tmp_path / "toy.jsonl")
-    config = GeneratorConfig(model=str(tiny_model_dir), model_id="tiny", dataset=str(dataset), template="raw", group_size=2,
-                             max_tokens=4, store=str(tmp_path / "store"), score_workers=1, progress=False, continuous=True,
+    config = GeneratorConfig(model=str(tiny_model_dir), model_id="tiny", dataset=str(dataset), prompt={"template": "raw"}, group_size=2,
+                             max_tokens=4, store=str(tmp_path / "store"), scoring={"workers": 1}, progress=False, continuous=True,
                              prompts_per_batch=2, max_batches=4, idle_sleep_s=0.2)
     stats = run_generator(config)
     assert stats.batches == 4 and len(stored_rows(tmp_path / "store")) == 4 * 2 * 2  # 4 rounds of 2 prompts
@@ -253,16 +253,16 @@ def test_continuous_mode_forgets_the_group_ids_of_finished_rounds(tiny_model_dir
 def test_the_group_ids_hold_every_setting_that_changes_what_is_sampled():
     """The resume key: each prompt, sampling and scoring setting changes it; backend, dtype, seed and batch sizes,
     which change which samples are drawn but not their distribution, do not."""
-    base = dict(model="m", dataset="d", store="s", template="auto")
+    base = dict(model="m", dataset="d", store="s", prompt={"template": "auto"})
     key = GeneratorConfig(**base).sampling_key()
-    changed = {"few_shot": 3, "template": "plain", "instruction": "Box it.", "system_prompt": "Be brief.",
-               "answer_field": "solution", "group_size": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 20,
-               "max_tokens": 128, "std_normalize": False}
+    changed = {"prompt": {"few_shot": 3}, "prompt.template": {"template": "plain"}, "prompt.instruction": {"instruction": "Box it."},
+               "prompt.system_prompt": {"system_prompt": "Be brief."}, "answer_field": "solution", "group_size": 4,
+               "temperature": 0.7, "top_p": 0.9, "top_k": 20, "max_tokens": 128, "std_normalize": False}
     for name, value in changed.items():
-        assert GeneratorConfig(**{**base, name: value}).sampling_key() != key, name
-    for name, value in {"backend": "vllm", "dtype": "bfloat16", "seed": 5, "hf_batch_size": 8, "prompts_per_batch": 2,
-                        "score_workers": 1, "top_k": 0}.items():  # top_k 0 is no cut, as None is
-        assert GeneratorConfig(**{**base, name: value}).sampling_key() == key, name
+        assert GeneratorConfig(**{**base, name.split(".")[0]: value}).sampling_key() != key, name
+    for name, value in {"sampler": {"backend": "vllm", "dtype": "bfloat16"}, "seed": 5, "sampler.batch_size": {"batch_size": 8},
+                        "prompts_per_batch": 2, "scoring": {"workers": 1}, "top_k": 0}.items():  # top_k 0: no cut, as None
+        assert GeneratorConfig(**{**base, name.split(".")[0]: value}).sampling_key() == key, name
 
 
 def test_a_rerun_with_other_settings_is_refused_and_names_the_flag_that_starts_anew(tiny_model_dir, tmp_path):
@@ -271,20 +271,20 @@ def test_a_rerun_with_other_settings_is_refused_and_names_the_flag_that_starts_a
     dataset = write_problems_jsonl(sample_problems(4, seed=7), tmp_path / "toy.jsonl")
     root = tmp_path / "store"
     settings = dict(model=str(tiny_model_dir), model_id="tiny", dataset=str(dataset), group_size=2, max_tokens=8,
-                    store=str(root), score_workers=1, progress=False)
+                    store=str(root), scoring={"workers": 1}, progress=False)
     assert run_generator(GeneratorConfig(**settings)).groups == 4
     before = stored_rows(root)
     with pytest.raises(ValueError, match=r"other settings sampled.*--model-id tiny-"):
-        run_generator(GeneratorConfig(**settings, few_shot=3))
+        run_generator(GeneratorConfig(**settings, prompt={"few_shot": 3}))
     assert stored_rows(root) == before  # nothing sampled, nothing skipped as if it were this run's
     again = run_generator(GeneratorConfig(**settings))  # the first run's settings resume it: all there
     assert again.groups == 0 and again.skipped_already_stored == 4
-    other = run_generator(GeneratorConfig(**{**settings, "model_id": "tiny-fs3"}, few_shot=3))
+    other = run_generator(GeneratorConfig(**{**settings, "model_id": "tiny-fs3"}, prompt={"few_shot": 3}))
     assert other.groups == 4 and other.skipped_already_stored == 0
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), HF_HUB_OFFLINE="1")  # the CLI: one line, exit 2, no traceback
     cli = subprocess.run([sys.executable, "-m", "graft.services.generator.cli", "--model", str(tiny_model_dir), "--model-id",
                           "tiny", "--dataset", str(dataset), "--set", "group_size=2", "--set", "max_tokens=16", "--store", str(root),
-                          "--set", "score_workers=1", "--set", "progress=false"], cwd=REPO_ROOT, env=env, capture_output=True,
+                          "--set", "scoring.workers=1", "--set", "progress=false"], cwd=REPO_ROOT, env=env, capture_output=True,
                          text=True, timeout=300)
     assert cli.returncode == 2 and "--model-id tiny-" in cli.stderr and "Traceback" not in cli.stderr, cli.stderr
     assert len(stored_rows(root)) == len(before)
@@ -316,7 +316,7 @@ def test_dry_run_checks_the_inputs_and_shows_the_prompt_as_the_model_sees_it(tin
     assert unnamed.returncode == 2 and "--set problem_field=question" in unnamed.stderr and "Traceback" not in unnamed.stderr
     assert len(unnamed.stderr.strip().splitlines()) == 2, unnamed.stderr  # the heading and one line per input
     shown = dry("--model", str(tiny_model_dir), "--dataset", str(raw), "--set", "problem_field=question",
-                "--set", "system_prompt=You are a careful tutor.", "--set", "instruction=Box the answer.")
+                "--set", "prompt.system_prompt=You are a careful tutor.", "--set", "prompt.instruction=Box the answer.")
     assert shown.returncode == 0, shown.stderr
     prompt = shown.stdout.split("as the model sees it")[1]
     assert "You are a careful tutor." in prompt and "Tom has 3 apples" in prompt and "Box the answer." in prompt

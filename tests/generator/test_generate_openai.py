@@ -32,7 +32,6 @@ from graft.schemas import table_to_groups
 from graft.services.generator.cli import app as generate_app
 from graft.services.generator.config import GeneratorConfig
 from graft.services.generator.eval_cli import app as eval_app
-from graft.services.generator.generate import render_prompt
 from toy.task import sample_problems, write_problems_jsonl
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -99,8 +98,8 @@ def vllm_server(served_model_dir, vllm_python, tmp_path_factory):
 
 def _generate(url: str, model_dir: Path, dataset: Path, store: Path, *sets: str):
     args = ["--backend", "openai", "--model", str(model_dir), "--model-id", "tiny-served", "--dataset", str(dataset),
-            "--store", str(store), "--set", f"openai.base_url={url}", "--set", "group_size=4", "--set", "max_tokens=16",
-            "--set", "seed=0", "--set", "template=raw", "--set", "score_workers=1", "--set", "progress=false",
+            "--store", str(store), "--set", f"sampler.base_url={url}", "--set", "group_size=4", "--set", "max_tokens=16",
+            "--set", "seed=0", "--set", "prompt.template=raw", "--set", "scoring.workers=1", "--set", "progress=false",
             *[item for s in sets for item in ("--set", s)]]
     result = CliRunner().invoke(generate_app, args)
     return result.exit_code, result.stdout, result.stderr
@@ -116,11 +115,11 @@ def _worst_logprob_gap(groups, tiny_backend, config: GeneratorConfig, dataset: P
     problems = {p.prompt_id: p for p in load_problems(str(dataset))}
     worst, tokens = 0.0, 0
     for group in groups:
-        prompt = render_prompt(config, tiny_backend.tokenizer, problems[group.rollouts[0].prompt_id].problem)
+        prompt = config.prompt.render(tiny_backend.tokenizer, problems[group.rollouts[0].prompt_id].problem)
         prompt_ids = tiny_backend.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         for rollout in group.rollouts:
             params = SamplingParams(n=1, temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k)
-            expected = teacher_forced_logprobs(tiny_backend.model, prompt_ids, rollout.completion_token_ids, params)
+            expected = teacher_forced_logprobs(tiny_backend.model, prompt_ids, [rollout.completion_token_ids], params)[0]
             worst = max([worst, *(abs(a - b) for a, b in zip(expected, rollout.token_logprobs, strict=True))])
             tokens += len(expected)
     return worst, tokens
@@ -141,7 +140,7 @@ def test_a_vllm_server_fills_the_store_with_the_models_own_logprobs(vllm_server,
     rows = [r for g in groups for r in g.rollouts]
     assert {r.logprobs_mode for r in rows} == {"processed"} and {r.tokenizer_id for r in rows} == {tiny_backend.tokenizer_id}
     assert any(r.finish_reason == "stop" for r in rows)
-    config = GeneratorConfig(model=str(tiny_model_dir), dataset=str(dataset), store=str(store), template="raw")
+    config = GeneratorConfig(model=str(tiny_model_dir), dataset=str(dataset), store=str(store), prompt={"template": "raw"})
     worst, tokens = _worst_logprob_gap(groups, tiny_backend, config, dataset)
     assert tokens > 100 and worst <= 1e-4, f"the server's logprobs differ from HF's by {worst} over {tokens} tokens"
     # the model list, one request a prompt, and the check that the server applied nothing unstated (T = 1: the
@@ -158,8 +157,8 @@ def test_temperature_top_k_top_p_and_the_logprobs_mode_check(vllm_server, tiny_m
     sampling = ("temperature=0.7", "top_k=20", "top_p=0.9")
     # the statement does not hold: the server runs processed_logprobs; nothing is stored
     code, _, err = _generate(vllm_server, tiny_model_dir, dataset, tmp_path / "wrong", *sampling,
-                             "openai.logprobs_mode=raw_logprobs")
-    assert code == 2 and "openai.logprobs_mode says raw_logprobs" in err and "it runs processed_logprobs" in err, err
+                             "sampler.logprobs_mode=raw_logprobs")
+    assert code == 2 and "sampler.logprobs_mode says raw_logprobs" in err and "it runs processed_logprobs" in err, err
     assert not (tmp_path / "wrong" / "rollouts").exists()
 
     store = tmp_path / "store"
@@ -169,7 +168,7 @@ def test_temperature_top_k_top_p_and_the_logprobs_mode_check(vllm_server, tiny_m
     groups = _stored_groups(store)
     rows = [r for g in groups for r in g.rollouts]
     assert len(rows) == 24 and {(round(r.temperature, 6), r.top_k, r.logprobs_mode) for r in rows} == {(0.7, 20, "processed")}
-    config = GeneratorConfig(model=str(tiny_model_dir), dataset=str(dataset), store=str(store), template="raw")
+    config = GeneratorConfig(model=str(tiny_model_dir), dataset=str(dataset), store=str(store), prompt={"template": "raw"})
     worst, tokens = _worst_logprob_gap(groups, tiny_backend, config, dataset)
     assert tokens > 100 and worst <= 1e-3, f"the server's logprobs differ from HF's by {worst} over {tokens} tokens"
 
@@ -181,8 +180,9 @@ def test_graft_eval_through_the_server_scores_what_it_scores_in_process(vllm_ser
     reports = {}
     for backend in ("openai", "hf"):
         result = CliRunner().invoke(eval_app, ["--backend", backend, "--model", str(tiny_model_dir), "-b", str(dataset),
-                                               "--set", f"openai.base_url={vllm_server}", "--set", "max_tokens=48",
-                                               "--set", "score_workers=1", "--set", "progress=false"])
+                                               *(["--set", f"sampler.base_url={vllm_server}"] if backend == "openai" else []),
+                                               "--set", "max_tokens=48", "--set", "scoring.workers=1",
+                                               "--set", "progress=false"])
         assert result.exit_code == 0, result.stderr
         reports[backend] = json.loads(result.stdout.strip().splitlines()[-1])["benchmarks"][str(dataset)]
     assert reports["openai"]["problems"] == 8 and reports["openai"]["mean_completion_tokens"] > 0, reports
@@ -255,11 +255,11 @@ def test_graft_rescore_through_the_server_equals_the_in_process_rescoring(vllm_s
         f"\\boxed{{{p.answer}}}", "\\boxed{1}", f"{p.problem}{p.answer}"]}) + "\n" for p in problems))
     store = tmp_path / "store"
     run_import(ImportConfig(files=[str(traces)], model_id="traces", tokenizer=str(tiny_model_dir), store=str(store),
-                            score_workers=1))
-    for backend in ("openai", "hf"):
+                            scoring={"workers": 1}))
+    for backend, server in (("openai", ["--set", f"sampler.base_url={vllm_server}"]), ("hf", [])):
         result = CliRunner().invoke(rescore_app, [
             "--store", str(store), "--source-model", "traces", "--model", str(tiny_model_dir), "--backend", backend,
-            "--model-id", f"traces-{backend}", "--set", "template=raw", "--set", f"openai.base_url={vllm_server}"])
+            "--model-id", f"traces-{backend}", "--set", "prompt.template=raw", *server])
         assert result.exit_code == 0, result.stderr
         assert json.loads(result.stdout.strip().splitlines()[-1])["groups"] == 3
     by_model = {m: {g.prompt_id: g for g in _stored_groups(store) if g.model_id == m} for m in ("traces-openai", "traces-hf")}

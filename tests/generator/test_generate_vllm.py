@@ -25,9 +25,9 @@ def test_the_vllm_generator_writes_groups_the_store_serves(tiny_model_dir, vllm_
     dataset = write_problems_jsonl(sample_problems(6, seed=7), tmp_path / "toy.jsonl")
     store = tmp_path / "store"
     command = [str(vllm_python), "-m", "graft.services.generator.cli", "--backend", "vllm", "--model", str(tiny_model_dir),
-               "--model-id", "tiny", "--dataset", str(dataset), "--set", "template=raw", "--set", "group_size=4",
-               "--set", "max_tokens=12", "--set", "vllm_max_model_len=128", "--set", "prompts_per_batch=3", "--store", str(store),
-               "--set", "score_workers=1", "--set", "progress=false"]
+               "--model-id", "tiny", "--dataset", str(dataset), "--set", "prompt.template=raw", "--set", "group_size=4",
+               "--set", "max_tokens=12", "--set", "sampler.max_model_len=128", "--set", "prompts_per_batch=3", "--store", str(store),
+               "--set", "scoring.workers=1", "--set", "progress=false"]
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), HF_HUB_OFFLINE="1")
     proc = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"the vLLM generator failed ({proc.returncode}):\n{proc.stderr[-6000:]}"

@@ -540,7 +540,7 @@ def test_an_import_pushes_to_a_store_url_and_a_re_import_skips_what_it_holds(tin
                                           "answer": p["answer"]}) + "\n" for p in PROBLEMS))
     with StoreServer(tmp_path / "store") as server:
         config = ImportConfig(files=[str(traces)], model_id="pushed", tokenizer=str(tiny_model_dir), store=server.url,
-                              score_workers=1, finish_reason="stop")
+                              scoring={"workers": 1}, finish_reason="stop")
         first, second = run_import(config, on_note=lambda _: None), run_import(config, on_note=lambda _: None)
         with StoreClient(server.url) as client:
             stored = [client.prompt_groups(prompt_id(p["problem"]), model="pushed") for p in PROBLEMS]

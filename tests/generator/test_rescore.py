@@ -47,14 +47,14 @@ def test_rescored_logprobs_equal_the_sampled_ones(tiny_model_dir, tmp_path):
     store = tmp_path / "store"
     dataset = write_problems_jsonl(sample_problems(3, seed=11), tmp_path / "problems.jsonl")
     run_generator(GeneratorConfig(model=str(tiny_model_dir), model_id="tiny", dataset=str(dataset), store=str(store),
-                                  template="raw", group_size=4, temperature=0.7, top_k=40, max_tokens=12, seed=3,
-                                  score_workers=1, progress=False))
+                                  prompt={"template": "raw"}, group_size=4, temperature=0.7, top_k=40, max_tokens=12,
+                                  seed=3, scoring={"workers": 1}, progress=False))
     sampled = {g.group_id: g for g in groups_of(store, "tiny")}
     assert len(sampled) == 3
     before = digest(store / "rollouts" / "model=tiny")
 
     command = ["--store", str(store), "--source-model", "tiny", "--model", str(tiny_model_dir), "--model-id",
-               "tiny-rescored", "--set", "only_without_mu=false", "--set", "template=raw"]
+               "tiny-rescored", "--set", "only_without_mu=false", "--set", "prompt.template=raw"]
     proc = graft_rescore(*command)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -106,9 +106,9 @@ def test_imported_rows_rescored_at_their_own_sampling_after_their_own_prompt(tin
         store = tmp_path / f"store-{mode}"
         settings = {"prompt_column": "sent", "model_revision": revision} if kept_prompt else {}
         run_import(ImportConfig(files=[str(traces)], model_id="r1", tokenizer=str(tiny_model_dir), store=str(store),
-                                temperature=0.6, score_workers=1, finish_reason="stop", **settings))
+                                temperature=0.6, scoring={"workers": 1}, finish_reason="stop", **settings))
         proc = graft_rescore("--store", str(store), "--source-model", "r1", "--model", str(tiny_model_dir), "--set",
-                             "template=raw")
+                             "prompt.template=raw")
         assert proc.returncode == 0, proc.stderr[-3000:]
         summary = json.loads(proc.stdout.strip().splitlines()[-1])
         assert summary["logprobs_mode"] == {mode: 1}
@@ -120,8 +120,8 @@ def test_imported_rows_rescored_at_their_own_sampling_after_their_own_prompt(tin
         prompt_ids = tokenizer(kept, add_special_tokens=False)["input_ids"] if kept_prompt else rebuilt
         for r in rescored.rollouts:
             assert r.prompt_token_ids == prompt_ids and r.prompt_text == (kept if kept_prompt else "39+47=")
-            expected = teacher_forced_logprobs(model, prompt_ids, r.completion_token_ids,
-                                               SamplingParams(n=1, temperature=0.6))
+            expected = teacher_forced_logprobs(model, prompt_ids, [r.completion_token_ids],
+                                               SamplingParams(n=1, temperature=0.6))[0]
             assert max(abs(a - b) for a, b in zip(r.token_logprobs, expected, strict=True)) <= TOLERANCE
         with StoreServer(store) as server, StoreClient(server.url) as client:
             found = client.lookup_peer_groups(PeerLookupRequest(prompt_ids=[rescored.prompt_id], learner_model="learner",

@@ -81,14 +81,15 @@ def test_smollm2_generates_groups_and_finds_correct_gsm8k_answers(tmp_path, capl
     gsm8k_file = tmp_path / "gsm8k_small.jsonl"
     gsm8k_file.write_text("".join(json.dumps({"problem": r["problem"], "answer": r["answer"]}) + "\n" for r in gsm8k))
     store = tmp_path / "store"
-    common = dict(model=str(GGUF), model_id="SmolLM2-135M-Instruct", backend="hf", store=str(store), score_workers=1,
+    common = dict(model=str(GGUF), model_id="SmolLM2-135M-Instruct", store=str(store), scoring={"workers": 1},
                   progress=False, seed=0)
     gsm8k_stats = run_generator(GeneratorConfig(
-        dataset=str(gsm8k_file), few_shot=GSM8K_FEW_SHOT, group_size=GSM8K_SAMPLES, temperature=0.7, max_tokens=64,
-        prompts_per_batch=GSM8K_PROBLEMS, hf_batch_size=GSM8K_PROBLEMS * GSM8K_SAMPLES // 2, **common))
+        dataset=str(gsm8k_file), prompt={"few_shot": GSM8K_FEW_SHOT}, group_size=GSM8K_SAMPLES, temperature=0.7,
+        max_tokens=64, prompts_per_batch=GSM8K_PROBLEMS,
+        sampler={"backend": "hf", "batch_size": GSM8K_PROBLEMS * GSM8K_SAMPLES // 2}, **common))
     # MATH-500 with the project's default zero-shot prompt: the path only (a 135M model does not solve these).
     math_stats = run_generator(GeneratorConfig(dataset="math500", dataset_limit=2, group_size=2, max_tokens=32,
-                                               temperature=1.0, **common))
+                                               temperature=1.0, sampler={"backend": "hf"}, **common))
     print(f"SmolLM2 GSM8K: {gsm8k_stats.correct}/{gsm8k_stats.rollouts} correct, {gsm8k_stats.completion_tokens} tokens "
           f"in {gsm8k_stats.sampling_s:.1f} s of sampling; MATH-500: {math_stats.correct}/{math_stats.rollouts} correct")
     assert gsm8k_stats.groups == GSM8K_PROBLEMS and gsm8k_stats.rollouts == GSM8K_PROBLEMS * GSM8K_SAMPLES
@@ -116,5 +117,5 @@ def test_smollm2_generates_groups_and_finds_correct_gsm8k_answers(tmp_path, capl
     problem = next(p for p in load_problems(str(gsm8k_file)) if p.prompt_id == row.prompt_id)
     prompt_ids = tokenizer(build_prompt(tokenizer, problem.problem, few_shot=GSM8K_FEW_SHOT), add_special_tokens=False)["input_ids"]
     params = SamplingParams(n=1, temperature=0.7)
-    expected = teacher_forced_logprobs(model, prompt_ids, row.completion_token_ids, params)
+    expected = teacher_forced_logprobs(model, prompt_ids, [row.completion_token_ids], params)[0]
     assert max(abs(a - b) for a, b in zip(expected, row.token_logprobs, strict=True)) < 1e-4

@@ -350,7 +350,7 @@ def test_graft_config_defaults_to_graft_trains_clip_and_takes_trls_when_asked(tm
 def test_the_trl_adapter_runs_graft_trains_default_graft(tmp_path):
     """With no graft_options the TRL run grafts with graft-train's default GRAFT, field for field (verl's trainer: the
     same check in tests/integrations/inside_verl/test_config.py): a change of the default moves every trainer at once."""
-    from graft.trainer.config import GraftConfig as GraftOptions
+    from graft.trainer.config import GraftOptions
 
     graft = make_args(tmp_path, "http://127.0.0.1:8600", None, graft_options=None).train_config("/models/learner").graft
     mine = {"peer_tokenizers"}  # the run's own (an empty list or map: none)

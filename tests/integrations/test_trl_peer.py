@@ -106,7 +106,7 @@ def test_a_trl_run_and_a_graft_train_run_co_train_through_one_store(toy_world, w
     for row in [row for row in trl_rows if row["policy_step"] == 0][:16]:
         prompt = tokenizer(problem_of[row["prompt_id"]])["input_ids"]
         with namespace["trainer"].accelerator.autocast():
-            expected = teacher_forced_logprobs(model, prompt, row["completion_token_ids"], SamplingParams(n=1))
+            expected = teacher_forced_logprobs(model, prompt, [row["completion_token_ids"]], SamplingParams(n=1))[0]
         assert row["token_logprobs"] == pytest.approx(expected, abs=1e-4)
         assert row["finish_reason"] == ("stop" if row["completion_token_ids"][-1] == tokenizer.eos_token_id else "length")
 

@@ -61,6 +61,38 @@ def test_one_tally_for_every_trainer():
     assert [f"{name}: {word}" for name, path in _adapters().items() for word in words if word in path.read_text()] == []
 
 
+GRAFT_PARTS = ("load_peer_tokenizers", "RefusedTokenizers", "StoreCounts")  # the peers' tokenizers, refusals, counts
+
+
+def graft_part_builders(sources: dict[str, str]) -> dict[str, list[str]]:
+    """For each of GRAFT's parts beside a learner (GRAFT_PARTS), the modules of `sources` (name -> source) that build
+    it: call it."""
+    found: dict[str, list[str]] = {part: [] for part in GRAFT_PARTS}
+    for name, source in sorted(sources.items()):
+        called = {ast.unparse(node.func).rsplit(".", 1)[-1] for node in ast.walk(ast.parse(source, filename=name))
+                  if isinstance(node, ast.Call)}
+        for part in GRAFT_PARTS:
+            if part in called:
+                found[part].append(name)
+    return found
+
+
+def test_graft_train_builds_its_graft_parts_as_the_hosts_do():
+    """Issue 59: graft-train's loop built by hand what `host_setup` builds for TRL and verl (the peers' tokenizers, the
+    gate's refusals; the store counts in its metrics log). `graft.trainer.host` builds them around any learner
+    (`GraftHost.around`), graft-train's included."""
+    sources = {name: path.read_text() for name, path in first_party_modules().items() if name.startswith("graft.")}
+    assert graft_part_builders(sources) == dict.fromkeys(GRAFT_PARTS, ["graft.trainer.host"])
+
+
+def test_the_part_finder_finds_each_builder():
+    sources = {"graft.trainer.loop": "peer_tokenizers = load_peer_tokenizers(cfg)\nr = gate.RefusedTokenizers(None)\n",
+               "graft.trainer.metrics": "self.store = StoreCounts(link)\n", "graft.x": "RefusedTokenizers\n"}
+    assert graft_part_builders(sources) == {"load_peer_tokenizers": ["graft.trainer.loop"],
+                                            "RefusedTokenizers": ["graft.trainer.loop"],
+                                            "StoreCounts": ["graft.trainer.metrics"]}
+
+
 def lazy_face_mismatches(source: str, name: str) -> list[str]:
     """For a package `__init__` that resolves names lazily (a module-level `__getattr__` over `_FACE`, {module: names}):
     each name that `_FACE`, the imports under `if TYPE_CHECKING:` and `__all__` do not all give alike (from the same

@@ -27,7 +27,7 @@ def assert_teacher_forced_match(backend: HFBackend, prompts: list[str], groups, 
     for prompt, samples in zip(prompts, groups):
         prompt_ids = backend.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         for sample in samples:
-            expected = teacher_forced_logprobs(backend.model, prompt_ids, sample.token_ids, params)
+            expected = teacher_forced_logprobs(backend.model, prompt_ids, [sample.token_ids], params)[0]
             assert len(expected) == len(sample.token_logprobs)
             worst = max(abs(a - b) for a, b in zip(expected, sample.token_logprobs))
             assert worst <= tol, f"logprob differs from the teacher-forced pass by {worst} (> {tol})"
@@ -49,7 +49,7 @@ def test_processed_logprobs_follow_temperature_top_k_top_p(tiny_backend):
     # The behaviour distribution is sharper than the model's own: most tokens gain probability.
     prompt_ids = tiny_backend.tokenizer(PROMPTS[0], add_special_tokens=False)["input_ids"]
     sample = groups[0][0]
-    raw = teacher_forced_logprobs(tiny_backend.model, prompt_ids, sample.token_ids, SamplingParams(n=1))
+    raw = teacher_forced_logprobs(tiny_backend.model, prompt_ids, [sample.token_ids], SamplingParams(n=1))[0]
     assert sum(sample.token_logprobs) > sum(raw)
 
 
@@ -238,7 +238,7 @@ def test_few_shot_prompts(tiny_backend):
     with pytest.raises(ValueError, match=f"0 to {MAX_FEW_SHOT}"):
         build_prompt(tok, "1+1=", "chat", few_shot=MAX_FEW_SHOT + 1)
     with pytest.raises(ValueError, match="raw"):
-        GeneratorConfig(model="m", dataset="d", store="s", template="raw", few_shot=2)
+        GeneratorConfig(model="m", dataset="d", store="s", prompt={"template": "raw", "few_shot": 2})
 
 
 def test_progress_counts_tokens_within_a_call_and_changes_no_sample(tiny_backend):

@@ -144,9 +144,9 @@ def stub():
 def _generate(tiny_model_dir: Path, dataset: Path, store: Path, url: str, *sets: str):
     """graft-generate --backend openai in this process, quick retries; (exit code, stdout, stderr)."""
     args = ["--backend", "openai", "--model", str(tiny_model_dir), "--model-id", "served", "--dataset", str(dataset),
-            "--store", str(store), "--set", f"openai.base_url={url}", "--set", "openai.max_retries=2",
-            "--set", "openai.backoff_s=0.01", "--set", "openai.timeout_s=0.5", "--set", "group_size=4",
-            "--set", "max_tokens=3", "--set", "template=raw", "--set", "score_workers=1", "--set", "progress=false",
+            "--store", str(store), "--set", f"sampler.base_url={url}", "--set", "sampler.max_retries=2",
+            "--set", "sampler.backoff_s=0.01", "--set", "sampler.timeout_s=0.5", "--set", "group_size=4",
+            "--set", "max_tokens=3", "--set", "prompt.template=raw", "--set", "scoring.workers=1", "--set", "progress=false",
             *[item for s in sets for item in ("--set", s)]]
     result = CliRunner().invoke(generate_app, args)
     return result.exit_code, result.stdout, result.stderr
@@ -209,7 +209,7 @@ def test_every_request_states_every_sampling_setting(stub, tiny_model_dir, toy_d
                              (("temperature=0",), {"temperature": 0.0, "top_p": 1.0, "top_k": -1})):
         server = stub("ok")
         code, _, err = _generate(tiny_model_dir, toy_dataset, tmp_path / str(sampling), server.url, *sampling,
-                                 "openai.logprobs_mode=raw_logprobs")
+                                 "sampler.logprobs_mode=raw_logprobs")
         assert code == 0, err
         for body in server.requests:  # the samples' requests and the check's teacher forcing alike
             assert {k: body[k] for k in ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
@@ -239,17 +239,17 @@ def test_the_stated_logprobs_mode_is_checked_where_the_server_scores_prompts(stu
     statement (processed_logprobs); a server that scores no prompts leaves it unchecked, said in the log."""
     server = stub("ok")
     code, _, err = _generate(tiny_model_dir, toy_dataset, tmp_path / "store", server.url, "temperature=0.7")
-    assert code == 2 and "openai.logprobs_mode says processed_logprobs" in err and "it runs raw_logprobs" in err, err
+    assert code == 2 and "sampler.logprobs_mode says processed_logprobs" in err and "it runs raw_logprobs" in err, err
     assert list((tmp_path / "store").rglob("*.parquet")) == []
     code, _, err = _generate(tiny_model_dir, toy_dataset, tmp_path / "raw", server.url, "temperature=0.7",
-                             "openai.logprobs_mode=raw_logprobs")
+                             "sampler.logprobs_mode=raw_logprobs")
     assert code == 0, err
     rows = [r for g in _groups(tmp_path / "raw") for r in g.rollouts]
     assert len(rows) == 48 and {r.logprobs_mode for r in rows} == {"raw"}
     server = stub("no_prompt_logprobs")
     code, _, err = _generate(tiny_model_dir, toy_dataset, tmp_path / "unchecked", server.url, "temperature=0.7")
     assert code == 0, err
-    assert "openai.logprobs_mode and the sampling the server applies are unchecked" in caplog.text
+    assert "sampler.logprobs_mode and the sampling the server applies are unchecked" in caplog.text
 
 
 def _groups(store: Path):
@@ -269,35 +269,53 @@ def test_the_api_key_comes_from_the_environment_and_is_stored_nowhere(stub, tiny
         backend.close()
     assert [len(g) for g in groups] == [2, 2] and groups[0][0].token_ids == COMPLETION_IDS
     assert {h["Authorization"] for h in server.headers} == {"Bearer sk-secret-123"}
-    dumped = GeneratorConfig(model="m", dataset="d", store="s", backend="openai", openai=config).model_dump_json()
+    dumped = GeneratorConfig(model="m", dataset="d", store="s", sampler=config).model_dump_json()
     assert "sk-secret" not in dumped and "GRAFT_TEST_KEY" in dumped
 
 
+def test_the_progress_line_hears_of_each_prompt_as_its_samples_come_back(stub, tiny_model_dir):
+    """A served batch can take minutes: `on_tokens` is told (tokens so far, at most that many) as each prompt's samples
+    come back, the budget shrinking by what a prompt's samples left unused, as the hf backend tells it per step."""
+    server = stub("ok")
+    backend = OpenAIBackend.from_path(tiny_model_dir, OpenAIBackendConfig(base_url=server.url, concurrency=1,
+                                                                          check_logprobs_mode=False))
+    told = []
+    backend.on_tokens = lambda sampled, budget: told.append((sampled, budget))
+    try:
+        backend.generate(["1+1=", "2+3=", "4+4="], SamplingParams(n=2, max_tokens=8))
+    finally:
+        backend.close()
+    per_prompt = 2 * len(COMPLETION_IDS)
+    assert told == [(per_prompt, per_prompt + 2 * 2 * 8), (2 * per_prompt, 2 * per_prompt + 2 * 8),
+                    (3 * per_prompt, 3 * per_prompt)]
+
+
 def test_the_configuration_says_what_backend_openai_needs(tmp_path):
-    with pytest.raises(ValueError, match="openai.base_url=http://HOST:PORT"):
-        GeneratorConfig(model="m", dataset="d", store="s", backend="openai")
+    with pytest.raises(ValueError, match="sampler.base_url=http://HOST:PORT"):
+        GeneratorConfig(model="m", dataset="d", store="s", sampler={"backend": "openai"})
+    served = {"backend": "openai", "base_url": "http://h:1"}
     with pytest.raises(ValueError, match="drop watch_dir"):
-        GeneratorConfig(model="m", dataset="d", store="s", backend="openai", continuous=True, watch_dir="w",
-                        openai={"base_url": "http://h:1"})
+        GeneratorConfig(model="m", dataset="d", store="s", sampler=served, continuous=True, watch_dir="w")
+    with pytest.raises(ValueError, match="sampler.batch_size with sampler.backend openai: not a setting of that backend"):
+        GeneratorConfig(model="m", dataset="d", store="s", sampler={**served, "batch_size": 8})
     assert server_root("http://h:8000/v1/") == server_root("http://h:8000") == "http://h:8000"
     # raw logprobs are other rows: another key; the default leaves earlier runs' keys as they were
-    base = {"model": "m", "dataset": "d", "store": "s", "openai": {"base_url": "http://h:1"}}
-    assert GeneratorConfig(**base, backend="openai").sampling_key() == GeneratorConfig(**base).sampling_key()
-    raw = GeneratorConfig(**{**base, "openai": {"base_url": "http://h:1", "logprobs_mode": "raw_logprobs"}},
-                          backend="openai")
-    assert raw.sampling_key() != GeneratorConfig(**base, backend="openai").sampling_key()
+    base = {"model": "m", "dataset": "d", "store": "s"}
+    assert GeneratorConfig(**base, sampler=served).sampling_key() == GeneratorConfig(**base).sampling_key()
+    raw = GeneratorConfig(**base, sampler={**served, "logprobs_mode": "raw_logprobs"})
+    assert raw.sampling_key() != GeneratorConfig(**base, sampler=served).sampling_key()
     shown = yaml.safe_load(yaml.safe_dump(raw.model_dump(mode="json")))
-    assert shown["openai"]["logprobs_mode"] == "raw_logprobs"
+    assert shown["sampler"] == {**raw.sampler.model_dump(), "backend": "openai", "logprobs_mode": "raw_logprobs"}
 
 
 def test_dry_run_checks_the_server(stub, tiny_model_dir, toy_dataset, tmp_path):
     server = stub("ok")
     base = ["--backend", "openai", "--model", str(tiny_model_dir), "--dataset", str(toy_dataset), "--store",
             str(tmp_path / "s"), "--dry-run"]
-    result = CliRunner().invoke(generate_app, [*base, "--set", f"openai.base_url={server.url}"])
+    result = CliRunner().invoke(generate_app, [*base, "--set", f"sampler.base_url={server.url}"])
     assert result.exit_code == 0, result.stderr
-    result = CliRunner().invoke(generate_app, [*base, "--set", f"openai.base_url={server.url}",
-                                               "--set", "openai.served_model=other"])
+    result = CliRunner().invoke(generate_app, [*base, "--set", f"sampler.base_url={server.url}",
+                                               "--set", "sampler.served_model=other"])
     assert result.exit_code == 2 and "serves stub, not other" in result.stderr
-    result = CliRunner().invoke(generate_app, [*base, "--set", "openai.base_url=http://127.0.0.1:9"])
+    result = CliRunner().invoke(generate_app, [*base, "--set", "sampler.base_url=http://127.0.0.1:9"])
     assert result.exit_code == 2 and "does not answer (ConnectError): start the server" in result.stderr

@@ -95,7 +95,7 @@ def test_vllm_logprobs_match_hf(vllm_samples, tiny_backend):
             assert len(group) == params.n
             prompt_ids = tiny_backend.tokenizer(prompt, add_special_tokens=False)["input_ids"]
             for sample in group:
-                expected = teacher_forced_logprobs(tiny_backend.model, prompt_ids, sample["token_ids"], params)
+                expected = teacher_forced_logprobs(tiny_backend.model, prompt_ids, [sample["token_ids"]], params)[0]
                 worst = max(abs(a - b) for a, b in zip(expected, sample["token_logprobs"], strict=True))
                 assert worst <= 1e-3, f"vLLM logprob differs from HF by {worst} with {run['params']}"
                 checked += len(expected)

@@ -39,13 +39,13 @@ def learner_of(model, tokenizer, tokenizer_id="tok-char"):
 def forced(model, tokenizer, prompt: str, completion_ids: list[int]) -> list[float]:
     """The model's own (temperature 1) logprobs of `completion_ids` after `prompt`, from one forward pass."""
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    return teacher_forced_logprobs(model, prompt_ids, completion_ids, SamplingParams(n=1))
+    return teacher_forced_logprobs(model, prompt_ids, [completion_ids], SamplingParams(n=1))[0]
 
 
 def config(**graft):
     """These cases are the `spec` preset's formulas (b, peer negatives) unless they say otherwise."""
     graft = {"token_is": "tis", "peer_negative_scale": 1.0, **graft}
-    return TrainConfig(model={"path": "unused"}, data={"dataset": "unused", "prompt_template": "raw"}, store={"url": "http://x"},
+    return TrainConfig(model={"path": "unused"}, data={"dataset": "unused"}, prompt={"template": "raw"}, store={"url": "http://x"},
                        rollout={"max_response_tokens": 32}, graft=graft)
 
 
@@ -308,7 +308,7 @@ def test_a_chat_learner_ends_grafted_and_anchor_rows_with_its_end_of_turn(tmp_pa
     model = build_tiny_model(tokenizer, "llama", seed=3)
     model.generation_config.eos_token_id = [tokenizer.eos_token_id, im_end]
     path = save_model(model, tokenizer, tmp_path / "chat-learner")
-    cfg = TrainConfig(model={"path": str(path), "device": "cpu"}, data={"dataset": "unused", "prompt_template": "auto"},
+    cfg = TrainConfig(model={"path": str(path), "device": "cpu"}, data={"dataset": "unused"}, prompt={"template": "auto"},
                       store={"url": "http://x"}, rollout={"max_response_tokens": 32})
     learner = load_learner(cfg, None)
     assert learner.stop_token_id == im_end != learner.tokenizer.eos_token_id

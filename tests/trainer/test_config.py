@@ -218,29 +218,45 @@ def test_dry_run_reads_the_training_data_and_names_its_columns(tmp_path, monkeyp
     refused = _toy_dry_run(*args)
     assert refused.exit_code != 0 and "data.problem_field=question" in refused.output, refused.output
     assert "Traceback" not in refused.output
-    read = _toy_dry_run(*args, "--set", "data.problem_field=question", "--set", "data.prompt_template=auto",
-                        "--set", "data.system_prompt=Be brief.", "--set", "data.instruction=Box it.")
+    read = _toy_dry_run(*args, "--set", "data.problem_field=question", "--set", "prompt.template=auto",
+                        "--set", "prompt.system_prompt=Be brief.", "--set", "prompt.instruction=Box it.")
     assert read.exit_code == 0, read.output
     assert "problem_field: question" in read.output and "system_prompt: Be brief." in read.output
-    plain = _toy_dry_run(*args, "--set", "data.problem_field=question", "--set", "data.prompt_template=plain",
-                         "--set", "data.system_prompt=Be brief.")
+    plain = _toy_dry_run(*args, "--set", "data.problem_field=question", "--set", "prompt.template=plain",
+                         "--set", "prompt.system_prompt=Be brief.")
     assert plain.exit_code != 0 and "system_prompt" in plain.output
+
+
+def test_the_learners_prompt_is_the_generators_section_and_the_old_keys_are_refused():
+    """Issue 59: the learner's `data.prompt_template` and the peer's `template` named one thing apart; both are the
+    `prompt` section now (PromptConfig, one validator), and the data section's old keys are refused naming it."""
+    from graft.rollouts.prompts import PromptConfig
+    from graft.services.generator.config import GeneratorConfig
+
+    base = {"model": {"path": "m"}, "data": {"dataset": "d"}, "method": "grpo"}
+    cfg = TrainConfig.model_validate({**base, "prompt": {"template": "plain", "few_shot": 2}})
+    assert type(cfg.prompt) is PromptConfig is type(GeneratorConfig(model="m", dataset="d", store="s").prompt)
+    with pytest.raises(ValidationError, match=r"data.prompt_template: now prompt.template; data.system_prompt: now "
+                                              r"prompt.system_prompt \(keys of an earlier release"):
+        TrainConfig.model_validate({**base, "data": {"dataset": "d", "prompt_template": "raw", "system_prompt": "x"}})
+    with pytest.raises(ValidationError, match="template 'raw' shows the problem verbatim and takes no worked examples"):
+        TrainConfig.model_validate({**base, "prompt": {"template": "raw", "few_shot": 2}})
 
 
 def test_a_graft_preset_names_the_formulas_and_refuses_a_clash():
     """graft.preset sets the fields of GRAFT's per-token weight by name (the spec's formulas stay one name away
     whatever the default is) and refuses another value of them beside it, saying which."""
-    from graft.trainer.config import GRAFT_PRESETS, GraftConfig
+    from graft.trainer.config import GRAFT_PRESETS, GraftOptions
 
     for name, fields in GRAFT_PRESETS.items():
-        graft = GraftConfig(preset=name)
+        graft = GraftOptions(preset=name)
         assert {field: getattr(graft, field) for field in fields} == fields
-        assert GraftConfig.model_validate(graft.model_dump()) == graft  # a saved config loads back
-    assert GraftConfig(preset="spec").token_is == "tis" and GraftConfig(preset="b1_no_peer_neg").token_is == "none"
+        assert GraftOptions.model_validate(graft.model_dump()) == graft  # a saved config loads back
+    assert GraftOptions(preset="spec").token_is == "tis" and GraftOptions(preset="b1_no_peer_neg").token_is == "none"
     with pytest.raises(ValueError, match="peer_negative_scale"):
-        GraftConfig(preset="spec", peer_negative_scale=0.0)
+        GraftOptions(preset="spec", peer_negative_scale=0.0)
     with pytest.raises(ValueError):
-        GraftConfig(preset="no_such_preset")
+        GraftOptions(preset="no_such_preset")
 
 
 @pytest.mark.parametrize("field, value", [("is_cap", 5.0), ("log_rho_min", -2.0), ("max_grafted_fraction", 1.0),
@@ -248,11 +264,11 @@ def test_a_graft_preset_names_the_formulas_and_refuses_a_clash():
 def test_the_spec_preset_pins_every_field_the_spec_names(field, value):
     """Issue 60: `preset: spec` left is_cap (the spec's C = 2), log_rho_min (no floor) and group_normalized_weight
     (off) to the defaults, so `preset: spec` with `is_cap: 5` ran other formulas under the spec's name."""
-    from graft.trainer.config import GRAFT_PRESETS, GraftConfig
+    from graft.trainer.config import GRAFT_PRESETS, GraftOptions
 
     named = {"token_is", "is_cap", "kappa", "log_rho_min", "peer_negative_scale", "group_normalized_weight",
              "union_all_success", "kl_on_peer", "max_grafted_fraction"}  # docs/algorithm.md sections 1, 4, 5, 6
     assert named <= set(GRAFT_PRESETS["spec"])
     with pytest.raises(ValueError, match=field):
-        GraftConfig(preset="spec", **{field: value})
-    assert GraftConfig(preset="spec").is_cap == 2.0 and GraftConfig(preset="spec").group_normalized_weight is False
+        GraftOptions(preset="spec", **{field: value})
+    assert GraftOptions(preset="spec").is_cap == 2.0 and GraftOptions(preset="spec").group_normalized_weight is False

@@ -22,7 +22,7 @@ def config(world, run_dir, method, dataset, lr, store_url=None):
     return TrainConfig.model_validate({
         "run_dir": str(run_dir), "seed": 0, "steps": STEPS, "method": method, "torch_threads": 1,
         "model": {"path": str(world.learner_dir), "device": "cpu"},
-        "data": {"dataset": str(dataset), "prompt_template": "raw"},
+        "data": {"dataset": str(dataset)}, "prompt": {"template": "raw"},
         "rollout": {"backend": "hf", "group_size": 4, "prompts_per_step": 8, "max_response_tokens": 16, "scorer_workers": 1},
         "optim": {"lr": lr, "mini_batch_prompts": 8, "micro_batch_size": 64},
         # b = 1 (no token-level ratio): with the spec's b = min(pi_old / mu~, 2) the learner gets nothing here (reward 0.0

@@ -58,7 +58,7 @@ def ids(records):
 def cotrain_args(world, store_url, steps=3, timeout_s=300):
     common = ["--store-url", store_url, "--peers", "lockstep", "--steps", str(steps), "--dataset", str(world.problems_path),
               "--group-size", "4", "--prompts-per-step", "8", "--seed", "0",
-              "--set", "data.prompt_template=raw", "--set", "rollout.max_response_tokens=16",
+              "--set", "prompt.template=raw", "--set", "rollout.max_response_tokens=16",
               "--set", "rollout.backend=hf", "--set", "rollout.scorer_workers=1", "--set", "optim.mini_batch_prompts=8",
               "--set", f"peers.partner_timeout_s={timeout_s}",
               "--set", "logging.progress=false", "--set", "model.device=cpu", "--set", "torch_threads=1"]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from graft.schemas import group_advantages
-from graft.trainer.config import GraftConfig, PPOConfig
+from graft.trainer.config import GraftOptions, PPOConfig
 from graft.trainer.loss import LossBatch, LossConfig, agg_denominator, graft_loss
 
 CFG = LossConfig()
@@ -167,12 +167,12 @@ def test_kl_applies_to_onpolicy_tokens_unless_kl_on_peer():
     assert metrics["kl"] == pytest.approx(k3 * 2 / 4, rel=1e-5)  # on-policy tokens only, over all 4 tokens
     assert loss == pytest.approx(0.5 * k3 * 2 / 4, rel=1e-5)
     batch, logprobs = make_batch([2, 2], [0.0, 0.0], grafted=[False, True], ref_delta=delta)
-    loss, _, _ = loss_and_grad(batch, logprobs, LossConfig(PPOConfig(kl_beta=0.5), GraftConfig(kl_on_peer=True)))
+    loss, _, _ = loss_and_grad(batch, logprobs, LossConfig(PPOConfig(kl_beta=0.5), GraftOptions(kl_on_peer=True)))
     assert loss == pytest.approx(0.5 * k3, rel=1e-5)
 
 
 def test_luffy_shapes_grafted_tokens_only():
-    cfg = LossConfig(graft=GraftConfig(token_is="luffy", luffy_gamma=0.1))
+    cfg = LossConfig(graft=GraftOptions(token_is="luffy", luffy_gamma=0.1))
     batch, logprobs = make_batch([1, 1], [1.0, 1.0], grafted=[False, True])
     loss, grad, _ = loss_and_grad(batch, logprobs, cfg)
     p = math.exp(-1.0)

@@ -15,7 +15,7 @@ import graft.trainer.peers as peers_module
 import graft.trainer.store_link as link_module
 from graft.services.store_api.http.client import StoreClient
 from graft.services.store_api.http.testing import StoreServer, free_port
-from graft.trainer.config import CotrainPeers, GraftConfig, StoreConfig
+from graft.trainer.config import CotrainPeers, GraftOptions, StoreConfig
 from graft.trainer.peers import Cotrain, PeerSource
 from graft.trainer.store_link import StoreLink
 from toy.task import sample_problems
@@ -38,7 +38,7 @@ def groups(char_tokenizer, char_model):
             for p in sample_problems(12, seed=3)]
 
 
-def cotrain(config: StoreConfig, graft: GraftConfig, **settings) -> Cotrain:
+def cotrain(config: StoreConfig, graft: GraftOptions, **settings) -> Cotrain:
     return Cotrain(StoreLink(config, LEARNER), graft, config, LEARNER, CotrainPeers(source="cotrain", **settings))
 
 
@@ -141,7 +141,7 @@ def test_groups_published_while_the_store_is_down_are_delivered_when_it_is_back_
 def test_cotraining_does_not_wait_while_the_store_is_down(groups):
     """A store known to be down cannot bring the co-trainer's groups: the step does not wait cotrain_wait_s for them."""
     config = StoreConfig(url=f"http://127.0.0.1:{free_port()}", retries=0, timeout_s=2, backoff_initial_s=30)
-    peers = cotrain(config, GraftConfig(), wait_s=60)
+    peers = cotrain(config, GraftOptions(), wait_s=60)
     try:
         request = peers.request([g.prompt_id for g in groups[:4]], 0)
         found = peers.candidates(peers.start_lookup(request), request, rewards_of(groups[:4]), None, 0)
@@ -156,7 +156,7 @@ def test_cotraining_does_not_wait_while_the_store_is_down(groups):
 def test_a_silent_co_trainer_is_warned_about_and_counted(store, groups, caplog):
     """The store answers but the co-trainer publishes nothing: every step's wait runs out; the count of such steps
     is the step's metric, and a warning says so after PEER_SILENT_WARN_STEPS of them."""
-    peers = cotrain(StoreConfig(url=store.url), GraftConfig(peer_models=["nobody"]), wait_s=0.3, poll_s=0.1)
+    peers = cotrain(StoreConfig(url=store.url), GraftOptions(peer_models=["nobody"]), wait_s=0.3, poll_s=0.1)
     caplog.set_level(logging.WARNING, logger="graft.trainer.peers")
     try:
         silent = []
@@ -208,7 +208,7 @@ def test_offline_a_lookup_slower_than_generation_is_late_or_waited_for_as_lookup
     with StoreClient(store.url) as client:
         client.push_groups([theirs])
     config = StoreConfig(url=store.url)
-    peers = PeerSource(StoreLink(config, LEARNER), GraftConfig(peer_models=[peer]), config, LEARNER,
+    peers = PeerSource(StoreLink(config, LEARNER), GraftOptions(peer_models=[peer]), config, LEARNER,
                        lookup_wait_s=lookup_wait_s)
     held = HeldLookupClient(store.url)
     peers.link._lookup_client = held
@@ -251,7 +251,7 @@ def test_a_late_store_waits_once_per_step_however_many_lookups_and_is_said(store
     from concurrent.futures import Future
 
     config = StoreConfig(url=store.url)
-    source = PeerSource(StoreLink(config, LEARNER), GraftConfig(), config, LEARNER, lookup_wait_s=0.3)
+    source = PeerSource(StoreLink(config, LEARNER), GraftOptions(), config, LEARNER, lookup_wait_s=0.3)
     caplog.set_level(logging.WARNING, logger="graft.trainer.peers")
     try:
         request = source.request([p.prompt_id for p in sample_problems(2, seed=5)], 0)
@@ -277,7 +277,7 @@ def test_the_gate_takes_the_stores_serving_order_least_served_rotates(store, gro
     with StoreClient(store.url) as client:
         client.push_groups(theirs)
     config = StoreConfig(url=store.url, serve_order="least_served", groups_per_prompt=4)
-    source = PeerSource(StoreLink(config, learner), GraftConfig(peer_models=[peer]), config, learner, lookup_wait_s=30)
+    source = PeerSource(StoreLink(config, learner), GraftOptions(peer_models=[peer]), config, learner, lookup_wait_s=30)
     rewards = [(problem.prompt_id, [0.0, 0.0])]
     grafted = []
     try:
@@ -332,7 +332,7 @@ def test_no_want_is_posted_for_a_prompt_no_generator_can_serve(store):
     problems = sample_problems(12, seed=4)[:2]
     learner = "want-learner"
     config = StoreConfig(url=store.url, want_misses=True)
-    source = PeerSource(StoreLink(config, learner), GraftConfig(peer_models=["want-peer"]), config, learner)
+    source = PeerSource(StoreLink(config, learner), GraftOptions(peer_models=["want-peer"]), config, learner)
     decisions = [GateDecision(p.prompt_id, "all_fail", "skip_no_peer") for p in problems]
     rewards = [(problems[0].prompt_id, [0.0, 0.0]), (problems[1].prompt_id, [None, None])]
     try:

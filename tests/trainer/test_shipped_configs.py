@@ -15,7 +15,7 @@ import yaml
 from typer.testing import CliRunner
 
 from graft.trainer.cli import app
-from graft.trainer.config import GRAFT_FORMULA_FIELDS, GraftConfig, TrainConfig
+from graft.trainer.config import GRAFT_FORMULA_FIELDS, GraftOptions, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
@@ -38,7 +38,7 @@ def _graft_section(path: Path) -> dict:
 
 
 def _departures(graft: dict) -> dict:
-    return GraftConfig.model_validate(graft).departures()
+    return GraftOptions.model_validate(graft).departures()
 
 
 def _overrides(args: list[str]) -> dict:

@@ -370,7 +370,7 @@ def test_cotraining_two_processes_through_one_store(toy_world, tmp_path):
     with StoreServer(tmp_path / "store") as server:
         common = ["--store-url", server.url, "--peers", "cotrain", "--steps", "3", "--dataset", str(toy_world.problems_path),
                   "--group-size", "4", "--prompts-per-step", "8", "--seed", "0",
-                  "--set", "data.prompt_template=raw", "--set", "rollout.max_response_tokens=16",
+                  "--set", "prompt.template=raw", "--set", "rollout.max_response_tokens=16",
                   "--set", "rollout.backend=hf", "--set", "rollout.scorer_workers=1", "--set", "optim.mini_batch_prompts=8",
                   "--set", "peers.wait_s=300", "--set", "logging.progress=false", "--set", "model.device=cpu",
                   "--set", "torch_threads=1"]

@@ -52,7 +52,7 @@ def test_one_run_grafts_trl_verl_and_trace_set_groups(toy_world, tiny_model_dir,
 
     family = toy_world.learner_problems  # the toy peer, the learner here, has no skill on these
     root = tmp_path / "store"
-    common = {"store": str(root), "problems": str(toy_world.problems_path), "score_workers": 1}
+    common = {"store": str(root), "problems": str(toy_world.problems_path), "scoring": {"workers": 1}}
 
     run = run_trl(toy_world.learner_dir, family[:6], family[6:7], tmp_path / "trl-grpo")
     trl = run_import(ImportConfig(files=[str(run)], format="trl", model_id="trl-peer", tokenizer=str(run / "tokenizer"),

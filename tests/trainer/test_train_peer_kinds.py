@@ -51,16 +51,16 @@ def test_one_run_grafts_sampled_imported_and_rescored_groups(toy_world, tmp_path
     write_groups(root, thirds[0], problems)  # with mu, as the peer sampled them
     imported = run_import(ImportConfig(files=[str(write_traces(tmp_path / "b.jsonl", thirds[1], problems))],
                                        model_id=IMPORTED, tokenizer=str(toy_world.peer_dir), store=str(root),
-                                       problems=str(toy_world.problems_path), score_workers=1,
+                                       problems=str(toy_world.problems_path), scoring={"workers": 1},
                                        max_tokens=16))
     assert (imported.groups, imported.bad_rows) == (len(thirds[1]), 0)
     side = tmp_path / "side"  # imported, then rescored by the peer's weights; the rescored groups join the store
     # the import names the weights that wrote the traces (their fingerprint): the rescoring is shown to be by the author
     run_import(ImportConfig(files=[str(write_traces(tmp_path / "c.jsonl", thirds[2], problems))], model_id="c-traces",
                             tokenizer=str(toy_world.peer_dir), store=str(side), problems=str(toy_world.problems_path),
-                            score_workers=1, max_tokens=16, model_revision=model_fingerprint(toy_world.peer_dir)))
+                            scoring={"workers": 1}, max_tokens=16, model_revision=model_fingerprint(toy_world.peer_dir)))
     rescored = run_rescore(RescoreConfig(store=str(side), source_model="c-traces", model=str(toy_world.peer_dir),
-                                         model_id=RESCORED_MODEL, template="raw"))
+                                         model_id=RESCORED_MODEL, prompt={"template": "raw"}))
     assert (rescored.groups, rescored.groups_failed) == (len(thirds[2]), 0)
     write_groups(root, groups_in(side, RESCORED_MODEL))
     # the imported rows' rewards are math-verify's against the gold: the sampled groups' own, so as informative

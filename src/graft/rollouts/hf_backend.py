@@ -10,9 +10,8 @@ normalised nor free of whatever processors a model's generation config adds.
 from __future__ import annotations
 
 import contextlib
-import time
-from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AttentionInterface, GenerationConfig, LogitsProcessor, LogitsProcessorList
@@ -20,7 +19,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from graft.rollouts.models import eos_token_ids, load_model_and_tokenizer, tokenizer_fingerprint
-from graft.rollouts.sampling import Sample, SamplingParams
+from graft.rollouts.sampling import ProgressCallback, Sample, SamplingParams
+
+if TYPE_CHECKING:
+    from graft.rollouts.backends import HFSettings
 
 DEFAULT_LOGITS_BUDGET_BYTES = 2 << 30  # raw logits kept per generate call (steps x sequences x vocab x 4 bytes)
 DEFAULT_STATIC_CACHE_BUDGET_BYTES = 4 << 30  # a preallocated KV cache up to this size, else one that grows
@@ -78,13 +80,23 @@ def processed_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Te
 
 
 @torch.inference_mode()
-def teacher_forced_logprobs(model, prompt_ids: list[int], completion_ids: list[int], params: SamplingParams) -> list[float]:
-    """Behaviour logprobs of `completion_ids` after `prompt_ids` from one full forward pass (no cache, no padding)."""
-    ids = torch.tensor([prompt_ids + completion_ids], device=model.device)  # (1, P + L)
-    logits = model(input_ids=ids, use_cache=False).logits[0, len(prompt_ids) - 1 : -1]  # (L, V): position t predicts token t + 1
-    logprobs = processed_logprobs(logits, params)  # (L, V)
-    targets = torch.tensor(completion_ids, device=model.device)  # (L,)
-    return logprobs.gather(-1, targets[:, None])[:, 0].tolist()
+def teacher_forced_logprobs(model, prompt_ids: list[int], completions: list[list[int]], params: SamplingParams,
+                            pad_token_id: int = 0) -> list[list[float]]:
+    """Behaviour logprobs (`processed_logprobs` at `params`) of each completion's tokens after `prompt_ids`: one
+    forward pass over them all, no cache, right-padded after the shared prompt (causal attention: a real position
+    sees what it sees in a pass of its own). The in-process teacher forcing, of graft-rescore and of the tests'
+    checks of stored logprobs alike."""
+    longest = max((len(c) for c in completions), default=0)
+    if longest == 0:
+        return [[] for _ in completions]
+    rows = [prompt_ids + c + [pad_token_id] * (longest - len(c)) for c in completions]
+    ids = torch.tensor(rows, device=model.device)  # (G, P + L)
+    mask = torch.tensor([[1] * (len(prompt_ids) + len(c)) + [0] * (longest - len(c)) for c in completions],
+                        device=model.device)  # (G, P + L)
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, len(prompt_ids) - 1 : -1]  # (G, L, V)
+    logprobs = processed_logprobs(logits.reshape(-1, logits.shape[-1]), params).view(len(rows), longest, -1)  # (G, L, V)
+    taken = logprobs.gather(-1, ids[:, len(prompt_ids):, None])[..., 0]  # (G, L): position t predicts token t + 1
+    return [taken[i, : len(c)].tolist() for i, c in enumerate(completions)]
 
 
 class HFBackend:
@@ -119,9 +131,8 @@ class HFBackend:
         self.static_cache_budget_bytes = static_cache_budget_bytes
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        # Progress inside a generate call, which on a CPU can take minutes: called after each decoding step with
-        # (tokens sampled so far in the call, at most that many in all), the latter rows x max_tokens over its batches.
-        self.on_tokens: Callable[[int, int], None] | None = None
+        # Progress inside a generate call, told after each decoding step (the budget: rows x max_tokens over its batches)
+        self.on_tokens: ProgressCallback | None = None
 
     @classmethod
     def from_path(cls, path: str | Path, model_id: str | None = None, dtype: torch.dtype = torch.float32, **kwargs) -> HFBackend:
@@ -132,11 +143,20 @@ class HFBackend:
             model = model.to("cuda")
         return cls(model, tokenizer, model_id=model_id or default_model_id(path), **kwargs)
 
+    @classmethod
+    def from_settings(cls, settings: HFSettings, path: str | Path, *, model_id: str | None = None,
+                      seed: int = 0) -> HFBackend:
+        """The registered loader (`backends.load_backend`); each call's seed comes with its SamplingParams."""
+        return cls.from_path(path, model_id=model_id, dtype=getattr(torch, settings.dtype), batch_size=settings.batch_size)
+
     def close(self) -> None:
         """Drop the model (before loading a newer checkpoint)."""
         self.model = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+    def server_counts(self) -> None:
+        return None  # samples in this process
 
     def generate(self, prompts: list[str], params: SamplingParams) -> list[list[Sample]]:
         prompt_ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
@@ -296,7 +316,7 @@ class _TokenCounter(LogitsProcessor):
     """Reports (tokens sampled so far, budget) to a progress callback at each decoding step, counting every row of the
     batch until it ends (then corrected to what was sampled: `finish_batch`); leaves the scores as they are."""
 
-    def __init__(self, report: Callable[[int, int], None], budget: int):
+    def __init__(self, report: ProgressCallback, budget: int):
         self.report, self.budget, self.done, self.batch_tokens = report, budget, 0, 0
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -310,19 +330,6 @@ class _TokenCounter(LogitsProcessor):
         self.budget -= budget - sampled
         self.batch_tokens = 0
         self.report(self.done, self.budget)
-
-
-def report_tokens_on(bar, every_s: float = 0.5) -> Callable[[int, int], None]:
-    """An `HFBackend.on_tokens` that shows `sampling: 312/2048 tok` in a tqdm bar's postfix, at most every `every_s`."""
-    last = [0.0]
-
-    def report(sampled: int, budget: int) -> None:
-        now = time.monotonic()
-        if now - last[0] >= every_s or sampled >= budget:
-            last[0] = now
-            bar.set_postfix_str(f"sampling: {sampled}/{budget} tok")
-
-    return report
 
 
 class SeededDraw(LogitsProcessor):

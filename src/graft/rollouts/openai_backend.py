@@ -36,11 +36,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field, model_validator
 
 from graft.rollouts.models import default_model_id, generation_eos_ids, load_tokenizer_of, tokenizer_fingerprint
-from graft.rollouts.sampling import Sample, SamplingParams
+from graft.rollouts.sampling import ProgressCallback, Sample, SamplingParams
 from graft.schemas.rollout import LOGPROB_TOLERANCE
+from graft.schemas.sections import KindSection
 
 log = logging.getLogger(__name__)
 
@@ -56,21 +57,27 @@ ANSWER_EXCERPT = 200  # characters of a bad answer quoted in an error
 VLLM_SAMPLING_FIELDS = ("top_k", "min_p", "repetition_penalty", "stop_token_ids")
 
 
-class OpenAIBackendConfig(BaseModel):
-    """The `openai` backend: a completions server by URL (`graft-generate --backend openai`, `graft-eval`)."""
+class OpenAIBackendConfig(KindSection):
+    """The `openai` backend: a completions server by URL (`graft-generate --backend openai`, `graft-eval`): the
+    `sampler` section's settings when sampler.backend is openai."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    base_url: str | None = Field(default=None, description="the server's root, e.g. http://127.0.0.1:8000 (a trailing /v1 is accepted); required with backend openai")
-    served_model: str | None = Field(default=None, description="the model name the server serves (vLLM's --served-model-name; default: the server's only model, from GET /v1/models)")
-    api_key_env: str | None = Field(default=None, description="name of the environment variable holding the API key, sent as a bearer token (the key itself is never stored)")
+    backend: Literal["openai"] = "openai"
+    base_url: str | None = Field(default=None, description="openai: the server's root, e.g. http://127.0.0.1:8000 (a trailing /v1 is accepted); required")
+    served_model: str | None = Field(default=None, description="openai: the model name the server serves (vLLM's --served-model-name; default: the server's only model, from GET /v1/models)")
+    api_key_env: str | None = Field(default=None, description="openai: name of the environment variable holding the API key, sent as a bearer token (the key itself is never stored)")
     logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = Field(
-        default="processed_logprobs", description="what the server's sampled-token logprobs are (vLLM's --logprobs-mode): processed_logprobs, the behaviour policy after temperature/top-p/top-k; raw_logprobs, the model's own; rows record it")
-    check_logprobs_mode: bool = Field(default=True, description="check, on the first calls, the server's logprobs of one sample against its teacher-forced ones (vLLM's prompt_logprobs): that logprobs_mode holds where the sampling makes the modes differ, and that the server applies no sampling setting the request does not state where it changes nothing (T = 1 or greedy, no top-p/top-k)")
-    concurrency: int = Field(default=8, ge=1, description="requests in flight at once (one per prompt, n = G samples each)")
-    timeout_s: float = Field(default=600.0, gt=0, description="one request's limit, connecting and reading")
-    max_retries: int = Field(default=5, ge=0, description="tries after the first for a request answered 429 or 5xx, timed out or cut off; then the call fails and nothing of its batch is stored")
-    backoff_s: float = Field(default=1.0, gt=0, description=f"pause before the first retry, doubled before each next one (at most {MAX_BACKOFF_S:.0f} s; a 429's Retry-After is honoured up to that)")
+        default="processed_logprobs", description="openai: what the server's sampled-token logprobs are (vLLM's --logprobs-mode): processed_logprobs, the behaviour policy after temperature/top-p/top-k; raw_logprobs, the model's own; rows record it")
+    check_logprobs_mode: bool = Field(default=True, description="openai: check, on the first calls, the server's logprobs of one sample against its teacher-forced ones (vLLM's prompt_logprobs): that logprobs_mode holds where the sampling makes the modes differ, and that the server applies no sampling setting the request does not state where it changes nothing (T = 1 or greedy, no top-p/top-k)")
+    concurrency: int = Field(default=8, ge=1, description="openai: requests in flight at once (one per prompt, n = G samples each)")
+    timeout_s: float = Field(default=600.0, gt=0, description="openai: one request's limit, connecting and reading")
+    max_retries: int = Field(default=5, ge=0, description="openai: tries after the first for a request answered 429 or 5xx, timed out or cut off; then the call fails and nothing of its batch is stored")
+    backoff_s: float = Field(default=1.0, gt=0, description=f"openai: pause before the first retry, doubled before each next one (at most {MAX_BACKOFF_S:.0f} s; a 429's Retry-After is honoured up to that)")
+
+    @model_validator(mode="after")
+    def _names_a_server(self) -> OpenAIBackendConfig:
+        if not self.base_url:
+            raise ValueError("backend openai needs the server's URL: --set sampler.base_url=http://HOST:PORT")
+        return self
 
     def api_key(self) -> str | None:
         """The key from the environment variable `api_key_env` names; a clear error when it is not set."""
@@ -78,7 +85,7 @@ class OpenAIBackendConfig(BaseModel):
             return None
         key = os.environ.get(self.api_key_env)
         if not key:
-            raise ServerError(f"openai.api_key_env names {self.api_key_env}, which is not set in this environment: "
+            raise ServerError(f"sampler.api_key_env names {self.api_key_env}, which is not set in this environment: "
                               f"export {self.api_key_env}=<key>, or drop api_key_env for a server without keys")
         return key
 
@@ -112,8 +119,6 @@ class OpenAIBackend:
 
     def __init__(self, config: OpenAIBackendConfig, tokenizer, model_id: str, eos_ids: set[int],
                  tokenizer_id: str | None = None):
-        if not config.base_url:
-            raise ValueError("backend openai needs openai.base_url: --set openai.base_url=http://HOST:PORT")
         self.config = config
         self.tokenizer = tokenizer
         self.model_id = model_id
@@ -130,6 +135,8 @@ class OpenAIBackend:
         limits = httpx.Limits(max_connections=config.concurrency, max_keepalive_connections=config.concurrency)
         self._http = httpx.Client(timeout=config.timeout_s, headers=headers, limits=limits)
         self._pool = ThreadPoolExecutor(max_workers=config.concurrency, thread_name_prefix="openai-backend")
+        self.on_tokens: ProgressCallback | None = None  # told as each prompt's samples come back
+        self._call_tokens = self._call_budget = 0  # the generate call's tokens so far, and at most that many in all
         self.served_model = config.served_model or self._only_served_model()
 
     @classmethod
@@ -139,10 +146,21 @@ class OpenAIBackend:
         tokenizer = load_tokenizer_of(path)
         return cls(config, tokenizer, model_id=model_id or default_model_id(path), eos_ids=generation_eos_ids(path, tokenizer))
 
+    @classmethod
+    def from_settings(cls, settings: OpenAIBackendConfig, path: str | Path, *, model_id: str | None = None,
+                      seed: int = 0) -> OpenAIBackend:
+        """The registered loader (`backends.load_backend`); the server samples (each request's seed comes with its
+        SamplingParams)."""
+        return cls.from_path(path, settings, model_id=model_id)
+
     def close(self) -> None:
         """Drop the requests not yet sent; those in flight after a failed call end as the connections close."""
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._http.close()
+
+    def server_counts(self) -> dict[str, float]:
+        """What was asked of the server (`RequestCounts`)."""
+        return self.counts.as_dict()
 
     def generate(self, prompts: list[str], params: SamplingParams) -> list[list[Sample]]:
         if not prompts:
@@ -154,6 +172,7 @@ class OpenAIBackend:
             if not ids:
                 raise ValueError(f"prompt {i} tokenises to nothing: every prompt needs at least one token")
             prompt_ids.append(ids)
+        self._call_tokens, self._call_budget = 0, len(prompts) * params.n * params.max_tokens
         try:
             futures = [self._pool.submit(self._sample_prompt, i, ids, params) for i, ids in enumerate(prompt_ids)]
             done, pending = wait(futures, return_when=FIRST_EXCEPTION)
@@ -179,9 +198,14 @@ class OpenAIBackend:
         answer = self._request("POST", "/v1/completions", body, f"prompt {index}")
         samples = self._parse_choices(answer, params.n, prompt_ids, f"prompt {index}")
         usage = answer.get("usage") if isinstance(answer.get("usage"), dict) else {}
+        sampled = sum(len(s.token_ids) for s in samples)
         with self._lock:
             self.counts.prompt_tokens += int(usage.get("prompt_tokens") or len(prompt_ids))
-            self.counts.completion_tokens += int(usage.get("completion_tokens") or sum(len(s.token_ids) for s in samples))
+            self.counts.completion_tokens += int(usage.get("completion_tokens") or sampled)
+            self._call_tokens += sampled
+            self._call_budget -= params.n * params.max_tokens - sampled  # a prompt whose samples stopped early
+            if self.on_tokens is not None:
+                self.on_tokens(self._call_tokens, self._call_budget)
         return samples
 
     def _parse_choices(self, answer: dict, n: int, prompt_ids: list[int], what: str) -> list[Sample]:
@@ -266,13 +290,13 @@ class OpenAIBackend:
         try:
             answer = self._request("POST", "/v1/completions", body, "the logprobs-mode check")
         except ServerError as error:
-            log.warning("%s: openai.logprobs_mode and the sampling the server applies are unchecked, it scored no prompt "
+            log.warning("%s: sampler.logprobs_mode and the sampling the server applies are unchecked, it scored no prompt "
                         "(%s): the rows say %s, as stated", self.root, error, self.logprobs_mode)
             self._mode_checks_left = 0
             return
         teacher = _prompt_logprobs_of(answer, prompt_ids[i] + sample.token_ids)
         if teacher is None:
-            log.warning("%s: the server gave no prompt_logprobs (a vLLM extension), so openai.logprobs_mode and the "
+            log.warning("%s: the server gave no prompt_logprobs (a vLLM extension), so sampler.logprobs_mode and the "
                         "sampling it applies are unchecked: the rows say %s, as stated", self.root, self.logprobs_mode)
             self._mode_checks_left = 0
             return
@@ -295,17 +319,17 @@ class OpenAIBackend:
             seen = "raw_logprobs"
         else:
             if not self._mode_checks_left:
-                log.warning("%s: openai.logprobs_mode is unchecked (the samples checked were near-certain, where the "
+                log.warning("%s: sampler.logprobs_mode is unchecked (the samples checked were near-certain, where the "
                             "modes agree, or their gap %.3g was in between): the rows say %s, as stated", self.root,
                             gap, self.logprobs_mode)
             return  # the next call's samples are checked
         self._mode_checks_left = 0
         if seen != self.logprobs_mode and _modes_differ(params):
             raise ServerError(
-                f"{self.root}: openai.logprobs_mode says {self.logprobs_mode} but the server's sampled-token logprobs "
+                f"{self.root}: sampler.logprobs_mode says {self.logprobs_mode} but the server's sampled-token logprobs "
                 f"{'equal' if seen == 'raw_logprobs' else 'differ from'} its teacher-forced (raw) ones (largest gap "
                 f"{gap:.3g} over {len(completion)} tokens): it runs {seen}. Start vLLM with --logprobs-mode "
-                f"{self.logprobs_mode}, or set openai.logprobs_mode={seen} (rows then say so)")
+                f"{self.logprobs_mode}, or set sampler.logprobs_mode={seen} (rows then say so)")
 
     def teacher_forced_logprobs(self, prompt_ids: list[int], completions: list[list[int]]) -> list[list[float]]:
         """The server's logprob of each completion token after the prompt and the tokens before it (vLLM's
@@ -323,11 +347,11 @@ class OpenAIBackend:
         return list(self._pool.map(one, completions))
 
     def _only_served_model(self) -> str:
-        """The one model GET /v1/models lists; otherwise a line asking for openai.served_model."""
+        """The one model GET /v1/models lists; otherwise a line asking for sampler.served_model."""
         names = _model_names(self._request("GET", "/v1/models", None, "the model list"))
         if len(names) != 1:
             raise ServerError(f"{self.root} serves {len(names)} models ({', '.join(map(str, names)) or 'none listed'}): "
-                              "name one with --set openai.served_model=NAME")
+                              "name one with --set sampler.served_model=NAME")
         return names[0]
 
     def _request(self, method: str, path: str, body: dict | None, what: str) -> dict:
@@ -351,7 +375,7 @@ class OpenAIBackend:
                 retry_after = _seconds(response.headers.get("retry-after"))
             if attempt == self.config.max_retries:
                 raise ServerError(f"{url} ({what}): {failure}; still failing after {attempt} retries: the server is down "
-                                  "or overloaded (lower openai.concurrency, raise openai.max_retries or timeout_s)")
+                                  "or overloaded (lower sampler.concurrency, raise sampler.max_retries or sampler.timeout_s)")
             pause = min(MAX_BACKOFF_S, retry_after if retry_after is not None else self.config.backoff_s * 2**attempt)
             log.warning("%s (%s): %s; retry %d of %d in %.1f s", url, what, failure, attempt + 1, self.config.max_retries, pause)
             time.sleep(pause)
@@ -367,7 +391,7 @@ def list_served_models(config: OpenAIBackendConfig) -> list[str]:
         response = httpx.get(url, headers={"Authorization": f"Bearer {key}"} if key else {},
                              timeout=min(config.timeout_s, 10.0))
     except httpx.TransportError as error:
-        raise ServerError(f"{url} does not answer ({type(error).__name__}): start the server, or fix openai.base_url") from None
+        raise ServerError(f"{url} does not answer ({type(error).__name__}): start the server, or fix sampler.base_url") from None
     if response.status_code >= 400:
         raise ServerError(_refusal(response, url, "the model list", None))
     return _model_names(_json_of(response, url, "the model list"))
@@ -418,9 +442,9 @@ def _refusal(response: httpx.Response, url: str, what: str, body: dict | None) -
     status = response.status_code
     hint = ""
     if status in (401, 403):
-        hint = ": the server wants another API key (openai.api_key_env names the variable that holds it)"
+        hint = ": the server wants another API key (sampler.api_key_env names the variable that holds it)"
     elif status == 404:
-        hint = (": no such path or model; openai.base_url is the server's root (http://HOST:PORT) and openai.served_model "
+        hint = (": no such path or model; sampler.base_url is the server's root (http://HOST:PORT) and sampler.served_model "
                 "a name from its GET /v1/models")
     elif body is not None and (named := [f for f in VLLM_SAMPLING_FIELDS if f in body and f in message]):
         hint = (f": the server does not take {named[0]} (a vLLM extension, stated in every request so that the rows say "

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from graft.schemas.sections import Section
 
 PromptTemplate = Literal["auto", "chat", "plain", "raw"]
 
@@ -117,3 +121,32 @@ def build_prompt(tokenizer, problem: str, template: PromptTemplate = "auto", few
         shots = "".join(f"{block.replace('{problem}', q)} {a}\n\n" for q, a in examples)
         return shots + block.replace("{problem}", problem)
     raise ValueError(f"unknown prompt template {template!r}: use one of auto, chat, plain, raw")
+
+
+class PromptConfig(Section):
+    """The prompt a model sees for a problem: the `prompt` section of graft-train (the learner's), graft-generate (a
+    peer's), graft-eval and graft-rescore alike. A learner grafts a peer's groups best when both saw one prompt: give
+    both runs the same section."""
+
+    template: PromptTemplate = Field(default="auto", description="auto (the tokenizer's chat template if it has one, "
+                                     "else plain), chat, plain, raw (the problem verbatim)")
+    few_shot: int = Field(default=0, ge=0, le=MAX_FEW_SHOT, description=f"worked examples (GSM8K-style, answers in "
+                          f"\\boxed{{}}) shown before each problem, 0-{MAX_FEW_SHOT}")
+    instruction: str | None = Field(default=None, description="the line after each problem (default: 'Please reason "
+                                    "step by step, and put your final answer within \\boxed{}.'; '' for none)")
+    system_prompt: str | None = Field(default=None, description="a system turn before the problem (chat template only; "
+                                      "default: whatever the model's chat template puts there)")
+
+    @model_validator(mode="after")
+    def _applies(self) -> PromptConfig:
+        check_few_shot(self.template, self.few_shot, self.instruction, self.system_prompt)
+        return self
+
+    def render(self, tokenizer: Any, problem: str) -> str:
+        """The prompt for `problem` (`build_prompt`)."""
+        return build_prompt(tokenizer, problem, self.template, self.few_shot, self.instruction, self.system_prompt)
+
+    def token_ids(self, tokenizer: Any, problem: str) -> list[int]:
+        """The prompt for `problem` as token ids. The template already holds any BOS: no special tokens are added here
+        (as the backends do)."""
+        return list(tokenizer(self.render(tokenizer, problem), add_special_tokens=False)["input_ids"])

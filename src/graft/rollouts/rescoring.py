@@ -17,9 +17,7 @@ import math
 from datetime import datetime, timezone
 from typing import Protocol
 
-import torch
-
-from graft.rollouts.hf_backend import processed_logprobs
+from graft.rollouts.hf_backend import teacher_forced_logprobs
 from graft.rollouts.sampling import SamplingParams
 from graft.schemas import RESCORED, RESCORED_UNVERIFIED, SCHEMA_VERSION, RolloutGroup
 
@@ -40,6 +38,10 @@ class Rescorer(Protocol):
         """Why these weights' logprobs here would not be the distribution `params` states (None: they would be)."""
         ...
 
+    def close(self) -> None:
+        """Free the weights, or the server's connections."""
+        ...
+
 
 def _greedy(params: SamplingParams) -> str | None:
     return ("the rows were sampled greedily (temperature 0): a token's probability is 1 or 0, there is no mu to "
@@ -57,20 +59,12 @@ class HFRescorer:
     def cannot_apply(self, params: SamplingParams) -> str | None:
         return _greedy(params)  # temperature, top-p and top-k are applied as the hf sampler applies them
 
-    @torch.inference_mode()
     def logprobs(self, prompt_ids: list[int], completions: list[list[int]], params: SamplingParams) -> list[list[float]]:
-        longest = max(len(c) for c in completions)
-        if longest == 0:
-            return [[] for _ in completions]
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        rows = [prompt_ids + c + [pad] * (longest - len(c)) for c in completions]
-        ids = torch.tensor(rows, device=self.model.device)  # (G, P + L)
-        mask = torch.tensor([[1] * (len(prompt_ids) + len(c)) + [0] * (longest - len(c)) for c in completions],
-                            device=self.model.device)  # (G, P + L): right padding, so the real positions are unchanged
-        logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, len(prompt_ids) - 1 : -1]  # (G, L, V)
-        logprobs = processed_logprobs(logits.reshape(-1, logits.shape[-1]), params).view(len(rows), longest, -1)
-        taken = logprobs.gather(-1, ids[:, len(prompt_ids):, None])[..., 0]  # (G, L)
-        return [taken[i, : len(c)].tolist() for i, c in enumerate(completions)]
+        return teacher_forced_logprobs(self.model, prompt_ids, completions, params, pad)
+
+    def close(self) -> None:
+        self.model = None
 
 
 class ServedRescorer:
@@ -94,6 +88,9 @@ class ServedRescorer:
         if reason is not None:
             raise ValueError(reason)
         return self.backend.teacher_forced_logprobs(prompt_ids, completions)
+
+    def close(self) -> None:
+        self.backend.close()
 
 
 def rescored_group_id(source_group_id: str, model_id: str, model_revision: str, params: SamplingParams) -> str:

@@ -1,10 +1,12 @@
 """What every sampling backend takes and returns, so the generator, the evaluation and the trainer
-can swap vLLM for transformers without noticing. Types only: the backends (`hf_backend`,
-`vllm_backend`) import these, and `backends.load_backend` picks one by name, so nothing here
-imports a backend."""
+can swap vLLM for transformers without noticing. Types (and the progress line a backend reports to) only: the
+backends (`hf_backend`, `vllm_backend`, `openai_backend`) import these, and `backends.load_backend` picks one by
+name, so nothing here imports a backend."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -85,9 +87,13 @@ class Sample:
     finish_reason: str  # "stop" (EOS) or "length" (max_tokens reached)
 
 
+ProgressCallback = Callable[[int, int], None]  # (tokens sampled so far in a generate call, at most that many in all)
+
+
 class Backend(Protocol):
     """A sampler: the HF (`hf_backend.HFBackend`), vLLM (`vllm_backend.VLLMBackend`) and served
-    (`openai_backend.OpenAIBackend`) backends."""
+    (`openai_backend.OpenAIBackend`) backends, each registered once (`backends.BACKENDS`), with a classmethod
+    `from_settings(settings, path, *, model_id, seed)` that loads it from its settings."""
 
     tokenizer: Any  # a transformers tokenizer: prompts are built with its chat template
     model_id: str  # path-safe name of the model, stored with every row
@@ -96,8 +102,33 @@ class Backend(Protocol):
     # what token_logprobs holds, in vLLM's names: "processed_logprobs" (after temperature, top-k and top-p: the
     # behaviour policy; the hf and vllm backends) or "raw_logprobs" (the model's own: a server started so)
     logprobs_mode: str
+    # progress within a generate call, which on a CPU can take minutes: the hf backend tells it after each decoding
+    # step, the served one as each prompt's samples come back, the vllm engine when the call returns
+    on_tokens: ProgressCallback | None
 
     def generate(self, prompts: list[str], params: SamplingParams) -> list[list[Sample]]:
         """Outer list: one entry per prompt, in order; inner list: params.n samples."""
         ...
 
+    def close(self) -> None:
+        """Free what the backend holds (the weights, an engine, the connections): at the end of a run, or before a
+        newer checkpoint loads. Called once; the backend is not used after."""
+        ...
+
+    def server_counts(self) -> dict[str, float] | None:
+        """What was asked of a server (requests, retries, tokens, time: the run summary's `server`); None for a
+        backend that samples in this process."""
+        ...
+
+
+def report_tokens_on(bar, every_s: float = 0.5) -> ProgressCallback:
+    """A `Backend.on_tokens` that shows `sampling: 312/2048 tok` in a tqdm bar's postfix, at most every `every_s`."""
+    last = [0.0]
+
+    def report(sampled: int, budget: int) -> None:
+        now = time.monotonic()
+        if now - last[0] >= every_s or sampled >= budget:
+            last[0] = now
+            bar.set_postfix_str(f"sampling: {sampled}/{budget} tok")
+
+    return report

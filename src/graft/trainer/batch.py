@@ -168,7 +168,7 @@ def build_rows(
 
     def prompt_tokens(prompt_id: str) -> list[int]:
         if prompt_id not in prompt_ids_of:
-            prompt_ids_of[prompt_id] = cfg.data.prompt_ids(learner.tokenizer, problem_of[prompt_id].problem)
+            prompt_ids_of[prompt_id] = cfg.prompt.token_ids(learner.tokenizer, problem_of[prompt_id].problem)
         return prompt_ids_of[prompt_id]
 
     def learner_row(rollout, advantage: float, group_index: int) -> TrainSample:

@@ -11,14 +11,13 @@ import warnings
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
+from graft.rollouts.prompts import PromptConfig
 from graft.schemas.api import ServeOrder
+from graft.schemas.sections import KindSection, Section, refuse_moved
 
-
-class _Section(BaseModel):
-    # A typo in a YAML key must fail loudly, not silently fall back to a default.
-    model_config = ConfigDict(extra="forbid")
+_Section = Section  # every section: a typo in a YAML key fails loudly
 
 
 class ModelConfig(_Section):
@@ -40,28 +39,14 @@ class DataConfig(_Section):
     limit: int | None = Field(default=None, ge=1, description="use only the first N problems")
     problem_field: str = Field(default="problem", min_length=1, description="the dataset's column holding the problem text (a raw GSM8K file: question)")
     answer_field: str | None = Field(default=None, min_length=1, description="the dataset's column holding the gold answer (default: answer); GSM8K's '... #### 7' is read as 7")
-    prompt_template: Literal["auto", "chat", "plain", "raw"] = Field(default="auto", description="how build_prompt turns a problem into the learner's prompt")
-    instruction: str | None = Field(default=None, description="the line after each problem (default: 'Please reason step by step, and put your final answer within \\boxed{}.'; '' for none); give the peers' generator the same")
-    system_prompt: str | None = Field(default=None, description="a system turn before the problem (chat template only; default: whatever the model's chat template puts there)")
     shuffle: bool = Field(default=True, description="reshuffle the problems every epoch (seeded by `seed`)")
 
-    @model_validator(mode="after")
-    def _prompt_settings_apply(self) -> DataConfig:
-        from graft.rollouts.prompts import check_few_shot
-
-        check_few_shot(self.prompt_template, 0, self.instruction, self.system_prompt)
-        return self
-
-    def prompt(self, tokenizer: Any, problem: str) -> str:
-        """The learner's prompt for `problem` (its rollouts', its grafted rows', the anchor's and the evaluations')."""
-        from graft.rollouts.prompts import build_prompt
-
-        return build_prompt(tokenizer, problem, self.prompt_template, 0, self.instruction, self.system_prompt)
-
-    def prompt_ids(self, tokenizer: Any, problem: str) -> list[int]:
-        """The learner's prompt for `problem` as token ids. The template already holds any BOS: no special tokens are
-        added here (as the backends do)."""
-        return list(tokenizer(self.prompt(tokenizer, problem), add_special_tokens=False)["input_ids"])
+    @model_validator(mode="before")
+    @classmethod
+    def _prompt_is_a_section(cls, data: Any) -> Any:
+        refuse_moved(data, {"prompt_template": "prompt.template", "instruction": "prompt.instruction",
+                            "system_prompt": "prompt.system_prompt"}, where="data.")
+        return data
 
 
 class RolloutConfig(_Section):
@@ -144,7 +129,7 @@ GRAFT_FORMULA_FIELDS = ("token_is", "kappa", "peer_negative_scale", "peer_loss_s
                         "log_rho_min", "group_normalized_weight", "union_all_success", "kl_on_peer")
 
 
-class GraftConfig(_Section):
+class GraftOptions(_Section):
     preset: Literal["spec", "b1_no_peer_neg"] | None = Field(
         default=None,
         description="a named GRAFT: spec (the formulas as first read from the paper, docs/algorithm.md section 7: "
@@ -205,7 +190,7 @@ class GraftConfig(_Section):
         return {**data, **named}
 
     @model_validator(mode="after")
-    def _consistent(self) -> GraftConfig:
+    def _consistent(self) -> GraftOptions:
         if self.group_normalized_weight and self.peer_negative_scale != 1.0:
             raise ValueError(
                 f"graft.group_normalized_weight with graft.peer_negative_scale = {self.peer_negative_scale}: the first centres "
@@ -221,7 +206,7 @@ class GraftConfig(_Section):
     def departures(self) -> dict[str, tuple[Any, Any]]:
         """{field: (value, the trainers' default)} for each GRAFT_FORMULA_FIELDS field this section does not leave at
         its default: empty for the trainers' default GRAFT."""
-        default = GraftConfig()
+        default = GraftOptions()
         return {name: (getattr(self, name), getattr(default, name)) for name in GRAFT_FORMULA_FIELDS
                 if getattr(self, name) != getattr(default, name)}
 
@@ -232,7 +217,7 @@ class GraftConfig(_Section):
             named = ", ".join(f"{name} {getattr(self, name)}" for name in GRAFT_PRESETS["spec"])
             return f"the trainers' default GRAFT ({named}: docs/training.md, 'Which GRAFT runs by default')"
         changed = ", ".join(f"{name} {value} (default {default})" for name, (value, default) in departures.items())
-        if departures == GraftConfig(preset="spec").departures():
+        if departures == GraftOptions(preset="spec").departures():
             return f"the `spec` preset's formulas as written (graft.preset spec), not the trainers' default: {changed}"
         return f"not the trainers' default GRAFT: {changed}"
 
@@ -275,19 +260,8 @@ class StoreConfig(_Section):
 
 # ---- how peer groups arrive: one setting, peers.source, and each source's own settings beside it -------------------
 
-class _PeerSourceSection(_Section):
-    @model_validator(mode="before")
-    @classmethod
-    def _own_settings_only(cls, data: Any) -> Any:
-        """A setting of another source would do nothing here: refused, naming what this source takes."""
-        if isinstance(data, dict):
-            own = set(cls.model_fields)
-            foreign = [key for key in data if key not in own]
-            if foreign:
-                source = data.get("source")
-                raise ValueError(f"peers.{', peers.'.join(foreign)} with peers.source {source}: not a setting of that "
-                                 f"source (it takes {', '.join(sorted(own - {'source'})) or 'none'}); drop it")
-        return data
+class _PeerSourceSection(KindSection):
+    SECTION, KIND = "peers", "source"  # a setting of another source is refused, naming what this source takes
 
 
 # After generation, how long a step waits at most for the peer lookup that ran while it sampled, in every trainer
@@ -409,7 +383,7 @@ class AnchorConfig(_Section):
                     "its rows. None: none")
 
 
-class EvalConfig(_Section):
+class PeriodicEvalConfig(_Section):
     every_steps: int = Field(default=0, ge=0, description="evaluate every N steps and at the end (0: never)")
     benchmarks: dict[str, str] = Field(default_factory=dict, description="benchmark name -> JSONL path or data set name")
     limit: int | None = Field(default=None, ge=1, description="first N problems of each benchmark")
@@ -447,15 +421,16 @@ class TrainConfig(_Section):
     method: Literal["grpo", "graft", "dapo"] = Field(default="graft", description="grpo: gate off; graft: peer groups replace all-fail groups; dapo: dynamic sampling baseline")
     model: ModelConfig
     data: DataConfig
+    prompt: PromptConfig = Field(default_factory=PromptConfig, description="the learner's prompt (its rollouts', grafted rows', the anchor's and the evaluations'); give its peers' generators the same")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     ppo: PPOConfig = Field(default_factory=PPOConfig)
-    graft: GraftConfig = Field(default_factory=GraftConfig)
+    graft: GraftOptions = Field(default_factory=GraftOptions)
     dapo: DapoConfig = Field(default_factory=DapoConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
     peers: PeersConfig = Field(default_factory=PrefetchPeers, description="how peer groups arrive: peers.source prefetch (the default), cotrain, lockstep or replay, with that source's settings beside it")
     anchor: AnchorConfig = Field(default_factory=AnchorConfig)
-    eval: EvalConfig = Field(default_factory=EvalConfig)
+    eval: PeriodicEvalConfig = Field(default_factory=PeriodicEvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)

@@ -53,8 +53,7 @@ def evaluate_policy(cfg: TrainConfig, sampler, scorer, run_dir: Path, step: int,
         for name, problems in problems_by_benchmark.items():
             begin, end = rank_block(len(problems), dist.rank, dist.world_size)
             local = score_problems(backend, problems[begin:end], cfg.eval.k, replace(params, prompt_offset=begin),
-                                   scorer, template=cfg.data.prompt_template, instruction=cfg.data.instruction,
-                                   system_prompt=cfg.data.system_prompt)
+                                   scorer, prompt=cfg.prompt)
             scores[name] = _gathered(dist, local)
             scored_here += end - begin
     result = summarise(scores, cfg.eval.k, params, time.perf_counter() - started)

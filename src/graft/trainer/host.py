@@ -1,28 +1,27 @@
-"""GRAFT inside another framework's trainer (TRL's GRPOTrainer, verl's PPO trainer): what it builds once, beside the
-framework's own model and tokenizer. Per batch the hosts then call graft-train's own functions (`gate_groups`,
-`grafted_group_rows`, `old_logprobs_and_weights`) and its source of peer groups (graft.trainer.peers: the lookup, the
-co-training waits, the broker's posts), log `graft_metrics` of a `graft_tally`, as graft-train does, and publish their
-own groups as stored groups (`GraftHost.publish_own`: graft-train's outbox, in the background)."""
+"""GRAFT's parts beside a learner, built once: inside another framework's trainer (TRL's GRPOTrainer, verl's PPO
+trainer), beside the framework's own model and tokenizer, and in graft-train, beside its own. Per batch the hosts
+then call graft-train's own functions (`gate_groups`, `grafted_group_rows`, `old_logprobs_and_weights`) and its source
+of peer groups (graft.trainer.peers: the lookup, the co-training waits, the broker's posts), log `graft_metrics` of a
+`graft_tally`, as graft-train does, and publish their own groups as stored groups (`GraftHost.publish_own`:
+graft-train's outbox, in the background)."""
 
 from __future__ import annotations
 
 import logging
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from graft.rollouts.groups import PromptRef, assemble_group, make_group_id
-from graft.rollouts.models import default_model_id, model_fingerprint, tokenizer_fingerprint
 from graft.rollouts.sampling import Sample, SamplingParams
 from graft.rollouts.scoring import Score
 from graft.schemas import NO_LOGPROBS, Problem, RolloutGroup
 from graft.trainer.config import TrainConfig
 from graft.trainer.data import load_peer_tokenizers
 from graft.trainer.gate import RefusedTokenizers
-from graft.trainer.learner import Learner
+from graft.trainer.learner import Learner, learner_identity
 from graft.trainer.metrics import StoreCounts
 from graft.trainer.peers import PeerSource, make_source
 
@@ -42,7 +41,8 @@ class OwnRow:
 
 @dataclass
 class GraftHost:
-    """What every batch's GRAFT works with inside a host trainer (built once, by `host_setup`)."""
+    """What every batch's GRAFT works with beside the learner (built once: `host_setup` in a host trainer,
+    `GraftHost.around` in graft-train, which loads its learner itself)."""
 
     cfg: TrainConfig  # graft-train's configuration of this run (the host's settings, field for field)
     learner: Learner  # the learner's identities as graft-train's shared functions take them
@@ -90,26 +90,30 @@ class GraftHost:
         self.peers.publish(built, [problems.get(group.prompt_id) for group in built])
         return built
 
+    @classmethod
+    def around(cls, cfg: TrainConfig, learner: Learner, peers: PeerSource | None, generator_id: str = "") -> GraftHost:
+        """The parts every trainer builds around its learner and its source of peer groups: the peers' tokenizers, the
+        gate's refusals (None: any tokenizer, the uniform projection opted in; else the learner's and the configured
+        peers') and the store counts; generator_id: what the run's published groups name as their generator."""
+        peer_tokenizers = load_peer_tokenizers(cfg)
+        refused = RefusedTokenizers(None if cfg.graft.uniform_projection else {learner.tokenizer_id, *peer_tokenizers})
+        return cls(cfg, learner, peer_tokenizers, refused, peers, StoreCounts(peers.link if peers is not None else None),
+                   generator_id)
+
 
 def host_setup(
-    cfg: TrainConfig, model_name: str, tokenizer: Any, *, eos_ids: set[int], device: torch.device,
+    cfg: TrainConfig, tokenizer: Any, *, eos_ids: set[int], device: torch.device,
     hf_model: torch.nn.Module | None = None, stop_token_id: int | None = None, talks_to_store: bool = True,
     runs: tuple[str, ...] = ("prefetch",), generator_id: str = "",
 ) -> GraftHost:
-    """The learner's identities (the host's tokenizer: the one its policy trains with; model_name: a directory, whose
-    contents fingerprint the revision, or a hub name), the peers' tokenizers and the store client. hf_model: the host's
-    policy where GRAFT runs forward passes itself (TRL), None where the host does (verl); stop_token_id: what the
-    learner's completions end with (None: its EOS); talks_to_store: False on the processes that only take the main
-    process's decisions; runs: the peer sources (peers.source) the host's trainer runs, the others refused;
-    generator_id: what the run's published groups name as their generator."""
-    tokenizer_id = cfg.model.tokenizer_id or tokenizer_fingerprint(tokenizer)
-    model_id = cfg.model.model_id or default_model_id(model_name)
-    revision = model_fingerprint(model_name) if Path(model_name).is_dir() else model_name
-    learner = Learner(hf_model=hf_model, tokenizer=tokenizer, model_id=model_id, tokenizer_id=tokenizer_id,
-                      revision=revision, eos_ids=eos_ids, device=device, stop_token_id=stop_token_id)
-    peer_tokenizers = load_peer_tokenizers(cfg)
-    # None: any tokenizer (the uniform projection opted in); else the learner's and the configured peers'
-    refused = RefusedTokenizers(None if cfg.graft.uniform_projection else {tokenizer_id, *peer_tokenizers})
-    peers = make_source(cfg, model_id, runs=runs) if talks_to_store else None
-    return GraftHost(cfg, learner, peer_tokenizers, refused, peers, StoreCounts(peers.link if peers is not None else None),
-                     generator_id)
+    """GRAFT's parts in a host trainer: the learner's identities as graft-train gives them (`learner_identity`: the
+    host's tokenizer, the one its policy trains with, and cfg.model.path, whose contents fingerprint the revision, or
+    a hub name), its source of peer groups and `GraftHost.around`'s parts. hf_model: the host's policy where GRAFT
+    runs forward passes itself (TRL), None where the host does (verl); stop_token_id: what the learner's completions
+    end with (None: its EOS); talks_to_store: False on the processes that only take the main process's decisions;
+    runs: the peer sources (peers.source) the host's trainer runs, the others refused; generator_id: what the run's
+    published groups name as their generator."""
+    learner = Learner(hf_model=hf_model, tokenizer=tokenizer, **learner_identity(cfg, tokenizer), eos_ids=eos_ids,
+                      device=device, stop_token_id=stop_token_id)
+    peers = make_source(cfg, learner.model_id, runs=runs) if talks_to_store else None
+    return GraftHost.around(cfg, learner, peers, generator_id)

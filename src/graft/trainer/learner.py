@@ -25,6 +25,7 @@ from graft.rollouts.models import (
     resolve_model_dir,
     tokenizer_fingerprint,
 )
+from graft.rollouts.sampling import ProgressCallback
 from graft.trainer.config import TrainConfig
 from graft.trainer.distributed import DistContext, gathered_weights, wrap_model, wrap_reference
 from graft.trainer.retokenize import learner_stop_token
@@ -108,16 +109,29 @@ def load_learner(cfg: TrainConfig, checkpoint: Path | None, dist: DistContext | 
     return Learner(
         hf_model=model,
         tokenizer=tokenizer,
-        model_id=cfg.model.model_id or default_model_id(cfg.model.path),
-        tokenizer_id=cfg.model.tokenizer_id or tokenizer_fingerprint(tokenizer),
-        revision=cfg.model.revision or model_fingerprint(resolve_model_dir(cfg.model.path)),
+        **learner_identity(cfg, tokenizer),
         eos_ids=eos_ids,
         device=dist.device,
         compute_dtype=compute_dtype,
-        stop_token_id=learner_stop_token(tokenizer, eos_ids, cfg.data.prompt_template),
+        stop_token_id=learner_stop_token(tokenizer, eos_ids, cfg.prompt.template),
         dist=dist,
         grad_model=grad_model,
     )
+
+
+def learner_model_id(cfg: TrainConfig) -> str:
+    """The model id the learner's groups carry in the store: model.model_id, else the name of model.path."""
+    return cfg.model.model_id or default_model_id(cfg.model.path)
+
+
+def learner_identity(cfg: TrainConfig, tokenizer: Any) -> dict[str, str]:
+    """The ids the learner's groups carry, as `Learner` takes them (graft-train's and the host trainers' alike): its
+    model id, its tokenizer's id (model.tokenizer_id, else the fingerprint the generator stores) and its revision
+    (model.revision, else the fingerprint of the initial checkpoint; a hub name that is no local path: the name)."""
+    path = Path(cfg.model.path).expanduser()
+    revision = cfg.model.revision or (model_fingerprint(resolve_model_dir(path)) if path.exists() else cfg.model.path)
+    return {"model_id": learner_model_id(cfg), "tokenizer_id": cfg.model.tokenizer_id or tokenizer_fingerprint(tokenizer),
+            "revision": revision}
 
 
 def load_reference(cfg: TrainConfig, learner: Learner) -> torch.nn.Module | None:
@@ -159,6 +173,14 @@ class GatheredSampler:
     def generate(self, prompts, params):
         with gathered_weights(self.backend.model):
             return self.backend.generate(prompts, params)
+
+    @property
+    def on_tokens(self) -> ProgressCallback | None:
+        return self.backend.on_tokens
+
+    @on_tokens.setter
+    def on_tokens(self, report: ProgressCallback | None) -> None:  # the progress line: the backend's
+        self.backend.on_tokens = report
 
     def __getattr__(self, name: str) -> Any:  # tokenizer, model_id, eos_token_ids, ...: the backend's
         return getattr(self.backend, name)

@@ -36,8 +36,7 @@ import torch
 from tqdm import tqdm
 
 from graft.rollouts.files import latest_checkpoint
-from graft.rollouts.hf_backend import report_tokens_on
-from graft.rollouts.models import default_model_id
+from graft.rollouts.sampling import report_tokens_on
 from graft.rollouts.scoring import Scorer
 from graft.rollouts.stopping import StopFlag
 from graft.trainer.batch import build_rows, old_logprobs_and_weights
@@ -52,7 +51,7 @@ from graft.trainer.checkpoint import (
     write_run_config,
 )
 from graft.trainer.config import TrainConfig
-from graft.trainer.data import LoopState, load_anchor, load_peer_tokenizers, load_step_rows, training_prompts
+from graft.trainer.data import LoopState, load_anchor, load_step_rows, training_prompts
 from graft.trainer.distributed import (
     DistContext,
     barrier,
@@ -63,8 +62,9 @@ from graft.trainer.distributed import (
     reduce_metrics,
 )
 from graft.trainer.evaluation import due, evaluate_policy
-from graft.trainer.gate import RefusedTokenizers, gate_groups
-from graft.trainer.learner import load_learner, load_reference, make_sampler, sync_sampler
+from graft.trainer.gate import gate_groups
+from graft.trainer.host import GraftHost
+from graft.trainer.learner import learner_model_id, load_learner, load_reference, make_sampler, sync_sampler
 from graft.trainer.loss import LossConfig
 from graft.trainer.metrics import MetricsLog, StepClock, StepOutcome, step_metrics
 from graft.trainer.peers import PeerSource, make_source
@@ -126,7 +126,7 @@ def _train(cfg: TrainConfig, dist: DistContext, resume: bool, overwrite: bool,
     _setup_logging(run_dir, cfg, dist)  # before the check: its refusal goes to train.log too
     # Chosen once; built before the model loads: a replay refuses another config first, and a lockstep partner's
     # heartbeats start while this trainer loads (its partner may be waiting already).
-    source = make_source(cfg, cfg.model.model_id or default_model_id(cfg.model.path), stopping=lambda: stop.requested) \
+    source = make_source(cfg, learner_model_id(cfg), stopping=lambda: stop.requested) \
         if cfg.method == "graft" or cfg.publishes else None
     try:
         return _train_with(cfg, dist, resume, overwrite, on_step, stop, run_dir, source)
@@ -158,20 +158,18 @@ def _train_with(cfg: TrainConfig, dist: DistContext, resume: bool, overwrite: bo
         log.warning("the run in %s is at step %d of %d already: nothing to train (raise --steps to go on)", run_dir,
                     state.step, cfg.steps)
     prompts = training_prompts(cfg, state)
-    peer_tokenizers = load_peer_tokenizers(cfg)
-    # Peer groups whose text the learner can weigh: its own tokenizer's and those of the configured peer tokenizers
-    # (None: any, the uniform projection opted in); the others are refused at the gate, with one warning per id.
-    refused = RefusedTokenizers(None if cfg.graft.uniform_projection else {learner.tokenizer_id, *peer_tokenizers})
+    # what TRL's and verl's hosts build around their learner too: the peers' tokenizers, the gate's refusals (peer
+    # groups whose text the learner cannot weigh, one warning per tokenizer id), the store counts
+    host = GraftHost.around(cfg, learner, source)
     sampler, uses_vllm = make_sampler(cfg, learner, checkpoint or cfg.model.path)
     scorer = Scorer(num_workers=cfg.rollout.scorer_workers, timeout_s=cfg.rollout.scorer_timeout_s)
     graft = cfg.method == "graft"
-    metrics_log = MetricsLog(cfg, run_dir, state.step, source.link if source is not None else None, writes=dist.is_main)
+    metrics_log = MetricsLog(cfg, run_dir, state.step, host.store, writes=dist.is_main)
     peer_record = PeerGroupRecord(run_dir, state.step, dist.rank) if graft else None  # what a replay gives back
     progress = tqdm(total=cfg.steps, initial=state.step, disable=not (cfg.logging.progress and dist.is_main),
                     desc=cfg.method, unit="step")
-    hf_sampler = getattr(sampler, "backend", sampler)  # under fsdp, the HF sampler inside GatheredSampler
-    if not progress.disable and hasattr(hf_sampler, "on_tokens"):  # a step samples for minutes on a CPU: show its tokens
-        hf_sampler.on_tokens = report_tokens_on(progress)
+    if not progress.disable:  # a step samples for minutes on a CPU: show its tokens
+        sampler.on_tokens = report_tokens_on(progress)
     try:
         for policy_step in range(state.step, cfg.steps):
             clock = StepClock()
@@ -183,17 +181,17 @@ def _train_with(cfg: TrainConfig, dist: DistContext, resume: bool, overwrite: bo
             if source is not None:
                 source.publish(sampled.generated, [sampled.problem_of[g.prompt_id] for g in sampled.generated])
             with clock("gate_s"):
-                found = source.candidates(pending, request, sampled.rewards, refused.usable, policy_step) if graft else None
+                found = source.candidates(pending, request, sampled.rewards, host.refused.usable, policy_step) if graft else None
                 candidates = found.groups if found else {}
                 decisions = gate_groups(sampled.rewards, candidates, request, max_grafted_fraction=cfg.graft.max_grafted_fraction,
-                                        rng=random.Random(cfg.seed * 7_919 + policy_step), usable_tokenizers=refused.usable,
+                                        rng=random.Random(cfg.seed * 7_919 + policy_step), usable_tokenizers=host.refused.usable,
                                         ranks=dist, trust_unverified_mu=cfg.graft.trust_unverified_mu)
-                refused.warn(decisions, candidates)
+                host.refused.warn(decisions, candidates)
                 if peer_record is not None:
                     # a replay stops here at the first difference from its record, before training the step
                     source.after_gate(policy_step, decisions, found, sampled.problem_of, sampled.rewards)
                     peer_record.write(policy_step + 1, found, decisions, sampled.rewards)
-                rows = build_rows(cfg, learner, decisions, sampled.groups, sampled.problem_of, peer_tokenizers)
+                rows = build_rows(cfg, learner, decisions, sampled.groups, sampled.problem_of, host.peer_tokenizers)
             with clock("update_s"):
                 first_pass = single_pass_forward(update, rows.rows)
                 weighted = old_logprobs_and_weights(cfg, learner, update.reference, rows.rows, first_pass)

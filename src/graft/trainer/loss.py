@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from graft.trainer.config import GraftConfig, PPOConfig, RolloutConfig, TrainConfig
+from graft.trainer.config import GraftOptions, PPOConfig, RolloutConfig, TrainConfig
 
 KL_CLAMP = 10.0  # per-token k3 KL bound (verl's low_var_kl)
 
@@ -25,7 +25,7 @@ class LossConfig:
     kl_on_peer; and the Dr. GRPO normaliser of seq-mean-token-sum-norm (rollout.max_response_tokens)."""
 
     ppo: PPOConfig = field(default_factory=PPOConfig)
-    graft: GraftConfig = field(default_factory=GraftConfig)
+    graft: GraftOptions = field(default_factory=GraftOptions)
     token_sum_norm: float = float(RolloutConfig.model_fields["max_response_tokens"].default)
 
     @classmethod

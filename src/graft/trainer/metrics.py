@@ -277,14 +277,13 @@ class MetricsLog:
     """metrics.jsonl (and TensorBoard) of a run. On resume, lines of steps after the checkpoint (metrics and
     evaluations) are forgotten: those steps run again."""
 
-    def __init__(self, cfg: TrainConfig, run_dir: Path, resumed_step: int, link: StoreLink | None,
-                 writes: bool = True):
+    def __init__(self, cfg: TrainConfig, run_dir: Path, resumed_step: int, store: StoreCounts, writes: bool = True):
         self.path = run_dir / "metrics.jsonl"
         self.writes = writes  # data parallel: rank 0 writes, the others only count their store calls
         if writes:
             truncate_lines(self.path, resumed_step)
             truncate_lines(run_dir / "eval.jsonl", resumed_step)
-        self.store = StoreCounts(link)  # the store client's counts per step (store_*), for step_metrics
+        self.store = store  # the store client's counts per step (store_*), for step_metrics
         self.tensorboard = None
         if cfg.logging.tensorboard and writes:
             try:

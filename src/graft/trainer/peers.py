@@ -31,7 +31,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from graft.schemas import MAX_LOOKUP_PROMPTS, Heartbeat, PeerLookupRequest, Problem, RolloutGroup, Want, WantRule
-from graft.trainer.config import CotrainPeers, GraftConfig, LockstepPeers, StoreConfig, TrainConfig
+from graft.trainer.config import CotrainPeers, GraftOptions, LockstepPeers, StoreConfig, TrainConfig
 from graft.trainer.gate import GRAFT_ACTIONS, GateDecision, choose_peer_group, classify_group
 from graft.trainer.replay import RecordedRun
 from graft.trainer.store_link import NAN, LookupResult, StoreLink
@@ -52,7 +52,7 @@ class PeerSource:
 
     co_trains = False  # whether a co-trainer's groups are waited for (and its silence counted)
 
-    def __init__(self, link: StoreLink, graft: GraftConfig, store: StoreConfig, learner_model: str,
+    def __init__(self, link: StoreLink, graft: GraftOptions, store: StoreConfig, learner_model: str,
                  publishes: bool = False, lookup_wait_s: float = 0.0):
         self.link, self.graft, self.store, self.learner_model = link, graft, store, learner_model
         self.publishes, self.lookup_wait_s = publishes, lookup_wait_s
@@ -188,7 +188,7 @@ class _CoTraining(PeerSource):
 
     co_trains = True
 
-    def __init__(self, link: StoreLink, graft: GraftConfig, store: StoreConfig, learner_model: str,
+    def __init__(self, link: StoreLink, graft: GraftOptions, store: StoreConfig, learner_model: str,
                  settings: CotrainPeers | LockstepPeers, stopping: Callable[[], bool] = lambda: False):
         super().__init__(link, graft, store, learner_model, publishes=True)
         self.poll_s = settings.poll_s
@@ -202,7 +202,7 @@ class _CoTraining(PeerSource):
 class Cotrain(_CoTraining):
     """cotrain: publish every group, wait a bounded time for the co-trainer's groups of the step's all-fail prompts."""
 
-    def __init__(self, link: StoreLink, graft: GraftConfig, store: StoreConfig, learner_model: str,
+    def __init__(self, link: StoreLink, graft: GraftOptions, store: StoreConfig, learner_model: str,
                  settings: CotrainPeers, stopping: Callable[[], bool] = lambda: False):
         super().__init__(link, graft, store, learner_model, settings, stopping)
         self.wait_s = settings.wait_s
@@ -279,7 +279,7 @@ class Cotrain(_CoTraining):
 class Lockstep(_CoTraining):
     """lockstep: every step takes exactly the partners' groups of that step, waiting for them as long as they live."""
 
-    def __init__(self, link: StoreLink, graft: GraftConfig, store: StoreConfig, learner_model: str,
+    def __init__(self, link: StoreLink, graft: GraftOptions, store: StoreConfig, learner_model: str,
                  settings: LockstepPeers, stopping: Callable[[], bool] = lambda: False):
         super().__init__(link, graft, store, learner_model, settings, stopping)
         self.partners = list(graft.peer_models or [])

@@ -91,7 +91,7 @@ def generate_groups(
     Every rank calls it in every round, with an empty block too (the fsdp sampler gathers the weights, a collective)."""
     problems = block.problems
     params = sampling_params(cfg, policy_step, round_index, block.offset)
-    prompts = [cfg.data.prompt(learner.tokenizer, p.problem) for p in problems]
+    prompts = [cfg.prompt.render(learner.tokenizer, p.problem) for p in problems]
     with learner.sampling_autocast():
         samples = sampler.generate(prompts, params)  # one list of G samples per prompt
     completions = [s.text for per_prompt in samples for s in per_prompt]

@@ -243,7 +243,7 @@ def reference_rows(cfg: TrainConfig, learner: Learner, pairs: list[tuple[str, st
     """(problem, completion) pairs as supervised rows, ending as the learner's own do."""
     rows = []
     for problem, completion in pairs:
-        prompt_ids = cfg.data.prompt_ids(learner.tokenizer, problem)
+        prompt_ids = cfg.prompt.token_ids(learner.tokenizer, problem)
         completion_ids = list(learner.tokenizer(completion, add_special_tokens=False)["input_ids"])
         completion_ids.append(learner.end_token_id)
         rows.append(TrainSample(

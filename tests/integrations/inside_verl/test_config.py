@@ -195,7 +195,7 @@ def test_importing_verl_registers_graft_sync_through_the_entry_point():
 def test_the_verl_trainer_runs_graft_trains_default_graft():
     """With no graft.options the verl run grafts with graft-train's default GRAFT, field for field (TRL's adapter: the
     same check in tests/integrations/test_trl.py): a change of the default moves every trainer at once."""
-    from graft.trainer.config import GraftConfig as GraftOptions
+    from graft.trainer.config import GraftOptions
 
     bare = [o for o in graft_overrides(Path("/models/learner"), STORE, None) if not o.startswith("+graft.options")]
     mine = {"peer_tokenizers"}  # the run's own (an empty list or map: none)

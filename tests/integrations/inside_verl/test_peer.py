@@ -61,7 +61,7 @@ def test_a_verl_run_publishes_its_own_groups_with_the_rollouts_logprobs(world, l
             ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
             assert row["completion_token_ids"] == ids and row["finish_reason"] == "stop" and row["policy_step"] == 0
             assert row["logprobs_mode"] == "raw" and mu_is_behaviour(row) and row["generator_id"].startswith("verl:")
-            expected = teacher_forced_logprobs(learner, prompt, ids, SamplingParams(n=1))  # RecordedRollouts' mu
+            expected = teacher_forced_logprobs(learner, prompt, [ids], SamplingParams(n=1))[0]  # RecordedRollouts' mu
             assert row["token_logprobs"] == pytest.approx(expected, abs=1e-6)
 
 

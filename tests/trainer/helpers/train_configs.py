@@ -11,7 +11,7 @@ def make_config(world, run_dir, store_url, **overrides) -> TrainConfig:
     data = {
         "run_dir": str(run_dir), "seed": 0, "steps": 3, "method": "graft", "torch_threads": 1,
         "model": {"path": str(world.learner_dir), "device": "cpu"},
-        "data": {"dataset": str(world.problems_path), "prompt_template": "raw"},
+        "data": {"dataset": str(world.problems_path)}, "prompt": {"template": "raw"},
         "rollout": {"backend": "hf", "group_size": 4, "prompts_per_step": 8, "max_response_tokens": 16, "scorer_workers": 1},
         "optim": {"lr": 2e-3, "mini_batch_prompts": 8, "micro_batch_size": 64},
         # the tests of the trainer run the `spec` preset's formulas (b, peer negatives) unless they say otherwise

@@ -1,6 +1,6 @@
 """`GraftConfig`: TRL's GRPOConfig plus the store to graft from (and publish to) and graft-train's GRAFT options.
 
-The GRAFT options are graft-train's own sections (`graft.trainer.config.GraftConfig`, `StoreConfig` and the peers
+The GRAFT options are graft-train's own sections (`graft.trainer.config.GraftOptions`, `StoreConfig` and the peers
 section: how peer groups arrive, whether the run publishes), validated by them: the same defaults, the same errors.
 What TRL cannot do the way graft-train does is refused here, saying why; everything else about the loss stays TRL's (the
 per-token weight c = w * b rides in the advantages, and every TRL loss is linear in them).
@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from graft.trainer import GraftConfig as GraftOptions
-from graft.trainer import StoreConfig, TrainConfig, host_peers
+from graft.trainer import GraftOptions, StoreConfig, TrainConfig, host_peers
 
 # TRL's loss aggregations and graft-train's names for the same rule (the loss equality tests compare them)
 LOSS_AGG = {"dapo": "token-mean", "bnpo": "token-mean", "grpo": "seq-mean-token-mean", "dr_grpo": "seq-mean-token-sum-norm"}

@@ -117,7 +117,7 @@ class GraftGRPOTrainer(GRPOTrainer):
         if self.args.grafts:
             model = self.accelerator.unwrap_model(self.model)
             name = str(model.config.name_or_path)
-            self.graft = host_setup(self.args.train_config(name), name, self._tokenizer, eos_ids=set(self.eos_token_ids),
+            self.graft = host_setup(self.args.train_config(name), self._tokenizer, eos_ids=set(self.eos_token_ids),
                                     device=self.accelerator.device, hf_model=model,
                                     talks_to_store=self.accelerator.is_main_process,  # the main process decides for all
                                     runs=TRL_SOURCES, generator_id=f"trl:{Path(self.args.output_dir).name}")

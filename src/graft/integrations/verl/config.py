@@ -9,8 +9,9 @@ A verl user adds, with Hydra's `+` (verl's schema has no `graft` section):
     +graft.options.kappa=0.5            # any field of graft-train's graft section (graft-train show-config)
     +graft.publish=true                 # the run's own groups to the store too: a peer of other runs
 
-The GRAFT options are graft-train's own sections (`graft.trainer.config.GraftConfig`, `StoreConfig` and the peers section:
-how peer groups arrive, whether the run publishes), validated by them: the same defaults, the same errors. What verl cannot do the way graft-train does is refused here, saying why.
+The GRAFT options are graft-train's own sections (`graft.trainer.config.GraftOptions`, `StoreConfig` and the peers
+section: how peer groups arrive, whether the run publishes), validated by them: the same defaults, the same errors.
+What verl cannot do the way graft-train does is refused here, saying why.
 """
 
 from __future__ import annotations
@@ -21,8 +22,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from pydantic import BaseModel, ConfigDict, Field
 
-from graft.trainer import GraftConfig as GraftOptions
-from graft.trainer import StoreConfig, TrainConfig, host_peers
+from graft.trainer import GraftOptions, StoreConfig, TrainConfig, host_peers
 
 TRAINER_MODE = "graft_sync"
 # verl's loss aggregations that graft-train's loss has (the parity test compares them); verl's others it has not

@@ -169,7 +169,7 @@ class GraftPPOTrainer(PPOTrainerSync):
         eos_ids = {int(self.tokenizer.eos_token_id)} if self.tokenizer.eos_token_id is not None else set()
         stop = learner_stop_token(self.tokenizer, eos_ids, "auto")  # verl prompts through the chat template
         try:
-            host = host_setup(self.graft_cfg, self.graft_cfg.model.path, self.tokenizer, eos_ids=eos_ids | {stop},
+            host = host_setup(self.graft_cfg, self.tokenizer, eos_ids=eos_ids | {stop},
                               device=torch.device("cpu"), stop_token_id=stop,  # no model: verl's actor has it
                               runs=VERL_SOURCES, generator_id=f"verl:{self.config.trainer.experiment_name}")
         except OSError as exc:  # a peer tokenizer's directory: it must resolve where verl's TaskRunner runs

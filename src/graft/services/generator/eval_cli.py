@@ -31,7 +31,9 @@ def evaluate_model(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML file with EvalConfig fields; flags and --set override it"),
     model: Optional[str] = typer.Option(None, help=_help("model")),
     model_id: Optional[str] = typer.Option(None, help=_help("model_id")),
-    backend: Optional[str] = typer.Option(None, help=_help("backend")),
+    backend: Optional[str] = typer.Option(None, help="which backend samples (sampler.backend, the config's sampler section "
+                                          "replaced: --set sampler.<setting> after it): hf (transformers), vllm, or "
+                                          "openai (a completions server: --set sampler.base_url=...)"),
     benchmark: Optional[list[str]] = typer.Option(None, "--benchmark", "-b", help=_help("benchmarks") + " (repeat the flag)"),
     limit: Optional[int] = typer.Option(None, help=_help("limit")),
     k: Optional[int] = typer.Option(None, "--k", "-k", help=_help("k")),
@@ -42,8 +44,9 @@ def evaluate_model(
 
     Any field: --set field=value (`graft-eval show-config` lists them).
     """
-    named = {"model": model, "model_id": model_id, "backend": backend, "benchmarks": benchmark or None, "limit": limit,
-             "k": k}
+    named = {"model": model, "model_id": model_id, "benchmarks": benchmark or None, "limit": limit, "k": k,
+             # a backend takes its own settings: --backend replaces the config's sampler section
+             "sampler": None if backend is None else {"backend": backend}}
     if ctx.invoked_subcommand:  # show-config
         return
     cfg = command_line_config(EvalConfig, config, sets, named)
@@ -55,7 +58,6 @@ def evaluate_model(
     from graft.rollouts.models import default_model_id
     from graft.rollouts.openai_backend import ServerError
     from graft.rollouts.sampling import SamplingParams
-    from graft.rollouts.scoring import Scorer
 
     greedy = cfg.k == 1
     temperature_ = cfg.temperature if cfg.temperature is not None else (0.0 if greedy else 0.6)
@@ -68,15 +70,11 @@ def evaluate_model(
         raise typer.Exit(2) from e
     model_id_ = cfg.model_id or default_model_id(cfg.model)
     try:
-        backend_ = load_backend(
-            cfg.backend, cfg.model, model_id=model_id_, dtype=cfg.dtype, hf_batch_size=cfg.hf_batch_size,
-            vllm_max_model_len=cfg.vllm_max_model_len, vllm_gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-            seed=cfg.seed or 0, openai=cfg.openai,
-        )
+        backend_ = load_backend(cfg.sampler, cfg.model, model_id=model_id_, seed=cfg.seed or 0)
         try:
-            with Scorer(num_workers=cfg.score_workers, timeout_s=cfg.score_timeout_s) as scorer:
-                result = evaluate(backend_, problems, cfg.k, params, scorer, template=cfg.template,
-                                  few_shot=cfg.few_shot, prompts_per_batch=cfg.prompts_per_batch, progress=cfg.progress)
+            with cfg.scoring.scorer() as scorer:
+                result = evaluate(backend_, problems, cfg.k, params, scorer, prompt=cfg.prompt,
+                                  prompts_per_batch=cfg.prompts_per_batch, progress=cfg.progress)
         finally:
             backend_.close()
     except ServerError as e:  # a served model's failure: one line, not a crash

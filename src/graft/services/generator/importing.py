@@ -392,7 +392,7 @@ class _Importer:
         if not items:
             return []
         if self.scorer is None:
-            self.scorer = Scorer(num_workers=self.config.score_workers, timeout_s=self.config.score_timeout_s)
+            self.scorer = self.config.scoring.scorer()
         return self.scorer.score([c for c, _ in items], [g for _, g in items], self.extract)
 
     def _finish(self, stated: str | None, num_tokens: int) -> tuple[str, str]:

@@ -2,7 +2,7 @@
 
     graft-rescore --store stores/local --source-model r1-traces --model models/peer
     graft-rescore --store stores/local --source-model r1-traces --model models/peer --backend openai \\
-        --set openai.base_url=http://127.0.0.1:8000
+        --set sampler.base_url=http://127.0.0.1:8000
     graft-rescore show-config    # every field, its default and its doc line
 
 Each rescored group is written as a new group at the sampling its rows state (logprobs_mode 'rescored' when the
@@ -36,8 +36,11 @@ def rescore(
     source_model: Optional[str] = typer.Option(None, help=_help("source_model")),
     model: Optional[str] = typer.Option(None, help=_help("model")),
     model_id: Optional[str] = typer.Option(None, help=_help("model_id")),
-    backend: Optional[str] = typer.Option(None, help=_help("backend")),
-    sets: list[str] = typer.Option([], "--set", help="any field as field=value, e.g. --set template=raw (repeatable; "
+    backend: Optional[str] = typer.Option(None, help="what teacher-forces (sampler.backend, the config's sampler section "
+                                          "replaced: --set sampler.<setting> after it): hf (transformers, in this "
+                                          "process) or openai (a vLLM server's prompt_logprobs: --set "
+                                          "sampler.base_url=...)"),
+    sets: list[str] = typer.Option([], "--set", help="any field as field=value, e.g. --set prompt.template=raw (repeatable; "
                                    "`graft-rescore show-config` lists them)"),
     summary_json: Optional[Path] = typer.Option(None, help="also write the JSON summary to this file (whole or not at all)"),
 ) -> None:
@@ -48,7 +51,8 @@ def rescore(
     """
     if ctx.invoked_subcommand:  # show-config
         return
-    named = {"store": store, "source_model": source_model, "model": model, "model_id": model_id, "backend": backend}
+    named = {"store": store, "source_model": source_model, "model": model, "model_id": model_id,
+             "sampler": None if backend is None else {"backend": backend}}  # as graft-generate's --backend
     cfg = command_line_config(RescoreConfig, config, sets, named)
 
     from graft.rollouts.openai_backend import ServerError
@@ -60,7 +64,7 @@ def rescore(
     except (ServerError, FileNotFoundError, ValueError, OSError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
-    summary = stats.summary(cfg.backend)
+    summary = stats.summary(cfg.sampler.backend)
     print_summary(summary, summary_json)
 
 

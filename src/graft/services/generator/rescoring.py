@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from graft.rollouts.backends import load_backend
 from graft.rollouts.datasets import load_problems
 from graft.rollouts.models import default_model_revision, load_model_and_tokenizer, tokenizer_fingerprint
-from graft.rollouts.prompts import build_prompt
 from graft.rollouts.rescoring import HFRescorer, Rescorer, ServedRescorer, rescore_group, rescored_group_id
 from graft.rollouts.sampling import SamplingParams
 from graft.schemas import NO_LOGPROBS, RESCORED, RESCORED_UNVERIFIED, Problem, RolloutGroup, table_to_groups
@@ -120,9 +120,7 @@ def run_rescore(config: RescoreConfig, on_failed_group: Callable[[str], None] = 
             _write(sink, batch, problems, stats)
     finally:
         sink.close()
-        close = getattr(getattr(rescorer, "backend", None), "close", None)
-        if close is not None:
-            close()
+        rescorer.close()
         stats.wall_s = time.perf_counter() - started
     return stats
 
@@ -151,8 +149,7 @@ def _prompt_followed(group: RolloutGroup, rescorer: Rescorer, problems: dict[str
     if problem is None:
         return (f"its rows keep no prompt and its prompt id {group.prompt_id} is neither in the store's prompts/ nor "
                 f"in dataset {config.dataset}: set dataset to the problems the traces answered")
-    prompt = build_prompt(rescorer.tokenizer, problem.problem, config.template, config.few_shot, config.instruction,
-                          config.system_prompt)
+    prompt = config.prompt.render(rescorer.tokenizer, problem.problem)
     return rescorer.tokenizer(prompt, add_special_tokens=False)["input_ids"], prompt, "rebuilt"
 
 
@@ -199,13 +196,11 @@ def _problems(root: Path, config: RescoreConfig) -> dict[str, Problem]:
 
 
 def _rescorer(config: RescoreConfig) -> Rescorer:
-    if config.backend == "openai":
-        from graft.rollouts.openai_backend import OpenAIBackend
-
-        return ServedRescorer(OpenAIBackend.from_path(config.model, config.openai))
+    if config.sampler.backend == "openai":
+        return ServedRescorer(load_backend(config.sampler, config.model))
     import torch
 
     from graft.rollouts.models import eos_token_ids
 
-    model, tokenizer = load_model_and_tokenizer(config.model, dtype=getattr(torch, config.dtype))
+    model, tokenizer = load_model_and_tokenizer(config.model, dtype=getattr(torch, config.sampler.dtype))
     return HFRescorer(model, tokenizer, tokenizer_fingerprint(tokenizer), eos_token_ids(model, tokenizer))

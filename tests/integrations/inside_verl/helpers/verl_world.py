@@ -96,7 +96,7 @@ class RecordedRollouts:
             for session, (text, reward) in enumerate(zip(plan.texts, plan.rewards, strict=True)):
                 ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
                 with torch.no_grad():
-                    logprobs = teacher_forced_logprobs(self.model, prompt_ids, ids, SamplingParams(n=1))
+                    logprobs = teacher_forced_logprobs(self.model, prompt_ids, [ids], SamplingParams(n=1))[0]
                 output = AgentLoopOutput(prompt_ids=prompt_ids, response_ids=ids, response_mask=[1] * len(ids),
                                          response_logprobs=logprobs, reward_score=reward, num_turns=2,
                                          metrics=AgentLoopMetrics())
