@@ -244,7 +244,9 @@ def test_a_server_that_applies_settings_the_request_does_not_state_is_refused(vl
 def test_graft_rescore_through_the_server_equals_the_in_process_rescoring(vllm_server, tiny_model_dir, tmp_path):
     """Text-only groups (graft-import) rescored twice: by the server's prompt_logprobs (`--backend openai`) and by
     transformers in-process; the two mu agree within 1e-4 on every token (float32, T = 1), and the served rows record
-    the temperature 1.0 that vLLM's prompt logprobs have."""
+    the temperature 1.0 that vLLM's prompt logprobs have. The traces state the weights that wrote them (model_revision),
+    so the rescored rows are 'rescored', mu; their completions ended (finish_reason stop)."""
+    from graft.rollouts.models import model_fingerprint
     from graft.services.generator.config import ImportConfig
     from graft.services.generator.importing import run_import
     from graft.services.generator.rescore_cli import app as rescore_app
@@ -255,7 +257,7 @@ def test_graft_rescore_through_the_server_equals_the_in_process_rescoring(vllm_s
         f"\\boxed{{{p.answer}}}", "\\boxed{1}", f"{p.problem}{p.answer}"]}) + "\n" for p in problems))
     store = tmp_path / "store"
     run_import(ImportConfig(files=[str(traces)], model_id="traces", tokenizer=str(tiny_model_dir), store=str(store),
-                            scoring={"workers": 1}))
+                            scoring={"workers": 1}, finish_reason="stop", model_revision=model_fingerprint(tiny_model_dir)))
     for backend, server in (("openai", ["--set", f"sampler.base_url={vllm_server}"]), ("hf", [])):
         result = CliRunner().invoke(rescore_app, [
             "--store", str(store), "--source-model", "traces", "--model", str(tiny_model_dir), "--backend", backend,
