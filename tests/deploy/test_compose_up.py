@@ -346,7 +346,7 @@ def test_cotrain_topology(engine, images) -> None:
         generator_log = project.logs("cotrain-generator")
         summary = _last_json_line(generator_log, '"reloads"')
         # one process (its summary counts what the log shows), one log line per reload
-        assert project.inspect("cotrain-generator")["RestartCount"] == 0
+        assert project.inspect("cotrain-generator")["RestartCount"] == 0, generator_log[-4000:]
         assert summary["reloads"] >= 1 and len(reload_lines(generator_log)) == summary["reloads"], summary
         COUNTS["cotrain"] = {"checkpoints_reloaded": summary["reloads"], "newest_policy_step_sampled": max(r["policy_step"] for r in rows),
                              **{f"{run}_grafted_groups": round(sum(m["frac_grafted"] * 16 for m in _metrics(project, run)))

@@ -130,7 +130,8 @@ def test_show_config_says_which_graft_a_config_runs():
         result = runner.invoke(app, ["show-config", "--config", str(CONFIGS / "train.yaml"), *sets])
         assert result.exit_code == 0, result.output
         said[" ".join(sets)] = result.output.strip().splitlines()[-1]
-    assert said[""].startswith("# GRAFT: the trainers' default GRAFT (token_is none, kappa 1.0, peer_negative_scale 0.0")
+    assert said[""].startswith("# GRAFT: the trainers' default GRAFT (token_is none, is_cap 2.0, kappa 1.0, log_rho_min None, "
+                               "peer_negative_scale 0.0")
     assert said["--set graft.preset=spec"].startswith("# GRAFT: the `spec` preset's formulas as written (graft.preset spec)")
     assert said["--set graft.token_is=tis"] == "# GRAFT: not the trainers' default GRAFT: token_is tis (default none)"
     assert said["--set method=grpo"] == "# method grpo: no grafting, the graft section is unused"

@@ -346,7 +346,7 @@ def test_step_rows_are_supervised_at_their_step(toy_world, tmp_path):
     assert all("step_rows_nll" not in m for m in read_metrics(runs["plain"]))
 
     def rows_logprob(run_dir) -> float:
-        model, tokenizer = load_model_and_tokenizer(latest_checkpoint(run_dir))
+        model, tokenizer = load_model_and_tokenizer(latest_checkpoint(run_dir / "checkpoints", resumable))
         learner = type("L", (), {"tokenizer": tokenizer, "end_token_id": tokenizer.eos_token_id})
         batch = collate(reference_rows(with_rows, learner, pairs), tokenizer.pad_token_id)
         with torch.no_grad():
