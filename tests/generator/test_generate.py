@@ -322,3 +322,30 @@ def test_dry_run_checks_the_inputs_and_shows_the_prompt_as_the_model_sees_it(tin
     assert "You are a careful tutor." in prompt and "Tom has 3 apples" in prompt and "Box the answer." in prompt
     assert "its gold answer, as the scorer reads it: 7" in shown.stdout
     assert not (tmp_path / "s").exists()  # a dry run writes nothing
+
+
+@pytest.mark.parametrize("writer, refused", [("graft-train:cotrain-peer", False), ("trl:run", False), ("otherhost-41", True)])
+def test_a_trainers_own_groups_under_the_model_id_are_no_earlier_sampling_of_the_generator(tiny_model_dir, tmp_path,
+                                                                                              writer, refused):
+    """docker-compose's cotrain profile: a generator follows a co-trainer's checkpoints under the trainer's model id,
+    and the trainer publishes its own groups (policy step 0, the same revision) as it trains. They are the trainer's
+    samples, not an earlier run of this generator with other settings: the generator starts beside them. A group another
+    generator wrote is still refused (the compose test saw the generator fail once at start and restart)."""
+    from graft.schemas import RolloutGroup
+    from graft.services.store_api.local.shards import write_groups
+
+    dataset = write_problems_jsonl(sample_problems(4, seed=7), tmp_path / "toy.jsonl")
+    settings = dict(model=str(tiny_model_dir), model_id="tiny", dataset=str(dataset), group_size=2, max_tokens=8,
+                    scoring={"workers": 1}, progress=False)
+    first = tmp_path / "first"
+    run_generator(GeneratorConfig(**settings, store=str(first)))
+    groups = [g for path in sorted((first / "rollouts").rglob("*.parquet")) for g in table_to_groups(pq.read_table(path))]
+    root = tmp_path / "store"  # the same prompts, model, revision and step under other group ids, written by `writer`
+    write_groups(root, [RolloutGroup(rollouts=[r.model_copy(update={"group_id": "f" * 31 + str(i), "rollout_id": f"{'f' * 31}{i}-{k}",
+                                                                    "generator_id": writer})
+                                               for k, r in enumerate(g.rollouts)]) for i, g in enumerate(groups)])
+    if refused:
+        with pytest.raises(ValueError, match="other settings sampled"):
+            run_generator(GeneratorConfig(**settings, store=str(root)))
+    else:
+        assert run_generator(GeneratorConfig(**settings, store=str(root))).groups == 4

@@ -119,18 +119,22 @@ class GroupSink:
             Path(store).mkdir(parents=True, exist_ok=True)
 
     def stored_groups(self, model_id: str, model_revision: str, policy_step: int) -> dict[str, str]:
-        """group id -> prompt id of the groups already stored for this model, revision and policy step."""
+        """group id -> prompt id of the groups already stored for this model, revision and policy step, but those a
+        trainer published of its own sampling (TRAINERS_OWN_GROUPS): a generator that follows a trainer's checkpoints
+        writes beside them under the trainer's model id (docker-compose's cotrain profile), and they are no earlier
+        sampling of this generator's."""
         if self.is_lake:
-            return self.lake.reading.group_prompts(model_id, model_revision, policy_step)
-        if self.is_url:
-            ids: dict[str, str] = {}
+            found = self.lake.reading.group_prompts(model_id, model_revision, policy_step)
+        elif self.is_url:
+            found = {}
             for page in self.client.iter_rollouts(model=model_id, min_policy_step=policy_step, max_policy_step=policy_step):
-                for gid, prompt, revision in zip(*(page.column(c).to_pylist()
-                                                   for c in ("group_id", "prompt_id", "model_revision"))):
+                for gid, prompt, revision, generator in zip(*(page.column(c).to_pylist() for c in (
+                        "group_id", "prompt_id", "model_revision", "generator_id"))):
                     if revision == model_revision:
-                        ids[gid] = prompt
-            return ids
-        return _stored_groups_in_shards(Path(self.store), model_id, model_revision, policy_step)
+                        found[gid] = (prompt, generator)
+        else:
+            found = _stored_groups_in_shards(Path(self.store), model_id, model_revision, policy_step)
+        return {gid: prompt for gid, (prompt, generator) in found.items() if not (generator or "").startswith(TRAINERS_OWN_GROUPS)}
 
     def write(self, groups: list[RolloutGroup], problems: list[Problem] | None) -> str:
         if self.is_url:
@@ -152,14 +156,16 @@ class GroupSink:
             self.lake.close()
 
 
-def _stored_groups_in_shards(root: Path, model_id: str, model_revision: str, policy_step: int) -> dict[str, str]:
-    """Read the group ids of every shard of the model with pyarrow (never the store's DuckDB file).
+def _stored_groups_in_shards(root: Path, model_id: str, model_revision: str,
+                             policy_step: int) -> dict[str, tuple[str, str]]:
+    """group id -> (prompt id, generator id) from every shard of the model, read with pyarrow (never the store's DuckDB
+    file).
 
     A shard can vanish between listing and reading when the store compacts it into a new one;
     then list again, so that the new shard is read too.
     """
     directory = root / "rollouts" / f"model={model_id}"
-    ids: dict[str, str] = {}
+    ids: dict[str, tuple[str, str]] = {}
     read: set[str] = set()
     while True:
         vanished = False
@@ -167,16 +173,22 @@ def _stored_groups_in_shards(root: Path, model_id: str, model_revision: str, pol
             if shard.name in read:
                 continue
             try:
-                table = pq.read_table(shard, columns=["group_id", "prompt_id", "model_revision", "policy_step"])
+                table = pq.read_table(shard, columns=["group_id", "prompt_id", "model_revision", "policy_step",
+                                                      "generator_id"])
             except FileNotFoundError:
                 vanished = True
                 continue
             read.add(shard.name)
-            for gid, prompt, revision, step in zip(*(table.column(c).to_pylist() for c in table.column_names)):
+            for gid, prompt, revision, step, generator in zip(*(table.column(c).to_pylist() for c in table.column_names)):
                 if revision == model_revision and step == policy_step:
-                    ids[gid] = prompt
+                    ids[gid] = (prompt, generator)
         if not vanished:
             return ids
+
+
+# generator_id prefixes of the groups a trainer publishes of its own sampling (graft.trainer.sample, the TRL and verl
+# trainers): a trainer's samples, never a generator's earlier run
+TRAINERS_OWN_GROUPS = ("graft-train:", "trl:", "verl:")
 
 
 class OtherSettingsStored(ValueError):

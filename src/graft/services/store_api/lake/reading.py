@@ -267,15 +267,16 @@ class LakeReading:
 
         return self.connection.run("read group ids from", work)
 
-    def group_prompts(self, model_id: str, model_revision: str, policy_step: int) -> dict[str, str]:
-        """group id -> prompt id of the model's stored groups of one revision and policy step (a resuming generator's
-        check for groups its settings did not sample)."""
+    def group_prompts(self, model_id: str, model_revision: str, policy_step: int) -> dict[str, tuple[str, str]]:
+        """group id -> (prompt id, generator id) of the model's stored groups of one revision and policy step (a
+        resuming generator's check for groups its settings did not sample)."""
         def work(con):
             rows = con.execute(f"""
-                SELECT DISTINCT group_id, prompt_id FROM {ALIAS}.rollouts
+                SELECT DISTINCT group_id, prompt_id, generator_id FROM {ALIAS}.rollouts
                 WHERE model_id = ? AND model_revision = ? AND policy_step = ?""",
                                [model_id, model_revision, policy_step]).arrow().read_all()
-            return dict(zip(rows.column("group_id").to_pylist(), rows.column("prompt_id").to_pylist()))
+            return dict(zip(rows.column("group_id").to_pylist(),
+                            zip(rows.column("prompt_id").to_pylist(), rows.column("generator_id").to_pylist())))
 
         return self.connection.run("read group ids from", work)
 
