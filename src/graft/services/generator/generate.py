@@ -134,7 +134,8 @@ class GroupSink:
                         found[gid] = (prompt, generator)
         else:
             found = _stored_groups_in_shards(Path(self.store), model_id, model_revision, policy_step)
-        return {gid: prompt for gid, (prompt, generator) in found.items() if not (generator or "").startswith(TRAINERS_OWN_GROUPS)}
+        return {gid: prompt for gid, (prompt, generator) in found.items()
+                if not (generator or "").startswith(TRAINERS_OWN_GROUPS)}
 
     def write(self, groups: list[RolloutGroup], problems: list[Problem] | None) -> str:
         if self.is_url:
