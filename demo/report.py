@@ -1,4 +1,6 @@
-"""report/: summary.json, REPORT.md (the verdicts first) and the plots, from what the runs wrote.
+"""report/: summary.json, REPORT.md (the verdicts first) and the plots, from what the runs wrote. (One module of just
+over 600 lines on purpose: the summary, the page and the plots read together in the order REPORT.md prints them, and
+every study's report builds on its pieces; the mutual study's own tables live in studies/mutual_report.py.)
 
 Nothing here is tuned: every number is read from the runs' outputs, and every verdict is demo.stats's rule, written
 before the runs. The primary metric of a run is its weak family's sampled accuracy averaged over its late evaluations
