@@ -274,7 +274,7 @@ def answer_lines(summary: dict) -> list[str]:
     """The answers first: per pair and model, co-training against offline, and each arm's two bars."""
     lines = ["| pair | model (weak family) | co-training beats offline? co-training - offline [95% CI], p | GRAFT "
              "co-training - GRPO [95% CI]: 2-point bar / ceiling bar | GRAFT offline - GRPO [95% CI]: 2-point bar / "
-             f"ceiling bar | ceiling - GRPO [95% CI] | the peer's change over co-training (its strong family) |",
+             "ceiling bar | ceiling - GRPO [95% CI] | the peer's change over co-training (its strong family) |",
              "|---|---|---|---|---|---|---|"]
     for name, pair in summary["pairs"].items():
         for model, a in pair["answers"].items():

@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from graft.schemas import MU_FIELDS, NO_LOGPROBS, ROLLOUT_ARROW_SCHEMA, Problem, mu_is_behaviour
+from graft.schemas import MU_FIELDS, ROLLOUT_ARROW_SCHEMA, Problem, mu_is_behaviour
 from graft.schemas.rollout import ADDED_COLUMNS
 from graft.services.store_api.local.catalog import Catalog
 from graft.services.store_api.local.compaction import IndexCompaction
