@@ -494,9 +494,12 @@ def committed_table_lines(summary: dict, committed: Path, report_dir: Path) -> l
     if report_dir.resolve() == committed.resolve() or not path.exists():
         return []
     theirs = json.loads(path.read_text())
-    record, host = theirs.get("record") or {}, (theirs.get("record") or {}).get("host", {})
-    where = (f"ran {record.get('started', '?')} at commit {str(record.get('commit'))[:12]} on {host.get('cpu', '?')} "
-             f"({(theirs.get('machine') or {}).get('torch_kernels', '?')} kernels)")
+    record, machine = theirs.get("record") or {}, theirs.get("machine") or {}
+    kernels = f"{machine.get('torch_kernels', '?')} kernels"
+    if record.get("commit"):
+        where = f"ran {record.get('started', '?')} at commit {record['commit'][:12]} on {record['host']['cpu']} ({kernels})"
+    else:  # runs from before records (issue 60): what is known is its summary's machine and reconstructed record
+        where = f"on {machine.get('cpu', 'a CPU its summary does not name')} ({kernels}), its record reconstructed after the runs"
     mine_host = (summary.get("machine") or {})
     here = f"this run: {mine_host.get('cpu', '?')} ({mine_host.get('torch_kernels', '?')} kernels)"
     table = ("weak", "strong", "verdict")

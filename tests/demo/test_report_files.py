@@ -147,3 +147,28 @@ def test_make_demo_writes_the_committed_report_only_when_asked():
     assert committed.cfg.report_dir == Path("report")
     makefile = (repo / "Makefile").read_text()
     assert "python -m demo.run $(if $(REPORT),--report-dir $(REPORT))" in makefile
+
+
+def test_the_committed_tables_comparison_names_where_the_committed_runs_ran(tmp_path):
+    """`make demo` ends by comparing its verdict table with report/'s, saying where those runs ran: from its record, or,
+    for runs from before records (a reconstructed record), from its summary's machine, never "ran ? at commit None"."""
+    from demo.report import committed_table_lines
+
+    verdict = {"weak": {"mean": 0.1}, "strong": {"mean": 0.0}, "verdict": "gain"}
+    mine = {"comparisons": {"graft": verdict}, "machine": {"cpu": "AMD EPYC", "torch_kernels": "AVX2"}}
+    committed = tmp_path / "report"
+    committed.mkdir()
+    recorded = {"comparisons": {"graft": verdict}, "machine": {"cpu": "Xeon", "torch_kernels": "AVX512"},
+                "record": {"started": "2026-12-06T08:00:00+00:00", "commit": "a5a8f8540fc4" + "0" * 28,
+                           "host": {"cpu": "Intel Xeon"}}}
+    (committed / "summary.json").write_text(json.dumps(recorded))
+    [line] = committed_table_lines(mine, committed, tmp_path / "mine")
+    assert "ran 2026-12-06T08:00:00+00:00 at commit a5a8f8540fc4 on Intel Xeon (AVX512 kernels)" in line
+    assert "same to the last digit" in line and "AMD EPYC (AVX2 kernels)" in line
+
+    reconstructed = {**recorded, "record": {"reconstructed": "runs committed in 1fab6cc"},
+                     "comparisons": {"graft": {**verdict, "verdict": "small gain"}}}
+    (committed / "summary.json").write_text(json.dumps(reconstructed))
+    [line] = committed_table_lines(mine, committed, tmp_path / "mine")
+    assert "on Xeon (AVX512 kernels), its record reconstructed after the runs" in line and "None" not in line
+    assert "differs from this run's in: " in line
