@@ -108,11 +108,12 @@ system-deps:
 	    || { echo "could not install$$missing (apt-get needs root): the tests that need them will fail or skip"; exit 1; }; \
 	fi
 
-# The verl tests (tests/integrations/inside_verl) skip in .venv and run in .venv-verl, where a missing verl fails them,
-# and in .venv-verl-pins: the two suites side by side (each waits most of its time on its own Ray actors' start-up),
-# each one's output printed whole when it ends, each with its own pytest cache.
+# The environments build side by side, their commands' lines as they come. The verl tests
+# (tests/integrations/inside_verl) skip in .venv and run in .venv-verl, where a missing verl fails them,
+# and in .venv-verl-pins: the two suites side by side (190 s against 292 s one after the other on two idle cores:
+# docs/demo.md), each one's output printed whole when it ends, each with its own pytest cache.
 test:
-	$(MAKE) --no-print-directory -j4 --output-sync=target install-dev install-vllm install-verl install-verl-pins system-deps
+	$(MAKE) --no-print-directory -j4 --output-sync=line install-dev install-vllm install-verl install-verl-pins system-deps
 	$(BIN)/python -m pytest -q --durations=20
 	$(MAKE) --no-print-directory -j2 --output-sync=target test-verl test-verl-pins
 
