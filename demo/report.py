@@ -497,7 +497,8 @@ def committed_table_lines(summary: dict, committed: Path, report_dir: Path) -> l
     record, machine = theirs.get("record") or {}, theirs.get("machine") or {}
     kernels = f"{machine.get('torch_kernels', '?')} kernels"
     if record.get("commit"):
-        where = f"ran {record.get('started', '?')} at commit {record['commit'][:12]} on {record['host']['cpu']} ({kernels})"
+        cpu = (record.get("host") or {}).get("cpu", "?")
+        where = f"ran {record.get('started', '?')} at commit {record['commit'][:12]} on {cpu} ({kernels})"
     else:  # runs from before records (issue 60): what is known is its summary's machine and reconstructed record
         where = f"on {machine.get('cpu', 'a CPU its summary does not name')} ({kernels}), its record reconstructed after the runs"
     mine_host = (summary.get("machine") or {})
