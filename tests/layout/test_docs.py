@@ -104,10 +104,11 @@ def test_the_order_rule_finds_an_import_upwards_and_a_part_left_out():
     assert against_the_order(["http", "lake", "local"], graph) == ["new: not in the order", "local -> http"]
 
 
-# The background documents the project was built from, which a user's clone does not have. Their names are joined
-# from parts here, so that this file, which must name them to find them, cites none of them itself.
-SPEC_NAME, STYLE_NAME = "GRAFT" + "_SPEC", "STYLE" + ".md"
-BACKGROUND = re.compile("|".join([re.escape(SPEC_NAME), r"(?<![\w/])" + re.escape(STYLE_NAME), "HOUSE_REVIEW", "TOY_STUDY",
+# The background documents the project was built from, which a user's clone does not have. Their names are built
+# here (the rules' file is docs/style.md's name in capitals), so that this file, which must name them to find them,
+# cites none of them itself.
+SPEC_NAME, RULES_NAME = "GRAFT" + "_SPEC", "style".upper() + ".md"
+BACKGROUND = re.compile("|".join([re.escape(SPEC_NAME), r"(?<![\w/])" + re.escape(RULES_NAME), "HOUSE_REVIEW", "TOY_STUDY",
                                   "VERL_NOTES", "SERVED_PEERS_NOTES", r"\.\./shared/"]))
 NUMBERS = r"\d+(?:(?:-|, | and )\d+)*"
 CITED_SECTION = re.compile(rf"algorithm\.md\s+sections?\s+({NUMBERS})")

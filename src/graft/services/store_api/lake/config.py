@@ -193,5 +193,5 @@ def s3_secret_sql(config: LakeConfig) -> str:
         parts += [f"ENDPOINT {quote(endpoint)}", f"USE_SSL {'true' if use_ssl else 'false'}"]
         url_style = url_style or "path"
     if url_style:
-        parts.append(f"URL_STYLE {quote(url_style)}")
+        parts.append(f"url_style {quote(url_style)}")  # DuckDB reads secret keys in any case
     return f"CREATE OR REPLACE SECRET graft_lake_s3 ({', '.join(parts)})"
