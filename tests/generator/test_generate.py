@@ -349,3 +349,15 @@ def test_a_trainers_own_groups_under_the_model_id_are_no_earlier_sampling_of_the
             run_generator(GeneratorConfig(**settings, store=str(root)))
     else:
         assert run_generator(GeneratorConfig(**settings, store=str(root))).groups == 4
+
+
+def test_a_trainers_generator_id_names_the_trainer_and_the_run():
+    """The ids the three trainers give their published groups are the ones stored_groups tells apart, and no other
+    writer's id passes for one (the split is at the first colon: a run name may hold more)."""
+    from graft.schemas import TRAINERS, is_trainers_own, trainer_generator_id
+
+    assert [trainer_generator_id(t, "run:1") for t in TRAINERS] == ["graft-train:run:1", "trl:run:1", "verl:run:1"]
+    assert all(is_trainers_own(trainer_generator_id(t, "r")) for t in TRAINERS)
+    assert not any(map(is_trainers_own, ["", None, "otherhost-41", "trl", "trlx:run", "graft-generate:trl:run"]))
+    with pytest.raises(ValueError, match="none of the trainers"):
+        trainer_generator_id("openrlhf", "run")

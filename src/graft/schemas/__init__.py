@@ -49,12 +49,15 @@ from graft.schemas.rollout import (
     Problem,
     Rollout,
     RolloutGroup,
+    TRAINERS,
     group_advantages,
     groups_to_table,
+    is_trainers_own,
     mu_is_behaviour,
     prompt_id,
     rollout_id,
     table_to_groups,
+    trainer_generator_id,
 )
 
 __all__ = [
@@ -64,6 +67,6 @@ __all__ = [
     "Problem", "PushGroupsRequest", "PushGroupsResponse", "Rollout", "RolloutGroup", "RolloutPage", "StatsResponse",
     "MAX_WANTS", "SERVED_PATH", "WANTED_PATH", "BrokerStats", "ServedRequest", "ServedResponse", "ServeOrder", "Want",
     "WantedList", "WantedPrompt", "WantedRequest", "WantedResponse", "WantRule", "LEASE_PATH", "LeaseRequest",
-    "HEARTBEAT_PATH", "Heartbeat", "HeartbeatRequest",
+    "HEARTBEAT_PATH", "Heartbeat", "HeartbeatRequest", "TRAINERS", "is_trainers_own", "trainer_generator_id",
     "group_advantages", "groups_to_table", "mu_is_behaviour", "prompt_id", "rollout_id", "table_to_groups",
 ]

@@ -78,6 +78,23 @@ def mu_is_behaviour(row: Rollout | Mapping[str, Any], *, trust_unverified: bool 
     return False
 
 
+# The trainers that publish groups of their own sampling name them "<trainer>:<run>" in generator_id; a generator that
+# writes beside them under the same model id (following a trainer's checkpoints) tells them from its own by it.
+TRAINERS = ("graft-train", "trl", "verl")
+
+
+def trainer_generator_id(trainer: str, run: str) -> str:
+    """The generator_id of the groups trainer `trainer` (one of TRAINERS) publishes of its own sampling in run `run`."""
+    if trainer not in TRAINERS:
+        raise ValueError(f"{trainer!r} is none of the trainers that publish their own groups: {', '.join(TRAINERS)}")
+    return f"{trainer}:{run}"
+
+
+def is_trainers_own(generator_id: str | None) -> bool:
+    """Whether a group's generator_id says a trainer published it of its own sampling (trainer_generator_id)."""
+    return (generator_id or "").split(":", 1)[0] in TRAINERS and ":" in (generator_id or "")
+
+
 def rollout_id(group_id: str, position: int) -> str:
     """The id of the rollout at `position` (0-based) of group `group_id`."""
     return f"{group_id}-{position}"

@@ -32,7 +32,7 @@ from graft.rollouts.models import default_model_id, default_model_revision
 from graft.rollouts.sampling import Backend, Sample, SamplingParams, report_tokens_on
 from graft.rollouts.scoring import Score
 from graft.rollouts.stopping import StopFlag
-from graft.schemas import LeaseRequest, Problem, RolloutGroup
+from graft.schemas import LeaseRequest, Problem, RolloutGroup, is_trainers_own
 from graft.services.generator.config import GeneratorConfig
 
 RETRY_INITIAL_S = 1.0  # continuous mode, store down: first pause before the call is tried again; doubles per failure
@@ -120,7 +120,7 @@ class GroupSink:
 
     def stored_groups(self, model_id: str, model_revision: str, policy_step: int) -> dict[str, str]:
         """group id -> prompt id of the groups already stored for this model, revision and policy step, but those a
-        trainer published of its own sampling (TRAINERS_OWN_GROUPS): a generator that follows a trainer's checkpoints
+        trainer published of its own sampling (schemas.is_trainers_own): a generator that follows a trainer's checkpoints
         writes beside them under the trainer's model id (docker-compose's cotrain profile), and they are no earlier
         sampling of this generator's."""
         if self.is_lake:
@@ -135,7 +135,7 @@ class GroupSink:
         else:
             found = _stored_groups_in_shards(Path(self.store), model_id, model_revision, policy_step)
         return {gid: prompt for gid, (prompt, generator) in found.items()
-                if not (generator or "").startswith(TRAINERS_OWN_GROUPS)}
+                if not is_trainers_own(generator)}
 
     def write(self, groups: list[RolloutGroup], problems: list[Problem] | None) -> str:
         if self.is_url:
@@ -185,11 +185,6 @@ def _stored_groups_in_shards(root: Path, model_id: str, model_revision: str,
                     ids[gid] = (prompt, generator)
         if not vanished:
             return ids
-
-
-# generator_id prefixes of the groups a trainer publishes of its own sampling (graft.trainer.sample, the TRL and verl
-# trainers): a trainer's samples, never a generator's earlier run
-TRAINERS_OWN_GROUPS = ("graft-train:", "trl:", "verl:")
 
 
 class OtherSettingsStored(ValueError):
