@@ -112,10 +112,25 @@ system-deps:
 # (tests/integrations/inside_verl) skip in .venv and run in .venv-verl, where a missing verl fails them,
 # and in .venv-verl-pins: the two suites side by side (190 s against 292 s one after the other on two idle cores:
 # docs/demo.md), each one's output printed whole when it ends, each with its own pytest cache.
-test:
+test: disk-room
 	$(MAKE) --no-print-directory -j4 --output-sync=line install-dev install-vllm install-verl install-verl-pins system-deps
 	$(BIN)/python -m pytest -q --durations=20
 	$(MAKE) --no-print-directory -j2 --output-sync=target test-verl test-verl-pins
+
+# What `make test` writes, in GB, measured on a fresh clone (docs/demo.md): each environment it still has to build, the
+# Docker base image's cache and the GGUF's dequantised weights when ~/.cache/graft lacks them, and the suite's own
+# temporary files. It says so before it starts where the disk has less room: a full disk otherwise shows as a pip
+# install's "No space left on device" or as a download cut off mid-wheel, minutes in.
+ROOM_GB = $(strip $(if $(wildcard $(STAMP)),,2.4) $(if $(wildcard $(VLLM_STAMP)),,3.9) $(if $(wildcard $(VERL_STAMP)),,2.2) \
+  $(if $(wildcard $(VERL_PINS_STAMP)),,2.2) $(if $(wildcard $(HOME)/.cache/graft/docker),,3.2) \
+  $(if $(wildcard $(HOME)/.cache/graft/gguf),,0.6) 2.5)
+.PHONY: disk-room
+disk-room:
+	@free=$$(df -Pk . | awk 'NR==2 {printf "%.1f", $$4 / 1048576}'); \
+	need=$$(echo "$(ROOM_GB)" | tr ' ' '\n' | awk '{s += $$1} END {printf "%.1f", s}'); \
+	if awk "BEGIN {exit !($$free < $$need)}"; then \
+	  echo "WARNING: $$free GB free on this disk; make test will write about $$need GB here (environments, caches, the suite's files): expect 'No space left on device'"; \
+	else echo "disk: $$free GB free, make test writes about $$need GB"; fi
 
 VERL_TESTS = GRAFT_REQUIRE_VERL=1 $(1)/bin/python -m pytest -q -o cache_dir=$(1)/.pytest_cache tests/integrations/inside_verl
 .PHONY: test-verl test-verl-pins
