@@ -123,7 +123,7 @@ test: disk-room
 # install's "No space left on device" or as a download cut off mid-wheel, minutes in.
 ROOM_GB = $(strip $(if $(wildcard $(STAMP)),,2.4) $(if $(wildcard $(VLLM_STAMP)),,3.9) $(if $(wildcard $(VERL_STAMP)),,2.2) \
   $(if $(wildcard $(VERL_PINS_STAMP)),,2.2) $(if $(wildcard $(HOME)/.cache/graft/docker),,3.2) \
-  $(if $(wildcard $(HOME)/.cache/graft/gguf),,0.6) 2.0)
+  $(if $(wildcard $(HOME)/.cache/graft/gguf),,0.6) 3.0)
 .PHONY: disk-room
 disk-room:
 	@free=$$(df -Pk . | awk 'NR==2 {printf "%.1f", $$4 / 1048576}'); \
