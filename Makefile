@@ -119,8 +119,9 @@ test: disk-room
 
 # What `make test` writes, in GB, measured on a fresh clone (docs/demo.md): each environment it still has to build, the
 # Docker base image's cache and the GGUF's dequantised weights when ~/.cache/graft lacks them, and room for the suite's
-# temporary files (pytest removes a passed test's tmp_path: pyproject.toml). It says so before it starts where the disk has less room: a full disk otherwise shows as a pip
-# install's "No space left on device" or as a download cut off mid-wheel, minutes in.
+# temporary files (pytest removes a passed test's tmp_path: pyproject.toml). It warns before it starts where the disk
+# has less room: a full disk otherwise shows as a pip install's "No space left on device" or as a download cut off
+# mid-wheel, minutes in.
 ROOM_GB = $(strip $(if $(wildcard $(STAMP)),,2.4) $(if $(wildcard $(VLLM_STAMP)),,3.9) $(if $(wildcard $(VERL_STAMP)),,2.2) \
   $(if $(wildcard $(VERL_PINS_STAMP)),,2.2) $(if $(wildcard $(HOME)/.cache/graft/docker),,3.2) \
   $(if $(wildcard $(HOME)/.cache/graft/gguf),,0.6) 3.0)
