@@ -500,7 +500,8 @@ def committed_table_lines(summary: dict, committed: Path, report_dir: Path) -> l
         cpu = (record.get("host") or {}).get("cpu", "?")
         where = f"ran {record.get('started', '?')} at commit {record['commit'][:12]} on {cpu} ({kernels})"
     else:  # runs from before records (issue 60): what is known is its summary's machine and reconstructed record
-        where = f"on {machine.get('cpu', 'a CPU its summary does not name')} ({kernels}), its record reconstructed after the runs"
+        cpu = machine.get("cpu", "a CPU its summary does not name")
+        where = f"on {cpu} ({kernels}), its record reconstructed after the runs"
     mine_host = (summary.get("machine") or {})
     here = f"this run: {mine_host.get('cpu', '?')} ({mine_host.get('torch_kernels', '?')} kernels)"
     table = ("weak", "strong", "verdict")

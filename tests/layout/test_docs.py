@@ -108,8 +108,8 @@ def test_the_order_rule_finds_an_import_upwards_and_a_part_left_out():
 # here (the rules' file is docs/style.md's name in capitals), so that this file, which must name them to find them,
 # cites none of them itself.
 SPEC_NAME, RULES_NAME = "GRAFT" + "_SPEC", "style".upper() + ".md"
-BACKGROUND = re.compile("|".join([re.escape(SPEC_NAME), r"(?<![\w/])" + re.escape(RULES_NAME), "HOUSE_REVIEW", "TOY_STUDY",
-                                  "VERL_NOTES", "SERVED_PEERS_NOTES", r"\.\./shared/"]))
+BACKGROUND = re.compile("|".join([re.escape(SPEC_NAME), r"(?<![\w/])" + re.escape(RULES_NAME), "HOUSE_REVIEW",
+                                  "TOY_STUDY", "VERL_NOTES", "SERVED_PEERS_NOTES", r"\.\./shared/"]))
 NUMBERS = r"\d+(?:(?:-|, | and )\d+)*"
 CITED_SECTION = re.compile(rf"algorithm\.md\s+sections?\s+({NUMBERS})")
 CITED_RULE = re.compile(r"style\.md, rules? (\d+)")

@@ -92,7 +92,8 @@ def trainer_generator_id(trainer: str, run: str) -> str:
 
 def is_trainers_own(generator_id: str | None) -> bool:
     """Whether a group's generator_id says a trainer published it of its own sampling (trainer_generator_id)."""
-    return (generator_id or "").split(":", 1)[0] in TRAINERS and ":" in (generator_id or "")
+    trainer, colon, _ = (generator_id or "").partition(":")
+    return bool(colon) and trainer in TRAINERS
 
 
 def rollout_id(group_id: str, position: int) -> str:

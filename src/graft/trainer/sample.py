@@ -106,7 +106,8 @@ def generate_groups(
                                  problem.prompt_id, round_index * 1_000_000 + block.offset + index)
         groups.append(assemble_group(
             problem, per_prompt, group_scores, model_id=learner.model_id, model_revision=learner.revision,
-            tokenizer_id=learner.tokenizer_id, policy_step=policy_step, generator_id=trainer_generator_id("graft-train", cfg.run_dir.name),
+            tokenizer_id=learner.tokenizer_id, policy_step=policy_step,
+            generator_id=trainer_generator_id("graft-train", cfg.run_dir.name),
             params=params, eos_token_ids=learner.eos_ids, group_id=group_id, std_normalize=cfg.ppo.advantage == "grpo",
         ))
     return groups

@@ -120,7 +120,8 @@ class GraftGRPOTrainer(GRPOTrainer):
             self.graft = host_setup(self.args.train_config(name), self._tokenizer, eos_ids=set(self.eos_token_ids),
                                     device=self.accelerator.device, hf_model=model,
                                     talks_to_store=self.accelerator.is_main_process,  # the main process decides for all
-                                    runs=TRL_SOURCES, generator_id=trainer_generator_id("trl", Path(self.args.output_dir).name))
+                                    runs=TRL_SOURCES,
+                                    generator_id=trainer_generator_id("trl", Path(self.args.output_dir).name))
             self._graft_check_problems()
             if self.graft.cfg.publishes:
                 self._graft_publishing = self._graft_publishing_setup()

@@ -171,7 +171,8 @@ class GraftPPOTrainer(PPOTrainerSync):
         try:
             host = host_setup(self.graft_cfg, self.tokenizer, eos_ids=eos_ids | {stop},
                               device=torch.device("cpu"), stop_token_id=stop,  # no model: verl's actor has it
-                              runs=VERL_SOURCES, generator_id=trainer_generator_id("verl", self.config.trainer.experiment_name))
+                              runs=VERL_SOURCES,
+                              generator_id=trainer_generator_id("verl", self.config.trainer.experiment_name))
         except OSError as exc:  # a peer tokenizer's directory: it must resolve where verl's TaskRunner runs
             raise FileNotFoundError(f"{exc} (where verl's TaskRunner runs: {where_this_runs()})") from exc
         if self.graft_cfg.publishes:

@@ -120,8 +120,8 @@ class GroupSink:
 
     def stored_groups(self, model_id: str, model_revision: str, policy_step: int) -> dict[str, str]:
         """group id -> prompt id of the groups already stored for this model, revision and policy step, but those a
-        trainer published of its own sampling (schemas.is_trainers_own): a generator that follows a trainer's checkpoints
-        writes beside them under the trainer's model id (docker-compose's cotrain profile), and they are no earlier
+        trainer published of its own sampling (schemas.is_trainers_own): a generator that follows a trainer's
+        checkpoints writes beside them under the trainer's model id (docker-compose's cotrain profile), and they are no earlier
         sampling of this generator's."""
         if self.is_lake:
             found = self.lake.reading.group_prompts(model_id, model_revision, policy_step)
